@@ -1,0 +1,23 @@
+"""pytest-gpu: run GPU-heavy test suites in parallel on every GPU, without OOMs or port clashes.
+
+Layers (each uses only those above it):
+
+    requests      what a test asks for (pure)
+    devices       what the machine has: NVML, index lists, simulated devices
+    sim           simulated device memory shared by all processes (the test "physics")
+    placement     which GPUs a request gets, fairness (pure)
+    ports         run-unique TCP ports
+    broker        the lease service; client: its test-process side
+    isolation     applying a lease inside a process (env, torch, CuPy)
+    verification  did the test stay in its lease
+    session       one process's pytest-gpu state; lifecycle: one test's
+    reporting     the terminal summary
+    plugin        pytest hooks only
+    cli           the ``pytest-gpu`` command
+"""
+
+from .isolation import GpuLease
+from .requests import GpuRequest, parse_size
+
+__all__ = ["GpuLease", "GpuRequest", "parse_size"]
+__version__ = "0.1.0"

@@ -1,0 +1,333 @@
+"""The lease service: one per run, hands out GPUs and ports to the test processes.
+
+Transport: :mod:`multiprocessing.connection` over a Unix socket in the run's private
+0700 directory, authenticated with a random key. One thread per connected client;
+decisions are made by :class:`pytest_gpu.placement.Pool` under one lock.
+
+Crash safety comes from the kernel: when a client process dies, for any reason, its end
+of the socket is closed, ``recv`` raises, and everything it held (leases, queued
+requests, ports, assumed contexts) is returned at once and recorded for the report.
+There are no polling loops: a waiting request is answered the moment a release makes
+room for it.
+
+Protocol (pickled tuples; every message gets exactly one reply, in order, except that
+a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` for its key):
+
+    ("hello", {"worker", "pid"})                 -> ("ok", {"client"})
+    ("acquire", {"key", "request", "test"})      -> ("granted", lease) | ("queued", key) | ("error", message)
+    ("cancel", {"key"})                          -> ("cancelled", {"holders"}) | ("not-waiting", {})
+    ("release", {"key", "contexts"})             -> ("ok", {})
+    ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
+    ("release_ports", {"owner"})                 -> ("ok", {})
+    ("contexts", {"indices"})                    -> ("ok", {})
+    ("status", {})                               -> ("status", dict)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from .placement import Lease, Policy, Pool, Unsatisfiable
+from .ports import DEFAULT_RANGE, PortPool
+from .requests import GpuRequest, format_size
+
+
+@dataclass
+class ClientInfo:
+    client: str
+    worker: str
+    pid: int
+    conn: Connection
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    tests: dict[str, str] = field(default_factory=dict)  # lease key -> test node id
+    current_test: str | None = None
+
+    def send(self, message: tuple[str, Any]) -> None:
+        with self.send_lock:
+            try:
+                self.conn.send(message)
+            except OSError:
+                pass  # the reader thread sees the disconnect and cleans up
+
+
+@dataclass(frozen=True)
+class CrashRecord:
+    """A client that went away while holding something."""
+
+    worker: str
+    pid: int
+    test: str | None
+    gpus: tuple[int, ...]
+    ports: tuple[int, ...]
+    at: float
+
+
+def lease_message(lease: Lease, waited: float) -> dict[str, Any]:
+    return {
+        "key": lease.key.split("/", 1)[1],
+        "indices": list(lease.placement.indices),
+        "memory": lease.placement.memory,
+        "exclusive": lease.placement.exclusive,
+        "waited": waited,
+    }
+
+
+class Broker:
+    """Owns the pool and the listener; start with :meth:`start`, stop with :meth:`close`."""
+
+    def __init__(
+        self,
+        capacities: dict[int, int],
+        address: str,
+        authkey: bytes,
+        policy: Policy | None = None,
+        port_range: tuple[int, int] = DEFAULT_RANGE,
+    ) -> None:
+        self.pool = Pool(capacities, policy)
+        self.ports = PortPool(port_range)
+        self.address = address
+        self.authkey = authkey
+        self.crashes: list[CrashRecord] = []
+        self.grants = 0
+        self._lock = threading.Lock()
+        self._clients: dict[str, ClientInfo] = {}
+        self._queued_at: dict[str, float] = {}
+        self._ids = itertools.count()
+        self._closing = False
+        self._listener: Listener | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> Broker:
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        os.chmod(self.address, 0o600)
+        thread = threading.Thread(target=self._accept_loop, name="pytest-gpu-broker", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def close(self) -> None:
+        self._closing = True
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        with self._lock:
+            clients = list(self._clients.values())
+        for info in clients:
+            try:
+                info.conn.close()
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                continue  # a failed handshake (wrong key) must not stop the service
+            except Exception:
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            thread.start()
+
+    # -- one client -----------------------------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        info: ClientInfo | None = None
+        try:
+            kind, body = conn.recv()
+            if kind != "hello":
+                conn.close()
+                return
+            info = ClientInfo(f"c{next(self._ids)}", str(body.get("worker", "?")), int(body.get("pid", 0)), conn)
+            with self._lock:
+                self._clients[info.client] = info
+            info.send(("ok", {"client": info.client}))
+            while True:
+                kind, body = conn.recv()
+                info.send(self._handle(info, kind, body))
+        except (EOFError, OSError):
+            pass
+        finally:
+            if info is not None:
+                self._disconnect(info)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _handle(self, info: ClientInfo, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
+        if kind == "acquire":
+            return self._acquire(info, body)
+        if kind == "cancel":
+            key = f"{info.client}/{body['key']}"
+            with self._lock:
+                if self.pool.cancel(key):
+                    self._queued_at.pop(key, None)
+                    info.tests.pop(key, None)
+                    return ("cancelled", {"holders": self._holders_locked()})
+            return ("not-waiting", {})
+        if kind == "release":
+            key = f"{info.client}/{body['key']}"
+            contexts = body.get("contexts")
+            with self._lock:
+                info.tests.pop(key, None)
+                granted = self.pool.release(key, None if contexts is None else set(contexts))
+                self._push_locked(granted)
+            return ("ok", {})
+        if kind == "ports":
+            with self._lock:
+                try:
+                    got = self.ports.take(int(body["n"]), f"{info.client}/{body['owner']}")
+                except RuntimeError as exc:
+                    return ("error", str(exc))
+            return ("ports", got)
+        if kind == "release_ports":
+            with self._lock:
+                self.ports.give_back(f"{info.client}/{body['owner']}")
+            return ("ok", {})
+        if kind == "contexts":
+            with self._lock:
+                self.pool.set_contexts(info.client, set(body["indices"]))
+                self._push_locked(self.pool.serve())
+            return ("ok", {})
+        if kind == "test":
+            info.current_test = body.get("nodeid")
+            return ("ok", {})
+        if kind == "status":
+            with self._lock:
+                return ("status", self.status_locked())
+        return ("error", f"unknown request {kind!r}")
+
+    def _acquire(self, info: ClientInfo, body: dict[str, Any]) -> tuple[str, Any]:
+        count, memory, exclusive = body["request"]
+        request = GpuRequest(count=count, memory=memory, exclusive=exclusive)
+        key = f"{info.client}/{body['key']}"
+        with self._lock:
+            info.tests[key] = str(body.get("test") or "?")
+            self._queued_at[key] = time.monotonic()
+            try:
+                granted = self.pool.submit(key, info.client, request)
+            except Unsatisfiable as exc:
+                info.tests.pop(key, None)
+                self._queued_at.pop(key, None)
+                return ("error", str(exc))
+            mine = [lease for lease in granted if lease.key == key]
+            self._send_grants_locked([lease for lease in granted if lease.key != key])
+            blocked = self._blocked_locked()
+            if key in blocked:
+                self.pool.cancel(key)
+                info.tests.pop(key, None)
+                self._queued_at.pop(key, None)
+                return ("error", blocked.pop(key))
+            for other_key, message in blocked.items():
+                self._reject_locked(other_key, message)
+            if mine:
+                self.grants += 1
+                self._queued_at.pop(key, None)
+                return ("granted", lease_message(mine[0], 0.0))
+            return ("queued", body["key"])
+
+    # -- shared helpers (call with self._lock held) -----------------------------------
+
+    def _push_locked(self, granted: list[Lease]) -> None:
+        """After a release: send the new grants, turn away what can never be placed."""
+        self._send_grants_locked(granted)
+        for key, message in self._blocked_locked().items():
+            self._reject_locked(key, message)
+
+    def _send_grants_locked(self, granted: list[Lease]) -> None:
+        now = time.monotonic()
+        for lease in granted:
+            info = self._clients.get(lease.client)
+            waited = now - self._queued_at.pop(lease.key, now)
+            self.grants += 1
+            if info is not None:
+                info.send(("push-granted", lease_message(lease, waited)))
+
+    def _blocked_locked(self) -> dict[str, str]:
+        """Waiting requests that cannot be placed even if every lease came back."""
+        found = {}
+        for waiting in self.pool.queue:
+            reason = self.pool.blocked_forever(waiting)
+            if reason:
+                found[waiting.key] = reason
+        return found
+
+    def _reject_locked(self, key: str, message: str) -> None:
+        self.pool.cancel(key)
+        self._queued_at.pop(key, None)
+        client = key.split("/", 1)[0]
+        info = self._clients.get(client)
+        if info is not None:
+            info.tests.pop(key, None)
+            info.send(("push-error", {"key": key.split("/", 1)[1], "message": message}))
+
+    def _holders_locked(self) -> list[dict[str, Any]]:
+        rows = []
+        for lease in self.pool.leases.values():
+            info = self._clients.get(lease.client)
+            rows.append(
+                {
+                    "test": info.tests.get(lease.key, "?") if info else "?",
+                    "worker": info.worker if info else "?",
+                    "gpus": list(lease.placement.indices),
+                    "memory": lease.placement.memory,
+                    "exclusive": lease.placement.exclusive,
+                }
+            )
+        return rows
+
+    def _disconnect(self, info: ClientInfo) -> None:
+        with self._lock:
+            self._clients.pop(info.client, None)
+            held, granted = self.pool.forget_client(info.client)
+            ports = self.ports.give_back_prefix(f"{info.client}/")
+            for key in [k for k in self._queued_at if k.startswith(f"{info.client}/")]:
+                del self._queued_at[key]
+            if (held or ports) and not self._closing:
+                tests = sorted({info.tests.get(lease.key, "?") for lease in held})
+                test = ", ".join(tests) if tests else info.current_test
+                gpus = tuple(sorted({i for lease in held for i in lease.placement.indices}))
+                self.crashes.append(CrashRecord(info.worker, info.pid, test, gpus, tuple(sorted(ports)), time.time()))
+            self._push_locked(granted)
+
+    def status_locked(self) -> dict[str, Any]:
+        return {
+            "clients": {c.client: {"worker": c.worker, "pid": c.pid} for c in self._clients.values()},
+            "leases": self._holders_locked(),
+            "waiting": [
+                {"key": w.key, "request": w.request.describe(), "bypassed": w.bypassed} for w in self.pool.queue
+            ],
+            "ports": dict(self.ports.owners),
+            "used": {i: self.pool.used(i) for i in self.pool.gpus},
+            "contexts": {i: sorted(g.contexts) for i, g in self.pool.gpus.items()},
+            "grants": self.grants,
+            "crashes": [c.__dict__ for c in self.crashes],
+        }
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return self.status_locked()
+
+
+def describe_holders(holders: list[dict[str, Any]]) -> str:
+    if not holders:
+        return "no test held a GPU at that moment"
+    parts = []
+    for row in holders:
+        each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
+        parts.append(f"{row['test']} ({row['worker']}: GPU {','.join(map(str, row['gpus']))}, {each})")
+    return "held by " + "; ".join(parts)

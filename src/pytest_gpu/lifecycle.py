@@ -1,0 +1,233 @@
+"""A test's life with a lease: read its marker, acquire before fixtures, verify after teardown."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .client import BrokerError
+from .requests import GpuRequest, GpuRequestError, build_request, format_size
+from .session import ActiveLease, GpuRun
+from .verification import Verdict
+
+REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
+STATE_KEY = pytest.StashKey["TestState"]()
+RUN_KEY = pytest.StashKey[GpuRun]()
+GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
+
+
+@dataclass
+class TestState:
+    """What pytest-gpu did for one test."""
+
+    main: ActiveLease | None = None
+    sections: list[ActiveLease] = field(default_factory=list)
+    verdict: Verdict = field(default_factory=Verdict)
+    indices: set[int] = field(default_factory=set)
+    waited: float = 0.0
+    ports_owner: str | None = None
+    torch_was_loaded: bool = False
+
+    __test__ = False  # not a test class, whatever pytest's collection thinks
+
+
+def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
+    """The closest ``gpu`` marker, or the default request for a ``gpu`` fixture user.
+
+    Raises :class:`GpuRequestError` naming the test and the expected form.
+    """
+    marker = item.get_closest_marker("gpu")
+    try:
+        if marker is not None:
+            request = build_request(marker.args, marker.kwargs, run.settings.default_memory)
+        elif "gpu" in getattr(item, "fixturenames", ()):
+            request = build_request((), {}, run.settings.default_memory, what="gpu fixture")
+        else:
+            return None
+    except GpuRequestError as exc:
+        raise GpuRequestError(f"{item.nodeid}: {exc}") from None
+    if run.inventory.devices and request.memory is not None:
+        usable = max(d.total_memory for d in run.inventory.devices) - run.settings.context_overhead
+        if request.memory > usable:
+            raise GpuRequestError(
+                f"{item.nodeid}: gpu marker: memory={format_size(request.memory)} is larger than any GPU "
+                f"can give ({format_size(usable)} after the CUDA context on the largest of "
+                f"{run.inventory.describe()}); expected a smaller memory= or exclusive=True"
+            )
+    return request
+
+
+def collect_report(report: pytest.CollectReport, run: GpuRun) -> None:
+    """Validate the gpu markers of freshly collected items; a bad one fails the collector."""
+    if not report.passed:
+        return
+    problems = []
+    for node in report.result:
+        if not isinstance(node, pytest.Item):
+            continue
+        try:
+            node.stash[REQUEST_KEY] = item_request(node, run)
+        except GpuRequestError as exc:
+            problems.append(str(exc))
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = "pytest-gpu: invalid GPU request\n" + "\n".join(problems)
+        report.result = []
+
+
+def mark_oversize(items: list[pytest.Item], run: GpuRun) -> None:
+    """Skip (or flag to fail) tests whose request this machine can never satisfy."""
+    for item in items:
+        request = item.stash.get(REQUEST_KEY, None)
+        if request is None:
+            continue
+        reason = run.never_fits(request)
+        if reason is None:
+            continue
+        if run.settings.oversize == "skip":
+            item.add_marker(pytest.mark.skip(reason=f"pytest-gpu: {reason}"))
+        else:
+            item.stash[OVERSIZE_KEY] = reason
+
+
+OVERSIZE_KEY = pytest.StashKey[str]()
+
+
+def setup(item: pytest.Item, run: GpuRun) -> None:
+    """Before fixtures: acquire the test's lease and confine the process to it."""
+    state = TestState(torch_was_loaded="torch" in sys.modules)
+    item.stash[STATE_KEY] = state
+    reason = item.stash.get(OVERSIZE_KEY, None)
+    if reason is not None:
+        pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
+    request = item.stash.get(REQUEST_KEY, None)
+    if request is None:
+        return
+    state.main = _acquire(run, request, item)
+    state.waited += state.main.lease.waited
+    state.indices.update(state.main.lease.indices)
+
+
+def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
+    try:
+        return run.acquire(request, item.nodeid)
+    except BrokerError as exc:
+        message = f"pytest-gpu: {item.nodeid} could not get {request.describe()}: {exc}"
+    pytest.fail(message, pytrace=False)
+
+
+def teardown(item: pytest.Item, run: GpuRun) -> None:
+    """After fixtures are torn down: verify, give everything back, record properties."""
+    state = item.stash.get(STATE_KEY, None)
+    if state is None:
+        return
+    while state.sections:  # a gpu_request block left open (e.g. a generator not closed)
+        state.verdict.merge(run.finish(state.sections.pop()))
+    if state.main is not None:
+        state.verdict.merge(run.finish(state.main))
+        state.main = None
+    if state.ports_owner is not None:
+        run.client.release_ports(state.ports_owner)
+        state.ports_owner = None
+    if state.indices:
+        peak = ",".join(f"{i}={state.verdict.peak.get(i, 0)}" for i in sorted(state.indices))
+        item.user_properties.extend(
+            [
+                ("gpu_indices", ",".join(map(str, sorted(state.indices)))),
+                ("gpu_wait_seconds", round(state.waited, 4)),
+                ("gpu_peak_bytes", peak),
+                ("gpu_violations", len(state.verdict.violations)),
+            ]
+        )
+    if not state.torch_was_loaded and "torch" in sys.modules and state.indices and not run.inventory.simulated:
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            item.warn(
+                pytest.PytestWarning(
+                    "pytest-gpu: torch initialised CUDA inside this test, while only its lease was "
+                    "visible; this worker's CUDA now sees only those GPUs. Import torch at module "
+                    "level or in conftest.py so later tests can be placed on any GPU."
+                )
+            )
+
+
+def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
+    """Put the verification verdict into the teardown report."""
+    if report.when != "teardown":
+        return
+    state = item.stash.get(STATE_KEY, None)
+    if state is None or not state.verdict.violations:
+        return
+    text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(
+        f"  - {v}" for v in state.verdict.violations
+    )
+    if run.settings.verify == "fail" and report.outcome == "passed":
+        report.outcome = "failed"
+        report.longrepr = text
+    else:
+        report.sections.append(("pytest-gpu verification", text))
+        if run.settings.verify == "warn":
+            item.warn(pytest.PytestWarning(text))
+
+
+# -- fixtures ------------------------------------------------------------------------
+
+
+def gpu_fixture(request: pytest.FixtureRequest) -> Any:
+    state = request.node.stash.get(STATE_KEY, None)
+    if state is None or state.main is None:
+        raise RuntimeError("pytest-gpu: no lease for this test (is the gpu fixture used outside a test?)")
+    return state.main.lease
+
+
+@contextmanager
+def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    try:
+        request = build_request(args, kwargs, run.settings.default_memory, what="gpu_request", form=GPU_FIXTURE_FORM)
+    except GpuRequestError as exc:
+        raise GpuRequestError(f"{node.nodeid}: {exc}") from None
+    reason = run.never_fits(request)
+    if reason is not None:
+        if run.settings.oversize == "skip":
+            pytest.skip(f"pytest-gpu: {reason}")
+        pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
+    state = node.stash[STATE_KEY]
+    active = _acquire(run, request, node)
+    state.sections.append(active)
+    state.waited += active.lease.waited
+    state.indices.update(active.lease.indices)
+    try:
+        yield active.lease
+    finally:
+        if active in state.sections:
+            state.sections.remove(active)
+            state.verdict.merge(run.finish(active))
+
+
+def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:
+    node = request.node
+
+    def gpu_request(*args: Any, **kwargs: Any) -> Any:
+        return _section(node, run, args, kwargs)
+
+    return gpu_request
+
+
+def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:
+    node = request.node
+    state = node.stash[STATE_KEY]
+
+    def ports(n: int = 1) -> list[int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{node.nodeid}: ports(n) expects a positive int, got {n!r}")
+        if state.ports_owner is None:
+            state.ports_owner = f"{node.nodeid}@{os.getpid()}"
+        return run.client.ports(n, state.ports_owner)
+
+    return ports

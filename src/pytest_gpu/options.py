@@ -1,0 +1,148 @@
+"""Command-line options and ini keys, and their validation into :class:`Settings`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .devices import GPUS_FORM
+from .ports import DEFAULT_RANGE, parse_port_range
+from .requests import DefaultMemory, SizeError, parse_size
+
+# (option, ini key, default, help)
+OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("--gpus", "gpus", "auto", f"GPUs this run may use: {GPUS_FORM}. Default: auto (NVML)."),
+    (
+        "--gpu-default-memory",
+        "gpu_default_memory",
+        "exclusive",
+        "memory per GPU for a gpu test that gives none: 'exclusive' (a whole GPU) or a size such as 4GiB.",
+    ),
+    (
+        "--gpu-oversize",
+        "gpu_oversize",
+        "skip",
+        "a request this machine can never satisfy: 'skip' (with a reason) or 'fail'.",
+    ),
+    (
+        "--gpu-verify",
+        "gpu_verify",
+        "fail",
+        "after each GPU test, check it stayed in its lease: 'fail', 'warn' or 'off'.",
+    ),
+    (
+        "--gpu-wait-timeout",
+        "gpu_wait_timeout",
+        "1800",
+        "seconds a test may wait for its GPUs before it fails, naming who held them.",
+    ),
+    (
+        "--gpu-context-overhead",
+        "gpu_context_overhead",
+        "500MiB",
+        "memory one process's CUDA context takes on a GPU, counted against capacity.",
+    ),
+    (
+        "--gpu-port-range",
+        "gpu_port_range",
+        f"{DEFAULT_RANGE[0]}-{DEFAULT_RANGE[1]}",
+        "TCP ports handed out by the ports/port fixtures, as LOW-HIGH.",
+    ),
+)
+
+
+def register(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpu", "pytest-gpu: GPU-aware parallel test runs")
+    for option, ini, default, help_text in OPTIONS:
+        dest = ini
+        group.addoption(option, dest=dest, default=None, help=f"{help_text} (ini: {ini})")
+        parser.addini(ini, help_text, default=default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpus: str
+    default_memory: DefaultMemory
+    oversize: str
+    verify: str
+    wait_timeout: float
+    context_overhead: int
+    port_range: tuple[int, int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "default_memory": [self.default_memory.exclusive, self.default_memory.memory],
+            "oversize": self.oversize,
+            "verify": self.verify,
+            "wait_timeout": self.wait_timeout,
+            "context_overhead": self.context_overhead,
+            "port_range": list(self.port_range),
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Settings:
+        exclusive, memory = data["default_memory"]
+        return cls(
+            gpus=data["gpus"],
+            default_memory=DefaultMemory(exclusive, memory),
+            oversize=data["oversize"],
+            verify=data["verify"],
+            wait_timeout=float(data["wait_timeout"]),
+            context_overhead=int(data["context_overhead"]),
+            port_range=(int(data["port_range"][0]), int(data["port_range"][1])),
+        )
+
+
+def _value(config: pytest.Config, ini: str) -> tuple[str, str]:
+    """The value and where it came from (for error messages)."""
+    option = "--" + ini.replace("_", "-")
+    cli = config.getoption(ini)
+    if cli is not None:
+        return str(cli), option
+    return str(config.getini(ini)), f"ini key {ini!r}"
+
+
+def _choice(config: pytest.Config, ini: str, choices: tuple[str, ...]) -> str:
+    value, where = _value(config, ini)
+    if value.strip().lower() not in choices:
+        raise pytest.UsageError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+    return value.strip().lower()
+
+
+def read(config: pytest.Config) -> Settings:
+    """Validate every option; a bad value is a UsageError naming the option."""
+    gpus, _ = _value(config, "gpus")
+    memory_text, where = _value(config, "gpu_default_memory")
+    try:
+        default_memory = DefaultMemory.parse(memory_text)
+    except SizeError as exc:
+        raise pytest.UsageError(f"{where}: expected 'exclusive' or a size; {exc}") from None
+    timeout_text, where = _value(config, "gpu_wait_timeout")
+    try:
+        wait_timeout = float(timeout_text)
+    except ValueError:
+        wait_timeout = -1.0
+    if not wait_timeout > 0:
+        raise pytest.UsageError(f"{where}: expected a positive number of seconds, got {timeout_text!r}")
+    overhead_text, where = _value(config, "gpu_context_overhead")
+    try:
+        overhead = parse_size(overhead_text)
+    except SizeError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
+    range_text, where = _value(config, "gpu_port_range")
+    try:
+        port_range = parse_port_range(range_text)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
+    return Settings(
+        gpus=gpus,
+        default_memory=default_memory,
+        oversize=_choice(config, "gpu_oversize", ("skip", "fail")),
+        verify=_choice(config, "gpu_verify", ("fail", "warn", "off")),
+        wait_timeout=wait_timeout,
+        context_overhead=overhead,
+        port_range=port_range,
+    )

@@ -1,0 +1,282 @@
+"""Which GPUs a request gets, and in which order waiting requests are served.
+
+Pure policy: no sockets, no clocks, no files. The broker wraps a :class:`Pool` with a
+lock and a transport.
+
+Capacity rule (never over-commit): on every GPU, the memory of its leases plus one
+CUDA-context overhead per client that has (or is assumed to have) a context there
+stays within the GPU's capacity. An exclusive lease has the GPU alone and gets
+everything that is left after the contexts.
+
+Affinity: a client is placed on GPUs it already has a context on when it can, and a
+new context is opened on a GPU only while that GPU's contexts stay within the
+*context budget* (``context_fraction`` of its capacity). The budget is soft: a request
+that could never be placed within it is placed by capacity alone, so it bounds the
+growth of contexts with workers x GPUs without ever deadlocking a request.
+
+Fairness: waiting requests are served in arrival order; a later request may be granted
+before an earlier one (backfill) only while that earlier one has been overtaken fewer
+than ``max_bypass`` times. So **every request is overtaken by at most ``max_bypass``
+later requests**, and once that many have overtaken it, nothing is granted past it until
+it is served — it gets the next GPUs that free up enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .requests import GpuRequest, format_size
+
+
+@dataclass
+class GpuState:
+    """The broker's book for one GPU."""
+
+    index: int
+    capacity: int
+    leased: int = 0  # bytes promised to shared (non-exclusive) leases
+    tenants: int = 0  # live leases on this GPU
+    exclusive: bool = False  # held by an exclusive lease
+    contexts: set[str] = field(default_factory=set)  # clients with a CUDA context here
+
+    def free_for(self, client: str, overhead: int) -> int:
+        """Memory a new shared lease of ``client`` could still get here."""
+        if self.exclusive:
+            return 0
+        contexts = len(self.contexts | {client})
+        return self.capacity - self.leased - contexts * overhead
+
+
+@dataclass(frozen=True)
+class Placement:
+    """GPUs granted to a request, and the memory each one gives it."""
+
+    indices: tuple[int, ...]
+    memory: int
+    exclusive: bool
+
+
+@dataclass(frozen=True)
+class Policy:
+    overhead: int = 500 * 2**20
+    context_fraction: float = 0.25
+    max_bypass: int = 16
+
+    def context_limit(self, capacity: int) -> int:
+        if self.overhead <= 0:
+            return 1 << 30
+        return max(1, int(self.context_fraction * capacity) // self.overhead)
+
+
+def place(
+    gpus: Iterable[GpuState],
+    request: GpuRequest,
+    client: str,
+    policy: Policy,
+    *,
+    within_budget: bool = True,
+) -> Placement | None:
+    """Choose GPUs for ``request`` from ``client``, or ``None`` if it does not fit now."""
+    fits: list[tuple[tuple[int, int, int, int], GpuState, int]] = []
+    for gpu in gpus:
+        has_ctx = client in gpu.contexts
+        if not has_ctx and within_budget and len(gpu.contexts) + 1 > policy.context_limit(gpu.capacity):
+            continue
+        contexts = len(gpu.contexts | {client})
+        if request.exclusive:
+            if gpu.tenants:
+                continue
+            grant = gpu.capacity - contexts * policy.overhead
+            if grant <= 0:
+                continue
+            # affinity first, then the GPU with the most to give
+            key = (0 if has_ctx else 1, 0, -grant, gpu.index)
+        else:
+            assert request.memory is not None
+            room = gpu.free_for(client, policy.overhead)
+            if room < request.memory:
+                continue
+            grant = request.memory
+            # affinity first; a new context goes where there are fewest (spreads the
+            # workers' home GPUs); then the tightest fit keeps large holes for large requests
+            spread = 0 if has_ctx else len(gpu.contexts)
+            key = (0 if has_ctx else 1, spread, room - request.memory, gpu.index)
+        fits.append((key, gpu, grant))
+    if len(fits) < request.count:
+        return None
+    fits.sort(key=lambda f: f[0])
+    chosen = fits[: request.count]
+    indices = tuple(sorted(g.index for _, g, _ in chosen))
+    memory = min(grant for _, _, grant in chosen) if request.exclusive else request.memory or 0
+    return Placement(indices, memory, request.exclusive)
+
+
+@dataclass
+class Waiting:
+    """A request in the queue."""
+
+    key: str
+    client: str
+    request: GpuRequest
+    bypassed: int = 0
+
+
+@dataclass
+class Lease:
+    key: str
+    client: str
+    request: GpuRequest
+    placement: Placement
+
+
+class Unsatisfiable(Exception):
+    """A request that cannot be placed even if every lease were given back."""
+
+
+class Pool:
+    """Leases, contexts and the wait queue over one inventory; all decisions, no I/O."""
+
+    def __init__(self, capacities: dict[int, int], policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+        self.gpus: dict[int, GpuState] = {i: GpuState(i, c) for i, c in sorted(capacities.items())}
+        self.leases: dict[str, Lease] = {}
+        self.queue: list[Waiting] = []
+
+    # -- questions -------------------------------------------------------------
+
+    def never_fits(self, request: GpuRequest) -> str | None:
+        """Why ``request`` cannot be placed on this inventory at all, or ``None``."""
+        empty = [GpuState(g.index, g.capacity) for g in self.gpus.values()]
+        if place(empty, request, "?", self.policy, within_budget=False) is None:
+            sizes = ", ".join(format_size(g.capacity) for g in self.gpus.values()) or "none"
+            return (
+                f"needs {request.describe()} but the inventory has {len(self.gpus)} GPU(s) "
+                f"[{sizes}] with {format_size(self.policy.overhead)} of context overhead each"
+            )
+        return None
+
+    def blocked_forever(self, waiting: Waiting) -> str | None:
+        """Why a waiting request could not be placed even with every lease returned."""
+        drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
+        if place(drained, waiting.request, waiting.client, self.policy, within_budget=False) is not None:
+            return None
+        busy = ", ".join(f"GPU {g.index}: {len(g.contexts)}" for g in self.gpus.values() if g.contexts)
+        return (
+            f"{waiting.request.describe()} cannot fit beside the CUDA contexts that other processes "
+            f"keep open ({busy}; {format_size(self.policy.overhead)} each). Use fewer workers, "
+            "or lower --gpu-context-overhead if contexts are smaller on this machine"
+        )
+
+    def holders(self, indices: Iterable[int] | None = None) -> list[Lease]:
+        wanted = None if indices is None else set(indices)
+        return [
+            lease for lease in self.leases.values()
+            if wanted is None or wanted & set(lease.placement.indices)
+        ]
+
+    # -- changes ---------------------------------------------------------------
+
+    def submit(self, key: str, client: str, request: GpuRequest) -> list[Lease]:
+        """Queue a request and serve what can be served; returns the leases granted."""
+        reason = self.never_fits(request)
+        if reason:
+            raise Unsatisfiable(reason)
+        self.queue.append(Waiting(key, client, request))
+        return self.serve()
+
+    def cancel(self, key: str) -> bool:
+        """Withdraw a waiting request; ``False`` if it was not waiting."""
+        for i, waiting in enumerate(self.queue):
+            if waiting.key == key:
+                del self.queue[i]
+                return True
+        return False
+
+    def release(self, key: str, contexts: set[int] | None = None) -> list[Lease]:
+        """Return a lease; ``contexts`` is where its client really has contexts now, if known."""
+        lease = self.leases.pop(key, None)
+        if lease is None:
+            return []
+        for index in lease.placement.indices:
+            gpu = self.gpus[index]
+            gpu.tenants -= 1
+            if lease.placement.exclusive:
+                gpu.exclusive = False
+            else:
+                gpu.leased -= lease.placement.memory
+        if contexts is not None:
+            self.set_contexts(lease.client, contexts)
+        return self.serve()
+
+    def set_contexts(self, client: str, contexts: set[int]) -> None:
+        """Record where ``client`` has contexts; GPUs it holds a lease on keep theirs."""
+        held = {i for lease in self.leases.values() if lease.client == client for i in lease.placement.indices}
+        for gpu in self.gpus.values():
+            if gpu.index in contexts or gpu.index in held:
+                gpu.contexts.add(client)
+            else:
+                gpu.contexts.discard(client)
+
+    def forget_client(self, client: str) -> tuple[list[Lease], list[Lease]]:
+        """A client is gone (its process died or disconnected): drop everything it had.
+
+        Returns (leases it held, leases granted to others as a result).
+        """
+        self.queue = [w for w in self.queue if w.client != client]
+        held = [lease for lease in self.leases.values() if lease.client == client]
+        for lease in held:
+            self.release(lease.key)
+        for gpu in self.gpus.values():
+            gpu.contexts.discard(client)
+        return held, self.serve()
+
+    def serve(self) -> list[Lease]:
+        """Grant waiting requests in order, with bounded backfill (see module doc)."""
+        granted: list[Lease] = []
+        position = 0
+        while position < len(self.queue):
+            waiting = self.queue[position]
+            ahead = self.queue[:position]
+            if any(w.bypassed >= self.policy.max_bypass for w in ahead):
+                break
+            placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy)
+            if placement is None and self.blocked_within_budget(waiting):
+                placement = place(
+                    self.gpus.values(), waiting.request, waiting.client, self.policy, within_budget=False
+                )
+            if placement is None:
+                position += 1
+                continue
+            for w in ahead:
+                w.bypassed += 1
+            del self.queue[position]
+            granted.append(self._grant(waiting, placement))
+        return granted
+
+    def blocked_within_budget(self, waiting: Waiting) -> bool:
+        """True if the context budget alone keeps ``waiting`` out, even on drained GPUs."""
+        drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
+        return place(drained, waiting.request, waiting.client, self.policy) is None
+
+    def _grant(self, waiting: Waiting, placement: Placement) -> Lease:
+        for index in placement.indices:
+            gpu = self.gpus[index]
+            gpu.tenants += 1
+            gpu.contexts.add(waiting.client)
+            if placement.exclusive:
+                gpu.exclusive = True
+            else:
+                gpu.leased += placement.memory
+        lease = Lease(waiting.key, waiting.client, waiting.request, placement)
+        self.leases[waiting.key] = lease
+        return lease
+
+    def used(self, index: int) -> int:
+        """Bytes committed on a GPU: shared leases, exclusive grants, contexts."""
+        gpu = self.gpus[index]
+        committed = gpu.leased + len(gpu.contexts) * self.policy.overhead
+        for lease in self.leases.values():
+            if lease.placement.exclusive and index in lease.placement.indices:
+                committed += lease.placement.memory
+        return committed

@@ -1,0 +1,123 @@
+"""pytest hooks: thin wiring of the layers (see the package docstring for the map)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+from . import lifecycle, options
+from .devices import DeviceSpecError
+from .isolation import GpuLease
+from .lifecycle import RUN_KEY
+from .reporting import Summary
+from .session import WIRE_KEY, GpuRun
+
+SUMMARY_KEY = pytest.StashKey[Summary]()
+
+MARKERS = (
+    'gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs with MEMORY each '
+    '(e.g. "8GiB"), or whole GPUs; see pytest-gpu\'s README.',
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.register(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and WIRE_KEY in workerinput:
+        run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
+    else:
+        settings = options.read(config)
+        try:
+            run = GpuRun.start(settings)
+        except DeviceSpecError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    config.stash[RUN_KEY] = run
+    summary = Summary()
+    config.stash[SUMMARY_KEY] = summary
+    config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = config.stash.get(RUN_KEY, None)
+    if run is not None:
+        run.close()
+        del config.stash[RUN_KEY]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: hand each new worker (replacements too) the broker's address."""
+    node.workerinput[WIRE_KEY] = node.config.stash[RUN_KEY].to_wire()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    lifecycle.collect_report(report, collector.config.stash[RUN_KEY])
+    return report
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lifecycle.mark_oversize(items, config.stash[RUN_KEY])
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # plain (not tryfirst): after the skip/skipif/xfail checks, before fixtures are set up
+    lifecycle.setup(item, item.config.stash[RUN_KEY])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    try:
+        return (yield)
+    finally:
+        lifecycle.teardown(item, item.config.stash[RUN_KEY])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    lifecycle.make_report(item, report, item.config.stash[RUN_KEY])
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    run = config.stash.get(RUN_KEY, None)
+    if run is None or run.broker is None:
+        return
+    for line in config.stash[SUMMARY_KEY].lines(run.inventory, run.broker.crashes):
+        terminalreporter.write_line(line)
+
+
+# -- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu(request: pytest.FixtureRequest) -> GpuLease:
+    """This test's GPU lease (``indices``, ``uuids``, ``memory``, ``device``, ``env``, ...)."""
+    return lifecycle.gpu_fixture(request)
+
+
+@pytest.fixture
+def gpu_request(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``with gpu_request(count=1, memory="8GiB") as lease:`` — a lease for one section."""
+    return lifecycle.gpu_request_fixture(request, request.config.stash[RUN_KEY])
+
+
+@pytest.fixture
+def ports(request: pytest.FixtureRequest) -> Callable[[int], list[int]]:
+    """``ports(n=1)``: TCP ports unique across the whole run, reclaimed after the test."""
+    return lifecycle.ports_fixture(request, request.config.stash[RUN_KEY])
+
+
+@pytest.fixture
+def port(ports: Callable[[int], list[int]]) -> int:
+    """One TCP port unique across the whole run."""
+    return ports(1)[0]

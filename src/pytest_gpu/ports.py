@@ -1,0 +1,86 @@
+"""TCP ports for tests: unique across the run, checked bindable when handed out."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Callable
+
+DEFAULT_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
+
+
+def parse_port_range(value: str) -> tuple[int, int]:
+    """``"20000-32767"`` → (20000, 32767); raises ValueError naming the expected form."""
+    try:
+        lo_text, hi_text = value.split("-")
+        lo, hi = int(lo_text), int(hi_text)
+    except ValueError:
+        raise ValueError(f"expected a port range LOW-HIGH such as 20000-32767, got {value!r}") from None
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"expected 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+    return lo, hi
+
+
+def bindable(port: int) -> bool:
+    """True if nothing listens on ``port`` (TCP, all interfaces) right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+class PortPool:
+    """Hands out ports round-robin from a range, never one that is leased or busy.
+
+    Round-robin (from a random start, so concurrent runs rarely meet) keeps a port that
+    was just given back out of circulation for as long as possible, which lets sockets
+    in TIME_WAIT drain before the port is handed out again.
+    """
+
+    def __init__(
+        self,
+        port_range: tuple[int, int] = DEFAULT_RANGE,
+        check: Callable[[int], bool] = bindable,
+        seed: int | None = None,
+    ) -> None:
+        self.lo, self.hi = port_range
+        self._check = check
+        self._next = random.Random(seed).randint(self.lo, self.hi)
+        self.owners: dict[int, str] = {}
+
+    def take(self, n: int, owner: str) -> list[int]:
+        """``n`` ports for ``owner``; raises RuntimeError if the range has too few free."""
+        got: list[int] = []
+        size = self.hi - self.lo + 1
+        for _ in range(size):
+            if len(got) == n:
+                break
+            port = self._next
+            self._next = self.lo if port >= self.hi else port + 1
+            if port in self.owners or not self._check(port):
+                continue
+            self.owners[port] = owner
+            got.append(port)
+        if len(got) < n:
+            for port in got:
+                del self.owners[port]
+            raise RuntimeError(
+                f"only {len(got)} of {n} ports free in {self.lo}-{self.hi} "
+                f"({len(self.owners)} leased); widen --gpu-port-range"
+            )
+        return got
+
+    def give_back(self, owner: str) -> list[int]:
+        mine = [p for p, o in self.owners.items() if o == owner]
+        for port in mine:
+            del self.owners[port]
+        return mine
+
+    def give_back_prefix(self, prefix: str) -> list[int]:
+        """Return every port whose owner key starts with ``prefix`` (a client's keys)."""
+        mine = [p for p, o in self.owners.items() if o.startswith(prefix)]
+        for port in mine:
+            del self.owners[port]
+        return mine

@@ -1,0 +1,54 @@
+"""The run's GPU summary, gathered from test reports (so it works under xdist too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from .broker import CrashRecord
+from .devices import Inventory
+
+
+@dataclass(eq=False)  # registered as a plugin: must stay hashable
+class Summary:
+    gpu_tests: int = 0
+    waited: float = 0.0
+    violations: int = 0
+    violating: list[str] = field(default_factory=list)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.add(report)
+
+    def add(self, report: pytest.TestReport) -> None:
+        if report.when != "teardown":
+            return
+        props = dict(report.user_properties)
+        if "gpu_indices" not in props:
+            return
+        self.gpu_tests += 1
+        self.waited += float(props.get("gpu_wait_seconds", 0.0))
+        count = int(props.get("gpu_violations", 0))
+        if count:
+            self.violations += count
+            self.violating.append(report.nodeid)
+
+    def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
+        out = [
+            f"pytest-gpu: {inventory.describe()} [{inventory.source}] · {self.gpu_tests} GPU test"
+            f"{'s' if self.gpu_tests != 1 else ''} · waited {self.waited:.1f}s in total · "
+            f"{self.violations} violation{'s' if self.violations != 1 else ''}"
+        ]
+        for nodeid in self.violating[:10]:
+            out.append(f"pytest-gpu: lease broken by {nodeid}")
+        for crash in crashes:
+            what = []
+            if crash.gpus:
+                what.append(f"GPU {','.join(map(str, crash.gpus))}")
+            if crash.ports:
+                what.append(f"{len(crash.ports)} port{'s' if len(crash.ports) != 1 else ''}")
+            out.append(
+                f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running "
+                f"{crash.test or 'an unknown test'}; its {' and '.join(what)} were reclaimed"
+            )
+        return out

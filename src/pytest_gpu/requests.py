@@ -1,0 +1,165 @@
+"""What a test asks for: sizes and GPU requests, parsed and validated (pure, no I/O)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
+
+
+class SizeError(ValueError):
+    """A memory size that cannot be parsed."""
+
+
+class GpuRequestError(ValueError):
+    """A marker or fixture request with bad arguments; the message names what was expected."""
+
+
+def parse_size(value: object) -> int:
+    """Parse a memory size into bytes.
+
+    Accepts non-negative ints, and strings with an optional unit: ``B``, SI units
+    (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary units (``KiB``, ``MiB``,
+    ``GiB``, ``TiB``, or the short ``K``/``M``/``G``/``T``: powers of 1024).
+    """
+    if isinstance(value, bool):
+        raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise SizeError(f"expected a non-negative size, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise SizeError(f"unknown unit {unit!r} in {value!r}: expected {SIZE_FORM}")
+    return int(float(number) * factor)
+
+
+def format_size(nbytes: int) -> str:
+    """Render bytes in binary units, short enough for a summary line."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(value)}B"
+    text = f"{value:.1f}".rstrip("0").rstrip(".")
+    return f"{text}{unit}"
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """GPUs a test needs: ``count`` GPUs with ``memory`` bytes each, or whole GPUs.
+
+    ``memory`` is ``None`` exactly when ``exclusive`` is true: an exclusive lease gets
+    everything the GPU can give (capacity less CUDA-context overheads) and no co-tenant.
+    """
+
+    count: int = 1
+    memory: int | None = None
+    exclusive: bool = True
+
+    def describe(self) -> str:
+        each = "whole GPU" if self.exclusive else f"{format_size(self.memory or 0)}"
+        if self.count == 1:
+            return f"1 GPU ({each})"
+        return f"{self.count} GPUs ({each} each)"
+
+
+@dataclass(frozen=True)
+class DefaultMemory:
+    """The ``--gpu-default-memory`` setting: whole GPUs, or a size per GPU."""
+
+    exclusive: bool
+    memory: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | int) -> DefaultMemory:
+        if isinstance(value, str) and value.strip().lower() == "exclusive":
+            return cls(exclusive=True)
+        size = parse_size(value)
+        if size <= 0:
+            raise SizeError(f"expected a positive size, got {value!r}")
+        return cls(exclusive=False, memory=size)
+
+
+GPU_MARKER_FORM = (
+    "@pytest.mark.gpu, @pytest.mark.gpu(2) or "
+    '@pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
+)
+_GPU_KWARGS = ("count", "memory", "exclusive")
+
+
+def build_request(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    default: DefaultMemory,
+    *,
+    what: str = "gpu marker",
+    form: str = GPU_MARKER_FORM,
+) -> GpuRequest:
+    """Validate marker/fixture arguments and turn them into a :class:`GpuRequest`.
+
+    Raises :class:`GpuRequestError` naming the bad argument and the expected form.
+    """
+    unknown = sorted(set(kwargs) - set(_GPU_KWARGS))
+    if unknown:
+        raise GpuRequestError(
+            f"{what}: unknown keyword {', '.join(map(repr, unknown))}; expected {form}"
+        )
+    if len(args) > 1:
+        raise GpuRequestError(
+            f"{what}: too many positional arguments {tuple(args)!r}; expected {form}"
+        )
+    if args and "count" in kwargs:
+        raise GpuRequestError(f"{what}: count given twice; expected {form}")
+    count = args[0] if args else kwargs.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise GpuRequestError(f"{what}: count must be a positive int, got {count!r}; expected {form}")
+    exclusive = kwargs.get("exclusive", False)
+    if not isinstance(exclusive, bool):
+        raise GpuRequestError(f"{what}: exclusive must be True or False, got {exclusive!r}")
+    memory_arg = kwargs.get("memory")
+    if exclusive:
+        if memory_arg is not None:
+            raise GpuRequestError(
+                f"{what}: exclusive=True takes the whole GPU; drop memory={memory_arg!r}"
+            )
+        return GpuRequest(count=count, memory=None, exclusive=True)
+    if memory_arg is None:
+        if default.exclusive:
+            return GpuRequest(count=count, memory=None, exclusive=True)
+        return GpuRequest(count=count, memory=default.memory, exclusive=False)
+    try:
+        memory = parse_size(memory_arg)
+    except SizeError as exc:
+        raise GpuRequestError(f"{what}: memory={memory_arg!r} is not a size: {exc}") from None
+    if memory <= 0:
+        raise GpuRequestError(f"{what}: memory must be positive, got {memory_arg!r}")
+    return GpuRequest(count=count, memory=memory, exclusive=False)

@@ -1,0 +1,181 @@
+"""One pytest process's pytest-gpu state: settings, inventory, broker or its address.
+
+Roles: the xdist controller and a run without xdist own the broker; xdist workers get
+its address through ``workerinput``. Nothing is connected until a test needs a GPU or a
+port, so a CPU-only suite pays for one idle thread in the controller and nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import rundir, sim
+from .broker import Broker
+from .client import BrokerClient
+from .devices import Inventory, discover
+from .isolation import Confinement, GpuLease, confine, make_lease
+from .options import Settings
+from .placement import Policy
+from .requests import GpuRequest, format_size
+from .verification import NvmlVerifier, SimVerifier, Verdict
+
+WIRE_KEY = "pytest_gpu"
+
+
+@dataclass
+class ActiveLease:
+    """A lease applied to this process, until :meth:`GpuRun.finish`."""
+
+    lease: GpuLease
+    confinement: Confinement
+    verifier: SimVerifier | NvmlVerifier
+
+
+@dataclass
+class GpuRun:
+    settings: Settings
+    inventory: Inventory
+    address: str
+    authkey: bytes
+    worker: str
+    run_dir: Path
+    broker: Broker | None = None
+    _client: BrokerClient | None = None
+    _client_lock: threading.Lock = field(default_factory=threading.Lock)
+    _keys: itertools.count = field(default_factory=itertools.count)
+    _saved_env: dict[str, str | None] = field(default_factory=dict)
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def start(cls, settings: Settings, worker: str = "main") -> GpuRun:
+        """Controller or single process: discover, make the run directory, start the broker."""
+        inventory = discover(settings.gpus)
+        run_dir = rundir.create()
+        address = str(run_dir / "broker.sock")
+        authkey = secrets.token_bytes(32)
+        policy = Policy(overhead=settings.context_overhead)
+        broker = Broker(
+            {d.index: d.total_memory for d in inventory.devices},
+            address,
+            authkey,
+            policy,
+            settings.port_range,
+        ).start()
+        run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
+        if inventory.simulated:
+            sim.Ledger.create(run_dir / "sim-ledger", inventory.source, settings.context_overhead)
+            run._set_env(
+                {
+                    sim.LEDGER_ENV: str(run_dir / "sim-ledger"),
+                    sim.SPEC_ENV: inventory.source,
+                    sim.OVERHEAD_ENV: str(settings.context_overhead),
+                }
+            )
+        run._set_env({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+        return run
+
+    @classmethod
+    def join(cls, data: dict[str, Any], worker: str) -> GpuRun:
+        """An xdist worker: use the controller's broker and inventory."""
+        run = cls(
+            Settings.from_wire(data["settings"]),
+            Inventory.from_wire(data["inventory"]),
+            data["address"],
+            bytes.fromhex(data["authkey"]),
+            worker,
+            Path(data["run_dir"]),
+        )
+        run._set_env(data["env"])
+        return run
+
+    def to_wire(self) -> dict[str, Any]:
+        env = {k: os.environ[k] for k in (sim.LEDGER_ENV, sim.SPEC_ENV, sim.OVERHEAD_ENV, "CUDA_DEVICE_ORDER") if k in os.environ}
+        return {
+            "settings": self.settings.to_wire(),
+            "inventory": self.inventory.to_wire(),
+            "address": self.address,
+            "authkey": self.authkey.hex(),
+            "run_dir": str(self.run_dir),
+            "env": env,
+        }
+
+    def _set_env(self, values: dict[str, str]) -> None:
+        for name, value in values.items():
+            self._saved_env.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self.broker is not None:
+            self.broker.close()
+            rundir.remove(self.run_dir)
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    # -- talking to the broker ----------------------------------------------------------
+
+    @property
+    def client(self) -> BrokerClient:
+        with self._client_lock:
+            if self._client is None:
+                self._client = BrokerClient(self.address, self.authkey, self.worker)
+            return self._client
+
+    def never_fits(self, request: GpuRequest) -> str | None:
+        """Why this inventory can never satisfy ``request``, or ``None``."""
+        if not self.inventory.devices:
+            return f"needs {request.describe()} but this run has {self.inventory.describe()}"
+        usable = max(d.total_memory for d in self.inventory.devices) - self.settings.context_overhead
+        count_ok = request.count <= len(self.inventory.devices)
+        if not count_ok:
+            return f"needs {request.describe()} but this run has {self.inventory.describe()}"
+        if request.memory is not None and request.memory > usable:
+            return (
+                f"needs {format_size(request.memory)} per GPU but the largest GPU offers "
+                f"{format_size(usable)} after the CUDA context ({self.inventory.describe()})"
+            )
+        return None
+
+    def acquire(self, request: GpuRequest, test: str) -> ActiveLease:
+        """Wait for ``request``, then confine this process to it and start verifying."""
+        grant = self.client.acquire(request, test, self.settings.wait_timeout)
+        tag = f"{self.client.client_id}-{grant.key}"
+        lease = make_lease(grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag)
+        verifier: SimVerifier | NvmlVerifier = (
+            SimVerifier() if self.inventory.simulated else NvmlVerifier(self.inventory, self.settings.context_overhead)
+        )
+        try:
+            if self.settings.verify != "off":
+                verifier.begin(lease, os.getpid())
+            confinement = confine(lease, self.inventory)
+        except BaseException:
+            self.client.release(grant.key)
+            raise
+        return ActiveLease(lease, confinement, verifier)
+
+    def finish(self, active: ActiveLease) -> Verdict:
+        """Undo the confinement, measure, and give the lease back."""
+        try:
+            active.confinement.undo()
+            if self.settings.verify == "off":
+                verdict = Verdict()
+            else:
+                verdict = active.verifier.end(active.lease)
+        finally:
+            contexts = sim.ledger().contexts_of(os.getpid()) if self.inventory.simulated else None
+            self.client.release(active.lease.key, contexts)
+        return verdict
+
+    def new_key(self) -> str:
+        return f"{self.worker}-{next(self._keys)}"
