@@ -126,9 +126,7 @@ class BrokerClient:
         if kind == "not-waiting" and key in self._pushed:
             return self._take_push(key, started)  # granted just as we gave up: keep it
         holders = describe_holders(body.get("holders", [])) if kind == "cancelled" else "unknown holders"
-        raise WaitTimeout(
-            f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}"
-        )
+        raise WaitTimeout(f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}")
 
     def release(self, key: str, contexts: set[int] | None = None) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .requests import SizeError, format_size, parse_size
 
 SIM_PREFIX = "sim:"
-GPUS_FORM = 'auto, none, an index list such as 0,2,3, or simulated devices such as sim:4x16GiB'
+GPUS_FORM = "auto, none, an index list such as 0,2,3, or simulated devices such as sim:4x16GiB"
 
 
 class DeviceSpecError(ValueError):
@@ -64,9 +64,7 @@ class Inventory:
         return {
             "source": self.source,
             "note": self.note,
-            "devices": [
-                [d.index, d.uuid, d.total_memory, d.name, d.simulated] for d in self.devices
-            ],
+            "devices": [[d.index, d.uuid, d.total_memory, d.name, d.simulated] for d in self.devices],
         }
 
     @classmethod
@@ -87,7 +85,7 @@ def sim_uuid(index: int) -> str:
 
 def parse_sim_spec(spec: str) -> tuple[Device, ...]:
     """``sim:4x16GiB`` or ``sim:2x80GiB,2x24GiB`` → simulated devices 0..n-1."""
-    body = spec[len(SIM_PREFIX):] if spec.startswith(SIM_PREFIX) else spec
+    body = spec[len(SIM_PREFIX) :] if spec.startswith(SIM_PREFIX) else spec
     devices: list[Device] = []
     if not body.strip():
         raise DeviceSpecError(f"--gpus {spec!r}: no simulated devices given; expected e.g. sim:4x16GiB")
@@ -202,9 +200,7 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
         known = {d.index: d for d in found}
         missing = [i for i in wanted if i not in known]
         if missing:
-            raise DeviceSpecError(
-                f"--gpus {spec!r}: no GPU with index {missing}; this machine has {sorted(known)}"
-            )
+            raise DeviceSpecError(f"--gpus {spec!r}: no GPU with index {missing}; this machine has {sorted(known)}")
         if len(set(wanted)) != len(wanted):
             raise DeviceSpecError(f"--gpus {spec!r}: an index is listed twice")
         return Inventory(tuple(known[i] for i in wanted), "nvml")

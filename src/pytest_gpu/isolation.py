@@ -158,7 +158,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, inventory: Inventory, don
     view = process_view(inventory)
     previous = cuda.current_device() if cuda.is_initialized() else None
     ordinals = [view.index(i) for i in lease.indices]
-    for ordinal, index in zip(ordinals, lease.indices):
+    for ordinal, index in zip(ordinals, lease.indices, strict=True):
         total = inventory.by_index(index).total_memory
         fraction = min(1.0, lease.memory / total) if total else 1.0
         cuda.set_per_process_memory_fraction(fraction, ordinal)

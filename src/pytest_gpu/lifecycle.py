@@ -164,9 +164,7 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
     state = item.stash.get(STATE_KEY, None)
     if state is None or not state.verdict.violations:
         return
-    text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(
-        f"  - {v}" for v in state.verdict.violations
-    )
+    text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(f"  - {v}" for v in state.verdict.violations)
     if run.settings.verify == "fail" and report.outcome == "passed":
         report.outcome = "failed"
         report.longrepr = text

@@ -170,10 +170,7 @@ class Pool:
 
     def holders(self, indices: Iterable[int] | None = None) -> list[Lease]:
         wanted = None if indices is None else set(indices)
-        return [
-            lease for lease in self.leases.values()
-            if wanted is None or wanted & set(lease.placement.indices)
-        ]
+        return [lease for lease in self.leases.values() if wanted is None or wanted & set(lease.placement.indices)]
 
     # -- changes ---------------------------------------------------------------
 
@@ -242,9 +239,7 @@ class Pool:
                 break
             placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy)
             if placement is None and self.blocked_within_budget(waiting):
-                placement = place(
-                    self.gpus.values(), waiting.request, waiting.client, self.policy, within_budget=False
-                )
+                placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy, within_budget=False)
             if placement is None:
                 position += 1
                 continue

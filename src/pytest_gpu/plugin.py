@@ -17,7 +17,7 @@ from .session import WIRE_KEY, GpuRun
 SUMMARY_KEY = pytest.StashKey[Summary]()
 
 MARKERS = (
-    'gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs with MEMORY each '
+    "gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs with MEMORY each "
     '(e.g. "8GiB"), or whole GPUs; see pytest-gpu\'s README.',
 )
 
@@ -58,7 +58,9 @@ def pytest_configure_node(node: Any) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     report = yield
     lifecycle.collect_report(report, collector.config.stash[RUN_KEY])
     return report
@@ -82,7 +84,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     lifecycle.make_report(item, report, item.config.stash[RUN_KEY])
     return report

@@ -109,10 +109,7 @@ class DefaultMemory:
         return cls(exclusive=False, memory=size)
 
 
-GPU_MARKER_FORM = (
-    "@pytest.mark.gpu, @pytest.mark.gpu(2) or "
-    '@pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
-)
+GPU_MARKER_FORM = '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
 _GPU_KWARGS = ("count", "memory", "exclusive")
 
 
@@ -130,13 +127,9 @@ def build_request(
     """
     unknown = sorted(set(kwargs) - set(_GPU_KWARGS))
     if unknown:
-        raise GpuRequestError(
-            f"{what}: unknown keyword {', '.join(map(repr, unknown))}; expected {form}"
-        )
+        raise GpuRequestError(f"{what}: unknown keyword {', '.join(map(repr, unknown))}; expected {form}")
     if len(args) > 1:
-        raise GpuRequestError(
-            f"{what}: too many positional arguments {tuple(args)!r}; expected {form}"
-        )
+        raise GpuRequestError(f"{what}: too many positional arguments {tuple(args)!r}; expected {form}")
     if args and "count" in kwargs:
         raise GpuRequestError(f"{what}: count given twice; expected {form}")
     count = args[0] if args else kwargs.get("count", 1)
@@ -148,9 +141,7 @@ def build_request(
     memory_arg = kwargs.get("memory")
     if exclusive:
         if memory_arg is not None:
-            raise GpuRequestError(
-                f"{what}: exclusive=True takes the whole GPU; drop memory={memory_arg!r}"
-            )
+            raise GpuRequestError(f"{what}: exclusive=True takes the whole GPU; drop memory={memory_arg!r}")
         return GpuRequest(count=count, memory=None, exclusive=True)
     if memory_arg is None:
         if default.exclusive:

@@ -96,7 +96,11 @@ class GpuRun:
         return run
 
     def to_wire(self) -> dict[str, Any]:
-        env = {k: os.environ[k] for k in (sim.LEDGER_ENV, sim.SPEC_ENV, sim.OVERHEAD_ENV, "CUDA_DEVICE_ORDER") if k in os.environ}
+        env = {
+            k: os.environ[k]
+            for k in (sim.LEDGER_ENV, sim.SPEC_ENV, sim.OVERHEAD_ENV, "CUDA_DEVICE_ORDER")
+            if k in os.environ
+        }
         return {
             "settings": self.settings.to_wire(),
             "inventory": self.inventory.to_wire(),

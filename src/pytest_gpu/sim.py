@@ -178,9 +178,7 @@ class Ledger:
             if rec is not None:
                 result.peak = {int(k): v for k, v in rec["peak"].items()}
                 result.touched = {int(k) for k in rec["touched"]}
-                result.current = {
-                    i: used for i in range(len(state["devices"])) if (used := _tag_used(state, tag, i))
-                }
+                result.current = {i: used for i in range(len(state["devices"])) if (used := _tag_used(state, tag, i))}
             if drop:
                 state["tags"].pop(tag, None)
             return result
@@ -204,9 +202,7 @@ class Ledger:
             if not 0 <= physical < len(state["devices"]):
                 raise SimDeviceError(f"invalid device ordinal: simulated GPU {physical} does not exist")
             uuid, total = state["devices"][physical]
-            proc = state["procs"].setdefault(
-                str(pid), {"ctime": _proc_start(pid), "ctx": {}, "allocs": {}, "seq": 0}
-            )
+            proc = state["procs"].setdefault(str(pid), {"ctime": _proc_start(pid), "ctx": {}, "allocs": {}, "seq": 0})
             new_ctx = str(physical) not in proc["ctx"]
             need = nbytes + (state["overhead"] if new_ctx else 0)
             used = _device_used(state, physical)

@@ -49,14 +49,11 @@ def judge(
     outside = sorted(set(touched) - leased)
     if outside:
         used = ", ".join(f"GPU {i} ({format_size(peak.get(i, 0))} at peak)" for i in outside)
-        verdict.violations.append(
-            f"used memory on {used} outside its lease (GPU {','.join(map(str, lease.indices))})"
-        )
+        verdict.violations.append(f"used memory on {used} outside its lease (GPU {','.join(map(str, lease.indices))})")
     for index in lease.indices:
         if peak.get(index, 0) > lease.memory:
             verdict.violations.append(
-                f"peak {format_size(peak[index])} on GPU {index} is above its budget of "
-                f"{format_size(lease.memory)}"
+                f"peak {format_size(peak[index])} on GPU {index} is above its budget of {format_size(lease.memory)}"
             )
     for index in sorted(current):
         if current[index] > 0:
