@@ -85,7 +85,7 @@ def sim_uuid(index: int) -> str:
 
 def parse_sim_spec(spec: str) -> tuple[Device, ...]:
     """``sim:4x16GiB`` or ``sim:2x80GiB,2x24GiB`` → simulated devices 0..n-1."""
-    body = spec[len(SIM_PREFIX) :] if spec.startswith(SIM_PREFIX) else spec
+    body = spec[len(SIM_PREFIX) :] if spec.lower().startswith(SIM_PREFIX) else spec
     devices: list[Device] = []
     if not body.strip():
         raise DeviceSpecError(f"--gpus {spec!r}: no simulated devices given; expected e.g. sim:4x16GiB")

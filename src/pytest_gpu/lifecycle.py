@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +63,10 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     return request
 
 
-def collect_report(report: pytest.CollectReport, run: GpuRun) -> None:
-    """Validate the gpu markers of freshly collected items; a bad one fails the collector."""
+def collect_report(
+    report: pytest.CollectReport, run: GpuRun, checks: Sequence[Callable[[pytest.Item, GpuRun], None]] = ()
+) -> None:
+    """Validate the markers of freshly collected items; a bad one fails the collector."""
     if not report.passed:
         return
     problems = []
@@ -73,6 +75,8 @@ def collect_report(report: pytest.CollectReport, run: GpuRun) -> None:
             continue
         try:
             node.stash[REQUEST_KEY] = item_request(node, run)
+            for check in checks:
+                check(node, run)
         except GpuRequestError as exc:
             problems.append(str(exc))
     if problems:

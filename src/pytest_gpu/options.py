@@ -50,6 +50,14 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         f"{DEFAULT_RANGE[0]}-{DEFAULT_RANGE[1]}",
         "TCP ports handed out by the ports/port fixtures, as LOW-HIGH.",
     ),
+    ("--dist-timeout", "dist_timeout", "300", "seconds a distributed test may run (the marker's timeout= wins)."),
+    (
+        "--dist-pool",
+        "dist_pool",
+        "on",
+        "'on': distributed tests reuse warm rank pools; 'off': fresh ranks for every test (for debugging).",
+    ),
+    ("--dist-pool-idle", "dist_pool_idle", "60", "seconds an idle rank pool lives before it is shut down."),
 )
 
 
@@ -70,6 +78,9 @@ class Settings:
     wait_timeout: float
     context_overhead: int
     port_range: tuple[int, int]
+    dist_timeout: float = 300.0
+    dist_pool: bool = True
+    dist_pool_idle: float = 60.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -80,6 +91,7 @@ class Settings:
             "wait_timeout": self.wait_timeout,
             "context_overhead": self.context_overhead,
             "port_range": list(self.port_range),
+            "dist": [self.dist_timeout, self.dist_pool, self.dist_pool_idle],
         }
 
     @classmethod
@@ -93,6 +105,9 @@ class Settings:
             wait_timeout=float(data["wait_timeout"]),
             context_overhead=int(data["context_overhead"]),
             port_range=(int(data["port_range"][0]), int(data["port_range"][1])),
+            dist_timeout=float(data["dist"][0]),
+            dist_pool=bool(data["dist"][1]),
+            dist_pool_idle=float(data["dist"][2]),
         )
 
 
@@ -120,13 +135,7 @@ def read(config: pytest.Config) -> Settings:
         default_memory = DefaultMemory.parse(memory_text)
     except SizeError as exc:
         raise pytest.UsageError(f"{where}: expected 'exclusive' or a size; {exc}") from None
-    timeout_text, where = _value(config, "gpu_wait_timeout")
-    try:
-        wait_timeout = float(timeout_text)
-    except ValueError:
-        wait_timeout = -1.0
-    if not wait_timeout > 0:
-        raise pytest.UsageError(f"{where}: expected a positive number of seconds, got {timeout_text!r}")
+    wait_timeout = _seconds(config, "gpu_wait_timeout")
     overhead_text, where = _value(config, "gpu_context_overhead")
     try:
         overhead = parse_size(overhead_text)
@@ -145,4 +154,18 @@ def read(config: pytest.Config) -> Settings:
         wait_timeout=wait_timeout,
         context_overhead=overhead,
         port_range=port_range,
+        dist_timeout=_seconds(config, "dist_timeout"),
+        dist_pool=_choice(config, "dist_pool", ("on", "off")) == "on",
+        dist_pool_idle=_seconds(config, "dist_pool_idle"),
     )
+
+
+def _seconds(config: pytest.Config, ini: str) -> float:
+    text, where = _value(config, ini)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise pytest.UsageError(f"{where}: expected a positive number of seconds, got {text!r}")
+    return value

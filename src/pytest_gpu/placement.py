@@ -222,11 +222,13 @@ class Pool:
         """
         self.queue = [w for w in self.queue if w.client != client]
         held = [lease for lease in self.leases.values() if lease.client == client]
-        for lease in held:
-            self.release(lease.key)
         for gpu in self.gpus.values():
             gpu.contexts.discard(client)
-        return held, self.serve()
+        granted: list[Lease] = []
+        for lease in held:
+            granted.extend(self.release(lease.key))  # release() serves the queue: keep its grants
+        granted.extend(self.serve())
+        return held, granted
 
     def serve(self) -> list[Lease]:
         """Grant waiting requests in order, with bounded backfill (see module doc)."""

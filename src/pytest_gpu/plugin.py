@@ -9,6 +9,8 @@ import pytest
 
 from . import lifecycle, options
 from .devices import DeviceSpecError
+from .distributed import runner
+from .distributed.rankinfo import RankPlaceholder
 from .isolation import GpuLease
 from .lifecycle import RUN_KEY
 from .reporting import Summary
@@ -19,6 +21,8 @@ SUMMARY_KEY = pytest.StashKey[Summary]()
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs with MEMORY each "
     '(e.g. "8GiB"), or whole GPUs; see pytest-gpu\'s README.',
+    'distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None): '
+    "the test body runs on WORLD_SIZE ranks of a warm pool; see pytest-gpu's README.",
 )
 
 
@@ -45,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    runner.close(config)
     run = config.stash.get(RUN_KEY, None)
     if run is not None:
         run.close()
@@ -62,7 +67,7 @@ def pytest_make_collect_report(
     collector: pytest.Collector,
 ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     report = yield
-    lifecycle.collect_report(report, collector.config.stash[RUN_KEY])
+    lifecycle.collect_report(report, collector.config.stash[RUN_KEY], (runner.stash_spec,))
     return report
 
 
@@ -89,7 +94,20 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     lifecycle.make_report(item, report, item.config.stash[RUN_KEY])
+    runner.make_report(item, call, report)
     return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if runner.SPEC_KEY not in pyfuncitem.stash:
+        return None
+    runner.run_item(pyfuncitem, pyfuncitem.config.stash[RUN_KEY])
+    return True
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    runner.close(session.config)  # no rank outlives the session, also after Ctrl-C
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -125,3 +143,10 @@ def ports(request: pytest.FixtureRequest) -> Callable[[int], list[int]]:
 def port(ports: Callable[[int], list[int]]) -> int:
     """One TCP port unique across the whole run."""
     return ports(1)[0]
+
+
+@pytest.fixture
+def rank() -> RankPlaceholder:
+    """In a distributed test: this rank's ``rank``, ``world_size``, ``local_rank``, ``device``,
+    ``backend`` and ``group`` (resolved inside each rank process)."""
+    return runner.rank_fixture()

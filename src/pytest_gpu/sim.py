@@ -88,7 +88,10 @@ def _ledger_dir() -> tuple[Path, str]:
 
 def _proc_start(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None  # dead, not yet reaped (xdist leaves crashed workers so): its memory is gone
+        return proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
 

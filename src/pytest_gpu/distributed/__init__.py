@@ -1,0 +1,1 @@
+"""Distributed tests on warm pools of rank processes."""

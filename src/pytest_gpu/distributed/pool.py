@@ -1,0 +1,579 @@
+"""Warm pools of rank processes, owned by one pytest process (a worker, or the only one).
+
+A pool is started for a :class:`DistSpec` key, keeps its process group, its
+rendezvous port and its GPU lease while it lives, and runs one test after another.
+It is torn down when a test needs another key, when it has been idle for
+``--dist-pool-idle`` seconds, at session end, and whenever it can no longer be
+trusted: a rank died, a test timed out, or the world failed its health barrier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..requests import build_request
+from ..session import GpuRun
+from .spec import DistSpec
+
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PYTEST_GPU_RANK",
+    "PYTEST_GPU_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "PYTEST_GPU_SIM_TAG",
+)
+_ids = itertools.count()
+
+
+class PoolError(RuntimeError):
+    """A pool could not be started; the message says why, with the ranks' output."""
+
+
+class PoolDied(RuntimeError):
+    """The pool was found dead before a test could be sent to it."""
+
+
+@dataclass(frozen=True)
+class DistSettings:
+    timeout: float = 300.0  # per test, unless the marker says otherwise
+    pool: bool = True
+    idle: float = 60.0
+    init_timeout: float = 120.0
+    grace: float = 10.0  # how long the other ranks get once one rank failed or died
+    wait_timeout: float = 1800.0
+
+
+@dataclass
+class RankRun:
+    """What one test did on a pool: per-rank results and what to attach to the report."""
+
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    sections: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # timeouts, crashes, poisoned world
+    broken: bool = False  # the pool must not be reused
+    seconds: float = 0.0  # wall time of the run on the pool
+
+    @property
+    def outcome(self) -> str:
+        outcomes = [r["outcome"] for r in self.results.values()]
+        if self.problems or "failed" in outcomes:
+            return "failed"
+        if outcomes and all(o == "xfailed" for o in outcomes):
+            return "xfailed"
+        if "skipped" in outcomes:
+            return "skipped"
+        return "passed"
+
+
+def _signal_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class RankPool:
+    """``world_size`` rank processes with a process group, ready to run test bodies."""
+
+    def __init__(self, spec: DistSpec, run: GpuRun, settings: DistSettings, base: Path) -> None:
+        self.spec = spec
+        self.run = run
+        self.settings = settings
+        self.id = f"pool{next(_ids)}-{os.getpid()}"
+        self.dir = base / self.id
+        self.conns: dict[int, Connection] = {}
+        self.lifelines: list[Connection] = []
+        self.pids: dict[int, int] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pgid: int | None = None
+        self.lease_key: str | None = None
+        self.port: int | None = None
+        self.listener: Listener | None = None
+        self.last_used = time.monotonic()
+        self.tests_run = 0
+        self._stopped = False
+
+    # -- start --------------------------------------------------------------------------
+
+    def start(self, config_args: list[str]) -> None:
+        try:
+            self._start(config_args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config_args: list[str]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        client = self.run.client
+        self.port = client.ports(1, self.id)[0]
+        slices = None
+        if self.spec.gpus_per_rank:
+            count = self.spec.world_size * self.spec.gpus_per_rank
+            request = build_request((count,), {}, self.run.settings.default_memory)
+            grant = client.acquire(request, f"rank pool {self.spec.describe()}", self.settings.wait_timeout)
+            self.lease_key = grant.key
+            names = [
+                str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid for i in grant.indices
+            ]
+            g = self.spec.gpus_per_rank
+            slices = ";".join(",".join(names[r * g : (r + 1) * g]) for r in range(self.spec.world_size))
+        authkey = secrets.token_bytes(32)
+        address = str(self.dir / "ctl.sock")
+        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]] = queue.Queue()
+        threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
+        env = self._env(address, authkey, slices)
+        self._launch(env)
+        self._gather(arrivals)
+        body = {
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            "config_args": config_args,
+            "init_timeout": self.settings.init_timeout,
+        }
+        for conn in self.conns.values():
+            conn.send(("setup", body))
+        replies = self._collect(set(self.conns), time.monotonic() + self.settings.init_timeout)
+        errors = [f"rank {r}:\n{body['error']}" for r, (kind, body) in sorted(replies.items()) if kind != "ready"]
+        missing = sorted(set(self.conns) - set(replies))
+        if errors or missing:
+            detail = "\n".join(errors)
+            if missing:
+                detail += f"\nranks {missing} did not finish setting up within {self.settings.init_timeout:g}s"
+            raise PoolError(f"could not set up {self.spec.describe()}:\n{detail}\n{self._logs_tail()}")
+
+    def _env(self, address: str, authkey: bytes, slices: str | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.port),
+                "PYTEST_GPU_RANK_ADDRESS": address,
+                "PYTEST_GPU_RANK_AUTHKEY": authkey.hex(),
+                "PYTEST_GPU_RANK_LOG_DIR": str(self.dir),
+                "PYTEST_GPU_RANK_BACKEND": self.spec.backend,
+                "PYTEST_GPU_OWNER_PGID": str(os.getpgrp()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if slices is not None:
+            env["PYTEST_GPU_RANK_GPUS"] = slices
+        return env
+
+    def _command(self) -> list[str]:
+        ws = str(self.spec.world_size)
+        rank_cmd = [sys.executable, "-m", "pytest_gpu.distributed.rankmain"]
+        if self.spec.launcher == "torchrun":
+            return [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={ws}",
+                "--nnodes=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={self.port}",
+                "-m",
+                "pytest_gpu.distributed.rankmain",
+            ]
+        if self.spec.launcher == "mpirun":
+            exe = shutil.which("mpirun")
+            if exe is None:
+                raise PoolError("launcher 'mpirun' needs an MPI's mpirun on PATH (e.g. apt-get install openmpi-bin)")
+            return [exe, "-n", ws, *rank_cmd]
+        if self.spec.launcher == "srun":
+            exe = shutil.which("srun")
+            if exe is None:
+                raise PoolError("launcher 'srun' needs SLURM's srun on PATH, inside an allocation")
+            return [exe, f"--ntasks={ws}", "--nodes=1", "--kill-on-bad-exit=1", *rank_cmd]
+        raise AssertionError(self.spec.launcher)
+
+    def _launch(self, env: dict[str, str]) -> None:
+        out = open(self.dir / "launcher.log", "ab")
+        try:
+            if self.spec.launcher == "spawn":
+                for r in range(self.spec.world_size):
+                    rank_env = dict(env, PYTEST_GPU_RANK=str(r), PYTEST_GPU_WORLD_SIZE=str(self.spec.world_size))
+                    rank_env.update(RANK=str(r), WORLD_SIZE=str(self.spec.world_size), LOCAL_RANK=str(r))
+                    group = _join_group(0 if self.pgid is None else self.pgid)
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "pytest_gpu.distributed.rankmain"],
+                        env=rank_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=out,
+                        **group,
+                    )
+                    self.procs.append(proc)
+                    if self.pgid is None:
+                        self.pgid = proc.pid
+            else:
+                if self.spec.launcher == "mpirun" and os.geteuid() == 0:
+                    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+                env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+                proc = subprocess.Popen(
+                    self._command(), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, **_join_group(0)
+                )
+                self.procs.append(proc)
+                self.pgid = proc.pid
+        finally:
+            out.close()
+
+    def _accept(self, arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]]) -> None:
+        assert self.listener is not None
+        while not self._stopped:
+            try:
+                conn = self.listener.accept()
+                kind, body = conn.recv()
+            except Exception:
+                if self._stopped:
+                    return
+                continue
+            arrivals.put((kind, body, conn))
+
+    def _gather(self, arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]]) -> None:
+        deadline = time.monotonic() + self.settings.init_timeout
+        ws = self.spec.world_size
+        while len(self.conns) < ws or len(self.lifelines) < ws:
+            try:
+                kind, body, conn = arrivals.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self.procs if p.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    who = "a rank process" if self.spec.launcher == "spawn" else self.spec.launcher
+                    why = (
+                        f"{who} ended: {_signal_text(dead[0].returncode)}"
+                        if dead
+                        else f"not every rank connected within {self.settings.init_timeout:g}s"
+                    )
+                    raise PoolError(f"could not start {self.spec.describe()}: {why}\n{self._logs_tail()}") from None
+                continue
+            if kind == "hello":
+                self.conns[int(body["rank"])] = conn
+                self.pids[int(body["rank"])] = int(body["pid"])
+            else:
+                self.lifelines.append(conn)
+
+    def _logs_tail(self) -> str:
+        parts = []
+        for path in [*sorted(self.dir.glob("*.std*")), self.dir / "launcher.log"]:
+            tail = _tail(path)
+            if tail.strip():
+                parts.append(f"--- {path.name} ---\n{tail}")
+        return "\n".join(parts)
+
+    # -- one test ------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        if self._stopped or not self.conns:
+            return False
+        if any(p.poll() is not None for p in self.procs):
+            return False
+        for conn in self.conns.values():
+            try:
+                if conn.poll():  # an idle rank has nothing to say: data here means EOF
+                    return False
+            except (OSError, EOFError):
+                return False
+        return True
+
+    def _offsets(self) -> dict[Path, int]:
+        sizes = {}
+        for r in range(self.spec.world_size):
+            for stream in ("stdout", "stderr", "stack"):
+                path = self.dir / f"rank{r}.{stream}"
+                sizes[path] = path.stat().st_size if path.exists() else 0
+        return sizes
+
+    def _new_output(self, offsets: dict[Path, int], streams: tuple[str, ...]) -> list[tuple[str, str]]:
+        sections = []
+        for path, start in offsets.items():
+            rank, stream = path.stem.removeprefix("rank"), path.suffix[1:]
+            if stream not in streams or not path.exists():
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                text = fh.read().decode(errors="replace")
+            if text.strip():
+                sections.append((f"rank {rank} {stream}", text))
+        return sections
+
+    def _collect(self, ranks: set[int], deadline: float) -> dict[int, tuple[str, dict[str, Any]]]:
+        """Replies from ``ranks`` until ``deadline``; a closed connection gives ("died", {})."""
+        replies: dict[int, tuple[str, dict[str, Any]]] = {}
+        by_conn = {self.conns[r]: r for r in ranks}
+        while by_conn:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(by_conn), timeout=left):
+                rank = by_conn.pop(conn)  # type: ignore[call-overload]
+                try:
+                    replies[rank] = conn.recv()
+                except (EOFError, OSError):
+                    replies[rank] = ("died", {})
+        return replies
+
+    def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
+        """Run one test body on every rank; the pool is marked broken if it cannot be trusted."""
+        started = time.monotonic()
+        if not self.alive():
+            raise PoolDied(self._death_note())
+        offsets = self._offsets()
+        outcome = RankRun()
+        for conn in self.conns.values():
+            try:
+                conn.send(("run", body))
+            except OSError:
+                raise PoolDied(self._death_note()) from None
+        pending = set(self.conns)
+        deadline = started + timeout
+        while pending:
+            got = self._collect(pending, deadline)
+            for rank, (kind, reply) in got.items():
+                pending.discard(rank)
+                if kind == "result":
+                    outcome.results[rank] = reply
+                else:
+                    outcome.problems.append(f"rank {rank} died during the test: {self._exit_of(rank)}")
+            if not got:
+                break  # the deadline passed
+            trouble = outcome.problems or any(r["outcome"] == "failed" for r in outcome.results.values())
+            if pending and trouble:
+                deadline = min(deadline, time.monotonic() + self.settings.grace)
+        if pending:
+            limit = (
+                "its timeout"
+                if deadline >= started + timeout
+                else f"the {self.settings.grace:g}s grace after a failure"
+            )
+            outcome.problems.append(
+                f"ranks {sorted(pending)} did not finish within {limit} "
+                f"({timeout:g}s); their stacks are attached, the pool was killed"
+            )
+            self._dump_stacks(pending)
+            outcome.broken = True
+        if outcome.problems:
+            outcome.broken = True
+            for rank in sorted(set(self.conns) - set(outcome.results)):
+                log = _tail(self.dir / f"rank{rank}.stderr")
+                if log.strip() and rank not in pending:
+                    outcome.sections.append((f"rank {rank} log tail", log))
+        elif any(r["outcome"] == "failed" or r.get("poisoned") for r in outcome.results.values()):
+            ok, detail = self._health()
+            if not ok:
+                outcome.broken = True
+                outcome.sections.append(
+                    ("pytest-gpu pool", f"the world failed its health barrier ({detail}); pool replaced")
+                )
+        outcome.sections[:0] = self._new_output(offsets, ("stdout", "stderr", "stack"))
+        outcome.seconds = time.monotonic() - started
+        self.tests_run += 1
+        self.last_used = time.monotonic()
+        return outcome
+
+    def _health(self) -> tuple[bool, str]:
+        for conn in self.conns.values():
+            conn.send(("check", {"timeout": self.settings.grace}))
+        replies = self._collect(set(self.conns), time.monotonic() + self.settings.grace + 5)
+        bad = [f"rank {r}: {b.get('detail') or k}" for r, (k, b) in replies.items() if k != "checked" or not b["ok"]]
+        missing = sorted(set(self.conns) - set(replies))
+        if missing:
+            bad.append(f"ranks {missing} did not answer")
+        return (not bad, "; ".join(bad))
+
+    def _dump_stacks(self, ranks: set[int]) -> None:
+        for rank in sorted(ranks):
+            pid = self.pids.get(rank)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(1.0)  # faulthandler writes from a signal handler: give it a moment
+
+    def _exit_of(self, rank: int) -> str:
+        if self.spec.launcher == "spawn" and rank < len(self.procs):
+            proc = self.procs[rank]
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            return _signal_text(proc.returncode)
+        return f"pid {self.pids.get(rank)} is gone (launched by {self.spec.launcher}; exit status not visible)"
+
+    def _death_note(self) -> str:
+        states = [f"rank {r}: {self._exit_of(r)}" for r in sorted(self.conns)] or ["no rank connected"]
+        return f"the warm pool {self.spec.describe()} had died since its last test ({'; '.join(states)})"
+
+    # -- stop --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every process of the pool (ranks and their children) and give back port and GPUs."""
+        if self._stopped:
+            return
+        if self.conns and self.alive():
+            for conn in self.conns.values():
+                try:
+                    conn.send(("close", {}))
+                except OSError:
+                    pass
+            self._collect(set(self.conns), time.monotonic() + 5)
+        self._stopped = True
+        self._kill_all()
+        for conn in [*self.conns.values(), *self.lifelines]:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        if self.listener is not None:
+            try:
+                self.listener.close()
+            except OSError:
+                pass
+        client = self.run.client
+        if self.lease_key is not None:
+            client.release(self.lease_key)
+            self.lease_key = None
+        if self.port is not None:
+            client.release_ports(self.id)
+            self.port = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_all(self) -> None:
+        victims: list[psutil.Process] = []
+        for pid in [*self.pids.values(), *(p.pid for p in self.procs)]:
+            try:
+                proc = psutil.Process(pid)
+                victims += [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                pass
+        if self.pgid is not None:
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        for proc in victims:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(victims, timeout=5)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _join_group(pgid: int) -> dict[str, Any]:
+    """Popen arguments that put the child in process group ``pgid`` (0: a new group of its own).
+
+    Ranks get a group of their own (so ``killpg`` takes them and their children) but stay
+    in pytest's session, since a process can only join a group of its own session.
+    """
+    if sys.version_info >= (3, 11):
+        return {"process_group": pgid}
+    return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # pragma: no cover - Python 3.10
+
+
+class PoolManager:
+    """The pools of one pytest process: at most one warm pool at a time."""
+
+    def __init__(self, run: GpuRun, settings: DistSettings, config_args: list[str], base: Path) -> None:
+        self.run = run
+        self.settings = settings
+        self.config_args = config_args
+        self.base = base
+        self.pool: RankPool | None = None
+        self.started = 0
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def _fresh(self, spec: DistSpec) -> RankPool:
+        pool = RankPool(spec, self.run, self.settings, self.base)
+        pool.start(self.config_args)
+        self.started += 1
+        return pool
+
+    def execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+        """Run a test on a pool for ``spec``; returns the run and notes for the report."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            notes: list[str] = []
+            if not self.settings.pool:
+                pool = self._fresh(spec)
+                try:
+                    return pool.run_test(body, timeout), notes
+                finally:
+                    pool.close()
+            if self.pool is not None and self.pool.spec.pool_key != spec.pool_key:
+                self.pool.close()
+                self.pool = None
+            if self.pool is not None and not self.pool.alive():
+                notes.append(self.pool._death_note() + "; this test ran in a fresh pool")
+                self.pool.close()
+                self.pool = None
+            if self.pool is None:
+                self.pool = self._fresh(spec)
+            try:
+                result = self.pool.run_test(body, timeout)
+            except PoolDied as exc:
+                notes.append(f"{exc}; this test was retried once in a fresh pool")
+                self.pool.close()
+                self.pool = self._fresh(spec)
+                result = self.pool.run_test(body, timeout)
+            if result.broken:
+                self.pool.close()
+                self.pool = None
+            else:
+                self._timer = threading.Timer(self.settings.idle, self._idle_close)
+                self._timer.daemon = True
+                self._timer.start()
+            return result, notes
+
+    def _idle_close(self) -> None:
+        with self._lock:
+            if self.pool is not None and time.monotonic() - self.pool.last_used >= self.settings.idle - 0.01:
+                self.pool.close()
+                self.pool = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None

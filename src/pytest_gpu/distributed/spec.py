@@ -1,0 +1,73 @@
+"""The ``distributed`` marker: what a distributed test asks for (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..requests import GpuRequestError
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "none")
+LAUNCHERS = ("spawn", "torchrun", "mpirun", "srun")
+DIST_MARKER_FORM = (
+    '@pytest.mark.distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None)'
+)
+_KWARGS = ("world_size", "backend", "gpus_per_rank", "launcher", "timeout")
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """A resolved ``distributed`` marker; also the key of the pool that can run it."""
+
+    world_size: int
+    backend: str
+    gpus_per_rank: int
+    launcher: str
+    timeout: float | None = None
+
+    @property
+    def pool_key(self) -> tuple[int, str, str, int]:
+        return (self.world_size, self.backend, self.launcher, self.gpus_per_rank)
+
+    def describe(self) -> str:
+        gpus = f", {self.gpus_per_rank} GPU/rank" if self.gpus_per_rank else ""
+        return f"{self.world_size} ranks ({self.backend} via {self.launcher}{gpus})"
+
+
+def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, have_gpus: bool) -> DistSpec:
+    """Validate ``distributed`` marker arguments; raise :class:`GpuRequestError` with the expected form."""
+    what = "distributed marker"
+    unknown = sorted(set(kwargs) - set(_KWARGS))
+    if unknown:
+        raise GpuRequestError(f"{what}: unknown keyword {', '.join(map(repr, unknown))}; expected {DIST_MARKER_FORM}")
+    if len(args) > 1 or (args and "world_size" in kwargs):
+        raise GpuRequestError(f"{what}: give world_size once, positionally or by keyword; expected {DIST_MARKER_FORM}")
+    if not args and "world_size" not in kwargs:
+        raise GpuRequestError(f"{what}: world_size is required; expected {DIST_MARKER_FORM}")
+    world_size = args[0] if args else kwargs["world_size"]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise GpuRequestError(f"{what}: world_size must be a positive int, got {world_size!r}")
+    backend = kwargs.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise GpuRequestError(f"{what}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    launcher = kwargs.get("launcher")
+    if launcher is None:
+        launcher = "mpirun" if backend == "mpi" else "spawn"
+    if launcher not in LAUNCHERS:
+        raise GpuRequestError(f"{what}: launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if backend == "mpi" and launcher not in ("mpirun", "srun"):
+        raise GpuRequestError(f"{what}: backend='mpi' needs launcher='mpirun' or 'srun', got {launcher!r}")
+    if backend == "auto":
+        backend = "nccl" if have_gpus else "gloo"
+    gpus_per_rank = kwargs.get("gpus_per_rank")
+    if gpus_per_rank is None:
+        gpus_per_rank = 1 if backend == "nccl" else 0
+    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 0:
+        raise GpuRequestError(f"{what}: gpus_per_rank must be an int >= 0, got {gpus_per_rank!r}")
+    if backend == "nccl" and gpus_per_rank == 0:
+        raise GpuRequestError(f"{what}: backend='nccl' needs gpus_per_rank >= 1")
+    timeout = kwargs.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise GpuRequestError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
+    return DistSpec(world_size, backend, gpus_per_rank, launcher, None if timeout is None else float(timeout))
