@@ -439,11 +439,15 @@ class RankPool:
 
     # -- stop --------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop every process of the pool (ranks and their children) and give back port and GPUs."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop every process of the pool (ranks and their children) and give back port and GPUs.
+
+        ``graceful`` asks the ranks to leave their process group first; a pool that hung or
+        lost a rank is killed at once.
+        """
         if self._stopped:
             return
-        if self.conns and self.alive():
+        if graceful and self.conns and self.alive():
             for conn in self.conns.values():
                 try:
                     conn.send(("close", {}))
@@ -535,10 +539,12 @@ class PoolManager:
             notes: list[str] = []
             if not self.settings.pool:
                 pool = self._fresh(spec)
+                result = None
                 try:
-                    return pool.run_test(body, timeout), notes
+                    result = pool.run_test(body, timeout)
+                    return result, notes
                 finally:
-                    pool.close()
+                    pool.close(graceful=result is not None and not result.broken)
             if self.pool is not None and self.pool.spec.pool_key != spec.pool_key:
                 self.pool.close()
                 self.pool = None
@@ -556,7 +562,7 @@ class PoolManager:
                 self.pool = self._fresh(spec)
                 result = self.pool.run_test(body, timeout)
             if result.broken:
-                self.pool.close()
+                self.pool.close(graceful=False)
                 self.pool = None
             else:
                 self._timer = threading.Timer(self.settings.idle, self._idle_close)

@@ -137,7 +137,7 @@ class Rank:
             func(**kwargs)
             result["body_seconds"] = time.perf_counter() - t0
         except BaseException as exc:
-            result.update(_outcome(exc, body.get("module_file")))
+            result.update(_outcome(exc, body.get("module_file"), body.get("tbstyle", "auto")))
         finally:
             result["poisoned"] = result.get("poisoned", False)
             self._clean(env, cwd, groups)
@@ -280,9 +280,10 @@ def _import_module(body: dict[str, Any], config: Any) -> Any:
         return importlib.import_module(body["module_name"])
 
 
-def _outcome(exc: BaseException, module_file: str | None) -> dict[str, Any]:
+def _outcome(exc: BaseException, module_file: str | None, tbstyle: str) -> dict[str, Any]:
     import pytest
     from _pytest._code import ExceptionInfo
+    from _pytest._code.code import Traceback
 
     if isinstance(exc, pytest.skip.Exception):
         return {"outcome": "skipped", "message": str(exc.msg)}
@@ -293,10 +294,14 @@ def _outcome(exc: BaseException, module_file: str | None) -> dict[str, Any]:
         cut = info.traceback.cut(path=Path(module_file))
         if cut:
             info.traceback = cut
+    style = "long" if tbstyle == "auto" else tbstyle
+    if tbstyle == "auto" and len(info.traceback) > 2:  # as pytest does: first and last frame in full
+        tb = info.traceback
+        info.traceback = Traceback((tb[0], *(e.with_repr_style("short") for e in tb[1:-1]), tb[-1]))
     if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
         longrepr = str(exc.msg)
     else:
-        longrepr = str(info.getrepr(style="long", chain=True, truncate_locals=True))
+        longrepr = str(info.getrepr(style=style, chain=True, truncate_locals=True))  # type: ignore[arg-type]
     return {
         "outcome": "failed",
         "message": info.exconly(),

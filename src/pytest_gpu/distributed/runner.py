@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 import zlib
 from typing import Any
 
@@ -95,6 +96,7 @@ def _payload(item: pytest.Function) -> dict[str, Any]:
         "kwargs": _dumps(kwargs),
         "seed": zlib.crc32(item.nodeid.encode()),
         "nodeid": item.nodeid,
+        "tbstyle": item.config.getoption("tbstyle", "auto"),
     }
 
 
@@ -111,14 +113,26 @@ def _dumps(value: Any) -> bytes:
 
 def run_item(item: pytest.Function, run: GpuRun) -> None:
     """Run a distributed test's body on its pool; raise the outcome as pytest expects."""
+    started = time.perf_counter()
     spec = item.stash[SPEC_KEY]
     body = _payload(item)
     timeout = spec.timeout or run.settings.dist_timeout
+    pools = manager(item.config, run)
+    before = pools.started
     try:
-        result, notes = manager(item.config, run).execute(spec, body, timeout)
+        result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
         raise DistributedFailure(f"pytest-gpu: {exc}") from None
     item.stash[RUN_RESULT_KEY] = result
+    body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
+    item.user_properties.extend(
+        [
+            ("dist_ranks", spec.world_size),
+            ("dist_pool", "fresh" if pools.started != before else "warm"),
+            ("dist_body_seconds", round(body_seconds, 6)),
+            ("dist_overhead_seconds", round(time.perf_counter() - started - body_seconds, 6)),
+        ]
+    )
     for name, content in result.sections:
         item.add_report_section("call", name, content)
     for note in notes:
