@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -49,7 +50,7 @@ class BrokerClient:
     def __init__(self, address: str, authkey: bytes, worker: str) -> None:
         try:
             self._conn: Connection = Client(address, family="AF_UNIX", authkey=authkey)
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, AuthenticationError) as exc:  # a wrong key is refused: BrokerError too
             raise BrokerError(f"cannot reach the pytest-gpu broker at {address}: {exc}") from None
         self._lock = threading.Lock()
         self._keys = itertools.count()

@@ -1,0 +1,501 @@
+"""pytest_gpu.broker + pytest_gpu.client over a real authenticated Unix socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpu.broker import Broker, CrashRecord, describe_holders
+from pytest_gpu.client import BrokerClient, BrokerError, Grant, WaitTimeout
+from pytest_gpu.placement import Policy
+from pytest_gpu.ports import PortPool
+from pytest_gpu.requests import GpuRequest
+
+MiB, GiB = 2**20, 2**30
+OVERHEAD = 500 * MiB
+POLICY = Policy(overhead=OVERHEAD)
+
+
+def whole(count: int = 1) -> GpuRequest:
+    return GpuRequest(count=count, memory=None, exclusive=True)
+
+
+def shared(memory: int, count: int = 1) -> GpuRequest:
+    return GpuRequest(count=count, memory=memory, exclusive=False)
+
+
+def always_free(port: int) -> bool:
+    return True
+
+
+class Run:
+    """Brokers and clients of one test, all closed at its end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.authkey = os.urandom(16)
+        self.brokers: list[Broker] = []
+        self.clients: list[BrokerClient] = []
+
+    def broker(
+        self,
+        capacities: dict[int, int] | None = None,
+        policy: Policy = POLICY,
+        ports: PortPool | None = None,
+    ) -> Broker:
+        address = str(self.tmp_path / f"b{len(self.brokers)}.sock")
+        assert len(address) < 100, "Unix socket paths are limited to 108 bytes"
+        broker = Broker(capacities or {0: 16 * GiB, 1: 16 * GiB}, address, self.authkey, policy)
+        broker.ports = ports or PortPool((30000, 30999), check=always_free, seed=0)
+        self.brokers.append(broker.start())
+        return broker
+
+    def client(self, worker: str, broker: Broker | None = None, authkey: bytes | None = None) -> BrokerClient:
+        broker = broker or self.brokers[-1]
+        client = BrokerClient(broker.address, authkey or self.authkey, worker)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for broker in self.brokers:
+            broker.close()
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Run]:
+    made = Run(tmp_path)
+    yield made
+    made.close()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+class Acquirer(threading.Thread):
+    """``client.acquire`` in a thread; ``result`` is the Grant or the exception."""
+
+    def __init__(self, client: BrokerClient, request: GpuRequest, test: str, timeout: float | None) -> None:
+        super().__init__(daemon=True)
+        self.args_ = (client, request, test, timeout)
+        self.result: Grant | BaseException | None = None
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        client, request, test, timeout = self.args_
+        try:
+            self.result = client.acquire(request, test, timeout)
+        except BaseException as exc:
+            self.result = exc
+        finally:
+            self.done.set()
+
+
+# -- grants ----------------------------------------------------------------------------
+
+
+def test_shared_grant(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    grant = client.acquire(shared(4 * GiB), "tests/t.py::test_a", timeout=5)
+    assert grant == Grant(key="k0", indices=(0,), memory=4 * GiB, exclusive=False, waited=0.0)
+    status = broker.status()
+    assert status["leases"] == [
+        {"test": "tests/t.py::test_a", "worker": "gw0", "gpus": [0], "memory": 4 * GiB, "exclusive": False}
+    ]
+    assert status["clients"] == {client.client_id: {"worker": "gw0", "pid": os.getpid()}}
+    assert status["used"] == {0: 4 * GiB + OVERHEAD, 1: 0}
+    assert status["grants"] == 1
+    assert broker.grants == 1
+
+
+def test_exclusive_grant_on_two_gpus(run: Run) -> None:
+    run.broker()
+    client = run.client("gw0")
+    grant = client.acquire(whole(2), "t::two", timeout=5)
+    assert (grant.indices, grant.memory, grant.exclusive) == ((0, 1), 16 * GiB - OVERHEAD, True)
+
+
+def test_keys_are_per_client_and_release_frees(run: Run) -> None:
+    broker = run.broker()
+    a, b = run.client("gw0"), run.client("gw1")
+    ga = a.acquire(whole(), "t::a", timeout=5)
+    gb = b.acquire(whole(), "t::b", timeout=5)
+    assert ga.key == gb.key == "k0"  # each client numbers its own keys
+    assert {ga.indices, gb.indices} == {(0,), (1,)}
+    a.release(ga.key)
+    assert [row["test"] for row in broker.status()["leases"]] == ["t::b"]
+    b.release(gb.key)
+    assert broker.status()["leases"] == []
+
+
+def test_queued_then_granted_when_another_client_releases(run: Run) -> None:
+    broker = run.broker()
+    holder, waiter = run.client("gw0"), run.client("gw1")
+    held = holder.acquire(whole(2), "t::holder", timeout=5)
+    thread = Acquirer(waiter, whole(), "t::waiter", timeout=30)
+    waiting = wait_for(lambda: broker.status()["waiting"], what="the request to queue")
+    assert waiting == [{"key": f"{waiter.client_id}/k0", "request": "1 GPU (whole GPU)", "bypassed": 0}]
+    assert not thread.done.is_set()
+    time.sleep(0.05)
+    holder.release(held.key)
+    assert thread.done.wait(5)
+    grant = thread.result
+    assert isinstance(grant, Grant)
+    assert grant.exclusive and len(grant.indices) == 1
+    assert grant.waited > 0
+    assert broker.status()["waiting"] == []
+    assert [row["test"] for row in broker.status()["leases"]] == ["t::waiter"]
+
+
+def test_several_waiters_are_served_in_order(run: Run) -> None:
+    run.broker({0: 16 * GiB})
+    holder = run.client("gw0")
+    held = holder.acquire(whole(), "t::holder", timeout=5)
+    waiters = [run.client(f"gw{i}") for i in (1, 2, 3)]
+    threads = []
+    for i, client in enumerate(waiters):
+        threads.append(Acquirer(client, whole(), f"t::w{i}", timeout=30))
+        wait_for(lambda n=i + 1: len(run.brokers[0].status()["waiting"]) == n, what="queueing")
+    order = []
+    release_key, release_client = held.key, holder
+    for _ in threads:
+        release_client.release(release_key)
+        done = wait_for(lambda: [t for t in threads if t.done.is_set() and t not in order], what="a grant")
+        assert len(done) == 1
+        order.append(done[0])
+        assert isinstance(done[0].result, Grant)
+        release_key, release_client = done[0].result.key, done[0].args_[0]
+    assert order == threads
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+def test_wait_timeout_names_the_request_and_the_holder(run: Run) -> None:
+    broker = run.broker({0: 16 * GiB})
+    holder, waiter = run.client("gw0"), run.client("gw1")
+    holder.acquire(whole(), "tests/test_a.py::test_holder", timeout=5)
+    with pytest.raises(WaitTimeout) as info:
+        waiter.acquire(whole(), "tests/test_b.py::test_waiter", timeout=0.3)
+    assert str(info.value) == (
+        "waited 0.3s for 1 GPU (whole GPU) (--gpu-wait-timeout); "
+        "held by tests/test_a.py::test_holder (gw0: GPU 0, whole GPU)"
+    )
+    assert isinstance(info.value, BrokerError)
+    assert broker.status()["waiting"] == []  # the request was withdrawn
+
+
+def test_wait_timeout_for_shared_memory_names_every_holder(run: Run) -> None:
+    run.broker({0: 16 * GiB})
+    a, b, waiter = run.client("gw0"), run.client("gw1"), run.client("gw2")
+    a.acquire(shared(8 * GiB), "t::a", timeout=5)
+    b.acquire(shared(6 * GiB), "t::b", timeout=5)
+    with pytest.raises(WaitTimeout) as info:
+        waiter.acquire(shared(2 * GiB, count=1), "t::c", timeout=0.2)
+    assert str(info.value) == (
+        "waited 0.2s for 1 GPU (2GiB) (--gpu-wait-timeout); held by t::a (gw0: GPU 0, 8GiB); t::b (gw1: GPU 0, 6GiB)"
+    )
+
+
+def test_a_timed_out_request_is_not_granted_later(run: Run) -> None:
+    broker = run.broker({0: 16 * GiB})
+    holder, waiter = run.client("gw0"), run.client("gw1")
+    held = holder.acquire(whole(), "t::holder", timeout=5)
+    with pytest.raises(WaitTimeout):
+        waiter.acquire(whole(), "t::waiter", timeout=0.1)
+    holder.release(held.key)
+    assert broker.status()["leases"] == []
+    assert waiter.acquire(whole(), "t::again", timeout=5).indices == (0,)  # the client still works
+
+
+def test_unsatisfiable_request_is_a_broker_error(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    with pytest.raises(BrokerError) as info:
+        client.acquire(whole(3), "t::three", timeout=5)
+    assert str(info.value) == (
+        "needs 3 GPUs (whole GPU each) but the inventory has 2 GPU(s) [16GiB, 16GiB] "
+        "with 500MiB of context overhead each"
+    )
+    assert not isinstance(info.value, WaitTimeout)
+    with pytest.raises(BrokerError, match=r"^needs 1 GPU \(16GiB\) but the inventory has 2 GPU\(s\)"):
+        client.acquire(shared(16 * GiB), "t::too_big", timeout=5)
+    assert broker.status()["waiting"] == []
+    assert client.acquire(whole(), "t::fine", timeout=5).indices == (0,)
+
+
+def test_request_blocked_by_contexts_is_refused(run: Run) -> None:
+    run.broker({0: 4 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    for worker in ("gw0", "gw1", "gw2"):
+        client = run.client(worker)
+        client.release(client.acquire(shared(256 * MiB), f"t::{worker}", timeout=5).key)  # contexts stay
+    with pytest.raises(BrokerError) as info:
+        run.client("gw3").acquire(shared(2 * GiB), "t::blocked", timeout=5)
+    assert str(info.value).startswith("1 GPU (2GiB) cannot fit beside the CUDA contexts that other processes keep open")
+
+
+def test_wrong_authkey_is_refused_and_the_broker_keeps_serving(run: Run) -> None:
+    broker = run.broker()
+    with pytest.raises(BrokerError) as info:
+        BrokerClient(broker.address, b"not the key", "intruder")
+    assert str(info.value).startswith(f"cannot reach the pytest-gpu broker at {broker.address}: ")
+    with pytest.raises(Exception):  # noqa: B017 - whatever multiprocessing raises, it is refused
+        Client(broker.address, family="AF_UNIX", authkey=os.urandom(16))
+    client = run.client("gw0")
+    assert client.acquire(whole(), "t::after", timeout=5).indices == (0,)
+    assert list(broker.status()["clients"].values()) == [{"worker": "gw0", "pid": os.getpid()}]
+
+
+def test_no_broker_at_the_address(tmp_path: Path) -> None:
+    address = str(tmp_path / "none.sock")
+    with pytest.raises(BrokerError, match=r"^cannot reach the pytest-gpu broker at .*none\.sock: "):
+        BrokerClient(address, b"key", "gw0")
+
+
+def test_socket_is_private(run: Run) -> None:
+    broker = run.broker()
+    assert os.stat(broker.address).st_mode & 0o777 == 0o600
+
+
+def test_lost_broker_is_a_broker_error(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    broker.close()
+    with pytest.raises(BrokerError, match=r"^lost the connection to the pytest-gpu broker"):
+        client.acquire(whole(), "t::x", timeout=5)
+
+
+# -- ports -----------------------------------------------------------------------------
+
+
+def test_ports_unique_across_clients_and_reclaimed(run: Run) -> None:
+    broker = run.broker(ports=PortPool((30000, 30005), check=always_free, seed=0))
+    a, b, c = run.client("gw0"), run.client("gw1"), run.client("gw2")
+    pa = a.ports(3, "t::a")
+    pb = b.ports(3, "t::b")
+    assert sorted(pa + pb) == list(range(30000, 30006))
+    with pytest.raises(BrokerError) as info:
+        c.ports(1, "t::c")
+    assert str(info.value) == "only 0 of 1 ports free in 30000-30005 (6 leased); widen --gpu-port-range"
+    a.release_ports("t::a")
+    assert sorted(broker.status()["ports"]) == sorted(pb)
+    assert sorted(c.ports(3, "t::c")) == sorted(pa)
+    owners = broker.status()["ports"]
+    assert {owners[p] for p in pb} == {f"{b.client_id}/t::b"}
+
+
+def test_release_ports_only_returns_that_owners(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    first = client.ports(2, "t::one")
+    second = client.ports(1, "t::two")
+    client.release_ports("t::one")
+    assert sorted(broker.status()["ports"]) == second
+    assert not set(first) & set(second)
+
+
+def test_real_ports_are_bindable(run: Run) -> None:
+    import socket
+
+    broker = run.broker(ports=PortPool(seed=11))  # the real bind check, the default range
+    for port in run.client("gw0").ports(4, "t::real"):
+        assert 20000 <= port <= 32767
+        with socket.socket() as sock:
+            sock.bind(("", port))
+    assert len(broker.status()["ports"]) == 4
+
+
+# -- contexts and affinity ---------------------------------------------------------------
+
+
+def test_reported_contexts_steer_placement(run: Run) -> None:
+    broker = run.broker({0: 16 * GiB, 1: 16 * GiB, 2: 16 * GiB})
+    client = run.client("gw0")
+    client.report_contexts({2})
+    assert broker.status()["contexts"] == {0: [], 1: [], 2: [client.client_id]}
+    assert client.acquire(shared(GiB), "t::home", timeout=5).indices == (2,)
+
+
+def test_release_with_contexts(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    grant = client.acquire(shared(GiB, count=2), "t::two", timeout=5)
+    client.release(grant.key, contexts={1})
+    assert broker.status()["contexts"] == {0: [], 1: [client.client_id]}
+    assert broker.status()["used"] == {0: 0, 1: OVERHEAD}
+
+
+# -- clients that go away --------------------------------------------------------------
+
+
+def test_closed_client_loses_everything_and_is_recorded(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw4")
+    client.acquire(whole(), "t::held", timeout=5)
+    ports = client.ports(2, "t::held")
+    client.close()
+    wait_for(lambda: not broker.status()["clients"], what="the disconnect")
+    status = broker.status()
+    assert (status["leases"], status["ports"], status["waiting"]) == ([], {}, [])
+    (crash,) = broker.crashes
+    assert (crash.worker, crash.pid, crash.test, crash.gpus, crash.ports) == (
+        "gw4",
+        os.getpid(),
+        "t::held",
+        (0,),
+        tuple(sorted(ports)),
+    )
+
+
+def test_client_that_held_nothing_is_no_crash(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    client.release(client.acquire(whole(), "t::x", timeout=5).key)
+    client.close()
+    wait_for(lambda: not broker.status()["clients"], what="the disconnect")
+    assert broker.crashes == []
+
+
+CHILD = """
+import sys, time
+from pytest_gpu.client import BrokerClient
+from pytest_gpu.requests import GpuRequest
+
+address, key, worker, test, count = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+client = BrokerClient(address, key, worker)
+client.set_test(test)
+indices = ()
+if count:
+    indices = client.acquire(GpuRequest(count=count, memory=None, exclusive=True), test, 30).indices
+ports = client.ports(2, test)
+print("ready", ",".join(map(str, indices)), ",".join(map(str, ports)), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def spawn(run: Run) -> Iterator[Callable[..., tuple[subprocess.Popen[str], list[int], list[int]]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(worker: str, test: str, count: int) -> tuple[subprocess.Popen[str], list[int], list[int]]:
+        broker = run.brokers[-1]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, broker.address, run.authkey.hex(), worker, test, str(count)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "ready", f"client process failed (exit code {proc.poll()})"
+        indices = [int(i) for i in line[1].split(",")] if count else []
+        ports = [int(p) for p in line[-1].split(",")]
+        return proc, indices, ports
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_sigkilled_client_process_frees_gpus_and_ports_within_a_second(run: Run, spawn: Any) -> None:
+    broker = run.broker()
+    test = "tests/test_crash.py::test_holds_two[param]"
+    proc, indices, ports = spawn("gw3", test, 2)
+    assert indices == [0, 1]
+    status = broker.status()
+    assert [row["gpus"] for row in status["leases"]] == [[0, 1]]
+    assert sorted(status["ports"]) == sorted(ports)
+
+    waiter = run.client("gw0")
+    thread = Acquirer(waiter, whole(2), "t::next", timeout=30)
+    wait_for(lambda: broker.status()["waiting"], what="the waiter to queue")
+
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + 1.0
+
+    def freed() -> bool:
+        status = broker.status()
+        return status["ports"] == {} and all(row["test"] != test for row in status["leases"])
+
+    while not freed():
+        assert time.monotonic() < deadline, f"not freed within 1 s: {broker.status()}"
+        time.sleep(0.005)
+    # the waiting client gets the GPUs the dead one held, just as fast
+    assert thread.done.wait(max(deadline - time.monotonic(), 0) + 0.001), "waiter not granted within 1 s"
+    assert isinstance(thread.result, Grant)
+    assert thread.result.indices == (0, 1)
+
+    (crash,) = broker.crashes
+    assert isinstance(crash, CrashRecord)
+    assert (crash.worker, crash.pid, crash.test, crash.gpus, crash.ports) == (
+        "gw3",
+        proc.pid,
+        test,
+        (0, 1),
+        tuple(sorted(ports)),
+    )
+    assert broker.status()["crashes"][0]["worker"] == "gw3"
+
+
+def test_crash_holding_only_ports_names_the_running_test(run: Run, spawn: Any) -> None:
+    broker = run.broker()
+    proc, _, ports = spawn("gw5", "tests/test_p.py::test_ports_only", 0)
+    proc.kill()
+    wait_for(lambda: broker.crashes, what="the crash record")
+    (crash,) = broker.crashes
+    assert (crash.worker, crash.test, crash.gpus, crash.ports) == (
+        "gw5",
+        "tests/test_p.py::test_ports_only",
+        (),
+        tuple(sorted(ports)),
+    )
+    assert broker.status()["ports"] == {}
+
+
+def test_replacement_worker_works_after_a_crash(run: Run, spawn: Any) -> None:
+    broker = run.broker()
+    proc, _, _ = spawn("gw1", "t::crashes", 2)
+    proc.kill()
+    wait_for(lambda: broker.crashes, what="the crash record")
+    replacement = run.client("gw8")
+    grant = replacement.acquire(whole(2), "t::next", timeout=5)
+    assert grant.indices == (0, 1)
+    assert replacement.ports(2, "t::next")
+    assert [c["worker"] for c in broker.status()["clients"].values()] == ["gw8"]
+
+
+# -- holders text ----------------------------------------------------------------------
+
+
+def test_describe_holders() -> None:
+    assert describe_holders([]) == "no test held a GPU at that moment"
+    rows = [
+        {"test": "t::a", "worker": "gw0", "gpus": [0, 1], "memory": 15 * GiB, "exclusive": True},
+        {"test": "t::b", "worker": "gw2", "gpus": [3], "memory": 512 * MiB, "exclusive": False},
+    ]
+    assert describe_holders(rows) == "held by t::a (gw0: GPU 0,1, whole GPU); t::b (gw2: GPU 3, 512MiB)"

@@ -1,0 +1,315 @@
+"""pytest_gpu.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpu import devices
+from pytest_gpu.devices import (
+    GPUS_FORM,
+    Device,
+    DeviceSpecError,
+    Inventory,
+    NvmlUnavailable,
+    discover,
+    parse_sim_spec,
+    select_visible,
+    sim_uuid,
+)
+from pytest_gpu.requests import SIZE_FORM
+
+GiB = 2**30
+
+# A hand-made "real" machine: UUIDs shaped like NVML's, two of them sharing a prefix.
+A100 = Device(0, "GPU-aaaa1111-0000-0000-0000-000000000000", 80 * GiB, "NVIDIA A100")
+H100 = Device(1, "GPU-bbbb2222-0000-0000-0000-000000000000", 80 * GiB, "NVIDIA H100")
+L4_A = Device(2, "GPU-cccc3333-0000-0000-0000-000000000000", 24 * GiB, "NVIDIA L4")
+L4_B = Device(3, "GPU-cccc4444-0000-0000-0000-000000000000", 24 * GiB, "NVIDIA L4")
+MACHINE = (A100, H100, L4_A, L4_B)
+
+
+def _no_nvml() -> tuple[Device, ...]:
+    raise NvmlUnavailable("NVML unavailable: NVML Shared Library Not Found")
+
+
+@pytest.fixture
+def without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "nvml_devices", _no_nvml)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "nvml_devices", lambda: MACHINE)
+
+
+# -- parse_sim_spec --------------------------------------------------------------------
+
+
+def test_sim_spec_uniform() -> None:
+    got = parse_sim_spec("sim:4x16GiB")
+    assert [d.index for d in got] == [0, 1, 2, 3]
+    assert {d.total_memory for d in got} == {16 * GiB}
+    assert all(d.simulated for d in got)
+    assert [d.uuid for d in got] == [sim_uuid(i) for i in range(4)]
+    assert got[0].name == "Simulated GPU 16GiB"
+
+
+def test_sim_spec_mixed_sizes_keep_their_order() -> None:
+    got = parse_sim_spec("sim:2x80GiB,2x24GiB")
+    assert [(d.index, d.total_memory) for d in got] == [(0, 80 * GiB), (1, 80 * GiB), (2, 24 * GiB), (3, 24 * GiB)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "sizes"),
+    [
+        ("sim:16GiB", [16 * GiB]),  # count defaults to 1
+        ("sim: 2 x 1GiB ", [GiB, GiB]),
+        ("sim:2X1GiB", [GiB, GiB]),
+        ("sim:2*1GiB", [GiB, GiB]),
+        ("sim:1x8GB", [8 * 10**9]),
+        ("2x1GiB", [GiB, GiB]),  # the prefix is optional here
+    ],
+)
+def test_sim_spec_forms(spec: str, sizes: list[int]) -> None:
+    assert [d.total_memory for d in parse_sim_spec(spec)] == sizes
+
+
+def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
+    uuids = [d.uuid for d in parse_sim_spec("sim:12x1GiB")]
+    assert len(set(uuids)) == 12
+    assert all(u.startswith("GPU-") and len(u) == len(A100.uuid) for u in uuids)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("sim:", "--gpus 'sim:': no simulated devices given; expected e.g. sim:4x16GiB"),
+        ("sim:  ", "--gpus 'sim:  ': no simulated devices given; expected e.g. sim:4x16GiB"),
+        ("sim:0x16GiB", "--gpus 'sim:0x16GiB': count and size must be positive in '0x16GiB'"),
+        ("sim:4x0", "--gpus 'sim:4x0': count and size must be positive in '4x0'"),
+        ("sim:4x16GiB,,", "--gpus 'sim:4x16GiB,,': cannot read ''; expected COUNTxSIZE such as 4x16GiB"),
+        ("sim:4xlots", f"--gpus 'sim:4xlots': bad size in '4xlots': expected {SIZE_FORM}, got 'lots'"),
+        (
+            "sim:4x16GiBs",
+            f"--gpus 'sim:4x16GiBs': bad size in '4x16GiBs': unknown unit 'GiBs' in '16GiBs': expected {SIZE_FORM}",
+        ),
+    ],
+)
+def test_sim_spec_errors(spec: str, message: str) -> None:
+    with pytest.raises(DeviceSpecError) as info:
+        parse_sim_spec(spec)
+    assert str(info.value) == message
+
+
+def test_device_spec_error_is_a_value_error() -> None:
+    assert issubclass(DeviceSpecError, ValueError)
+
+
+# -- discover --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["none", "NONE", " none "])
+def test_discover_none(spec: str) -> None:
+    inventory = discover(spec)
+    assert inventory == Inventory((), "none", "--gpus none")
+    assert inventory.describe() == "no GPUs (--gpus none)"
+    assert not inventory.simulated
+
+
+def test_discover_sim() -> None:
+    inventory = discover("sim:2x80GiB,2x24GiB")
+    assert inventory.source == "sim:2x80GiB,2x24GiB"
+    assert inventory.devices == parse_sim_spec("sim:2x80GiB,2x24GiB")
+    assert inventory.simulated
+    assert inventory.describe() == "4 simulated GPUs (2x80GiB, 2x24GiB)"
+
+
+def test_discover_sim_ignores_cuda_visible_devices() -> None:
+    inventory = discover("sim:4x16GiB", environ={"CUDA_VISIBLE_DEVICES": "1"})
+    assert len(inventory.devices) == 4
+
+
+def test_discover_sim_prefix_is_case_insensitive() -> None:
+    assert discover("SIM:2x1GiB").devices == parse_sim_spec("sim:2x1GiB")
+
+
+def test_discover_bad_sim_spec_raises() -> None:
+    with pytest.raises(DeviceSpecError, match=r"^--gpus 'sim:nope': bad size in 'nope'"):
+        discover("sim:nope")
+
+
+def test_discover_auto_without_a_driver_is_empty_with_a_note(without_nvml: None) -> None:
+    inventory = discover("auto")
+    assert inventory.devices == ()
+    assert inventory.source == "auto"
+    assert inventory.note == "NVML unavailable: NVML Shared Library Not Found"
+    assert inventory.describe() == "no GPUs (NVML unavailable: NVML Shared Library Not Found)"
+
+
+def test_discover_auto_on_this_machine_never_raises() -> None:
+    # the real NVML: no driver here (empty, with a note), a real GPU elsewhere
+    inventory = discover("auto")
+    if inventory.devices:
+        assert inventory.source == "nvml"
+    else:
+        assert inventory.note
+        assert inventory.describe().startswith("no GPUs (")
+
+
+def test_discover_index_list_without_nvml(without_nvml: None) -> None:
+    with pytest.raises(DeviceSpecError) as info:
+        discover("0,2,3")
+    assert str(info.value) == "--gpus '0,2,3': NVML unavailable: NVML Shared Library Not Found"
+
+
+def test_discover_auto_with_nvml(fake_nvml: None) -> None:
+    inventory = discover("auto", environ={})
+    assert inventory == Inventory(MACHINE, "nvml", "")
+    assert inventory.describe() == "4 GPUs (2x80GiB, 2x24GiB)"
+
+
+def test_discover_auto_honours_cuda_visible_devices_indices(fake_nvml: None) -> None:
+    inventory = discover("auto", environ={"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert inventory.devices == (L4_B, H100)
+
+
+def test_discover_auto_honours_cuda_visible_devices_uuids(fake_nvml: None) -> None:
+    inventory = discover("auto", environ={"CUDA_VISIBLE_DEVICES": f"{L4_A.uuid},{A100.uuid}"})
+    assert inventory.devices == (L4_A, A100)
+
+
+def test_discover_auto_with_empty_cuda_visible_devices(fake_nvml: None) -> None:
+    inventory = discover("auto", environ={"CUDA_VISIBLE_DEVICES": ""})
+    assert inventory.devices == ()
+    assert inventory.note == "NVML reports no GPUs"
+
+
+def test_discover_index_list(fake_nvml: None) -> None:
+    inventory = discover("2, 0")
+    assert inventory.devices == (L4_A, A100)
+    assert inventory.source == "nvml"
+
+
+def test_discover_index_list_unknown_index(fake_nvml: None) -> None:
+    with pytest.raises(DeviceSpecError) as info:
+        discover("0,7,9")
+    assert str(info.value) == "--gpus '0,7,9': no GPU with index [7, 9]; this machine has [0, 1, 2, 3]"
+
+
+def test_discover_index_list_duplicate(fake_nvml: None) -> None:
+    with pytest.raises(DeviceSpecError) as info:
+        discover("1,1")
+    assert str(info.value) == "--gpus '1,1': an index is listed twice"
+
+
+@pytest.mark.parametrize("spec", ["bogus", "all", "0-3", "gpu0", "-1", ""])
+def test_discover_unknown_spec(spec: str) -> None:
+    with pytest.raises(DeviceSpecError) as info:
+        discover(spec)
+    assert str(info.value) == f"--gpus {spec!r}: expected {GPUS_FORM}"
+
+
+# -- select_visible --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        ("0,1,2,3", MACHINE),
+        ("2,0", (L4_A, A100)),
+        (" 3 , 1 ", (L4_B, H100)),
+        ("1", (H100,)),
+        ("", ()),
+    ],
+)
+def test_select_visible_by_index(visible: str, expected: tuple[Device, ...]) -> None:
+    assert select_visible(MACHINE, visible) == expected
+
+
+def test_select_visible_full_uuids_keep_their_order() -> None:
+    assert select_visible(MACHINE, f"{L4_B.uuid},{A100.uuid}") == (L4_B, A100)
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        ("GPU-bbbb", (H100,)),
+        ("bbbb2222", (H100,)),  # the GPU- prefix may be left out, as CUDA allows
+        ("GPU-cccc4,aaaa", (L4_B, A100)),
+    ],
+)
+def test_select_visible_uuid_prefixes(visible: str, expected: tuple[Device, ...]) -> None:
+    assert select_visible(MACHINE, visible) == expected
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        ("1,7,2", (H100,)),  # unknown index ends the list
+        ("0,-1,2", (A100,)),  # a negative index too
+        ("1,GPU-cccc,0", (H100,)),  # an ambiguous prefix (two L4s) too
+        ("GPU-ffff,0", ()),  # an unknown UUID too
+        ("2,2,3", (L4_A,)),  # a repeated device too
+        ("0,,1", (A100,)),  # an empty entry too
+    ],
+)
+def test_select_visible_invalid_entry_ends_the_list(visible: str, expected: tuple[Device, ...]) -> None:
+    assert select_visible(MACHINE, visible) == expected
+
+
+def test_select_visible_indices_are_physical_not_positions() -> None:
+    # a machine whose NVML list was already filtered: indices 4 and 6 remain
+    gpus = (Device(4, "GPU-4444", GiB), Device(6, "GPU-6666", GiB))
+    assert select_visible(gpus, "6,4") == (gpus[1], gpus[0])
+    assert select_visible(gpus, "0,1") == ()
+
+
+# -- Inventory -------------------------------------------------------------------------
+
+
+def test_inventory_describe_single_and_plural() -> None:
+    assert Inventory((A100,), "nvml").describe() == "1 GPU (1x80GiB)"
+    assert Inventory(parse_sim_spec("sim:1x16GiB"), "sim:1x16GiB").describe() == "1 simulated GPU (1x16GiB)"
+    assert Inventory(parse_sim_spec("sim:4x16GiB"), "sim:4x16GiB").describe() == "4 simulated GPUs (4x16GiB)"
+
+
+def test_inventory_describe_empty_without_note_uses_source() -> None:
+    assert Inventory((), "nvml").describe() == "no GPUs (nvml)"
+
+
+def test_inventory_by_index() -> None:
+    inventory = Inventory((H100, L4_B), "nvml")
+    assert inventory.by_index(3) is L4_B
+    with pytest.raises(KeyError):
+        inventory.by_index(0)
+
+
+@pytest.mark.parametrize(
+    "inventory",
+    [
+        Inventory(MACHINE, "nvml"),
+        Inventory(parse_sim_spec("sim:2x80GiB,2x24GiB"), "sim:2x80GiB,2x24GiB"),
+        Inventory((), "auto", "NVML unavailable: no driver"),
+        Inventory((L4_B,), "nvml", "picked by hand"),
+    ],
+)
+def test_inventory_wire_round_trip(inventory: Inventory) -> None:
+    wire = inventory.to_wire()
+    assert Inventory.from_wire(wire) == inventory
+    assert Inventory.from_wire(wire).simulated == inventory.simulated
+
+
+def test_inventory_wire_form_is_plain_data() -> None:
+    import json
+
+    wire = Inventory((A100,), "nvml", "").to_wire()
+    assert json.loads(json.dumps(wire)) == {
+        "source": "nvml",
+        "note": "",
+        "devices": [[0, A100.uuid, 80 * GiB, "NVIDIA A100", False]],
+    }
+
+
+def test_inventory_from_wire_without_note() -> None:
+    data = {"source": "sim:1x1GiB", "devices": [[0, sim_uuid(0), GiB, "Simulated GPU 1GiB", True]]}
+    assert Inventory.from_wire(data) == Inventory(parse_sim_spec("sim:1x1GiB"), "sim:1x1GiB", "")
