@@ -9,7 +9,9 @@ any test is skipped with that reason.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 
@@ -24,3 +26,41 @@ def require(component: str, *, module: str | None = None, executable: str | None
         pytest.skip(f"{MISSING}: {component} (python module {module!r} not installed)")
     if executable is not None and shutil.which(executable) is None:
         pytest.skip(f"{MISSING}: {component} ({executable!r} not on PATH)")
+
+
+# -- end-to-end runs of the plugin through pytester ----------------------------------
+
+# Inner pytest runs: no cache files in the test directory, and no unrelated plugins
+# (their start-up cost is paid by every xdist worker).
+INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest")
+_OUTER_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "PYTEST_ADDOPTS")
+
+
+@pytest.fixture
+def gpu_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """``pytester`` with an environment free of GPU selection and pytest-gpu variables.
+
+    An inner run must not inherit a lease (or a simulated ledger) from the run that
+    executes this test suite.
+    """
+    for name in list(os.environ):
+        if name in _OUTER_VARS or name.startswith("PYTEST_GPU_"):
+            monkeypatch.delenv(name)
+    return pytester
+
+
+@pytest.fixture
+def run_inner(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
+    """``run_inner(*args, subprocess=False, timeout=120)``: pytest on ``gpu_pytester``'s files.
+
+    In-process by default; ``subprocess=True`` for anything with ``-n`` (xdist needs
+    real processes) or that must start from a fresh interpreter.
+    """
+
+    def run(*args: str, subprocess: bool = False, timeout: float = 120) -> pytest.RunResult:
+        full = (*INNER_ARGS, *args)
+        if subprocess:
+            return gpu_pytester.runpytest_subprocess(*full, timeout=timeout)
+        return gpu_pytester.runpytest_inprocess(*full)
+
+    return run

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,6 +161,11 @@ class Broker:
                 info.send(self._handle(info, kind, body))
         except (EOFError, OSError):
             pass
+        except Exception:
+            # close() closed the connection under a blocked recv(): multiprocessing then
+            # raises TypeError from a handle set to None. Anything else is a real error.
+            if not self._closing:
+                raise
         finally:
             if info is not None:
                 self._disconnect(info)
@@ -293,16 +299,52 @@ class Broker:
     def _disconnect(self, info: ClientInfo) -> None:
         with self._lock:
             self._clients.pop(info.client, None)
+            # The process keeps its CUDA contexts until it exits, which may be a while after
+            # it closed its connection (a worker shutting down): keep counting them till then.
+            contexts = {i for i, gpu in self.pool.gpus.items() if info.client in gpu.contexts}
+            if contexts and not self._closing:
+                self._hold_contexts_until_exit(info, contexts)
             held, granted = self.pool.forget_client(info.client)
+            # port owners are "<test node id>@<pid>" (see lifecycle.ports_fixture)
+            mine = [o.split("/", 1)[1] for o in self.ports.owners.values() if o.startswith(f"{info.client}/")]
+            port_tests = sorted({o.rsplit("@", 1)[0] for o in mine})
             ports = self.ports.give_back_prefix(f"{info.client}/")
             for key in [k for k in self._queued_at if k.startswith(f"{info.client}/")]:
                 del self._queued_at[key]
             if (held or ports) and not self._closing:
                 tests = sorted({info.tests.get(lease.key, "?") for lease in held})
-                test = ", ".join(tests) if tests else info.current_test
+                test = ", ".join(tests) if tests else info.current_test or ", ".join(port_tests) or None
                 gpus = tuple(sorted({i for lease in held for i in lease.placement.indices}))
                 self.crashes.append(CrashRecord(info.worker, info.pid, test, gpus, tuple(sorted(ports)), time.time()))
             self._push_locked(granted)
+
+    def _hold_contexts_until_exit(self, info: ClientInfo, contexts: set[int]) -> None:
+        """Count ``info``'s contexts under a stand-in client until its process has exited.
+
+        Waits on a pidfd (readable once the process has terminated; it does not reap it),
+        so no polling. Without pidfds (not Linux) the contexts are dropped at once.
+        """
+        if info.pid <= 0 or info.pid == os.getpid() or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(info.pid)
+        except OSError:
+            return  # already gone
+        stand_in = f"{info.client}~exiting"
+        self.pool.set_contexts(stand_in, contexts)
+        self.pool.exiting.add(stand_in)
+
+        def wait() -> None:
+            try:
+                select.select([fd], [], [])
+            finally:
+                os.close(fd)
+            with self._lock:
+                self.pool.set_contexts(stand_in, set())
+                self.pool.exiting.discard(stand_in)
+                self._push_locked(self.pool.serve())
+
+        threading.Thread(target=wait, name=f"pytest-gpu-exit-{info.pid}", daemon=True).start()
 
     def status_locked(self) -> dict[str, Any]:
         return {

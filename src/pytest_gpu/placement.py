@@ -142,6 +142,9 @@ class Pool:
         self.gpus: dict[int, GpuState] = {i: GpuState(i, c) for i, c in sorted(capacities.items())}
         self.leases: dict[str, Lease] = {}
         self.queue: list[Waiting] = []
+        # clients whose contexts are going away (their process is exiting): they count
+        # against capacity now, but cannot make a request wait forever
+        self.exiting: set[str] = set()
 
     # -- questions -------------------------------------------------------------
 
@@ -158,7 +161,7 @@ class Pool:
 
     def blocked_forever(self, waiting: Waiting) -> str | None:
         """Why a waiting request could not be placed even with every lease returned."""
-        drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
+        drained = [GpuState(g.index, g.capacity, contexts=g.contexts - self.exiting) for g in self.gpus.values()]
         if place(drained, waiting.request, waiting.client, self.policy, within_budget=False) is not None:
             return None
         busy = ", ".join(f"GPU {g.index}: {len(g.contexts)}" for g in self.gpus.values() if g.contexts)

@@ -1,0 +1,254 @@
+"""End-to-end: bad markers, bad options and ini keys, requests the machine can never satisfy.
+
+Every error is checked with its exact text.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+MARKER_FORM = '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
+SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
+GPUS_FORM = "auto, none, an index list such as 0,2,3, or simulated devices such as sim:4x16GiB"
+
+BAD_MARKERS = """
+import pytest
+
+@pytest.mark.gpu(0)
+def test_zero():
+    pass
+
+@pytest.mark.gpu(count=-2)
+def test_negative():
+    pass
+
+@pytest.mark.gpu(colour="red")
+def test_unknown_keyword():
+    pass
+
+@pytest.mark.gpu(memory="lots")
+def test_unparsable_size():
+    pass
+
+@pytest.mark.gpu(memory="20GiB")
+def test_too_big():
+    pass
+
+def test_innocent():
+    pass
+"""
+
+
+def test_bad_marker_arguments_fail_collection_naming_test_and_form(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_bad=BAD_MARKERS)
+    result = run_inner("--gpus", "sim:4x16GiB")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.assert_outcomes(errors=1)
+    expected = [
+        "pytest-gpu: invalid GPU request",
+        f"test_bad.py::test_zero: gpu marker: count must be a positive int, got 0; expected {MARKER_FORM}",
+        f"test_bad.py::test_negative: gpu marker: count must be a positive int, got -2; expected {MARKER_FORM}",
+        f"test_bad.py::test_unknown_keyword: gpu marker: unknown keyword 'colour'; expected {MARKER_FORM}",
+        f"test_bad.py::test_unparsable_size: gpu marker: memory='lots' is not a size: expected {SIZE_FORM}, got 'lots'",
+        "test_bad.py::test_too_big: gpu marker: memory=20GiB is larger than any GPU can give (15.5GiB after the "
+        "CUDA context on the largest of 4 simulated GPUs (4x16GiB)); expected a smaller memory= or exclusive=True",
+    ]
+    lines = result.stdout.lines
+    start = lines.index(expected[0])
+    assert lines[start : start + len(expected)] == expected
+    result.stdout.fnmatch_lines(["ERROR test_bad.py - pytest-gpu: invalid GPU request"])
+    assert "test_innocent" not in result.stdout.str()  # nothing of the module ran
+
+
+def test_bad_marker_fails_collection_under_xdist(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_bad="import pytest\n\n@pytest.mark.gpu(2, size=3)\ndef test_x():\n    pass\n")
+    result = run_inner("--gpus", "sim:2x16GiB", "-n", "2", subprocess=True)
+    assert result.ret != pytest.ExitCode.OK
+    result.stdout.fnmatch_lines([f"test_bad.py::test_x: gpu marker: unknown keyword 'size'; expected {MARKER_FORM}"])
+
+
+def test_bad_gpu_request_arguments_fail_the_test(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_section="""
+        def test_zero(gpu_request):
+            with gpu_request(count=0):
+                pass
+
+        def test_unknown(gpu_request):
+            with gpu_request(memory="1GiB", shared=True):
+                pass
+        """
+    )
+    result = run_inner("--gpus", "sim:2x16GiB")
+    result.assert_outcomes(failed=2)
+    form = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
+    result.stdout.fnmatch_lines(
+        [f"E * test_section.py::test_zero: gpu_request: count must be a positive int, got 0; expected {form}"]
+    )
+    result.stdout.fnmatch_lines(
+        [f"E * test_section.py::test_unknown: gpu_request: unknown keyword 'shared'; expected {form}"]
+    )
+
+
+# (option, value, ini key, the message after "ERROR: <where>")
+BAD_OPTIONS = [
+    ("--gpus", "garbage", "gpus", None),
+    ("--gpu-verify", "maybe", "gpu_verify", "expected one of fail, warn, off, got 'maybe'"),
+    ("--gpu-oversize", "x", "gpu_oversize", "expected one of skip, fail, got 'x'"),
+    ("--gpu-wait-timeout", "-1", "gpu_wait_timeout", "expected a positive number of seconds, got '-1'"),
+    ("--gpu-wait-timeout", "abc", "gpu_wait_timeout", "expected a positive number of seconds, got 'abc'"),
+    ("--gpu-wait-timeout", "0", "gpu_wait_timeout", "expected a positive number of seconds, got '0'"),
+    (
+        "--gpu-default-memory",
+        "abc",
+        "gpu_default_memory",
+        f"expected 'exclusive' or a size; expected {SIZE_FORM}, got 'abc'",
+    ),
+    (
+        "--gpu-default-memory",
+        "0",
+        "gpu_default_memory",
+        "expected 'exclusive' or a size; expected a positive size, got '0'",
+    ),
+    ("--gpu-context-overhead", "abc", "gpu_context_overhead", f"expected {SIZE_FORM}, got 'abc'"),
+    ("--gpu-port-range", "5-1", "gpu_port_range", "expected 1024 <= LOW <= HIGH <= 65535, got '5-1'"),
+    ("--gpu-port-range", "abc", "gpu_port_range", "expected a port range LOW-HIGH such as 20000-32767, got 'abc'"),
+]
+
+
+def _expected_error(option: str, value: str, ini: str, message: str | None, *, from_ini: bool) -> str:
+    if message is None:  # --gpus names itself, wherever the value came from
+        return f"ERROR: --gpus {value!r}: expected {GPUS_FORM}"
+    where = f"ini key {ini!r}" if from_ini else option
+    return f"ERROR: {where}: {message}"
+
+
+@pytest.mark.parametrize(("option", "value", "ini", "message"), BAD_OPTIONS)
+def test_bad_option_value_is_a_usage_error(gpu_pytester, run_inner, option, value, ini, message):
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner(f"{option}={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert _expected_error(option, value, ini, message, from_ini=False) in result.errlines
+    assert "test_cpu" not in result.stdout.str()  # nothing ran
+
+
+@pytest.mark.parametrize(("option", "value", "ini", "message"), BAD_OPTIONS)
+def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, ini, message):
+    gpu_pytester.makeini(f"[pytest]\n{ini} = {value}\n")
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
+
+
+def test_command_line_beats_ini(gpu_pytester, run_inner):
+    gpu_pytester.makeini("[pytest]\ngpu_verify = maybe\ngpus = sim:1x8GiB\n")
+    gpu_pytester.makepyfile("import pytest\n\n@pytest.mark.gpu\ndef test_g(gpu):\n    assert gpu.indices == (0,)\n")
+    result = run_inner("--gpu-verify=warn")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: 1 simulated GPU (1x8GiB) [[]sim:1x8GiB[]] · 1 GPU test *"])
+
+
+OVERSIZE = """
+import pytest
+
+@pytest.mark.gpu(3)
+def test_three():
+    pass
+
+@pytest.mark.gpu(memory="1GiB")
+def test_fits(gpu):
+    pass
+
+def test_section(gpu_request):
+    with gpu_request(count=5, memory="1GiB"):
+        raise AssertionError("must not get here")
+
+def test_cpu():
+    pass
+"""
+
+
+def test_oversize_is_skipped_naming_need_and_inventory(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_over=OVERSIZE)
+    result = run_inner("--gpus", "sim:2x16GiB", "-rs")
+    result.assert_outcomes(passed=2, skipped=2)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.re_match_lines(
+        [
+            re.escape(
+                "SKIPPED [1] test_over.py:3: pytest-gpu: needs 3 GPUs (whole GPU each) but this run has 2 "
+                "simulated GPUs (2x16GiB)"
+            ),
+        ]
+    )
+    result.stdout.re_match_lines(
+        [
+            r"SKIPPED \[1\] .*: "
+            + re.escape("pytest-gpu: needs 5 GPUs (1GiB each) but this run has 2 simulated GPUs (2x16GiB)")
+        ]
+    )
+
+
+def test_oversize_fail(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_over=OVERSIZE)
+    result = run_inner("--gpus", "sim:2x16GiB", "--gpu-oversize=fail")
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*_ ERROR at setup of test_three _*",
+            "pytest-gpu: needs 3 GPUs (whole GPU each) but this run has 2 simulated GPUs (2x16GiB) "
+            "(--gpu-oversize=fail)",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_section _*",
+            "pytest-gpu: needs 5 GPUs (1GiB each) but this run has 2 simulated GPUs (2x16GiB) (--gpu-oversize=fail)",
+        ]
+    )
+
+
+def test_gpus_none_skips_gpu_tests_and_runs_the_rest(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_none="""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_marker():
+            pass
+
+        def test_fixture(gpu):
+            pass
+
+        @pytest.mark.gpu(memory="1TiB")
+        def test_huge():
+            pass
+
+        def test_cpu(port):
+            assert port > 0
+        """
+    )
+    result = run_inner("--gpus", "none", "-rs")
+    result.assert_outcomes(passed=1, skipped=3)
+    none = "but this run has no GPUs (--gpus none)"
+    result.stdout.fnmatch_lines_random(
+        [
+            f"SKIPPED [[]1[]] test_none.py:3: pytest-gpu: needs 1 GPU (whole GPU) {none}",
+            f"SKIPPED [[]1[]] test_none.py: pytest-gpu: needs 1 GPU (whole GPU) {none}",
+            f"SKIPPED [[]1[]] test_none.py:10: pytest-gpu: needs 1 GPU (1024GiB) {none}",
+        ]
+    )
+    result.stdout.fnmatch_lines(["pytest-gpu: no GPUs (--gpus none) [[]none[]] · 0 GPU tests · *"])
+
+
+def test_gpus_none_with_oversize_fail(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile("import pytest\n\n@pytest.mark.gpu\ndef test_marker():\n    pass\n")
+    result = run_inner("--gpus", "none", "--gpu-oversize=fail")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["pytest-gpu: needs 1 GPU (whole GPU) but this run has no GPUs (--gpus none) (--gpu-oversize=fail)"]
+    )

@@ -1,0 +1,248 @@
+"""End-to-end: verification after each GPU test, and what gets reported (junitxml, summary)."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+GiB = 2**30
+
+VIOLATORS = """
+import os
+import subprocess
+import sys
+
+import pytest
+from pytest_gpu import sim
+
+LEAK = []
+
+@pytest.mark.gpu(memory="2GiB")
+def test_outside(gpu):
+    # the test widens its own view and allocates on a GPU it was not given
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(1 - gpu.indices[0])
+    sim.allocate("1GiB").free()
+
+@pytest.mark.gpu(memory="1GiB")
+def test_peak(gpu):
+    # a subprocess is not capped in-process: it allocates 2GiB (+ its context) on a 1GiB lease
+    code = "from pytest_gpu import sim; sim.allocate('2GiB').free()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+@pytest.mark.gpu(memory="2GiB")
+def test_leak(gpu):
+    LEAK.append(sim.allocate("1GiB"))
+
+@pytest.mark.gpu(memory="2GiB")
+def test_good(gpu):
+    sim.hold("1GiB", 0.01)
+"""
+
+OUTSIDE = r"  - used memory on GPU (\d) \(1GiB at peak\) outside its lease \(GPU (\d)\)"
+PEAK = r"  - peak 2\.5GiB on GPU \d is above its budget of 1GiB"
+LEAKED = r"  - still holds 1GiB on GPU \d after the test \(a leaked allocation, or a subprocess still running\)"
+
+
+def _check_outside(text: str) -> None:
+    match = re.search(OUTSIDE, text)
+    assert match is not None, text
+    assert match.group(1) != match.group(2)
+
+
+def test_verify_fail_turns_violations_into_teardown_errors(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_v=VIOLATORS)
+    result = run_inner("--gpus", "sim:2x16GiB")  # --gpu-verify=fail is the default
+    result.assert_outcomes(passed=4, errors=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["*_ ERROR at teardown of test_outside _*", "pytest-gpu: test_v.py::test_outside broke its GPU lease:"]
+    )
+    result.stdout.fnmatch_lines(
+        ["*_ ERROR at teardown of test_peak _*", "pytest-gpu: test_v.py::test_peak broke its GPU lease:"]
+    )
+    result.stdout.fnmatch_lines(
+        ["*_ ERROR at teardown of test_leak _*", "pytest-gpu: test_v.py::test_leak broke its GPU lease:"]
+    )
+    result.stdout.re_match_lines([PEAK])
+    result.stdout.re_match_lines([LEAKED])
+    _check_outside(result.stdout.str())
+    assert "test_good broke" not in result.stdout.str()
+    assert "INTERNALERROR" not in result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: 2 simulated GPUs (2x16GiB) [[]sim:2x16GiB[]] · 4 GPU tests · "
+            "waited *s in total · 3 violations",
+            "pytest-gpu: lease broken by test_v.py::test_outside",
+            "pytest-gpu: lease broken by test_v.py::test_peak",
+            "pytest-gpu: lease broken by test_v.py::test_leak",
+        ]
+    )
+
+
+def test_verify_warn_passes_with_warnings(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_v=VIOLATORS)
+    result = run_inner("--gpus", "sim:2x16GiB", "--gpu-verify=warn")
+    result.assert_outcomes(passed=4, warnings=3)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "*= warnings summary =*",
+            "test_v.py::test_outside",
+            "*PytestWarning: pytest-gpu: test_v.py::test_outside broke its GPU lease:",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["test_v.py::test_leak", "*PytestWarning: pytest-gpu: test_v.py::test_leak broke its GPU lease:"]
+    )
+    result.stdout.re_match_lines([r"\s+- peak 2\.5GiB on GPU \d is above its budget of 1GiB"])
+    result.stdout.fnmatch_lines(["pytest-gpu: * · 4 GPU tests · * · 3 violations"])
+
+
+def test_verify_off_checks_nothing(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_v=VIOLATORS)
+    result = run_inner("--gpus", "sim:2x16GiB", "--gpu-verify=off")
+    result.assert_outcomes(passed=4)
+    assert "broke its GPU lease" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["pytest-gpu: * · 4 GPU tests · * · 0 violations"])
+
+
+def test_verify_under_xdist(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_v=VIOLATORS)
+    result = run_inner("--gpus", "sim:2x16GiB", "-n", "2", subprocess=True)
+    result.assert_outcomes(passed=4, errors=3)
+    result.stdout.re_match_lines([PEAK])
+    result.stdout.re_match_lines([LEAKED])
+    _check_outside(result.stdout.str())
+    result.stdout.fnmatch_lines(["pytest-gpu: * · 4 GPU tests · * · 3 violations"])
+
+
+def test_in_process_allocation_is_capped_at_the_lease(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_cap="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_cap(gpu):
+            with sim.allocate("768MiB"):
+                with pytest.raises(sim.OutOfMemoryError, match=r"is capped at 1GiB \\(its pytest-gpu lease\\)"):
+                    sim.allocate("512MiB")
+
+        def test_uncapped_afterwards():
+            sim.allocate("4GiB").free()  # no lease, no cap
+        """
+    )
+    run_inner("--gpus", "sim:1x16GiB").assert_outcomes(passed=2)
+
+
+REPORTED = """
+import pytest
+from pytest_gpu import sim
+
+@pytest.mark.gpu(memory="2GiB")
+def test_one(gpu):
+    sim.hold("1GiB", 0.01)
+
+@pytest.mark.gpu(count=2, memory="3GiB")
+def test_two(gpu):
+    sim.hold("512MiB", 0.01, device=1)  # the second leased GPU only
+
+LEAK = []
+
+@pytest.mark.gpu(memory="1GiB")
+def test_leaky(gpu):
+    LEAK.append(sim.allocate("256MiB"))
+
+def test_cpu():
+    pass
+"""
+
+
+def _properties(xml: Path) -> dict[str, dict[str, str]]:
+    out = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        out[case.get("name")] = props
+    return out
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["single", "xdist"])
+def test_user_properties_in_junitxml(gpu_pytester, run_inner, xdist):
+    gpu_pytester.makepyfile(test_r=REPORTED)
+    xml = gpu_pytester.path / "junit.xml"
+    args = ["--gpus", "sim:2x16GiB", f"--junitxml={xml}"]
+    if xdist:
+        args += ["-n", "2"]
+    result = run_inner(*args, subprocess=xdist)
+    result.assert_outcomes(passed=4, errors=1)
+    props = _properties(xml)
+    assert props["test_cpu"] == {}
+
+    one = props["test_one"]
+    assert set(one) == {"gpu_indices", "gpu_wait_seconds", "gpu_peak_bytes", "gpu_violations"}
+    assert one["gpu_indices"] in ("0", "1")
+    assert float(one["gpu_wait_seconds"]) >= 0
+    assert one["gpu_peak_bytes"] == f"{one['gpu_indices']}={GiB}"
+    assert one["gpu_violations"] == "0"
+
+    two = props["test_two"]
+    assert two["gpu_indices"] == "0,1"
+    assert two["gpu_peak_bytes"] == f"0=0,1={512 * 2**20}"
+    assert two["gpu_violations"] == "0"
+
+    leaky = props["test_leaky"]
+    assert leaky["gpu_violations"] == "1"
+    assert leaky["gpu_peak_bytes"] == f"{leaky['gpu_indices']}={256 * 2**20}"
+
+    result.stdout.re_match_lines(
+        [
+            r"pytest-gpu: 2 simulated GPUs \(2x16GiB\) \[sim:2x16GiB\] · 3 GPU tests · "
+            r"waited \d+\.\ds in total · 1 violation$"
+        ]
+    )
+    result.stdout.fnmatch_lines(["pytest-gpu: lease broken by test_r.py::test_leaky"])
+
+
+def test_summary_counts_wait_time(gpu_pytester, run_inner):
+    # two exclusive tests on one GPU under -n 2: the second asks once the first holds the
+    # GPU (for 1.5s after that), so it waits and the first does not
+    held = str(gpu_pytester.path / "held")
+    gpu_pytester.makeconftest(
+        f"""
+        import os
+        import time
+        import pytest
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_setup(item):
+            if item.name == "test_exclusive[1]":
+                deadline = time.monotonic() + 30
+                while not os.path.exists({held!r}) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        """
+    )
+    gpu_pytester.makepyfile(
+        test_w=f"""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.parametrize("i", range(2))
+        @pytest.mark.gpu(exclusive=True)
+        def test_exclusive(i, gpu):
+            if i == 0:
+                open({held!r}, "w").close()
+                sim.hold("1GiB", 1.5)
+        """
+    )
+    xml = gpu_pytester.path / "junit.xml"
+    result = run_inner("--gpus", "sim:1x16GiB", "-n", "2", f"--junitxml={xml}", subprocess=True)
+    result.assert_outcomes(passed=2)
+    props = _properties(xml)
+    first = float(props["test_exclusive[0]"]["gpu_wait_seconds"])
+    second = float(props["test_exclusive[1]"]["gpu_wait_seconds"])
+    assert first < 0.5 < second  # the second waited for the first's hold
+    total = float(re.search(r"· waited (\d+\.\d)s in total ·", result.stdout.str()).group(1))
+    assert total == pytest.approx(first + second, abs=0.1)
