@@ -183,7 +183,9 @@ class Broker:
                 if self.pool.cancel(key):
                     self._queued_at.pop(key, None)
                     info.tests.pop(key, None)
-                    return ("cancelled", {"holders": self._holders_locked()})
+                    holders = self._holders_locked()
+                    self._push_locked(self.pool.serve())  # what waited behind it may fit now
+                    return ("cancelled", {"holders": holders})
             return ("not-waiting", {})
         if kind == "release":
             key = f"{info.client}/{body['key']}"
@@ -233,13 +235,19 @@ class Broker:
             mine = [lease for lease in granted if lease.key == key]
             self._send_grants_locked([lease for lease in granted if lease.key != key])
             blocked = self._blocked_locked()
-            if key in blocked:
+            refusal = blocked.pop(key, None)
+            if refusal is not None:
                 self.pool.cancel(key)
                 info.tests.pop(key, None)
                 self._queued_at.pop(key, None)
-                return ("error", blocked.pop(key))
             for other_key, message in blocked.items():
                 self._reject_locked(other_key, message)
+            if blocked or refusal is not None:  # the queue shrank: serve again
+                again = self.pool.serve()
+                mine = mine or [lease for lease in again if lease.key == key]
+                self._push_locked([lease for lease in again if lease.key != key])
+            if refusal is not None:
+                return ("error", refusal)
             if mine:
                 self.grants += 1
                 self._queued_at.pop(key, None)
@@ -249,10 +257,16 @@ class Broker:
     # -- shared helpers (call with self._lock held) -----------------------------------
 
     def _push_locked(self, granted: list[Lease]) -> None:
-        """After a release: send the new grants, turn away what can never be placed."""
-        self._send_grants_locked(granted)
-        for key, message in self._blocked_locked().items():
-            self._reject_locked(key, message)
+        """After a change: send the new grants, turn away what can never be placed, and
+        serve again while turning requests away lets others through (the queue shrank)."""
+        while True:
+            self._send_grants_locked(granted)
+            blocked = self._blocked_locked()
+            for key, message in blocked.items():
+                self._reject_locked(key, message)
+            if not blocked:
+                return
+            granted = self.pool.serve()
 
     def _send_grants_locked(self, granted: list[Lease]) -> None:
         now = time.monotonic()

@@ -197,7 +197,7 @@ def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict
     reason = run.never_fits(request)
     if reason is not None:
         if run.settings.oversize == "skip":
-            pytest.skip(f"pytest-gpu: {reason}")
+            raise pytest.skip.Exception(f"pytest-gpu: {reason}", _use_item_location=True)
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
     state = node.stash[STATE_KEY]
     active = _acquire(run, request, node)

@@ -32,7 +32,8 @@ def base_dir() -> Path:
 def _owner_alive(run: Path) -> bool:
     try:
         owner = json.loads((run / OWNER_FILE).read_text())
-        return psutil.Process(int(owner["pid"])).create_time() == owner["ctime"]
+        proc = psutil.Process(int(owner["pid"]))
+        return proc.create_time() == owner["ctime"] and proc.status() != psutil.STATUS_ZOMBIE
     except (OSError, ValueError, KeyError, psutil.Error):
         return False
 
