@@ -499,3 +499,23 @@ def test_describe_holders() -> None:
         {"test": "t::b", "worker": "gw2", "gpus": [3], "memory": 512 * MiB, "exclusive": False},
     ]
     assert describe_holders(rows) == "held by t::a (gw0: GPU 0,1, whole GPU); t::b (gw2: GPU 3, 512MiB)"
+
+
+def test_a_request_that_gives_up_lets_the_one_behind_it_through(run: Run) -> None:
+    # One 16 GiB GPU; max_bypass=0 means nothing may overtake a waiting request.
+    broker = run.broker({0: 16 * GiB}, policy=Policy(overhead=OVERHEAD, max_bypass=0))
+    holder, big, small = run.client("gw0"), run.client("gw1"), run.client("gw2")
+    held = holder.acquire(shared(8 * GiB), "t_hold", 5)
+    got: list[Grant] = []
+    waiter = threading.Thread(target=lambda: got.append(small.acquire(shared(2 * GiB), "t_small", 10)))
+    with pytest.raises(WaitTimeout):
+        # the big request waits (it does not fit beside the 8 GiB lease); the small one
+        # queues behind it and may not overtake it...
+        threading.Timer(0.2, waiter.start).start()
+        big.acquire(shared(12 * GiB), "t_big", 1.0)
+    # ...until the big one gives up: then the small one is served at once, not at the
+    # next release.
+    waiter.join(timeout=2)
+    assert got and got[0].indices == (0,)
+    assert broker.status()["waiting"] == []
+    holder.release(held.key)
