@@ -58,6 +58,18 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "'on': distributed tests reuse warm rank pools; 'off': fresh ranks for every test (for debugging).",
     ),
     ("--dist-pool-idle", "dist_pool_idle", "60", "seconds an idle rank pool lives before it is shut down."),
+    (
+        "--rank-log-dir",
+        "rank_log_dir",
+        "logs",
+        "under a launcher: ranks other than 0 write their output to DIR/<launcher>/rank<N>.log.",
+    ),
+    (
+        "--rank-gather-timeout",
+        "rank_gather_timeout",
+        "300",
+        "under a launcher: seconds rank 0 waits for every rank's results before reporting the missing ones.",
+    ),
 )
 
 
@@ -67,6 +79,18 @@ def register(parser: pytest.Parser) -> None:
         dest = ini
         group.addoption(option, dest=dest, default=None, help=f"{help_text} (ini: {ini})")
         parser.addini(ini, help_text, default=default)
+    group.addoption(
+        "--shard",
+        action="store_true",
+        default=False,
+        help="under a launcher (srun/mpirun/torchrun): each rank runs its share of the suite, rank 0 reports all.",
+    )
+    parser.addini(
+        "launcher_markers",
+        "strategy markers and the launchers they may run under, one 'MARKER: LAUNCHER ...' per line.",
+        type="linelist",
+        default=[],
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +105,7 @@ class Settings:
     dist_timeout: float = 300.0
     dist_pool: bool = True
     dist_pool_idle: float = 60.0
+    rank_gather_timeout: float = 300.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -157,6 +182,7 @@ def read(config: pytest.Config) -> Settings:
         dist_timeout=_seconds(config, "dist_timeout"),
         dist_pool=_choice(config, "dist_pool", ("on", "off")) == "on",
         dist_pool_idle=_seconds(config, "dist_pool_idle"),
+        rank_gather_timeout=_seconds(config, "rank_gather_timeout"),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -12,6 +13,9 @@ from .devices import DeviceSpecError
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
 from .isolation import GpuLease
+from .launched import selection
+from .launched.detect import detect
+from .launched.session import LaunchedSession, log_dir, redirect_output, select_share
 from .lifecycle import RUN_KEY
 from .reporting import Summary
 from .session import WIRE_KEY, GpuRun
@@ -30,9 +34,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     options.register(parser)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None, None, None]:
+    # Before output capturing starts (it keeps the terminal's descriptor): ranks other
+    # than 0 of a launch write everything to their log file instead of the terminal.
+    ctx = detect()
+    if ctx is not None and not ctx.is_root and "PYTEST_XDIST_WORKER" not in os.environ:
+        redirect_output(log_dir(early_config) / ctx.launcher / f"rank{ctx.rank}.log")
+    return (yield)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    selection.register_markers(config)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and WIRE_KEY in workerinput:
         run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
@@ -46,6 +61,15 @@ def pytest_configure(config: pytest.Config) -> None:
     summary = Summary()
     config.stash[SUMMARY_KEY] = summary
     config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
+    ctx = detect()
+    if ctx is not None and workerinput is None:
+        if not ctx.is_root and getattr(config.option, "xmlpath", None):
+            # one junitxml at the path asked for, from rank 0; the others keep theirs by their log
+            config.option.xmlpath = str(log_dir(config) / ctx.launcher / f"rank{ctx.rank}.xml")
+        launched = LaunchedSession(config, ctx, run.settings.rank_gather_timeout, config.getoption("shard"))
+        config.pluginmanager.register(launched, "pytest-gpu-launched")
+    elif config.getoption("shard") and ctx is None:
+        raise pytest.UsageError("--shard: not running under a launcher (srun, mpirun or torchrun), nothing to shard")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -72,6 +96,10 @@ def pytest_make_collect_report(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ctx = detect()
+    selection.deselect(config, items, ctx)
+    if ctx is not None and config.getoption("shard") and hasattr(config, "workerinput"):
+        select_share(config, ctx, items)  # xdist workers collect: each takes the rank's share
     lifecycle.mark_oversize(items, config.stash[RUN_KEY])
 
 
@@ -114,7 +142,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     run = config.stash.get(RUN_KEY, None)
     if run is None or run.broker is None:
         return
-    for line in config.stash[SUMMARY_KEY].lines(run.inventory, run.broker.crashes):
+    for line in config.stash[SUMMARY_KEY].lines(run.inventory, run.broker.crashes) + selection.summary_lines(config):
         terminalreporter.write_line(line)
 
 

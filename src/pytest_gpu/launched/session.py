@@ -1,0 +1,291 @@
+"""One rank of a launched pytest session: quiet ranks, one summary on rank 0, shards.
+
+Lockstep mode (the default under a launcher): every rank runs the same tests; ranks
+other than 0 write their whole pytest output to ``<rank-log-dir>/<launcher>/rankN.log``;
+at the end every rank publishes its test reports through the gather directory, and
+rank 0 reports the failures of every rank (they appear as ``nodeid@rankN`` in its
+terminal summary and its junitxml). Every rank exits non-zero if any rank failed.
+
+Shard mode (``--shard``): each rank runs its share of the suite (balanced by recorded
+durations) and rank 0 reports every test exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import gather
+from .detect import LaunchContext
+from .shard import partition
+
+DURATIONS_KEY = "pytest_gpu/durations"
+
+
+def log_dir(config: pytest.Config) -> Path:
+    value = config.getoption("rank_log_dir", None) or config.getini("rank_log_dir") or "logs"
+    return Path(config.invocation_params.dir) / str(value)
+
+
+def redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2) to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+class LaunchedSession:
+    """Registered as a plugin in the pytest process (xdist controller) of every rank."""
+
+    def __init__(self, config: pytest.Config, ctx: LaunchContext, timeout: float, shard: bool) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.timeout = timeout
+        self.shard = shard
+        base = log_dir(config) / ctx.launcher
+        self.log_path = base / f"rank{ctx.rank}.log"
+        self.dir = base / f".gather-{ctx.run_id}"
+        self.reports: list[dict[str, Any]] = []
+        self.missing: list[int] = []
+        self.mismatch: list[str] = []
+        self.table: dict[str, dict[str, list[int]]] = {}
+        self.share: tuple[int, int] | None = None  # (this shard's tests, all tests)
+        self.terminated = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        """A launcher ends the job (torchrun does when any rank dies): stop the tests like
+        Ctrl-C would, so this rank still publishes and rank 0 still reports. Once only."""
+        if self.terminated:
+            return
+        self.terminated = True
+        raise KeyboardInterrupt("SIGTERM from the launcher")
+
+    # -- collection ------------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.shard:
+            self.share = select_share(self.config, self.ctx, items)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if self.shard or hasattr(self.config, "workerinput"):
+            return
+        ids = [item.nodeid for item in session.items]
+        gather.publish(self.dir, "collected", self.ctx.rank, {"run": self.ctx.run_id, "ids": ids})
+        others = gather.collect(self.dir, "collected", self.ctx.world_size, self.timeout)
+        missing = sorted(set(range(self.ctx.world_size)) - set(others))
+        if missing:
+            raise pytest.UsageError(
+                f"pytest-gpu: ranks {missing} of {self.ctx.launcher} did not finish collecting within "
+                f"--rank-gather-timeout={self.timeout:g}s; see {self.log_path.parent}/rankN.log"
+            )
+        problems = _differences({r: doc["ids"] for r, doc in others.items()})
+        if problems:
+            raise pytest.UsageError(
+                "pytest-gpu: the ranks collected different tests, so they cannot run in lockstep:\n"
+                + "\n".join(problems)
+            )
+
+    # -- results -----------------------------------------------------------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if getattr(report, "_pytest_gpu_injected", False):
+            return
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        self.reports.append(data)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        gather.publish(
+            self.dir,
+            "results",
+            self.ctx.rank,
+            {"run": self.ctx.run_id, "exitstatus": int(exitstatus), "reports": self.reports},
+        )
+        # when the launcher is ending the job, the others are being stopped too: do not wait long
+        wait = min(self.timeout, 10.0) if self.terminated else self.timeout
+        docs = gather.collect(self.dir, "results", self.ctx.world_size, wait)
+        self.missing = sorted(set(range(self.ctx.world_size)) - set(docs))
+        failed = bool(self.missing)
+        by_rank: dict[int, list[pytest.TestReport]] = {}
+        for rank, doc in sorted(docs.items()):
+            reports = [self._load(data) for data in doc["reports"]]
+            by_rank[rank] = reports
+            failed = failed or any(r.failed for r in reports) or doc["exitstatus"] not in (0, 5)
+        if not self.shard:
+            self.mismatch = _differences(
+                {
+                    r: sorted({rep.nodeid for rep in reps if rep.when == "call" or rep.skipped})
+                    for r, reps in by_rank.items()
+                }
+            )
+            failed = failed or bool(self.mismatch)
+        if self.ctx.is_root:
+            self._report(by_rank)
+            self._report_missing()
+            self._save_durations(by_rank)
+        if failed:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        elif self.shard and session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and any(by_rank.values()):
+            session.exitstatus = pytest.ExitCode.OK
+
+    def pytest_unconfigure(self) -> None:
+        """Rank 0 leaves first, the others right after: launchers such as torchrun kill every
+        rank as soon as one exits non-zero, so the others wait until rank 0 has written its
+        summary and its junitxml."""
+        others = list(range(1, self.ctx.world_size))
+        if self.ctx.is_root:
+            gather.publish(self.dir, "finished", 0, {"run": self.ctx.run_id})
+            left = gather.collect(self.dir, "left", self.ctx.world_size, min(self.timeout, 30.0), ranks=others)
+            if len(left) == len(others):
+                shutil.rmtree(self.dir, ignore_errors=True)  # nobody reads it any more
+        else:
+            gather.collect(self.dir, "finished", self.ctx.world_size, self.timeout, ranks=[0])
+            gather.publish(self.dir, "left", self.ctx.rank, {"run": self.ctx.run_id})
+
+    def _load(self, data: dict[str, Any]) -> pytest.TestReport:
+        report = self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
+        report.location = tuple(report.location)
+        report.user_properties = [tuple(p) for p in report.user_properties]
+        report.sections = [tuple(s) for s in report.sections]
+        return report
+
+    def _report(self, by_rank: dict[int, list[pytest.TestReport]]) -> None:
+        """Rank 0: feed the other ranks' reports to this session's reporters."""
+        table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for rank, reports in by_rank.items():
+            failing = {report.nodeid for report in reports if report.failed}
+            for report in reports:
+                if report.when == "call" or (report.when == "setup" and not report.passed):
+                    outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+                    table[report.nodeid][outcome].append(rank)
+                elif report.when == "teardown" and report.failed:
+                    table[report.nodeid]["error"].append(rank)
+                if rank == self.ctx.rank:
+                    continue
+                if not self.shard:
+                    if report.nodeid not in failing:
+                        continue  # lockstep: rank 0's own report stands for the passing ranks
+                    report.nodeid = f"{report.nodeid}@rank{rank}"
+                    fspath, lineno, domain = report.location
+                    report.location = (fspath, lineno, f"{domain} [rank {rank}]")
+                    log = self.log_path.parent / f"rank{rank}.log"
+                    if report.failed:
+                        note = f"failed on rank {rank} of {self.ctx.world_size}; its whole output: {log}"
+                        report.sections.append(("pytest-gpu", note))
+                self._inject(report)
+        self.table = {k: dict(v) for k, v in table.items()}
+
+    def _report_missing(self) -> None:
+        """A rank that never reported is a failure of the run, in the terminal and in junitxml."""
+        for rank in self.missing:
+            log = self.log_path.parent / f"rank{rank}.log"
+            self._inject(
+                pytest.TestReport(
+                    nodeid=f"pytest-gpu::rank{rank}",
+                    location=(str(log), None, f"rank {rank}"),
+                    keywords={},
+                    outcome="failed",
+                    longrepr=f"rank {rank} of {self.ctx.world_size} ({self.ctx.launcher}) did not report its results "
+                    f"within --rank-gather-timeout={self.timeout:g}s: it died or hangs. Its output: {log}",
+                    when="call",
+                )
+            )
+
+    def _inject(self, report: pytest.TestReport) -> None:
+        """Count another rank's report here: in the terminal's statistics (without a progress
+        character for it) and in every other reporter, junitxml included."""
+        report._pytest_gpu_injected = True  # type: ignore[attr-defined]
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        others = self.config.pluginmanager.subset_hook_caller(
+            "pytest_runtest_logreport", remove_plugins=[terminal] if terminal else []
+        )
+        others(report=report)
+        if terminal is not None:
+            category, _, _ = self.config.hook.pytest_report_teststatus(report=report, config=self.config)
+            if category or report.when == "call":
+                terminal.stats.setdefault(category, []).append(report)
+
+    def _save_durations(self, by_rank: dict[int, list[pytest.TestReport]]) -> None:
+        cache = getattr(self.config, "cache", None)
+        if cache is None:
+            return
+        durations: dict[str, float] = dict(cache.get(DURATIONS_KEY, {}))
+        fresh: dict[str, float] = defaultdict(float)
+        for reports in by_rank.values():
+            for report in reports:
+                nodeid = report.nodeid.split("@rank", 1)[0]
+                fresh[nodeid] += float(report.duration)
+        durations.update(fresh)
+        cache.set(DURATIONS_KEY, durations)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.ctx.is_root:
+            return
+        tr = terminalreporter
+        mode = "shards" if self.shard else "ranks"
+        tr.section(f"pytest-gpu: {self.ctx.world_size} {mode} under {self.ctx.launcher}", sep="-")
+        if self.share is not None:
+            tr.write_line(f"rank 0 ran {self.share[0]} of {self.share[1]} tests; the other shares came from ranks 1+")
+        for rank in self.missing:
+            tr.write_line(
+                f"rank {rank} did not report within --rank-gather-timeout={self.timeout:g}s "
+                f"(it died or hangs); its output: {self.log_path.parent / f'rank{rank}.log'}",
+                red=True,
+            )
+        for line in self.mismatch:
+            tr.write_line(line, red=True)
+        uneven = 0
+        for nodeid, outcomes in sorted(self.table.items()):
+            if self.shard or (set(outcomes) <= {"passed"}):
+                continue
+            uneven += 1
+            parts = [
+                f"{o} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, sorted(r)))}"
+                for o, r in sorted(outcomes.items())
+            ]
+            tr.write_line(f"{nodeid}: {'; '.join(parts)}")
+        if not self.shard and not uneven and not self.missing:
+            tr.write_line(f"every test passed on all {self.ctx.world_size} ranks")
+        if self.ctx.world_size > 1:
+            tr.write_line(f"output of ranks 1 to {self.ctx.world_size - 1}: {self.log_path.parent}/rank<N>.log")
+
+
+def select_share(config: pytest.Config, ctx: LaunchContext, items: list[pytest.Item]) -> tuple[int, int]:
+    """Shard mode: keep this rank's share of ``items``; every rank computes the same split.
+
+    Returns (tests kept, tests collected).
+    """
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    durations = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    parts = partition([i.nodeid for i in items], ctx.world_size, durations)
+    mine = set(parts[ctx.rank])
+    total = len(items)
+    items[:] = [i for i in items if i.nodeid in mine]
+    return len(items), total
+
+
+def _differences(ids_by_rank: dict[int, list[str]]) -> list[str]:
+    """Lines naming tests that not every rank has."""
+    if not ids_by_rank:
+        return []
+    everyone = set.intersection(*(set(ids) for ids in ids_by_rank.values()))
+    lines = []
+    for rank, ids in sorted(ids_by_rank.items()):
+        extra = sorted(set(ids) - everyone)
+        if extra:
+            shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
+            lines.append(f"  only on rank {rank} (not on every rank): {shown}")
+    return lines
