@@ -12,6 +12,7 @@ durations) and rank 0 reports every test exactly once.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -60,6 +61,7 @@ class LaunchedSession:
         self.table: dict[str, dict[str, list[int]]] = {}
         self.share: tuple[int, int] | None = None  # (this shard's tests, all tests)
         self.terminated = False
+        self.loads: dict[int, float] = {}  # rank -> seconds of test time (shard mode)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -104,7 +106,7 @@ class LaunchedSession:
         if getattr(report, "_pytest_gpu_injected", False):
             return
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.reports.append(data)
+        self.reports.append({key: value for key, value in data.items() if _jsonable(value)})
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -187,6 +189,7 @@ class LaunchedSession:
                         report.sections.append(("pytest-gpu", note))
                 self._inject(report)
         self.table = {k: dict(v) for k, v in table.items()}
+        self.loads = {rank: sum(float(r.duration) for r in reports) for rank, reports in by_rank.items()}
 
     def _report_missing(self) -> None:
         """A rank that never reported is a failure of the run, in the terminal and in junitxml."""
@@ -239,6 +242,11 @@ class LaunchedSession:
         tr.section(f"pytest-gpu: {self.ctx.world_size} {mode} under {self.ctx.launcher}", sep="-")
         if self.share is not None:
             tr.write_line(f"rank 0 ran {self.share[0]} of {self.share[1]} tests; the other shares came from ranks 1+")
+        if self.shard and self.loads:
+            mean = sum(self.loads.values()) / len(self.loads)
+            spread = (max(self.loads.values()) - min(self.loads.values())) / mean if mean else 0.0
+            shares = ", ".join(f"rank {r}: {t:.2f}s" for r, t in sorted(self.loads.items()))
+            tr.write_line(f"share durations: {shares} (spread {spread:.0%} of the mean)")
         for rank in self.missing:
             tr.write_line(
                 f"rank {rank} did not report within --rank-gather-timeout={self.timeout:g}s "
@@ -275,6 +283,15 @@ def select_share(config: pytest.Config, ctx: LaunchContext, items: list[pytest.I
     total = len(items)
     items[:] = [i for i in items if i.nodeid in mine]
     return len(items), total
+
+
+def _jsonable(value: Any) -> bool:
+    """Whether a report attribute can travel as JSON (xdist adds its WorkerController as ``node``)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _differences(ids_by_rank: dict[int, list[str]]) -> list[str]:
