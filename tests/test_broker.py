@@ -143,8 +143,10 @@ def test_keys_are_per_client_and_release_frees(run: Run) -> None:
     assert ga.key == gb.key == "k0"  # each client numbers its own keys
     assert {ga.indices, gb.indices} == {(0,), (1,)}
     a.release(ga.key)
+    a.status()  # release is one-way: a round trip on the same connection orders after it
     assert [row["test"] for row in broker.status()["leases"]] == ["t::b"]
     b.release(gb.key)
+    b.status()
     assert broker.status()["leases"] == []
 
 
@@ -224,6 +226,7 @@ def test_a_timed_out_request_is_not_granted_later(run: Run) -> None:
     with pytest.raises(WaitTimeout):
         waiter.acquire(whole(), "t::waiter", timeout=0.1)
     holder.release(held.key)
+    holder.status()  # release is one-way: a round trip on the same connection orders after it
     assert broker.status()["leases"] == []
     assert waiter.acquire(whole(), "t::again", timeout=5).indices == (0,)  # the client still works
 
@@ -341,6 +344,7 @@ def test_release_with_contexts(run: Run) -> None:
     client = run.client("gw0")
     grant = client.acquire(shared(GiB, count=2), "t::two", timeout=5)
     client.release(grant.key, contexts={1})
+    client.status()  # release is one-way: a round trip on the same connection orders after it
     assert broker.status()["contexts"] == {0: [], 1: [client.client_id]}
     assert broker.status()["used"] == {0: 0, 1: OVERHEAD}
 
@@ -519,3 +523,14 @@ def test_a_request_that_gives_up_lets_the_one_behind_it_through(run: Run) -> Non
     assert got and got[0].indices == (0,)
     assert broker.status()["waiting"] == []
     holder.release(held.key)
+
+
+def test_release_is_one_way_and_ordered(run: Run) -> None:
+    broker = run.broker()
+    client = run.client("gw0")
+    grant = client.acquire(whole(), "t::a", 5)
+    client.release(grant.key)  # returns without waiting for the broker
+    # the next request on the same connection is handled after the release
+    again = client.acquire(whole(2), "t::b", 5)
+    assert again.indices == (0, 1) and again.waited == 0.0
+    assert [row["test"] for row in broker.status()["leases"]] == ["t::b"]

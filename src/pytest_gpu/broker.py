@@ -16,7 +16,7 @@ a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` f
     ("hello", {"worker", "pid"})                 -> ("ok", {"client"})
     ("acquire", {"key", "request", "test"})      -> ("granted", lease) | ("queued", key) | ("error", message)
     ("cancel", {"key"})                          -> ("cancelled", {"holders"}) | ("not-waiting", {})
-    ("release", {"key", "contexts"})             -> ("ok", {})
+    ("release", {"key", "contexts"})             -> no reply (one-way)
     ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
@@ -158,7 +158,9 @@ class Broker:
             info.send(("ok", {"client": info.client}))
             while True:
                 kind, body = conn.recv()
-                info.send(self._handle(info, kind, body))
+                reply = self._handle(info, kind, body)
+                if reply is not None:  # "release" is one-way: a grant costs one round trip
+                    info.send(reply)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -174,7 +176,7 @@ class Broker:
             except OSError:
                 pass
 
-    def _handle(self, info: ClientInfo, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
+    def _handle(self, info: ClientInfo, kind: str, body: dict[str, Any]) -> tuple[str, Any] | None:
         if kind == "acquire":
             return self._acquire(info, body)
         if kind == "cancel":
@@ -194,7 +196,7 @@ class Broker:
                 info.tests.pop(key, None)
                 granted = self.pool.release(key, None if contexts is None else set(contexts))
                 self._push_locked(granted)
-            return ("ok", {})
+            return None
         if kind == "ports":
             with self._lock:
                 try:

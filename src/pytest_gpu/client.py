@@ -84,11 +84,14 @@ class BrokerClient:
                 continue
             return message
 
-    def _call(self, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
+    def _send(self, kind: str, body: dict[str, Any]) -> None:
         try:
             self._conn.send((kind, body))
         except (OSError, EOFError) as exc:
             raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
+
+    def _call(self, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
+        self._send(kind, body)
         return self._reply()
 
     # -- public API -----------------------------------------------------------------
@@ -130,8 +133,10 @@ class BrokerClient:
         raise WaitTimeout(f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}")
 
     def release(self, key: str, contexts: set[int] | None = None) -> None:
+        """Give a lease back. One-way: the broker handles this connection's messages in
+        order, so anything this process asks next already sees the lease returned."""
         with self._lock:
-            self._call("release", {"key": key, "contexts": None if contexts is None else sorted(contexts)})
+            self._send("release", {"key": key, "contexts": None if contexts is None else sorted(contexts)})
 
     def report_contexts(self, indices: set[int]) -> None:
         with self._lock:

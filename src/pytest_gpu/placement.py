@@ -145,6 +145,10 @@ class Pool:
         # clients whose contexts are going away (their process is exiting): they count
         # against capacity now, but cannot make a request wait forever
         self.exiting: set[str] = set()
+        # answers about drained GPUs depend only on the contexts: kept until those change
+        Signature = tuple[tuple[frozenset[str], ...], frozenset[str]]
+        self._budget_cache: dict[str, tuple[Signature, bool]] = {}
+        self._forever_cache: dict[str, tuple[Signature, str | None]] = {}
 
     # -- questions -------------------------------------------------------------
 
@@ -161,6 +165,15 @@ class Pool:
 
     def blocked_forever(self, waiting: Waiting) -> str | None:
         """Why a waiting request could not be placed even with every lease returned."""
+        signature = self._signature()
+        cached = self._forever_cache.get(waiting.key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        reason = self._blocked_forever(waiting)
+        self._forever_cache[waiting.key] = (signature, reason)
+        return reason
+
+    def _blocked_forever(self, waiting: Waiting) -> str | None:
         drained = [GpuState(g.index, g.capacity, contexts=g.contexts - self.exiting) for g in self.gpus.values()]
         if place(drained, waiting.request, waiting.client, self.policy, within_budget=False) is not None:
             return None
@@ -190,8 +203,13 @@ class Pool:
         for i, waiting in enumerate(self.queue):
             if waiting.key == key:
                 del self.queue[i]
+                self._forget(key)
                 return True
         return False
+
+    def _forget(self, key: str) -> None:
+        self._budget_cache.pop(key, None)
+        self._forever_cache.pop(key, None)
 
     def release(self, key: str, contexts: set[int] | None = None) -> list[Lease]:
         """Return a lease; ``contexts`` is where its client really has contexts now, if known."""
@@ -223,7 +241,8 @@ class Pool:
 
         Returns (leases it held, leases granted to others as a result).
         """
-        self.queue = [w for w in self.queue if w.client != client]
+        for waiting in [w for w in self.queue if w.client == client]:
+            self.cancel(waiting.key)
         held = [lease for lease in self.leases.values() if lease.client == client]
         for gpu in self.gpus.values():
             gpu.contexts.discard(client)
@@ -239,27 +258,40 @@ class Pool:
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
-            ahead = self.queue[:position]
-            if any(w.bypassed >= self.policy.max_bypass for w in ahead):
-                break
             placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy)
             if placement is None and self.blocked_within_budget(waiting):
                 placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy, within_budget=False)
             if placement is None:
+                if waiting.bypassed >= self.policy.max_bypass:
+                    break  # overtaken often enough: nothing behind it may pass it now
                 position += 1
                 continue
-            for w in ahead:
+            overtaken = self.queue[:position]
+            for w in overtaken:
                 w.bypassed += 1
             del self.queue[position]
             granted.append(self._grant(waiting, placement))
+            if any(w.bypassed >= self.policy.max_bypass for w in overtaken):
+                break  # one ahead has been overtaken often enough: it is served next
         return granted
+
+    def _signature(self) -> tuple[tuple[frozenset[str], ...], frozenset[str]]:
+        """What the drained-GPU questions depend on: who has contexts where."""
+        return tuple(frozenset(g.contexts) for g in self.gpus.values()), frozenset(self.exiting)
 
     def blocked_within_budget(self, waiting: Waiting) -> bool:
         """True if the context budget alone keeps ``waiting`` out, even on drained GPUs."""
+        signature = self._signature()
+        cached = self._budget_cache.get(waiting.key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
         drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
-        return place(drained, waiting.request, waiting.client, self.policy) is None
+        blocked = place(drained, waiting.request, waiting.client, self.policy) is None
+        self._budget_cache[waiting.key] = (signature, blocked)
+        return blocked
 
     def _grant(self, waiting: Waiting, placement: Placement) -> Lease:
+        self._forget(waiting.key)
         for index in placement.indices:
             gpu = self.gpus[index]
             gpu.tenants += 1
