@@ -1,0 +1,428 @@
+"""Benchmark the lease broker: grants per second and grant latency.
+
+One :class:`pytest_gpu.broker.Broker` runs in this process, listening on a Unix socket
+in a private temporary directory, exactly as in a pytest run. Each client is a separate
+process (``multiprocessing`` spawn) holding one :class:`pytest_gpu.client.BrokerClient`
+connection, as an xdist worker does. A client loops over
+
+    acquire(request)  ->  granted      (timed: the grant latency)
+    release(key)
+
+for a fixed window; the clients start together and stop together. Throughput is the
+number of grants completed in the window over its length.
+
+Scenarios:
+
+- ``immediate``: 256 MiB on one of 8 GPUs of 16 GiB — there is always room, so every
+  grant is answered by the ``acquire`` reply itself (broker cost only);
+- ``contended``: whole GPUs (``exclusive=True``) on 4 GPUs of 16 GiB — up to 4 leases at
+  once, so most requests queue and are granted by a push when another client releases
+  (latency then includes the wait for a free GPU).
+
+Run from the repository root::
+
+    python bench/broker.py            # 3 s per scenario and client count
+    python bench/broker.py --quick    # smoke run (a fraction of a second each)
+    python bench/broker.py --profile  # also print where the broker's threads spend time
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import itertools
+import multiprocessing as mp
+import os
+import platform
+import pstats
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any, cast
+
+from pytest_gpu.broker import Broker
+from pytest_gpu.client import BrokerClient
+from pytest_gpu.placement import Policy
+from pytest_gpu.requests import GpuRequest, format_size
+
+GIB = 2**30
+WARMUP_CYCLES = 20
+TARGET_GRANTS_PER_S = 5000
+TARGET_P99_MS = 5.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    gpus: int
+    capacity: int
+    request: GpuRequest
+
+    def describe(self) -> str:
+        return f"{self.request.describe()} on {self.gpus}x{format_size(self.capacity)}"
+
+
+SCENARIOS = {
+    "immediate": Scenario("immediate", 8, 16 * GIB, GpuRequest(count=1, memory=256 * 2**20, exclusive=False)),
+    "contended": Scenario("contended", 4, 16 * GIB, GpuRequest(count=1, memory=None, exclusive=True)),
+}
+
+
+@dataclass
+class Result:
+    scenario: str
+    clients: int
+    duration: float
+    grants: int
+    queued: int
+    latencies: list[float]  # seconds, acquire -> granted
+
+    @property
+    def rate(self) -> float:
+        return self.grants / self.duration if self.duration else 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- the client processes ------------------------------------------------------------------
+
+
+def client_main(
+    address: str,
+    authkey: bytes,
+    name: str,
+    request: GpuRequest,
+    ready: Any,
+    go: Any,
+    window: Any,
+    results: Any,
+    interval: float = 0.0,
+    phase: float = 0.0,
+) -> None:
+    """One client process: warm up, wait for the start, cycle acquire/release until the end.
+
+    ``interval`` > 0 paces the client (open loop): cycle ``k`` starts at
+    ``start + (k + phase) * interval`` (at once if it is late), so the offered load does not
+    depend on the broker's speed; the clients' phases are spread so they do not fire together.
+    """
+    client = BrokerClient(address, authkey, name)
+    try:
+        for _ in range(WARMUP_CYCLES):
+            grant = client.acquire(request, f"{name}::warmup", None)
+            client.release(grant.key)
+        ready.put(name)
+        go.wait()
+        start, end = window[0], window[1]
+        while time.monotonic() < start:
+            time.sleep(0.0005)
+        latencies: list[float] = []
+        queued = 0
+        clock = time.perf_counter
+        cycle = 0
+        while time.monotonic() < end:
+            if interval:
+                due = start + (cycle + phase) * interval
+                cycle += 1
+                now = time.monotonic()
+                if due > now:
+                    time.sleep(due - now)
+                if time.monotonic() >= end:
+                    break
+            t0 = clock()
+            grant = client.acquire(request, f"{name}::bench", None)
+            t1 = clock()
+            client.release(grant.key)
+            latencies.append(t1 - t0)
+            if grant.waited > 0:  # granted by a push after queueing, not by the reply
+                queued += 1
+        results.put((name, latencies, queued))
+    finally:
+        client.close()
+
+
+# -- the broker side -------------------------------------------------------------------------
+
+
+class ThreadProfiles:
+    """cProfile for the broker's per-client threads (cProfile only sees its own thread)."""
+
+    def __init__(self) -> None:
+        self.profiles: list[cProfile.Profile] = []
+
+    def wrap(self, serve: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(serve)
+        def profiled(*args: Any, **kwargs: Any) -> None:
+            profile = cProfile.Profile()
+            self.profiles.append(profile)
+            profile.enable()
+            try:
+                serve(*args, **kwargs)
+            finally:
+                profile.disable()
+
+        return profiled
+
+    def print(self, limit: int = 25) -> None:
+        if not self.profiles:
+            return
+        stats = pstats.Stats(self.profiles[0])
+        for profile in self.profiles[1:]:
+            stats.add(profile)
+        stats.strip_dirs().sort_stats("tottime").print_stats(limit)
+
+
+class EchoServer:
+    """Baseline: the broker's transport with a trivial handler (every acquire granted at once).
+
+    ``threaded`` serves each client on its own thread, as the broker does; otherwise one
+    thread serves every connection through :func:`multiprocessing.connection.wait`. The
+    gap between these and the real broker is the broker's own logic; the gap between the
+    two is the cost of one thread per client on this machine.
+    """
+
+    def __init__(self, address: str, authkey: bytes, threaded: bool) -> None:
+        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self.threaded = threaded
+        self.conns: list[Connection] = []
+        self.closing = False
+        self.ids = itertools.count()
+        threading.Thread(target=self._accept, daemon=True).start()
+        if not threaded:
+            threading.Thread(target=self._select_loop, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return
+            if self.threaded:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            else:
+                self.conns = [*self.conns, conn]
+
+    def _reply(self, conn: Connection) -> None:
+        kind, body = conn.recv()
+        if kind == "hello":
+            conn.send(("ok", {"client": f"e{next(self.ids)}"}))
+        elif kind == "acquire":
+            conn.send(("granted", {"key": body["key"], "indices": [0], "memory": 1, "exclusive": False, "waited": 0}))
+        else:
+            conn.send(("ok", {}))
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while True:
+                self._reply(conn)
+        except (EOFError, OSError):
+            conn.close()
+
+    def _select_loop(self) -> None:
+        while not self.closing:
+            if not self.conns:
+                time.sleep(0.01)
+                continue
+            for ready in wait(self.conns, timeout=0.01):
+                conn = cast(Connection, ready)
+                try:
+                    self._reply(conn)
+                except (EOFError, OSError):
+                    self.conns = [c for c in self.conns if c is not conn]
+
+    def close(self) -> None:
+        self.closing = True
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+SERVERS = ("broker", "echo-threads", "echo-select")
+
+
+def run_scenario(
+    scenario: Scenario,
+    clients: int,
+    duration: float,
+    profiles: ThreadProfiles | None = None,
+    server: str = "broker",
+    offered: float = 0.0,
+) -> Result:
+    """One measurement: a fresh server, ``clients`` client processes, a ``duration`` window.
+
+    ``offered`` > 0 paces the clients to that many grants per second in total.
+    """
+    ctx = mp.get_context("spawn")
+    interval = clients / offered if offered else 0.0
+    with tempfile.TemporaryDirectory(prefix="pytest-gpu-bench-") as tmp:
+        os.chmod(tmp, 0o700)
+        address = str(Path(tmp) / "broker.sock")
+        authkey = secrets.token_bytes(32)
+        service: Broker | EchoServer
+        if server == "broker":
+            broker = Broker({i: scenario.capacity for i in range(scenario.gpus)}, address, authkey, Policy())
+            if profiles is not None:
+                broker._serve = profiles.wrap(broker._serve)  # type: ignore[method-assign]
+            service = broker.start()
+        else:
+            service = EchoServer(address, authkey, threaded=server == "echo-threads")
+        ready, results = ctx.Queue(), ctx.Queue()
+        go = ctx.Event()
+        window = ctx.Array("d", 2, lock=False)
+        procs = [
+            ctx.Process(
+                target=client_main,
+                args=(address, authkey, f"c{i}", scenario.request, ready, go, window, results, interval, i / clients),
+                daemon=True,
+            )
+            for i in range(clients)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                ready.get(timeout=120)
+            start = time.monotonic() + 0.05
+            window[0], window[1] = start, start + duration
+            go.set()
+            collected = [results.get(timeout=duration + 120) for _ in procs]
+            for proc in procs:
+                proc.join(timeout=30)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            service.close()
+    latencies = [x for _, lat, _ in collected for x in lat]
+    queued = sum(q for _, _, q in collected)
+    label = scenario.name if server == "broker" else server
+    if offered:
+        label += f" @{offered:g}/s"
+    return Result(label, clients, duration, len(latencies), queued, latencies)
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def table(results: Sequence[Result]) -> str:
+    head = ("scenario", "clients", "grants", "grants/s", "p50 ms", "p99 ms", "max ms", "queued")
+    rows = [head]
+    for r in results:
+        rows.append(
+            (
+                r.scenario,
+                str(r.clients),
+                str(r.grants),
+                f"{r.rate:,.0f}",
+                f"{r.percentile(0.50) * 1e3:.3f}",
+                f"{r.percentile(0.99) * 1e3:.3f}",
+                f"{max(r.latencies, default=float('nan')) * 1e3:.3f}",
+                f"{100 * r.queued / r.grants if r.grants else 0:.0f}%",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    clients: int
+    server: str = "broker"
+    offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
+
+
+def plan(args: argparse.Namespace) -> list[Row]:
+    if args.clients:
+        counts = [int(c) for c in args.clients.split(",")]
+        names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+        rows = [Row(name, n) for name in names for n in counts]
+    elif args.quick:
+        rows = [Row("immediate", 1), Row("immediate", 4), Row("contended", 8)]
+    else:
+        rows = [
+            Row("immediate", 1),
+            Row("immediate", 8),
+            Row("immediate", 32),
+            Row("immediate", 32, offered=1000.0),
+            Row("contended", 8),
+            Row("contended", 32),
+        ]
+        if args.scenario != "all":
+            rows = [row for row in rows if row.scenario == args.scenario]
+    if args.baseline:
+        counts = sorted({row.clients for row in rows})
+        rows += [Row("immediate", n, server) for server in SERVERS[1:] for n in counts]
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: short windows, few clients")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per measurement (default 3, quick 0.3)")
+    parser.add_argument("--repeat", type=int, default=1, help="measure each row N times, show the median run")
+    parser.add_argument("--clients", default=None, help="comma-separated client counts (default: 1,8,32)")
+    parser.add_argument(
+        "--scenario", choices=[*SCENARIOS, "all"], default="all", help="which scenario to run (default all)"
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile the broker threads, print the top functions")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time the bare transport: echo servers that grant at once (thread per client, and one thread)",
+    )
+    args = parser.parse_args(argv)
+
+    duration = args.duration if args.duration is not None else (0.3 if args.quick else 3.0)
+    rows = plan(args)
+    profiles = ThreadProfiles() if args.profile else None
+
+    print(
+        f"pytest-gpu broker benchmark · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
+        f"{duration:g}s per row{f', median of {args.repeat}' if args.repeat > 1 else ''} · one process per client"
+    )
+    for name, scenario in SCENARIOS.items():
+        print(f"  {name}: {scenario.describe()}")
+    results = []
+    for row in rows:
+        runs = [
+            run_scenario(SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered)
+            for _ in range(max(1, args.repeat))
+        ]
+        result = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
+        results.append(result)
+        print(f"  ... {result.scenario} x{row.clients}: {result.rate:,.0f} grants/s", file=sys.stderr, flush=True)
+    print()
+    print(table(results))
+    print()
+    for r in results:
+        if r.scenario == "immediate" and r.clients == 32:
+            p99 = r.percentile(0.99) * 1e3
+            ok = r.rate >= TARGET_GRANTS_PER_S and p99 < TARGET_P99_MS
+            print(
+                f"target (immediate, 32 clients): >= {TARGET_GRANTS_PER_S:,} grants/s and p99 < {TARGET_P99_MS:g} ms: "
+                f"{'met' if ok else 'NOT met'} ({r.rate:,.0f} grants/s, p99 {p99:.2f} ms)"
+            )
+    if profiles is not None:
+        print("\nbroker threads, by own time:")
+        profiles.print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

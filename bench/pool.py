@@ -1,0 +1,152 @@
+"""Benchmark warm rank pools: fresh ranks per test vs one warm pool, same suite, same run.
+
+A suite of N two-rank gloo tests (each does a small ``all_reduce``) is written to a
+temporary directory and run twice by ``python -m pytest``:
+
+- ``--dist-pool=off``: every test starts its own ranks (import torch, rendezvous,
+  process group) and stops them: the reference behaviour, like one torchrun per test;
+- ``--dist-pool=on`` (the default): one pool is started for the first test and reused.
+
+It prints both wall times (the whole pytest command, start-up included), their ratio,
+and the per-test overhead in the warm pool: ``dist_overhead_seconds`` from the
+junitxml, i.e. the time of the plugin's call beyond the slowest rank's test body
+(sending the body and fixture values, waiting for every rank, hygiene, the result
+coming back), p50 and p99 over the tests after the first (the first one starts the pool).
+
+Run from the repository root (torch must be installed)::
+
+    python bench/pool.py            # 40 tests
+    python bench/pool.py --quick    # 6 tests, a smoke run
+    python bench/pool.py --tests 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+TARGET_RATIO = 15.0
+TARGET_OVERHEAD_P50_MS = 30.0
+INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark", "-q")
+
+SUITE = """
+import pytest
+
+
+@pytest.mark.distributed(world_size=2, backend="gloo")
+@pytest.mark.parametrize("n", range({tests}))
+def test_allreduce(rank, n):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((16,), float(rank.rank + n))
+    dist.all_reduce(t)
+    assert t[0].item() == 2 * n + 1
+"""
+
+
+@dataclass
+class Run:
+    mode: str
+    wall: float
+    ret: int
+    output: str
+    overhead: list[float]  # seconds, in test order
+    body: list[float]
+    pools: list[str]  # "fresh" / "warm", in test order
+
+
+def run_suite(directory: Path, mode: str, tests: int, timeout: float) -> Run:
+    junit = directory / f"junit-{mode}.xml"
+    cmd = [sys.executable, "-m", "pytest", *INNER_ARGS, f"--dist-pool={mode}", f"--junitxml={junit}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_GPU_", "PYTEST_XDIST_"))}
+    env.pop("PYTEST_ADDOPTS", None)
+    started = time.perf_counter()
+    out = subprocess.run(
+        cmd, cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    wall = time.perf_counter() - started
+    overhead, body, pools = [], [], []
+    if junit.exists():
+        for case in ET.parse(junit).iter("testcase"):
+            props = {p.get("name"): p.get("value") for p in case.iter("property")}
+            if "dist_overhead_seconds" in props:
+                overhead.append(float(props["dist_overhead_seconds"] or 0))
+                body.append(float(props["dist_body_seconds"] or 0))
+                pools.append(str(props["dist_pool"]))
+    run = Run(mode, wall, out.returncode, out.stdout, overhead, body, pools)
+    if run.ret != 0 or len(run.overhead) != tests:
+        got = f"exit {run.ret}, {len(run.overhead)} of {tests} tests reported"
+        sys.exit(f"the --dist-pool={mode} run failed ({got}):\n{out.stdout}")
+    return run
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    index = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tests", type=int, default=40, help="tests in the suite (default 40)")
+    parser.add_argument("--quick", action="store_true", help="6 tests: a smoke run")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each pytest run may take")
+    args = parser.parse_args(argv)
+    tests = 6 if args.quick else args.tests
+    if tests < 2:
+        parser.error("--tests must be at least 2 (the first test of the warm run starts the pool)")
+    try:
+        import torch
+    except ImportError:
+        print("bench/pool.py needs torch (pip install torch==2.13.0)", file=sys.stderr)
+        return 2
+
+    print(
+        f"{tests} two-rank gloo tests (all_reduce of 16 floats) · python {platform.python_version()} · "
+        f"torch {torch.__version__} · {os.cpu_count()} CPUs"
+    )
+    with tempfile.TemporaryDirectory(prefix="pytest-gpu-bench-pool-") as tmp:
+        directory = Path(tmp)
+        (directory / "pytest.ini").write_text("[pytest]\n")
+        (directory / "test_pool_bench.py").write_text(SUITE.format(tests=tests))
+        fresh = run_suite(directory, "off", tests, args.timeout)
+        warm = run_suite(directory, "on", tests, args.timeout)
+
+    assert all(p == "fresh" for p in fresh.pools), fresh.pools
+    assert warm.pools[0] == "fresh" and all(p == "warm" for p in warm.pools[1:]), warm.pools
+    ratio = fresh.wall / warm.wall
+    steady = [s * 1000 for s in warm.overhead[1:]]
+    p50, p99 = percentile(steady, 50), percentile(steady, 99)
+    fresh_per_test = statistics.median(fresh.overhead)
+    body_p50 = percentile([b * 1000 for b in warm.body[1:]], 50)
+
+    print(f"fresh ranks per test (--dist-pool=off): {fresh.wall:8.2f} s   ({fresh_per_test:.2f} s/test overhead, p50)")
+    print(
+        f"warm pool            (--dist-pool=on):  {warm.wall:8.2f} s   (first test, starting the pool: "
+        f"{warm.overhead[0]:.2f} s)"
+    )
+    print(
+        f"ratio (end to end):                     {ratio:8.1f} x   target >= {TARGET_RATIO:g} x: "
+        f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}"
+    )
+    print(
+        f"warm per-test overhead, {len(steady)} tests:      p50 {p50:6.2f} ms   p99 {p99:6.2f} ms   "
+        f"(body p50 {body_p50:.2f} ms)   target p50 <= {TARGET_OVERHEAD_P50_MS:g} ms: "
+        f"{'met' if p50 <= TARGET_OVERHEAD_P50_MS else 'NOT met'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
