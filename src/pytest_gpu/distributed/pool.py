@@ -476,6 +476,18 @@ class RankPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _kill_all(self) -> None:
+        if self.spec.launcher == "srun":
+            # srun gives its job allocation back only when it exits by itself: a SIGKILLed srun
+            # leaves the SLURM job running (holding its CPUs and GPUs). SIGTERM makes it end the
+            # step (its tasks get the signal) and release the allocation.
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
         victims: list[psutil.Process] = []
         for pid in [*self.pids.values(), *(p.pid for p in self.procs)]:
             try:

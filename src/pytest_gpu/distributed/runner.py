@@ -142,7 +142,8 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         raise DistributedFailure(failure_text(spec, result))
     if outcome == "skipped":
         reasons = sorted({r["message"] for r in result.results.values() if r["outcome"] == "skipped"})
-        pytest.skip("; ".join(reasons))
+        # reported at the test's location, as for a skip marker, not at this line of the plugin
+        raise pytest.skip.Exception("; ".join(reasons), _use_item_location=True)
     if outcome == "xfailed":
         pytest.xfail(result.results[min(result.results)]["message"])
 
