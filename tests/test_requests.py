@@ -326,3 +326,16 @@ def test_every_message_names_the_marker_form() -> None:
 
 def test_gpu_request_error_is_a_value_error() -> None:
     assert issubclass(GpuRequestError, ValueError)
+
+
+def test_shared_without_a_size_under_an_exclusive_default_is_an_error() -> None:
+    with pytest.raises(GpuRequestError) as info:
+        build_request((), {"exclusive": False}, DefaultMemory(exclusive=True))
+    assert str(info.value) == (
+        "gpu marker: exclusive=False needs memory= (the default memory is 'exclusive', see "
+        '--gpu-default-memory); expected e.g. memory="8GiB", exclusive=False'
+    )
+    # with a size as the default, exclusive=False alone takes that size
+    assert build_request((), {"exclusive": False}, DefaultMemory(exclusive=False, memory=GiB)) == GpuRequest(
+        count=1, memory=GiB, exclusive=False
+    )

@@ -16,8 +16,24 @@ Layers (each uses only those above it):
     cli           the ``pytest-gpu`` command
 """
 
-from .isolation import GpuLease
-from .requests import GpuRequest, parse_size
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .isolation import GpuLease
+    from .requests import GpuRequest, parse_size
 
 __all__ = ["GpuLease", "GpuRequest", "parse_size"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # lazily: the plugin is loaded into every pytest process, CPU-only suites included
+    if name == "GpuLease":
+        from .isolation import GpuLease
+
+        return GpuLease
+    if name in ("GpuRequest", "parse_size"):
+        from . import requests
+
+        return getattr(requests, name)
+    raise AttributeError(f"module 'pytest_gpu' has no attribute {name!r}")

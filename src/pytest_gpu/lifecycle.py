@@ -7,18 +7,19 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .client import BrokerError
 from .requests import GpuRequest, GpuRequestError, build_request, format_size
-from .session import ActiveLease, GpuRun
 from .verification import Verdict
+
+if TYPE_CHECKING:
+    from .session import ActiveLease, GpuRun
 
 REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
 STATE_KEY = pytest.StashKey["TestState"]()
-RUN_KEY = pytest.StashKey[GpuRun]()
+RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
 
 
@@ -119,6 +120,8 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
 
 
 def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
+    from .client import BrokerError
+
     try:
         return run.acquire(request, item.nodeid)
     except BrokerError as exc:

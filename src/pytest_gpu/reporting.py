@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
-from .broker import CrashRecord
-from .devices import Inventory
+if TYPE_CHECKING:
+    from .broker import CrashRecord
+    from .devices import Inventory
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable

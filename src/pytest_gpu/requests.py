@@ -145,6 +145,11 @@ def build_request(
         return GpuRequest(count=count, memory=None, exclusive=True)
     if memory_arg is None:
         if default.exclusive:
+            if "exclusive" in kwargs:  # exclusive=False said out loud, but no size to share with
+                raise GpuRequestError(
+                    f"{what}: exclusive=False needs memory= (the default memory is 'exclusive', "
+                    "see --gpu-default-memory); expected e.g. memory=\"8GiB\", exclusive=False"
+                )
             return GpuRequest(count=count, memory=None, exclusive=True)
         return GpuRequest(count=count, memory=default.memory, exclusive=False)
     try:

@@ -14,8 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 OWNER_FILE = "owner.json"
 
 
@@ -30,6 +28,8 @@ def base_dir() -> Path:
 
 
 def _owner_alive(run: Path) -> bool:
+    import psutil
+
     try:
         owner = json.loads((run / OWNER_FILE).read_text())
         proc = psutil.Process(int(owner["pid"]))
@@ -57,6 +57,8 @@ def create() -> Path:
     root = base_dir()
     sweep_stale(root)
     run = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
+    import psutil
+
     me = psutil.Process()
     (run / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "ctime": me.create_time()}))
     return run

@@ -13,17 +13,18 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import rundir, sim
-from .broker import Broker
-from .client import BrokerClient
-from .devices import Inventory, discover
+from . import sim
+from .devices import Inventory
 from .isolation import Confinement, GpuLease, confine, make_lease
 from .options import Settings
-from .placement import Policy
 from .requests import GpuRequest, format_size
 from .verification import NvmlVerifier, SimVerifier, Verdict
+
+if TYPE_CHECKING:  # the broker and its transport are imported where they are used
+    from .broker import Broker
+    from .client import BrokerClient
 
 WIRE_KEY = "pytest_gpu"
 
@@ -56,6 +57,11 @@ class GpuRun:
     @classmethod
     def start(cls, settings: Settings, worker: str = "main") -> GpuRun:
         """Controller or single process: discover, make the run directory, start the broker."""
+        from . import rundir
+        from .broker import Broker
+        from .devices import discover
+        from .placement import Policy
+
         inventory = discover(settings.gpus)
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
@@ -119,6 +125,8 @@ class GpuRun:
         if self._client is not None:
             self._client.close()
         if self.broker is not None:
+            from . import rundir
+
             self.broker.close()
             rundir.remove(self.run_dir)
         for name, value in self._saved_env.items():
@@ -133,6 +141,8 @@ class GpuRun:
     def client(self) -> BrokerClient:
         with self._client_lock:
             if self._client is None:
+                from .client import BrokerClient
+
                 self._client = BrokerClient(self.address, self.authkey, self.worker)
             return self._client
 

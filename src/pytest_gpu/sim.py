@@ -34,9 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-from filelock import FileLock
-
 from .devices import Device, parse_sim_spec
 from .requests import format_size, parse_size
 
@@ -87,6 +84,7 @@ def _ledger_dir() -> tuple[Path, str]:
 
 
 def _proc_start(pid: int) -> float | None:
+    import psutil  # imported on use: the plugin imports this module in every process
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -103,6 +101,8 @@ class Ledger:
         self.path = Path(path)
         self.spec = spec
         self.overhead = overhead
+        from filelock import FileLock
+
         self._lock = FileLock(str(self.path / "ledger.lock"))
 
     @classmethod

@@ -5,19 +5,21 @@ from __future__ import annotations
 import pickle
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..requests import GpuRequestError
-from ..session import GpuRun
-from .pool import DistSettings, PoolError, PoolManager, RankRun
 from .rankinfo import RankPlaceholder
 from .spec import DistSpec, build_spec
 
+if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
+    from ..session import GpuRun
+    from .pool import PoolManager, RankRun
+
 SPEC_KEY = pytest.StashKey[DistSpec]()
-MANAGER_KEY = pytest.StashKey[PoolManager]()
-RUN_RESULT_KEY = pytest.StashKey[RankRun]()
+MANAGER_KEY = pytest.StashKey["PoolManager"]()
+RUN_RESULT_KEY = pytest.StashKey["RankRun"]()
 
 
 class DistributedFailure(Exception):
@@ -53,6 +55,8 @@ def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
 def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
     found = config.stash.get(MANAGER_KEY, None)
     if found is None:
+        from .pool import DistSettings, PoolManager
+
         settings = DistSettings(
             timeout=run.settings.dist_timeout,
             pool=run.settings.dist_pool,
@@ -119,6 +123,8 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     timeout = spec.timeout or run.settings.dist_timeout
     pools = manager(item.config, run)
     before = pools.started
+    from .pool import PoolError
+
     try:
         result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
