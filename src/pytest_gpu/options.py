@@ -70,6 +70,18 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "300",
         "under a launcher: seconds rank 0 waits for every rank's results before reporting the missing ones.",
     ),
+    (
+        "--ray-address",
+        "ray_address",
+        "",
+        "Ray cluster for the ray_cluster fixture (host:port); empty: start a local head with the run's GPUs.",
+    ),
+    (
+        "--ray-start-timeout",
+        "ray_start_timeout",
+        "60",
+        "seconds the ray_cluster fixture waits for the Ray cluster to come up (or to be reached).",
+    ),
 )
 
 
@@ -106,6 +118,8 @@ class Settings:
     dist_pool: bool = True
     dist_pool_idle: float = 60.0
     rank_gather_timeout: float = 300.0
+    ray_address: str = ""
+    ray_start_timeout: float = 60.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -117,6 +131,8 @@ class Settings:
             "context_overhead": self.context_overhead,
             "port_range": list(self.port_range),
             "dist": [self.dist_timeout, self.dist_pool, self.dist_pool_idle],
+            "rank_gather_timeout": self.rank_gather_timeout,
+            "ray": [self.ray_address, self.ray_start_timeout],
         }
 
     @classmethod
@@ -133,6 +149,9 @@ class Settings:
             dist_timeout=float(data["dist"][0]),
             dist_pool=bool(data["dist"][1]),
             dist_pool_idle=float(data["dist"][2]),
+            rank_gather_timeout=float(data.get("rank_gather_timeout", 300.0)),
+            ray_address=str(data.get("ray", ["", 60.0])[0]),
+            ray_start_timeout=float(data.get("ray", ["", 60.0])[1]),
         )
 
 
@@ -183,6 +202,8 @@ def read(config: pytest.Config) -> Settings:
         dist_pool=_choice(config, "dist_pool", ("on", "off")) == "on",
         dist_pool_idle=_seconds(config, "dist_pool_idle"),
         rank_gather_timeout=_seconds(config, "rank_gather_timeout"),
+        ray_address=_value(config, "ray_address")[0].strip(),
+        ray_start_timeout=_seconds(config, "ray_start_timeout"),
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from . import lifecycle, options
+from . import lifecycle, options, raycluster
 from .devices import DeviceSpecError
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
@@ -76,6 +76,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     runner.close(config)
     run = config.stash.get(RUN_KEY, None)
     if run is not None:
+        raycluster.stop_head(run)  # the run's owner stops the Ray head a test started
         run.close()
         del config.stash[RUN_KEY]
 
@@ -178,3 +179,10 @@ def rank() -> RankPlaceholder:
     """In a distributed test: this rank's ``rank``, ``world_size``, ``local_rank``, ``device``,
     ``backend`` and ``group`` (resolved inside each rank process)."""
     return runner.rank_fixture()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(request: pytest.FixtureRequest) -> Generator[raycluster.RayCluster, None, None]:
+    """This process connected to a Ray cluster (``address``, ``resources``, ``started_by_plugin``,
+    ``gpus``): ``--ray-address``, else a local head with the run's GPUs, stopped after the run."""
+    yield from raycluster.fixture(request, request.config.stash[RUN_KEY])
