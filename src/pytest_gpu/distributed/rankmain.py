@@ -137,6 +137,10 @@ class Rank:
             func(**kwargs)
             result["body_seconds"] = time.perf_counter() - t0
         except BaseException as exc:
+            try:
+                os.chdir(cwd)  # paths in the traceback relative to where pytest runs
+            except OSError:
+                pass
             result.update(_outcome(exc, body.get("module_file"), body.get("tbstyle", "auto")))
         finally:
             result["poisoned"] = result.get("poisoned", False)

@@ -84,12 +84,15 @@ def _payload(item: pytest.Function) -> dict[str, Any]:
     for name in item._fixtureinfo.argnames:
         value = item.funcargs[name]
         kwargs[name] = value
+        problem = None
         try:
             _dumps(value)
         except Exception as exc:
+            problem = str(exc)
+        if problem is not None:  # failed outside the except: no chained pickling tracebacks
             pytest.fail(
                 f"pytest-gpu: {item.nodeid}: the value of fixture {name!r} ({type(value).__name__}) cannot be "
-                f"sent to the ranks: {exc}. Build it inside the test body, or make it picklable.",
+                f"sent to the ranks: {problem}. Build it inside the test body, or make it picklable.",
                 pytrace=False,
             )
     return {
