@@ -218,7 +218,7 @@ class EchoServer:
             conn.send(("ok", {"client": f"e{next(self.ids)}"}))
         elif kind == "acquire":
             conn.send(("granted", {"key": body["key"], "indices": [0], "memory": 1, "exclusive": False, "waited": 0}))
-        else:
+        elif kind != "release":  # release is one-way, as in the broker
             conn.send(("ok", {}))
 
     def _serve(self, conn: Connection) -> None:

@@ -149,11 +149,17 @@ class Pool:
         Signature = tuple[tuple[frozenset[str], ...], frozenset[str]]
         self._budget_cache: dict[str, tuple[Signature, bool]] = {}
         self._forever_cache: dict[str, tuple[Signature, str | None]] = {}
+        self._never_fits_cache: dict[GpuRequest, str | None] = {}
 
     # -- questions -------------------------------------------------------------
 
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why ``request`` cannot be placed on this inventory at all, or ``None``."""
+        if request not in self._never_fits_cache:  # the inventory never changes: ask once per shape
+            self._never_fits_cache[request] = self._never_fits(request)
+        return self._never_fits_cache[request]
+
+    def _never_fits(self, request: GpuRequest) -> str | None:
         empty = [GpuState(g.index, g.capacity) for g in self.gpus.values()]
         if place(empty, request, "?", self.policy, within_budget=False) is None:
             sizes = ", ".join(format_size(g.capacity) for g in self.gpus.values()) or "none"

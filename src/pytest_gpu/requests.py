@@ -148,7 +148,7 @@ def build_request(
             if "exclusive" in kwargs:  # exclusive=False said out loud, but no size to share with
                 raise GpuRequestError(
                     f"{what}: exclusive=False needs memory= (the default memory is 'exclusive', "
-                    "see --gpu-default-memory); expected e.g. memory=\"8GiB\", exclusive=False"
+                    'see --gpu-default-memory); expected e.g. memory="8GiB", exclusive=False'
                 )
             return GpuRequest(count=count, memory=None, exclusive=True)
         return GpuRequest(count=count, memory=default.memory, exclusive=False)

@@ -85,6 +85,7 @@ def _ledger_dir() -> tuple[Path, str]:
 
 def _proc_start(pid: int) -> float | None:
     import psutil  # imported on use: the plugin imports this module in every process
+
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
