@@ -11,8 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -64,3 +68,51 @@ def run_inner(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
         return gpu_pytester.runpytest_inprocess(*full)
 
     return run
+
+
+# -- a one-node SLURM cluster, shared by every test of the session that needs one ---------
+
+SLURM_SCRIPT = Path(__file__).parent / "tools" / "slurm-single-node.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[str]:
+    """A one-node SLURM cluster (fake gpu:4, 8 CPUs) for this session; yields its SLURM_CONF.
+
+    Started once from this project's own ``tests/tools/slurm-single-node.sh`` (one cluster
+    per machine: its daemons listen on SLURM's fixed ports) and stopped at the end.
+    """
+    require("SLURM", executable="slurmctld")
+    require("SLURM", executable="srun")
+    if os.geteuid() != 0:
+        pytest.skip("the single-node SLURM cluster needs root (munge, slurmd)")
+    # Not under pytest's basetemp: that is 0700, and munged runs as the munge user.
+    base = Path(tempfile.mkdtemp(prefix="pytest-gpu-slurm-"))
+    base.chmod(0o755)
+    try:
+        started = subprocess.run(
+            ["bash", str(SLURM_SCRIPT), "start", str(base), "4", "8"], capture_output=True, text=True, timeout=90
+        )
+        others = [
+            f"{p.pid}: {' '.join(p.info['cmdline'] or ())}"
+            for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "slurmctld" and str(base) not in " ".join(p.info["cmdline"] or ())
+        ]
+        assert started.returncode == 0, f"SLURM did not start:\n{started.stdout}\n{started.stderr}" + (
+            f"another SLURM cluster runs on this machine (its ports are taken): {others}" if others else ""
+        )
+        conf = str(base / "slurm.conf")
+        assert f"export SLURM_CONF={conf}" in started.stdout
+        yield conf
+    finally:
+        daemons = []
+        for name in ("slurmd", "ctld", "munged"):
+            try:
+                daemons.append(psutil.Process(int((base / f"{name}.bgpid").read_text())))
+            except (OSError, ValueError, psutil.Error):
+                pass
+        subprocess.run(["bash", str(SLURM_SCRIPT), "stop", str(base)], timeout=60, check=False)
+        _, alive = psutil.wait_procs(daemons, timeout=10)
+        for proc in alive:  # a daemon that ignored SIGTERM
+            proc.kill()
+        shutil.rmtree(base, ignore_errors=True)

@@ -48,9 +48,11 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchContext | None:
     rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if env.get("TORCHELASTIC_RUN_ID") and rank is not None and size:
         local = _int(env, "LOCAL_RANK")
-        return LaunchContext(
-            "torchrun", rank, size, rank if local is None else local, _safe(env["TORCHELASTIC_RUN_ID"])
-        )
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        restart = _int(env, "TORCHELASTIC_RESTART_COUNT")
+        if restart:  # torchrun --max-restarts: a new attempt keeps the run id, but is a new launch
+            run_id = f"{run_id}.restart{restart}"
+        return LaunchContext("torchrun", rank, size, rank if local is None else local, _safe(run_id))
     rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
     if rank is not None and size:
         local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -67,5 +69,6 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchContext | None:
     size = _int(env, "PMI_SIZE")
     if rank is not None and size:
         run_id = env.get("PMIX_NAMESPACE") or env.get("PMI_JOBID") or f"ppid{os.getppid()}"
-        return LaunchContext("mpirun", rank, size, _int(env, "MPI_LOCALRANKID") or rank, _safe(run_id))
+        local = _int(env, "MPI_LOCALRANKID")
+        return LaunchContext("mpirun", rank, size, rank if local is None else local, _safe(run_id))
     return None

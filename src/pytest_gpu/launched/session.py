@@ -31,7 +31,9 @@ DURATIONS_KEY = "pytest_gpu/durations"
 
 
 def log_dir(config: pytest.Config) -> Path:
-    value = config.getoption("rank_log_dir", None) or config.getini("rank_log_dir") or "logs"
+    # in pytest_load_initial_conftests, only known_args_namespace holds the command line yet
+    early = getattr(getattr(config, "known_args_namespace", None), "rank_log_dir", None)
+    value = config.getoption("rank_log_dir", None) or early or config.getini("rank_log_dir") or "logs"
     return Path(config.invocation_params.dir) / str(value)
 
 
@@ -265,7 +267,7 @@ class LaunchedSession:
                 for o, r in sorted(outcomes.items())
             ]
             tr.write_line(f"{nodeid}: {'; '.join(parts)}")
-        if not self.shard and not uneven and not self.missing:
+        if not self.shard and self.table and not uneven and not self.missing and not self.mismatch:
             tr.write_line(f"every test passed on all {self.ctx.world_size} ranks")
         if self.ctx.world_size > 1:
             tr.write_line(f"output of ranks 1 to {self.ctx.world_size - 1}: {self.log_path.parent}/rank<N>.log")

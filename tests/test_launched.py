@@ -1,0 +1,514 @@
+"""Whole pytest sessions started by real launchers: torchrun, mpirun (Open MPI), srun (SLURM).
+
+Each test writes a small suite into a temporary directory and starts the launcher on it
+in a subprocess (its own process group, killed afterwards). The launches are the
+expensive part (1-10 s each), so every launch is checked for several things at once.
+The srun tests use the session's one-node SLURM cluster (``slurm`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import require
+
+INNER = ("-p", "no:benchmark", "-p", "no:hypothesispytest", "--color=no")
+NO_CACHE = ("-p", "no:cacheprovider")
+LAUNCH_TIMEOUT = 150
+
+# the environment of a rank of an outer launch (or of an outer xdist worker) must not leak in
+_DROP_PREFIXES = ("PYTEST_GPU_", "PYTEST_XDIST_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
+_DROP = {"PYTEST_ADDOPTS", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+# every inner module knows its rank the same way
+RANK_OF = """
+import os
+
+RANK = next((int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if v in os.environ), 0)
+"""
+
+# Rank 1 writes straight to its file descriptors outside any test (pytest's capturing is
+# suspended then, so descriptors 1 and 2 are whatever pytest found at its start): that
+# must land in its log file too. Every rank records the exit status its pytest ends with.
+CONFTEST = (
+    RANK_OF
+    + """
+import pytest
+
+
+def pytest_configure(config):
+    if RANK == 1:
+        os.write(1, ("RANK1" + "-CONFTEST-STDOUT\\n").encode())
+        os.write(2, ("RANK1" + "-CONFTEST-STDERR\\n").encode())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    with open(f"exit-rank{RANK}.txt", "w") as f:
+        f.write(str(int(session.exitstatus)))
+"""
+)
+
+LOCKSTEP = (
+    RANK_OF
+    + """
+import pytest
+
+
+def test_ok():
+    if RANK == 1:
+        print("RANK1" + "-ONLY-PASSING-TEST")
+
+
+def test_x():
+    print(f"test_x runs on rank {RANK}")
+    assert RANK != 1, "rank 1 disagrees"
+
+
+@pytest.mark.horovod_dist
+def test_hvd():
+    pass
+
+
+@pytest.mark.skip(reason="not today")
+def test_skipped():
+    pass
+"""
+)
+RANK1_ONLY = ("RANK1-ONLY-PASSING-TEST", "RANK1-CONFTEST-STDOUT", "RANK1-CONFTEST-STDERR")
+
+KILLED = (
+    RANK_OF
+    + """
+import signal
+import time
+
+
+def test_first():
+    pass
+
+
+def test_dies():
+    if RANK == 0:
+        open("rank0-in-test_dies", "w").close()
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(60)  # torchrun ends rank 0 (SIGTERM) as soon as rank 1 is gone
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists("rank0-in-test_dies") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_after():
+    pass
+"""
+)
+
+HUNG = (
+    RANK_OF
+    + """
+import time
+
+
+def test_first():
+    pass
+
+
+def test_hangs():
+    if RANK == 1:
+        time.sleep(120)
+"""
+)
+
+MISMATCH = (
+    RANK_OF
+    + """
+def test_common():
+    pass
+
+
+if RANK == 1:
+
+    def test_only_rank1():
+        pass
+"""
+)
+
+# 60 tests whose ids sort in definition order. Without history the split is round-robin
+# over the sorted ids, so rank 0 gets every third test: the long ones.
+SHARDED = """
+import time
+
+import pytest
+
+
+def seconds(i):
+    return 0.2 + (i % 5) * 0.025 if i % 3 == 0 else 0.01 + (i % 4) * 0.03
+
+
+@pytest.mark.parametrize("i", range(60), ids=lambda i: f"{i:02d}")
+def test_sleep(i):
+    time.sleep(seconds(i))
+"""
+
+
+@dataclass
+class Launched:
+    cwd: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def terminal(self) -> str:
+        return self.stdout + self.stderr
+
+    def exit_statuses(self, ranks: int) -> list[str]:
+        return [(self.cwd / f"exit-rank{r}.txt").read_text() for r in range(ranks)]
+
+    def junit(self, name: str = "junit.xml") -> dict[str, ET.Element]:
+        cases = {}
+        for case in ET.parse(self.cwd / name).iter("testcase"):
+            key = f"{case.get('classname')}::{case.get('name')}"
+            assert key not in cases, f"{key} twice in {name}"
+            cases[key] = case
+        return cases
+
+
+def inner_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith(_DROP_PREFIXES)}
+    env.update(extra)
+    return env
+
+
+def launch(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = LAUNCH_TIMEOUT) -> Launched:
+    """Run a launcher to its end; afterwards kill whatever is left of its process group."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} did not end within {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+    finally:
+        try:  # a rank that hangs outlives an mpirun that gave up on it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    # shown with a failing test: the whole terminal of the launch
+    print(f"$ {' '.join(cmd)}  # in {cwd}, exit status {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}")
+    return Launched(cwd, proc.returncode, out, err)
+
+
+class Launcher:
+    """How to start N copies of pytest under one launcher, with the environment it needs."""
+
+    def __init__(self, name: str, request: pytest.FixtureRequest) -> None:
+        self.name = name
+        if name == "torchrun":
+            require("torch", module="torch")
+            self.env = inner_env()
+        elif name == "mpirun":
+            require("Open MPI", executable="mpirun")
+            self.env = inner_env(
+                OMPI_ALLOW_RUN_AS_ROOT="1",
+                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1",
+            )
+        else:
+            require("SLURM", executable="srun")
+            self.env = inner_env(SLURM_CONF=request.getfixturevalue("slurm"))
+
+    def command(self, ranks: int, *pytest_args: str) -> list[str]:
+        pytest_cmd = [sys.executable, "-m", "pytest", *INNER, *pytest_args]
+        if self.name == "torchrun":
+            return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", *pytest_cmd[1:]]
+        if self.name == "mpirun":
+            return ["mpirun", "-n", str(ranks), *pytest_cmd]
+        return ["srun", "-n", str(ranks), *pytest_cmd]
+
+    def run(self, cwd: Path, ranks: int, *pytest_args: str) -> Launched:
+        return launch(self.command(ranks, *pytest_args), cwd, self.env)
+
+
+def suite(directory: Path, **modules: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pytest.ini").write_text("[pytest]\n")
+    (directory / "conftest.py").write_text(CONFTEST)
+    for name, source in modules.items():
+        (directory / f"{name}.py").write_text(source)
+    return directory
+
+
+@pytest.fixture(params=["torchrun", "mpirun", "srun"])
+def launcher(request: pytest.FixtureRequest) -> Launcher:
+    return Launcher(request.param, request)
+
+
+# -- lockstep: every rank runs every test ------------------------------------------------------
+
+
+def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> None:
+    name = launcher.name
+    cwd = suite(tmp_path, test_lockstep=LOCKSTEP)
+    # mpirun: a log directory given on the command line (it must reach the earliest redirect)
+    log_dir = cwd / ("ranklogs" if name == "mpirun" else "logs")
+    extra = ["--rank-log-dir=ranklogs"] if name == "mpirun" else []
+    result = launcher.run(cwd, 2, *NO_CACHE, "-rA", "--junitxml=junit.xml", *extra)
+    out, terminal = result.stdout, result.terminal
+    rank1_log = log_dir / name / "rank1.log"
+
+    assert result.returncode != 0, terminal
+    assert result.exit_statuses(2) == ["1", "1"], terminal  # every rank's pytest fails, not only rank 1's
+    # rank 0 reports rank 1's failure: its traceback, its captured output, the summary lines
+    assert re.search(r"_+ test_x \[rank 1\] _+", out), out
+    assert "E       AssertionError: rank 1 disagrees" in out
+    assert "test_x runs on rank 1" in out
+    assert f"failed on rank 1 of 2; its whole output: {rank1_log}" in out
+    assert "FAILED test_lockstep.py::test_x@rank1 - AssertionError: rank 1 disagrees" in out
+    assert f"pytest-gpu: 2 ranks under {name}" in out
+    assert "test_lockstep.py::test_x: failed on rank 1; passed on rank 0" in out
+    assert "test_lockstep.py::test_skipped: skipped on ranks 0,1" in out
+    assert "every test passed" not in out
+    assert f"output of ranks 1 to 1: {log_dir / name}/rank<N>.log" in out
+    # ... and only rank 0 wrote to the terminal
+    assert out.count("test session starts") == 1, out
+    for text in RANK1_ONLY:
+        assert text not in terminal, f"{text!r} from rank 1 reached the terminal"
+    log = rank1_log.read_text()
+    for text in RANK1_ONLY:
+        assert text in log, f"{text!r} missing from {rank1_log}"
+    assert "FAILED test_lockstep.py::test_x - AssertionError: rank 1 disagrees" in log
+    if name == "mpirun":
+        assert not (cwd / "logs").exists()
+    # the strategy marker: horovod cannot run under torchrun, it can under mpirun and srun
+    deselected = "pytest-gpu: deselected 1: horovod_dist cannot run under torchrun (allowed: mpirun srun)"
+    if name == "torchrun":
+        assert deselected in out
+        assert re.search(r"=+ 1 failed, 2 passed, 1 skipped, 1 deselected in ", out), out
+    else:
+        assert "pytest-gpu: deselected" not in out
+        assert re.search(r"=+ 1 failed, 3 passed, 1 skipped in ", out), out
+    # rank 0's junitxml carries rank 1's failure; rank 1 keeps its own next to its log
+    cases = result.junit()
+    failure = cases["test_lockstep::test_x@rank1"].find("failure")
+    assert failure is not None
+    assert "rank 1 disagrees" in (failure.get("message") or "")
+    assert "assert RANK != 1" in (failure.text or "")
+    assert cases["test_lockstep::test_x"].find("failure") is None
+    assert ("test_lockstep::test_hvd" in cases) == (name != "torchrun")
+    assert "test_lockstep::test_ok@rank1" not in cases  # passing ranks are not repeated
+    rank1_cases = result.junit(str(log_dir / name / "rank1.xml"))
+    assert rank1_cases["test_lockstep::test_x"].find("failure") is not None
+
+
+@pytest.mark.parametrize("name", ["torchrun", "srun"])
+def test_killed_rank_is_reported_by_rank_0(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    launcher = Launcher(name, request)
+    cwd = suite(tmp_path, test_killed=KILLED)
+    result = launcher.run(cwd, 2, *NO_CACHE, "--rank-gather-timeout=8", "--junitxml=junit.xml")
+    out, terminal = result.stdout, result.terminal
+    rank1_log = cwd / "logs" / name / "rank1.log"
+
+    assert result.returncode != 0, terminal
+    assert (
+        f"rank 1 did not report within --rank-gather-timeout=8s (it died or hangs); its output: {rank1_log}" in out
+    ), terminal
+    assert f"FAILED pytest-gpu::rank1 - rank 1 of 2 ({name}) did not report" in out
+    if name == "torchrun":  # torchrun stopped rank 0 in the middle of test_dies
+        assert "KeyboardInterrupt: SIGTERM from the launcher" in out
+        assert re.search(r"=+ 1 failed, 1 passed in ", out), out
+    else:  # srun let rank 0 finish the suite
+        assert re.search(r"=+ 1 failed, 3 passed in ", out), out
+        assert result.exit_statuses(1) == ["1"]
+    failure = result.junit()["pytest-gpu::rank1"].find("failure")
+    assert failure is not None
+    assert "did not report its results within --rank-gather-timeout=8s" in (failure.get("message") or "")
+
+
+def test_hung_rank_under_mpirun_is_reported(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    launcher = Launcher("mpirun", request)
+    cwd = suite(tmp_path, test_hung=HUNG)
+    result = launcher.run(cwd, 2, *NO_CACHE, "--rank-gather-timeout=8", "--junitxml=junit.xml")
+    out = result.stdout
+    rank1_log = cwd / "logs" / "mpirun" / "rank1.log"
+
+    assert result.returncode != 0, result.terminal
+    assert f"rank 1 did not report within --rank-gather-timeout=8s (it died or hangs); its output: {rank1_log}" in out
+    assert "FAILED pytest-gpu::rank1 - rank 1 of 2 (mpirun) did not report" in out
+    assert re.search(r"=+ 1 failed, 2 passed in ", out), out
+    assert result.exit_statuses(1) == ["1"]
+    assert result.junit()["pytest-gpu::rank1"].find("failure") is not None
+
+
+def test_ranks_that_collected_different_tests(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    launcher = Launcher("mpirun", request)
+    cwd = suite(tmp_path, test_mismatch=MISMATCH)
+    result = launcher.run(cwd, 2, *NO_CACHE, "--rank-gather-timeout=30")
+    terminal = result.terminal
+
+    assert result.returncode != 0, terminal
+    assert "pytest-gpu: the ranks collected different tests, so they cannot run in lockstep:" in terminal
+    assert "  only on rank 1 (not on every rank): test_mismatch.py::test_only_rank1" in terminal
+    assert "only on rank 0" not in terminal
+    assert "test_common" not in terminal.split("cannot run in lockstep:", 1)[1]
+    assert "every test passed" not in terminal
+    assert terminal.count("test session starts") == 1
+
+
+# -- outside any launcher --------------------------------------------------------------------------
+
+OUTSIDE = """
+import pytest
+
+
+@pytest.mark.torch_dist
+def test_torch():
+    pass
+
+
+@pytest.mark.ray_dist
+def test_ray():
+    pass
+
+
+@pytest.mark.hpc
+def test_hpc():
+    pass
+
+
+@pytest.mark.launcher("srun", "mpirun")
+def test_launcher_only():
+    pass
+
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.fixture
+def outside(gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    for name in list(os.environ):
+        if name in _DROP or name.startswith(_DROP_PREFIXES):
+            monkeypatch.delenv(name)
+    gpu_pytester.makepyfile(test_outside=OUTSIDE)
+    return gpu_pytester
+
+
+def test_outside_a_launcher_needs_a_launcher(outside: pytest.Pytester) -> None:
+    result = outside.runpytest_inprocess(*NO_CACHE, "--strict-markers", "-rA")
+    result.assert_outcomes(passed=2, deselected=3)
+    result.stdout.fnmatch_lines_random(
+        [
+            "pytest-gpu: deselected 1: torch_dist needs a launcher (mpirun or srun or torchrun)",
+            "pytest-gpu: deselected 1: hpc tests run only under a launcher or with -m hpc",
+            "pytest-gpu: deselected 1: launcher(srun, mpirun) needs a launcher (mpirun or srun)",
+            "PASSED test_outside.py::test_ray",
+            "PASSED test_outside.py::test_plain",
+        ]
+    )
+
+
+def test_outside_a_launcher_custom_mapping(outside: pytest.Pytester) -> None:
+    outside.makeini("[pytest]\nlauncher_markers =\n    # our own strategy\n    jax_dist: srun\n")
+    outside.makepyfile(
+        test_jax="import pytest\n\n@pytest.mark.jax_dist\ndef test_jax():\n    pass\n\ndef test_plain():\n    pass\n"
+    )
+    result = outside.runpytest_inprocess(*NO_CACHE, "--strict-markers", "-rA", "test_jax.py")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: deselected 1: jax_dist needs a launcher (srun)"])
+
+
+def test_outside_a_launcher_hpc_with_m_hpc(outside: pytest.Pytester) -> None:
+    outside.makeini("[pytest]\n")
+    result = outside.runpytest_inprocess(*NO_CACHE, "-m", "hpc", "-rA")
+    result.assert_outcomes(passed=1, deselected=4)
+    result.stdout.fnmatch_lines(["PASSED test_outside.py::test_hpc"])
+    result.stdout.no_fnmatch_line("*hpc tests run only*")
+
+
+def test_outside_a_launcher_shard_is_a_usage_error(outside: pytest.Pytester) -> None:
+    result = outside.runpytest_inprocess(*NO_CACHE, "--shard")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--shard: not running under a launcher (srun, mpirun or torchrun), nothing to shard*"]
+    )
+
+
+def test_bad_launcher_markers_are_usage_errors(outside: pytest.Pytester) -> None:
+    outside.makeini("[pytest]\nlauncher_markers =\n    torch_dist: torchrun slurm\n")
+    result = outside.runpytest_inprocess(*NO_CACHE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*ini key 'launcher_markers': unknown launcher 'slurm' in*torch_dist: torchrun slurm*"]
+    )
+
+    outside.makeini("[pytest]\n")
+    outside.makepyfile(
+        test_bad="import pytest\n\n@pytest.mark.launcher('torchrun', 'pbs')\ndef test_pbs():\n    pass\n"
+    )
+    result = outside.runpytest_inprocess(*NO_CACHE, "test_bad.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_bad.py::test_pbs: launcher marker: unknown launcher 'pbs'*"])
+
+
+# -- shard mode: the suite split over the ranks --------------------------------------------------
+
+
+def share_spread(out: str) -> int:
+    match = re.search(r"share durations: rank 0: .* \(spread (\d+)% of the mean\)", out)
+    assert match, out
+    return int(match.group(1))
+
+
+def test_shard_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    launcher = Launcher("srun", request)
+    cwd = suite(tmp_path, test_sharded=SHARDED)
+    expected = {f"test_sharded::test_sleep[{i:02d}]" for i in range(60)}
+    spreads = []
+    for attempt in (1, 2):  # the first run records the durations (pytest's cache), the second uses them
+        result = launcher.run(cwd, 3, "--shard", f"--junitxml=junit{attempt}.xml")
+        out = result.stdout
+        assert result.returncode == 0, result.terminal
+        assert result.exit_statuses(3) == ["0", "0", "0"]
+        assert "pytest-gpu: 3 shards under srun" in out
+        assert re.search(r"=+ 60 passed in ", out), out
+        cases = result.junit(f"junit{attempt}.xml")  # fails on a test reported twice
+        assert set(cases) == expected
+        assert all(case.find("failure") is None and case.find("skipped") is None for case in cases.values())
+        spreads.append(share_spread(out))
+        if attempt == 1:  # no history: count-balanced
+            assert "rank 0 ran 20 of 60 tests; the other shares came from ranks 1+" in out
+    assert (cwd / ".pytest_cache").is_dir()
+    # without history rank 0 got all the long tests; with it the shares are balanced
+    assert spreads[0] > 25, spreads
+    assert spreads[1] <= 25, spreads
+
+
+def test_shard_with_xdist_workers_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The README's recipe: each rank runs its share with its own xdist workers."""
+    launcher = Launcher("srun", request)
+    source = SHARDED.replace("range(60)", "range(12)").replace("time.sleep(seconds(i))", "time.sleep(0.02)")
+    cwd = suite(tmp_path, test_sharded=source)
+    result = launcher.run(cwd, 2, *NO_CACHE, "--shard", "-n", "2", "--junitxml=junit.xml")
+    out = result.stdout
+
+    assert result.returncode == 0, result.terminal
+    assert "pytest-gpu: 2 shards under srun" in out
+    assert "2 workers [6 items]" in out  # rank 0's share, over its own workers
+    assert re.search(r"=+ 12 passed in ", out), out
+    assert set(result.junit()) == {f"test_sharded::test_sleep[{i:02d}]" for i in range(12)}
+    assert "2 workers [6 items]" in (cwd / "logs" / "srun" / "rank1.log").read_text()
