@@ -1,8 +1,9 @@
 """The lease service: one per run, hands out GPUs and ports to the test processes.
 
 Transport: :mod:`multiprocessing.connection` over a Unix socket in the run's private
-0700 directory, authenticated with a random key. One thread per connected client;
-decisions are made by :class:`pytest_gpu.placement.Pool` under one lock.
+0700 directory, authenticated with a random key.
+One thread serves every connection as its messages arrive; decisions are made by
+:class:`pytest_gpu.placement.Pool` under one lock.
 
 Crash safety comes from the kernel: when a client process dies, for any reason, its end
 of the socket is closed, ``recv`` raises, and everything it held (leases, queued
@@ -28,6 +29,7 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import selectors
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,15 +105,20 @@ class Broker:
         self._closing = False
         self._listener: Listener | None = None
         self._threads: list[threading.Thread] = []
+        self._incoming: list[Connection] = []
+        self._wake_r = self._wake_w = -1
+        self._selector: selectors.BaseSelector | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> Broker:
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
         os.chmod(self.address, 0o600)
-        thread = threading.Thread(target=self._accept_loop, name="pytest-gpu-broker", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._wake_r, self._wake_w = os.pipe()
+        for target, name in ((self._accept_loop, "accept"), (self._serve_loop, "serve")):
+            thread = threading.Thread(target=target, name=f"pytest-gpu-broker-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         return self
 
     def close(self) -> None:
@@ -121,13 +128,16 @@ class Broker:
                 self._listener.close()
             except OSError:
                 pass
-        with self._lock:
-            clients = list(self._clients.values())
-        for info in clients:
-            try:
-                info.conn.close()
-            except OSError:
-                pass
+        self._wake()
+        for thread in self._threads:
+            if thread is not threading.current_thread() and thread.name.endswith("serve"):
+                thread.join(timeout=5)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -140,41 +150,87 @@ class Broker:
                 continue  # a failed handshake (wrong key) must not stop the service
             except Exception:
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            thread.start()
+            with self._lock:
+                self._incoming.append(conn)
+            self._wake()
 
-    # -- one client -----------------------------------------------------------------
+    # -- all clients, one thread ------------------------------------------------------
 
-    def _serve(self, conn: Connection) -> None:
-        info: ClientInfo | None = None
+    def _serve_loop(self) -> None:
+        """Serve every connection from one thread: a message is handled as soon as it
+        arrives (one epoll over all sockets), with no thread switch per request."""
+        conns: dict[Connection, ClientInfo | None] = {}
+        selector = self._selector = selectors.DefaultSelector()  # epoll: registered once, not per message
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._closing:
+                for key, _ in selector.select():
+                    conn = key.data
+                    if conn is None:
+                        os.read(self._wake_r, 4096)
+                        with self._lock:
+                            incoming, self._incoming = self._incoming, []
+                        for new in incoming:
+                            conns[new] = None
+                            selector.register(new.fileno(), selectors.EVENT_READ, new)
+                        continue
+                    # drain what is already buffered too: one wake-up, many messages
+                    while self._receive(conn, conns) and conn.poll(0):
+                        pass
+        finally:
+            selector.close()
+            for conn, info in conns.items():
+                if info is not None:
+                    self._disconnect(info)
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+            with self._lock:
+                for conn in self._incoming:
+                    conn.close()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _drop(self, conn: Connection, conns: dict[Connection, ClientInfo | None]) -> None:
+        del conns[conn]
+        try:
+            self._selector.unregister(conn.fileno())
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.close()
+
+    def _receive(self, conn: Connection, conns: dict[Connection, ClientInfo | None]) -> bool:
+        """Handle one message from ``conn``; ``False`` once the connection is gone."""
+        info = conns[conn]
         try:
             kind, body = conn.recv()
+        except (EOFError, OSError):
+            # the process closed its end or died (the kernel closed it): take everything back
+            self._drop(conn, conns)
+            if info is not None:
+                self._disconnect(info)
+            return False
+        if info is None:
             if kind != "hello":
-                conn.close()
-                return
+                self._drop(conn, conns)
+                return False
             info = ClientInfo(f"c{next(self._ids)}", str(body.get("worker", "?")), int(body.get("pid", 0)), conn)
             with self._lock:
                 self._clients[info.client] = info
+            conns[conn] = info
             info.send(("ok", {"client": info.client}))
-            while True:
-                kind, body = conn.recv()
-                reply = self._handle(info, kind, body)
-                if reply is not None:  # "release" is one-way: a grant costs one round trip
-                    info.send(reply)
-        except (EOFError, OSError):
-            pass
-        except Exception:
-            # close() closed the connection under a blocked recv(): multiprocessing then
-            # raises TypeError from a handle set to None. Anything else is a real error.
-            if not self._closing:
-                raise
-        finally:
-            if info is not None:
-                self._disconnect(info)
-            try:
-                conn.close()
-            except OSError:
-                pass
+            return True
+        try:
+            reply = self._handle(info, kind, body)
+        except Exception as exc:  # a bug here must not stop the service for every worker
+            reply = ("error", f"pytest-gpu broker failed on {kind!r}: {exc!r}")
+        if reply is not None:  # "release" is one-way: a grant costs one round trip
+            info.send(reply)
+        return True
 
     def _handle(self, info: ClientInfo, kind: str, body: dict[str, Any]) -> tuple[str, Any] | None:
         if kind == "acquire":
