@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import rundir, sim
 from .isolation import VISIBLE_VARS
+from .procs import kill_and_wait
 
 if TYPE_CHECKING:  # psutil, like Ray, is imported where it is used: the plugin loads this module
     import psutil
@@ -559,15 +560,7 @@ def session_processes(sid: int, since: float = 0.0, exclude: Iterable[int] = ())
 
 def kill_session(sid: int, since: float = 0.0, exclude: Iterable[int] = ()) -> None:
     """SIGKILL every live process of session ``sid`` (started since ``since``), and wait for them."""
-    import psutil
-
-    procs = session_processes(sid, since, exclude)
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
+    kill_and_wait(session_processes(sid, since, exclude))
 
 
 # -- the watchdog: python -m pytest_gpu.raycluster --owner PID --owner-ctime T -- ray start ...

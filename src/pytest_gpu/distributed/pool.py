@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from ..procs import kill_and_wait
 from ..requests import build_request
 from ..session import GpuRun
 from .spec import DistSpec
@@ -500,12 +501,7 @@ class RankPool:
                 os.killpg(self.pgid, signal.SIGKILL)
             except OSError:
                 pass
-        for proc in victims:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(victims, timeout=5)
+        kill_and_wait(victims)
         for proc in self.procs:
             try:
                 proc.wait(timeout=5)
