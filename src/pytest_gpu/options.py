@@ -92,6 +92,12 @@ def register(parser: pytest.Parser) -> None:
         group.addoption(option, dest=dest, default=None, help=f"{help_text} (ini: {ini})")
         parser.addini(ini, help_text, default=default)
     group.addoption(
+        "--gpu-rebuild-artifacts",
+        action="store_true",
+        default=False,
+        help="build every shared_artifact anew (once in this run) even if its version is unchanged.",
+    )
+    group.addoption(
         "--shard",
         action="store_true",
         default=False,

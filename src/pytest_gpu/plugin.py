@@ -186,3 +186,12 @@ def ray_cluster(request: pytest.FixtureRequest) -> Generator[raycluster.RayClust
     """This process connected to a Ray cluster (``address``, ``resources``, ``started_by_plugin``,
     ``gpus``): ``--ray-address``, else a local head with the run's GPUs, stopped after the run."""
     yield from raycluster.fixture(request, request.config.stash[RUN_KEY])
+
+
+@pytest.fixture
+def shared_artifact(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``path = shared_artifact("dataset", build, version="3")``: ``build(path)`` fills a
+    directory once for the whole run (all workers), reused by later runs of the same version."""
+    from .artifacts import store
+
+    return store(request.config, request.config.stash[RUN_KEY].run_dir).get
