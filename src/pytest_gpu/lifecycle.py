@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .requests import GpuRequest, GpuRequestError, build_request, format_size
+from .requests import GpuRequest, GpuRequestError, build_request, format_size, learned
 from .verification import Verdict
 
 if TYPE_CHECKING:
@@ -47,14 +47,19 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     try:
         if marker is not None:
             request = build_request(marker.args, marker.kwargs, run.settings.default_memory)
+            named = "memory" in marker.kwargs or "exclusive" in marker.kwargs
         elif "gpu" in getattr(item, "fixturenames", ()):
             request = build_request((), {}, run.settings.default_memory, what="gpu fixture")
+            named = False
         else:
             return None
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
+    usable = max((d.total_memory for d in run.inventory.devices), default=0) - run.settings.context_overhead
+    peak = run.learned_peaks.get(item.nodeid)
+    if run.settings.learn and not named and peak is not None and usable > 0:
+        request = learned(request, peak, usable)
     if run.inventory.devices and request.memory is not None:
-        usable = max(d.total_memory for d in run.inventory.devices) - run.settings.context_overhead
         if request.memory > usable:
             raise GpuRequestError(
                 f"{item.nodeid}: gpu marker: memory={format_size(request.memory)} is larger than any GPU "

@@ -92,6 +92,13 @@ def register(parser: pytest.Parser) -> None:
         group.addoption(option, dest=dest, default=None, help=f"{help_text} (ini: {ini})")
         parser.addini(ini, help_text, default=default)
     group.addoption(
+        "--gpu-learn",
+        action="store_true",
+        default=False,
+        help="record each GPU test's measured peak in pytest's cache; a test that names no memory "
+        "then gets max(1.25 x peak, 256MiB) instead of --gpu-default-memory.",
+    )
+    group.addoption(
         "--gpu-rebuild-artifacts",
         action="store_true",
         default=False,
@@ -126,6 +133,7 @@ class Settings:
     rank_gather_timeout: float = 300.0
     ray_address: str = ""
     ray_start_timeout: float = 60.0
+    learn: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -138,6 +146,7 @@ class Settings:
             "port_range": list(self.port_range),
             "dist": [self.dist_timeout, self.dist_pool, self.dist_pool_idle],
             "rank_gather_timeout": self.rank_gather_timeout,
+            "learn": self.learn,
             "ray": [self.ray_address, self.ray_start_timeout],
         }
 
@@ -156,6 +165,7 @@ class Settings:
             dist_pool=bool(data["dist"][1]),
             dist_pool_idle=float(data["dist"][2]),
             rank_gather_timeout=float(data.get("rank_gather_timeout", 300.0)),
+            learn=bool(data.get("learn", False)),
             ray_address=str(data.get("ray", ["", 60.0])[0]),
             ray_start_timeout=float(data.get("ray", ["", 60.0])[1]),
         )
@@ -210,6 +220,7 @@ def read(config: pytest.Config) -> Settings:
         rank_gather_timeout=_seconds(config, "rank_gather_timeout"),
         ray_address=_value(config, "ray_address")[0].strip(),
         ray_start_timeout=_seconds(config, "ray_start_timeout"),
+        learn=bool(config.getoption("gpu_learn", False)),
     )
 
 

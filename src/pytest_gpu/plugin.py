@@ -58,6 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
         except DeviceSpecError as exc:
             raise pytest.UsageError(str(exc)) from None
     config.stash[RUN_KEY] = run
+    if run.settings.learn:
+        run.learned_peaks = dict(_cache(config).get(PEAKS_KEY, {})) if _cache(config) else {}
     summary = Summary()
     config.stash[SUMMARY_KEY] = summary
     config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
@@ -137,6 +139,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     runner.close(session.config)  # no rank outlives the session, also after Ctrl-C
+    config = session.config
+    run = config.stash.get(RUN_KEY, None)
+    cache = _cache(config)
+    if run is not None and run.broker is not None and run.settings.learn and cache is not None:
+        # the controller saw every worker's reports: it alone writes what was learned
+        peaks = dict(cache.get(PEAKS_KEY, {}))
+        peaks.update(config.stash[SUMMARY_KEY].peaks)
+        cache.set(PEAKS_KEY, peaks)
+
+
+PEAKS_KEY = "pytest_gpu/peaks"
+
+
+def _cache(config: pytest.Config) -> Any:
+    return getattr(config, "cache", None)  # absent under -p no:cacheprovider
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

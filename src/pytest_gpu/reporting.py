@@ -18,6 +18,7 @@ class Summary:
     waited: float = 0.0
     violations: int = 0
     violating: list[str] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)  # node id -> highest peak on one GPU
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.add(report)
@@ -29,6 +30,10 @@ class Summary:
         if "gpu_indices" not in props:
             return
         self.gpu_tests += 1
+        peaks = str(props.get("gpu_peak_bytes", "")).split(",")
+        values = [int(part.split("=", 1)[1]) for part in peaks if "=" in part]
+        if values:
+            self.peaks[report.nodeid] = max(values)
         self.waited += float(props.get("gpu_wait_seconds", 0.0))
         count = int(props.get("gpu_violations", 0))
         if count:

@@ -109,6 +109,17 @@ class DefaultMemory:
         return cls(exclusive=False, memory=size)
 
 
+LEARN_FLOOR = 256 * 2**20
+LEARN_FACTOR = 1.25
+
+
+def learned(request: GpuRequest, peak: int, usable: int) -> GpuRequest:
+    """``--gpu-learn``: a request that named no memory gets ``max(1.25 x peak, 256MiB)``
+    per GPU (shared), at most what a GPU can give."""
+    memory = min(max(int(LEARN_FACTOR * peak), LEARN_FLOOR), usable)
+    return GpuRequest(count=request.count, memory=memory, exclusive=False)
+
+
 GPU_MARKER_FORM = '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
 _GPU_KWARGS = ("count", "memory", "exclusive")
 

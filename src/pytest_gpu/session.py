@@ -51,6 +51,7 @@ class GpuRun:
     _client_lock: threading.Lock = field(default_factory=threading.Lock)
     _keys: itertools.count = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
+    learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
 
     # -- construction ---------------------------------------------------------------
 
