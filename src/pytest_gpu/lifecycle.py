@@ -55,7 +55,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
             return None
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
-    usable = max((d.total_memory for d in run.inventory.devices), default=0) - run.settings.context_overhead
+    usable = run.usable_memory
     peak = run.learned_peaks.get(item.nodeid)
     if run.settings.learn and not named and peak is not None and usable > 0:
         request = learned(request, peak, usable)

@@ -147,14 +147,18 @@ class GpuRun:
                 self._client = BrokerClient(self.address, self.authkey, self.worker)
             return self._client
 
+    @property
+    def usable_memory(self) -> int:
+        """The most one GPU can give a lease: the largest GPU less one CUDA context (0 without GPUs)."""
+        if not self.inventory.devices:
+            return 0
+        return max(d.total_memory for d in self.inventory.devices) - self.settings.context_overhead
+
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory can never satisfy ``request``, or ``None``."""
-        if not self.inventory.devices:
+        if request.count > len(self.inventory.devices):  # also: no GPUs at all
             return f"needs {request.describe()} but this run has {self.inventory.describe()}"
-        usable = max(d.total_memory for d in self.inventory.devices) - self.settings.context_overhead
-        count_ok = request.count <= len(self.inventory.devices)
-        if not count_ok:
-            return f"needs {request.describe()} but this run has {self.inventory.describe()}"
+        usable = self.usable_memory
         if request.memory is not None and request.memory > usable:
             return (
                 f"needs {format_size(request.memory)} per GPU but the largest GPU offers "
