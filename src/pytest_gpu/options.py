@@ -77,6 +77,19 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "Ray cluster for the ray_cluster fixture (host:port); empty: start a local head with the run's GPUs.",
     ),
     (
+        "--gpu-schedule",
+        "gpu_schedule",
+        "on",
+        "under -n without --dist: 'on' hands tests to workers by their GPU requests and past durations "
+        "(longest first, what fits); 'off' leaves xdist's own load scheduling.",
+    ),
+    (
+        "--gpu-trace",
+        "gpu_trace",
+        "",
+        "write a Chrome/Perfetto trace (JSON) of the run to this path: a track per GPU and per worker.",
+    ),
+    (
         "--ray-start-timeout",
         "ray_start_timeout",
         "60",
@@ -134,6 +147,8 @@ class Settings:
     ray_address: str = ""
     ray_start_timeout: float = 60.0
     learn: bool = False
+    schedule: bool = True
+    trace: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -147,6 +162,7 @@ class Settings:
             "dist": [self.dist_timeout, self.dist_pool, self.dist_pool_idle],
             "rank_gather_timeout": self.rank_gather_timeout,
             "learn": self.learn,
+            "schedule": self.schedule,
             "ray": [self.ray_address, self.ray_start_timeout],
         }
 
@@ -166,6 +182,7 @@ class Settings:
             dist_pool_idle=float(data["dist"][2]),
             rank_gather_timeout=float(data.get("rank_gather_timeout", 300.0)),
             learn=bool(data.get("learn", False)),
+            schedule=bool(data.get("schedule", True)),
             ray_address=str(data.get("ray", ["", 60.0])[0]),
             ray_start_timeout=float(data.get("ray", ["", 60.0])[1]),
         )
@@ -221,6 +238,8 @@ def read(config: pytest.Config) -> Settings:
         ray_address=_value(config, "ray_address")[0].strip(),
         ray_start_timeout=_seconds(config, "ray_start_timeout"),
         learn=bool(config.getoption("gpu_learn", False)),
+        schedule=_choice(config, "gpu_schedule", ("on", "off")) == "on",
+        trace=_value(config, "gpu_trace")[0].strip(),
     )
 
 
