@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .devices import DeviceSpecError, discover
 from .requests import format_size
@@ -21,12 +22,67 @@ def _inventory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from . import gantt  # matplotlib itself is imported only when drawing
+
+    trace = Path(args.trace)
+    out = Path(args.output) if args.output else None
+    if args.format is not None:
+        fmt = args.format.lower()
+        if fmt not in gantt.FORMATS:
+            print(f"pytest-gpu report: --format {args.format!r}: expected png or svg", file=sys.stderr)
+            return 2
+    elif out is not None:
+        fmt = out.suffix.lstrip(".").lower()
+        if fmt not in gantt.FORMATS:
+            print(
+                f"pytest-gpu report: -o {str(out)!r}: cannot tell the format from its suffix; "
+                "expected a name ending in .png or .svg, or --format png|svg",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        fmt = "png"
+    out = out or trace.with_suffix(f".{fmt}")
+    if out.resolve() == trace.resolve():  # never draw over the trace itself
+        print(f"pytest-gpu report: -o {str(out)!r} is the trace itself; expected another path", file=sys.stderr)
+        return 2
+
+    try:
+        chart = gantt.build_chart(gantt.load_trace(trace), title=args.title)
+    except gantt.TraceError as exc:
+        print(f"pytest-gpu report: {trace}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        gantt.render(chart, out, fmt)
+    except gantt.MissingMatplotlib as exc:
+        print(f"pytest-gpu report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pytest-gpu report: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(out)
+    print(chart.summary())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pytest-gpu", description="pytest-gpu utilities")
     sub = parser.add_subparsers(dest="command", required=True)
     inv = sub.add_parser("inventory", help="print the GPUs --gpus would give, with memory")
     inv.add_argument("--gpus", default="auto", help="as pytest's --gpus (default: auto)")
     inv.set_defaults(func=_inventory)
+    rep = sub.add_parser("report", help="draw a --gpu-trace file as a Gantt chart picture (needs matplotlib)")
+    rep.add_argument("trace", metavar="TRACE", help="trace JSON written by pytest --gpu-trace")
+    rep.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="picture to write (default: TRACE with suffix .png, or .svg with --format svg)",
+    )
+    rep.add_argument("--format", help="png or svg (default: from OUT's suffix, else png)")
+    rep.add_argument("--title", help="chart title (default: the run's inventory and makespan)")
+    rep.set_defaults(func=_report)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

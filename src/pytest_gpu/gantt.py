@@ -1,0 +1,436 @@
+"""A run trace (``pytest --gpu-trace``) drawn as a Gantt chart picture.
+
+Two halves: a pure one that validates the trace and lays it out as rows and bars
+(`load_trace`, `build_chart`; no matplotlib needed, so it is unit-testable anywhere),
+and `render`, which draws a `Chart` with matplotlib (the optional ``report`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+EXPECTED = "expected a trace written by pytest --gpu-trace"
+FORMATS = ("png", "svg")
+WORKERS_PID = 1
+GPU_PID_BASE = 100
+
+# Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
+OUTCOME_COLORS: dict[str, str] = {
+    "passed": "#009E73",
+    "failed": "#D55E00",
+    "error": "#CC79A7",
+    "crashed": "#000000",
+    "skipped": "#BBBBBB",
+}
+UNKNOWN_COLOR = "#0072B2"
+WAIT_COLOR = "#F0E442"
+EXCLUSIVE_HATCH = "///"
+
+# Layout in row units (a worker row is 1 unit tall); rows grow downwards from y=0.
+_PAD = 0.12  # empty space above and below the bars of a row
+_GROUP_GAP = 0.5  # between the GPU rows and the worker rows
+_MAX_GPU_ROW = 3.0  # a GPU with many tenants gets a taller row, up to this
+
+# Drawing, in inches and points.
+_FIG_WIDTH = 14.0
+_LEFT, _RIGHT, _TOP, _BOTTOM = 1.5, 0.3, 0.6, 0.95
+_MIN_HEIGHT, _MAX_HEIGHT, _INCH_PER_UNIT = 3.0, 24.0, 0.3
+_CHAR_WIDTH = 0.6  # average glyph width, in ems, for deciding whether a label fits
+_MIN_CUT = 8  # a cut label shorter than this ("tes…") is noise, not information
+
+
+class TraceError(ValueError):
+    """A file that is not a readable pytest-gpu trace; the message says what was expected."""
+
+
+class MissingMatplotlib(ImportError):
+    """matplotlib (the ``report`` extra) is not installed."""
+
+    def __init__(self) -> None:
+        super().__init__("needs matplotlib (pip install 'pytest-gpu[report]')")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One horizontal track: a GPU (split into ``lanes`` for concurrent tenants) or a worker."""
+
+    label: str
+    kind: Literal["gpu", "worker"]
+    y: float  # top edge, in row units
+    height: float
+    lanes: int
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One span on a row, in seconds from the run start, already placed and styled."""
+
+    row: int  # index into Chart.rows
+    kind: Literal["test", "wait", "lease"]
+    start: float
+    end: float
+    label: str
+    nodeid: str
+    outcome: str | None
+    color: str
+    y: float  # top edge, in row units
+    height: float
+    exclusive: bool = False
+    hatch: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Chart:
+    """A trace laid out for drawing: rows top to bottom, bars in drawing order."""
+
+    title: str
+    inventory: str
+    makespan: float
+    rows: tuple[Row, ...]
+    bars: tuple[Bar, ...]
+
+    @property
+    def height(self) -> float:
+        """Total height in row units."""
+        return max((row.y + row.height for row in self.rows), default=1.0)
+
+    @property
+    def tests(self) -> tuple[Bar, ...]:
+        return tuple(bar for bar in self.bars if bar.kind == "test")
+
+    def summary(self) -> str:
+        """One line: tests, GPUs, workers, makespan and outcome counts."""
+        gpus = sum(row.kind == "gpu" for row in self.rows)
+        workers = sum(row.kind == "worker" for row in self.rows)
+        outcomes = Counter(bar.outcome or "unknown" for bar in self.tests)
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in outcomes.most_common())
+        line = (
+            f"{_plural(len(self.tests), 'test')} on {_plural(gpus, 'GPU')}, {_plural(workers, 'worker')}, "
+            f"makespan {format_seconds(self.makespan)} s"
+        )
+        return f"{line} ({counts})" if counts else line
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def format_seconds(seconds: float) -> str:
+    """Seconds with precision that suits their size (0.42, 12.3, 345)."""
+    if seconds < 10:
+        return f"{seconds:.2f}"
+    if seconds < 100:
+        return f"{seconds:.1f}"
+    return f"{seconds:.0f}"
+
+
+def outcome_color(outcome: str | None) -> str:
+    """The fill colour for a test outcome."""
+    return OUTCOME_COLORS.get(outcome or "", UNKNOWN_COLOR)
+
+
+def fit_label(label: str, width_pt: float, fontsize: float) -> str:
+    """``label`` as it fits a bar ``width_pt`` wide: whole, cut with an ellipsis, or empty."""
+    room = int((width_pt - fontsize * 0.5) / (fontsize * _CHAR_WIDTH))
+    if len(label) <= room:
+        return label
+    if room >= _MIN_CUT:
+        return label[: room - 1] + "…"
+    return ""
+
+
+# -- reading and validating -------------------------------------------------------
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Read a trace file; `TraceError` (without the path, which the caller names) if it is not one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(f"no such file; {EXPECTED}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"not JSON (not UTF-8 text); {EXPECTED}") from None
+    except OSError as exc:
+        raise TraceError(f"cannot read it ({exc.strerror or exc}); {EXPECTED}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {EXPECTED}") from None
+    _metadata(data)
+    return data
+
+
+def _metadata(data: object) -> Mapping[str, Any]:
+    other = data.get("otherData") if isinstance(data, Mapping) else None
+    meta = other.get("pytest_gpu") if isinstance(other, Mapping) else None
+    if not isinstance(meta, Mapping):
+        raise TraceError(f"not a pytest-gpu trace (no otherData.pytest_gpu); {EXPECTED}")
+    if not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"traceEvents is missing or not a list; {EXPECTED}")
+    return meta
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class _Span:
+    cat: str
+    name: str
+    pid: int
+    tid: int
+    start: float
+    end: float
+    args: Mapping[str, Any]
+
+
+def _spans(events: Sequence[object]) -> list[_Span]:
+    """The test, wait and lease spans; other events are left to other readers of the trace."""
+    spans: list[_Span] = []
+    for i, event in enumerate(events):
+        if not isinstance(event, Mapping) or event.get("ph") != "X":
+            continue
+        cat = event.get("cat")
+        if cat not in ("test", "wait", "lease"):
+            continue
+        ts, dur, pid, tid = (event.get(key) for key in ("ts", "dur", "pid", "tid"))
+        if not (_is_number(ts) and _is_number(dur) and _is_int(pid) and _is_int(tid)):
+            raise TraceError(
+                f"traceEvents[{i}] ({cat} {event.get('name')!r}) needs numeric ts and dur and integer pid and tid; "
+                f"{EXPECTED}"
+            )
+        args = event.get("args")
+        args = args if isinstance(args, Mapping) else {}
+        start = ts / 1e6
+        spans.append(_Span(cat, str(event.get("name", "")), pid, tid, start, start + max(dur, 0) / 1e6, args))
+    return spans
+
+
+def _names(events: Sequence[object]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
+    """process_name and thread_name metadata: pid -> name, (pid, tid) -> name."""
+    processes: dict[int, str] = {}
+    threads: dict[tuple[int, int], str] = {}
+    for event in events:
+        if not isinstance(event, Mapping) or event.get("ph") != "M":
+            continue
+        pid, tid, args = event.get("pid"), event.get("tid"), event.get("args")
+        name = args.get("name") if isinstance(args, Mapping) else None
+        if not _is_int(pid) or not isinstance(name, str):
+            continue
+        if event.get("name") == "process_name":
+            processes[pid] = name
+        elif event.get("name") == "thread_name" and _is_int(tid):
+            threads[(pid, tid)] = name
+    return processes, threads
+
+
+# -- layout -----------------------------------------------------------------------
+
+
+def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
+    """Lay a trace out as rows (GPUs, then workers) and bars; `TraceError` if it is malformed."""
+    meta = _metadata(data)
+    events: list[object] = data["traceEvents"]
+    spans = _spans(events)
+    processes, threads = _names(events)
+
+    # GPU rows: every GPU the trace lists (idle ones too), and any that only leases name.
+    gpu_pids: set[int] = set()
+    for gpu in meta.get("gpus") or []:
+        if isinstance(gpu, Mapping) and _is_int(gpu.get("index")):
+            gpu_pids.add(GPU_PID_BASE + gpu["index"])
+    gpu_pids.update(pid for pid in processes if pid >= GPU_PID_BASE)
+    gpu_pids.update(span.pid for span in spans if span.cat == "lease")
+
+    # Worker rows: tid = position in the workers list + 1, as the trace writer numbers them.
+    worker_tids: dict[int, str] = {}
+    for position, name in enumerate(meta.get("workers") or []):
+        worker_tids[position + 1] = str(name)
+    for (pid, tid), name in threads.items():
+        if pid == WORKERS_PID:
+            worker_tids[tid] = name
+    for span in spans:
+        if span.cat in ("test", "wait") and span.tid not in worker_tids:
+            worker_tids[span.tid] = str(span.args.get("worker") or f"worker {span.tid}")
+
+    rows: list[Row] = []
+    gpu_lanes: dict[int, dict[int, int]] = {}  # pid -> tid -> lane index
+    y = 0.0
+    for pid in sorted(gpu_pids):
+        tids = {tid for (p, tid) in threads if p == pid}
+        tids.update(span.tid for span in spans if span.cat == "lease" and span.pid == pid)
+        lanes = {tid: lane for lane, tid in enumerate(sorted(tids))}
+        gpu_lanes[pid] = lanes
+        height = min(_MAX_GPU_ROW, 0.5 + 0.5 * max(len(lanes), 1))
+        rows.append(Row(processes.get(pid, f"GPU {pid - GPU_PID_BASE}"), "gpu", y, height, max(len(lanes), 1)))
+        y += height
+    if rows and worker_tids:
+        y += _GROUP_GAP
+    worker_rows: dict[int, int] = {}
+    for tid in sorted(worker_tids):
+        worker_rows[tid] = len(rows)
+        rows.append(Row(worker_tids[tid], "worker", y, 1.0, 1))
+        y += 1.0
+    gpu_rows = {pid: i for i, pid in enumerate(sorted(gpu_pids))}
+
+    outcomes = {str(s.args.get("nodeid")): s.args.get("outcome") for s in spans if s.cat == "test"}
+    bars: list[Bar] = []
+    for span in spans:
+        nodeid = str(span.args.get("nodeid", ""))
+        if span.cat == "lease" and span.pid in gpu_rows:
+            row = rows[gpu_rows[span.pid]]
+            exclusive = bool(span.args.get("exclusive"))
+            top, height = row.y + _PAD, row.height - 2 * _PAD
+            if not exclusive:  # a shared tenant takes its lane; an exclusive one has the GPU to itself
+                height /= row.lanes
+                top += gpu_lanes[span.pid].get(span.tid, 0) * height
+            outcome = span.args.get("outcome") or outcomes.get(nodeid)
+            bars.append(
+                Bar(
+                    gpu_rows[span.pid],
+                    "lease",
+                    span.start,
+                    span.end,
+                    span.name,
+                    nodeid,
+                    outcome,
+                    outcome_color(outcome),
+                    top,
+                    height,
+                    exclusive,
+                    EXCLUSIVE_HATCH if exclusive else None,
+                )
+            )
+        elif span.cat in ("test", "wait") and span.pid == WORKERS_PID:
+            index = worker_rows[span.tid]
+            row = rows[index]
+            outcome = span.args.get("outcome") if span.cat == "test" else None
+            color = outcome_color(outcome) if span.cat == "test" else WAIT_COLOR
+            kind: Literal["test", "wait"] = "test" if span.cat == "test" else "wait"
+            bars.append(
+                Bar(index, kind, span.start, span.end, span.name, nodeid, outcome, color, row.y + _PAD, 1 - 2 * _PAD)
+            )
+    # Waits sit inside their test span, so they must be drawn after (over) it.
+    bars.sort(key=lambda bar: (bar.kind == "wait", bar.row, bar.start))
+
+    inventory = str(meta.get("inventory") or meta.get("source") or "")
+    ends = max((bar.end for bar in bars), default=0.0)
+    makespan = meta.get("makespan")
+    makespan = max(float(makespan), ends) if _is_number(makespan) else ends
+    if title is None:
+        title = f"pytest-gpu run: {inventory}, makespan {format_seconds(makespan)} s"
+    return Chart(title, inventory, makespan, tuple(rows), tuple(bars))
+
+
+# -- drawing ----------------------------------------------------------------------
+
+
+def figure_height(chart: Chart) -> float:
+    """Inches: grows with the rows, within bounds so a huge run stays a sane picture."""
+    return min(_MAX_HEIGHT, max(_MIN_HEIGHT, _TOP + _BOTTOM + _INCH_PER_UNIT * chart.height))
+
+
+def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
+    """Draw ``chart`` and save it to ``out`` as ``fmt`` (png or svg).
+
+    Raises `MissingMatplotlib` without matplotlib, and OSError if ``out`` cannot be written.
+    """
+    try:
+        # matplotlib itself first: a cached submodule would import even with it blocked.
+        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise MissingMatplotlib() from None
+
+    # Figure directly, not pyplot: no GUI backend, no global state.
+    height = figure_height(chart)
+    fig = Figure(figsize=(_FIG_WIDTH, height), dpi=dpi)
+    ax_width, ax_height = _FIG_WIDTH - _LEFT - _RIGHT, height - _TOP - _BOTTOM
+    ax = fig.add_axes((_LEFT / _FIG_WIDTH, _BOTTOM / height, ax_width / _FIG_WIDTH, ax_height / height))
+    xmax = chart.makespan * 1.01 or 1.0
+    ax.set_xlim(0, xmax)
+    ax.set_ylim(chart.height, 0)  # first row on top
+    ax.set_xlabel("seconds from run start")
+    ax.set_title(chart.title, fontsize=11, loc="left")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+
+    unit_pt = ax_height * 72 / chart.height
+    ax.set_yticks([row.y + row.height / 2 for row in chart.rows])
+    ax.set_yticklabels([row.label for row in chart.rows], fontsize=max(4.0, min(9.0, unit_pt * 0.55)))
+    ax.tick_params(axis="y", length=0)
+    for i, row in enumerate(chart.rows):
+        if i % 2:  # banding makes a long row easy to follow across the picture
+            ax.axhspan(row.y, row.y + row.height, color="#f4f4f4", zorder=0, linewidth=0)
+    workers = [row for row in chart.rows if row.kind == "worker"]
+    if workers and len(workers) < len(chart.rows):
+        ax.axhline(workers[0].y - _GROUP_GAP / 2, color="#888888", linewidth=0.8)
+
+    for hatch in (None, EXCLUSIVE_HATCH):
+        group = [bar for bar in chart.bars if bar.hatch == hatch]
+        for kind in ("test", "lease", "wait"):  # waits over their tests
+            bars = [bar for bar in group if bar.kind == kind]
+            if bars:
+                ax.barh(
+                    [bar.y for bar in bars],
+                    [max(bar.duration, xmax * 1e-4) for bar in bars],  # an instant still shows
+                    left=[bar.start for bar in bars],
+                    height=[bar.height for bar in bars],
+                    align="edge",
+                    color=[bar.color for bar in bars],
+                    edgecolor="#333333",
+                    linewidth=0.3,
+                    hatch=hatch,
+                )
+
+    pt_per_second = ax_width * 72 / xmax
+    for bar in chart.bars:
+        if bar.kind == "wait":
+            continue
+        fontsize = min(7.0, bar.height * unit_pt * 0.7)
+        text = fit_label(bar.label, bar.duration * pt_per_second, fontsize) if fontsize >= 4 else ""
+        if text:
+            dark = bar.color in (OUTCOME_COLORS["crashed"], UNKNOWN_COLOR)
+            ax.text(
+                bar.start + bar.duration / 2,
+                bar.y + bar.height / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color="white" if dark else "black",
+                clip_on=True,
+            )
+
+    handles = [
+        Patch(facecolor=color, edgecolor="#333333", linewidth=0.3, label=outcome)
+        for outcome, color in OUTCOME_COLORS.items()
+        if any(bar.outcome == outcome for bar in chart.bars)
+    ]
+    if any(bar.color == UNKNOWN_COLOR for bar in chart.bars):
+        handles.append(Patch(facecolor=UNKNOWN_COLOR, edgecolor="#333333", linewidth=0.3, label="unknown"))
+    if any(bar.kind == "wait" for bar in chart.bars):
+        handles.append(Patch(facecolor=WAIT_COLOR, edgecolor="#333333", linewidth=0.3, label="waiting for GPU"))
+    if any(bar.exclusive for bar in chart.bars):
+        handles.append(Patch(facecolor="white", edgecolor="#333333", hatch=EXCLUSIVE_HATCH, label="exclusive GPU"))
+    if handles:
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
+
+    # No timestamp in the SVG, so the same trace gives the same file.
+    metadata = {"Date": None} if fmt == "svg" else None
+    fig.savefig(out, format=fmt, metadata=metadata)
