@@ -22,6 +22,7 @@ a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` f
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
     ("status", {})                               -> ("status", dict)
+    ("catalog", {"tests"})                       -> ("ok", {})   (an xdist worker's collection, for the scheduler)
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Broker:
         self.authkey = authkey
         self.crashes: list[CrashRecord] = []
         self.grants = 0
+        self.catalog: dict[str, Any] = {}  # node id -> what the scheduler needs (see catalog.py)
         self._lock = threading.Lock()
         self._clients: dict[str, ClientInfo] = {}
         self._queued_at: dict[str, float] = {}
@@ -275,6 +277,10 @@ class Broker:
         if kind == "status":
             with self._lock:
                 return ("status", self.status_locked())
+        if kind == "catalog":
+            with self._lock:
+                self.catalog.update(body["tests"])
+            return ("ok", {})
         return ("error", f"unknown request {kind!r}")
 
     def _acquire(self, info: ClientInfo, body: dict[str, Any]) -> tuple[str, Any]:
@@ -435,6 +441,14 @@ class Broker:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return self.status_locked()
+
+    def room(self) -> list[int]:
+        """What each GPU can give leases now that its CUDA contexts are counted (at least one)."""
+        overhead = self.pool.policy.overhead
+        with self._lock:
+            return [
+                max(gpu.capacity - overhead * max(1, len(gpu.contexts)), 0) for _, gpu in sorted(self.pool.gpus.items())
+            ]
 
 
 def describe_holders(holders: list[dict[str, Any]]) -> str:

@@ -158,6 +158,11 @@ class BrokerClient:
         with self._lock:
             self._call("release_ports", {"owner": owner})
 
+    def catalog(self, tests: dict[str, Any]) -> None:
+        """Tell the controller's scheduler what this worker collected (before xdist does)."""
+        with self._lock:
+            self._call("catalog", {"tests": tests})
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._call("status", {})[1])

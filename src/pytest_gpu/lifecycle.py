@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +36,19 @@ class TestState:
     waited: float = 0.0
     ports_owner: str | None = None
     torch_was_loaded: bool = False
+    request: GpuRequest | None = None
+    # each lease held: [gpus, bytes per GPU, exclusive, asked, granted, released] (wall clock)
+    leases: list[list[Any]] = field(default_factory=list)
+
+    def finish(self, run: GpuRun, active: ActiveLease) -> None:
+        """Give ``active`` back, keeping its verdict and its place on the timeline."""
+        try:
+            self.verdict.merge(run.finish(active))
+        finally:
+            lease = active.lease
+            self.leases.append(
+                [list(lease.indices), lease.memory, lease.exclusive, active.asked, active.granted, time.time()]
+            )
 
     __test__ = False  # not a test class, whatever pytest's collection thinks
 
@@ -119,6 +134,7 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
     request = item.stash.get(REQUEST_KEY, None)
     if request is None:
         return
+    state.request = request
     state.main = _acquire(run, request, item)
     state.waited += state.main.lease.waited
     state.indices.update(state.main.lease.indices)
@@ -140,10 +156,10 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
     if state is None:
         return
     while state.sections:  # a gpu_request block left open (e.g. a generator not closed)
-        state.verdict.merge(run.finish(state.sections.pop()))
+        state.finish(run, state.sections.pop())
     if state.main is not None:
-        state.verdict.merge(run.finish(state.main))
-        state.main = None
+        main, state.main = state.main, None
+        state.finish(run, main)
     if state.ports_owner is not None:
         run.client.release_ports(state.ports_owner)
         state.ports_owner = None
@@ -155,6 +171,9 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
                 ("gpu_wait_seconds", round(state.waited, 4)),
                 ("gpu_peak_bytes", peak),
                 ("gpu_violations", len(state.verdict.violations)),
+                ("gpu_request", state.request.describe() if state.request else ""),
+                ("gpu_request_bytes", _requested_bytes(state)),
+                ("gpu_leases", json.dumps(state.leases)),
             ]
         )
     if not state.torch_was_loaded and "torch" in sys.modules and state.indices and not run.inventory.simulated:
@@ -167,6 +186,13 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
                     "level or in conftest.py so later tests can be placed on any GPU."
                 )
             )
+
+
+def _requested_bytes(state: TestState) -> int:
+    """Memory per GPU the test asked for: its marker's, or what an exclusive lease gave (0: none)."""
+    if state.request is not None and state.request.memory is not None:
+        return state.request.memory
+    return max((int(lease[1]) for lease in state.leases), default=0)
 
 
 def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
@@ -217,7 +243,7 @@ def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict
     finally:
         if active in state.sections:
             state.sections.remove(active)
-            state.verdict.merge(run.finish(active))
+            state.finish(run, active)
 
 
 def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:

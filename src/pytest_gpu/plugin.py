@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from . import lifecycle, options, raycluster
+from . import history, lifecycle, options, raycluster
 from .devices import DeviceSpecError
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
@@ -21,6 +21,8 @@ from .reporting import Summary
 from .session import WIRE_KEY, GpuRun
 
 SUMMARY_KEY = pytest.StashKey[Summary]()
+DIST_CHOSEN_KEY = pytest.StashKey[bool]()
+SCHEDULE_KEY = "pytest_gpu_schedule"  # workerinput: the controller uses GpuScheduling
 
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs with MEMORY each "
@@ -32,6 +34,13 @@ MARKERS = (
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.register(parser)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
+    # before xdist turns "-n N" into "--dist load": did the user choose a distribution mode?
+    config.stash[DIST_CHOSEN_KEY] = getattr(config.option, "dist", "no") != "no"
+    return (yield)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -59,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
     config.stash[RUN_KEY] = run
     if run.settings.learn:
-        run.learned_peaks = dict(_cache(config).get(PEAKS_KEY, {})) if _cache(config) else {}
+        run.learned_peaks = history.load(config, history.PEAKS_KEY)
     summary = Summary()
     config.stash[SUMMARY_KEY] = summary
     config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
@@ -87,6 +96,35 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_configure_node(node: Any) -> None:
     """xdist controller: hand each new worker (replacements too) the broker's address."""
     node.workerinput[WIRE_KEY] = node.config.stash[RUN_KEY].to_wire()
+    node.workerinput[SCHEDULE_KEY] = _schedules(node.config)
+
+
+def _schedules(config: pytest.Config) -> bool:
+    """Whether this xdist controller hands tests out with :class:`GpuScheduling`."""
+    run = config.stash.get(RUN_KEY, None)
+    chosen = config.stash.get(DIST_CHOSEN_KEY, False)
+    return run is not None and run.broker is not None and run.settings.schedule and not chosen
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if not _schedules(config):
+        return None  # xdist's own, as chosen with --dist
+    from .scheduler import GpuScheduling
+
+    return GpuScheduling(config, log, config.stash[RUN_KEY], history.load(config, history.DURATIONS_KEY))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # an xdist worker: tell the scheduler what each test needs before xdist sends the node ids
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is None or not workerinput.get(SCHEDULE_KEY) or not session.items:
+        return
+    from .catalog import entries
+
+    run = session.config.stash[RUN_KEY]
+    run.client.catalog(entries(session.items, run))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -141,26 +179,37 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     runner.close(session.config)  # no rank outlives the session, also after Ctrl-C
     config = session.config
     run = config.stash.get(RUN_KEY, None)
-    cache = _cache(config)
-    if run is not None and run.broker is not None and run.settings.learn and cache is not None:
-        # the controller saw every worker's reports: it alone writes what was learned
-        peaks = dict(cache.get(PEAKS_KEY, {}))
-        peaks.update(config.stash[SUMMARY_KEY].peaks)
-        cache.set(PEAKS_KEY, peaks)
+    if run is None or run.broker is None:
+        return  # an xdist worker: the controller saw every worker's reports and writes for all
+    summary = config.stash[SUMMARY_KEY]
+    if run.settings.learn:
+        history.merge(config, history.PEAKS_KEY, summary.peaks)
+    if detect() is None:  # under a launcher, rank 0 keeps the durations of every rank
+        history.merge(config, history.DURATIONS_KEY, summary.durations())
+    if run.settings.trace:
+        from . import trace
 
-
-PEAKS_KEY = "pytest_gpu/peaks"
-
-
-def _cache(config: pytest.Config) -> Any:
-    return getattr(config, "cache", None)  # absent under -p no:cacheprovider
+        data = trace.build(
+            summary.timeline,
+            [(d.index, d.total_memory) for d in run.inventory.devices],
+            run.inventory.describe(),
+            run.inventory.source,
+        )
+        summary.trace_path = str(trace.write(run.settings.trace, data))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     run = config.stash.get(RUN_KEY, None)
     if run is None or run.broker is None:
         return
-    for line in config.stash[SUMMARY_KEY].lines(run.inventory, run.broker.crashes) + selection.summary_lines(config):
+    summary = config.stash[SUMMARY_KEY]
+    lines = summary.lines(run.inventory, run.broker.crashes)
+    lines += summary.timeline.summary_lines(
+        [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"
+    )
+    if summary.trace_path:
+        lines.append(f"pytest-gpu: trace written to {summary.trace_path} (open in ui.perfetto.dev)")
+    for line in lines + selection.summary_lines(config):
         terminalreporter.write_line(line)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from .timeline import Timeline
 
 if TYPE_CHECKING:
     from .broker import CrashRecord
@@ -19,9 +22,33 @@ class Summary:
     violations: int = 0
     violating: list[str] = field(default_factory=list)
     peaks: dict[str, int] = field(default_factory=dict)  # node id -> highest peak on one GPU
+    timeline: Timeline = field(default_factory=Timeline)
+    trace_path: str = ""
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        # under xdist the controller hears this when a worker starts the test: the start
+        # of a test whose worker dies (its crash report carries no times)
+        self.timeline.started(nodeid, "main", time.time())
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.add(report)
+        node = getattr(report, "node", None)  # xdist: the WorkerController that ran it
+        worker = str(node.gateway.id) if node is not None else "main"
+        stop = float(getattr(report, "stop", 0.0) or 0.0) or time.time()
+        self.timeline.phase(
+            report.nodeid,
+            worker,
+            report.when or "",
+            report.outcome,
+            float(getattr(report, "start", 0.0) or 0.0),
+            stop,
+            float(report.duration or 0.0),
+            dict(report.user_properties),
+        )
+
+    def durations(self) -> dict[str, float]:
+        """Node id -> seconds, for every test that ran to its end here (crashes excluded)."""
+        return {r.nodeid: r.duration for r in self.timeline.records.values() if r.outcome != "crashed"}
 
     def add(self, report: pytest.TestReport) -> None:
         if report.when != "teardown":

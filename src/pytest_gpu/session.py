@@ -11,6 +11,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ class ActiveLease:
     lease: GpuLease
     confinement: Confinement
     verifier: SimVerifier | NvmlVerifier
+    asked: float = 0.0  # wall-clock times, for the run's timeline
+    granted: float = 0.0
 
 
 @dataclass
@@ -168,7 +171,9 @@ class GpuRun:
 
     def acquire(self, request: GpuRequest, test: str) -> ActiveLease:
         """Wait for ``request``, then confine this process to it and start verifying."""
+        asked = time.time()
         grant = self.client.acquire(request, test, self.settings.wait_timeout)
+        granted = time.time()
         tag = f"{self.client.client_id}-{grant.key}"
         lease = make_lease(grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag)
         verifier: SimVerifier | NvmlVerifier = (
@@ -181,7 +186,7 @@ class GpuRun:
         except BaseException:
             self.client.release(grant.key)
             raise
-        return ActiveLease(lease, confinement, verifier)
+        return ActiveLease(lease, confinement, verifier, asked, granted)
 
     def finish(self, active: ActiveLease) -> Verdict:
         """Undo the confinement, measure, and give the lease back."""

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
+from .. import history
+from ..history import DURATIONS_KEY
 from . import gather
 from .detect import LaunchContext
 from .shard import partition
-
-DURATIONS_KEY = "pytest_gpu/durations"
 
 
 def log_dir(config: pytest.Config) -> Path:
@@ -224,17 +224,12 @@ class LaunchedSession:
                 terminal.stats.setdefault(category, []).append(report)
 
     def _save_durations(self, by_rank: dict[int, list[pytest.TestReport]]) -> None:
-        cache = getattr(self.config, "cache", None)
-        if cache is None:
-            return
-        durations: dict[str, float] = dict(cache.get(DURATIONS_KEY, {}))
         fresh: dict[str, float] = defaultdict(float)
         for reports in by_rank.values():
             for report in reports:
                 nodeid = report.nodeid.split("@rank", 1)[0]
                 fresh[nodeid] += float(report.duration)
-        durations.update(fresh)
-        cache.set(DURATIONS_KEY, durations)
+        history.merge(self.config, DURATIONS_KEY, fresh)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.ctx.is_root:
@@ -278,8 +273,7 @@ def select_share(config: pytest.Config, ctx: LaunchContext, items: list[pytest.I
 
     Returns (tests kept, tests collected).
     """
-    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
-    durations = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    durations = history.load(config, DURATIONS_KEY)
     parts = partition([i.nodeid for i in items], ctx.world_size, durations)
     mine = set(parts[ctx.rank])
     total = len(items)

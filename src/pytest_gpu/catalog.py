@@ -1,0 +1,91 @@
+"""What the scheduler knows about each test, from a worker's collection to the controller.
+
+xdist gives the controller node ids only. Each worker, once it has collected, sends the
+broker (in the controller process) one entry per test that is not plain CPU work: its
+GPU need, its rank-pool key, its group. The call returns before xdist's own
+``collectionfinish`` event is sent, so the scheduler finds every entry in place.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .planner import Job, Need
+from .requests import build_request
+
+if TYPE_CHECKING:
+    from .session import GpuRun
+
+# Default for a test with no recorded duration when nothing at all is known.
+UNKNOWN_DURATION = 1.0
+
+
+def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
+    """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group}``."""
+    from . import dependencies
+    from .distributed.runner import SPEC_KEY
+    from .lifecycle import REQUEST_KEY
+
+    groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        entry: dict[str, Any] = {}
+        request = item.stash.get(REQUEST_KEY, None)
+        spec = item.stash.get(SPEC_KEY, None)
+        if spec is not None:
+            entry["p"] = repr(spec.pool_key)
+            if spec.gpus_per_rank:
+                request = build_request((spec.world_size * spec.gpus_per_rank,), {}, run.settings.default_memory)
+        if request is not None and run.never_fits(request) is None:  # one that never fits is skipped
+            entry["n"] = request.count
+            entry["m"] = request.memory
+        if item.nodeid in groups:
+            entry["g"] = groups[item.nodeid]
+        if entry:
+            out[item.nodeid] = entry
+    return out
+
+
+def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict[str, str]:
+    """Node id -> group: ``xdist_group`` names and dependency chains, merged where they share a test."""
+    parent: dict[str, str] = {}
+
+    def find(tag: str) -> str:
+        while parent.setdefault(tag, tag) != tag:
+            parent[tag] = parent[parent[tag]]
+            tag = parent[tag]
+        return tag
+
+    tags: dict[str, list[str]] = {}
+    for item in items:
+        mine = []
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None:  # xdist's own reading of the mark
+            mine.append(f"xdist_group:{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}")
+        if item.nodeid in dependency:
+            mine.append(dependency[item.nodeid])
+        if mine:
+            tags[item.nodeid] = mine
+            for other in mine[1:]:
+                parent[find(other)] = find(mine[0])
+    return {nodeid: find(mine[0]) for nodeid, mine in tags.items()}
+
+
+def jobs(
+    collection: Sequence[str], catalog: Mapping[str, Mapping[str, Any]], durations: Mapping[str, float]
+) -> list[Job]:
+    """Planner jobs for xdist's ``collection``: needs from the catalog, durations from history.
+
+    A test never run before is expected to take the median of the known durations."""
+    known = [float(durations[n]) for n in collection if n in durations]
+    default = statistics.median(known) if known else UNKNOWN_DURATION
+    out = []
+    for index, nodeid in enumerate(collection):
+        entry = catalog.get(nodeid, {})
+        need = Need(int(entry["n"]), entry["m"]) if entry.get("n") else None
+        out.append(Job(index, float(durations.get(nodeid, default)), need, entry.get("g"), entry.get("p")))
+    return out

@@ -1,0 +1,298 @@
+"""Which test an xdist worker runs next (pure policy: no pytest, no I/O, no clock).
+
+The scheduler feeds this with what the workers collected (each test's GPU need, pool
+key, group) and past durations, and asks :meth:`Planner.pick` whenever a worker needs
+its next test. xdist runs a worker's test only once the worker holds the test after
+it, so a worker's queue is kept at two: the running test and the next one. The next
+one is chosen when the running one starts, for the moment it is predicted to start.
+
+Rules, in order:
+
+1. Tests of a *group* (an ``xdist_group`` mark, or a chain of pytest-dependency
+   tests) go to one worker, in collection order; a group is bound to the worker that
+   took its first test until that worker goes away.
+2. A worker that last ran a distributed test of pool key K takes the longest pending
+   test of K that fits, so its warm rank pool is reused; other workers leave K's tests
+   to it unless they have nothing else that fits.
+3. Otherwise longest first (a group weighs its remaining duration) among the tests
+   whose GPUs are predicted to be free when the worker starts them. A CPU-only test
+   always fits.
+4. When nothing fits and the worker's running test needs a successor (or no worker
+   is busy at all), the test predicted to fit soonest; the worker's blocking acquire
+   at the broker remains the safety net for every misprediction.
+
+Predictions: every test a worker holds is laid out back to back from when its running
+test started, each for its expected duration (a test running over its estimate is
+assumed to end now). A candidate fits when, at its start and at every later start of
+a predicted test it overlaps, all predicted needs then active plus its own can be
+packed onto the GPUs' capacities.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+# A test predicted to be running past its estimate is assumed to end this much later.
+_OVERDUE = 0.05
+# When nothing fits, how many candidates (by priority) are compared for the soonest fit.
+_FALLBACK_SCAN = 64
+
+
+@dataclass(frozen=True)
+class Need:
+    """GPUs one test holds while it runs: ``count`` GPUs, ``memory`` bytes each (``None``: whole GPUs)."""
+
+    count: int
+    memory: int | None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One test as the planner sees it (``index`` in the collection order)."""
+
+    index: int
+    duration: float
+    need: Need | None = None
+    group: str | None = None
+    pool: str | None = None
+
+
+@dataclass
+class _Worker:
+    queue: list[int] = field(default_factory=list)  # held tests; queue[0] runs once a successor is held
+    head_since: float | None = None  # when queue[0] started (None: it waits for a successor)
+    last_pool: str | None = None
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: float
+    end: float
+    need: Need
+
+
+class Planner:
+    """Online list scheduling of ``jobs`` onto workers over GPUs of ``capacities`` bytes."""
+
+    def __init__(self, jobs: Iterable[Job], capacities: Sequence[int]) -> None:
+        self.jobs: dict[int, Job] = {}
+        self.capacities = list(capacities)  # usable bytes per GPU; the scheduler may refresh these
+        self._singles: list[int] = []  # pending ungrouped tests, longest first
+        self._groups: dict[str, deque[int]] = {}  # pending group members, collection order
+        self._bound: dict[str, str] = {}  # group -> worker
+        self._pool_owner: dict[str, str] = {}  # pool key -> worker that last ran it
+        self._workers: dict[str, _Worker] = {}
+        for job in sorted(jobs, key=lambda j: j.index):
+            self.jobs[job.index] = job
+            if job.group is not None:
+                self._groups.setdefault(job.group, deque()).append(job.index)
+        self._singles = sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank)
+
+    def _rank(self, index: int) -> tuple[float, int]:
+        return (-self.jobs[index].duration, index)
+
+    # -- workers --------------------------------------------------------------------
+
+    def add_worker(self, worker: str) -> None:
+        self._workers.setdefault(worker, _Worker())
+
+    def remove_worker(self, worker: str) -> list[int]:
+        """Forget ``worker``; its held tests except the running one go back to pending.
+
+        Returns every test it held, running one first (the caller reports that one)."""
+        state = self._workers.pop(worker, None)
+        if state is None:
+            return []
+        for group in [g for g, w in self._bound.items() if w == worker]:
+            del self._bound[group]
+        for key in [k for k, w in self._pool_owner.items() if w == worker]:
+            del self._pool_owner[key]
+        for index in reversed(state.queue[1:]):
+            self.requeue(index)
+        return list(state.queue)
+
+    def queue(self, worker: str) -> list[int]:
+        return list(self._workers[worker].queue)
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    @property
+    def pending(self) -> int:
+        return len(self._singles) + sum(len(m) for m in self._groups.values())
+
+    def requeue(self, index: int) -> None:
+        """Put a test back into pending (a crashed worker's queue, or a rerun)."""
+        job = self.jobs[index]
+        if job.group is not None:
+            members = self._groups.setdefault(job.group, deque())
+            members.appendleft(index)  # callers give a worker's queue back in reverse
+        else:
+            at = 0
+            key = self._rank(index)
+            while at < len(self._singles) and self._rank(self._singles[at]) < key:
+                at += 1
+            self._singles.insert(at, index)
+
+    def complete(self, worker: str, index: int, now: float) -> None:
+        """``worker`` finished ``index``; the test it held next starts now."""
+        state = self._workers[worker]
+        if index in state.queue:
+            state.queue.remove(index)
+        state.head_since = now if state.queue else None
+
+    def eligible(self, worker: str) -> bool:
+        """Whether some pending test may go to ``worker`` (not all bound to others)."""
+        if self._singles:
+            return True
+        return any(members and self._bound.get(g, worker) == worker for g, members in self._groups.items())
+
+    # -- choosing -------------------------------------------------------------------
+
+    def pick(self, worker: str, now: float) -> int | None:
+        """The test ``worker`` should hold next (already assigned to it), or ``None``.
+
+        ``None`` when nothing is eligible, or when nothing fits yet, the worker holds
+        nothing and another worker is busy (its completion will ask again)."""
+        state = self._workers[worker]
+        spans, start = self._forecast(worker, now)
+        at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
+        memo: dict[tuple[Need, float], bool] = {}
+
+        def fits(index: int) -> bool:
+            job = self.jobs[index]
+            if job.need is None:
+                return True
+            if job.need not in at_start:
+                at_start[job.need] = self._fits_at(job.need, start, 0.0, spans)
+            if not at_start[job.need]:
+                return False
+            key = (job.need, job.duration)
+            if key not in memo:
+                memo[key] = self._fits_at(job.need, start, job.duration, spans)
+            return memo[key]
+
+        passes = (
+            lambda i: state.last_pool is not None and self.jobs[i].pool == state.last_pool,  # its warm pool
+            lambda i: not self._owned_elsewhere(i, worker),
+            lambda i: True,  # steal another worker's pool tests rather than idle
+        )
+        choice: int | None = None
+        for allowed in passes:
+            choice = next((i for i in self._candidates(worker) if allowed(i) and fits(i)), None)
+            if choice is not None:
+                break
+        if choice is None and (state.queue or not self._anyone_busy(worker)):
+            # nothing fits: among the first few by priority, the one predicted to fit soonest
+            first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
+            if first:
+                choice = min(first, key=lambda i: (self._fit_time(self.jobs[i], start, spans), self._rank(i)))
+        if choice is not None:
+            self._assign(worker, choice, now)
+        return choice
+
+    def _candidates(self, worker: str) -> Iterator[int]:
+        """Eligible pending tests in priority order: longest first, a group by its remaining time."""
+        groups = [
+            (sum(self.jobs[i].duration for i in members), members[0])
+            for g, members in self._groups.items()
+            if members and self._bound.get(g, worker) == worker
+        ]
+        groups.sort(key=lambda item: (-item[0], item[1]))
+        singles = iter(self._singles)
+        single = next(singles, None)
+        for weight, head in groups:
+            while single is not None and self.jobs[single].duration >= weight:
+                yield single
+                single = next(singles, None)
+            yield head
+        if single is not None:
+            yield single
+            yield from singles
+
+    def _owned_elsewhere(self, index: int, worker: str) -> bool:
+        pool = self.jobs[index].pool
+        return pool is not None and self._pool_owner.get(pool, worker) != worker
+
+    def _anyone_busy(self, worker: str) -> bool:
+        return any(s.queue for w, s in self._workers.items() if w != worker)
+
+    def _assign(self, worker: str, index: int, now: float) -> None:
+        job = self.jobs[index]
+        if job.group is not None:
+            self._groups[job.group].popleft()
+            if not self._groups[job.group]:
+                del self._groups[job.group]
+            self._bound[job.group] = worker
+        else:
+            self._singles.remove(index)
+        state = self._workers[worker]
+        state.queue.append(index)
+        if len(state.queue) == 2 and state.head_since is None:
+            state.head_since = now  # the held test starts now that it has a successor
+        if job.pool is not None:
+            state.last_pool = job.pool
+            self._pool_owner[job.pool] = worker
+
+    # -- prediction -----------------------------------------------------------------
+
+    def _forecast(self, worker: str, now: float) -> tuple[list[_Span], float]:
+        """Predicted GPU spans of every held test, and when ``worker`` is free."""
+        spans: list[_Span] = []
+        free_at = now
+        for name, state in self._workers.items():
+            t = state.head_since if state.head_since is not None else now
+            for position, index in enumerate(state.queue):
+                job = self.jobs[index]
+                end = t + job.duration
+                if position == 0:
+                    end = max(end, now + _OVERDUE)
+                if job.need is not None:
+                    spans.append(_Span(t, end, job.need))
+                t = end
+            if name == worker:
+                free_at = t
+        return spans, free_at
+
+    def _fits_at(self, need: Need, start: float, duration: float, spans: list[_Span]) -> bool:
+        end = start + max(duration, 1e-6)
+        overlapping = [s for s in spans if s.start < end and s.end > start]
+        points = {start} | {s.start for s in overlapping if s.start > start}
+        for point in points:
+            active = [s.need for s in overlapping if s.start <= point < s.end]
+            if not self._packs([*active, need]):
+                return False
+        return True
+
+    def _fit_time(self, job: Job, start: float, spans: list[_Span]) -> float:
+        """The earliest moment from ``start`` at which ``job`` is predicted to fit."""
+        if job.need is None:
+            return start
+        for moment in sorted({start} | {s.end for s in spans if s.end > start}):
+            if self._fits_at(job.need, moment, job.duration, spans):
+                return moment
+        return float("inf")
+
+    def _packs(self, needs: Sequence[Need]) -> bool:
+        """Whether ``needs`` can hold GPUs at once (whole GPUs first, then largest first, best fit)."""
+        free = list(self.capacities)
+        whole = [False] * len(free)
+        for need in sorted(needs, key=lambda n: (n.memory is not None, -n.count, -(n.memory or 0))):
+            if need.memory is None:
+                empty = [i for i in range(len(free)) if not whole[i] and free[i] == self.capacities[i]]
+                if len(empty) < need.count:
+                    return False
+                for i in empty[: need.count]:
+                    whole[i] = True
+                    free[i] = 0
+                continue
+            usable = sorted((free[i], i) for i in range(len(free)) if not whole[i] and free[i] >= need.memory)
+            if len(usable) < need.count:
+                return False
+            for _, i in usable[: need.count]:
+                free[i] -= need.memory
+        return True

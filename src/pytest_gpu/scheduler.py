@@ -1,0 +1,167 @@
+"""The xdist scheduler: hands tests to workers by their GPU needs and past durations.
+
+Used under ``-n`` unless the user chose ``--dist`` or gave ``--gpu-schedule=off``. It
+implements xdist's ``Scheduling`` protocol around :class:`~pytest_gpu.planner.Planner`
+(the policy). Each worker holds at most two tests: the one running and the next, so
+every decision is taken as late as xdist allows.
+
+A worker that dies gives back what it held: xdist reports the test it was running,
+the rest returns to pending and goes to the other workers (or xdist's replacement). No
+test waits for a dead worker, so the run cannot hang on one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import catalog
+from .planner import Planner
+
+if TYPE_CHECKING:
+    from xdist.workermanage import WorkerController
+
+    from .session import GpuRun
+
+
+class GpuScheduling:
+    """xdist ``Scheduling`` for pytest-gpu (see the module docstring)."""
+
+    def __init__(self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float]) -> None:
+        from xdist.remote import Producer
+        from xdist.workermanage import parse_tx_spec_config
+
+        self.numnodes = len(parse_tx_spec_config(config))
+        self.config = config
+        self.log = log.gpusched if log is not None else Producer("gpusched")
+        self.run = run
+        self.durations = durations
+        self.node2collection: dict[WorkerController, list[str]] = {}
+        self._names: dict[WorkerController, str] = {}
+        self.collection: list[str] | None = None
+        self.planner: Planner | None = None
+
+    # -- what xdist asks ------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[WorkerController]:
+        return list(self._names)
+
+    @property
+    def collection_is_completed(self) -> bool:
+        return len(self.node2collection) >= self.numnodes
+
+    @property
+    def tests_finished(self) -> bool:
+        if not self.collection_is_completed or self.planner is None:
+            return False
+        if self.planner.pending:
+            return False
+        return all(len(self.planner.queue(name)) < 2 for name in self._names.values())
+
+    @property
+    def has_pending(self) -> bool:
+        if self.planner is None:
+            return False
+        return bool(self.planner.pending) or any(self.planner.queue(name) for name in self._names.values())
+
+    def add_node(self, node: WorkerController) -> None:
+        self._names[node] = str(node.gateway.id)
+        if self.planner is not None:
+            self.planner.add_worker(self._names[node])
+
+    def add_node_collection(self, node: WorkerController, collection: Sequence[str]) -> None:
+        if self.collection is not None and list(collection) != self.collection:
+            from xdist.report import report_collection_diff
+
+            other = next(iter(self.node2collection))
+            self.log(report_collection_diff(self.collection, list(collection), other.gateway.id, node.gateway.id))
+            return
+        self.node2collection[node] = list(collection)
+
+    def mark_test_complete(self, node: WorkerController, item_index: int, duration: float = 0) -> None:
+        assert self.planner is not None
+        self.planner.complete(self._names[node], item_index, time.monotonic())
+        self._fill_all()
+
+    def mark_test_pending(self, item: str) -> None:
+        assert self.planner is not None and self.collection is not None
+        self.planner.requeue(self.collection.index(item))
+        self._fill_all()
+
+    def remove_pending_tests_from_node(self, node: WorkerController, indices: Sequence[int]) -> None:
+        raise NotImplementedError  # only work stealing (--dist worksteal) asks this
+
+    def remove_node(self, node: WorkerController) -> str | None:
+        name = self._names.pop(node)  # its collection stays: collection_is_completed must not flip back
+        if self.planner is None:
+            return None
+        held = self.planner.remove_worker(name)
+        if not held:
+            return None
+        assert self.collection is not None
+        self.log(f"{name} went away holding {len(held)} test(s); {len(held) - 1} go back to pending")
+        self._fill_all()
+        return self.collection[held[0]]
+
+    def schedule(self) -> None:
+        assert self.collection_is_completed
+        if self.collection is None:
+            if not self._same_collections():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = next(iter(self.node2collection.values()))
+            jobs = catalog.jobs(self.collection, self.run.broker.catalog if self.run.broker else {}, self.durations)
+            self.planner = Planner(jobs, self._room())
+            for name in self._names.values():
+                self.planner.add_worker(name)
+        self._fill_all()
+
+    # -- handing out ----------------------------------------------------------------
+
+    def _room(self) -> list[int]:
+        if self.run.broker is None:
+            return []
+        return self.run.broker.room()
+
+    def _fill_all(self) -> None:
+        """Top every live worker up to two held tests; stop the ones with nothing left to do.
+
+        In two rounds: every idle worker gets a test before any worker gets a second one,
+        so a handful of tests spreads over the workers instead of queueing on the first."""
+        planner = self.planner
+        assert planner is not None
+        planner.capacities = self._room()
+        now = time.monotonic()
+        live = [node for node in self._names if not node.shutting_down]
+        sent: dict[WorkerController, list[int]] = {node: [] for node in live}
+        for target in (1, 2):
+            for node in live:
+                name = self._names[node]
+                while len(planner.queue(name)) < target:
+                    index = planner.pick(name, now)
+                    if index is None:
+                        break
+                    sent[node].append(index)
+        for node in live:
+            if sent[node]:
+                node.send_runtest_some(sent[node])
+            if not planner.pending or not planner.eligible(self._names[node]):
+                node.shutdown()  # what is left belongs to other workers' groups, or nothing is
+
+    def _same_collections(self) -> bool:
+        from xdist.report import report_collection_diff
+
+        (first, col), *rest = self.node2collection.items()
+        same = True
+        for node, collection in rest:
+            message = report_collection_diff(col, collection, first.gateway.id, node.gateway.id)
+            if message:
+                same = False
+                self.log(message)
+                report = pytest.CollectReport(nodeid=node.gateway.id, outcome="failed", longrepr=message, result=[])
+                self.config.hook.pytest_collectreport(report=report)
+        return same

@@ -1,0 +1,207 @@
+"""The run as it happened: one record per test, and the figures the summary prints (pure).
+
+Records are built from test reports, so the xdist controller sees every worker's
+tests: the reports carry wall-clock phase times, and pytest-gpu adds each lease's
+times and GPUs as user properties (see :mod:`pytest_gpu.lifecycle`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .requests import format_size
+
+MIB = 2**20
+SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less
+
+
+@dataclass(frozen=True)
+class LeaseSpan:
+    """One lease a test held: GPUs, bytes per GPU, and when it was asked for, granted, released."""
+
+    gpus: tuple[int, ...]
+    memory: int
+    exclusive: bool
+    asked: float
+    granted: float
+    released: float
+
+
+@dataclass
+class TestRecord:
+    """One test of the run (times are wall-clock seconds since the epoch)."""
+
+    nodeid: str
+    worker: str = "main"
+    start: float = math.inf
+    stop: float = 0.0
+    duration: float = 0.0  # setup + call + teardown, as pytest measured them
+    outcome: str = "passed"  # passed, failed, skipped, error (setup/teardown), crashed
+    request: str = ""
+    requested: int = 0  # bytes per GPU asked for (an exclusive lease: what it was given)
+    exclusive: bool = False
+    peak: int | None = None  # highest bytes measured on one of its GPUs
+    leases: list[LeaseSpan] = field(default_factory=list)
+
+    __test__ = False
+
+    @property
+    def gpu_seconds(self) -> float:
+        return sum(len(span.gpus) * (span.released - span.granted) for span in self.leases)
+
+    @property
+    def waited(self) -> float:
+        return sum(max(span.granted - span.asked, 0.0) for span in self.leases)
+
+
+class Timeline:
+    """Test records keyed by node id, fed one report phase at a time."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, TestRecord] = {}
+
+    def record(self, nodeid: str) -> TestRecord:
+        if nodeid not in self.records:
+            self.records[nodeid] = TestRecord(nodeid)
+        return self.records[nodeid]
+
+    def started(self, nodeid: str, worker: str, at: float) -> None:
+        rec = self.record(nodeid)
+        rec.worker = worker
+        rec.start = min(rec.start, at)
+
+    def phase(
+        self,
+        nodeid: str,
+        worker: str,
+        when: str,
+        outcome: str,
+        start: float,
+        stop: float,
+        duration: float,
+        properties: dict[str, object],
+    ) -> None:
+        rec = self.record(nodeid)
+        rec.worker = worker
+        if start > 0:
+            rec.start = min(rec.start, start)
+        rec.stop = max(rec.stop, stop, rec.start if rec.start != math.inf else 0.0)
+        rec.duration += duration
+        if when == "???":  # xdist's report for a test whose worker died
+            rec.outcome = "crashed"
+        elif outcome == "failed" and rec.outcome not in ("crashed", "failed", "error"):
+            rec.outcome = "failed" if when == "call" else "error"
+        elif outcome == "skipped" and rec.outcome == "passed":
+            rec.outcome = "skipped"
+        if "gpu_leases" in properties:
+            rec.leases = [_span(row) for row in json.loads(str(properties["gpu_leases"]))]
+            rec.request = str(properties.get("gpu_request", ""))
+            rec.requested = int(properties.get("gpu_request_bytes", 0) or 0)  # type: ignore[call-overload]
+            rec.exclusive = any(span.exclusive for span in rec.leases)
+            peaks = [int(p.split("=", 1)[1]) for p in str(properties.get("gpu_peak_bytes", "")).split(",") if "=" in p]
+            rec.peak = max(peaks) if peaks else None
+
+    # -- figures --------------------------------------------------------------------
+
+    def tests(self) -> list[TestRecord]:
+        return sorted((r for r in self.records.values() if r.start != math.inf), key=lambda r: (r.start, r.nodeid))
+
+    def bounds(self) -> tuple[float, float]:
+        tests = self.tests()
+        if not tests:
+            return (0.0, 0.0)
+        return (min(r.start for r in tests), max(max(r.stop, r.start) for r in tests))
+
+    def makespan(self) -> float:
+        begin, end = self.bounds()
+        return end - begin
+
+    def busy(self, gpus: Iterable[int]) -> dict[int, float]:
+        """Per GPU: the fraction of the makespan during which some test held a lease on it."""
+        makespan = self.makespan()
+        out = {}
+        for gpu in gpus:
+            spans = sorted((s.granted, s.released) for r in self.tests() for s in r.leases if gpu in s.gpus)
+            out[gpu] = _union(spans) / makespan if makespan > 0 else 0.0
+        return out
+
+    def summary_lines(self, gpus: Sequence[int], with_peaks: bool) -> list[str]:
+        tests = self.tests()
+        if not tests:
+            return []
+        makespan = self.makespan()
+        total = sum(r.duration for r in tests)
+        busy = self.busy(gpus)
+        waited = sum(r.waited for r in tests)
+        parallel = f" ({total / makespan:.1f}x in parallel)" if makespan > 0 else ""
+        lines = [
+            f"pytest-gpu: makespan {makespan:.1f}s · test time {total:.1f}s{parallel} · "
+            f"waited {waited:.1f}s for GPUs"
+            + (" · GPU busy " + " ".join(f"{g}:{busy[g]:.0%}" for g in gpus) if gpus else "")
+        ]
+        heavy = sorted((r for r in tests if r.leases), key=lambda r: -r.gpu_seconds)[:5]
+        if heavy:
+            lines.append("pytest-gpu: largest GPU-second users:")
+            lines += [f"  {r.gpu_seconds:7.1f} GPU-s  {r.nodeid}" for r in heavy]
+        if with_peaks:
+            lines += _request_lines(tests)
+        return lines
+
+
+def _request_lines(tests: Sequence[TestRecord], limit: int = 10) -> list[str]:
+    """Tests whose measured peak is above their request, or below a quarter of it."""
+    found = []
+    for rec in tests:
+        if rec.peak is None or not rec.requested or rec.outcome != "passed":
+            continue
+        if rec.peak > rec.requested:
+            why = "above"
+        elif rec.peak < rec.requested / 4:
+            why = "far below"
+        else:
+            continue
+        asked = "a whole GPU" if rec.exclusive else format_size(rec.requested)
+        found.append(
+            f"  {rec.nodeid}: asked {asked}, peaked at {format_size(rec.peak)} ({why}): "
+            f'suggest memory="{format_size(suggest(rec.peak))}"'
+        )
+    if not found:
+        return []
+    more = [f"  ... and {len(found) - limit} more"] if len(found) > limit else []
+    return ["pytest-gpu: requests that do not match the measured peak:", *found[:limit], *more]
+
+
+def suggest(peak: int) -> int:
+    """A request for a test that peaked at ``peak`` bytes: 1.25x, rounded up to 256 MiB."""
+    wanted = max(int(peak * 1.25), SUGGEST_FLOOR)
+    return -(-wanted // SUGGEST_FLOOR) * SUGGEST_FLOOR
+
+
+def _span(row: Sequence[object]) -> LeaseSpan:
+    gpus, memory, exclusive, asked, granted, released = row
+    return LeaseSpan(
+        tuple(int(g) for g in gpus),  # type: ignore[attr-defined]
+        int(memory),  # type: ignore[call-overload]
+        bool(exclusive),
+        float(asked),  # type: ignore[arg-type]
+        float(granted),  # type: ignore[arg-type]
+        float(released),  # type: ignore[arg-type]
+    )
+
+
+def _union(spans: Sequence[tuple[float, float]]) -> float:
+    total = 0.0
+    current_start = current_end = None
+    for start, end in spans:
+        if current_end is None or start > current_end:
+            if current_end is not None and current_start is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None and current_start is not None:
+        total += current_end - current_start
+    return total

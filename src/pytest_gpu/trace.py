@@ -1,0 +1,171 @@
+"""``--gpu-trace``: the run as a Chrome / Perfetto trace (JSON), from the timeline (pure but for :func:`write`).
+
+Open it in https://ui.perfetto.dev or chrome://tracing. Layout:
+
+* process 1 "workers": one thread per worker; a span per test (category ``test``, its
+  request, GPUs and outcome in ``args``) with its waits for GPUs nested inside
+  (category ``wait``).
+* process 100+i "GPU i": a span per lease on that GPU (category ``lease``). Tests that
+  share a GPU run side by side, so each GPU has lanes (threads): a lease takes the
+  first lane free at its start. A counter ``leased memory`` shows the GiB promised.
+
+Times are microseconds from the first test's start; ``otherData.pytest_gpu`` holds the
+inventory and the wall-clock start, for ``pytest-gpu report``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .requests import format_size
+from .timeline import Timeline
+
+WORKERS_PID = 1
+GPU_PID = 100
+GIB = 2**30
+
+
+def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, source: str) -> dict[str, Any]:
+    """The trace of ``timeline`` on ``gpus`` (``(index, total bytes)`` each)."""
+    tests = timeline.tests()
+    begin, _ = timeline.bounds()
+    workers = sorted({r.worker for r in tests}, key=_worker_order)
+    tids = {w: n + 1 for n, w in enumerate(workers)}
+
+    def us(t: float) -> int:
+        return round((t - begin) * 1e6)
+
+    events: list[dict[str, Any]] = [_meta("process_name", WORKERS_PID, None, "workers")]
+    events += [_meta("thread_name", WORKERS_PID, tid, w) for w, tid in tids.items()]
+    for index, total in gpus:
+        events.append(_meta("process_name", GPU_PID + index, None, f"GPU {index} ({format_size(total)})"))
+        events.append({"ph": "M", "name": "process_sort_index", "pid": GPU_PID + index, "args": {"sort_index": index}})
+    for rec in tests:
+        stop = max(rec.stop, rec.start)
+        events.append(
+            {
+                "ph": "X",
+                "cat": "test",
+                "name": short(rec.nodeid),
+                "pid": WORKERS_PID,
+                "tid": tids[rec.worker],
+                "ts": us(rec.start),
+                "dur": max(us(stop) - us(rec.start), 1),
+                "args": {
+                    "nodeid": rec.nodeid,
+                    "worker": rec.worker,
+                    "outcome": rec.outcome,
+                    "gpus": sorted({g for s in rec.leases for g in s.gpus}),
+                    "request": rec.request or None,
+                    "wait_s": round(rec.waited, 6),
+                },
+            }
+        )
+        for span in rec.leases:
+            if span.granted - span.asked >= 1e-3:
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": "wait",
+                        "name": "wait for GPU",
+                        "pid": WORKERS_PID,
+                        "tid": tids[rec.worker],
+                        "ts": us(span.asked),
+                        "dur": max(us(span.granted) - us(span.asked), 1),
+                        "args": {"nodeid": rec.nodeid, "request": rec.request or None},
+                    }
+                )
+    events += _gpu_events(timeline, [i for i, _ in gpus], us)
+    return {
+        "displayTimeUnit": "ms",
+        "traceEvents": events,
+        "otherData": {
+            "pytest_gpu": {
+                "version": 1,
+                "inventory": inventory,
+                "source": source,
+                "gpus": [{"index": i, "memory": total} for i, total in gpus],
+                "started": begin,
+                "makespan": timeline.makespan(),
+                "workers": workers,
+            }
+        },
+    }
+
+
+def _gpu_events(timeline: Timeline, gpus: Sequence[int], us: Any) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for gpu in gpus:
+        pid = GPU_PID + gpu
+        leases = sorted(
+            ((span, rec) for rec in timeline.tests() for span in rec.leases if gpu in span.gpus),
+            key=lambda pair: (pair[0].granted, pair[1].nodeid),
+        )
+        lanes: list[int] = []  # end time (us) of the last lease in each lane
+        changes: list[tuple[int, int]] = []
+        for span, rec in leases:
+            start, end = us(span.granted), max(us(span.released), us(span.granted) + 1)
+            lane = next((n for n, free_at in enumerate(lanes) if free_at <= start), len(lanes))
+            if lane == len(lanes):
+                lanes.append(end)
+                events.append(_meta("thread_name", pid, lane, f"GPU {gpu} / {lane}"))
+            lanes[lane] = end
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "lease",
+                    "name": short(rec.nodeid),
+                    "pid": pid,
+                    "tid": lane,
+                    "ts": start,
+                    "dur": end - start,
+                    "args": {
+                        "nodeid": rec.nodeid,
+                        "worker": rec.worker,
+                        "gpu": gpu,
+                        "memory": span.memory,
+                        "exclusive": span.exclusive,
+                        "peak": rec.peak,
+                        "outcome": rec.outcome,
+                    },
+                }
+            )
+            changes += [(start, span.memory), (end, -span.memory)]
+        level = 0
+        for ts, delta in sorted(changes):
+            level += delta
+            events.append(
+                {"ph": "C", "name": "leased memory", "pid": pid, "ts": ts, "args": {"GiB": round(level / GIB, 3)}}
+            )
+    return events
+
+
+def _meta(name: str, pid: int, tid: int | None, value: str) -> dict[str, Any]:
+    event: dict[str, Any] = {"ph": "M", "name": name, "pid": pid, "args": {"name": value}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def _worker_order(name: str) -> tuple[int, str]:
+    digits = name[2:] if name.startswith("gw") else ""
+    return (int(digits), name) if digits.isdigit() else (-1, name)
+
+
+def short(nodeid: str) -> str:
+    """``tests/test_x.py::TestY::test_z[1]`` -> ``TestY::test_z[1]``."""
+    return nodeid.split("::", 1)[1] if "::" in nodeid else nodeid
+
+
+def write(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    """Write the trace atomically (a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, separators=(",", ":")))
+    os.replace(tmp, target)
+    return target
