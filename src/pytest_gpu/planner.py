@@ -10,7 +10,9 @@ Rules, in order:
 
 1. Tests of a *group* (an ``xdist_group`` mark, or a chain of pytest-dependency
    tests) go to one worker, in collection order; a group is bound to the worker that
-   took its first test until that worker goes away.
+   took its first test until that worker goes away. That worker runs the group's
+   tests back to back while they fit, so module- and class-scoped fixtures are set
+   up once and not torn down in between by other modules' tests.
 2. A worker that last ran a distributed test of pool key K takes the longest pending
    test of K that fits, so its warm rank pool is reused; other workers leave K's tests
    to it unless they have nothing else that fits.
@@ -177,6 +179,7 @@ class Planner:
             return memo[key]
 
         passes = (
+            lambda i: self._bound.get(self.jobs[i].group or "") == worker,  # finish a group it started
             lambda i: state.last_pool is not None and self.jobs[i].pool == state.last_pool,  # its warm pool
             lambda i: not self._owned_elsewhere(i, worker),
             lambda i: True,  # steal another worker's pool tests rather than idle
