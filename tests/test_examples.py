@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_demo_suite_passes_on_simulated_gpus(tmp_path: Path) -> None:
     require("pytest-dependency", module="pytest_dependency")
     trace = tmp_path / "trace.json"
+    command = [sys.executable, "-m", "pytest", "examples", "-n", "4", "--gpus", "sim:4x16GiB", "-rs"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "examples", "-n", "4", "--gpus", "sim:4x16GiB", "-p", "no:cacheprovider"]
-        + ["-p", "no:benchmark", "-rs", f"--gpu-trace={trace}"],
+        [*command, "-p", "no:cacheprovider", "-p", "no:benchmark", f"--gpu-trace={trace}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
