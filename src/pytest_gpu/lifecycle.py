@@ -47,7 +47,14 @@ class TestState:
         finally:
             lease = active.lease
             self.leases.append(
-                [list(lease.indices), lease.memory, lease.exclusive, active.asked, active.granted, time.time()]
+                [
+                    list(lease.indices),
+                    lease.memory,
+                    lease.exclusive,
+                    active.asked,
+                    active.granted,
+                    active.released or time.time(),
+                ]
             )
 
     __test__ = False  # not a test class, whatever pytest's collection thinks

@@ -39,6 +39,7 @@ class ActiveLease:
     verifier: SimVerifier | NvmlVerifier
     asked: float = 0.0  # wall-clock times, for the run's timeline
     granted: float = 0.0
+    released: float = 0.0  # stamped before the release is sent: a waiter may be granted at once
 
 
 @dataclass
@@ -198,6 +199,7 @@ class GpuRun:
                 verdict = active.verifier.end(active.lease)
         finally:
             contexts = sim.ledger().contexts_of(os.getpid()) if self.inventory.simulated else None
+            active.released = time.time()
             self.client.release(active.lease.key, contexts)
         return verdict
 
