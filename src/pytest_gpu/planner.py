@@ -192,18 +192,22 @@ class Planner:
         if choice is None and (state.queue or not self._anyone_busy(worker)):
             # nothing fits: among the first few by priority, the one predicted to fit soonest
             first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
-            if first:
-                choice = min(first, key=lambda i: (self._fit_time(self.jobs[i], start, spans), self._rank(i)))
+            if first:  # ties go by priority order (a group weighs its remaining time)
+                soonest = min(range(len(first)), key=lambda k: (self._fit_time(self.jobs[first[k]], start, spans), k))
+                choice = first[soonest]
         if choice is not None:
             self._assign(worker, choice, now)
         return choice
 
     def _candidates(self, worker: str) -> Iterator[int]:
         """Eligible pending tests in priority order: longest first, a group by its remaining time."""
+        # a worker with a group of its own still pending starts no other group: it would
+        # bind that one too and interleave the two, while other workers idle
+        busy_with_group = any(members and self._bound.get(g) == worker for g, members in self._groups.items())
         groups = [
             (sum(self.jobs[i].duration for i in members), members[0])
             for g, members in self._groups.items()
-            if members and self._bound.get(g, worker) == worker
+            if members and (self._bound.get(g) == worker or (g not in self._bound and not busy_with_group))
         ]
         groups.sort(key=lambda item: (-item[0], item[1]))
         singles = iter(self._singles)
