@@ -144,7 +144,10 @@ def test_wait_timeout_names_request_and_holder(gpu_pytester, run_inner):
     done = str(gpu_pytester.path / "done")
     gpu_pytester.makeconftest(WAITING_CONFTEST.format(held=held, done=done))
     gpu_pytester.makepyfile(test_wait=WAITING.format(held=held, done=done))
-    result = run_inner("--gpus", "sim:1x16GiB", "-n", "2", "--gpu-wait-timeout", "0.5", subprocess=True)
+    # both at once, one per worker: xdist's load scheduling (pytest-gpu's would not hand the
+    # waiter out while the holder has the GPU)
+    args = ("--gpus", "sim:1x16GiB", "-n", "2", "--gpu-wait-timeout", "0.5", "--gpu-schedule=off")
+    result = run_inner(*args, subprocess=True)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.re_match_lines(
         [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -182,7 +183,20 @@ def test_user_properties_in_junitxml(gpu_pytester, run_inner, xdist):
     assert props["test_cpu"] == {}
 
     one = props["test_one"]
-    assert set(one) == {"gpu_indices", "gpu_wait_seconds", "gpu_peak_bytes", "gpu_violations"}
+    assert set(one) == {
+        "gpu_indices",
+        "gpu_wait_seconds",
+        "gpu_peak_bytes",
+        "gpu_violations",
+        "gpu_request",
+        "gpu_request_bytes",
+        "gpu_leases",
+    }
+    assert one["gpu_request"] == "1 GPU (2GiB)"
+    assert one["gpu_request_bytes"] == str(2 * GiB)
+    (lease,) = json.loads(one["gpu_leases"])  # [gpus, bytes, exclusive, asked, granted, released]
+    assert lease[:3] == [[int(one["gpu_indices"])], 2 * GiB, False]
+    assert lease[3] <= lease[4] <= lease[5]
     assert one["gpu_indices"] in ("0", "1")
     assert float(one["gpu_wait_seconds"]) >= 0
     assert one["gpu_peak_bytes"] == f"{one['gpu_indices']}={GiB}"
@@ -238,7 +252,10 @@ def test_summary_counts_wait_time(gpu_pytester, run_inner):
         """
     )
     xml = gpu_pytester.path / "junit.xml"
-    result = run_inner("--gpus", "sim:1x16GiB", "-n", "2", f"--junitxml={xml}", subprocess=True)
+    # xdist's load scheduling puts them on both workers at once (pytest-gpu's scheduler would
+    # run them one after the other on one worker, and nothing would wait)
+    args = ("--gpus", "sim:1x16GiB", "-n", "2", "--gpu-schedule=off", f"--junitxml={xml}")
+    result = run_inner(*args, subprocess=True)
     result.assert_outcomes(passed=2)
     props = _properties(xml)
     first = float(props["test_exclusive[0]"]["gpu_wait_seconds"])

@@ -105,6 +105,7 @@ class Ledger:
         from filelock import FileLock
 
         self._lock = FileLock(str(self.path / "ledger.lock"))
+        self._devices: list[Device] | None = None
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
@@ -136,19 +137,24 @@ class Ledger:
         os.replace(tmp, self.path / "ledger.json")
 
     @contextmanager
-    def _state(self) -> Iterator[dict[str, Any]]:
+    def _state(self, *, write: bool = True, prune: bool = True) -> Iterator[dict[str, Any]]:
+        """The ledger under its lock; ``write=False`` for a read-only look, ``prune=False``
+        where what dead processes held cannot change the answer (it is pruned on the next write)."""
         self.path.mkdir(parents=True, exist_ok=True)
         with self._lock:
             file = self.path / "ledger.json"
+            fresh = False
             if file.exists():
                 state = json.loads(file.read_text())
                 if self.spec and state["spec"] != self.spec and not self._live(state):
-                    state = self._fresh()
+                    state, fresh = self._fresh(), True
             else:
-                state = self._fresh()
-            self._prune(state)
+                state, fresh = self._fresh(), True
+            if prune:
+                self._prune(state)
             yield state
-            self._write(state)
+            if write or fresh:
+                self._write(state)
 
     @staticmethod
     def _live(state: dict[str, Any]) -> bool:
@@ -163,20 +169,22 @@ class Ledger:
     # -- queries -------------------------------------------------------------------
 
     def devices(self) -> list[Device]:
-        with self._state() as state:
-            return [
-                Device(i, uuid, total, f"Simulated GPU {format_size(total)}", True)
-                for i, (uuid, total) in enumerate(state["devices"])
-            ]
+        if self._devices is None:  # fixed for the ledger's life: read once per process
+            with self._state(write=False, prune=False) as state:
+                self._devices = [
+                    Device(i, uuid, total, f"Simulated GPU {format_size(total)}", True)
+                    for i, (uuid, total) in enumerate(state["devices"])
+                ]
+        return list(self._devices)
 
     def used(self) -> dict[int, int]:
         """Bytes in use per physical device, contexts included."""
-        with self._state() as state:
+        with self._state(write=False) as state:
             return {i: _device_used(state, i) for i in range(len(state["devices"]))}
 
     def tag_usage(self, tag: str, *, drop: bool = False) -> TagUsage:
         """Peak, current use and touched devices of ``tag``; ``drop`` forgets the tag."""
-        with self._state() as state:
+        with self._state(write=drop) as state:
             rec = state["tags"].get(tag)
             result = TagUsage()
             if rec is not None:
@@ -189,13 +197,13 @@ class Ledger:
 
     def contexts_of(self, pid: int) -> set[int]:
         """Physical devices on which process ``pid`` has a context."""
-        with self._state() as state:
+        with self._state(write=False) as state:
             proc = state["procs"].get(str(pid))
             return {int(k) for k in proc["ctx"]} if proc else set()
 
     def begin_tag(self, tag: str, owner: int) -> None:
         """Start accounting ``tag``; contexts of ``owner`` are not charged to it."""
-        with self._state() as state:
+        with self._state(prune=False) as state:
             state["tags"][tag] = {"owner": owner, "peak": {}, "touched": []}
 
     # -- allocation ----------------------------------------------------------------
@@ -242,7 +250,7 @@ class Ledger:
 
     def free(self, handle: str) -> None:
         pid = handle.split(":", 1)[0]
-        with self._state() as state:
+        with self._state(prune=False) as state:
             proc = state["procs"].get(pid)
             if proc is not None:
                 proc["allocs"].pop(handle, None)
@@ -293,7 +301,14 @@ def set_memory_cap(physical: int, nbytes: int | None) -> None:
 def ledger() -> Ledger:
     """The ledger this process uses (from the environment, as the plugin set it)."""
     path, spec = _ledger_dir()
-    return Ledger(path, spec)
+    key = (str(path), spec)
+    found = _ledgers.get(key)
+    if found is None:  # one per ledger and process: its lock and device list are reused
+        found = _ledgers[key] = Ledger(path, spec)
+    return found
+
+
+_ledgers: dict[tuple[str, str | None], Ledger] = {}
 
 
 def resolve_device(device: int | None, uuids: list[str]) -> int:
