@@ -32,15 +32,19 @@ packed onto the GPUs' capacities.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # A test predicted to be running past its estimate is assumed to end this much later.
 _OVERDUE = 0.05
 # When nothing fits, how many candidates (by priority) are compared for the soonest fit.
 _FALLBACK_SCAN = 64
+# How many pending tests of one GPU need a pick looks at (longest first).
+_SCAN = 256
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,11 @@ class Planner:
     def __init__(self, jobs: Iterable[Job], capacities: Sequence[int]) -> None:
         self.jobs: dict[int, Job] = {}
         self.capacities = list(capacities)  # usable bytes per GPU; the scheduler may refresh these
-        self._singles: list[int] = []  # pending ungrouped tests, longest first
+        # pending ungrouped tests, longest first: CPU-only and GPU ones apart (a CPU test
+        # always fits, so a pick never scans past the first one), and by pool key
+        self._cpu: list[int] = []
+        self._by_need: dict[Need, list[int]] = {}
+        self._by_pool: dict[str, list[int]] = {}
         self._groups: dict[str, deque[int]] = {}  # pending group members, collection order
         self._bound: dict[str, str] = {}  # group -> worker
         self._pool_owner: dict[str, str] = {}  # pool key -> worker that last ran it
@@ -91,7 +99,20 @@ class Planner:
             self.jobs[job.index] = job
             if job.group is not None:
                 self._groups.setdefault(job.group, deque()).append(job.index)
-        self._singles = sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank)
+        for index in sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank):
+            self._add_single(index)
+
+    def _lists(self, index: int) -> list[list[int]]:
+        """The pending lists an ungrouped test belongs to."""
+        job = self.jobs[index]
+        lists = [self._cpu if job.need is None else self._by_need.setdefault(job.need, [])]
+        if job.pool is not None:
+            lists.append(self._by_pool.setdefault(job.pool, []))
+        return lists
+
+    def _add_single(self, index: int) -> None:
+        for target in self._lists(index):
+            bisect.insort(target, index, key=self._rank)
 
     def _rank(self, index: int) -> tuple[float, int]:
         return (-self.jobs[index].duration, index)
@@ -125,7 +146,8 @@ class Planner:
 
     @property
     def pending(self) -> int:
-        return len(self._singles) + sum(len(m) for m in self._groups.values())
+        singles = len(self._cpu) + sum(len(m) for m in self._by_need.values())
+        return singles + sum(len(m) for m in self._groups.values())
 
     def requeue(self, index: int) -> None:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
@@ -134,11 +156,7 @@ class Planner:
             members = self._groups.setdefault(job.group, deque())
             members.appendleft(index)  # callers give a worker's queue back in reverse
         else:
-            at = 0
-            key = self._rank(index)
-            while at < len(self._singles) and self._rank(self._singles[at]) < key:
-                at += 1
-            self._singles.insert(at, index)
+            self._add_single(index)
 
     def complete(self, worker: str, index: int, now: float) -> None:
         """``worker`` finished ``index``; the test it held next starts now."""
@@ -149,7 +167,7 @@ class Planner:
 
     def eligible(self, worker: str) -> bool:
         """Whether some pending test may go to ``worker`` (not all bound to others)."""
-        if self._singles:
+        if self._cpu or any(self._by_need.values()):
             return True
         return any(members and self._bound.get(g, worker) == worker for g, members in self._groups.items())
 
@@ -165,28 +183,33 @@ class Planner:
         at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
         memo: dict[tuple[Need, float], bool] = {}
 
+        def viable(need: Need) -> bool:
+            if need not in at_start:
+                at_start[need] = self._fits_at(need, start, 0.0, spans)
+            return at_start[need]
+
         def fits(index: int) -> bool:
             job = self.jobs[index]
             if job.need is None:
                 return True
-            if job.need not in at_start:
-                at_start[job.need] = self._fits_at(job.need, start, 0.0, spans)
-            if not at_start[job.need]:
+            if not viable(job.need):
                 return False
             key = (job.need, job.duration)
             if key not in memo:
                 memo[key] = self._fits_at(job.need, start, job.duration, spans)
             return memo[key]
 
-        passes = (
-            lambda i: self._bound.get(self.jobs[i].group or "") == worker,  # finish a group it started
-            lambda i: state.last_pool is not None and self.jobs[i].pool == state.last_pool,  # its warm pool
-            lambda i: not self._owned_elsewhere(i, worker),
-            lambda i: True,  # steal another worker's pool tests rather than idle
+        own_groups = [m[0] for g, m in self._groups.items() if m and self._bound.get(g) == worker]
+        pool_tests = self._by_pool.get(state.last_pool, []) if state.last_pool is not None else []
+        passes: tuple[Iterable[int], ...] = (
+            own_groups,  # finish a group it started
+            pool_tests,  # keep its warm pool busy
+            (i for i in self._candidates(worker, viable) if not self._owned_elsewhere(i, worker)),
+            self._candidates(worker, viable),  # steal another worker's pool tests rather than idle
         )
         choice: int | None = None
-        for allowed in passes:
-            choice = next((i for i in self._candidates(worker) if allowed(i) and fits(i)), None)
+        for candidates in passes:
+            choice = next((i for i in candidates if fits(i)), None)
             if choice is not None:
                 break
         if choice is None and (state.queue or not self._anyone_busy(worker)):
@@ -199,27 +222,28 @@ class Planner:
             self._assign(worker, choice, now)
         return choice
 
-    def _candidates(self, worker: str) -> Iterator[int]:
-        """Eligible pending tests in priority order: longest first, a group by its remaining time."""
+    def _candidates(self, worker: str, viable: Callable[[Need], bool] | None = None) -> Iterator[int]:
+        """Eligible pending tests in priority order: longest first, a group by its remaining time.
+
+        GPU tests whose need cannot fit at all (``viable``) are left out, and of each need
+        only the first few are looked at: a pick costs the same for 100 tests or 100,000."""
         # a worker with a group of its own still pending starts no other group: it would
         # bind that one too and interleave the two, while other workers idle
         busy_with_group = any(members and self._bound.get(g) == worker for g, members in self._groups.items())
-        groups = [
-            (sum(self.jobs[i].duration for i in members), members[0])
+        groups = sorted(
+            ((-sum(self.jobs[i].duration for i in members), members[0]), members[0])
             for g, members in self._groups.items()
             if members and (self._bound.get(g) == worker or (g not in self._bound and not busy_with_group))
+        )
+        streams: list[Iterator[tuple[tuple[float, int], int]]] = [
+            iter(groups),
+            ((self._rank(i), i) for i in self._cpu),
         ]
-        groups.sort(key=lambda item: (-item[0], item[1]))
-        singles = iter(self._singles)
-        single = next(singles, None)
-        for weight, head in groups:
-            while single is not None and self.jobs[single].duration >= weight:
-                yield single
-                single = next(singles, None)
-            yield head
-        if single is not None:
-            yield single
-            yield from singles
+        for need, members in self._by_need.items():
+            if members and (viable is None or viable(need)):
+                streams.append((self._rank(i), i) for i in itertools.islice(members, _SCAN))
+        for _, index in heapq.merge(*streams):
+            yield index
 
     def _owned_elsewhere(self, index: int, worker: str) -> bool:
         pool = self.jobs[index].pool
@@ -236,7 +260,8 @@ class Planner:
                 del self._groups[job.group]
             self._bound[job.group] = worker
         else:
-            self._singles.remove(index)
+            for target in self._lists(index):
+                target.remove(index)
         state = self._workers[worker]
         state.queue.append(index)
         if len(state.queue) == 2 and state.head_since is None:
