@@ -228,13 +228,16 @@ def test_summary_requests_above_and_far_below_their_peak() -> None:
     _peaked(tl, "t.py::fine", 4 * GIB, 3 * GIB)
     _peaked(tl, "t.py::quarter", 4 * GIB, GIB)  # exactly a quarter: not "far below"
     _peaked(tl, "t.py::whole", 16 * GIB, 20 * GIB, exclusive=True)
-    _peaked(tl, "t.py::failed", 2 * GIB, 4 * GIB, outcomes={"call": "failed"})  # its peak says little
+    # over its budget and failed for it (--gpu-verify=fail): the suggestion is what it needs
+    _peaked(tl, "t.py::failed", 2 * GIB, 4 * GIB, outcomes={"teardown": "failed"})
+    _peaked(tl, "t.py::stopped", 8 * GIB, 0, outcomes={"call": "failed"})  # stopped early: its low peak says little
     run_test(tl, "t.py::noask", "gw0", 0.0, 1.0, properties=props([lease_row([0], GIB, 0, 0, 1)], peak="0=99"))
     lines = tl.summary_lines([0], with_peaks=True)
     at = lines.index("pytest-gpu: requests that do not match the measured peak:")
     assert lines[at + 1 :] == [
         '  t.py::above: asked 2GiB, peaked at 4GiB (above): suggest memory="5GiB"',
         '  t.py::below: asked 8GiB, peaked at 800MiB (far below): suggest memory="1GiB"',
+        '  t.py::failed: asked 2GiB, peaked at 4GiB (above): suggest memory="5GiB"',
         f'  t.py::whole: asked a whole GPU, peaked at 20GiB (above): suggest memory="{format_size(suggest(20 * GIB))}"',
     ]
     assert not any("requests that do not match" in line for line in tl.summary_lines([0], with_peaks=False))
