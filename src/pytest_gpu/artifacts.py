@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from . import history
+
 
 class ArtifactBuildError(RuntimeError):
     """The artifact's build failed in this run (here or in another process)."""
@@ -110,7 +112,7 @@ class ArtifactStore:
 def store(config: object, run_dir: Path) -> ArtifactStore:
     """The store of this pytest process: pytest's cache directory (kept across runs), or
     the run directory when the cache plugin is off (``-p no:cacheprovider``)."""
-    cache = getattr(config, "cache", None)
+    cache = history.cache(config)
     root = cache.mkdir("pytest_gpu_artifacts") if cache is not None else run_dir / "artifact-store"
     rebuild = bool(config.getoption("gpu_rebuild_artifacts", False))  # type: ignore[attr-defined]
     return ArtifactStore(Path(root), run_dir, rebuild)

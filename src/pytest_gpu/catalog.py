@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .planner import Job, Need
-from .requests import build_request
 
 if TYPE_CHECKING:
     from .session import GpuRun
@@ -38,8 +37,7 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
         spec = item.stash.get(SPEC_KEY, None)
         if spec is not None:
             entry["p"] = repr(spec.pool_key)
-            if spec.gpus_per_rank:
-                request = build_request((spec.world_size * spec.gpus_per_rank,), {}, run.settings.default_memory)
+            request = spec.gpu_request(run.settings.default_memory) or request  # the pool's GPUs, if any
         if request is not None and run.never_fits(request) is None:  # one that never fits is skipped
             entry["n"] = request.count
             entry["m"] = request.memory

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .trace import GPU_PID, WORKERS_PID
+
 EXPECTED = "expected a trace written by pytest --gpu-trace"
 FORMATS = ("png", "svg")
-WORKERS_PID = 1
-GPU_PID_BASE = 100
 
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
 OUTCOME_COLORS: dict[str, str] = {
@@ -252,8 +252,8 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
     gpu_pids: set[int] = set()
     for gpu in meta.get("gpus") or []:
         if isinstance(gpu, Mapping) and _is_int(gpu.get("index")):
-            gpu_pids.add(GPU_PID_BASE + gpu["index"])
-    gpu_pids.update(pid for pid in processes if pid >= GPU_PID_BASE)
+            gpu_pids.add(GPU_PID + gpu["index"])
+    gpu_pids.update(pid for pid in processes if pid >= GPU_PID)
     gpu_pids.update(span.pid for span in spans if span.cat == "lease")
 
     # Worker rows: tid = position in the workers list + 1, as the trace writer numbers them.
@@ -276,7 +276,7 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
         lanes = {tid: lane for lane, tid in enumerate(sorted(tids))}
         gpu_lanes[pid] = lanes
         height = min(_MAX_GPU_ROW, 0.5 + 0.5 * max(len(lanes), 1))
-        rows.append(Row(processes.get(pid, f"GPU {pid - GPU_PID_BASE}"), "gpu", y, height, max(len(lanes), 1)))
+        rows.append(Row(processes.get(pid, f"GPU {pid - GPU_PID}"), "gpu", y, height, max(len(lanes), 1)))
         y += height
     if rows and worker_tids:
         y += _GROUP_GAP

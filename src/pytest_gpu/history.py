@@ -16,7 +16,7 @@ DURATIONS_KEY = "pytest_gpu/durations"
 PEAKS_KEY = "pytest_gpu/peaks"
 
 
-def cache(config: pytest.Config) -> Any:
+def cache(config: object) -> Any:
     """pytest's cache, or ``None`` under ``-p no:cacheprovider``."""
     return getattr(config, "cache", None)
 

@@ -185,7 +185,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return  # an xdist worker: the controller saw every worker's reports and writes for all
     summary = config.stash[SUMMARY_KEY]
     if run.settings.learn:
-        history.merge(config, history.PEAKS_KEY, summary.peaks)
+        history.merge(config, history.PEAKS_KEY, summary.peaks())
     if detect() is None:  # under a launcher, rank 0 keeps the durations of every rank
         history.merge(config, history.DURATIONS_KEY, summary.durations())
     if run.settings.trace:

@@ -21,7 +21,6 @@ class Summary:
     waited: float = 0.0
     violations: int = 0
     violating: list[str] = field(default_factory=list)
-    peaks: dict[str, int] = field(default_factory=dict)  # node id -> highest peak on one GPU
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
 
@@ -46,6 +45,10 @@ class Summary:
             dict(report.user_properties),
         )
 
+    def peaks(self) -> dict[str, int]:
+        """Node id -> highest peak measured on one of its GPUs (for ``--gpu-learn``)."""
+        return {r.nodeid: r.peak for r in self.timeline.records.values() if r.peak is not None}
+
     def durations(self) -> dict[str, float]:
         """Node id -> seconds, for every test that ran to its end here (crashes excluded)."""
         return {r.nodeid: r.duration for r in self.timeline.records.values() if r.outcome != "crashed"}
@@ -57,10 +60,6 @@ class Summary:
         if "gpu_indices" not in props:
             return
         self.gpu_tests += 1
-        peaks = str(props.get("gpu_peak_bytes", "")).split(",")
-        values = [int(part.split("=", 1)[1]) for part in peaks if "=" in part]
-        if values:
-            self.peaks[report.nodeid] = max(values)
         self.waited += float(props.get("gpu_wait_seconds", 0.0))
         count = int(props.get("gpu_violations", 0))
         if count:

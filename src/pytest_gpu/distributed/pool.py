@@ -27,7 +27,6 @@ from typing import Any
 import psutil
 
 from ..procs import kill_and_wait
-from ..requests import build_request
 from ..session import GpuRun
 from .spec import DistSpec
 
@@ -139,9 +138,8 @@ class RankPool:
         client = self.run.client
         self.port = client.ports(1, self.id)[0]
         slices = None
-        if self.spec.gpus_per_rank:
-            count = self.spec.world_size * self.spec.gpus_per_rank
-            request = build_request((count,), {}, self.run.settings.default_memory)
+        request = self.spec.gpu_request(self.run.settings.default_memory)
+        if request is not None:
             grant = client.acquire(request, f"rank pool {self.spec.describe()}", self.settings.wait_timeout)
             self.lease_key = grant.key
             names = [

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..requests import GpuRequestError
+from ..requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "none")
 LAUNCHERS = ("spawn", "torchrun", "mpirun", "srun")
@@ -29,6 +29,12 @@ class DistSpec:
     @property
     def pool_key(self) -> tuple[int, str, str, int]:
         return (self.world_size, self.backend, self.launcher, self.gpus_per_rank)
+
+    def gpu_request(self, default_memory: DefaultMemory) -> GpuRequest | None:
+        """The GPUs its pool holds: ``gpus_per_rank`` per rank, ``--gpu-default-memory`` each (``None``: none)."""
+        if not self.gpus_per_rank:
+            return None
+        return build_request((self.world_size * self.gpus_per_rank,), {}, default_memory)
 
     def describe(self) -> str:
         gpus = f", {self.gpus_per_rank} GPU/rank" if self.gpus_per_rank else ""
