@@ -42,7 +42,6 @@ class TestRecord:
     outcome: str = "passed"  # passed, failed, skipped, error (setup/teardown), crashed
     request: str = ""
     requested: int = 0  # bytes per GPU asked for (an exclusive lease: what it was given)
-    exclusive: bool = False
     peak: int | None = None  # highest bytes measured on one of its GPUs
     leases: list[LeaseSpan] = field(default_factory=list)
 
@@ -51,6 +50,10 @@ class TestRecord:
     @property
     def gpu_seconds(self) -> float:
         return sum(len(span.gpus) * (span.released - span.granted) for span in self.leases)
+
+    @property
+    def exclusive(self) -> bool:
+        return any(span.exclusive for span in self.leases)
 
     @property
     def waited(self) -> float:
@@ -100,7 +103,6 @@ class Timeline:
             rec.leases = [_span(row) for row in json.loads(str(properties["gpu_leases"]))]
             rec.request = str(properties.get("gpu_request", ""))
             rec.requested = int(properties.get("gpu_request_bytes", 0) or 0)  # type: ignore[call-overload]
-            rec.exclusive = any(span.exclusive for span in rec.leases)
             peaks = [int(p.split("=", 1)[1]) for p in str(properties.get("gpu_peak_bytes", "")).split(",") if "=" in p]
             rec.peak = max(peaks) if peaks else None
 
