@@ -69,9 +69,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RUN_KEY] = run
     if run.settings.learn:
         run.learned_peaks = history.load(config, history.PEAKS_KEY)
-    summary = Summary()
-    config.stash[SUMMARY_KEY] = summary
-    config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
+    if run.broker is not None:  # the xdist controller (it hears every worker's reports) or a lone process
+        summary = Summary()
+        config.stash[SUMMARY_KEY] = summary
+        config.pluginmanager.register(summary, "pytest-gpu-summary")  # collects test reports
     ctx = detect()
     if ctx is not None and workerinput is None:
         if not ctx.is_root and getattr(config.option, "xmlpath", None):
