@@ -124,9 +124,10 @@ class Timeline:
     def busy(self, gpus: Iterable[int]) -> dict[int, float]:
         """Per GPU: the fraction of the makespan during which some test held a lease on it."""
         makespan = self.makespan()
+        leases = [s for r in self.tests() for s in r.leases]
         out = {}
         for gpu in gpus:
-            spans = sorted((s.granted, s.released) for r in self.tests() for s in r.leases if gpu in s.gpus)
+            spans = sorted((s.granted, s.released) for s in leases if gpu in s.gpus)
             out[gpu] = _union(spans) / makespan if makespan > 0 else 0.0
         return out
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .requests import format_size
-from .timeline import Timeline
+from .timeline import TestRecord, Timeline
 
 WORKERS_PID = 1
 GPU_PID = 100
@@ -79,7 +79,7 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
                         "args": {"nodeid": rec.nodeid, "request": rec.request or None},
                     }
                 )
-    events += _gpu_events(timeline, [i for i, _ in gpus], us)
+    events += _gpu_events(tests, [i for i, _ in gpus], us)
     return {
         "displayTimeUnit": "ms",
         "traceEvents": events,
@@ -97,12 +97,12 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
     }
 
 
-def _gpu_events(timeline: Timeline, gpus: Sequence[int], us: Any) -> list[dict[str, Any]]:
+def _gpu_events(tests: Sequence[TestRecord], gpus: Sequence[int], us: Any) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for gpu in gpus:
         pid = GPU_PID + gpu
         leases = sorted(
-            ((span, rec) for rec in timeline.tests() for span in rec.leases if gpu in span.gpus),
+            ((span, rec) for rec in tests for span in rec.leases if gpu in span.gpus),
             key=lambda pair: (pair[0].granted, pair[1].nodeid),
         )
         lanes: list[int] = []  # end time (us) of the last lease in each lane
