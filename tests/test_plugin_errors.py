@@ -115,6 +115,7 @@ BAD_OPTIONS = [
     ("--gpu-context-overhead", "abc", "gpu_context_overhead", f"expected {SIZE_FORM}, got 'abc'"),
     ("--gpu-port-range", "5-1", "gpu_port_range", "expected 1024 <= LOW <= HIGH <= 65535, got '5-1'"),
     ("--gpu-port-range", "abc", "gpu_port_range", "expected a port range LOW-HIGH such as 20000-32767, got 'abc'"),
+    ("--gpu-trace", ".", "gpu_trace", "expected the path of a file to write the trace to, got directory '.'"),
 ]
 
 
@@ -141,6 +142,17 @@ def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, 
     result = run_inner()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
+
+
+def test_a_trace_that_cannot_be_written_is_reported_and_the_outcome_stands(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    (gpu_pytester.path / "blocker").write_text("a file, so blocker/ cannot be a directory")
+    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-trace=blocker/run.json")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["pytest-gpu: --gpu-trace: could not write the trace to blocker/run.json: *"])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    assert sorted(p.name for p in gpu_pytester.path.iterdir() if p.name.endswith(".tmp")) == []
 
 
 def test_command_line_beats_ini(gpu_pytester, run_inner):

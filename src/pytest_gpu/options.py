@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,8 +240,16 @@ def read(config: pytest.Config) -> Settings:
         ray_start_timeout=_seconds(config, "ray_start_timeout"),
         learn=bool(config.getoption("gpu_learn", False)),
         schedule=_choice(config, "gpu_schedule", ("on", "off")) == "on",
-        trace=_value(config, "gpu_trace")[0].strip(),
+        trace=_trace_path(config),
     )
+
+
+def _trace_path(config: pytest.Config) -> str:
+    text, where = _value(config, "gpu_trace")
+    path = text.strip()
+    if path and os.path.isdir(path):
+        raise pytest.UsageError(f"{where}: expected the path of a file to write the trace to, got directory {path!r}")
+    return path
 
 
 def _seconds(config: pytest.Config, ini: str) -> float:

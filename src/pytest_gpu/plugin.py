@@ -198,7 +198,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             run.inventory.describe(),
             run.inventory.source,
         )
-        summary.trace_path = str(trace.write(run.settings.trace, data))
+        try:
+            summary.trace_path = str(trace.write(run.settings.trace, data))
+        except OSError as exc:  # reported with the summary; the tests' outcome stands
+            summary.trace_error = f"could not write the trace to {run.settings.trace}: {exc}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -212,6 +215,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     )
     if summary.trace_path:
         lines.append(f"pytest-gpu: trace written to {summary.trace_path} (open in ui.perfetto.dev)")
+    if summary.trace_error:
+        lines.append(f"pytest-gpu: --gpu-trace: {summary.trace_error}")
     for line in lines + selection.summary_lines(config):
         terminalreporter.write_line(line)
 

@@ -23,6 +23,7 @@ class Summary:
     violating: list[str] = field(default_factory=list)
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
+    trace_error: str = ""
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         # under xdist the controller hears this when a worker starts the test: the start

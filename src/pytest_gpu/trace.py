@@ -166,6 +166,9 @@ def write(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")))
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(json.dumps(data, separators=(",", ":")))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failure; after the rename it is gone already
     return target
