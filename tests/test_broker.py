@@ -135,6 +135,16 @@ def test_exclusive_grant_on_two_gpus(run: Run) -> None:
     assert (grant.indices, grant.memory, grant.exclusive) == ((0, 1), 16 * GiB - OVERHEAD, True)
 
 
+def test_exclusive_grant_with_a_minimum_reaches_the_broker(run: Run) -> None:
+    run.broker({0: 24 * GiB, 1: 80 * GiB, 2: 24 * GiB})
+    client = run.client("gw0")
+    at_least = GpuRequest(count=1, memory=None, exclusive=True, min_memory=40 * GiB)
+    grant = client.acquire(at_least, "t::big", timeout=5)
+    assert (grant.indices, grant.memory, grant.exclusive) == ((1,), 80 * GiB - OVERHEAD, True)
+    with pytest.raises(BrokerError, match="whole GPU of at least 40GiB"):
+        client.acquire(GpuRequest(count=2, memory=None, exclusive=True, min_memory=40 * GiB), "t::two", timeout=5)
+
+
 def test_keys_are_per_client_and_release_frees(run: Run) -> None:
     broker = run.broker()
     a, b = run.client("gw0"), run.client("gw1")

@@ -1,11 +1,11 @@
-"""pytest_gpu.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
+"""pytest_gpu.gpu.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
 
 from __future__ import annotations
 
 import pytest
 
-from pytest_gpu import devices
-from pytest_gpu.devices import (
+from pytest_gpu.gpu import devices
+from pytest_gpu.gpu.devices import (
     GPUS_FORM,
     Device,
     DeviceSpecError,
@@ -39,7 +39,7 @@ def without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "nvml_devices", lambda: MACHINE)
+    monkeypatch.setattr(devices, "nvml_devices", lambda: (MACHINE, ""))
 
 
 # -- parse_sim_spec --------------------------------------------------------------------
@@ -124,9 +124,13 @@ def test_discover_sim() -> None:
     assert inventory.describe() == "4 simulated GPUs (2x80GiB, 2x24GiB)"
 
 
-def test_discover_sim_ignores_cuda_visible_devices() -> None:
-    inventory = discover("sim:4x16GiB", environ={"CUDA_VISIBLE_DEVICES": "1"})
-    assert len(inventory.devices) == 4
+def test_discover_sim_honours_cuda_visible_devices_as_a_real_machine_does() -> None:
+    inventory = discover("sim:4x16GiB", environ={"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert [d.index for d in inventory.devices] == [3, 1]
+    assert len(inventory.machine) == 4
+    empty = discover("sim:4x16GiB", environ={"CUDA_VISIBLE_DEVICES": ""})
+    assert empty.devices == ()
+    assert "CUDA_VISIBLE_DEVICES='' matches none" in empty.note
 
 
 def test_discover_sim_prefix_is_case_insensitive() -> None:
@@ -164,7 +168,7 @@ def test_discover_index_list_without_nvml(without_nvml: None) -> None:
 
 def test_discover_auto_with_nvml(fake_nvml: None) -> None:
     inventory = discover("auto", environ={})
-    assert inventory == Inventory(MACHINE, "nvml", "")
+    assert inventory == Inventory(MACHINE, "nvml", "", MACHINE, None)
     assert inventory.describe() == "4 GPUs (2x80GiB, 2x24GiB)"
 
 
@@ -181,24 +185,24 @@ def test_discover_auto_honours_cuda_visible_devices_uuids(fake_nvml: None) -> No
 def test_discover_auto_with_empty_cuda_visible_devices(fake_nvml: None) -> None:
     inventory = discover("auto", environ={"CUDA_VISIBLE_DEVICES": ""})
     assert inventory.devices == ()
-    assert inventory.note == "NVML reports no GPUs"
+    assert inventory.note.startswith("CUDA_VISIBLE_DEVICES='' matches none of the devices NVML reports (0=GPU-aaaa")
 
 
 def test_discover_index_list(fake_nvml: None) -> None:
-    inventory = discover("2, 0")
+    inventory = discover("2, 0", environ={})
     assert inventory.devices == (L4_A, A100)
     assert inventory.source == "nvml"
 
 
 def test_discover_index_list_unknown_index(fake_nvml: None) -> None:
     with pytest.raises(DeviceSpecError) as info:
-        discover("0,7,9")
-    assert str(info.value) == "--gpus '0,7,9': no GPU with index [7, 9]; this machine has [0, 1, 2, 3]"
+        discover("0,7,9", environ={})
+    assert str(info.value) == "--gpus '0,7,9': no usable GPU with index [7, 9]; this machine has [0, 1, 2, 3]"
 
 
 def test_discover_index_list_duplicate(fake_nvml: None) -> None:
     with pytest.raises(DeviceSpecError) as info:
-        discover("1,1")
+        discover("1,1", environ={})
     assert str(info.value) == "--gpus '1,1': an index is listed twice"
 
 
@@ -306,7 +310,9 @@ def test_inventory_wire_form_is_plain_data() -> None:
     assert json.loads(json.dumps(wire)) == {
         "source": "nvml",
         "note": "",
-        "devices": [[0, A100.uuid, 80 * GiB, "NVIDIA A100", False]],
+        "devices": [[0, A100.uuid, 80 * GiB, "NVIDIA A100", False, 0, None]],
+        "machine": [],
+        "visible": None,
     }
 
 

@@ -855,3 +855,38 @@ def test_no_rank_left_after_pytest_is_sigkilled_mid_test(tmp_path: Path) -> None
                 rank.kill()
             except psutil.Error:
                 pass
+
+
+NO_GPUS = """
+def seen(rank):
+    return {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "hip": os.environ.get("HIP_VISIBLE_DEVICES")}
+
+
+@pytest.mark.distributed(world_size=2, backend="gloo", timeout=300)
+def test_gloo_rank(rank):
+    import torch
+    import torch.distributed as dist
+
+    assert (seen(rank), rank.device) == ({"cuda": "", "hip": ""}, "cpu")
+    # every collective's timeout: past the test's own 300 s, so that a hang is reported with stacks
+    timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    assert timeout.total_seconds() > 300
+    allreduce_check(rank)
+
+
+@NONE2
+def test_none_rank(rank):
+    assert (seen(rank), rank.device) == ({"cuda": "", "hip": ""}, "cpu")
+"""
+
+
+def test_ranks_without_gpus_see_none_and_outlast_the_test_timeout(tmp_path: Path) -> None:
+    require("torch", module="torch")
+    suite = make_suite(tmp_path, {"test_no_gpus.py": textwrap.dedent(COMMON) + textwrap.dedent(NO_GPUS)})
+    # the user's selection: an unset variable in the ranks would show them every GPU instead
+    suite.env.update(CUDA_VISIBLE_DEVICES="0,1", HIP_VISIBLE_DEVICES="1")
+    result = suite.run("--dist-timeout=30")
+    assert result.ret == pytest.ExitCode.OK, result.output
+    assert result.outcome("test_no_gpus.py::test_gloo_rank") == "passed"
+    assert result.outcome("test_no_gpus.py::test_none_rank") == "passed"
+    assert result.leftovers == []

@@ -13,8 +13,8 @@ import types
 import pytest
 
 from pytest_gpu import sim
-from pytest_gpu.devices import Device, Inventory, parse_sim_spec
-from pytest_gpu.isolation import confine, make_lease
+from pytest_gpu.gpu.devices import Device, Inventory, parse_sim_spec
+from pytest_gpu.gpu.isolation import confine, make_lease
 
 GiB = 2**30
 

@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pytest_gpu.gpu.devices import Device, Inventory, sim_uuid
 from pytest_gpu.launched import gather
 from pytest_gpu.launched.detect import LaunchContext, detect
 from pytest_gpu.launched.markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
 from pytest_gpu.launched.shard import partition
+from pytest_gpu.launched.share import node_share, share
 
 # -- detect() ----------------------------------------------------------------------------
 
@@ -31,6 +35,7 @@ OPEN_MPI = {
     "OMPI_COMM_WORLD_RANK": "3",
     "OMPI_COMM_WORLD_SIZE": "4",
     "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
     "PMIX_NAMESPACE": "prterun-host-1234@1",
     "PMIX_RANK": "3",
 }
@@ -41,13 +46,15 @@ SRUN = {
     "SLURM_JOB_ID": "42",
     "SLURM_STEP_ID": "0",
     "SLURM_NNODES": "3",
+    "SLURM_NODEID": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
 }
-PMI = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "PMI_JOBID": "job-7"}
+PMI = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4", "PMI_JOBID": "job-7"}
 
 
 def test_detect_torchrun() -> None:
     ctx = detect(TORCHRUN)
-    assert ctx == LaunchContext("torchrun", 1, 4, 1, "5abefca0-03c6-477c-8876-83bbebc26c9a")
+    assert ctx == LaunchContext("torchrun", 1, 4, 1, "5abefca0-03c6-477c-8876-83bbebc26c9a", local_size=2)
     assert not ctx.is_root
     assert detect({**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0"}).is_root
 
@@ -69,7 +76,7 @@ def test_detect_torchrun_needs_its_run_id() -> None:
 
 
 def test_detect_open_mpi() -> None:
-    assert detect(OPEN_MPI) == LaunchContext("mpirun", 3, 4, 1, "prterun-host-1234_1")
+    assert detect(OPEN_MPI) == LaunchContext("mpirun", 3, 4, 1, "prterun-host-1234_1", local_size=2)
 
 
 def test_detect_open_mpi_without_pmix_namespace_uses_the_job_id() -> None:
@@ -80,7 +87,7 @@ def test_detect_open_mpi_without_pmix_namespace_uses_the_job_id() -> None:
 
 
 def test_detect_srun_step() -> None:
-    assert detect(SRUN) == LaunchContext("srun", 2, 3, 0, "42.0")
+    assert detect(SRUN) == LaunchContext("srun", 2, 3, 0, "42.0", local_size=1)
     assert detect({k: v for k, v in SRUN.items() if k != "SLURM_NTASKS"} | {"SLURM_NPROCS": "3"}) == detect(SRUN)
 
 
@@ -91,9 +98,9 @@ def test_detect_slurm_outside_an_srun_step_is_no_launch() -> None:
 
 
 def test_detect_pmi() -> None:
-    assert detect(PMI) == LaunchContext("mpirun", 5, 8, 1, "job-7")
+    assert detect(PMI) == LaunchContext("mpirun", 5, 8, 1, "job-7", local_size=4)
     pmix = {"PMIX_RANK": "2", "PMI_SIZE": "4", "PMIX_NAMESPACE": "ns"}
-    assert detect(pmix) == LaunchContext("mpirun", 2, 4, 2, "ns")
+    assert detect(pmix) == LaunchContext("mpirun", 2, 4, 2, "ns", local_size=4)
 
 
 def test_detect_pmi_local_rank_zero_is_kept() -> None:
@@ -101,6 +108,25 @@ def test_detect_pmi_local_rank_zero_is_kept() -> None:
     ctx = detect({**PMI, "MPI_LOCALRANKID": "0"})
     assert ctx is not None
     assert (ctx.rank, ctx.local_rank) == (5, 0)
+
+
+@pytest.mark.parametrize(
+    ("env", "local"),
+    [
+        ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, (0, 4)),
+        ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, (0, 3)),
+        ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "2,1"}, (0, 3)),  # node 2 of a 2-node list: unknown
+        ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "junk"}, (0, 3)),
+        ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_TASKS_PER_NODE"}, (0, 3)),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "1"}, (1, 4)),  # local rank 1 of 1 cannot be: the whole world
+        ({k: v for k, v in OPEN_MPI.items() if not k.startswith("OMPI_COMM_WORLD_LOCAL")}, (3, 4)),
+    ],
+)
+def test_detect_local_size_and_its_fallback(env: dict[str, str], local: tuple[int, int]) -> None:
+    # unknown: the whole world, so that GPU shares (launched/share.py) can be too small but never overlap
+    ctx = detect(env)
+    assert ctx is not None
+    assert (ctx.local_rank, ctx.local_size) == local
 
 
 def test_detect_nested_launchers() -> None:
@@ -394,3 +420,80 @@ def test_gather_publish_replaces_a_document(tmp_path: Path) -> None:
     gather.publish(tmp_path, "left", 1, {"n": 1})
     gather.publish(tmp_path, "left", 1, {"n": 2})
     assert gather.collect(tmp_path, "left", 2, timeout=0.1, ranks=[1]) == {1: {"n": 2}}
+
+
+# -- share(): the GPUs of one rank among the ranks of a node ------------------------------
+
+GiB = 2**30
+
+
+def sim_inventory(*sizes: int) -> Inventory:
+    return Inventory(tuple(Device(i, sim_uuid(i), size, simulated=True) for i, size in enumerate(sizes)), "sim:test")
+
+
+def test_share_whole_gpus_when_there_are_enough() -> None:
+    inventory = sim_inventory(*[16 * GiB] * 8)
+    shares = [share(inventory, r, 3) for r in range(3)]
+    assert [[d.index for d in s.devices] for s in shares] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert all(d.total_memory == 16 * GiB for s in shares for d in s.devices)
+    assert shares[0].source == "sim:test"
+
+
+def test_share_splits_a_gpu_between_the_ranks_on_it() -> None:
+    inventory = sim_inventory(80 * GiB, 24 * GiB)
+    shares = [share(inventory, r, 5) for r in range(5)]
+    # GPU 0: ranks 0, 2, 4 (a third each); GPU 1: ranks 1, 3 (half each)
+    assert [(s.devices[0].index, s.devices[0].total_memory) for s in shares] == [
+        (0, 80 * GiB // 3),
+        (1, 12 * GiB),
+        (0, 80 * GiB // 3),
+        (1, 12 * GiB),
+        (0, 80 * GiB // 3),
+    ]
+    assert all(s.devices[0].uuid == sim_uuid(s.devices[0].index) for s in shares)
+
+
+@pytest.mark.parametrize("where", [(0, 1), (0, 0), (3, 2), (-1, 2)])
+def test_share_alone_or_out_of_range_is_everything(where: tuple[int, int]) -> None:
+    inventory = sim_inventory(16 * GiB, 16 * GiB)
+    assert share(inventory, *where) == inventory
+    assert share(sim_inventory(), 1, 4) == sim_inventory()
+
+
+def test_node_share_outside_a_launch_is_everything() -> None:
+    inventory = sim_inventory(16 * GiB, 16 * GiB)
+    assert node_share(inventory, None) == inventory
+    assert node_share(inventory, detect({**TORCHRUN, "LOCAL_WORLD_SIZE": "2"})) == share(inventory, 1, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 96), st.integers(0, 7)), min_size=1, max_size=9),
+    local_size=st.integers(1, 12),
+)
+def test_property_no_gpu_memory_is_promised_twice(sizes: list[tuple[int, int]], local_size: int) -> None:
+    # half-GiB sizes, and up to an eighth of each reserved by the driver
+    gpus = tuple(
+        Device(i, sim_uuid(i), h * GiB // 2, reserved=h * GiB // 2 * r // 56) for i, (h, r) in enumerate(sizes)
+    )
+    inventory = Inventory(gpus, "nvml")
+    promised = [0] * len(gpus)
+    for rank in range(local_size):
+        mine = share(inventory, rank, local_size)
+        assert mine.devices, f"rank {rank} of {local_size} got no GPU"
+        assert len({d.index for d in mine.devices}) == len(mine.devices)
+        for device in mine.devices:
+            assert (device.uuid, device.reserved) == (gpus[device.index].uuid, gpus[device.index].reserved)
+            promised[device.index] += device.capacity
+    # every GPU in some share, none promised beyond what it can allocate, and little of it left idle
+    for gpu in gpus:
+        assert 0 < promised[gpu.index] <= gpu.capacity
+        assert gpu.capacity - promised[gpu.index] < local_size
+
+
+def test_share_splits_what_cuda_can_allocate() -> None:
+    # the driver's reserve is not allocatable on any share: the capacities add up to the GPU's
+    gpu = Device(0, sim_uuid(0), 80 * GiB, reserved=GiB)
+    shares = [share(Inventory((gpu,), "nvml"), r, 3).devices[0] for r in range(3)]
+    assert [d.capacity for d in shares] == [79 * GiB // 3] * 3
+    assert sum(d.capacity for d in shares) <= gpu.capacity

@@ -29,8 +29,8 @@ def shared(memory: int, count: int = 1) -> GpuRequest:
     return GpuRequest(count=count, memory=memory, exclusive=False)
 
 
-def whole(count: int = 1) -> GpuRequest:
-    return GpuRequest(count=count, memory=None, exclusive=True)
+def whole(count: int = 1, at_least: int | None = None) -> GpuRequest:
+    return GpuRequest(count=count, memory=None, exclusive=True, min_memory=at_least)
 
 
 def granted_keys(leases: list[Lease]) -> list[str]:
@@ -94,6 +94,19 @@ def test_place_exclusive_skips_gpus_with_tenants() -> None:
     states[0].leased = GiB
     assert place(states, whole(), "a", policy) == Placement((1,), 8 * GiB, True)
     assert place(states, whole(2), "a", policy) is None
+
+
+def test_place_exclusive_with_a_minimum_only_takes_gpus_that_give_that_much() -> None:
+    policy = Policy(overhead=500 * MiB, context_fraction=1.0)
+    states = gpus(24 * GiB, 80 * GiB, 24 * GiB, 80 * GiB)
+    assert place(states, whole(at_least=40 * GiB), "a", policy) == Placement((1,), 80 * GiB - 500 * MiB, True)
+    assert place(states, whole(2, at_least=40 * GiB), "a", policy) == Placement((1, 3), 80 * GiB - 500 * MiB, True)
+    assert place(states, whole(3, at_least=40 * GiB), "a", policy) is None
+    # the minimum is what the lease gets: other processes' contexts count against it
+    states[1].contexts = {"x", "y"}
+    assert place(states, whole(at_least=80 * GiB - GiB), "a", policy) == Placement((3,), 80 * GiB - 500 * MiB, True)
+    states[3].tenants = 1
+    assert place(states, whole(at_least=80 * GiB - GiB), "a", policy) is None
 
 
 def test_place_shared_skips_exclusive_gpus() -> None:
@@ -235,6 +248,17 @@ def test_never_fits_too_much_memory() -> None:
     assert pool.never_fits(shared(15 * GiB, count=2)) is None
     assert pool.never_fits(shared(16 * GiB, count=2)) == (
         "needs 2 GPUs (16GiB each) but the inventory has 2 GPU(s) [16GiB, 24GiB] with 1GiB of context overhead each"
+    )
+
+
+def test_never_fits_exclusive_with_a_minimum() -> None:
+    pool = Pool({0: 80 * GiB, 1: 80 * GiB, 2: 24 * GiB, 3: 24 * GiB}, Policy(overhead=500 * MiB))
+    assert pool.never_fits(whole(2, at_least=40 * GiB)) is None
+    assert pool.never_fits(whole(at_least=80 * GiB - 500 * MiB)) is None
+    assert pool.never_fits(whole(at_least=80 * GiB - 500 * MiB + 1)) is not None
+    assert pool.never_fits(whole(3, at_least=40 * GiB)) == (
+        "needs 3 GPUs (whole GPU of at least 40GiB each) but the inventory has 4 GPU(s) "
+        "[80GiB, 80GiB, 24GiB, 24GiB] with 500MiB of context overhead each"
     )
 
 
@@ -530,6 +554,7 @@ def check_never_overcommitted(pool: Pool) -> None:
         assert lease.placement.exclusive == lease.request.exclusive
         if lease.request.exclusive:
             assert lease.placement.memory > 0
+            assert lease.placement.memory >= (lease.request.min_memory or 0)
         else:
             assert lease.placement.memory == lease.request.memory
 
@@ -561,6 +586,7 @@ capacities = st.lists(st.sampled_from([2 * GiB, 4 * GiB, 8 * GiB, 16 * GiB]), mi
 )
 gpu_requests = st.one_of(
     st.builds(whole, count=st.integers(1, 3)),
+    st.builds(whole, count=st.integers(1, 3), at_least=st.integers(1, 32).map(lambda k: k * 512 * MiB)),
     st.builds(shared, memory=st.integers(1, 24).map(lambda k: k * 512 * MiB), count=st.integers(1, 3)),
 )
 operations = st.lists(

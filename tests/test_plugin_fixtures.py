@@ -284,7 +284,7 @@ def test_cpu_suite_never_connects(gpu_pytester, run_inner):
 
 @pytest.mark.parametrize("verify", ["fail", "off"])
 def test_lease_env_restored_after_test(gpu_pytester, run_inner, monkeypatch, verify):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "outer-value")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     gpu_pytester.makepyfile(
         test_env="""
         import os
@@ -295,11 +295,11 @@ def test_lease_env_restored_after_test(gpu_pytester, run_inner, monkeypatch, ver
             assert os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices
 
         def test_b():
-            assert os.environ["CUDA_VISIBLE_DEVICES"] == "outer-value"
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0"
             assert "HIP_VISIBLE_DEVICES" not in os.environ
             assert "PYTEST_GPU_SIM_TAG" not in os.environ
         """
     )
     run_inner("--gpus", "sim:2x16GiB", f"--gpu-verify={verify}").assert_outcomes(passed=2)
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "outer-value"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0"
     assert "HIP_VISIBLE_DEVICES" not in os.environ

@@ -196,3 +196,52 @@ def test_skip_and_skipif_do_not_acquire(gpu_pytester, run_inner):
     result.stdout.re_match_lines([r"pytest-gpu: .* · 1 GPU test · waited .* · 0 violations"])
     result.stdout.fnmatch_lines(["SKIPPED * not today", "SKIPPED * never"])
     assert not [line for line in result.outlines if re.search(r"could not get|broke its GPU lease", line)]
+
+
+AT_LEAST = """
+import pytest
+
+@pytest.mark.gpu(exclusive=True, memory="40GiB")
+def test_one_big(record):
+    pass
+
+@pytest.mark.gpu(2, exclusive=True, memory="40GiB")
+def test_two_big(record):
+    pass
+
+@pytest.mark.gpu(exclusive=True, memory="100GiB")
+def test_larger_than_any(record):
+    raise AssertionError("must not run")
+
+@pytest.mark.gpu(3, exclusive=True, memory="40GiB")
+def test_more_big_ones_than_there_are(record):
+    raise AssertionError("must not run")
+
+def test_section(gpu_request):
+    with gpu_request(exclusive=True, memory="40GiB") as lease:
+        with open({out!r}, "a") as f:
+            f.write(json.dumps({{"name": "section", "indices": list(lease.indices), "memory": lease.memory}}) + "\\n")
+"""
+
+
+def test_exclusive_with_memory_gets_a_whole_gpu_at_least_that_large(gpu_pytester, run_inner):
+    out = gpu_pytester.path / "leases.jsonl"
+    gpu_pytester.makeconftest(RECORDER.format(out=str(out)))
+    gpu_pytester.makepyfile(test_at_least="import json\n" + AT_LEAST.format(out=str(out)))
+    result = run_inner("--gpus", "sim:2x80GiB,2x24GiB", "-rs")
+    result.assert_outcomes(passed=3, skipped=2)
+    whole_80 = 80 * GiB - 500 * MiB  # what the GPU gives, as for any exclusive lease
+    got = _records(out)
+    assert (got["test_one_big"]["memory"], got["test_one_big"]["exclusive"]) == (whole_80, True)
+    assert set(got["test_one_big"]["indices"]) <= {0, 1}
+    assert (sorted(got["test_two_big"]["indices"]), got["test_two_big"]["memory"]) == ([0, 1], whole_80)
+    assert set(got["section"]["indices"]) <= {0, 1} and got["section"]["memory"] == whole_80
+    inventory = "(4 simulated GPUs (2x80GiB, 2x24GiB))"
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED * pytest-gpu: needs 1 GPU (whole GPU of at least 100GiB) but this run has 0 GPUs offering "
+            f"100GiB after the CUDA context {inventory}",
+            "SKIPPED * pytest-gpu: needs 3 GPUs (whole GPU of at least 40GiB each) but this run has 2 GPUs offering "
+            f"40GiB after the CUDA context {inventory}",
+        ]
+    )

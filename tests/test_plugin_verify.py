@@ -23,9 +23,9 @@ LEAK = []
 
 @pytest.mark.gpu(memory="2GiB")
 def test_outside(gpu):
-    # the test widens its own view and allocates on a GPU it was not given
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(1 - gpu.indices[0])
-    sim.allocate("1GiB").free()
+    # the worker's CUDA sees every GPU of the run: a hard-coded ordinal lands outside the lease
+    other = 1 - int(gpu.device.split(":")[1])
+    sim.allocate("1GiB", device=other).free()
 
 @pytest.mark.gpu(memory="1GiB")
 def test_peak(gpu):

@@ -180,6 +180,8 @@ def test_default_memory_unparsable() -> None:
         (GpuRequest(count=3), "3 GPUs (whole GPU each)"),
         (GpuRequest(count=1, memory=8 * GiB, exclusive=False), "1 GPU (8GiB)"),
         (GpuRequest(count=2, memory=512 * MiB, exclusive=False), "2 GPUs (512MiB each)"),
+        (GpuRequest(min_memory=40 * GiB), "1 GPU (whole GPU of at least 40GiB)"),
+        (GpuRequest(count=2, min_memory=40 * GiB), "2 GPUs (whole GPU of at least 40GiB each)"),
     ],
 )
 def test_request_describe(request_: GpuRequest, text: str) -> None:
@@ -277,10 +279,27 @@ def test_count_given_twice() -> None:
     assert _error((2,), {"count": 2}) == f"gpu marker: count given twice; expected {GPU_MARKER_FORM}"
 
 
-def test_exclusive_with_memory() -> None:
-    assert _error((), {"exclusive": True, "memory": "8GiB"}) == (
-        "gpu marker: exclusive=True takes the whole GPU; drop memory='8GiB'"
-    )
+@pytest.mark.parametrize("default", [EXCLUSIVE, FOUR_GIB])
+def test_exclusive_with_memory_is_a_whole_gpu_of_at_least_that_size(default: DefaultMemory) -> None:
+    # on a mixed machine the only way to say "a whole GPU with at least 40 GiB"
+    got = build_request((2,), {"exclusive": True, "memory": "40GiB"}, default)
+    assert got == GpuRequest(count=2, memory=None, exclusive=True, min_memory=40 * GiB)
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        (0, "gpu marker: memory must be positive, got 0"),
+        ("lots", f"gpu marker: memory='lots' is not a size: expected {SIZE_FORM}, got 'lots'"),
+    ],
+)
+def test_exclusive_with_a_bad_memory(memory: object, message: str) -> None:
+    assert _error((), {"exclusive": True, "memory": memory}) == message
+
+
+def test_min_memory_only_with_exclusive() -> None:
+    with pytest.raises(ValueError, match="min_memory"):
+        GpuRequest(count=1, memory=GiB, exclusive=False, min_memory=GiB)
 
 
 @pytest.mark.parametrize("exclusive", ["yes", 1, None])

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pytest_gpu import sim
-from pytest_gpu.devices import sim_uuid
+from pytest_gpu.gpu.devices import sim_uuid
 from pytest_gpu.sim import (
     LEDGER_ENV,
     OVERHEAD_ENV,
@@ -42,8 +42,9 @@ def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     monkeypatch.setenv(OVERHEAD_ENV, "512MiB")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv(TAG_ENV, raising=False)
-    monkeypatch.setattr(sim, "_caps", {})  # set_memory_cap is per process: never leak it
+    sim.cuda.forget()  # each test is a new process: device list, current device, caps
     yield path
+    sim.cuda.forget()
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def spawn(children: list[Child], nbytes: str, device: int = 0, then: str = "slee
 
 def test_fresh_ledger_is_empty() -> None:
     assert sim.usage() == {0: 0, 1: 0}
-    assert [(d.index, d.uuid, d.total_memory) for d in sim.ledger().devices()] == [
+    assert [(u.index, u.uuid, u.total) for u in sim.ledger().units()] == [
         (0, sim_uuid(0), 4 * GiB),
         (1, sim_uuid(1), 4 * GiB),
     ]
@@ -285,7 +286,7 @@ def test_a_new_spec_replaces_an_idle_ledger(monkeypatch: pytest.MonkeyPatch, chi
     assert sim.usage() == {0: GiB + OVERHEAD, 1: 0}
     child.finish()
     assert sim.usage() == {0: 0, 1: 0, 2: 0}
-    assert [d.total_memory for d in sim.ledger().devices()] == [8 * GiB] * 3
+    assert [u.total for u in sim.ledger().units()] == [8 * GiB] * 3
 
 
 # -- device numbering as CUDA does it --------------------------------------------------
@@ -317,12 +318,46 @@ def test_visible_devices_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
         assert alloc.physical == 1
 
 
-def test_device_read_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    a = sim.allocate("1MiB")
+def test_device_list_is_fixed_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as CUDA: the variable is read once, when the process's CUDA starts
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    a = sim.allocate("1MiB")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     b = sim.allocate("1MiB")
-    assert (a.physical, b.physical) == (0, 1)
+    assert (a.physical, b.physical) == (1, 1)
+    assert sim.device_count() == 1
+    with pytest.raises(SimDeviceError, match=r"its CUDA started with CUDA_VISIBLE_DEVICES='1'"):
+        sim.allocate("1MiB", device=1)
+
+
+def test_init_fixes_the_list_without_a_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sim.init() == [0, 1]  # cuInit: no context, no memory
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert sim.usage() == {0: 0, 1: 0}
+    assert sim.device_count() == 2
+
+
+def test_current_device_and_set_device_opens_a_context() -> None:
+    assert sim.current_device() == 0
+    assert sim.usage() == {0: 0, 1: 0}
+    sim.set_device(1)  # CUDA 12: cudaSetDevice creates the primary context
+    assert sim.current_device() == 1
+    assert sim.usage() == {0: 0, 1: OVERHEAD}
+    with sim.allocate("1GiB") as alloc:  # the default device is the current one
+        assert (alloc.device, alloc.physical) == (1, 1)
+    with pytest.raises(SimDeviceError, match=r"invalid device ordinal 2"):
+        sim.set_device(2)
+    assert sim.current_device() == 1
+
+
+def test_mem_get_info_opens_a_context_and_excludes_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPEC_ENV, "sim:2x4GiB;reserved=64MiB")
+    sim.cuda.forget()
+    free, total = sim.mem_get_info(1)
+    assert total == 4 * GiB - 64 * MiB
+    assert free == total - OVERHEAD
+    with pytest.raises(OutOfMemoryError, match=r"512MiB of 3.9GiB in use"):
+        sim.allocate(4 * GiB - 64 * MiB - OVERHEAD + 1, device=1)
 
 
 def test_ordinal_beyond_visible(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,7 +365,7 @@ def test_ordinal_beyond_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1GiB", device=1)
     assert str(info.value) == (
-        "invalid device ordinal 1: this process sees 1 simulated GPU(s) (CUDA_VISIBLE_DEVICES='1')"
+        "invalid device ordinal 1: this process sees 1 simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES='1')"
     )
     assert sim.usage() == {0: 0, 1: 0}
 
@@ -339,7 +374,7 @@ def test_ordinal_beyond_the_machine() -> None:
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1GiB", device=2)
     assert (
-        str(info.value) == "invalid device ordinal 2: this process sees 2 simulated GPU(s) (CUDA_VISIBLE_DEVICES=None)"
+        str(info.value) == "invalid device ordinal 2: this process sees 2 simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES=None)"
     )
 
 
@@ -362,7 +397,7 @@ def test_invalid_visible_entries(monkeypatch: pytest.MonkeyPatch, visible: str, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1MiB", device=seen)
-    assert f"this process sees {seen} simulated GPU(s) (CUDA_VISIBLE_DEVICES={visible!r})" in str(info.value)
+    assert f"this process sees {seen} simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES={visible!r})" in str(info.value)
 
 
 @pytest.mark.parametrize("device", [True, "0", 1.0])
@@ -375,7 +410,7 @@ def test_device_must_be_an_int(device: object) -> None:
 def test_ledger_allocate_checks_physical_index() -> None:
     with pytest.raises(SimDeviceError) as info:
         sim.ledger().allocate(1, 5, None, None)
-    assert str(info.value) == "invalid device ordinal: simulated GPU 5 does not exist"
+    assert str(info.value) == "invalid device: simulated device 5 does not exist"
 
 
 # -- per-process cap -------------------------------------------------------------------
@@ -402,11 +437,10 @@ def test_memory_cap() -> None:
 
 def test_memory_cap_is_by_physical_device(monkeypatch: pytest.MonkeyPatch) -> None:
     sim.set_memory_cap(1, 100 * MiB)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     with pytest.raises(OutOfMemoryError, match=r"capped at 100MiB"):
         sim.allocate("200MiB")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with sim.allocate("200MiB"):
+    with sim.allocate("200MiB", device=1):
         pass
 
 

@@ -19,7 +19,7 @@ Layers (each uses only those above it):
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .isolation import GpuLease
+    from .gpu.isolation import GpuLease
     from .requests import GpuRequest, parse_size
 
 __all__ = ["GpuLease", "GpuRequest", "parse_size"]
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # lazily: the plugin is loaded into every pytest process, CPU-only suites included
     if name == "GpuLease":
-        from .isolation import GpuLease
+        from .gpu.isolation import GpuLease
 
         return GpuLease
     if name in ("GpuRequest", "parse_size"):

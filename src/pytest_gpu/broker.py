@@ -284,8 +284,8 @@ class Broker:
         return ("error", f"unknown request {kind!r}")
 
     def _acquire(self, info: ClientInfo, body: dict[str, Any]) -> tuple[str, Any]:
-        count, memory, exclusive = body["request"]
-        request = GpuRequest(count=count, memory=memory, exclusive=exclusive)
+        count, memory, exclusive, min_memory = body["request"]
+        request = GpuRequest(count=count, memory=memory, exclusive=exclusive, min_memory=min_memory)
         key = f"{info.client}/{body['key']}"
         with self._lock:
             info.tests[key] = str(body.get("test") or "?")

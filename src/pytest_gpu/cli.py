@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .devices import DeviceSpecError, discover
+from .gpu.devices import DeviceSpecError, discover
 from .requests import format_size
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .gpu.verification import Verdict
 from .requests import GpuRequest, GpuRequestError, build_request, format_size, learned
-from .verification import Verdict
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -35,7 +34,6 @@ class TestState:
     indices: set[int] = field(default_factory=set)
     waited: float = 0.0
     ports_owner: str | None = None
-    torch_was_loaded: bool = False
     request: GpuRequest | None = None
     # each lease held: [gpus, bytes per GPU, exclusive, asked, granted, released] (wall clock)
     leases: list[list[Any]] = field(default_factory=list)
@@ -43,7 +41,7 @@ class TestState:
     def finish(self, run: GpuRun, active: ActiveLease) -> None:
         """Give ``active`` back, keeping its verdict and its place on the timeline."""
         try:
-            self.verdict.merge(run.finish(active))
+            self.verdict.merge(run.finish(active, self.indices))
         finally:
             lease = active.lease
             self.leases.append(
@@ -133,7 +131,7 @@ OVERSIZE_KEY = pytest.StashKey[str]()
 
 def setup(item: pytest.Item, run: GpuRun) -> None:
     """Before fixtures: acquire the test's lease and confine the process to it."""
-    state = TestState(torch_was_loaded="torch" in sys.modules)
+    state = TestState()
     item.stash[STATE_KEY] = state
     reason = item.stash.get(OVERSIZE_KEY, None)
     if reason is not None:
@@ -149,11 +147,14 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
 
 def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
     from .client import BrokerError
+    from .gpu.runtime import LeaseUnreachable
 
     try:
         return run.acquire(request, item.nodeid)
     except BrokerError as exc:
         message = f"pytest-gpu: {item.nodeid} could not get {request.describe()}: {exc}"
+    except LeaseUnreachable as exc:
+        message = f"pytest-gpu: {item.nodeid} was given {request.describe()}, but {exc}"
     pytest.fail(message, pytrace=False)
 
 
@@ -183,17 +184,6 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
                 ("gpu_leases", json.dumps(state.leases)),
             ]
         )
-    if not state.torch_was_loaded and "torch" in sys.modules and state.indices and not run.inventory.simulated:
-        torch = sys.modules["torch"]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            item.warn(
-                pytest.PytestWarning(
-                    "pytest-gpu: torch initialised CUDA inside this test, while only its lease was "
-                    "visible; this worker's CUDA now sees only those GPUs. Import torch at module "
-                    "level or in conftest.py so later tests can be placed on any GPU."
-                )
-            )
-
 
 def _requested_bytes(state: TestState) -> int:
     """Memory per GPU the test asked for: its marker's, or what an exclusive lease gave (0: none)."""
@@ -207,7 +197,11 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
     if report.when != "teardown":
         return
     state = item.stash.get(STATE_KEY, None)
-    if state is None or not state.verdict.violations:
+    if state is None:
+        return
+    if state.verdict.notes:
+        report.sections.append(("pytest-gpu verification notes", "\n".join(state.verdict.notes)))
+    if not state.verdict.violations:
         return
     text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(f"  - {v}" for v in state.verdict.violations)
     if run.settings.verify == "fail" and report.outcome == "passed":

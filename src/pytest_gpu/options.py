@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .devices import GPUS_FORM
+from .gpu.devices import GPUS_FORM
 from .ports import DEFAULT_RANGE, parse_port_range
 from .requests import DefaultMemory, SizeError, parse_size
 

@@ -6,7 +6,8 @@ lock and a transport.
 Capacity rule (never over-commit): on every GPU, the memory of its leases plus one
 CUDA-context overhead per client that has (or is assumed to have) a context there
 stays within the GPU's capacity. An exclusive lease has the GPU alone and gets
-everything that is left after the contexts.
+everything that is left after the contexts; one with a ``min_memory`` only goes where
+that is at least ``min_memory``.
 
 Affinity: a client is placed on GPUs it already has a context on when it can, and a
 new context is opened on a GPU only while that GPU's contexts stay within the
@@ -88,7 +89,7 @@ def place(
             if gpu.tenants:
                 continue
             grant = gpu.capacity - contexts * policy.overhead
-            if grant <= 0:
+            if grant <= 0 or grant < (request.min_memory or 0):  # a minimum counts what the lease would get
                 continue
             # affinity first, then the GPU with the most to give
             key = (0 if has_ctx else 1, 0, -grant, gpu.index)

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from . import history, lifecycle, options, raycluster
-from .devices import DeviceSpecError
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
-from .isolation import GpuLease
+from .gpu.devices import DeviceSpecError
+from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.detect import detect
 from .launched.session import LaunchedSession, log_dir, redirect_output, select_share

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import rundir, sim
-from .isolation import VISIBLE_VARS
+from .gpu.isolation import TF_GROWTH, VISIBLE_VARS, XLA_FRACTION, XLA_PREALLOCATE
 from .procs import kill_and_wait
 
 if TYPE_CHECKING:  # psutil, like Ray, is imported where it is used: the plugin loads this module
@@ -73,7 +73,8 @@ LOCK_FILE = "ray-head.lock"
 LOG_FILE = "ray-head.log"
 AUTH_ENV = "RAY_AUTH_MODE"
 STOP_GRACE = 15.0  # seconds the head may take to drain after SIGTERM before it is killed
-_LEASE_VARS = (*VISIBLE_VARS, "ROCR_VISIBLE_DEVICES", sim.TAG_ENV)  # a test's lease, not the run's
+# a test's lease, not the run's
+_LEASE_VARS = (*VISIBLE_VARS, "ROCR_VISIBLE_DEVICES", sim.TAG_ENV, XLA_PREALLOCATE, XLA_FRACTION, TF_GROWTH)
 _MAX_TEMP_DIR = 40  # Ray's AF_UNIX sockets live ~65 characters below its temp dir (limit: 107)
 _WATCHDOGS: dict[int, subprocess.Popen[bytes]] = {}  # started here: kept to be reaped, not warned about
 

@@ -12,7 +12,7 @@ from .timeline import Timeline
 
 if TYPE_CHECKING:
     from .broker import CrashRecord
-    from .devices import Inventory
+    from .gpu.devices import Inventory
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable

@@ -79,14 +79,26 @@ class GpuRequest:
 
     ``memory`` is ``None`` exactly when ``exclusive`` is true: an exclusive lease gets
     everything the GPU can give (capacity less CUDA-context overheads) and no co-tenant.
+    ``min_memory`` (exclusive only) is the least an exclusive lease must get per GPU: on
+    a mixed machine, "a whole GPU with at least 40 GiB" (marker ``exclusive=True, memory=...``).
     """
 
     count: int = 1
     memory: int | None = None
     exclusive: bool = True
+    min_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_memory is not None and not self.exclusive:
+            raise ValueError("GpuRequest: min_memory is for exclusive requests; a shared one gives memory")
 
     def describe(self) -> str:
-        each = "whole GPU" if self.exclusive else f"{format_size(self.memory or 0)}"
+        if not self.exclusive:
+            each = format_size(self.memory or 0)
+        elif self.min_memory is not None:
+            each = f"whole GPU of at least {format_size(self.min_memory)}"
+        else:
+            each = "whole GPU"
         if self.count == 1:
             return f"1 GPU ({each})"
         return f"{self.count} GPUs ({each} each)"
@@ -150,11 +162,10 @@ def build_request(
     if not isinstance(exclusive, bool):
         raise GpuRequestError(f"{what}: exclusive must be True or False, got {exclusive!r}")
     memory_arg = kwargs.get("memory")
-    if exclusive:
-        if memory_arg is not None:
-            raise GpuRequestError(f"{what}: exclusive=True takes the whole GPU; drop memory={memory_arg!r}")
-        return GpuRequest(count=count, memory=None, exclusive=True)
-    if memory_arg is None:
+    memory = None if memory_arg is None else _memory(memory_arg, what)
+    if exclusive:  # with memory: only a GPU that can give at least that much, still whole
+        return GpuRequest(count=count, memory=None, exclusive=True, min_memory=memory)
+    if memory is None:
         if default.exclusive:
             if "exclusive" in kwargs:  # exclusive=False said out loud, but no size to share with
                 raise GpuRequestError(
@@ -163,10 +174,14 @@ def build_request(
                 )
             return GpuRequest(count=count, memory=None, exclusive=True)
         return GpuRequest(count=count, memory=default.memory, exclusive=False)
-    try:
-        memory = parse_size(memory_arg)
-    except SizeError as exc:
-        raise GpuRequestError(f"{what}: memory={memory_arg!r} is not a size: {exc}") from None
-    if memory <= 0:
-        raise GpuRequestError(f"{what}: memory must be positive, got {memory_arg!r}")
     return GpuRequest(count=count, memory=memory, exclusive=False)
+
+
+def _memory(value: Any, what: str) -> int:
+    try:
+        memory = parse_size(value)
+    except SizeError as exc:
+        raise GpuRequestError(f"{what}: memory={value!r} is not a size: {exc}") from None
+    if memory <= 0:
+        raise GpuRequestError(f"{what}: memory must be positive, got {value!r}")
+    return memory

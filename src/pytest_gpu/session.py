@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import sim
-from .devices import Inventory
-from .isolation import Confinement, GpuLease, confine, make_lease
+from .gpu import runtime
+from .gpu.devices import DeviceSpecError, Inventory
+from .gpu.isolation import Confinement, GpuLease, confine, make_lease
+from .gpu.verification import NvmlVerifier, SimVerifier, Verdict
 from .options import Settings
 from .requests import GpuRequest, format_size
-from .verification import NvmlVerifier, SimVerifier, Verdict
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from .broker import Broker
@@ -64,16 +65,26 @@ class GpuRun:
         """Controller or single process: discover, make the run directory, start the broker."""
         from . import rundir
         from .broker import Broker
-        from .devices import discover
+        from .gpu.devices import discover
         from .placement import Policy
+        from .sim import fake
 
-        inventory = discover(settings.gpus)
+        spec = settings.gpus.strip()
+        if not spec.lower().startswith("sim:") and fake.requested():
+            try:  # PYTEST_GPU_FAKE_GPUS: NVML is the fake library, before anything asks it
+                fake.activate()
+            except ValueError as exc:
+                raise DeviceSpecError(f"{fake.FAKE_ENV}: {exc}") from None
+        from .launched.detect import detect
+        from .launched.share import node_share
+
+        inventory = node_share(discover(settings.gpus), detect())  # under a launcher: this rank's share of the node
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
         policy = Policy(overhead=settings.context_overhead)
         broker = Broker(
-            {d.index: d.total_memory for d in inventory.devices},
+            {d.index: d.capacity for d in inventory.devices},
             address,
             authkey,
             policy,
@@ -81,14 +92,19 @@ class GpuRun:
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
+            # The run's own simulated machine: every process of the run (workers, ranks,
+            # subprocesses) sees it through the fake-GPU switch, with a ledger of its own.
             sim.Ledger.create(run_dir / "sim-ledger", inventory.source, settings.context_overhead)
             run._set_env(
                 {
                     sim.LEDGER_ENV: str(run_dir / "sim-ledger"),
                     sim.SPEC_ENV: inventory.source,
                     sim.OVERHEAD_ENV: str(settings.context_overhead),
+                    fake.FAKE_ENV: inventory.source,
+                    "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),  # restored at close
                 }
             )
+            fake.activate(inventory.source)
         run._set_env({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         return run
 
@@ -104,12 +120,23 @@ class GpuRun:
             Path(data["run_dir"]),
         )
         run._set_env(data["env"])
+        from .sim import fake
+
+        if fake.requested():
+            fake.activate()
         return run
 
     def to_wire(self) -> dict[str, Any]:
         env = {
             k: os.environ[k]
-            for k in (sim.LEDGER_ENV, sim.SPEC_ENV, sim.OVERHEAD_ENV, "CUDA_DEVICE_ORDER")
+            for k in (
+                sim.LEDGER_ENV,
+                sim.SPEC_ENV,
+                sim.OVERHEAD_ENV,
+                "CUDA_DEVICE_ORDER",
+                "PYTEST_GPU_FAKE_GPUS",
+                "LD_LIBRARY_PATH",
+            )
             if k in os.environ
         }
         return {
@@ -156,7 +183,7 @@ class GpuRun:
         """The most one GPU can give a lease: the largest GPU less one CUDA context (0 without GPUs)."""
         if not self.inventory.devices:
             return 0
-        return max(d.total_memory for d in self.inventory.devices) - self.settings.context_overhead
+        return max(d.capacity for d in self.inventory.devices) - self.settings.context_overhead
 
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory can never satisfy ``request``, or ``None``."""
@@ -168,6 +195,16 @@ class GpuRun:
                 f"needs {format_size(request.memory)} per GPU but the largest GPU offers "
                 f"{format_size(usable)} after the CUDA context ({self.inventory.describe()})"
             )
+        # on a mixed machine only some GPUs may be large enough (the placement's formula: capacity less a context)
+        need = request.memory if request.min_memory is None else request.min_memory
+        if need is not None:
+            overhead = self.settings.context_overhead
+            enough = sum(d.capacity - overhead >= need for d in self.inventory.devices)
+            if enough < request.count:
+                return (
+                    f"needs {request.describe()} but this run has {enough} GPU{'' if enough == 1 else 's'} "
+                    f"offering {format_size(need)} after the CUDA context ({self.inventory.describe()})"
+                )
         return None
 
     def acquire(self, request: GpuRequest, test: str) -> ActiveLease:
@@ -176,11 +213,13 @@ class GpuRun:
         grant = self.client.acquire(request, test, self.settings.wait_timeout)
         granted = time.time()
         tag = f"{self.client.client_id}-{grant.key}"
-        lease = make_lease(grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag)
         verifier: SimVerifier | NvmlVerifier = (
             SimVerifier() if self.inventory.simulated else NvmlVerifier(self.inventory, self.settings.context_overhead)
         )
         try:
+            lease = make_lease(
+                grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
+            )
             if self.settings.verify != "off":
                 verifier.begin(lease, os.getpid())
             confinement = confine(lease, self.inventory)
@@ -189,16 +228,18 @@ class GpuRun:
             raise
         return ActiveLease(lease, confinement, verifier, asked, granted)
 
-    def finish(self, active: ActiveLease) -> Verdict:
-        """Undo the confinement, measure, and give the lease back."""
+    def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset()) -> Verdict:
+        """Undo the confinement, measure, and give the lease back; ``others``: GPUs other
+        leases of the same test held (their usage is theirs)."""
         try:
             active.confinement.undo()
             if self.settings.verify == "off":
                 verdict = Verdict()
             else:
-                verdict = active.verifier.end(active.lease)
+                verdict = active.verifier.end(active.lease, others)
+            verdict.notes.extend(active.confinement.notes)
         finally:
-            contexts = sim.ledger().contexts_of(os.getpid()) if self.inventory.simulated else None
+            contexts = sim.cuda.contexts() if runtime.simulated(self.inventory) else None
             active.released = time.time()
             self.client.release(active.lease.key, contexts)
         return verdict

@@ -42,6 +42,9 @@ LAUNCH_VARS = (
     "PYTEST_GPU_SIM_TAG",
 )
 _ids = itertools.count()
+# How far the process group's own timeout lies past the longest test a pool runs: the time
+# the pool needs to collect every rank's stack and kill the ranks once that test timed out.
+GROUP_TIMEOUT_MARGIN = 60.0
 
 
 class PoolError(RuntimeError):
@@ -60,6 +63,16 @@ class DistSettings:
     init_timeout: float = 120.0
     grace: float = 10.0  # how long the other ranks get once one rank failed or died
     wait_timeout: float = 1800.0
+
+
+def group_timeout(settings: DistSettings, test_timeout: float) -> float:
+    """The ``timeout`` of a pool's process group, for tests of up to ``test_timeout`` seconds.
+
+    torch applies it to every collective (NCCL's watchdog aborts the ranks when one waits
+    longer), so it must outlast the pool's own per-test timeout, which reports a hang with
+    every rank's stack; ``init_timeout`` (the rendezvous) is bounded by the pool's set-up wait.
+    """
+    return max(settings.init_timeout, test_timeout + settings.grace + GROUP_TIMEOUT_MARGIN)
 
 
 @dataclass
@@ -106,10 +119,11 @@ def _tail(path: Path, lines: int = 20) -> str:
 class RankPool:
     """``world_size`` rank processes with a process group, ready to run test bodies."""
 
-    def __init__(self, spec: DistSpec, run: GpuRun, settings: DistSettings, base: Path) -> None:
+    def __init__(self, spec: DistSpec, run: GpuRun, settings: DistSettings, base: Path, timeout: float) -> None:
         self.spec = spec
         self.run = run
         self.settings = settings
+        self.covers = max(settings.timeout, timeout)  # the longest test timeout its process group outlasts
         self.id = f"pool{next(_ids)}-{os.getpid()}"
         self.dir = base / self.id
         self.conns: dict[int, Connection] = {}
@@ -155,12 +169,7 @@ class RankPool:
         env = self._env(address, authkey, slices)
         self._launch(env)
         self._gather(arrivals)
-        body = {
-            "sys_path": list(sys.path),
-            "cwd": os.getcwd(),
-            "config_args": config_args,
-            "init_timeout": self.settings.init_timeout,
-        }
+        body = self.setup_body(config_args)
         for conn in self.conns.values():
             conn.send(("setup", body))
         replies = self._collect(set(self.conns), time.monotonic() + self.settings.init_timeout)
@@ -171,6 +180,15 @@ class RankPool:
             if missing:
                 detail += f"\nranks {missing} did not finish setting up within {self.settings.init_timeout:g}s"
             raise PoolError(f"could not set up {self.spec.describe()}:\n{detail}\n{self._logs_tail()}")
+
+    def setup_body(self, config_args: list[str]) -> dict[str, Any]:
+        """What every rank sets up with: pytest's configuration, and its process group's timeout."""
+        return {
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            "config_args": config_args,
+            "group_timeout": group_timeout(self.settings, self.covers),
+        }
 
     def _env(self, address: str, authkey: bytes, slices: str | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
@@ -531,8 +549,8 @@ class PoolManager:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def _fresh(self, spec: DistSpec) -> RankPool:
-        pool = RankPool(spec, self.run, self.settings, self.base)
+    def _fresh(self, spec: DistSpec, timeout: float) -> RankPool:
+        pool = RankPool(spec, self.run, self.settings, self.base, timeout)
         pool.start(self.config_args)
         self.started += 1
         return pool
@@ -544,14 +562,15 @@ class PoolManager:
                 self._timer.cancel()
             notes: list[str] = []
             if not self.settings.pool:
-                pool = self._fresh(spec)
+                pool = self._fresh(spec, timeout)
                 result = None
                 try:
                     result = pool.run_test(body, timeout)
                     return result, notes
                 finally:
                     pool.close(graceful=result is not None and not result.broken)
-            if self.pool is not None and self.pool.spec.pool_key != spec.pool_key:
+            # a test longer than the pool's process group allows needs a new group (and pool)
+            if self.pool is not None and (self.pool.spec.pool_key != spec.pool_key or self.pool.covers < timeout):
                 self.pool.close()
                 self.pool = None
             if self.pool is not None and not self.pool.alive():
@@ -559,13 +578,13 @@ class PoolManager:
                 self.pool.close()
                 self.pool = None
             if self.pool is None:
-                self.pool = self._fresh(spec)
+                self.pool = self._fresh(spec, timeout)
             try:
                 result = self.pool.run_test(body, timeout)
             except PoolDied as exc:
                 notes.append(f"{exc}; this test was retried once in a fresh pool")
                 self.pool.close()
-                self.pool = self._fresh(spec)
+                self.pool = self._fresh(spec, timeout)
                 result = self.pool.run_test(body, timeout)
             if result.broken:
                 self.pool.close(graceful=False)

@@ -54,11 +54,12 @@ class Rank:
         self.backend = os.environ["PYTEST_GPU_RANK_BACKEND"]
         self._redirect_output()
         slices = os.environ.get("PYTEST_GPU_RANK_GPUS")
-        if slices is not None:
-            mine = slices.split(";")[self.rank]
-            for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-                os.environ[name] = mine
-        self.device = "cuda:0" if slices and slices.split(";")[self.rank] else "cpu"
+        mine = slices.split(";")[self.rank] if slices is not None else ""
+        # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
+        # would show it every GPU of the machine, leased to others or excluded by the user
+        for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+            os.environ[name] = mine
+        self.device = "cuda:0" if mine else "cpu"
         self._stack_file = open(self.log_dir / f"rank{self.rank}.stack", "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]
@@ -105,7 +106,7 @@ class Rank:
                 init_method="env://",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(seconds=body["init_timeout"]),
+                timeout=timedelta(seconds=body["group_timeout"]),  # every collective's, too: see pool.group_timeout
             )
             self.group = dist.group.WORLD
         elif self.backend == "mpi":

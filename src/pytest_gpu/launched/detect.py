@@ -19,6 +19,7 @@ class LaunchContext:
     world_size: int
     local_rank: int
     run_id: str  # the same on every rank of one launch, different between launches
+    local_size: int = 1  # ranks on this node (they share its GPUs)
 
     @property
     def is_root(self) -> bool:
@@ -28,6 +29,29 @@ class LaunchContext:
 def _int(env: Mapping[str, str], name: str) -> int | None:
     value = env.get(name, "").strip()
     return int(value) if value.isdigit() else None
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> int | None:
+    """Tasks of this step on this node, from ``SLURM_STEP_TASKS_PER_NODE`` ("2(x3),1") and ``SLURM_NODEID``."""
+    per_node: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return None
+        per_node += [int(match.group(1))] * int(match.group(2) or 1)
+    node = _int(env, "SLURM_NODEID") or 0
+    return per_node[node] if node < len(per_node) else None
+
+
+def _context(
+    launcher: str, rank: int, size: int, local: int | None, local_size: int | None, run_id: str
+) -> LaunchContext:
+    if local is None:
+        local = rank
+    # a node's size unknown (or inconsistent): the whole world, which may make GPU shares too small, never overlap
+    if not local_size or local >= local_size:
+        local_size = max(size, local + 1)
+    return LaunchContext(launcher, rank, size, local, _safe(run_id), local_size)
 
 
 def _safe(text: str) -> str:
@@ -52,23 +76,22 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchContext | None:
         restart = _int(env, "TORCHELASTIC_RESTART_COUNT")
         if restart:  # torchrun --max-restarts: a new attempt keeps the run id, but is a new launch
             run_id = f"{run_id}.restart{restart}"
-        return LaunchContext("torchrun", rank, size, rank if local is None else local, _safe(run_id))
+        return _context("torchrun", rank, size, local, _int(env, "LOCAL_WORLD_SIZE"), run_id)
     rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
     if rank is not None and size:
         local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
         run_id = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_ess_jobid") or f"ppid{os.getppid()}"
-        return LaunchContext("mpirun", rank, size, rank if local is None else local, _safe(run_id))
+        return _context("mpirun", rank, size, local, _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"), run_id)
     rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS") or _int(env, "SLURM_NPROCS")
     if rank is not None and size and env.get("SLURM_STEP_ID") is not None:
         local = _int(env, "SLURM_LOCALID")
         run_id = f"{env.get('SLURM_JOB_ID', 'job')}.{env['SLURM_STEP_ID']}"
-        return LaunchContext("srun", rank, size, rank if local is None else local, _safe(run_id))
+        return _context("srun", rank, size, local, _slurm_local_size(env), run_id)
     rank = _int(env, "PMI_RANK")
     if rank is None:
         rank = _int(env, "PMIX_RANK")
     size = _int(env, "PMI_SIZE")
     if rank is not None and size:
         run_id = env.get("PMIX_NAMESPACE") or env.get("PMI_JOBID") or f"ppid{os.getppid()}"
-        local = _int(env, "MPI_LOCALRANKID")
-        return LaunchContext("mpirun", rank, size, rank if local is None else local, _safe(run_id))
+        return _context("mpirun", rank, size, _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"), run_id)
     return None

@@ -1,0 +1,188 @@
+"""After a test: did it stay inside its lease?
+
+Three checks, each producing a sentence for the report:
+
+(a) memory used on a GPU outside the lease;
+(b) peak memory above the lease's budget on a leased GPU;
+(c) memory still held on a GPU after the test's teardown.
+
+Simulated devices answer from the ledger, which attributes every allocation (of the
+test process and of its subprocesses, which inherit the tag) to the test. Real GPUs
+answer from NVML per-process usage of this process and its children, and from torch's
+allocator counters when torch is loaded. GPUs that another lease of the same test held
+(a ``gpu_request`` section) are that lease's to judge: NVML's usage is per process, not
+per lease.
+
+What cannot be measured is said, not guessed: an NVML error (MIG without privileges:
+``NoPermission``) or a container whose pid namespace hides the host pids NVML reports
+turns the per-process check into a note on the report, and the test is judged on what
+was measured.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from .. import sim
+from ..requests import format_size
+from . import runtime
+from .devices import Inventory
+from .isolation import GpuLease
+
+
+@dataclass
+class Verdict:
+    """What one test used, and what it did wrong."""
+
+    peak: dict[int, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be checked, and why
+
+    def merge(self, other: Verdict) -> None:
+        for index, value in other.peak.items():
+            self.peak[index] = max(self.peak.get(index, 0), value)
+        self.violations.extend(other.violations)
+        self.notes.extend(n for n in other.notes if n not in self.notes)
+
+
+def judge(
+    lease: GpuLease,
+    peak: dict[int, int],
+    current: dict[int, int],
+    touched: Iterable[int],
+    others: Iterable[int] = (),
+) -> Verdict:
+    """Pure rule: turn measured usage into a verdict for ``lease``; ``others``: GPUs other
+    leases of the same test held (theirs to judge)."""
+    verdict = Verdict(peak={i: peak.get(i, 0) for i in lease.indices})
+    leased = set(lease.indices)
+    shared = set(others) - leased
+    outside = sorted(set(touched) - leased - shared)
+    if outside:
+        used = ", ".join(
+            f"GPU {i} ({format_size(peak[i])} at peak)" if peak.get(i) else f"GPU {i} (a CUDA context)" for i in outside
+        )
+        verdict.violations.append(f"used memory on {used} outside its lease (GPU {','.join(map(str, lease.indices))})")
+    for index in lease.indices:
+        if peak.get(index, 0) > lease.memory:
+            verdict.violations.append(
+                f"peak {format_size(peak[index])} on GPU {index} is above its budget of {format_size(lease.memory)}"
+            )
+    for index in sorted(current):
+        if current[index] > 0 and (index in leased or index not in shared):
+            verdict.violations.append(
+                f"still holds {format_size(current[index])} on GPU {index} after the test "
+                "(a leaked allocation, or a subprocess still running)"
+            )
+    return verdict
+
+
+class SimVerifier:
+    """Reads the simulated ledger; the tag is set in the environment by the lease."""
+
+    def begin(self, lease: GpuLease, owner: int) -> None:
+        sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
+
+    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        usage = sim.ledger().tag_usage(lease.env[sim.TAG_ENV], drop=True)
+        return judge(lease, usage.peak, usage.current, usage.touched, others)
+
+
+class NvmlVerifier:
+    """Real GPUs: NVML per-process usage of this process tree, torch counters if loaded.
+
+    Runs in CI against the fake ``libnvidia-ml.so.1`` and the torch double; not run on a
+    real GPU by the author. The worker's own CUDA context is accounted by the broker, so
+    usage on a GPU is compared with what the process tree had there at setup.
+    """
+
+    def __init__(self, inventory: Inventory, overhead: int) -> None:
+        self.inventory = inventory
+        self.overhead = overhead
+        self._baseline: dict[int, int] = {}
+        self._torch_base: dict[int, int] = {}
+        self._notes: list[str] = []
+
+    def _usage(self) -> dict[int, int] | None:
+        """Bytes NVML reports for this process tree per GPU; ``None`` (and a note) when it cannot tell."""
+        import psutil
+        import pynvml
+
+        me = psutil.Process()
+        pids = {me.pid} | {child.pid for child in me.children(recursive=True)}
+        usage: dict[int, int] = {}
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            self._note(f"NVML unavailable ({exc}): memory outside the lease was not checked")
+            return None
+        try:
+            foreign: set[int] = set()
+            for device in self.inventory.machine or self.inventory.devices:
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(device.uuid)
+                    procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                except pynvml.NVMLError as exc:
+                    self._note(f"NVML cannot list processes on GPU {device.index} ({exc}): not checked there")
+                    continue
+                for proc in procs:
+                    if proc.pid in pids:
+                        if proc.usedGpuMemory:
+                            usage[device.index] = usage.get(device.index, 0) + int(proc.usedGpuMemory)
+                    elif not psutil.pid_exists(proc.pid):
+                        foreign.add(proc.pid)
+            if foreign and not usage:
+                # NVML reports host pids; in a container's pid namespace none of them is ours
+                self._note(
+                    f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
+                    "pid namespace (a container?): memory outside the lease was not checked"
+                )
+                return None
+        finally:
+            pynvml.nvmlShutdown()
+        return usage
+
+    def _note(self, text: str) -> None:
+        if text not in self._notes:
+            self._notes.append(text)
+
+    def _torch(self) -> ModuleType | None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch
+        return None
+
+    def begin(self, lease: GpuLease, owner: int) -> None:
+        self._baseline = self._usage() or {}
+        torch = self._torch()
+        if torch is not None:
+            ordinals = runtime.ordinals(self.inventory, lease.indices)
+            self._torch_base = {i: torch.cuda.memory_allocated(o) for i, o in zip(lease.indices, ordinals, strict=True)}
+
+    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        now = self._usage()
+        touched: list[int] = []
+        peak = {i: 0 for i in lease.indices}
+        if now is not None:
+            grown = {i: now.get(i, 0) - self._baseline.get(i, 0) for i in now}
+            for i in grown:
+                if self._baseline.get(i, 0) == 0:
+                    grown[i] -= self.overhead  # the process opened its context here during the test
+            # a new context alone (grown == 0 after the overhead) outside the lease is still a touch
+            touched = [i for i in now if now.get(i, 0) > self._baseline.get(i, 0)]
+            peak = {i: max(grown.get(i, 0), 0) for i in lease.indices}
+        current: dict[int, int] = {}
+        torch = self._torch()
+        if torch is not None:
+            ordinals = runtime.ordinals(self.inventory, lease.indices)
+            for index, ordinal in zip(lease.indices, ordinals, strict=True):
+                peak[index] = max(peak[index], int(torch.cuda.max_memory_reserved(ordinal)))
+                left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)
+                if left > 0:
+                    current[index] = left
+        verdict = judge(lease, peak, current, touched, others)
+        verdict.notes.extend(self._notes)
+        return verdict

@@ -1,0 +1,64 @@
+"""Simulated GPUs as strict as real ones: the test doubles pytest-gpu is tested against.
+
+- :mod:`.spec`: the fake machine a spec such as ``sim:4x16GiB;mig:0=2x8GiB`` describes;
+- :mod:`.ledger`: device memory shared by every process (the "physics"), rendered for NVML;
+- :mod:`.cuda`: a process's CUDA runtime (device list fixed at first use, current device,
+  contexts, allocations) — the public API below comes from here;
+- :mod:`.nvml`: a fake ``libnvidia-ml.so.1`` built from C and loaded by nvidia-ml-py;
+- :mod:`.torch_cuda`: ``torch.cuda`` of torch's CPU build given these semantics;
+- :mod:`.fake`: the one switch, ``PYTEST_GPU_FAKE_GPUS=<spec>``, that turns them all on.
+"""
+
+from __future__ import annotations
+
+from .cuda import (
+    Allocation,
+    allocate,
+    current_device,
+    device_count,
+    hold,
+    init,
+    mem_get_info,
+    set_device,
+    set_memory_cap,
+    usage,
+)
+from .ledger import (
+    DEFAULT_OVERHEAD,
+    DEFAULT_SPEC,
+    LEDGER_ENV,
+    OVERHEAD_ENV,
+    SPEC_ENV,
+    TAG_ENV,
+    Ledger,
+    OutOfMemoryError,
+    SimDeviceError,
+    TagUsage,
+    default_ledger_dir,
+    ledger,
+)
+
+__all__ = [
+    "DEFAULT_OVERHEAD",
+    "DEFAULT_SPEC",
+    "LEDGER_ENV",
+    "OVERHEAD_ENV",
+    "SPEC_ENV",
+    "TAG_ENV",
+    "Allocation",
+    "Ledger",
+    "OutOfMemoryError",
+    "SimDeviceError",
+    "TagUsage",
+    "allocate",
+    "current_device",
+    "default_ledger_dir",
+    "device_count",
+    "hold",
+    "init",
+    "ledger",
+    "mem_get_info",
+    "set_device",
+    "set_memory_cap",
+    "usage",
+]

@@ -1,0 +1,212 @@
+"""A process's simulated CUDA runtime, with the semantics of the real one.
+
+- The device list is fixed at the process's first CUDA use (:func:`init`, the analogue
+  of ``cuInit``, which every other call implies), from ``CUDA_VISIBLE_DEVICES`` as CUDA
+  parses it (:func:`pytest_gpu.sim.spec.parse_visible`). Changing the variable later
+  changes nothing in this process, only in its future subprocesses.
+- There is a current device per process (ordinal 0 until :func:`set_device`).
+- The first touch of a device opens a context there (charged in the ledger):
+  :func:`set_device` (CUDA 12's ``cudaSetDevice`` creates the primary context), an
+  allocation, :func:`mem_get_info`. :func:`init` alone opens none.
+- An ordinal outside the process's list raises :class:`SimDeviceError` ("invalid
+  device ordinal").
+
+Ordinals are relative to the process's fixed list; *units* are the ledger's device
+numbers (a plain GPU's unit is its NVML index, see :mod:`pytest_gpu.sim.spec`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..requests import format_size, parse_size
+from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
+from .spec import parse_visible
+
+__all__ = [
+    "Allocation",
+    "OutOfMemoryError",
+    "SimDeviceError",
+    "allocate",
+    "current_device",
+    "device_count",
+    "hold",
+    "init",
+    "initialized",
+    "mem_get_info",
+    "set_device",
+    "usage",
+]
+
+
+@dataclass
+class _Runtime:
+    key: str = ""  # the ledger the view belongs to: another ledger is another machine
+    view: list[int] | None = None  # units, in ordinal order; None until first use
+    visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
+    current: int = 0
+    caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
+
+
+_rt = _Runtime()
+
+
+def _runtime() -> _Runtime:
+    key = str(ledger().path)
+    if _rt.key != key:
+        # Another ledger is another machine (in-process test runs): start as a new process would.
+        forget()
+        _rt.key = key
+    return _rt
+
+
+def init() -> list[int]:
+    """Fix this process's device list now (no context is opened); return it as units."""
+    _runtime()
+    led = ledger()
+    if _rt.view is None:
+        machine = led.machine()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        units = machine.units()
+        addressable = {u.index for u in machine.addressable()}
+        _rt.view = parse_visible(visible, units, addressable)
+        _rt.visible = visible
+    return list(_rt.view)
+
+
+def initialized() -> bool:
+    """Whether this process's device list is fixed."""
+    return _runtime().view is not None
+
+
+def visible_at_init() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as it was when the device list was fixed."""
+    return _rt.visible
+
+
+def device_count() -> int:
+    return len(init())
+
+
+def current_device() -> int:
+    init()
+    return _rt.current
+
+
+def unit_of(ordinal: int | None = None) -> int:
+    """The ledger unit behind ``ordinal`` (default: the current device)."""
+    view = init()
+    chosen = _rt.current if ordinal is None else ordinal
+    if isinstance(chosen, bool) or not isinstance(chosen, int):
+        raise SimDeviceError(f"device must be an int ordinal, got {ordinal!r}")
+    if not 0 <= chosen < len(view):
+        raise SimDeviceError(
+            f"invalid device ordinal {chosen}: this process sees {len(view)} simulated GPU(s) "
+            f"(its CUDA started with CUDA_VISIBLE_DEVICES={_rt.visible!r})"
+        )
+    return view[chosen]
+
+
+def ordinal_of(unit: int) -> int | None:
+    """This process's ordinal for ledger unit ``unit``, or ``None`` if it cannot see it."""
+    view = init()
+    return view.index(unit) if unit in view else None
+
+
+def set_device(ordinal: int) -> None:
+    """Make ``ordinal`` current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
+    unit = unit_of(ordinal)
+    ledger().allocate(0, unit, os.environ.get(TAG_ENV), None)
+    _rt.current = ordinal
+
+
+def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
+    """``cudaMemGetInfo``: (free, total) bytes on ``ordinal``; total excludes the driver's reserve."""
+    unit = unit_of(ordinal)
+    led = ledger()
+    led.allocate(0, unit, os.environ.get(TAG_ENV), None)
+    info = led.units()[unit]
+    total = info.total - info.reserved
+    return max(total - led.used()[unit], 0), total
+
+
+def contexts() -> set[int]:
+    """Units on which this process has a context."""
+    return ledger().contexts_of(os.getpid())
+
+
+def set_memory_cap(unit: int, nbytes: int | None) -> None:
+    """Cap this process's allocations on ``unit`` (the lease's budget); ``None`` lifts it."""
+    caps = _runtime().caps
+    if nbytes is None:
+        caps.pop(unit, None)
+    else:
+        caps[unit] = nbytes
+
+
+def forget() -> None:
+    """Forget this process's runtime state, as if it were a new process (tests of the double only)."""
+    global _rt
+    _rt = _Runtime()
+
+
+class Allocation:
+    """Simulated device memory (a raw ``cudaMalloc``); free it with :meth:`free` or a ``with`` block.
+
+    Unlike a framework's tensor it is not freed when garbage-collected.
+    """
+
+    def __init__(self, ledger_: Ledger, handle: str, nbytes: int, device: int, unit: int) -> None:
+        self._ledger = ledger_
+        self._handle: str | None = handle
+        self.nbytes = nbytes
+        self.device = device  # the ordinal it was allocated on
+        self.physical = unit  # the ledger unit (a plain GPU's NVML index)
+
+    def free(self) -> None:
+        if self._handle is not None:
+            self._ledger.free(self._handle)
+            self._handle = None
+
+    @property
+    def freed(self) -> bool:
+        return self._handle is None
+
+    def __enter__(self) -> Allocation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
+
+
+def allocate(nbytes: int | str, device: int | None = None) -> Allocation:
+    """Allocate simulated memory on ``device`` (an ordinal; default: the current device).
+
+    Raises :class:`OutOfMemoryError` when the device or this process's cap is exceeded,
+    :class:`SimDeviceError` for an ordinal this process cannot see.
+    """
+    size = parse_size(nbytes)
+    if size <= 0:
+        raise ValueError(f"allocate: expected a positive size, got {nbytes!r}")
+    ordinal = current_device() if device is None else device
+    unit = unit_of(ordinal)
+    led = ledger()
+    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), _rt.caps.get(unit))
+    return Allocation(led, handle, size, ordinal, unit)
+
+
+def hold(nbytes: int | str, seconds: float, device: int | None = None) -> None:
+    """Allocate ``nbytes``, sleep ``seconds``, free: a stand-in for a GPU kernel's work."""
+    with allocate(nbytes, device):
+        time.sleep(seconds)
+
+
+def usage() -> dict[int, int]:
+    """Bytes in use per ledger unit, contexts included."""
+    return ledger().used()

@@ -1,0 +1,70 @@
+"""The one switch: ``PYTEST_GPU_FAKE_GPUS=<spec>`` makes a process tree see a fake GPU machine.
+
+With it, in every process that loads pytest-gpu (the pytest process, xdist workers, rank
+processes, ``pytest-gpu inventory``):
+
+- nvidia-ml-py loads the fake ``libnvidia-ml.so.1`` (:mod:`pytest_gpu.sim.nvml`), so
+  ``--gpus auto`` and verification take exactly the code path of a real machine;
+- :mod:`pytest_gpu.sim.cuda` is the machine's CUDA runtime;
+- ``torch.cuda`` of torch's CPU build is given the simulated semantics
+  (:mod:`pytest_gpu.sim.torch_cuda`) as soon as torch is imported.
+
+The ledger is shared by every process that sees the same ``PYTEST_GPU_SIM_LEDGER``
+(default: a per-user directory for the spec), like the GPUs of one machine.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from .ledger import LEDGER_ENV, SPEC_ENV, default_ledger_dir, ledger
+from .spec import parse
+
+FAKE_ENV = "PYTEST_GPU_FAKE_GPUS"
+
+_active: str | None = None
+
+
+def requested() -> str | None:
+    """The spec of ``PYTEST_GPU_FAKE_GPUS``, or ``None`` when fake GPUs are off."""
+    value = os.environ.get(FAKE_ENV, "").strip()
+    return value or None
+
+
+def active() -> bool:
+    """Whether this process runs on fake GPUs (the switch was on when it was activated)."""
+    return _active is not None
+
+
+def activate(spec: str | None = None) -> bool:
+    """Turn fake GPUs on in this process (and, through the environment, its subprocesses).
+
+    ``spec`` defaults to ``PYTEST_GPU_FAKE_GPUS``; returns ``False`` when there is none.
+    Raises :class:`pytest_gpu.sim.spec.SpecError` for a spec that cannot be read.
+    """
+    global _active
+    spec = spec or requested()
+    if spec is None:
+        return False
+    if _active == spec:
+        return True
+    machine = parse(spec)
+    os.environ[FAKE_ENV] = spec
+    os.environ[SPEC_ENV] = machine.spec
+    os.environ.setdefault(LEDGER_ENV, str(default_ledger_dir(machine.spec)))
+    ledger().used()  # creates the ledger and its nvml.state if this is the first process
+    from . import nvml
+
+    nvml.preload(no_v3=machine.no_v3)
+    from ..importhook import on_import
+
+    on_import("torch", _install_torch)
+    _active = spec
+    return True
+
+
+def _install_torch(torch: ModuleType) -> None:
+    from . import torch_cuda
+
+    torch_cuda.install(torch)

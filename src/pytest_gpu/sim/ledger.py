@@ -1,0 +1,331 @@
+"""The simulated GPUs' memory: a cross-process ledger, the "physics" tests run against.
+
+Independent of the broker: any process (a pytest worker, a test's subprocess, a plain
+``pytest -p no:gpu`` run) that allocates through :mod:`pytest_gpu.sim.cuda` charges
+memory here, and over-committing a device raises :class:`OutOfMemoryError`, so a broker
+bug shows up as an OOM. As the driver does:
+
+- a process's first use of a device (an allocation, ``set_device``, ``mem_get_info``)
+  opens a context there, charged until the process exits;
+- a device's ``reserved`` memory (the driver's own) can never be allocated;
+- when a process dies its memory and contexts are freed (checked lazily on the next
+  write, with the process's start time so a recycled pid does not count).
+
+Every write also renders ``nvml.state``, which the fake ``libnvidia-ml.so.1``
+(:mod:`pytest_gpu.sim.nvml`) reads: NVML then reports exactly what the ledger holds.
+
+The ledger lives in the directory named by ``PYTEST_GPU_SIM_LEDGER``; without it, in a
+per-user default directory for the spec in ``PYTEST_GPU_SIM`` (default ``sim:4x16GiB``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..requests import format_size, parse_size
+from . import spec as specs
+
+LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
+SPEC_ENV = "PYTEST_GPU_SIM"
+OVERHEAD_ENV = "PYTEST_GPU_CONTEXT_OVERHEAD"
+TAG_ENV = "PYTEST_GPU_SIM_TAG"
+DEFAULT_SPEC = "sim:4x16GiB"
+DEFAULT_OVERHEAD = 500 * 2**20
+STATE_FILE = "nvml.state"
+
+
+class OutOfMemoryError(MemoryError):
+    """A simulated device (or this process's cap on it) has too little free memory."""
+
+
+class SimDeviceError(RuntimeError):
+    """An invalid device ordinal or unusable device, as CUDA reports it."""
+
+
+@dataclass
+class TagUsage:
+    """What the processes working under one tag (one test) used, per device unit."""
+
+    peak: dict[int, int] = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)
+    touched: set[int] = field(default_factory=set)
+
+
+def default_ledger_dir(spec: str) -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)
+    return Path(base) / "pytest-gpu" / f"sim-ledger-{safe}"
+
+
+def _ledger_dir() -> tuple[Path, str]:
+    spec = os.environ.get(SPEC_ENV) or DEFAULT_SPEC
+    configured = os.environ.get(LEDGER_ENV)
+    return (Path(configured) if configured else default_ledger_dir(spec)), spec
+
+
+def _proc_start(pid: int) -> float | None:
+    import psutil  # imported on use: the plugin imports this module in every process
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None  # dead, not yet reaped (xdist leaves crashed workers so): its memory is gone
+        return proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+class Ledger:
+    """One ledger directory: ``ledger.json`` guarded by ``ledger.lock``, rendered to ``nvml.state``."""
+
+    def __init__(self, path: Path, spec: str | None = None, overhead: int | None = None) -> None:
+        self.path = Path(path)
+        self.spec = spec
+        self.overhead = overhead
+        from filelock import FileLock
+
+        self._lock = FileLock(str(self.path / "ledger.lock"))
+        self._units: tuple[specs.Unit, ...] | None = None
+        self._machine: specs.Machine | None = None
+
+    @classmethod
+    def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
+        """Start a fresh ledger for ``spec`` (the plugin does this once per run)."""
+        path.mkdir(parents=True, exist_ok=True)
+        ledger = cls(path, spec, overhead)
+        with ledger._lock:
+            ledger._write(ledger._fresh())
+        return ledger
+
+    def _fresh(self) -> dict[str, Any]:
+        spec = self.spec or DEFAULT_SPEC
+        overhead = self.overhead
+        if overhead is None:
+            raw = os.environ.get(OVERHEAD_ENV)
+            overhead = parse_size(raw) if raw else DEFAULT_OVERHEAD
+        return {"spec": spec, "overhead": overhead, "procs": {}, "tags": {}}
+
+    def _write(self, state: dict[str, Any]) -> None:
+        tmp = self.path / f"ledger.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.path / "ledger.json")
+        tmp = self.path / f"{STATE_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(render_state(self.machine(state["spec"]), state))
+        os.replace(tmp, self.path / STATE_FILE)
+
+    @contextmanager
+    def _state(self, *, write: bool = True, prune: bool = True) -> Iterator[dict[str, Any]]:
+        """The ledger under its lock; ``write=False`` for a read-only look, ``prune=False``
+        where what dead processes held cannot change the answer (it is pruned on the next write)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            file = self.path / "ledger.json"
+            fresh = False
+            if file.exists():
+                state = json.loads(file.read_text())
+                if self.spec and state["spec"] != self.spec and not self._live(state):
+                    state, fresh = self._fresh(), True
+            else:
+                state, fresh = self._fresh(), True
+            if prune and self._prune(state):
+                write = True  # NVML must stop listing the dead
+            yield state
+            if write or fresh:
+                self._write(state)
+
+    @staticmethod
+    def _live(state: dict[str, Any]) -> bool:
+        return any(_proc_start(int(pid)) == rec["ctime"] for pid, rec in state["procs"].items())
+
+    def _prune(self, state: dict[str, Any]) -> bool:
+        """Free what dead processes held, as the driver does when a process exits."""
+        dead = [pid for pid, rec in state["procs"].items() if _proc_start(int(pid)) != rec["ctime"]]
+        for pid in dead:
+            del state["procs"][pid]
+        return bool(dead)
+
+    # -- queries -------------------------------------------------------------------
+
+    def machine(self, spec: str | None = None) -> specs.Machine:
+        """The fake machine the ledger simulates now (its state's spec, unless ``spec`` is given)."""
+        if spec is None:
+            with self._state(write=False, prune=False) as state:
+                spec = str(state["spec"])
+        if self._machine is None or self._machine.spec != spec.strip():
+            self._machine = specs.parse(spec)
+            self._units = None
+        return self._machine
+
+    def units(self, spec: str | None = None) -> tuple[specs.Unit, ...]:
+        """Every device unit (GPUs, then MIG instances)."""
+        machine = self.machine(spec)
+        if self._units is None:
+            self._units = machine.units()
+        return self._units
+
+    def used(self) -> dict[int, int]:
+        """Bytes in use per device unit, contexts included (reserved memory not)."""
+        with self._state(write=False) as state:
+            return {u.index: _device_used(state, u.index) for u in self.units(state["spec"])}
+
+    def tag_usage(self, tag: str, *, drop: bool = False) -> TagUsage:
+        """Peak, current use and touched devices of ``tag``; ``drop`` forgets the tag."""
+        with self._state(write=drop) as state:
+            units = self.units(state["spec"])
+            rec = state["tags"].get(tag)
+            result = TagUsage()
+            if rec is not None:
+                result.peak = {int(k): v for k, v in rec["peak"].items()}
+                result.touched = {int(k) for k in rec["touched"]}
+                result.current = {u.index: used for u in units if (used := _tag_used(state, tag, u.index))}
+            if drop:
+                state["tags"].pop(tag, None)
+            return result
+
+    def contexts_of(self, pid: int) -> set[int]:
+        """Device units on which process ``pid`` has a context."""
+        with self._state(write=False) as state:
+            proc = state["procs"].get(str(pid))
+            return {int(k) for k in proc["ctx"]} if proc else set()
+
+    def begin_tag(self, tag: str, owner: int) -> None:
+        """Start accounting ``tag``; contexts of ``owner`` are not charged to it."""
+        with self._state(prune=False) as state:
+            state["tags"][tag] = {"owner": owner, "peak": {}, "touched": []}
+
+    # -- allocation ----------------------------------------------------------------
+
+    def _unit(self, unit: int, spec: str) -> specs.Unit:
+        machine = self.machine(spec)
+        units = self.units(spec)
+        if not 0 <= unit < len(units):
+            raise SimDeviceError(f"invalid device: simulated device {unit} does not exist")
+        if unit < len(machine.gpus) and machine.gpus[unit].mig:
+            raise SimDeviceError(f"simulated GPU {unit} is in MIG mode: only its MIG instances can be used")
+        return units[unit]
+
+    def allocate(self, nbytes: int, unit: int, tag: str | None, cap: int | None) -> str:
+        """Charge ``nbytes`` (0: just open a context) on ``unit`` to this process; returns a handle."""
+        pid = os.getpid()
+        with self._state() as state:
+            info = self._unit(unit, state["spec"])
+            proc = state["procs"].setdefault(str(pid), {"ctime": _proc_start(pid), "ctx": {}, "allocs": {}, "seq": 0})
+            new_ctx = str(unit) not in proc["ctx"]
+            need = nbytes + (state["overhead"] if new_ctx else 0)
+            used = _device_used(state, unit)
+            usable = info.total - info.reserved
+            if used + need > usable:
+                holders = _holders(state, unit)
+                what = f"{format_size(nbytes)}{' + context' if new_ctx else ''}" if nbytes else "a context"
+                raise OutOfMemoryError(
+                    f"Simulated CUDA out of memory on GPU {unit} ({info.uuid}): tried to allocate "
+                    f"{what}; {format_size(used)} of {format_size(usable)} in use ({holders}), "
+                    f"{format_size(usable - used)} free. (pid {pid})"
+                )
+            if cap is not None and nbytes:
+                mine = sum(n for d, n, _ in proc["allocs"].values() if d == unit)
+                if mine + nbytes > cap:
+                    raise OutOfMemoryError(
+                        f"Simulated CUDA out of memory on GPU {unit}: tried to allocate "
+                        f"{format_size(nbytes)}; this process already holds {format_size(mine)} and "
+                        f"is capped at {format_size(cap)} (its pytest-gpu lease). (pid {pid})"
+                    )
+            if new_ctx:
+                proc["ctx"][str(unit)] = tag
+            handle = ""
+            if nbytes:
+                proc["seq"] += 1
+                handle = f"{pid}:{proc['seq']}"
+                proc["allocs"][handle] = [unit, nbytes, tag]
+            if tag is not None and tag in state["tags"] and (nbytes or new_ctx):
+                rec = state["tags"][tag]
+                if unit not in rec["touched"]:
+                    rec["touched"].append(unit)
+                # a context the worker itself opens counts as a touch, not as the test's memory:
+                # the broker counts the worker's contexts
+                now = _tag_used(state, tag, unit)
+                key = str(unit)
+                rec["peak"][key] = max(rec["peak"].get(key, 0), now)
+            return handle
+
+    def free(self, handle: str) -> None:
+        pid = handle.split(":", 1)[0]
+        with self._state(prune=False) as state:
+            proc = state["procs"].get(pid)
+            if proc is not None:
+                proc["allocs"].pop(handle, None)
+
+
+def _device_used(state: dict[str, Any], unit: int) -> int:
+    total = 0
+    for proc in state["procs"].values():
+        if str(unit) in proc["ctx"]:
+            total += state["overhead"]
+        total += sum(n for d, n, _ in proc["allocs"].values() if d == unit)
+    return total
+
+
+def _proc_used(state: dict[str, Any], proc: dict[str, Any], unit: int) -> int:
+    ctx = state["overhead"] if str(unit) in proc["ctx"] else 0
+    return ctx + sum(n for d, n, _ in proc["allocs"].values() if d == unit)
+
+
+def _tag_used(state: dict[str, Any], tag: str, unit: int) -> int:
+    owner = str(state["tags"].get(tag, {}).get("owner"))
+    total = 0
+    for pid, proc in state["procs"].items():
+        if pid != owner and proc["ctx"].get(str(unit), "\0") == tag:
+            total += state["overhead"]
+        total += sum(n for d, n, t in proc["allocs"].values() if d == unit and t == tag)
+    return total
+
+
+def _holders(state: dict[str, Any], unit: int) -> str:
+    parts = []
+    for pid, proc in state["procs"].items():
+        mine = sum(n for d, n, _ in proc["allocs"].values() if d == unit)
+        if mine or str(unit) in proc["ctx"]:
+            parts.append(f"pid {pid}: {format_size(mine)}")
+    return ", ".join(parts) or "contexts only"
+
+
+def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
+    """The ledger as the fake NVML reads it (format: see :mod:`pytest_gpu.sim.nvml`)."""
+    lines = ["v1"]
+    if machine.pidns:
+        lines.append(f"option pidns {machine.pidns}")
+    if machine.no_v3:
+        lines.append("option no_v3 1")
+    for gpu in machine.gpus:
+        units = [u.index for u in gpu.mig] or [gpu.index]
+        used = sum(_device_used(state, u) for u in units)
+        mig = 1 if gpu.mig else 0
+        lines.append(f"gpu {gpu.index} {gpu.uuid} {gpu.total} {gpu.reserved} {used} {mig} {gpu.fault} {gpu.name}")
+        for inst in gpu.mig:
+            used = _device_used(state, inst.index)
+            lines.append(f"mig {gpu.index} {inst.slot} {inst.uuid} {inst.total} {used} {inst.name}")
+    uuids = {u.index: u.uuid for u in machine.units()}
+    for pid, proc in state["procs"].items():
+        for unit in sorted({int(k) for k in proc["ctx"]} | {d for d, _, _ in proc["allocs"].values()}):
+            lines.append(f"proc {uuids[unit]} {pid} {_proc_used(state, proc, unit)}")
+    return "\n".join(lines) + "\n"
+
+
+def ledger() -> Ledger:
+    """The ledger this process uses (from the environment, as the plugin set it)."""
+    path, spec = _ledger_dir()
+    key = (str(path), spec)
+    found = _ledgers.get(key)
+    if found is None:  # one per ledger and process: its lock and device list are reused
+        found = _ledgers[key] = Ledger(path, spec)
+    return found
+
+
+_ledgers: dict[tuple[str, str | None], Ledger] = {}

@@ -1,0 +1,131 @@
+"""A fake ``libnvidia-ml.so.1`` for simulated GPUs, loaded by the real ``nvidia-ml-py`` (pynvml).
+
+The library is compiled on demand from ``fake_nvml.c`` (next to this file) with the C compiler
+``cc`` (or ``$CC``) and cached per user.  It implements the NVML C API that pynvml and the
+plugin use, as strictly as the real one: same signatures, struct layouts, return codes and
+two-call size protocol.  Its data is the text file ``$PYTEST_GPU_SIM_LEDGER/nvml.state``, which
+the simulated-GPU ledger replaces atomically on every write and the library re-reads on every
+device call.  Without that variable or file, ``nvmlInit`` fails with "Driver Not Loaded".
+
+State file format (one record per line, space-separated; a name is the rest of its line)::
+
+    v1
+    option pidns <offset>         # NVML reports pid + offset (host pids seen from a container)
+    option no_v3 1                # the machine's driver lacks the *RunningProcesses_v3 symbols
+    gpu <nvml_index> <uuid> <total_bytes> <reserved_bytes> <used_bytes> <mig 0|1> <fault> <name...>
+    mig <parent_nvml_index> <slot> <uuid> <total_bytes> <used_bytes> <name...>
+    proc <uuid> <pid> <used_bytes>
+
+``gpu`` lines come in index order 0..n-1; ``fault`` is ``none``, ``no_permission``,
+``gpu_is_lost`` or ``unknown`` (the GPU is counted, but getting its handle fails with that
+error).  A gpu line's ``used`` excludes ``reserved``; a MIG-mode GPU's used memory is the sum of
+its instances'.  ``proc`` lines name a GPU or MIG UUID; processes that are gone are not reported,
+and compute processes of a MIG-mode GPU or MIG device are refused (NVML_ERROR_NO_PERMISSION, as
+for an unprivileged user).  The ``no_v3`` option is read here, not by the library: it selects
+the library variant built without those symbols (see :func:`library_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from filelock import FileLock
+
+__all__ = ["LIBRARY", "SOURCE", "library_dir", "preload"]
+
+#: The library's file name and soname, as pynvml loads it.
+LIBRARY = "libnvidia-ml.so.1"
+#: The C source of the fake library.
+SOURCE = Path(__file__).with_name("fake_nvml.c")
+
+_FLAGS = ("-shared", "-fPIC", "-O2", f"-Wl,-soname,{LIBRARY}")
+_loaded: dict[Path, ctypes.CDLL] = {}
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pytest-gpu" / "fake-nvml"
+
+
+def _compiler() -> list[str]:
+    cc = shlex.split(os.environ.get("CC", "").strip()) or ["cc"]
+    if shutil.which(cc[0]) is None:
+        raise RuntimeError(
+            f"the fake NVML for simulated GPUs needs a C compiler: {cc[0]!r} was not found on PATH "
+            "(install cc, e.g. gcc, or point $CC at a C compiler)"
+        )
+    return cc
+
+
+def library_dir(*, no_v3: bool = False) -> Path:
+    """The directory holding the compiled fake ``libnvidia-ml.so.1``, building it on first use.
+
+    The build is cached under ``${XDG_CACHE_HOME:-~/.cache}/pytest-gpu/fake-nvml/<hash>[-nov3]``,
+    keyed by the source and the variant, and done once across concurrent processes.  ``no_v3``
+    selects the variant without ``nvmlDevice{Compute,Graphics}RunningProcesses_v3`` (an old
+    driver).  Raises :class:`RuntimeError` when no C compiler is available or compiling fails.
+    """
+    source = SOURCE.read_bytes()
+    defines = ("-DFAKE_NVML_NO_V3",) if no_v3 else ()
+    key = hashlib.sha256(source + repr((_FLAGS, defines)).encode()).hexdigest()[:16]
+    directory = _cache_root() / (key + ("-nov3" if no_v3 else ""))
+    target = directory / LIBRARY
+    if target.is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(directory) + ".lock"):
+        if target.is_file():  # another process built it while we waited
+            return directory
+        temp = directory / f".{LIBRARY}.{os.getpid()}.tmp"
+        command = [*_compiler(), *_FLAGS, *defines, "-o", str(temp), str(SOURCE)]
+        try:
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+            except OSError as exc:
+                raise RuntimeError(f"the fake NVML needs a C compiler; running {command[0]!r} failed: {exc}") from exc
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"building the fake NVML failed ({shlex.join(command)}):\n{done.stdout}{done.stderr}"
+                )
+            os.replace(temp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+    return directory
+
+
+def preload(*, no_v3: bool = False) -> Path:
+    """Make this process's pynvml, and its subprocesses', use the fake NVML; returns the library's path.
+
+    The library is loaded ``RTLD_GLOBAL`` (so a later ``dlopen("libnvidia-ml.so.1")`` resolves to
+    it by soname) and installed as ``pynvml.nvmlLib``, replacing any library pynvml already
+    loaded (a library replaced after ``nvmlInit`` needs a new ``nvmlInit``).  Its directory is
+    put first on ``LD_LIBRARY_PATH`` for subprocesses.  Calling it again is harmless.
+    """
+    import pynvml
+
+    directory = library_dir(no_v3=no_v3)
+    path = directory / LIBRARY
+    lib = _loaded.get(path)
+    if lib is None:
+        lib = _loaded[path] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    with pynvml.libLoadLock:
+        if pynvml.nvmlLib is not lib:
+            pynvml.nvmlLib = lib
+            # function pointers pynvml cached point into the previous library
+            getattr(pynvml, "_nvmlGetFunctionPointer_cache", {}).clear()
+    root = _cache_root()
+    kept = [
+        entry
+        for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+        if entry and Path(entry).parent != root  # drop other variants' directories
+    ]
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(directory), *kept])
+    return path

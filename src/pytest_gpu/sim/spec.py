@@ -1,0 +1,225 @@
+"""The fake GPU machine a spec describes: ``sim:4x16GiB`` plus options (pure, no I/O).
+
+Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
+
+    [sim:]GROUP[,GROUP...][;OPTION...]
+    GROUP    COUNTxSIZE or SIZE              e.g. 4x16GiB, 2x80GiB,2x24GiB
+    OPTION   mig:I=COUNTxSIZE[,COUNTxSIZE]   GPU I is in MIG mode with these instances
+             fault:I=KIND                    NVML refuses GPU I's handle: no_permission,
+                                             gpu_is_lost or unknown (it is still counted)
+             reserved=SIZE | reserved=P%     memory the driver keeps on every GPU (NVML's
+                                             ``reserved``; CUDA cannot allocate it)
+             pidns=OFFSET                    NVML reports host pids: pid + OFFSET (a
+                                             container's pid namespace)
+             no-v3                           the driver lacks
+                                             nvmlDeviceGetComputeRunningProcesses_v3
+
+Units: CUDA addresses GPUs that are not in MIG mode and MIG instances. Unit ``i`` for
+``i < len(gpus)`` is GPU ``i`` (NVML's index); MIG instances follow, numbered on from
+``len(gpus)``, so a plain GPU's unit number is its NVML index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..requests import SizeError, format_size, parse_size
+
+PREFIX = "sim:"
+FAULTS = ("no_permission", "gpu_is_lost", "unknown")
+FORM = (
+    "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
+    "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
+    "pidns=OFFSET, no-v3"
+)
+
+
+class SpecError(ValueError):
+    """A fake GPU spec that cannot be understood."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One CUDA-addressable device of the fake machine: a GPU, or a MIG instance."""
+
+    index: int  # unit number (a plain GPU's is its NVML index)
+    uuid: str
+    total: int  # bytes NVML reports as total
+    reserved: int  # bytes the driver keeps (not allocatable)
+    name: str
+    parent: int | None = None  # NVML index of the GPU a MIG instance lives on
+    slot: int = 0  # MIG instance slot on its parent
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as NVML numbers it."""
+
+    index: int
+    uuid: str
+    total: int
+    reserved: int
+    name: str
+    mig: tuple[Unit, ...] = ()  # non-empty: the GPU is in MIG mode
+    fault: str = "none"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A fake GPU machine."""
+
+    spec: str
+    gpus: tuple[Gpu, ...]
+    pidns: int = 0
+    no_v3: bool = False
+
+    def units(self) -> tuple[Unit, ...]:
+        """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
+        plain = tuple(Unit(g.index, g.uuid, g.total, g.reserved, g.name) for g in self.gpus)
+        return plain + tuple(u for g in self.gpus for u in g.mig)
+
+    def addressable(self) -> tuple[Unit, ...]:
+        """The units CUDA can open: GPUs not in MIG mode, and MIG instances."""
+        mig_mode = {g.index for g in self.gpus if g.mig}
+        return tuple(u for u in self.units() if u.index not in mig_mode)
+
+
+def gpu_uuid(index: int) -> str:
+    """UUID of simulated GPU ``index`` (shaped like NVML's ``GPU-…`` UUIDs)."""
+    return f"GPU-51a00000-0000-4000-8000-{index:012d}"
+
+
+def mig_uuid(parent: int, slot: int) -> str:
+    """UUID of MIG instance ``slot`` on simulated GPU ``parent`` (shaped like ``MIG-…``)."""
+    return f"MIG-51a00000-0000-4000-9000-{parent:06d}{slot:06d}"
+
+
+def _groups(spec: str, body: str, what: str) -> list[int]:
+    sizes: list[int] = []
+    if not body.strip():
+        raise SpecError(f"{spec!r}: no {what} given; expected e.g. sim:4x16GiB")
+    for part in body.split(","):
+        match = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?(\S+?)\s*", part)
+        if not match:
+            raise SpecError(f"{spec!r}: cannot read {part!r}; expected COUNTxSIZE such as 4x16GiB")
+        count = int(match.group(1)) if match.group(1) else 1
+        try:
+            size = parse_size(match.group(2))
+        except SizeError as exc:
+            raise SpecError(f"{spec!r}: bad size in {part!r}: {exc}") from None
+        if count <= 0 or size <= 0:
+            raise SpecError(f"{spec!r}: count and size must be positive in {part!r}")
+        sizes.extend([size] * count)
+    return sizes
+
+
+def _gpu_index(spec: str, option: str, raw: str, count: int) -> int:
+    if not raw.strip().isdigit() or int(raw) >= count:
+        raise SpecError(f"{spec!r}: {option}: {raw!r} is not a GPU index (0..{count - 1})")
+    return int(raw)
+
+
+def parse(spec: str) -> Machine:
+    """Parse a spec (with or without ``sim:``) into a :class:`Machine`; :class:`SpecError` names the problem."""
+    text = spec.strip()
+    body = text[len(PREFIX) :] if text.lower().startswith(PREFIX) else text
+    groups, *options = body.split(";")
+    sizes = _groups(spec, groups, "simulated devices")
+    mig: dict[int, list[int]] = {}
+    faults: dict[int, str] = {}
+    reserved_of: int | float = 0
+    pidns = 0
+    no_v3 = False
+    for raw in options:
+        option = raw.strip()
+        if not option:
+            continue
+        key, _, value = option.partition("=")
+        key = key.strip().lower()
+        if key.startswith("mig:"):
+            index = _gpu_index(spec, option, key[4:], len(sizes))
+            mig[index] = _groups(spec, value, f"MIG instances for GPU {index}")
+            if sum(mig[index]) > sizes[index]:
+                raise SpecError(f"{spec!r}: {option}: MIG instances add up to more than GPU {index}'s memory")
+        elif key.startswith("fault:"):
+            kind = value.strip().lower()
+            if kind not in FAULTS:
+                raise SpecError(f"{spec!r}: {option}: unknown fault {value!r}; expected one of {', '.join(FAULTS)}")
+            faults[_gpu_index(spec, option, key[6:], len(sizes))] = kind
+        elif key == "reserved":
+            value = value.strip()
+            try:
+                reserved_of = float(value[:-1]) / 100 if value.endswith("%") else parse_size(value)
+            except (ValueError, SizeError):
+                raise SpecError(f"{spec!r}: {option}: expected a size or a percentage such as 1%") from None
+        elif key == "pidns":
+            if not value.strip().isdigit():
+                raise SpecError(f"{spec!r}: {option}: expected a non-negative integer pid offset")
+            pidns = int(value)
+        elif key == "no-v3" and not value:
+            no_v3 = True
+        else:
+            raise SpecError(f"{spec!r}: unknown option {option!r}; expected {FORM}")
+    gpus = []
+    next_unit = len(sizes)
+    for index, size in enumerate(sizes):
+        reserved = int(size * reserved_of) if isinstance(reserved_of, float) else reserved_of
+        reserved -= reserved % (2 * 2**20)  # drivers reserve in 2 MiB pages
+        if reserved >= size:
+            raise SpecError(f"{spec!r}: reserved memory must be less than each GPU's size")
+        instances = []
+        for slot, mig_size in enumerate(mig.get(index, ())):
+            instances.append(
+                Unit(
+                    next_unit,
+                    mig_uuid(index, slot),
+                    mig_size,
+                    0,
+                    f"Simulated MIG {format_size(mig_size)} on GPU {index}",
+                    parent=index,
+                    slot=slot,
+                )
+            )
+            next_unit += 1
+        gpus.append(
+            Gpu(
+                index,
+                gpu_uuid(index),
+                size,
+                reserved,
+                f"Simulated GPU {format_size(size)}",
+                tuple(instances),
+                faults.get(index, "none"),
+            )
+        )
+    return Machine(text, tuple(gpus), pidns, no_v3)
+
+
+def parse_visible(value: str | None, units: tuple[Unit, ...] | list[Unit], addressable: set[int]) -> list[int]:
+    """Unit numbers a CUDA process sees, in its ordinal order, for ``CUDA_VISIBLE_DEVICES=value``.
+
+    As CUDA parses it: unset → every addressable unit; entries are NVML indices, or
+    ``GPU-``/``MIG-`` UUIDs or unique prefixes of them (a bare UUID prefix means
+    ``GPU-…``); an empty value hides every GPU; an invalid or repeated entry ends the
+    list (what came before it stays visible); an index of a GPU in MIG mode is invalid.
+    """
+    if value is None:
+        return [u.index for u in units if u.index in addressable]
+    order: list[int] = []
+    gpu_count = sum(1 for u in units if u.parent is None)
+    for raw in value.split(","):
+        entry = raw.strip()
+        found: int | None = None
+        if re.fullmatch(r"-?\d+", entry):
+            number = int(entry)
+            if 0 <= number < gpu_count:
+                found = number
+        elif entry:
+            key = entry if entry.upper().startswith(("GPU-", "MIG-")) else f"GPU-{entry}"
+            matches = [u.index for u in units if u.uuid.lower().startswith(key.lower())]
+            found = matches[0] if len(matches) == 1 else None
+        if found is None or found not in addressable or found in order:
+            break
+        order.append(found)
+    return order

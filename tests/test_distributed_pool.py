@@ -1,0 +1,67 @@
+"""Rank pools without rank processes: the process group's timeout, and when a pool is reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpu.distributed import pool as pool_module
+from pytest_gpu.distributed.pool import DistSettings, PoolManager, RankPool, RankRun, group_timeout
+from pytest_gpu.distributed.spec import DistSpec
+
+GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
+
+
+def test_group_timeout_outlasts_the_tests_of_the_pool() -> None:
+    # NCCL's watchdog aborts a collective after the group's timeout: it must come after the
+    # pool's own timeout, which reports the hang with every rank's stack
+    settings = DistSettings(timeout=300.0, init_timeout=120.0, grace=10.0)
+    assert group_timeout(settings, 300.0) > 300.0 + settings.grace
+    assert group_timeout(settings, 3000.0) > 3000.0 + settings.grace
+    assert group_timeout(DistSettings(init_timeout=900.0), 5.0) == 900.0  # never below the rendezvous bound
+
+
+@pytest.mark.parametrize(("test_timeout", "covered"), [(300.0, 300.0), (60.0, 300.0), (900.0, 900.0)])
+def test_the_ranks_get_a_group_timeout_past_the_tests_timeout(
+    tmp_path: Path, test_timeout: float, covered: float
+) -> None:
+    settings = DistSettings(timeout=300.0)
+    pool = RankPool(GLOO2, None, settings, tmp_path, test_timeout)  # type: ignore[arg-type]  # no broker needed
+    body = pool.setup_body(["--rootdir", str(tmp_path)])
+    assert body["group_timeout"] == group_timeout(settings, covered) > covered
+    assert body["config_args"] == ["--rootdir", str(tmp_path)]
+
+
+class StubPool(RankPool):
+    """A pool that starts no process: records which test timeouts it was started for."""
+
+    started: list[float] = []
+
+    def start(self, config_args: list[str]) -> None:
+        StubPool.started.append(self.covers)
+
+    def alive(self) -> bool:
+        return not self._stopped
+
+    def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
+        assert timeout <= self.covers, "a test ran longer than its pool's process group allows"
+        return RankRun()
+
+    def close(self, graceful: bool = True) -> None:
+        self._stopped = True
+
+
+def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_module, "RankPool", StubPool)
+    monkeypatch.setattr(StubPool, "started", [])
+    manager = PoolManager(None, DistSettings(timeout=300.0), [], tmp_path)  # type: ignore[arg-type]
+    try:
+        for timeout in (300.0, 60.0, 300.0, 900.0, 300.0, 900.0):
+            manager.execute(GLOO2, {}, timeout)
+    finally:
+        manager.close()
+    assert StubPool.started == [300.0, 900.0]  # shorter tests reuse the pool they find
