@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpu import sim
+from pytest_gpu import GpuLease, sim
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -55,14 +55,14 @@ with sim.allocate("2GiB") as block:  # device 0 of what this process can see
 
 
 @pytest.mark.gpu(memory="4GiB")
-def test_subprocess_inherits_the_lease() -> None:
-    # CUDA_VISIBLE_DEVICES is set in os.environ for the test, so a child process
-    # (a launcher, a CLI under test) lands on the leased GPU too
+def test_subprocess_inherits_the_lease(gpu: GpuLease) -> None:
+    # CUDA_VISIBLE_DEVICES is set in os.environ for the test (indices on simulated GPUs,
+    # UUIDs on real ones), so a child process (a launcher, a CLI under test) lands on the
+    # leased GPU too
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout
     visible, physical = out.split()
-    assert visible == os.environ.get("CUDA_VISIBLE_DEVICES", "None")
-    if visible != "None":
-        assert int(physical) == int(visible.split(",")[0])
+    assert visible == os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices
+    assert int(physical) == gpu.indices[0]
     sim.hold("1GiB", 0.2)
 
 

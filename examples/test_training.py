@@ -1,9 +1,9 @@
 """Single-GPU tests with mixed memory needs, from 1 GiB to 12 GiB per test.
 
 Each test does its "GPU work" on the simulated device the plugin leased to it:
-``sim.hold(size, seconds)`` allocates, sleeps (the kernel running), frees. Device 0 is
-relative to ``CUDA_VISIBLE_DEVICES``, exactly as in CUDA, so the same code lands on
-whichever GPU the lease names. Without pytest-gpu every test lands on GPU 0 and the
+``sim.hold(size, seconds)`` allocates, sleeps (the kernel running), frees. Like a CUDA
+allocation without a device it lands on the current device, which pytest-gpu sets to the
+leased GPU, so the same code lands on whichever GPU the lease names. Without pytest-gpu every test lands on GPU 0 and the
 big ones run out of memory together.
 """
 
@@ -22,7 +22,7 @@ def test_embedding_lookup() -> None:
 @pytest.mark.gpu(memory="2GiB")
 def test_attention_kernel() -> None:
     with sim.allocate("1GiB") as qkv, sim.allocate("512MiB") as scores:
-        assert qkv.device == scores.device == 0
+        assert qkv.device == scores.device  # both on the current device: the lease's
         sim.hold("256MiB", 0.3)
 
 

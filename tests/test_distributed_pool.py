@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -37,7 +37,7 @@ def test_the_ranks_get_a_group_timeout_past_the_tests_timeout(
 class StubPool(RankPool):
     """A pool that starts no process: records which test timeouts it was started for."""
 
-    started: list[float] = []
+    started: ClassVar[list[float]] = []
 
     def start(self, config_args: list[str]) -> None:
         StubPool.started.append(self.covers)
@@ -53,9 +53,7 @@ class StubPool(RankPool):
         self._stopped = True
 
 
-def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool_module, "RankPool", StubPool)
     monkeypatch.setattr(StubPool, "started", [])
     manager = PoolManager(None, DistSettings(timeout=300.0), [], tmp_path)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ The srun tests use the session's one-node SLURM cluster (``slurm`` in conftest.p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from conftest import require
 INNER = ("-p", "no:benchmark", "-p", "no:hypothesispytest", "--color=no")
 NO_CACHE = ("-p", "no:cacheprovider")
 LAUNCH_TIMEOUT = 150
+GiB, OVERHEAD = 2**30, 500 * 2**20  # --gpu-context-overhead's default
 
 # the environment of a rank of an outer launch (or of an outer xdist worker) must not leak in
 _DROP_PREFIXES = ("PYTEST_GPU_", "PYTEST_XDIST_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
@@ -351,6 +353,66 @@ def test_hung_rank_under_mpirun_is_reported(request: pytest.FixtureRequest, tmp_
     assert re.search(r"=+ 1 failed, 2 passed in ", out), out
     assert result.exit_statuses(1) == ["1"]
     assert result.junit()["pytest-gpu::rank1"].find("failure") is not None
+
+
+GPU_SHARES = (
+    RANK_OF
+    + """
+import json
+
+import pytest
+
+from pytest_gpu.launched.detect import detect
+
+
+@pytest.mark.gpu(exclusive=True)
+def test_whole(gpu):
+    ctx = detect()
+    with open(f"lease-rank{RANK}.json", "w") as f:
+        json.dump({"indices": list(gpu.indices), "memory": gpu.memory, "local": [ctx.local_rank, ctx.local_size]}, f)
+
+
+@pytest.mark.gpu(2, exclusive=True)
+def test_two(gpu):
+    pass
+"""
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "leases", "two"),
+    [
+        # 3 GPUs, 2 ranks: whole GPUs 0 and 2 for rank 0, GPU 1 for rank 1 (where 2 GPUs never fit)
+        (
+            "torchrun",
+            "sim:3x16GiB",
+            [({0, 2}, 16 * GiB - OVERHEAD), ({1}, 16 * GiB - OVERHEAD)],
+            "passed on rank 0; skipped on rank 1",
+        ),
+        # 1 GPU, 2 ranks: half of it each
+        ("mpirun", "sim:1x16GiB", [({0}, 8 * GiB - OVERHEAD), ({0}, 8 * GiB - OVERHEAD)], "skipped on ranks 0,1"),
+        # 2 GPUs, 2 ranks (srun's node size: SLURM_STEP_TASKS_PER_NODE)
+        ("srun", "sim:2x16GiB", [({0}, 16 * GiB - OVERHEAD), ({1}, 16 * GiB - OVERHEAD)], "skipped on ranks 0,1"),
+    ],
+    ids=["torchrun-3-gpus", "mpirun-1-gpu", "srun-2-gpus"],
+)
+def test_ranks_of_a_node_lease_disjoint_shares_of_its_gpus(
+    name: str,
+    gpus: str,
+    leases: list[tuple[set[int], int]],
+    two: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    launcher = Launcher(name, request)
+    cwd = suite(tmp_path, test_shares=GPU_SHARES)
+    result = launcher.run(cwd, 2, *NO_CACHE, "--gpus", gpus)
+    assert result.returncode == 0, result.terminal
+    for rank, (allowed, memory) in enumerate(leases):
+        lease = json.loads((cwd / f"lease-rank{rank}.json").read_text())
+        assert set(lease["indices"]) <= allowed and lease["memory"] == memory, (rank, lease)
+        assert lease["local"] == [rank, 2]  # the launcher's own word for the ranks on this node
+    assert f"test_shares.py::test_two: {two}" in result.stdout  # a rank's share is all it may lease
 
 
 def test_ranks_that_collected_different_tests(request: pytest.FixtureRequest, tmp_path: Path) -> None:

@@ -11,14 +11,25 @@ from .requests import format_size
 
 
 def _inventory(args: argparse.Namespace) -> int:
+    from .sim import fake
+
     try:
+        if fake.requested() and not args.gpus.strip().lower().startswith("sim:"):
+            fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML reports them
         inventory = discover(args.gpus)
-    except DeviceSpecError as exc:
+    except (DeviceSpecError, ValueError) as exc:
         print(f"pytest-gpu inventory: {exc}", file=sys.stderr)
         return 2
     print(f"--gpus {args.gpus}: {inventory.describe()}")
     for device in inventory.devices:
-        print(f"  GPU {device.index}  {device.uuid}  {format_size(device.total_memory):>8}  {device.name}")
+        where = f" (on GPU {device.parent})" if device.parent is not None else ""
+        kept = f", {format_size(device.reserved)} reserved" if device.reserved else ""
+        kind = "MIG" if device.parent is not None else "GPU"
+        print(
+            f"  {kind} {device.index}  {device.uuid}  {format_size(device.total_memory):>8}{kept}  {device.name}{where}"
+        )
+    if inventory.note and inventory.devices:
+        print(f"  note: {inventory.note}")
     return 0
 
 

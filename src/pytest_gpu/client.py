@@ -103,7 +103,11 @@ class BrokerClient:
             started = time.monotonic()
             kind, body = self._call(
                 "acquire",
-                {"key": key, "request": (request.count, request.memory, request.exclusive, request.min_memory), "test": test},
+                {
+                    "key": key,
+                    "request": (request.count, request.memory, request.exclusive, request.min_memory),
+                    "test": test,
+                },
             )
             if kind == "granted":
                 return _grant(body, 0.0)

@@ -50,6 +50,13 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
     ctx = detect()
     if ctx is not None and not ctx.is_root and "PYTEST_XDIST_WORKER" not in os.environ:
         redirect_output(log_dir(early_config) / ctx.launcher / f"rank{ctx.rank}.log")
+    from .sim import fake
+
+    if fake.requested():  # before conftest.py files import torch
+        try:
+            fake.activate()
+        except ValueError as exc:
+            raise pytest.UsageError(f"{fake.FAKE_ENV}: {exc}") from None
     return (yield)
 
 

@@ -73,6 +73,8 @@ class Summary:
             f"{'s' if self.gpu_tests != 1 else ''} · waited {self.waited:.1f}s in total · "
             f"{self.violations} violation{'s' if self.violations != 1 else ''}"
         ]
+        if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
+            out.append(f"pytest-gpu: note: {inventory.note}")
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for crash in crashes:

@@ -161,6 +161,10 @@ class GpuRun:
 
             self.broker.close()
             rundir.remove(self.run_dir)
+        if self.inventory.simulated:
+            from .sim import fake
+
+            fake.deactivate()  # the run's own simulated machine ends with it
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)

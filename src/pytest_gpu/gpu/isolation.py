@@ -40,8 +40,11 @@ TF_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
 class GpuLease:
     """The GPUs a test holds (the ``gpu`` fixture's value).
 
-    ``indices`` are physical (NVML order), ``device`` is the first leased GPU as this
-    process addresses it, ``env`` is what a subprocess needs to see exactly the lease.
+    ``indices`` are physical (NVML order); ``device`` is the first leased GPU as this
+    process's CUDA addresses it (``cuda:K``: the worker's CUDA sees every GPU of the run, so
+    K is the GPU's place in the run's list, not necessarily 0), ``devices`` all of them, in
+    the order of ``indices``; ``env`` is what a subprocess needs to see exactly the lease
+    (there the lease is ``cuda:0``, ``cuda:1``, ...).
     """
 
     key: str
@@ -54,6 +57,7 @@ class GpuLease:
     env: dict[str, str]
     waited: float
     simulated: bool = False
+    devices: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"GpuLease(indices={self.indices}, memory={self.memory}, device={self.device!r})"
@@ -86,18 +90,19 @@ def make_lease(
     env[TF_GROWTH] = "true"
     if inventory.simulated:
         env[sim.TAG_ENV] = tag
-    ordinal = in_process_ordinal(devices[0].index, inventory)
+    ordinals = runtime.ordinals(inventory, [d.index for d in devices])
     return GpuLease(
         key=key,
         indices=tuple(indices),
         uuids=tuple(d.uuid for d in devices),
         memory=memory,
         exclusive=exclusive,
-        device=f"cuda:{ordinal}",
+        device=f"cuda:{ordinals[0]}",
         visible_devices=visible,
         env=env,
         waited=waited,
         simulated=inventory.simulated,
+        devices=tuple(f"cuda:{o}" for o in ordinals),
     )
 
 

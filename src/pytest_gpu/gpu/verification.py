@@ -80,6 +80,11 @@ def judge(
     return verdict
 
 
+def _mismatch(pynvml: ModuleType) -> type[Exception]:
+    found = getattr(pynvml, "NVMLLibraryMismatchError", None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
+
+
 class SimVerifier:
     """Reads the simulated ledger; the tag is set in the environment by the lease."""
 
@@ -125,7 +130,9 @@ class NvmlVerifier:
                 try:
                     handle = pynvml.nvmlDeviceGetHandleByUUID(device.uuid)
                     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                except pynvml.NVMLError as exc:
+                except (pynvml.NVMLError, _mismatch(pynvml)) as exc:
+                    # MIG without privileges: NoPermission; a driver older than the bindings:
+                    # nvidia-ml-py raises its library-mismatch error (not an NVMLError)
                     self._note(f"NVML cannot list processes on GPU {device.index} ({exc}): not checked there")
                     continue
                 for proc in procs:

@@ -95,10 +95,10 @@ def current_device() -> int:
     return _rt.current
 
 
-def unit_of(ordinal: int | None = None) -> int:
+def unit_of(ordinal: int | str | None = None) -> int:
     """The ledger unit behind ``ordinal`` (default: the current device)."""
     view = init()
-    chosen = _rt.current if ordinal is None else ordinal
+    chosen = _rt.current if ordinal is None else _ordinal(ordinal)
     if isinstance(chosen, bool) or not isinstance(chosen, int):
         raise SimDeviceError(f"device must be an int ordinal, got {ordinal!r}")
     if not 0 <= chosen < len(view):
@@ -109,17 +109,26 @@ def unit_of(ordinal: int | None = None) -> int:
     return view[chosen]
 
 
+def _ordinal(device: object) -> object:
+    # "cuda:1" and "cuda" as torch writes devices (a lease's ``device``); ints as CUDA's
+    if isinstance(device, str):
+        name, _, number = device.partition(":")
+        if name == "cuda" and (number.isdigit() or not number):
+            return int(number) if number else _rt.current
+    return device
+
+
 def ordinal_of(unit: int) -> int | None:
     """This process's ordinal for ledger unit ``unit``, or ``None`` if it cannot see it."""
     view = init()
     return view.index(unit) if unit in view else None
 
 
-def set_device(ordinal: int) -> None:
-    """Make ``ordinal`` current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
+def set_device(ordinal: int | str) -> None:
+    """Make ``ordinal`` (or ``"cuda:N"``) current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
     unit = unit_of(ordinal)
     ledger().allocate(0, unit, os.environ.get(TAG_ENV), None)
-    _rt.current = ordinal
+    _rt.current = init().index(unit)
 
 
 def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
@@ -185,8 +194,8 @@ class Allocation:
         return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
 
 
-def allocate(nbytes: int | str, device: int | None = None) -> Allocation:
-    """Allocate simulated memory on ``device`` (an ordinal; default: the current device).
+def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
+    """Allocate simulated memory on ``device`` (an ordinal or ``"cuda:N"``; default: the current device).
 
     Raises :class:`OutOfMemoryError` when the device or this process's cap is exceeded,
     :class:`SimDeviceError` for an ordinal this process cannot see.
@@ -194,14 +203,14 @@ def allocate(nbytes: int | str, device: int | None = None) -> Allocation:
     size = parse_size(nbytes)
     if size <= 0:
         raise ValueError(f"allocate: expected a positive size, got {nbytes!r}")
-    ordinal = current_device() if device is None else device
-    unit = unit_of(ordinal)
+    unit = unit_of(device)
+    ordinal = init().index(unit)
     led = ledger()
     handle = led.allocate(size, unit, os.environ.get(TAG_ENV), _rt.caps.get(unit))
     return Allocation(led, handle, size, ordinal, unit)
 
 
-def hold(nbytes: int | str, seconds: float, device: int | None = None) -> None:
+def hold(nbytes: int | str, seconds: float, device: int | str | None = None) -> None:
     """Allocate ``nbytes``, sleep ``seconds``, free: a stand-in for a GPU kernel's work."""
     with allocate(nbytes, device):
         time.sleep(seconds)

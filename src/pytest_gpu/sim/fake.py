@@ -68,3 +68,29 @@ def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
     torch_cuda.install(torch)
+
+
+def deactivate() -> None:
+    """Turn fake GPUs off again in this process (a ``sim:`` run ends; the next may be real).
+
+    nvidia-ml-py forgets the fake library (the next ``nvmlInit`` loads whatever
+    ``libnvidia-ml.so.1`` the machine has); a torch already given the simulated
+    ``torch.cuda`` keeps it, as a process keeps its CUDA.
+    """
+    global _active
+    if _active is None:
+        return
+    from ..importhook import cancel
+
+    cancel("torch", _install_torch)
+    try:
+        import pynvml
+
+        with pynvml.libLoadLock:
+            pynvml.nvmlLib = None
+            cache = getattr(pynvml, "_nvmlGetFunctionPointer_cache", None)
+            if isinstance(cache, dict):
+                cache.clear()
+    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+        pass
+    _active = None

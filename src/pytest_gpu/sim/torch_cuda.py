@@ -1,0 +1,870 @@
+"""``torch.cuda`` for torch's CPU build, with the semantics of torch 2.13 on a CUDA 12 machine.
+
+:func:`install` gives ``torch._C`` the ``_cuda_*`` bindings a CUDA build of torch has
+(and the few ``torch.cuda`` names bound from them at import), backed by the simulated
+runtime :mod:`pytest_gpu.sim.cuda` and the cross-process ledger. ``torch.cuda``'s own
+Python code then runs unchanged: ``is_available``, ``device_count``, ``init``,
+``set_device``, ``device``, ``current_device``, ``synchronize``, ``mem_get_info``,
+``get_device_properties``/``get_device_name``, ``set_per_process_memory_fraction``,
+``memory_allocated``/``memory_reserved``/``max_*``, ``memory_stats``,
+``reset_peak_memory_stats``, ``empty_cache``, ``manual_seed_all``. What the bindings model,
+after torch's C++ (c10/cuda/CUDAFunctions.cpp, c10/cuda/CUDACachingAllocator.cpp,
+torch/csrc/cuda/Module.cpp):
+
+- ``is_available()`` is ``cudaGetDeviceCount() > 0``: it initialises the driver, which
+  fixes the process's device list (no context), while ``is_initialized()`` stays False.
+- ``device_count()`` before torch's lazy init counts through NVML and the *current*
+  ``CUDA_VISIBLE_DEVICES`` (torch's own parser; NVML answers from the ledger's machine);
+  after it, the driver's count, cached.
+- Lazy init sizes the caching allocator's per-device table to the driver's count
+  ("Allocator not initialized for device N: did you call init?" beyond it) and fails
+  with "No CUDA GPUs are available" when the list is empty.
+- Current device as c10 keeps it under CUDA 12: ``set_device`` always calls
+  ``cudaSetDevice`` (opens the primary context); device guards (``torch.cuda.device``,
+  :func:`empty` with a device) switch with ``cudaSetDevice`` on entry and on exit only
+  *record* the previous device when it has no context, so none is opened there.
+- ``set_per_process_memory_fraction`` (torch >= 2.10) only sets the allocator's cap,
+  fraction x ``totalGlobalMem`` (= ``mem_get_info`` total: the device total less the
+  driver's reserve; 1.0 = no cap): no device switch, no context. Torch < 2.10 made the
+  device current (opening its context), read ``cudaMemGetInfo`` and did not switch back:
+  ``install(torch, legacy_memory_fraction=True)`` models that instead.
+- The caching allocator: sizes round up to 512 bytes; requests up to 1 MiB come from
+  2 MiB segments, up to 10 MiB from 20 MiB segments, larger ones from segments rounded
+  to 2 MiB; best-fit reuse, splitting and merging of cached blocks; a freed block stays
+  reserved until ``empty_cache()``; a segment that would pass the fraction cap or does
+  not fit in the device (or in this process's pytest-gpu lease cap) makes torch free every
+  unused cached segment and retry once, then raise ``torch.OutOfMemoryError`` with
+  torch's message. ``reset_peak_memory_stats`` sets every peak to its current value.
+- Everything reaches the ledger (segments as allocations, contexts), so NVML sees it.
+- A fork after the driver was touched poisons the child, as torch's fork handler does.
+
+The CPU build cannot make CUDA tensors: :func:`empty` stands for
+``torch.empty(nbytes, dtype=torch.uint8, device=...)`` and returns a :class:`Block` whose
+memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected.
+State is per process; :func:`reset` forgets it (tests of the double only).
+
+Left out: streams, events and CUDA graphs (one stream per device), the current device
+per thread (it is per process here), ``PYTORCH_CUDA_ALLOC_CONF`` (max_split_size,
+expandable segments, rounding divisions, garbage collection), ``memory_snapshot``,
+memory pools, ``caching_allocator_alloc``, peer access, and real CUDA tensors or
+kernels (``torch.cuda.is_available()`` is True, so library code that then launches CUDA
+work fails as the CPU build does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, NoReturn
+
+from ..requests import parse_size
+from . import cuda as sim_cuda
+from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
+
+__all__ = ["Block", "empty", "install", "reset"]
+
+KiB, MiB = 2**10, 2**20
+MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of it
+SMALL_SIZE = 1 * MiB  # kSmallSize: largest request served from the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: segment size of the small pool
+LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segment for requests between 1 MiB and 10 MiB
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here segments are the request rounded up
+ROUND_LARGE = 2 * MiB  # kRoundLarge
+ONE_EXABYTE = 2**60
+_STAT_ARRAYS = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+_COUNTERS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+    "num_oom_rejections",
+)
+_CUDA_CHECK_TAIL = (
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+    "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+)
+
+
+# -- allocator statistics (c10::CachingDeviceAllocator::Stat) ---------------------------------
+
+
+@dataclass
+class _Stat:
+    current: int = 0
+    peak: int = 0
+    allocated: int = 0
+    freed: int = 0
+
+    def increase(self, amount: int) -> None:
+        self.current += amount
+        self.peak = max(self.peak, self.current)
+        self.allocated += amount
+
+    def decrease(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+    def as_dict(self) -> dict[str, int]:
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+@dataclass
+class _Stats:
+    arrays: dict[str, dict[str, _Stat]] = field(
+        default_factory=lambda: {
+            name: {k: _Stat() for k in ("all", "small_pool", "large_pool")} for name in _STAT_ARRAYS
+        }
+    )
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    oversize_allocations: _Stat = field(default_factory=_Stat)
+    oversize_segments: _Stat = field(default_factory=_Stat)
+
+    def change(self, name: str, small: bool, amount: int) -> None:
+        """Add ``amount`` (negative: remove) to stat ``name`` in "all" and in the block's pool."""
+        for key in ("all", "small_pool" if small else "large_pool"):
+            stat = self.arrays[name][key]
+            if amount >= 0:
+                stat.increase(amount)
+            else:
+                stat.decrease(-amount)
+
+    def current(self, name: str) -> int:
+        return self.arrays[name]["all"].current
+
+    def stats(self) -> Iterator[_Stat]:
+        for array in self.arrays.values():
+            yield from array.values()
+        yield self.oversize_allocations
+        yield self.oversize_segments
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``torch._C._cuda_memoryStats`` returns (``torch.cuda.memory_stats`` flattens it)."""
+        result: dict[str, Any] = {k: self.counters[k] for k in _COUNTERS}
+        result["max_split_size"] = -1  # SIZE_MAX cast to int64: splitting is never limited
+        for name, array in self.arrays.items():
+            result[name] = {key: stat.as_dict() for key, stat in array.items()}
+        result["oversize_allocations"] = self.oversize_allocations.as_dict()
+        result["oversize_segments"] = self.oversize_segments.as_dict()
+        result["reserved_bytes_by_private_pools"] = {}
+        return result
+
+
+# -- the caching allocator of one device (DeviceCachingAllocator) -----------------------------
+
+
+class _CacheBlock:
+    """A block of a segment (one ``cudaMalloc``: a ledger allocation), allocated or cached;
+    ``prev``/``next`` are its neighbours in the segment."""
+
+    def __init__(self, size: int, ptr: int, small: bool, segment: sim_cuda.Allocation) -> None:
+        self.size = size
+        self.ptr = ptr
+        self.small = small
+        self.segment = segment
+        self.allocated = False
+        self.requested = 0
+        self.prev: _CacheBlock | None = None
+        self.next: _CacheBlock | None = None
+
+    @property
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+def _round_size(size: int) -> int:
+    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * -(-size // MIN_BLOCK)
+
+
+def _allocation_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * -(-size // ROUND_LARGE)
+
+
+def _torch_size(nbytes: int) -> str:
+    """c10's ``format_size``, as torch's messages print sizes."""
+    if nbytes <= KiB:
+        return f"{nbytes} bytes"
+    if nbytes <= MiB:
+        return f"{nbytes / KiB:.2f} KiB"
+    if nbytes <= 2**30:
+        return f"{nbytes / MiB:.2f} MiB"
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+class _DeviceAllocator:
+    """The caching allocator of one ordinal, one stream."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.stats = _Stats()
+        self.pools: dict[bool, list[_CacheBlock]] = {True: [], False: []}  # small? -> cached blocks
+        self.reserved = 0  # total_allocated_memory: bytes of live segments
+        self.allowed: int | None = None  # allowed_memory_maximum, from the memory fraction
+        self.alive = True  # False once reset() dropped it: its blocks are gone
+
+    def total_global_mem(self) -> int:
+        """``cudaDeviceProp.totalGlobalMem`` (read without a context)."""
+        unit = ledger().units()[sim_cuda.unit_of(self.ordinal)]
+        return unit.total - unit.reserved
+
+    def malloc(self, orig_size: int) -> _CacheBlock:
+        size = _round_size(orig_size)
+        small = size <= SMALL_SIZE
+        alloc_size = _allocation_size(size)
+        block = self._get_free_block(size, small)
+        cause: OutOfMemoryError | None = None
+        if block is None:
+            block, cause = self._alloc_block(alloc_size, small, retry=False)
+        if block is None:
+            # cudaMalloc failed: give every unused cached segment back and try once more
+            self.release_cached_blocks()
+            block, cause = self._alloc_block(alloc_size, small, retry=True)
+        if block is None:
+            self._out_of_memory(alloc_size, cause)
+        remaining = block.size - size
+        split = remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
+        return self._alloc_found_block(block, size, orig_size, split)
+
+    def _get_free_block(self, size: int, small: bool) -> _CacheBlock | None:
+        fits = [b for b in self.pools[small] if b.size >= size]
+        if not fits:
+            return None
+        best = min(fits, key=lambda b: (b.size, b.ptr))  # best fit, as the size-ordered std::set gives
+        self.pools[small].remove(best)
+        return best
+
+    def _alloc_block(
+        self, alloc_size: int, small: bool, *, retry: bool
+    ) -> tuple[_CacheBlock | None, OutOfMemoryError | None]:
+        if retry:
+            self.stats.counters["num_alloc_retries"] += 1
+        if self.allowed is not None and self.reserved + alloc_size > self.allowed:
+            return None, None  # the fraction cap: no cudaMalloc is attempted
+        try:
+            allocation = sim_cuda.allocate(alloc_size, device=self.ordinal)
+        except OutOfMemoryError as exc:  # cudaErrorMemoryAllocation (device full, or the lease's cap)
+            return None, exc
+        self.reserved += alloc_size
+        block = _CacheBlock(alloc_size, _proc.next_address(alloc_size), small, allocation)
+        self.stats.change("segment", small, 1)
+        self.stats.change("reserved_bytes", small, alloc_size)
+        self.stats.counters["num_device_alloc"] += 1
+        return block, None
+
+    def _alloc_found_block(self, block: _CacheBlock, size: int, orig_size: int, split: bool) -> _CacheBlock:
+        already_split = block.is_split
+        if split:
+            remaining = block
+            block = _CacheBlock(size, remaining.ptr, remaining.small, remaining.segment)
+            block.prev = remaining.prev
+            if block.prev is not None:
+                block.prev.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.ptr += size
+            remaining.size -= size
+            self.pools[remaining.small].append(remaining)
+            if already_split:
+                self.stats.change("inactive_split_bytes", block.small, -block.size)
+            else:
+                self.stats.change("inactive_split_bytes", block.small, remaining.size)
+                self.stats.change("inactive_split", block.small, 1)
+        elif already_split:
+            self.stats.change("inactive_split_bytes", block.small, -block.size)
+            self.stats.change("inactive_split", block.small, -1)
+        block.allocated = True
+        block.requested = orig_size
+        for name, amount in (
+            ("allocation", 1),
+            ("allocated_bytes", block.size),
+            ("active", 1),
+            ("active_bytes", block.size),
+            ("requested_bytes", orig_size),
+        ):
+            self.stats.change(name, block.small, amount)
+        return block
+
+    def free(self, block: _CacheBlock) -> None:
+        """A tensor died: its block goes back to the cache (the segment stays reserved)."""
+        block.allocated = False
+        self.stats.change("allocation", block.small, -1)
+        self.stats.change("allocated_bytes", block.small, -block.size)
+        original, requested = block.size, block.requested
+        net_blocks, net_size = 0, 0
+        for neighbour in (block.prev, block.next):
+            subsumed = self._try_merge(block, neighbour)
+            if subsumed:
+                net_blocks -= 1
+                net_size -= subsumed
+        self.pools[block.small].append(block)
+        if block.is_split:
+            net_blocks += 1
+            net_size += block.size
+        self.stats.change("inactive_split", block.small, net_blocks)
+        self.stats.change("inactive_split_bytes", block.small, net_size)
+        self.stats.change("active", block.small, -1)
+        self.stats.change("active_bytes", block.small, -original)
+        self.stats.change("requested_bytes", block.small, -requested)
+
+    def _try_merge(self, dst: _CacheBlock, src: _CacheBlock | None) -> int:
+        if src is None or src.allocated:
+            return 0
+        if dst.prev is src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+        self.pools[src.small].remove(src)
+        return src.size
+
+    def release_cached_blocks(self) -> None:
+        """``emptyCache``: ``cudaFree`` every cached block that is a whole segment."""
+        self.stats.counters["num_sync_all_streams"] += 1
+        for small in (False, True):
+            for block in [b for b in self.pools[small] if not b.is_split]:
+                self.pools[small].remove(block)
+                block.segment.free()
+                self.reserved -= block.size
+                self.stats.change("segment", small, -1)
+                self.stats.change("reserved_bytes", small, -block.size)
+                self.stats.counters["num_device_free"] += 1
+
+    def release_all(self) -> None:
+        """Free every segment, in use or not (:func:`reset`)."""
+        self.alive = False
+        cached = [b for pool in self.pools.values() for b in pool]
+        for segment in {b.segment for b in cached + _proc.live_blocks(self)}:
+            segment.free()
+
+    def set_fraction(self, fraction: float) -> None:
+        if not 0 <= fraction <= 1:
+            raise RuntimeError(f"invalid fraction:{fraction}. Please set within [0, 1].")
+        if _settings.legacy_memory_fraction:
+            # torch < 2.10: SetDevice(device) (never switched back), then cudaMemGetInfo,
+            # which opens the device's context
+            _set_device(self.ordinal, force=False)
+            self.allowed = int(fraction * sim_cuda.mem_get_info(self.ordinal)[1])
+            return
+        self.allowed = None if fraction >= 1.0 else int(fraction * self.total_global_mem())
+
+    def fraction(self) -> float:
+        return 1.0 if self.allowed is None else self.allowed / self.total_global_mem()
+
+    def _out_of_memory(self, alloc_size: int, cause: BaseException | None) -> NoReturn:
+        free, total = sim_cuda.mem_get_info(self.ordinal)
+        allowed = f"{_torch_size(self.allowed)} allowed; " if self.allowed is not None else ""
+        self.stats.counters["num_ooms"] += 1
+        allocated, reserved = self.stats.current("allocated_bytes"), self.stats.current("reserved_bytes")
+        message = (
+            f"CUDA out of memory. Tried to allocate {_torch_size(alloc_size)}. GPU {self.ordinal} has a total "
+            f"capacity of {_torch_size(total)} of which {_torch_size(free)} is free. "
+            f"{_process_memory_info(self.ordinal)}{allowed}Of the allocated memory {_torch_size(allocated)} is "
+            f"allocated by PyTorch, and {_torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+            " If reserved but unallocated memory is large try setting"
+            " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for"
+            " Memory Management "
+            " (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+        )
+        raise _require_torch().OutOfMemoryError(message) from cause
+
+
+def _process_memory_info(ordinal: int) -> str:
+    """``reportProcessMemoryInfo``: each process on the device as NVML lists it (the ledger's state file)."""
+    try:
+        led = ledger()
+        uuid = led.units()[sim_cuda.unit_of(ordinal)].uuid
+        lines = (led.path / STATE_FILE).read_text().splitlines()
+        offset = led.machine().pidns
+    except OSError:
+        return ""
+    parts = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 4 and fields[0] == "proc" and fields[1] == uuid:
+            pid = int(fields[2]) + offset  # NVML reports host pids
+            who = "Including non-PyTorch memory, this process" if pid == os.getpid() else f"Process {pid}"
+            parts.append(f"{who} has {_torch_size(int(fields[3]))} memory in use. ")
+    return "".join(parts)
+
+
+# -- process state ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Process:
+    allocators: list[_DeviceAllocator] = field(default_factory=list)  # sized at lazy init
+    target: int = -1  # c10's targetDeviceIndex: a device guard's exit recorded, not set
+    poisoned: bool = False  # the driver was touched: a forked child cannot use CUDA
+    bad_fork: bool = False
+    address: int = 0x7F0000000000  # next segment's (fake) device address
+    blocks: dict[int, tuple[_DeviceAllocator, _CacheBlock]] = field(default_factory=dict)  # live Blocks
+    keys: Iterator[int] = field(default_factory=itertools.count)
+
+    def next_address(self, size: int) -> int:
+        base = self.address
+        self.address += size + SMALL_BUFFER
+        return base
+
+    def live_blocks(self, allocator: _DeviceAllocator) -> list[_CacheBlock]:
+        return [b for a, b in self.blocks.values() if a is allocator]
+
+
+@dataclass
+class _Settings:
+    torch: ModuleType | None = None
+    legacy_memory_fraction: bool = False
+    fork_handler: bool = False
+
+
+_proc = _Process()
+_settings = _Settings()
+
+
+def _require_torch() -> Any:
+    if _settings.torch is None:
+        raise RuntimeError("pytest_gpu.sim.torch_cuda: call install(torch) first")
+    return _settings.torch
+
+
+def _device_lazy_init() -> None:
+    """``torch::utils::device_lazy_init``: C++ entry points run torch.cuda's Python lazy init."""
+    _require_torch().cuda._lazy_init()
+
+
+def _cuda_error(what: str, help_line: str) -> Exception:
+    """What ``C10_CUDA_CHECK`` raises for a failed runtime call."""
+    message = f"CUDA error: {what}\n{help_line}\n{_CUDA_CHECK_TAIL}"
+    return _require_torch().AcceleratorError(message)
+
+
+def _unpack_index(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuntimeError(f"invalid argument to {what}")
+    return value
+
+
+def _allocator(device: object, what: str) -> _DeviceAllocator:
+    """``assertValidDevice``: the allocator table exists only after lazy init."""
+    index = _unpack_index(device, what)
+    if not 0 <= index < len(_proc.allocators):
+        raise RuntimeError(f"Invalid device argument {index}: did you call init?")
+    return _proc.allocators[index]
+
+
+# -- the CUDA runtime as c10 drives it (c10/cuda/CUDAFunctions.cpp, CUDA >= 12) -----------------
+
+
+def _raw_get_device() -> int:
+    """``cudaGetDevice``."""
+    return sim_cuda.current_device()
+
+
+def _raw_set_device(ordinal: int) -> None:
+    """``cudaSetDevice``: since CUDA 12 it opens the device's primary context."""
+    try:
+        sim_cuda.set_device(ordinal)
+    except SimDeviceError as exc:
+        raise _cuda_error("invalid device ordinal", "GPU device may be out of range, do you have enough GPUs?") from exc
+
+
+def _has_primary_context(ordinal: int) -> bool:
+    return sim_cuda.unit_of(ordinal) in sim_cuda.contexts()
+
+
+def _get_device() -> int:
+    return _proc.target if _proc.target >= 0 else _raw_get_device()
+
+
+def _set_device(ordinal: int, *, force: bool) -> None:
+    if ordinal < 0:
+        raise RuntimeError(f"device id must be non-negative!{ordinal}")
+    _proc.target = -1
+    if force or ordinal != _raw_get_device():
+        _raw_set_device(ordinal)
+
+
+def _maybe_set_device(ordinal: int) -> None:
+    """A guard's exit: switch back only to a device that has a context, else just record it."""
+    if _has_primary_context(ordinal):
+        _set_device(ordinal, force=False)
+    else:
+        _proc.target = ordinal
+
+
+def _exchange_device(to: int) -> int:
+    current, _proc.target = _proc.target, -1
+    if current < 0:
+        current = _raw_get_device()
+        if to == current:
+            return current
+    _raw_set_device(to)
+    return current
+
+
+def _maybe_exchange_device(to: int) -> int:
+    current = _raw_get_device()
+    if to == current:
+        return current
+    if _has_primary_context(to):
+        _raw_set_device(to)
+    else:
+        _proc.target = to
+    return current
+
+
+@contextmanager
+def _device_guard(index: int) -> Iterator[None]:
+    """``c10::cuda::CUDAGuard``."""
+    previous = _exchange_device(index) if index >= 0 else _get_device()
+    try:
+        yield
+    finally:
+        _maybe_set_device(previous)
+
+
+# -- torch._C bindings (torch/csrc/cuda/Module.cpp) ------------------------------------------
+
+
+def _c_get_device_count() -> int:
+    _proc.poisoned = True
+    return sim_cuda.device_count()
+
+
+def _c_init() -> None:
+    torch = _require_torch()
+    _proc.poisoned = True
+    count = sim_cuda.device_count()
+    if count == 0:
+        raise RuntimeError("No CUDA GPUs are available")
+    while len(_proc.allocators) < count:
+        _proc.allocators.append(_DeviceAllocator(len(_proc.allocators)))
+    # CPU generators stand in for the per-device CUDA ones (seeds queued before init land here)
+    torch.cuda.default_generators = tuple(torch.Generator() for _ in range(count))
+    torch.cuda._get_device_properties = _get_device_properties
+
+
+def _c_set_device(device: object) -> None:
+    index = _unpack_index(device, "setDevice")
+    _device_lazy_init()
+    _set_device(index, force=True)  # torch.cuda.set_device always creates the context (torch >= 2.8)
+
+
+def _c_get_device() -> int:
+    _device_lazy_init()
+    return _get_device()
+
+
+def _c_exchange_device(device: object) -> int:
+    index = _unpack_index(device, "exchangeDevice")
+    if index < 0:
+        return -1
+    _device_lazy_init()
+    return _exchange_device(index)
+
+
+def _c_maybe_exchange_device(device: object) -> int:
+    index = _unpack_index(device, "exchangeDevice")
+    if index < 0:
+        return -1
+    _device_lazy_init()
+    return _maybe_exchange_device(index)
+
+
+def _c_has_primary_context(device: object) -> bool:
+    index = _unpack_index(device, "has_primary_context")
+    if not 0 <= index < sim_cuda.device_count():
+        raise RuntimeError(f"hasPrimaryContext expects a valid device index, but got device_index={index}")
+    return _has_primary_context(index)
+
+
+def _c_synchronize() -> None:
+    _raw_set_device(_raw_get_device())  # cudaDeviceSynchronize needs (and opens) the current context
+
+
+def _c_empty_cache(*_mempool: object) -> None:
+    for allocator in _proc.allocators:
+        allocator.release_cached_blocks()
+
+
+def _c_memory_stats(device: object) -> dict[str, Any]:
+    return _allocator(device, "memory_allocated").stats.as_dict()
+
+
+def _c_reset_peak_memory_stats(device: object) -> None:
+    for stat in _allocator(device, "reset_peak_memory_stats").stats.stats():
+        stat.peak = stat.current
+
+
+def _c_reset_accumulated_memory_stats(device: object) -> None:
+    stats = _allocator(device, "reset_accumulated_memory_stats").stats
+    for stat in stats.stats():
+        stat.allocated = stat.freed = 0
+    stats.counters = dict.fromkeys(_COUNTERS, 0)
+
+
+def _table_entry(device: object) -> _DeviceAllocator:
+    index = _unpack_index(device, "set_memory_fraction")
+    if not 0 <= index < len(_proc.allocators):
+        raise RuntimeError(f"Allocator not initialized for device {index}: did you call init?")
+    return _proc.allocators[index]
+
+
+def _c_set_memory_fraction(fraction: float, device: object) -> None:
+    _table_entry(device).set_fraction(float(fraction))
+
+
+def _c_get_memory_fraction(device: object) -> float:
+    return _table_entry(device).fraction()
+
+
+def _c_is_in_bad_fork() -> bool:
+    return _proc.bad_fork
+
+
+def _after_fork_in_child() -> None:
+    if _proc.poisoned:
+        _proc.bad_fork = True
+
+
+@dataclass(frozen=True)
+class _DeviceProperties:
+    """``torch._C._CudaDeviceProperties`` of a simulated device."""
+
+    name: str
+    total_memory: int
+    uuid: str
+    major: int = 8
+    minor: int = 0
+    multi_processor_count: int = 108
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    max_threads_per_multi_processor: int = 2048
+    warp_size: int = 32
+    regs_per_multiprocessor: int = 65536
+    L2_cache_size: int = 40 * MiB
+
+    @property
+    def gcnArchName(self) -> str:  # torch's attribute name
+        return self.name
+
+    def __repr__(self) -> str:
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // MiB}MB, multi_processor_count={self.multi_processor_count}, "
+            f"uuid={self.uuid}, L2_cache_size={self.L2_cache_size // MiB}MB)"
+        )
+
+
+def _get_device_properties(device: int) -> _DeviceProperties:
+    """``cudaGetDeviceProperties`` (no context); totalGlobalMem excludes the driver's reserve."""
+    count = sim_cuda.device_count()
+    if not 0 <= device < count:
+        raise RuntimeError(f"device={device}, num_gpus={count}")
+    unit = ledger().units()[sim_cuda.unit_of(device)]
+    uuid = unit.uuid.split("-", 1)[1]  # printed without the GPU-/MIG- prefix, as torch does
+    return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=uuid)
+
+
+class _Cudart:
+    """The ``torch.cuda.cudart()`` binding the double provides: ``cudaMemGetInfo``."""
+
+    def cudaMemGetInfo(self, device: int) -> tuple[int, int]:  # the binding's name
+        with _device_guard(device):
+            return sim_cuda.mem_get_info(_raw_get_device())
+
+
+def _nvml_device_count() -> int:
+    """``nvmlDeviceGetCount_v2``: every physical GPU, MIG-mode and faulted ones included."""
+    return len(ledger().machine().gpus)
+
+
+def _nvml_device_uuids() -> list[str] | None:
+    """torch's ``_raw_device_uuid_nvml``: None (with torch's warning) when NVML refuses a handle."""
+    gpus = ledger().machine().gpus
+    if any(gpu.fault != "none" for gpu in gpus):
+        warnings.warn("Can't get device handle", stacklevel=2)
+        return None
+    return [gpu.uuid for gpu in gpus]
+
+
+_C_BINDINGS: dict[str, Callable[..., Any]] = {
+    "_cuda_getDeviceCount": _c_get_device_count,
+    "_cuda_init": _c_init,
+    "_cuda_setDevice": _c_set_device,
+    "_cuda_getDevice": _c_get_device,
+    "_cuda_exchangeDevice": _c_exchange_device,
+    "_cuda_maybeExchangeDevice": _c_maybe_exchange_device,
+    "_cuda_hasPrimaryContext": _c_has_primary_context,
+    "_cuda_isInBadFork": _c_is_in_bad_fork,
+    "_cuda_getArchFlags": lambda: None,
+    "_cuda_synchronize": _c_synchronize,
+    "_cuda_emptyCache": _c_empty_cache,
+    "_cuda_memoryStats": _c_memory_stats,
+    "_cuda_resetPeakMemoryStats": _c_reset_peak_memory_stats,
+    "_cuda_resetAccumulatedMemoryStats": _c_reset_accumulated_memory_stats,
+    "_cuda_setMemoryFraction": _c_set_memory_fraction,
+    "_cuda_getMemoryFraction": _c_get_memory_fraction,
+    "_cuda_getAllocatorBackend": lambda: "native",
+    "_cuda_ipc_collect": lambda: None,
+}
+
+
+# -- public API ---------------------------------------------------------------------------------
+
+
+def install(torch: ModuleType, *, legacy_memory_fraction: bool = False) -> None:
+    """Give ``torch.cuda`` of torch's CPU build the simulated GPUs (idempotent).
+
+    ``legacy_memory_fraction=True`` models torch < 2.10, whose
+    ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its
+    context) and never switched back. Refuses a torch built with CUDA.
+    """
+    binding = getattr(torch._C, "_cuda_getDeviceCount", None)
+    if binding is not None and binding is not _c_get_device_count:
+        raise RuntimeError("pytest_gpu.sim.torch_cuda.install: this torch has real CUDA support; it needs no double")
+    _settings.torch = torch
+    _settings.legacy_memory_fraction = legacy_memory_fraction
+    for name, function in _C_BINDINGS.items():
+        setattr(torch._C, name, function)
+    cuda = torch.cuda
+    # names torch.cuda bound from torch._C (or to CPU-build fallbacks) when it was imported
+    cuda._exchange_device = _c_exchange_device
+    cuda._maybe_exchange_device = _c_maybe_exchange_device
+    cuda._is_in_bad_fork = _c_is_in_bad_fork
+    cuda._cudart = _Cudart()
+    cuda._CudaDeviceProperties = _DeviceProperties
+    # NVML as the fake libnvidia-ml reports it, whether or not that library is loadable here
+    cuda._raw_device_count_nvml = _nvml_device_count
+    cuda._raw_device_uuid_nvml = _nvml_device_uuids
+    if not _settings.fork_handler:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _settings.fork_handler = True
+
+
+def reset() -> None:
+    """Forget this process's CUDA state, as if it were a new process (tests of the double only).
+
+    Frees every segment the allocator holds (live :class:`Block` objects become inert) and
+    the simulated runtime's state (:func:`pytest_gpu.sim.cuda.forget`); torch.cuda is
+    uninitialised again. Contexts already opened stay in the ledger until the process exits.
+    """
+    global _proc
+    for allocator in _proc.allocators:
+        allocator.release_all()
+    _proc = _Process()
+    sim_cuda.forget()
+    if _settings.torch is not None:
+        cuda = _settings.torch.cuda
+        cuda._initialized = False
+        cuda._cached_device_count = None
+        cuda.default_generators = ()
+        cuda.__dict__.pop("_get_device_properties", None)
+
+
+class Block:
+    """Device memory from the simulated caching allocator: what a CUDA tensor's storage holds.
+
+    Freed (back to torch's cache, still reserved) by :meth:`free`, or when the object is
+    garbage-collected, like a tensor. ``nbytes`` is what was asked for, ``size`` what the
+    allocator handed out (rounded up to 512 bytes), ``device`` the ordinal and ``physical``
+    the ledger unit (a plain GPU's NVML index).
+    """
+
+    def __init__(self, nbytes: int, device: int, key: int | None, size: int) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.physical = sim_cuda.unit_of(device)
+        self.size = size
+        self._key = key
+        self._pid = os.getpid()
+
+    @property
+    def freed(self) -> bool:
+        return self._key is None or self._key not in _proc.blocks
+
+    def free(self) -> None:
+        """Return the memory to the cache (idempotent; a no-op in a forked child or after :func:`reset`)."""
+        key, self._key = self._key, None
+        if key is None or os.getpid() != self._pid:
+            return  # a forked child cannot free its parent's memory
+        entry = _proc.blocks.pop(key, None)
+        if entry is not None and entry[0].alive:
+            entry[0].free(entry[1])
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the process is going: the ledger frees its memory with it
+        with contextlib.suppress(Exception):  # a destructor must not raise; the ledger prunes the dead
+            self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        return f"<sim Block {self.nbytes} bytes on cuda:{self.device} (GPU {self.physical}) {state}>"
+
+
+def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
+    """``torch.empty(nbytes, dtype=torch.uint8, device=device)`` on a simulated GPU.
+
+    ``device``: None (the current device), an ordinal, ``"cuda"``/``"cuda:N"`` or a
+    ``torch.device``. As torch does, this initialises CUDA lazily and allocates under a
+    device guard: the target device becomes current (opening its context) and the
+    previous one is restored on exit without opening a context there. Raises
+    ``torch.OutOfMemoryError`` when neither the cache nor a new segment can serve it.
+    """
+    torch = _require_torch()
+    size = parse_size(nbytes)
+    if size >= ONE_EXABYTE:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
+    index: int | None
+    if isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif device is None:
+        index = None
+    else:
+        parsed = torch.device(device)
+        if parsed.type != "cuda":
+            raise ValueError(f"empty: expected a CUDA device, got {device!r}")
+        index = parsed.index
+    if index is not None and index < 0:
+        raise ValueError(f"empty: device index must not be negative, got {index}")
+    _device_lazy_init()
+    if index is None:
+        index = _get_device()
+    with _device_guard(index):
+        ordinal = _get_device()
+        if size == 0:
+            return Block(0, ordinal, None, 0)  # no allocation, so no context
+        if not 0 <= ordinal < len(_proc.allocators):
+            raise RuntimeError(f"Allocator not initialized for device {ordinal}: did you call init?")
+        allocator = _proc.allocators[ordinal]
+        block = allocator.malloc(size)
+        key = next(_proc.keys)
+        _proc.blocks[key] = (allocator, block)
+        return Block(size, ordinal, key, block.size)

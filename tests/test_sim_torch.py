@@ -1,0 +1,270 @@
+"""pytest_gpu.sim.torch_cuda: torch.cuda of the CPU build behaving as torch 2.13 on CUDA 12.
+
+Process state matters (the device list is fixed at the first CUDA call, contexts live as
+long as the process), so each test runs a small script in a fresh interpreter that
+imports torch, installs the double, records what it sees in ``out`` and prints it as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from conftest import require
+from pytest_gpu.sim import spec, torch_cuda
+
+MiB, GiB = 2**20, 2**30
+OVERHEAD = 512 * MiB
+
+PRELUDE = """
+import gc, json, os, warnings
+import torch
+from pytest_gpu.sim import cuda as sim_cuda, torch_cuda
+from pytest_gpu.sim.ledger import ledger
+from pytest_gpu.sim.torch_cuda import empty
+
+warnings.simplefilter("ignore", FutureWarning)  # reset_max_memory_allocated's deprecation note
+torch_cuda.install(torch)
+out = {}
+
+def error(call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+def contexts():
+    return sorted(sim_cuda.contexts())
+"""
+
+
+def run_script(tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visible: str | None = None) -> Any:
+    """Run ``body`` after PRELUDE in a fresh interpreter on a private ledger; return its ``out``."""
+    require("torch", module="torch")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
+    env.update(
+        PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"),
+        PYTEST_GPU_SIM=sim_spec,
+        PYTEST_GPU_CONTEXT_OVERHEAD="512MiB",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]),
+    )
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_device_list_is_fixed_at_first_cuda_call_and_device_count_follows_torch(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        out["available"] = torch.cuda.is_available()  # cudaGetDeviceCount: fixes the list, no context
+        out["fixed"] = sim_cuda.initialized()
+        out["initialized_after_available"] = torch.cuda.is_initialized()
+        out["contexts_after_available"] = contexts()
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0,1,3"
+        out["count_before_init"] = torch.cuda.device_count()  # NVML + the current variable
+        torch.cuda.init()
+        out["initialized"] = torch.cuda.is_initialized()
+        out["count_after_init"] = torch.cuda.device_count()  # the driver's (fixed) list
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
+        out["count_later"] = torch.cuda.device_count()
+        out["current"] = torch.cuda.current_device()
+        out["unit_of_0"] = sim_cuda.unit_of(0)
+        out["contexts_after_init"] = contexts()
+        out["fraction_5"] = error(lambda: torch.cuda.set_per_process_memory_fraction(0.5, 5))
+        out["fraction_0_bad"] = error(lambda: torch.cuda.set_per_process_memory_fraction(1.5, 0))
+        out["set_device_1"] = error(lambda: torch.cuda.set_device(1))
+        out["properties_1"] = error(lambda: torch.cuda.get_device_properties(1))
+        torch.cuda.set_device(0)
+        out["contexts_after_set_device"] = contexts()
+        """,
+        visible="2",
+    )
+    assert out["available"] is True and out["fixed"] is True
+    assert out["initialized_after_available"] is False
+    assert out["contexts_after_available"] == []
+    assert out["count_before_init"] == 3
+    assert out["initialized"] is True
+    assert out["count_after_init"] == 1 and out["count_later"] == 1
+    assert out["current"] == 0 and out["unit_of_0"] == 2
+    assert out["contexts_after_init"] == []  # lazy init opens no context
+    assert out["fraction_5"] == "RuntimeError: Allocator not initialized for device 5: did you call init?"
+    assert out["fraction_0_bad"].startswith("ValueError: Invalid fraction value: 1.5")
+    assert out["set_device_1"].startswith("AcceleratorError: CUDA error: invalid device ordinal")
+    assert out["properties_1"] == "AssertionError: Invalid device id"
+    assert out["contexts_after_set_device"] == [2]
+
+
+def test_current_device_guards_and_contexts_follow_cuda_12(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        out["stats_before_init"] = error(lambda: torch.cuda.reset_peak_memory_stats(0))
+        out["allocated_before_init"] = torch.cuda.memory_allocated(0)
+        with torch.cuda.device(1):
+            out["inside"] = torch.cuda.current_device()
+        # the guard's exit records device 0 without switching to it: no context there
+        out["after_guard"] = [torch.cuda.current_device(), contexts()]
+        torch.cuda.set_device("cuda:1")
+        with torch.cuda.device(torch.device("cuda:3")):
+            out["inside_3"] = [torch.cuda.current_device(), contexts()]
+        out["after_3"] = torch.cuda.current_device()  # back to 1, which has a context
+        out["free_total_2"] = list(torch.cuda.mem_get_info(2))
+        out["after_mem_get_info"] = [torch.cuda.current_device(), contexts()]
+        props = torch.cuda.get_device_properties(2)
+        out["properties"] = [props.name, props.total_memory, torch.cuda.get_device_name(2)]
+        torch.cuda.set_per_process_memory_fraction(0.5, 0)  # torch >= 2.10: the allocator's cap only
+        out["after_fraction"] = [torch.cuda.current_device(), contexts(), torch.cuda.get_per_process_memory_fraction(0)]
+        torch_cuda.install(torch, legacy_memory_fraction=True)  # torch < 2.10
+        torch.cuda.set_per_process_memory_fraction(0.5, 0)
+        out["after_legacy_fraction"] = [torch.cuda.current_device(), contexts()]
+        out["ledger_used"] = ledger().used()
+        """,
+    )
+    assert out["stats_before_init"] == "RuntimeError: Invalid device argument 0: did you call init?"
+    assert out["allocated_before_init"] == 0
+    assert out["inside"] == 1
+    assert out["after_guard"] == [0, [1]]
+    assert out["inside_3"] == [3, [1, 3]]
+    assert out["after_3"] == 1
+    assert out["free_total_2"] == [16 * GiB - OVERHEAD, 16 * GiB]
+    assert out["after_mem_get_info"] == [1, [1, 2, 3]]
+    assert out["properties"] == ["Simulated GPU 16GiB", 16 * GiB, "Simulated GPU 16GiB"]
+    assert out["after_fraction"] == [1, [1, 2, 3], 0.5]
+    assert out["after_legacy_fraction"] == [0, [0, 1, 2, 3]]
+    assert out["ledger_used"] == {str(i): OVERHEAD for i in range(4)}
+
+
+def test_caching_allocator_rounds_caches_and_reports_like_torch(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        torch.manual_seed(0)  # queued for lazy init, which must seed every device's generator
+        def snapshot():
+            return [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), ledger().used()[0]]
+        small = [empty(1000), empty(1000)]  # 512-byte blocks from one 2 MiB segment
+        out["small"] = snapshot()
+        mid = empty(5 * 2**20)  # between 1 and 10 MiB: a 20 MiB segment
+        big = empty(30 * 2**20 + 1)  # rounded to 512 bytes, its segment to 2 MiB
+        out["big"] = snapshot()
+        del mid
+        gc.collect()  # like a tensor, a Block gives its memory back when collected
+        out["after_del"] = snapshot()
+        reuse = empty(4 * 2**20)  # served from the cached 20 MiB segment
+        out["reuse"] = snapshot()
+        for block in small + [big, reuse]:
+            block.free()
+        out["all_freed"] = snapshot()
+        out["peaks_before_reset"] = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+        torch.cuda.reset_peak_memory_stats()
+        out["peaks_after_reset"] = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+        torch.cuda.empty_cache()
+        out["after_empty_cache"] = snapshot() + [torch.cuda.max_memory_reserved()]
+        stats = torch.cuda.memory_stats()
+        out["stats"] = [stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.current"],
+                        stats["segment.all.allocated"], stats["num_device_free"]]
+        out["summary"] = "PyTorch CUDA memory summary" in torch.cuda.memory_summary()
+        other = empty(1, device="cuda:1")
+        out["other"] = [other.device, other.size, torch.cuda.memory_allocated(1), torch.cuda.current_device(),
+                        contexts()]
+        out["seeded"] = len(torch.cuda.default_generators)
+        pid = os.fork()  # CUDA is initialised: a forked child may not use it
+        if pid == 0:
+            message = error(torch.cuda.init)
+            with open("child.txt", "w") as f:
+                f.write(message)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        with open("child.txt") as f:
+            out["child"] = f.read()
+        torch_cuda.reset()  # as a new process: segments back to the ledger, torch.cuda uninitialised
+        out["after_reset"] = [torch.cuda.is_initialized(), other.freed, ledger().used()[1], sim_cuda.initialized()]
+        other.free()  # inert after reset
+        """,
+    )
+    small, big = 2 * MiB, 20 * MiB + 32 * MiB + 2 * MiB
+    assert out["small"] == [2 * 1024, small, OVERHEAD + small]
+    assert out["big"] == [2 * 1024 + 5 * MiB + 30 * MiB + 512, big, OVERHEAD + big]
+    assert out["after_del"] == [2 * 1024 + 30 * MiB + 512, big, OVERHEAD + big]
+    assert out["reuse"] == [2 * 1024 + 34 * MiB + 512, big, OVERHEAD + big]
+    assert out["all_freed"] == [0, big, OVERHEAD + big]  # reserved until empty_cache
+    assert out["peaks_before_reset"] == [2 * 1024 + 35 * MiB + 512, big]
+    assert out["peaks_after_reset"] == [0, big]  # peak := current, so the cache shows as peak
+    assert out["after_empty_cache"] == [0, 0, OVERHEAD, big]
+    assert out["stats"] == [0, 0, 3, 3]
+    assert out["summary"] is True
+    assert out["other"] == [1, 512, 512, 0, [0, 1]]
+    assert out["seeded"] == 4
+    assert out["child"].startswith("RuntimeError: Cannot re-initialize CUDA in forked subprocess")
+    assert out["after_reset"] == [False, True, OVERHEAD, False]  # the context stays with the process
+
+
+def test_out_of_memory_retries_once_then_raises_torchs_error(tmp_path: Path) -> None:
+    machine = spec.parse("sim:4x16GiB;reserved=1%")
+    total = machine.gpus[0].total - machine.gpus[0].reserved
+    out = run_script(
+        tmp_path,
+        """
+        out["total"] = [torch.cuda.get_device_properties(0).total_memory, torch.cuda.mem_get_info(0)[1]]
+        torch.cuda.set_per_process_memory_fraction(0.5, 0)
+        first = empty(6 * 2**30)
+        first.free()  # cached: still reserved
+        second = empty(7 * 2**30)  # 6 + 7 GiB passes the cap: the cache is emptied, then one retry
+        out["retry"] = [torch.cuda.memory_reserved(), torch.cuda.memory_stats()["num_alloc_retries"]]
+        try:
+            empty(2 * 2**30)
+        except torch.cuda.OutOfMemoryError as exc:
+            out["capped"] = str(exc)
+        out["ooms"] = torch.cuda.memory_stats()["num_ooms"]
+        try:
+            empty(16 * 2**30, device=1)  # no cap on GPU 1: the device itself is too small
+        except torch.OutOfMemoryError as exc:
+            out["device_full"] = str(exc)
+        sim_cuda.set_memory_cap(2, 2**30)  # what pytest-gpu's simulated lease applies
+        try:
+            empty(2 * 2**30, device=2)
+        except torch.OutOfMemoryError as exc:
+            out["lease"] = [str(exc), str(exc.__cause__)]
+        torch.cuda.synchronize(3)  # cudaDeviceSynchronize needs a context on the device
+        out["current"] = torch.cuda.current_device()
+        out["ledger_used"] = ledger().used()
+        """,
+        sim_spec="sim:4x16GiB;reserved=1%",
+    )
+    assert out["total"] == [total, total]
+    assert out["retry"] == [7 * GiB, 1]
+    assert out["capped"].startswith(
+        f"CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of {total / GiB:.2f} GiB "
+        f"of which {(total - OVERHEAD - 7 * GiB) / GiB:.2f} GiB is free. "
+        "Including non-PyTorch memory, this process has 7.50 GiB memory in use. "
+        f"{int(0.5 * total) / GiB:.2f} GiB allowed; Of the allocated memory 7.00 GiB is allocated by PyTorch, "
+        "and 0 bytes is reserved by PyTorch but unallocated."
+    )
+    assert out["ooms"] == 1
+    assert out["device_full"].startswith("CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1 has a total")
+    assert "allowed" not in out["device_full"]
+    assert out["lease"][0].startswith("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 2 has a total capacity")
+    assert "pytest-gpu lease" in out["lease"][1]
+    assert out["current"] == 0
+    assert out["ledger_used"] == {"0": OVERHEAD + 7 * GiB, "1": OVERHEAD, "2": OVERHEAD, "3": OVERHEAD}
+
+
+def test_install_refuses_a_torch_built_with_cuda() -> None:
+    cuda_torch = SimpleNamespace(_C=SimpleNamespace(_cuda_getDeviceCount=lambda: 8), cuda=SimpleNamespace())
+    with pytest.raises(RuntimeError, match="real CUDA support"):
+        torch_cuda.install(cuda_torch)  # type: ignore[arg-type]
+    assert not vars(cuda_torch.cuda)  # nothing was patched
