@@ -1,145 +1,166 @@
-"""Confinement: the environment, and the torch/CuPy adapters on (stand-in) real GPUs.
+"""Confinement: the environment, and the torch/CuPy adapters, against doubles as strict as CUDA.
 
-The machines have no GPU, so torch and NVML are replaced by recording stand-ins in
-``sys.modules``: they show which calls the plugin makes, and on which device ordinals.
+torch's adapter runs against torch's CPU build given simulated CUDA
+(:mod:`pytest_gpu.sim.torch_cuda`) in a fresh process per scenario, on GPUs the fake
+``libnvidia-ml.so.1`` reports (``PYTEST_GPU_FAKE_GPUS``): the device list is fixed at
+first use, ``set_device`` opens contexts, freed memory stays cached until
+``empty_cache``. CuPy's runs against a stand-in whose pool acts on the current device
+only, as CuPy's does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
+from conftest import require
 from pytest_gpu import sim
+from pytest_gpu.gpu import runtime
 from pytest_gpu.gpu.devices import Device, Inventory, parse_sim_spec
-from pytest_gpu.gpu.isolation import confine, make_lease
+from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, confine, make_lease
 
-GiB = 2**30
-
-
-class FakeCuda:
-    """``torch.cuda`` as far as pytest-gpu uses it; records every call that changes state."""
-
-    def __init__(self, *, initialized: bool = False, current: int = 0, available: bool = True) -> None:
-        self.calls: list[tuple] = []
-        self.initialized = initialized
-        self.current = current
-        self.available = available
-
-    def is_available(self) -> bool:
-        return self.available
-
-    def is_initialized(self) -> bool:
-        return self.initialized
-
-    def current_device(self) -> int:
-        return self.current
-
-    def set_device(self, ordinal: int) -> None:
-        self.calls.append(("set_device", ordinal))
-        self.current = ordinal
-
-    def set_per_process_memory_fraction(self, fraction: float, ordinal: int) -> None:
-        self.calls.append(("fraction", fraction, ordinal))
-
-    def reset_peak_memory_stats(self, ordinal: int) -> None:
-        self.calls.append(("reset_peak", ordinal))
-
-    def memory_allocated(self, ordinal: int) -> int:
-        return 0
-
-    def max_memory_reserved(self, ordinal: int) -> int:
-        return 0
-
-
-def fake_torch(**kwargs) -> types.ModuleType:
-    torch = types.ModuleType("torch")
-    torch.cuda = FakeCuda(**kwargs)
-    return torch
+GiB, MiB = 2**30, 2**20
 
 
 def real_inventory(indices=(0, 1, 2, 3), total: int = 16 * GiB) -> Inventory:
-    """Non-simulated devices, as NVML discovery would give them."""
-    return Inventory(tuple(Device(i, f"GPU-real-{i:04d}", total, "Fake GPU") for i in indices), "nvml")
+    """Non-simulated devices, as NVML discovery would give them (the machine has 4)."""
+    machine = tuple(Device(i, f"GPU-real-{i:04d}", total, "Fake GPU") for i in range(4))
+    return Inventory(tuple(d for d in machine if d.index in indices), "nvml", machine=machine)
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", sim.TAG_ENV):
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", sim.TAG_ENV, XLA_FRACTION):
         monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+    runtime.forget()  # each test is a new process: its CUDA not yet pinned
+    yield monkeypatch
+    runtime.forget()
 
 
-def test_torch_gets_device_and_caps_on_leased_gpus_only(clean_env):
-    torch = fake_torch()
-    clean_env.setitem(sys.modules, "torch", torch)
-    clean_env.setenv("CUDA_VISIBLE_DEVICES", "outer")
-    inventory = real_inventory()
-    lease = make_lease("k", [1, 3], 4 * GiB, False, 0.0, inventory, "tag")
-
-    visible = "GPU-real-0001,GPU-real-0003"  # UUIDs: immune to ordering differences
-    assert lease.visible_devices == visible
-    assert lease.uuids == ("GPU-real-0001", "GPU-real-0003")
-    assert lease.device == "cuda:1"  # torch is loaded: it numbers the whole inventory
-    assert lease.env == {
-        "CUDA_VISIBLE_DEVICES": visible,
-        "HIP_VISIBLE_DEVICES": visible,
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-    }
-
-    done = confine(lease, inventory)
-    assert torch.cuda.calls == [
-        ("fraction", 0.25, 1),
-        ("reset_peak", 1),
-        ("fraction", 0.25, 3),
-        ("reset_peak", 3),
-        ("set_device", 1),
-    ]
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible
-    assert os.environ["HIP_VISIBLE_DEVICES"] == visible
-
-    done.undo()
-    assert torch.cuda.calls[5:] == [("fraction", 1.0, 3), ("fraction", 1.0, 1)]
-    assert {call[-1] for call in torch.cuda.calls} == {1, 3}  # GPUs 0 and 2 never touched
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "outer"
-    assert "HIP_VISIBLE_DEVICES" not in os.environ
-    assert done.notes == []
+PRELUDE = """
+import json, os, sys
+import torch
+from pytest_gpu.sim import fake, torch_cuda, cuda as simcuda
+assert fake.activate()
+from pytest_gpu.gpu import runtime
+from pytest_gpu.gpu.devices import discover
+from pytest_gpu.gpu.isolation import confine, make_lease
+GiB, MiB = 2**30, 2**20
+inv = discover(os.environ.get("GPUS", "auto"))
+out = {}
+def lease(key, indices, memory):
+    return make_lease(key, indices, memory, False, 0.0, inv, "tag-" + key)
+"""
 
 
-def test_torch_current_device_is_restored(clean_env):
-    torch = fake_torch(initialized=True, current=2)
-    clean_env.setitem(sys.modules, "torch", torch)
-    inventory = real_inventory()
-    lease = make_lease("k", [0], 8 * GiB, False, 0.0, inventory, "tag")
-    done = confine(lease, inventory)
-    assert torch.cuda.calls == [("fraction", 0.5, 0), ("reset_peak", 0), ("set_device", 0)]
-    done.undo()
-    assert torch.cuda.calls[3:] == [("set_device", 2), ("fraction", 1.0, 0)]
+def run_torch(tmp_path: Path, body: str, spec: str = "sim:4x16GiB", **env: str) -> dict:
+    """Run ``body`` after PRELUDE in a fresh process on fake GPUs; it fills ``out``."""
+    require("torch", module="torch")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
+    clean.update(PYTEST_GPU_FAKE_GPUS=spec, PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"), **env)
+    code = PRELUDE + body + "\nprint('OUT', json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("OUT "))
+    return json.loads(line[4:])
 
 
-def test_torch_ordinals_follow_an_outer_visible_list():
-    """With CUDA_VISIBLE_DEVICES=2,3 outside the run, physical GPU 3 is torch's cuda:1."""
-    torch = fake_torch()
-    inventory = real_inventory(indices=(2, 3))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "torch", torch)
-        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-        lease = make_lease("k", [3], 16 * GiB, True, 0.0, inventory, "tag")
-        assert lease.device == "cuda:1"
-        done = confine(lease, inventory)
-        done.undo()
-    assert torch.cuda.calls == [("fraction", 1.0, 1), ("reset_peak", 1), ("set_device", 1), ("fraction", 1.0, 1)]
+def test_torch_gets_device_and_caps_on_leased_gpus_only(tmp_path):
+    out = run_torch(
+        tmp_path,
+        """
+a = lease("a", [1, 3], 4 * GiB)
+out["device"], out["devices"], out["env"] = a.device, list(a.devices), a.visible_devices
+done = confine(a, inv)
+out["current"] = torch.cuda.current_device()
+for d in (1, 3):
+    blk = torch_cuda.empty(4 * GiB - 64 * MiB, device=d)  # fits the lease on each leased GPU
+    blk.free()
+try:
+    torch_cuda.empty(4 * GiB + 64 * MiB, device=3)
+    out["capped"] = False
+except torch.OutOfMemoryError:
+    out["capped"] = True
+out["during"] = sorted(simcuda.contexts())
+done.undo()
+out["after"] = sorted(simcuda.contexts())
+out["notes"] = done.notes
+""",
+    )
+    # the worker's CUDA sees the whole machine: GPU 1 is cuda:1, not cuda:0
+    assert out["device"] == "cuda:1" and out["devices"] == ["cuda:1", "cuda:3"]
+    assert out["env"].startswith("GPU-") and out["current"] == 1
+    assert out["capped"] is True  # the second GPU is capped too
+    assert out["during"] == out["after"] == [1, 3]  # contexts on the leased GPUs only
+    assert out["notes"] == []
 
 
-def test_torch_without_cuda_is_left_alone(clean_env):
-    torch = fake_torch(available=False)
-    clean_env.setitem(sys.modules, "torch", torch)
-    inventory = real_inventory()
-    done = confine(make_lease("k", [2], GiB, False, 0.0, inventory, "t"), inventory)
-    done.undo()
-    assert torch.cuda.calls == []
+def test_cached_memory_of_an_earlier_test_is_neither_its_peak_nor_kept(tmp_path):
+    """Item 2: reset_peak_memory_stats sets the peak to the current reserve: the cache must be empty first."""
+    out = run_torch(
+        tmp_path,
+        """
+a = confine(lease("a", [1], 12 * GiB), inv)
+torch_cuda.empty(10 * GiB).free()          # freed, but cached by torch's allocator
+out["cached"] = torch.cuda.memory_reserved(1)
+a.undo()
+out["reserved_after"] = torch.cuda.memory_reserved(1)
+out["ledger_after"] = simcuda.usage()[1]
+b = confine(lease("b", [1], 4 * GiB), inv)
+torch_cuda.empty(1 * GiB).free()
+out["peak_b"] = torch.cuda.max_memory_reserved(1)
+b.undo()
+""",
+    )
+    assert out["cached"] >= 10 * GiB
+    assert out["reserved_after"] == 0  # given back at the end of the lease, not kept by the worker
+    assert out["ledger_after"] == 512 * MiB or out["ledger_after"] <= 600 * MiB  # the context only
+    assert out["peak_b"] < 2 * GiB  # the second test's own peak, not the first test's cache
+
+
+def test_undo_opens_no_context_outside_the_lease(tmp_path):
+    """Item 3: going back to a device the process never used would open a context there (CUDA 12)."""
+    out = run_torch(
+        tmp_path,
+        """
+torch.cuda.init()  # torch initialised (current device 0), no context anywhere yet
+out["before"] = sorted(simcuda.contexts())
+done = confine(lease("a", [2], 4 * GiB), inv)
+torch_cuda.empty(GiB).free()
+done.undo()
+out["after"] = sorted(simcuda.contexts())
+out["current"] = torch.cuda.current_device()
+""",
+    )
+    assert out["before"] == []
+    assert out["after"] == [2]  # never a context on GPU 0
+    assert out["current"] == 2
+
+
+def test_fraction_is_of_the_total_torch_sees(tmp_path):
+    """Item 13: NVML's total includes the driver's reserve; torch's cap is a fraction of what CUDA sees."""
+    out = run_torch(
+        tmp_path,
+        """
+done = confine(lease("a", [1], 4 * GiB), inv)
+blk = torch_cuda.empty(4 * GiB - 2 * MiB)  # the whole lease (less a block's rounding)
+blk.free()
+try:
+    torch_cuda.empty(4 * GiB + 32 * MiB)
+    out["over"] = "allowed"
+except torch.OutOfMemoryError:
+    out["over"] = "refused"
+done.undo()
+""",
+        spec="sim:4x16GiB;reserved=1%",
+    )
+    assert out["over"] == "refused"
 
 
 def test_no_framework_loaded_imports_none(clean_env):
@@ -147,7 +168,7 @@ def test_no_framework_loaded_imports_none(clean_env):
         clean_env.delitem(sys.modules, name, raising=False)
     inventory = real_inventory()
     lease = make_lease("k", [2], GiB, False, 0.0, inventory, "t")
-    assert lease.device == "cuda:0"  # CUDA will start inside the test, seeing only the lease
+    assert lease.device == "cuda:2"  # the worker's CUDA is pinned to the run's list first
     done = confine(lease, inventory)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-real-0002"
     done.undo()
@@ -156,144 +177,94 @@ def test_no_framework_loaded_imports_none(clean_env):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
-def test_simulated_lease_does_not_touch_torch(clean_env):
-    torch = fake_torch()
-    clean_env.setitem(sys.modules, "torch", torch)
+def test_index_list_ordinals_are_physical_without_an_outer_list(clean_env):
+    """Item 1: --gpus 0,2,3 with no outer CUDA_VISIBLE_DEVICES: CUDA still numbers all 4 GPUs."""
+    inventory = real_inventory(indices=(0, 2, 3))
+    lease = make_lease("k", [2], GiB, False, 0.0, inventory, "t")
+    assert lease.device == "cuda:2"  # not its position in the inventory (cuda:1 = physical 1, excluded)
+    clean_env.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    runtime.forget()  # another run, started under CUDA_VISIBLE_DEVICES=2,3
+    outer = Inventory(inventory.devices[1:], "nvml", machine=inventory.machine, visible="2,3")
+    assert make_lease("k", [3], GiB, False, 0.0, outer, "t").device == "cuda:1"
+
+
+def test_lease_env_sets_jax_and_tensorflow_memory_behaviour(clean_env):
+    """Item 14: JAX preallocates 75 % of every visible GPU, TF all of it, unless told otherwise."""
+    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    lease = make_lease("k", [1], 4 * GiB, False, 0.0, inventory, "tag-1")
+    assert lease.env[XLA_PREALLOCATE] == "false"
+    assert lease.env[XLA_FRACTION] == "0.2500"
+    assert lease.env[TF_GROWTH] == "true"
+    done = confine(lease, inventory)
+    assert os.environ[XLA_FRACTION] == "0.2500"
+    done.undo()
+    assert XLA_FRACTION not in os.environ
+
+
+def test_simulated_lease_sets_the_tag_and_the_current_device(clean_env, tmp_path):
+    clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
+    clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
+    sim.cuda.forget()
     inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
     lease = make_lease("k", [1], 2 * GiB, False, 0.0, inventory, "tag-1")
     assert lease.visible_devices == "1"
     assert lease.env[sim.TAG_ENV] == "tag-1"
-    assert lease.device == "cuda:0"
+    assert lease.device == "cuda:1"
     done = confine(lease, inventory)
     assert os.environ[sim.TAG_ENV] == "tag-1"
+    assert sim.current_device() == 1
+    with sim.allocate("1GiB") as block:
+        assert block.physical == 1
     done.undo()
-    assert torch.cuda.calls == []
     assert sim.TAG_ENV not in os.environ
+    assert sim.cuda.contexts() == {1}  # no context opened on GPU 0 by going back
+    sim.cuda.forget()
 
 
-def test_cupy_device_and_pool_limit(clean_env):
-    calls: list[tuple] = []
+def test_cupy_limits_every_leased_gpu(clean_env):
+    """Item 13: CuPy's set_limit and free_all_blocks act on the current device's pool only."""
+    current = [0]
+    limits = {i: 0 for i in range(4)}
+    freed: list[int] = []
 
     class Device:
         def __init__(self, ordinal: int) -> None:
             self.ordinal = ordinal
+            self.saved: list[int] = []
 
         def use(self) -> None:
-            calls.append(("use", self.ordinal))
+            current[0] = self.ordinal
+
+        def __enter__(self) -> Device:
+            self.saved.append(current[0])
+            current[0] = self.ordinal
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = self.saved.pop()
 
     class Pool:
-        limit = 0
-
         def get_limit(self) -> int:
-            return self.limit
+            return limits[current[0]]
 
         def set_limit(self, size: int) -> None:
-            calls.append(("set_limit", size))
-            self.limit = size
+            limits[current[0]] = size
+
+        def free_all_blocks(self) -> None:
+            freed.append(current[0])
 
     pool = Pool()
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(Device=Device)
     cupy.get_default_memory_pool = lambda: pool
     clean_env.setitem(sys.modules, "cupy", cupy)
-    clean_env.delitem(sys.modules, "torch", raising=False)
     inventory = real_inventory()
     lease = make_lease("k", [2, 3], 3 * GiB, False, 0.0, inventory, "t")
-    assert lease.device == "cuda:2"
     done = confine(lease, inventory)
-    assert calls == [("use", 2), ("set_limit", 3 * GiB)]
+    assert limits == {0: 0, 1: 0, 2: 3 * GiB, 3: 3 * GiB}
+    assert current[0] == 2 and sorted(set(freed)) == [2, 3]
     done.undo()
-    assert calls[2:] == [("set_limit", 0)]
-
-
-# -- the same through pytest, on a stand-in NVML inventory ------------------------------------
-
-
-def fake_pynvml(count: int = 4, total: int = 16 * GiB) -> types.ModuleType:
-    nvml = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    nvml.NVMLError = NVMLError
-    nvml.nvmlInit = lambda: None
-    nvml.nvmlShutdown = lambda: None
-    nvml.nvmlDeviceGetCount = lambda: count
-    nvml.nvmlDeviceGetHandleByIndex = lambda i: i
-    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: int(uuid.rsplit("-", 1)[1])
-    nvml.nvmlDeviceGetUUID = lambda h: f"GPU-fake-{h:04d}"
-    nvml.nvmlDeviceGetName = lambda h: "Fake GPU"
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=total)
-    nvml.nvmlDeviceGetComputeRunningProcesses = lambda h: []
-    return nvml
-
-
-def test_torch_confined_through_pytest_on_nvml_inventory(gpu_pytester, run_inner, monkeypatch):
-    torch = fake_torch()
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    gpu_pytester.makepyfile(
-        test_torch="""
-        import os
-        import pytest
-        import torch
-
-        SEEN = {}
-
-        @pytest.mark.gpu(count=2, memory="4GiB")
-        def test_confined(gpu):
-            a, b = gpu.indices
-            SEEN["indices"] = (a, b)
-            assert gpu.uuids == (f"GPU-fake-{a:04d}", f"GPU-fake-{b:04d}")
-            assert gpu.device == f"cuda:{a}"
-            assert os.environ["CUDA_VISIBLE_DEVICES"] == f"GPU-fake-{a:04d},GPU-fake-{b:04d}"
-            assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-            assert torch.cuda.calls == [
-                ("fraction", 0.25, a),
-                ("reset_peak", a),
-                ("fraction", 0.25, b),
-                ("reset_peak", b),
-                ("set_device", a),
-            ]
-
-        def test_after():
-            a, b = SEEN["indices"]
-            assert torch.cuda.calls[5:] == [("fraction", 1.0, b), ("fraction", 1.0, a)]
-            assert "CUDA_VISIBLE_DEVICES" not in os.environ
-        """
-    )
-    result = run_inner("--gpus", "auto")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["pytest-gpu: 4 GPUs (4x16GiB) [[]nvml[]] · 1 GPU test · * · 0 violations"])
-    touched = {call[-1] for call in torch.cuda.calls}
-    assert len(touched) == 2  # only the two leased GPUs, never the other two
-
-
-def test_torch_initialised_inside_a_test_is_warned_about(gpu_pytester, run_inner, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(count=2))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch())
-    monkeypatch.delitem(sys.modules, "torch")  # not loaded when the test starts
-    gpu_pytester.makepyfile(
-        test_late="""
-        import sys
-        import types
-        import pytest
-
-        @pytest.mark.gpu(memory="1GiB")
-        def test_late_torch(gpu):
-            torch = types.ModuleType("torch")
-            torch.cuda = types.SimpleNamespace(
-                is_available=lambda: True,
-                is_initialized=lambda: True,
-                memory_allocated=lambda i: 0,
-                max_memory_reserved=lambda i: 0,
-            )
-            sys.modules["torch"] = torch
-        """
-    )
-    result = run_inner("--gpus", "auto")
-    result.assert_outcomes(passed=1, warnings=1)
-    result.stdout.fnmatch_lines(["*PytestWarning: pytest-gpu: torch initialised CUDA inside this test*"])
+    assert limits == {0: 0, 1: 0, 2: 0, 3: 0}
 
 
 def test_plugin_never_imports_torch(gpu_pytester, run_inner):

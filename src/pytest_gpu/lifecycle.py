@@ -173,6 +173,8 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
         state.ports_owner = None
     if state.indices:
         peak = ",".join(f"{i}={state.verdict.peak.get(i, 0)}" for i in sorted(state.indices))
+        if not state.verdict.measured:
+            peak = ""  # unknown, not zero: no suggestion is made from it
         item.user_properties.extend(
             [
                 ("gpu_indices", ",".join(map(str, sorted(state.indices)))),
@@ -184,6 +186,8 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
                 ("gpu_leases", json.dumps(state.leases)),
             ]
         )
+        if state.verdict.notes:  # what could not be checked: said in the summary, never silent
+            item.user_properties.append(("gpu_notes", "\n".join(state.verdict.notes)))
 
 def _requested_bytes(state: TestState) -> int:
     """Memory per GPU the test asked for: its marker's, or what an exclusive lease gave (0: none)."""
@@ -199,8 +203,6 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
     state = item.stash.get(STATE_KEY, None)
     if state is None:
         return
-    if state.verdict.notes:
-        report.sections.append(("pytest-gpu verification notes", "\n".join(state.verdict.notes)))
     if not state.verdict.violations:
         return
     text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(f"  - {v}" for v in state.verdict.violations)

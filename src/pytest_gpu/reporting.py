@@ -21,6 +21,7 @@ class Summary:
     waited: float = 0.0
     violations: int = 0
     violating: list[str] = field(default_factory=list)
+    notes: dict[str, int] = field(default_factory=dict)  # what verification could not check -> tests
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
@@ -66,6 +67,9 @@ class Summary:
         if count:
             self.violations += count
             self.violating.append(report.nodeid)
+        for note in str(props.get("gpu_notes", "")).splitlines():
+            if note:
+                self.notes[note] = self.notes.get(note, 0) + 1
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [
@@ -77,6 +81,8 @@ class Summary:
             out.append(f"pytest-gpu: note: {inventory.note}")
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
+        for note, tests in list(self.notes.items())[:10]:
+            out.append(f"pytest-gpu: not verified: {note} ({tests} test{'s' if tests != 1 else ''})")
         for crash in crashes:
             what = []
             if crash.gpus:

@@ -131,6 +131,11 @@ def process_view(inventory: Inventory, visible: str | None = None, *, use_run: b
     return [d.index for d in select_visible(machine, value)]
 
 
+def addressable(machine: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The devices CUDA can open: all but GPUs in MIG mode (their instances are listed)."""
+    return tuple(d for d in machine if not _mig_mode_gpu(d, machine))
+
+
 def _mig_mode_gpu(device: Device, machine: tuple[Device, ...]) -> bool:
     return device.parent is None and any(d.parent == device.index for d in machine)
 

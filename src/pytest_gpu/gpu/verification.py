@@ -29,7 +29,7 @@ from types import ModuleType
 from .. import sim
 from ..requests import format_size
 from . import runtime
-from .devices import Inventory
+from .devices import Inventory, addressable
 from .isolation import GpuLease
 
 
@@ -40,8 +40,10 @@ class Verdict:
     peak: dict[int, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be checked, and why
+    measured: bool = True  # False: the peaks are unknown (not zero)
 
     def merge(self, other: Verdict) -> None:
+        self.measured = self.measured and other.measured
         for index, value in other.peak.items():
             self.peak[index] = max(self.peak.get(index, 0), value)
         self.violations.extend(other.violations)
@@ -110,6 +112,7 @@ class NvmlVerifier:
         self._baseline: dict[int, int] = {}
         self._torch_base: dict[int, int] = {}
         self._notes: list[str] = []
+        self._unmeasured: set[int] = set()
 
     def _usage(self) -> dict[int, int] | None:
         """Bytes NVML reports for this process tree per GPU; ``None`` (and a note) when it cannot tell."""
@@ -123,10 +126,11 @@ class NvmlVerifier:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
             self._note(f"NVML unavailable ({exc}): memory outside the lease was not checked")
+            self._unmeasured.update(d.index for d in self.inventory.devices)
             return None
         try:
             foreign: set[int] = set()
-            for device in self.inventory.machine or self.inventory.devices:
+            for device in addressable(self.inventory.machine or self.inventory.devices):
                 try:
                     handle = pynvml.nvmlDeviceGetHandleByUUID(device.uuid)
                     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
@@ -134,6 +138,7 @@ class NvmlVerifier:
                     # MIG without privileges: NoPermission; a driver older than the bindings:
                     # nvidia-ml-py raises its library-mismatch error (not an NVMLError)
                     self._note(f"NVML cannot list processes on GPU {device.index} ({exc}): not checked there")
+                    self._unmeasured.add(device.index)
                     continue
                 for proc in procs:
                     if proc.pid in pids:
@@ -147,6 +152,7 @@ class NvmlVerifier:
                     f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
                     "pid namespace (a container?): memory outside the lease was not checked"
                 )
+                self._unmeasured.update(d.index for d in self.inventory.devices)
                 return None
         finally:
             pynvml.nvmlShutdown()
@@ -192,4 +198,5 @@ class NvmlVerifier:
                     current[index] = left
         verdict = judge(lease, peak, current, touched, others)
         verdict.notes.extend(self._notes)
+        verdict.measured = torch is not None or not (self._unmeasured & set(lease.indices))
         return verdict

@@ -1,0 +1,230 @@
+"""Real-GPU paths end to end, on fake GPUs as strict as CUDA and NVML (``PYTEST_GPU_FAKE_GPUS``).
+
+Each inner run is a fresh pytest process whose nvidia-ml-py loads the fake
+``libnvidia-ml.so.1``: ``--gpus auto``, index lists, MIG, NVML faults and the NVML
+verifier take exactly the code path of a real machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require
+from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
+
+
+@pytest.fixture
+def fake(gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """``fake(spec, *args)``: an inner pytest run (own process) on the fake machine ``spec``."""
+
+    def run(spec: str, *args: str, visible: str | None = None) -> pytest.RunResult:
+        monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", spec)
+        monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+        if visible is not None:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=180)
+
+    return run
+
+
+def test_index_list_leases_land_on_the_physical_gpu_and_outside_use_is_seen(gpu_pytester, fake):
+    """Item 1: --gpus 0,2,3 without an outer CUDA_VISIBLE_DEVICES; CUDA still numbers all 4 GPUs."""
+    gpu_pytester.makepyfile(
+        test_idx="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.parametrize("n", range(3))
+        @pytest.mark.gpu(exclusive=True)
+        def test_on_the_lease(gpu, n):
+            assert gpu.device == f"cuda:{gpu.indices[0]}"
+            with sim.allocate("1GiB") as block:  # the current device: the lease's
+                assert block.physical == gpu.indices[0]
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_on_the_excluded_gpu(gpu):
+            sim.allocate("256MiB", device=1).free()  # physical GPU 1, which --gpus left out
+        """
+    )
+    result = fake("sim:4x16GiB", "--gpus", "0,2,3", "-p", "no:xdist")
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["*used memory on GPU 1 (*) outside its lease*"])
+    result.stdout.fnmatch_lines(["pytest-gpu: 3 GPUs (3x16GiB) [[]nvml[]]*"])
+
+
+def test_cuda_first_used_inside_a_test_does_not_strand_the_worker(gpu_pytester, fake):
+    """Item 4: the first test starts CUDA (sim and torch); later tests on other GPUs land right."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(
+        test_late="""
+        import sys
+        import pytest
+        from pytest_gpu import sim
+
+        def test_0_cpu():
+            assert "torch" not in sys.modules
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_1_first_cuda_use(gpu):
+            import torch  # imported and started inside a test that sees only its lease
+            assert torch.cuda.is_available()
+            assert torch.cuda.current_device() == gpu.indices[0]  # confined right after the import
+            sim.allocate("64MiB").free()
+
+        @pytest.mark.gpu(2, memory="1GiB")
+        def test_2_two_gpus(gpu):
+            import torch
+            from pytest_gpu.sim import torch_cuda
+            assert torch.cuda.device_count() == 2
+            for index, device in zip(gpu.indices, gpu.devices):
+                block = torch_cuda.empty(2**20, device=device)
+                assert block.physical == index
+                block.free()
+
+        @pytest.mark.gpu(exclusive=True)
+        @pytest.mark.parametrize("n", range(2))
+        def test_3_whole_gpu(gpu, n):
+            import torch
+            assert torch.cuda.current_device() == gpu.indices[0]
+            with sim.allocate("1GiB") as block:
+                assert block.physical == gpu.indices[0]
+        """
+    )
+    result = fake("sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=5)
+    assert "violation" not in result.stdout.str().split("short test summary")[0].replace("0 violations", "")
+
+
+def test_a_gpu_nvml_refuses_is_left_out_with_a_note(gpu_pytester, fake):
+    """Item 5: NO_PERMISSION / GPU_IS_LOST on one GPU must not stop a run (CPU-only ones included)."""
+    gpu_pytester.makepyfile(
+        test_f="""
+        import pytest
+
+        def test_cpu():
+            pass
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_gpu(gpu):
+            assert gpu.indices[0] in (0, 1, 3)
+        """
+    )
+    result = fake("sim:4x16GiB;fault:2=no_permission", "--gpus", "auto")
+    result.assert_outcomes(passed=2)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: 3 GPUs (3x16GiB) [[]nvml[]]*",
+            "pytest-gpu: note: GPU 2 skipped: NVML: Insufficient Permissions",
+        ]
+    )
+    lost = fake("sim:2x16GiB;fault:0=gpu_is_lost", "--gpus", "auto", "-k", "cpu")
+    lost.assert_outcomes(passed=1, deselected=1)
+    assert "INTERNALERROR" not in lost.stdout.str()
+
+
+def test_verification_says_what_nvml_cannot_tell(gpu_pytester, fake):
+    """Item 6: NVML refusing process lists (MIG, unprivileged) or reporting host pids (a
+    container) is a note on the report, never an error and never silent."""
+    gpu_pytester.makepyfile(
+        test_v="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_gpu(gpu):
+            sim.allocate("256MiB").free()
+        """
+    )
+    mig = fake("sim:1x80GiB;mig:0=2x40GiB", "--gpus", "auto")
+    mig.assert_outcomes(passed=1)
+    mig.stdout.fnmatch_lines(
+        ["pytest-gpu: not verified: NVML cannot list processes on GPU 1 (Insufficient Permissions): not checked there*"]
+    )
+    assert "on GPU 0 (" not in mig.stdout.str()  # the MIG-mode GPU itself is not a device to check
+    container = fake("sim:2x16GiB;pidns=100000", "--gpus", "auto")
+    container.assert_outcomes(passed=1)
+    container.stdout.fnmatch_lines(["pytest-gpu: not verified: *do not exist in this pid namespace (a container?)*"])
+    old = fake("sim:2x16GiB;no-v3", "--gpus", "auto")
+    old.assert_outcomes(passed=1)
+    old.stdout.fnmatch_lines(["pytest-gpu: not verified: NVML cannot list processes on GPU 0*(1 test)"])
+
+
+def test_mig_instances_are_the_inventory(gpu_pytester, fake):
+    """Item 7: a MIG-mode GPU contributes its instances; an outer MIG UUID selects one."""
+    gpu_pytester.makepyfile(
+        test_m=f"""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(memory="8GiB")
+        def test_on_mig(gpu):
+            assert gpu.uuids[0].startswith("MIG-")
+            assert gpu.uuids[0] == {mig_uuid(0, 1)!r}
+            with sim.allocate("4GiB") as block:
+                assert block.physical == gpu.indices[0]
+        """
+    )
+    result = fake("sim:1x80GiB;mig:0=2x20GiB", "--gpus", "auto", visible=mig_uuid(0, 1))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: 1 MIG instance (1x20GiB) [[]nvml[]]*"])
+    assert "peaked at 0B" not in result.stdout.str()  # NVML could not measure it: no made-up suggestion
+
+
+def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTEST_GPU_FAKE_GPUS="sim:2x80GiB;mig:1=2x40GiB;reserved=1%", PYTEST_GPU_SIM_LEDGER=str(tmp_path / "l"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest_gpu.cli", "inventory", "--gpus", "auto"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "--gpus auto: 3 GPUs (1x80GiB, 2x40GiB)"
+    assert lines[1].split()[:3] == ["GPU", "0", gpu_uuid(0)]
+    assert "reserved" in lines[1]
+    assert lines[2].split()[:3] == ["MIG", "2", mig_uuid(1, 0)] and lines[2].endswith("(on GPU 1)")
+    empty = subprocess.run(
+        [sys.executable, "-m", "pytest_gpu.cli", "inventory", "--gpus", "auto"],
+        env={**env, "CUDA_VISIBLE_DEVICES": "MIG-nope"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "CUDA_VISIBLE_DEVICES='MIG-nope' matches none of the devices NVML reports" in empty.stdout
+
+
+@pytest.mark.parametrize("gpus", ["auto", "sim:2x16GiB"])
+def test_a_sections_gpu_is_not_the_main_leases_violation(gpu_pytester, fake, gpus):
+    """Item 8: NVML usage is per process; a gpu_request section's context and memory are its own."""
+    gpu_pytester.makepyfile(
+        test_s="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(exclusive=True)
+        def test_main_and_section(gpu, gpu_request):
+            sim.allocate("1GiB").free()
+            with gpu_request(memory="2GiB") as section:
+                assert section.indices != gpu.indices
+                sim.allocate("1GiB", device=section.device).free()
+        """
+    )
+    result = fake("sim:2x16GiB", "--gpus", gpus, "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*· 0 violations"])
+
+
+def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake):
+    gpu_pytester.makepyfile("def test_a():\n    pass\n")
+    result = fake("sim:4x16GiB;fault:9=gpu_is_lost", "--gpus", "auto")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*PYTEST_GPU_FAKE_GPUS: *fault:9=gpu_is_lost: '9' is not a GPU index (0..3)*"])
