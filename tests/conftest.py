@@ -38,6 +38,9 @@ def require(component: str, *, module: str | None = None, executable: str | None
 # (their start-up cost is paid by every xdist worker).
 INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest")
 _OUTER_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "PYTEST_ADDOPTS")
+# pytester points HOME at each test's directory; the fake libnvidia-ml.so.1 is built once
+# per cache directory, so inner runs share the user's (as real runs would)
+_CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 
 
 @pytest.fixture
@@ -50,6 +53,7 @@ def gpu_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
     for name in list(os.environ):
         if name in _OUTER_VARS or name.startswith("PYTEST_GPU_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", _CACHE)
     return pytester
 
 

@@ -365,7 +365,8 @@ def test_ordinal_beyond_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1GiB", device=1)
     assert str(info.value) == (
-        "invalid device ordinal 1: this process sees 1 simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES='1')"
+        "invalid device ordinal 1: this process sees 1 simulated GPU(s) "
+        "(its CUDA started with CUDA_VISIBLE_DEVICES='1')"
     )
     assert sim.usage() == {0: 0, 1: 0}
 
@@ -374,7 +375,8 @@ def test_ordinal_beyond_the_machine() -> None:
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1GiB", device=2)
     assert (
-        str(info.value) == "invalid device ordinal 2: this process sees 2 simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES=None)"
+        str(info.value) == "invalid device ordinal 2: this process sees 2 simulated GPU(s) "
+        "(its CUDA started with CUDA_VISIBLE_DEVICES=None)"
     )
 
 
@@ -397,7 +399,8 @@ def test_invalid_visible_entries(monkeypatch: pytest.MonkeyPatch, visible: str, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     with pytest.raises(SimDeviceError) as info:
         sim.allocate("1MiB", device=seen)
-    assert f"this process sees {seen} simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES={visible!r})" in str(info.value)
+    expected = f"this process sees {seen} simulated GPU(s) (its CUDA started with CUDA_VISIBLE_DEVICES={visible!r})"
+    assert expected in str(info.value)
 
 
 @pytest.mark.parametrize("device", [True, "0", 1.0])

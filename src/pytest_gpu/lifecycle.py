@@ -189,6 +189,7 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
         if state.verdict.notes:  # what could not be checked: said in the summary, never silent
             item.user_properties.append(("gpu_notes", "\n".join(state.verdict.notes)))
 
+
 def _requested_bytes(state: TestState) -> int:
     """Memory per GPU the test asked for: its marker's, or what an exclusive lease gave (0: none)."""
     if state.request is not None and state.request.memory is not None:

@@ -60,6 +60,10 @@ class Rank:
         for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
             os.environ[name] = mine
         self.device = "cuda:0" if mine else "cpu"
+        if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
+            from ..sim import fake
+
+            fake.activate()
         self._stack_file = open(self.log_dir / f"rank{self.rank}.stack", "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]

@@ -234,6 +234,11 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
             except pynvml.NVMLError as exc:
                 notes.append(f"GPU {i} skipped: NVML: {exc}")
         numbered = [replace(m, index=count + k) for k, m in enumerate(migs)]
+        from .nvmlversion import nvml_version_problem
+
+        problem = nvml_version_problem()
+        if problem:
+            notes.append(problem)
         return tuple(gpus + numbered), "; ".join(notes)
     finally:
         pynvml.nvmlShutdown()

@@ -113,6 +113,11 @@ class NvmlVerifier:
         self._torch_base: dict[int, int] = {}
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
+        from .nvmlversion import nvml_version_problem
+
+        problem = nvml_version_problem()
+        if problem:  # its process lists cannot be trusted
+            self._note(problem)
 
     def _usage(self) -> dict[int, int] | None:
         """Bytes NVML reports for this process tree per GPU; ``None`` (and a note) when it cannot tell."""

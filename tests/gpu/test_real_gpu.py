@@ -1,0 +1,120 @@
+"""The real-GPU paths on a real GPU: run this where a GPU is at hand, put its output in the note.
+
+Every test here is skipped on a machine without a GPU (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from pytest_gpu.gpu.devices import discover
+
+
+def test_inventory_matches_nvidia_smi(real_gpus):
+    inventory = discover("auto", environ={})
+    assert [(d.index, d.uuid) for d in inventory.devices] == [(i, u) for i, u, _ in real_gpus]
+    for device, (_, _, mib) in zip(inventory.devices, real_gpus, strict=True):
+        assert abs(device.total_memory // 2**20 - mib) <= 1
+        assert 0 <= device.reserved < device.total_memory // 10
+    cli = subprocess.run(
+        [sys.executable, "-m", "pytest_gpu.cli", "inventory", "--gpus", "auto"], capture_output=True, text=True
+    )
+    assert cli.returncode == 0 and real_gpus[0][1] in cli.stdout, cli.stdout + cli.stderr
+
+
+CO_TENANTS = """
+import pytest
+import torch
+
+@pytest.mark.gpu(memory="2GiB")
+@pytest.mark.parametrize("n", range(6))
+def test_within_the_lease(gpu, n):
+    assert torch.cuda.current_device() == int(gpu.device.split(":")[1])
+    x = torch.empty(1024**3, dtype=torch.uint8, device=gpu.device)  # 1 GiB
+    x.fill_(1)
+    torch.cuda.synchronize()
+    del x
+
+@pytest.mark.gpu(memory="1GiB")
+def test_over_the_cap_is_an_oom(gpu):
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(2 * 1024**3, dtype=torch.uint8, device=gpu.device)
+"""
+
+
+def test_torch_leases_with_caps_and_verification_under_xdist(gpu_pytester, real_run, cuda_torch):
+    gpu_pytester.makepyfile(test_co=CO_TENANTS)
+    result = real_run("-n", "2", "--gpus", "0", "-v")
+    result.assert_outcomes(passed=7)
+    result.stdout.fnmatch_lines(["*· 0 violations"])
+
+
+LATE = """
+import sys
+import pytest
+
+def test_0_cpu():
+    assert "torch" not in sys.modules
+
+@pytest.mark.gpu(memory="1GiB")
+def test_1_torch_starts_here(gpu):
+    import torch
+    x = torch.ones(1024, device="cuda")  # the default device: confined after the import
+    assert x.device.index == int(gpu.device.split(":")[1])
+
+@pytest.mark.gpu(exclusive=True)
+def test_2_later_test(gpu):
+    import torch
+    assert torch.cuda.device_count() >= len(gpu.indices)
+    x = torch.ones(1024, device=gpu.device)
+    assert x.sum().item() == 1024
+"""
+
+
+def test_cuda_first_started_inside_a_test(gpu_pytester, real_run, cuda_torch):
+    gpu_pytester.makepyfile(test_late=LATE)
+    result = real_run("-p", "no:xdist", "--gpus", "auto", "-v")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*· 0 violations"])
+
+
+NCCL = """
+import pytest
+
+@pytest.mark.distributed(world_size=1, backend="nccl")
+def test_one_rank_nccl(rank):
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(4, device=rank.device)
+    dist.all_reduce(t)
+    assert t.sum().item() == 4
+"""
+
+
+def test_one_rank_nccl_pool(gpu_pytester, real_run, cuda_torch):
+    gpu_pytester.makepyfile(test_nccl=NCCL)
+    real_run("--gpus", "auto", "-v").assert_outcomes(passed=1)
+
+
+JAX = """
+import pytest
+
+@pytest.mark.gpu(memory="2GiB")
+def test_jax_in_a_subprocess(gpu):
+    import os, subprocess, sys
+    code = "import jax, jax.numpy as jnp; print(jax.devices()); print(float(jnp.ones(4).sum()))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **gpu.env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("4.0")
+"""
+
+
+def test_jax_respects_the_lease(gpu_pytester, real_run):
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("JAX is not installed here (optional in the real-GPU suite)")
+    gpu_pytester.makepyfile(test_jax=JAX)
+    real_run("-n", "2", "--gpus", "0", "-v").assert_outcomes(passed=1)
