@@ -228,3 +228,81 @@ def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake):
     result = fake("sim:4x16GiB;fault:9=gpu_is_lost", "--gpus", "auto")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*PYTEST_GPU_FAKE_GPUS: *fault:9=gpu_is_lost: '9' is not a GPU index (0..3)*"])
+
+
+def test_one_mig_instance_per_process():
+    """CUDA lets a process use one MIG instance, the first it sees; other GPUs stay visible."""
+    from pytest_gpu.gpu.devices import Inventory, process_view, sim_machine
+    from pytest_gpu.sim.spec import parse, parse_visible
+
+    machine = parse("sim:2x80GiB;mig:0=3x20GiB")
+    addressable = {u.index for u in machine.addressable()}
+    assert parse_visible(None, machine.units(), addressable) == [1, 2]  # GPU 1 and the first instance
+    assert parse_visible(f"{mig_uuid(0, 2)},{mig_uuid(0, 1)}", machine.units(), addressable) == [4]
+    found, _ = sim_machine("sim:2x80GiB;mig:0=3x20GiB")
+    inventory = Inventory(found, "nvml", machine=found)
+    assert [d.index for d in inventory.devices] == [1, 2, 3, 4]  # every instance can be leased
+    assert process_view(inventory) == [1, 2]  # but this process's CUDA uses one
+
+
+def test_a_mig_lease_this_process_cannot_use_is_for_subprocesses(tmp_path, monkeypatch):
+    from pytest_gpu import sim
+    from pytest_gpu.gpu.devices import Inventory, sim_machine
+    from pytest_gpu.gpu.isolation import confine, make_lease
+
+    monkeypatch.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
+    monkeypatch.setenv(sim.SPEC_ENV, "sim:1x80GiB;mig:0=2x20GiB")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sim.cuda.forget()
+    found, _ = sim_machine("sim:1x80GiB;mig:0=2x20GiB")
+    inventory = Inventory(found, "sim:1x80GiB;mig:0=2x20GiB", machine=found)
+    lease = make_lease("k", [2], 4 * 2**30, False, 0.0, inventory, "tag")  # the second instance
+    assert lease.device == "" and lease.devices == ()
+    assert lease.visible_devices == "2"
+    done = confine(lease, inventory)
+    assert "cannot be used by this process's CUDA" in done.notes[0]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"  # a subprocess gets exactly the instance
+    done.undo()
+    sim.cuda.forget()
+
+
+def test_import_hook_keeps_the_module_whole(tmp_path, monkeypatch):
+    """The wrapped loader is given back; a failing callback never breaks the import."""
+    import importlib.resources
+
+    from pytest_gpu import importhook
+
+    pkg = tmp_path / "hooked_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("VALUE = 1\n")
+    (pkg / "data.txt").write_text("payload")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    importhook.on_import("hooked_pkg", lambda m: seen.append(m.VALUE))
+
+    def broken(module: object) -> None:
+        raise RuntimeError("callback failed")
+
+    importhook.on_import("hooked_pkg", broken)
+    try:
+        with pytest.warns(RuntimeWarning, match="callback failed"):
+            import hooked_pkg  # type: ignore[import-not-found]
+        assert seen == [1]
+        assert importlib.resources.files("hooked_pkg").joinpath("data.txt").read_text() == "payload"
+        assert type(hooked_pkg.__loader__).__module__ != "pytest_gpu.importhook"
+    finally:
+        sys.modules.pop("hooked_pkg", None)
+
+
+def test_torch_with_real_cuda_is_left_alone_with_a_note(monkeypatch):
+    import types
+
+    from pytest_gpu.sim import fake, torch_cuda
+
+    def refuse(torch: object) -> None:
+        raise RuntimeError("torch has real CUDA support")
+
+    monkeypatch.setattr(torch_cuda, "install", refuse)
+    monkeypatch.setattr(fake, "notes", [])
+    fake._install_torch(types.ModuleType("torch"))  # must not raise inside the user's import
+    assert fake.notes == ["torch.cuda left as it is: torch has real CUDA support"]

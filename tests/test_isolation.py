@@ -297,3 +297,88 @@ def test_plugin_never_imports_torch(gpu_pytester, run_inner):
     result = run_inner("--gpus", "sim:1x16GiB", subprocess=True)
     result.assert_outcomes(passed=2)
     assert out.read_text() == repr((False, False, True))
+
+
+def test_nested_leases_on_one_gpu_keep_the_outer_cap(clean_env, tmp_path):
+    """A gpu_request section on the main lease's GPU adds its budget; ending it restores the main cap."""
+    clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
+    clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
+    sim.cuda.forget()
+    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    main = confine(make_lease("m", [1], 2 * GiB, False, 0.0, inventory, "tag-m"), inventory)
+    section = confine(make_lease("s", [1], 1 * GiB, False, 0.0, inventory, "tag-s"), inventory)
+    with sim.allocate("2.5GiB"):  # main + section: 3GiB on GPU 1
+        pass
+    section.undo()
+    with pytest.raises(sim.OutOfMemoryError, match="capped at 2GiB"):  # the main lease's own cap, not none
+        sim.allocate("2.5GiB")
+    main.undo()
+    with sim.allocate("2.5GiB"):  # no lease: no cap
+        pass
+    sim.cuda.forget()
+
+
+def test_a_failing_adapter_undoes_what_was_applied(clean_env, tmp_path):
+    clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
+    clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
+    sim.cuda.forget()
+
+    class Pool:
+        def free_all_blocks(self) -> None:
+            raise RuntimeError("cupy says no")
+
+    class Device:
+        def __init__(self, ordinal: int) -> None:
+            pass
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=Device)
+    cupy.get_default_memory_pool = lambda: Pool()
+    clean_env.setitem(sys.modules, "cupy", cupy)
+    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    with pytest.raises(RuntimeError, match="cupy says no"):
+        confine(make_lease("k", [1], GiB, False, 0.0, inventory, "tag-1"), inventory)
+    assert sim.TAG_ENV not in os.environ
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with sim.allocate("2GiB", device=1):  # the sim cap set before the failure was lifted
+        pass
+    sim.cuda.forget()
+
+
+def test_torch_sections_and_lazy_start(tmp_path):
+    """Sections on the main lease's GPU and elsewhere; torch's CUDA is started only when the test uses it."""
+    out = run_torch(
+        tmp_path,
+        """
+main = confine(lease("m", [1], 4 * GiB), inv)
+out["started_by_confine"] = torch.cuda.is_initialized()  # deferred with torch.cuda._lazy_call
+torch_cuda.empty(GiB).free()  # the test starts CUDA: the confinement applies now
+out["current"] = torch.cuda.current_device()
+same = confine(lease("s", [1], 2 * GiB), inv)
+big = torch_cuda.empty(5 * GiB)  # main + section: 6GiB on GPU 1
+big.free()
+same.undo()
+try:
+    torch_cuda.empty(5 * GiB)
+    out["after_same"] = "allowed"
+except torch.OutOfMemoryError:
+    out["after_same"] = "refused"
+out["peak_kept"] = torch.cuda.max_memory_reserved(1) >= 5 * GiB  # the section did not reset the main peak
+other = confine(lease("o", [2], 2 * GiB), inv)
+torch_cuda.empty(GiB).free()
+other.undo()
+out["current_after_other"] = torch.cuda.current_device()  # back on the main lease's GPU
+main.undo()
+""",
+    )
+    assert out["started_by_confine"] is False
+    assert out["current"] == 1
+    assert out["after_same"] == "refused"
+    assert out["peak_kept"] is True
+    assert out["current_after_other"] == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -27,8 +28,19 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
+        # the module keeps its own loader (importlib.resources and friends use its methods)
+        module.__loader__ = self._inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._inner
         for callback in _callbacks.pop(self._name, []):
-            callback(module)
+            try:
+                callback(module)
+            except Exception as exc:  # the test's import must never fail because of us
+                warnings.warn(f"pytest-gpu: after importing {self._name}: {exc!r}", RuntimeWarning, stacklevel=2)
+
+    def __getattr__(self, name: str) -> object:
+        # while the module executes, importlib may ask its loader for more (is_package, ...)
+        return getattr(self._inner, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

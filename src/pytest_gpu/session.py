@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +105,8 @@ class GpuRun:
                 }
             )
             fake.activate(inventory.source)
+        if fake.notes:  # what the fake machine could not provide here (no C compiler, ...)
+            run.inventory = replace(inventory, note="; ".join(filter(None, [inventory.note, *fake.notes])))
         run._set_env({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         return run
 
@@ -161,10 +163,10 @@ class GpuRun:
 
             self.broker.close()
             rundir.remove(self.run_dir)
-        if self.inventory.simulated:
-            from .sim import fake
+        from .sim import fake
 
-            fake.deactivate()  # the run's own simulated machine ends with it
+        if self.broker is not None and fake.active():
+            fake.deactivate()  # the run's fake machine ends with it (in-process runs follow each other)
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)

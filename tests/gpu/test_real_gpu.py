@@ -1,17 +1,77 @@
 """The real-GPU paths on a real GPU: run this where a GPU is at hand, put its output in the note.
 
-Every test here is skipped on a machine without a GPU (see conftest.py).
+Runs only where ``nvidia-smi`` sees a GPU (and, for the torch tests, torch has CUDA);
+elsewhere every test is skipped with a reason that says so.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
 from pytest_gpu.gpu.devices import discover
+
+NO_GPU = "no GPU on this machine (real-GPU suite)"
+
+
+def nvidia_smi_gpus() -> list[tuple[int, str, int]]:
+    """(index, uuid, MiB total) for each GPU ``nvidia-smi`` lists; empty without one."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit():
+            rows.append((int(parts[0]), parts[1], int(float(parts[2]))))
+    return rows
+
+
+GPUS = nvidia_smi_gpus()
+
+
+# Skipped where no GPU is at hand: not a missing component (CI has no GPU by design), so
+# .ci/check_skips.py accepts it.
+pytestmark = pytest.mark.skipif(not GPUS, reason=NO_GPU)
+
+
+@pytest.fixture
+def real_gpus() -> list[tuple[int, str, int]]:
+    return GPUS
+
+
+@pytest.fixture
+def cuda_torch() -> None:
+    """torch with CUDA in this environment (the suite's subprocesses import it)."""
+    out = subprocess.run(
+        ["python", "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=300
+    )
+    if out.stdout.strip() != "True":
+        pytest.skip(f"torch without CUDA here ({(out.stdout + out.stderr).strip()[-200:]}) (real-GPU suite)")
+
+
+@pytest.fixture
+def real_run(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
+    """An inner pytest run in its own process, on the real GPUs (no fake switch)."""
+
+    def run(*args: str, timeout: float = 300) -> pytest.RunResult:
+        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=timeout)
+
+    return run
 
 
 def test_inventory_matches_nvidia_smi(real_gpus):

@@ -126,9 +126,10 @@ def process_view(inventory: Inventory, visible: str | None = None, *, use_run: b
     """
     machine = inventory.machine or inventory.devices
     value = inventory.visible if (visible is None and use_run) else visible
-    if value is None:
-        return [d.index for d in machine if not _mig_mode_gpu(d, machine)]
-    return [d.index for d in select_visible(machine, value)]
+    seen = addressable(machine) if value is None else select_visible(machine, value)
+    # CUDA gives a process one MIG instance, the first it can see (NVIDIA's MIG user guide)
+    first_mig = next((d.index for d in seen if d.parent is not None), None)
+    return [d.index for d in seen if d.parent is None or d.index == first_mig]
 
 
 def addressable(machine: tuple[Device, ...]) -> tuple[Device, ...]:
@@ -306,8 +307,7 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
         found, note = sim_machine(value)
         if visible is None:
             return Inventory(found, value, note, found, visible)
-        by_index = {d.index: d for d in found}
-        seen = tuple(by_index[i] for i in process_view(Inventory(found, value, machine=found), visible))
+        seen = _usable(found, visible)
         if not seen:
             note = "; ".join(filter(None, [_why_none(found, visible), note]))
         return Inventory(seen, value, note, found, visible)
@@ -318,8 +318,7 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
             if lowered == "auto":
                 return Inventory((), "auto", str(exc))
             raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
-        by_index = {d.index: d for d in found}
-        seen = [by_index[i] for i in process_view(Inventory(found, "nvml", machine=found), visible)]  # CUDA's order
+        seen = list(_usable(found, visible))
         if lowered == "auto":
             if not seen:
                 note = "; ".join(filter(None, [_why_none(found, visible), note]))
@@ -342,6 +341,12 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
             )
         return Inventory(tuple(known[i] for i in wanted), "nvml", note, found, visible)
     raise DeviceSpecError(f"--gpus {spec!r}: expected {GPUS_FORM}")
+
+
+def _usable(found: tuple[Device, ...], visible: str | None) -> tuple[Device, ...]:
+    """The devices a run may lease under an outer ``CUDA_VISIBLE_DEVICES``, in its order (every
+    visible MIG instance: each lease is used by one process, a subprocess if need be)."""
+    return addressable(found) if visible is None else select_visible(found, visible)
 
 
 def _why_none(found: tuple[Device, ...], visible: str | None) -> str:

@@ -18,11 +18,14 @@ CuPy stand-in, not on a real GPU.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 from .. import importhook, sim
 from . import runtime
@@ -63,11 +66,6 @@ class GpuLease:
         return f"GpuLease(indices={self.indices}, memory={self.memory}, device={self.device!r})"
 
 
-def in_process_ordinal(index: int, inventory: Inventory) -> int:
-    """CUDA ordinal of physical GPU ``index`` in this process once its CUDA is pinned."""
-    return runtime.ordinals(inventory, [index])[0]
-
-
 def make_lease(
     key: str,
     indices: Sequence[int],
@@ -84,25 +82,27 @@ def make_lease(
         visible = ",".join(d.uuid for d in devices)  # UUIDs: immune to any ordering mismatch
     env = {name: visible for name in VISIBLE_VARS}
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    smallest = min(d.capacity for d in devices)
+    # one fraction for every GPU: of the largest, so no GPU is given more than the lease
+    largest = max(d.capacity for d in devices)
     env[XLA_PREALLOCATE] = "false"
-    env[XLA_FRACTION] = f"{min(memory / smallest, 1.0):.4f}" if smallest else "1.0"
+    env[XLA_FRACTION] = f"{min(memory / largest, 1.0):.4f}" if largest else "1.0"
     env[TF_GROWTH] = "true"
     if inventory.simulated:
         env[sim.TAG_ENV] = tag
-    ordinals = runtime.ordinals(inventory, [d.index for d in devices])
+    ordinals = runtime.in_process(inventory, [d.index for d in devices])
+    named = [f"cuda:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
     return GpuLease(
         key=key,
         indices=tuple(indices),
         uuids=tuple(d.uuid for d in devices),
         memory=memory,
         exclusive=exclusive,
-        device=f"cuda:{ordinals[0]}",
+        device=named[0] if named else "",
         visible_devices=visible,
         env=env,
         waited=waited,
         simulated=inventory.simulated,
-        devices=tuple(f"cuda:{o}" for o in ordinals),
+        devices=tuple(named),
     )
 
 
@@ -133,28 +133,60 @@ def confine(lease: GpuLease, inventory: Inventory) -> Confinement:
     """Apply ``lease`` to this process until :meth:`Confinement.undo`.
 
     Raises :class:`pytest_gpu.gpu.runtime.LeaseUnreachable` when this process's CUDA
-    cannot address the lease.
+    cannot address the lease; whatever was applied before an error is undone.
     """
     done = Confinement()
-    runtime.pin(inventory)  # while CUDA_VISIBLE_DEVICES is still the run's
-    ordinals = runtime.ordinals(inventory, lease.indices)
-    if runtime.simulated(inventory):
-        _confine_sim(lease, ordinals, done)
-    for name, adapter in (("torch", _confine_torch), ("cupy", _confine_cupy)):
-        module = sys.modules.get(name)
-        if module is not None:
-            adapter(module, lease, ordinals, inventory, done)
-        else:  # the test may import it while it holds the lease: confine it then
-            hook = _late(adapter, lease, ordinals, inventory, done)
-            importhook.on_import(name, hook)
-            done.undo_steps.append(lambda name=name, hook=hook: importhook.cancel(name, hook))
-    for name, value in lease.env.items():
-        done.saved_env[name] = os.environ.get(name)
-        os.environ[name] = value
+    try:
+        runtime.pin(inventory)  # while CUDA_VISIBLE_DEVICES is still the run's
+        ordinals = runtime.in_process(inventory, lease.indices)
+        if ordinals is None:
+            done.notes.append(
+                f"GPU {','.join(map(str, lease.indices))} (MIG) cannot be used by this process's CUDA, which "
+                "uses one MIG instance per process: use the lease from a subprocess (gpu.env)"
+            )
+        else:
+            if runtime.simulated(inventory):
+                _confine_sim(lease, ordinals, done)
+            for name, adapter in (("torch", _confine_torch), ("cupy", _confine_cupy)):
+                module = sys.modules.get(name)
+                if module is not None:
+                    adapter(module, lease, ordinals, inventory, done)
+                else:  # the test may import it while it holds the lease: confine it then
+                    hook = _late(adapter, lease, ordinals, inventory, done)
+                    importhook.on_import(name, hook)
+                    done.undo_steps.append(lambda name=name, hook=hook: importhook.cancel(name, hook))
+        for name, value in lease.env.items():
+            done.saved_env[name] = os.environ.get(name)
+            os.environ[name] = value
+    except BaseException:
+        done.undo()
+        raise
     return done
 
 
 Adapter = Callable[[ModuleType, GpuLease, list[int], Inventory, Confinement], None]
+
+# The budgets of the leases this process holds now, per (framework, device): a
+# gpu_request section on the GPU of the test's main lease adds to the cap, and ending it
+# gives the main lease its own cap back (not none, not the section's).
+_held: dict[tuple[str, int], list[int]] = {}
+
+
+def _hold(kind: str, device: int, memory: int) -> tuple[int, bool]:
+    """Add a lease's budget on ``device``; (the process's total there now, whether it is the first)."""
+    stack = _held.setdefault((kind, device), [])
+    stack.append(memory)
+    return sum(stack), len(stack) == 1
+
+
+def _drop(kind: str, device: int, memory: int) -> int:
+    """Remove a lease's budget on ``device``; the total of the leases still held there (0: none)."""
+    stack = _held.get((kind, device), [])
+    if memory in stack:
+        stack.remove(memory)
+    if not stack:
+        _held.pop((kind, device), None)
+    return sum(stack)
 
 
 def _late(
@@ -164,8 +196,10 @@ def _late(
         # runs inside the test's import statement; an undo step added now runs first at undo
         try:
             adapter(module, lease, ordinals, inventory, done)
-        except Exception as exc:  # never break the test's import
-            done.notes.append(f"could not confine {module.__name__} after its import: {exc!r}")
+        except Exception as exc:  # never break the test's import; said in the summary and here
+            note = f"could not confine {module.__name__} after its import: {exc!r}"
+            done.notes.append(note)
+            warnings.warn(f"pytest-gpu: {note}", RuntimeWarning, stacklevel=2)
 
     return hook
 
@@ -175,8 +209,11 @@ def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> Non
 
     previous = cuda.current_device()
     for index in lease.indices:
-        cuda.set_memory_cap(index, lease.memory)
-        done.undo_steps.append(lambda index=index: cuda.set_memory_cap(index, None))
+        total, _ = _hold("sim", index, lease.memory)
+        cuda.set_memory_cap(index, total)
+        done.undo_steps.append(
+            lambda index=index: cuda.set_memory_cap(index, _drop("sim", index, lease.memory) or None)
+        )
     cuda.set_device(ordinals[0])
     done.undo_steps.append(lambda: _restore_sim_device(previous))
 
@@ -190,36 +227,67 @@ def _restore_sim_device(previous: int) -> None:
         cuda.set_device(previous)
 
 
+def _has_context(torch: ModuleType, ordinal: int) -> bool:
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is not None:
+        return bool(probe(ordinal))
+    return bool(torch.cuda.memory_reserved(ordinal) > 0)
+
+
 def _confine_torch(
     torch: ModuleType, lease: GpuLease, ordinals: list[int], inventory: Inventory, done: Confinement
 ) -> None:
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_available():
         return
-    previous = cuda.current_device() if cuda.is_initialized() else None
-    # Blocks an earlier test left in the cache would count as this test's peak
-    # (reset_peak_memory_stats sets the peak to the current reserve) and are memory the
-    # broker has given to someone else.
-    cuda.empty_cache()
-    for ordinal, index in zip(ordinals, lease.indices, strict=True):
+    state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
+
+    def total_of(ordinal: int, index: int) -> int:
         # torch caps a fraction of the total *it* sees (cudaMemGetInfo), a little less than NVML's
-        total = int(cuda.get_device_properties(ordinal).total_memory) or inventory.by_index(index).capacity
-        cuda.set_per_process_memory_fraction(min(1.0, lease.memory / total), ordinal)
-        cuda.reset_peak_memory_stats(ordinal)
-    cuda.set_device(ordinals[0])
+        return int(cuda.get_device_properties(ordinal).total_memory) or inventory.by_index(index).capacity
+
+    def apply() -> None:
+        if not state["active"] or state["applied"]:
+            return  # the lease ended before torch started CUDA
+        state["applied"] = True
+        state["previous"] = cuda.current_device()
+        # Blocks an earlier test left in the cache would count as this test's peak
+        # (reset_peak_memory_stats sets the peak to the current reserve), and are memory
+        # the broker has given to someone else.
+        cuda.empty_cache()
+        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+            budget, first = _hold("torch", ordinal, lease.memory)
+            cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
+            if first:  # a section on the main lease's GPU must not erase the main lease's peak
+                cuda.reset_peak_memory_stats(ordinal)
+        cuda.set_device(ordinals[0])
 
     def undo() -> None:
+        state["active"] = False
+        if not state["applied"]:
+            return
+        gc.collect()  # tensors only a reference cycle still holds
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()  # cuBLAS keeps workspaces in torch's allocator: not the test's leak
         cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
-        for ordinal in ordinals:
-            cuda.set_per_process_memory_fraction(1.0, ordinal)  # calls SetDevice(ordinal)
-        # setMemoryFraction left the current device on the last ordinal; go back where the
-        # process was only if it already had a context there (else CUDA would open one)
-        if previous is not None and previous not in ordinals and cuda.memory_reserved(previous) > 0:
+        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+            left = _drop("torch", ordinal, lease.memory)
+            cuda.set_per_process_memory_fraction(min(1.0, left / total_of(ordinal, index)) if left else 1.0, ordinal)
+        # Old torch's setMemoryFraction switched the device and left it; go back where the
+        # process was only if it has a context there (else CUDA 12 would open one).
+        previous = state["previous"]
+        if previous is not None and previous not in ordinals and _has_context(torch, previous):
             cuda.set_device(previous)
         else:
             cuda.set_device(ordinals[0])
 
     done.undo_steps.append(undo)
+    lazy_call = getattr(cuda, "_lazy_call", None)
+    if cuda.is_initialized() or lazy_call is None:
+        apply()
+    else:  # torch runs it when it starts CUDA: a test that never does keeps torch's CUDA unstarted
+        lazy_call(apply)
 
 
 def _confine_cupy(
@@ -232,13 +300,15 @@ def _confine_cupy(
         with cupy.cuda.Device(ordinal):
             pool.free_all_blocks()
             previous[ordinal] = pool.get_limit()
-            pool.set_limit(size=lease.memory)
+            budget, _ = _hold("cupy", ordinal, lease.memory)
+            pool.set_limit(size=budget)
     cupy.cuda.Device(ordinals[0]).use()
 
     def undo() -> None:
         for ordinal in ordinals:
             with cupy.cuda.Device(ordinal):
                 pool.free_all_blocks()
-                pool.set_limit(size=previous[ordinal])
+                left = _drop("cupy", ordinal, lease.memory)
+                pool.set_limit(size=left or previous[ordinal])
 
     done.undo_steps.append(undo)

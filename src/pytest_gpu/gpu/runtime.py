@@ -12,9 +12,14 @@ process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says, and
 lease's GPU ``i`` is ``cuda:<view.index(i)>`` in the worker, ``cuda:0`` in subprocesses.
 
 On simulated or fake GPUs the driver is :mod:`pytest_gpu.sim.cuda`, whose view is read
-back exactly. On real GPUs ``libcuda.so.1`` is called through ctypes; that path was
-written against the CUDA driver API's documented semantics and has not run on a GPU
-machine here.
+back exactly. On real GPUs ``libcuda.so.1`` is called through ctypes (``cuInit``, then
+``cuDeviceGetCount`` and ``cuDeviceGetUuid_v2`` per ordinal, matched to NVML's UUIDs, so
+a GPU NVML refused but CUDA counts still shifts the ordinals right); without that, the
+view is predicted from the ``CUDA_VISIBLE_DEVICES`` the process pinned with. That path
+follows the CUDA driver API's documentation and has not run on a GPU machine here.
+
+A process that has pinned has initialised CUDA's driver: like any process that used
+CUDA, it must not ``fork`` children that use CUDA (use the ``spawn`` start method).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class LeaseUnreachable(RuntimeError):
 class _State:
     pinned: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when pinned
+    uuids: list[str] | None = None  # what the driver enumerates, read back after cuInit
     note: str = ""
 
 
@@ -58,7 +64,7 @@ def pin(inventory: Inventory) -> list[int]:
         return cuda.init()
     if not _state.pinned:
         _state.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        _state.note = _cu_init()
+        _state.uuids, _state.note = _cu_init()
         _state.pinned = True
     return view(inventory)
 
@@ -69,31 +75,79 @@ def view(inventory: Inventory) -> list[int]:
         from ..sim import cuda
 
         return cuda.init()
+    machine = inventory.machine or inventory.devices
+    if _state.uuids is not None:  # what the driver really enumerates, matched to NVML's devices
+        by_uuid = {_hex(d.uuid): d.index for d in machine}
+        found = [by_uuid.get(_hex(u)) for u in _state.uuids]
+        if all(i is not None for i in found):
+            return [i for i in found if i is not None]
     if _state.pinned:
         return process_view(inventory, _state.visible, use_run=False)
     return process_view(inventory)
 
 
-def ordinals(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int]:
-    """This process's CUDA ordinals of physical GPUs ``indices``; :class:`LeaseUnreachable` if hidden."""
+def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int] | None:
+    """This process's CUDA ordinals of physical GPUs ``indices``.
+
+    ``None`` for MIG instances the process cannot use (CUDA gives a process one MIG
+    instance): such a lease is for subprocesses. :class:`LeaseUnreachable` for any other
+    GPU the process cannot see.
+    """
     seen = view(inventory)
     hidden = [i for i in indices if i not in seen]
-    if hidden:
-        raise LeaseUnreachable(
-            f"this process's CUDA cannot address GPU {hidden}: its device list was fixed as {seen} "
-            "(CUDA_VISIBLE_DEVICES was changed before CUDA started here, outside pytest-gpu)"
-        )
-    return [seen.index(i) for i in indices]
+    if not hidden:
+        return [seen.index(i) for i in indices]
+    machine = {d.index: d for d in (inventory.machine or inventory.devices)}
+    if all(i in machine and machine[i].parent is not None for i in hidden):
+        return None
+    started = _state.visible if _state.pinned else inventory.visible
+    raise LeaseUnreachable(
+        f"this process's CUDA cannot address GPU {hidden}: it enumerates {seen} (started with "
+        f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r})"
+        + (f"; {_state.note}" if _state.note else "")
+        + ". Start CUDA outside tests, or leave CUDA_VISIBLE_DEVICES to pytest-gpu"
+    )
 
 
-def _cu_init() -> str:
-    """``cuInit(0)`` through libcuda.so.1; a sentence when the driver is missing or refuses."""
+def ordinals(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int]:
+    """Like :func:`in_process`, but a lease this process cannot use at all raises."""
+    found = in_process(inventory, indices)
+    if found is None:
+        raise LeaseUnreachable(f"this process's CUDA cannot use MIG instance(s) {list(indices)}: one per process")
+    return found
+
+
+def _hex(uuid: str) -> str:
+    return uuid.split("-", 1)[1].replace("-", "").lower() if "-" in uuid else uuid.lower()
+
+
+def _cu_init() -> tuple[list[str] | None, str]:
+    """``cuInit(0)`` through libcuda.so.1, then the UUIDs of what the driver enumerates.
+
+    Returns (UUIDs in ordinal order or ``None``, a sentence when something failed).
+    """
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        return f"libcuda.so.1 not loadable ({exc})"
+        return None, f"libcuda.so.1 not loadable ({exc})"
     result = lib.cuInit(0)
-    return "" if result == 0 else f"cuInit failed with CUresult {result}"
+    if result != 0:
+        return None, f"cuInit failed with CUresult {result}"
+    count = ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None, "cuDeviceGetCount failed"
+    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    if get_uuid is None:
+        return None, "libcuda.so.1 has no cuDeviceGetUuid"
+    uuids = []
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        raw = (ctypes.c_ubyte * 16)()
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0 or get_uuid(raw, device) != 0:
+            return None, f"could not read the UUID of CUDA device {ordinal}"
+        b = bytes(raw).hex()
+        uuids.append(f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}")
+    return uuids, ""
 
 
 def forget() -> None:

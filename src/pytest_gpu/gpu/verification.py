@@ -116,17 +116,23 @@ class NvmlVerifier:
         from .nvmlversion import nvml_version_problem
 
         problem = nvml_version_problem()
-        if problem:  # its process lists cannot be trusted
+        self._untrusted = bool(problem)  # its process lists are scrambled: measure nothing from them
+        if problem:
             self._note(problem)
 
-    def _usage(self) -> dict[int, int] | None:
-        """Bytes NVML reports for this process tree per GPU; ``None`` (and a note) when it cannot tell."""
+    def _usage(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """Bytes NVML reports per GPU for this process and for its children; ``None`` (and a
+        note) when it cannot tell."""
         import psutil
         import pynvml
 
+        if self._untrusted:
+            self._unmeasured.update(d.index for d in self.inventory.devices)
+            return None
         me = psutil.Process()
-        pids = {me.pid} | {child.pid for child in me.children(recursive=True)}
-        usage: dict[int, int] = {}
+        children = {child.pid for child in me.children(recursive=True)}
+        mine: dict[int, int] = {}
+        theirs: dict[int, int] = {}
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -146,12 +152,16 @@ class NvmlVerifier:
                     self._unmeasured.add(device.index)
                     continue
                 for proc in procs:
-                    if proc.pid in pids:
-                        if proc.usedGpuMemory:
-                            usage[device.index] = usage.get(device.index, 0) + int(proc.usedGpuMemory)
+                    if proc.pid == me.pid or proc.pid in children:
+                        if proc.usedGpuMemory is None:  # "not available": unknown, not zero
+                            self._note(f"NVML does not say how much memory processes use on GPU {device.index}")
+                            self._unmeasured.add(device.index)
+                            continue
+                        into = mine if proc.pid == me.pid else theirs
+                        into[device.index] = into.get(device.index, 0) + int(proc.usedGpuMemory)
                     elif not psutil.pid_exists(proc.pid):
                         foreign.add(proc.pid)
-            if foreign and not usage:
+            if foreign and not mine and not theirs:
                 # NVML reports host pids; in a container's pid namespace none of them is ours
                 self._note(
                     f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
@@ -161,7 +171,7 @@ class NvmlVerifier:
                 return None
         finally:
             pynvml.nvmlShutdown()
-        return usage
+        return mine, theirs
 
     def _note(self, text: str) -> None:
         if text not in self._notes:
@@ -174,28 +184,35 @@ class NvmlVerifier:
         return None
 
     def begin(self, lease: GpuLease, owner: int) -> None:
-        self._baseline = self._usage() or {}
+        usage = self._usage()
+        self._baseline = usage[0] if usage is not None else {}
         torch = self._torch()
-        if torch is not None:
-            ordinals = runtime.ordinals(self.inventory, lease.indices)
+        ordinals = runtime.in_process(self.inventory, lease.indices)
+        if torch is not None and ordinals is not None:
             self._torch_base = {i: torch.cuda.memory_allocated(o) for i, o in zip(lease.indices, ordinals, strict=True)}
 
     def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
-        now = self._usage()
+        usage = self._usage()
         touched: list[int] = []
         peak = {i: 0 for i in lease.indices}
-        if now is not None:
-            grown = {i: now.get(i, 0) - self._baseline.get(i, 0) for i in now}
-            for i in grown:
-                if self._baseline.get(i, 0) == 0:
-                    grown[i] -= self.overhead  # the process opened its context here during the test
-            # a new context alone (grown == 0 after the overhead) outside the lease is still a touch
-            touched = [i for i in now if now.get(i, 0) > self._baseline.get(i, 0)]
-            peak = {i: max(grown.get(i, 0), 0) for i in lease.indices}
-        current: dict[int, int] = {}
         torch = self._torch()
-        if torch is not None:
-            ordinals = runtime.ordinals(self.inventory, lease.indices)
+        ordinals = runtime.in_process(self.inventory, lease.indices)
+        if usage is not None:
+            mine, theirs = usage
+            # (a) this process on a GPU outside the lease: any growth, a new context included
+            touched = [i for i in mine if mine[i] > self._baseline.get(i, 0)]
+            touched += [i for i in theirs if theirs[i] > 0 and i not in touched]
+            for i in lease.indices:
+                # subprocesses still alive count whole (their contexts too); this process's
+                # growth counts where torch cannot say (its context grows as CUDA loads modules)
+                own = 0
+                if torch is None:
+                    own = mine.get(i, 0) - self._baseline.get(i, 0)
+                    if self._baseline.get(i, 0) == 0:
+                        own -= self.overhead  # the process opened its context here during the test
+                peak[i] = max(own, 0) + theirs.get(i, 0)
+        current: dict[int, int] = {}
+        if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
                 peak[index] = max(peak[index], int(torch.cuda.max_memory_reserved(ordinal)))
                 left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)

@@ -24,6 +24,8 @@ from .spec import parse
 FAKE_ENV = "PYTEST_GPU_FAKE_GPUS"
 
 _active: str | None = None
+_saved: dict[str, str | None] = {}
+notes: list[str] = []  # what could not be faked here (shown in the run's summary)
 
 
 def requested() -> str | None:
@@ -50,13 +52,20 @@ def activate(spec: str | None = None) -> bool:
     if _active == spec:
         return True
     machine = parse(spec)
+    if _active is None:
+        _saved.update({name: os.environ.get(name) for name in (FAKE_ENV, SPEC_ENV, LEDGER_ENV, "LD_LIBRARY_PATH")})
     os.environ[FAKE_ENV] = spec
     os.environ[SPEC_ENV] = machine.spec
     os.environ.setdefault(LEDGER_ENV, str(default_ledger_dir(machine.spec)))
     ledger().used()  # creates the ledger and its nvml.state if this is the first process
     from . import nvml
 
-    nvml.preload(no_v3=machine.no_v3)
+    try:
+        nvml.preload(no_v3=machine.no_v3)
+    except RuntimeError as exc:  # no C compiler: the simulated CUDA still works, NVML does not
+        note = f"fake NVML unavailable: {exc}"
+        if note not in notes:
+            notes.append(note)
     from ..importhook import on_import
 
     on_import("torch", _install_torch)
@@ -67,15 +76,22 @@ def activate(spec: str | None = None) -> bool:
 def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
-    torch_cuda.install(torch)
+    try:
+        torch_cuda.install(torch)
+    except RuntimeError as exc:  # torch built with CUDA: its own torch.cuda stays
+        note = f"torch.cuda left as it is: {exc}"
+        if note not in notes:
+            notes.append(note)
 
 
 def deactivate() -> None:
     """Turn fake GPUs off again in this process (a ``sim:`` run ends; the next may be real).
 
-    nvidia-ml-py forgets the fake library (the next ``nvmlInit`` loads whatever
-    ``libnvidia-ml.so.1`` the machine has); a torch already given the simulated
-    ``torch.cuda`` keeps it, as a process keeps its CUDA.
+    The environment is put back as it was. nvidia-ml-py forgets the fake library, but a
+    library loaded under the soname ``libnvidia-ml.so.1`` cannot be unloaded: a later
+    ``nvmlInit`` in this process still finds the fake one (which, without its ledger,
+    answers "Driver Not Loaded"). A torch already given the simulated ``torch.cuda``
+    keeps it, as a process keeps its CUDA.
     """
     global _active
     if _active is None:
@@ -93,4 +109,11 @@ def deactivate() -> None:
                 cache.clear()
     except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
         pass
+    for name, value in _saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved.clear()
+    notes.clear()
     _active = None

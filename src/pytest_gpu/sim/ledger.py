@@ -44,9 +44,13 @@ STATE_FILE = "nvml.state"
 class OutOfMemoryError(MemoryError):
     """A simulated device (or this process's cap on it) has too little free memory."""
 
+    __module__ = "pytest_gpu.sim"  # its public home, as tracebacks show it
+
 
 class SimDeviceError(RuntimeError):
     """An invalid device ordinal or unusable device, as CUDA reports it."""
+
+    __module__ = "pytest_gpu.sim"
 
 
 @dataclass

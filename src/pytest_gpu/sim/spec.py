@@ -203,9 +203,10 @@ def parse_visible(value: str | None, units: tuple[Unit, ...] | list[Unit], addre
     ``GPU-``/``MIG-`` UUIDs or unique prefixes of them (a bare UUID prefix means
     ``GPU-…``); an empty value hides every GPU; an invalid or repeated entry ends the
     list (what came before it stays visible); an index of a GPU in MIG mode is invalid.
+    Of the MIG instances left, the process uses only the first (CUDA's one-instance rule).
     """
     if value is None:
-        return [u.index for u in units if u.index in addressable]
+        return _one_mig([u.index for u in units if u.index in addressable], units)
     order: list[int] = []
     gpu_count = sum(1 for u in units if u.parent is None)
     for raw in value.split(","):
@@ -222,4 +223,11 @@ def parse_visible(value: str | None, units: tuple[Unit, ...] | list[Unit], addre
         if found is None or found not in addressable or found in order:
             break
         order.append(found)
-    return order
+    return _one_mig(order, units)
+
+
+def _one_mig(order: list[int], units: tuple[Unit, ...] | list[Unit]) -> list[int]:
+    """CUDA uses one MIG instance per process: the first visible one; other GPUs stay."""
+    mig = {u.index for u in units if u.parent is not None}
+    first = next((i for i in order if i in mig), None)
+    return [i for i in order if i not in mig or i == first]
