@@ -382,3 +382,22 @@ main.undo()
     assert out["after_same"] == "refused"
     assert out["peak_kept"] is True
     assert out["current_after_other"] == 1
+
+
+def test_undo_with_a_torch_whose_fraction_call_switches_device(tmp_path):
+    """Item 3 on torch < 2.10: setMemoryFraction calls SetDevice and leaves it there."""
+    out = run_torch(
+        tmp_path,
+        """
+torch_cuda.install(torch, legacy_memory_fraction=True)
+torch.cuda.init()
+done = confine(lease("a", [1, 3], 2 * GiB), inv)
+out["during"] = torch.cuda.current_device()
+done.undo()
+out["after"] = torch.cuda.current_device()
+out["contexts"] = sorted(simcuda.contexts())
+""",
+    )
+    assert out["during"] == 1
+    assert out["after"] == 1  # not left on GPU 3, where the last fraction reset switched it
+    assert out["contexts"] == [1, 3]  # and never a context on GPU 0, where the process started
