@@ -223,7 +223,7 @@ def _restore_sim_device(previous: int) -> None:
 
     # Going back to a device where this process has no context would open one there,
     # outside any lease (CUDA 12's cudaSetDevice creates the primary context).
-    if cuda.unit_of(previous) in cuda.contexts():
+    if cuda.has_context(cuda.unit_of(previous)):
         cuda.set_device(previous)
 
 

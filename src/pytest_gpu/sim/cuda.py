@@ -48,6 +48,8 @@ class _Runtime:
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
     current: int = 0
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
+    pid: int = 0  # whose contexts ``ctx`` knows
+    ctx: set[int] = field(default_factory=set)  # units where this process surely has a context
 
 
 _rt = _Runtime()
@@ -124,10 +126,24 @@ def ordinal_of(unit: int) -> int | None:
     return view.index(unit) if unit in view else None
 
 
+def _known_contexts() -> set[int]:
+    # contexts live until the process exits: once seen, a context need not be asked for again
+    if _rt.pid != os.getpid():  # a forked child has none of its parent's
+        _rt.pid, _rt.ctx = os.getpid(), set()
+    return _rt.ctx
+
+
+def _open_context(unit: int) -> None:
+    known = _known_contexts()
+    if unit not in known:
+        ledger().allocate(0, unit, os.environ.get(TAG_ENV), None)
+        known.add(unit)
+
+
 def set_device(ordinal: int | str) -> None:
     """Make ``ordinal`` (or ``"cuda:N"``) current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
     unit = unit_of(ordinal)
-    ledger().allocate(0, unit, os.environ.get(TAG_ENV), None)
+    _open_context(unit)
     _rt.current = init().index(unit)
 
 
@@ -135,15 +151,22 @@ def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
     """``cudaMemGetInfo``: (free, total) bytes on ``ordinal``; total excludes the driver's reserve."""
     unit = unit_of(ordinal)
     led = ledger()
-    led.allocate(0, unit, os.environ.get(TAG_ENV), None)
+    _open_context(unit)
     info = led.units()[unit]
     total = info.total - info.reserved
     return max(total - led.used()[unit], 0), total
 
 
 def contexts() -> set[int]:
-    """Units on which this process has a context."""
-    return ledger().contexts_of(os.getpid())
+    """Units on which this process has a context (as the ledger, the driver's truth, says)."""
+    found = ledger().contexts_of(os.getpid())
+    _known_contexts().update(found)
+    return found
+
+
+def has_context(unit: int) -> bool:
+    """Whether this process has a context on ``unit``."""
+    return unit in _known_contexts() or unit in contexts()
 
 
 def set_memory_cap(unit: int, nbytes: int | None) -> None:
@@ -207,6 +230,7 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
     ordinal = init().index(unit)
     led = ledger()
     handle = led.allocate(size, unit, os.environ.get(TAG_ENV), _rt.caps.get(unit))
+    _known_contexts().add(unit)
     return Allocation(led, handle, size, ordinal, unit)
 
 
