@@ -3,13 +3,14 @@
 Layers (each uses only those above it):
 
     requests      what a test asks for (pure)
-    devices       what the machine has: NVML, index lists, simulated devices
-    sim           simulated device memory shared by all processes (the test "physics")
+    sim/          simulated GPUs as strict as CUDA and NVML: spec, ledger (the test
+                  "physics"), cuda (a process's runtime), nvml (a fake libnvidia-ml.so.1),
+                  torch_cuda (torch.cuda for the CPU build), fake (the PYTEST_GPU_FAKE_GPUS switch)
+    gpu/          real GPUs: devices (NVML, index lists, MIG), runtime (the process's CUDA,
+                  pinned before a lease), isolation (applying a lease), verification
     placement     which GPUs a request gets, fairness (pure)
     ports         run-unique TCP ports
     broker        the lease service; client: its test-process side
-    isolation     applying a lease inside a process (env, torch, CuPy)
-    verification  did the test stay in its lease
     session       one process's pytest-gpu state; lifecycle: one test's
     reporting     the terminal summary
     plugin        pytest hooks only
