@@ -42,6 +42,8 @@ def _demo(tmp_path: Path, gpus: str, env: dict[str, str] | None = None) -> subpr
     ids=["sim-spec", "fake-nvml-auto"],
 )
 def test_the_demo_suite_passes_on_simulated_gpus(tmp_path: Path, gpus: str, fake: str | None) -> None:
+    if fake:
+        require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
     env = {"PYTEST_GPU_FAKE_GPUS": fake, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")} if fake else None
     result = _demo(tmp_path, gpus, env)
     out = result.stdout + result.stderr

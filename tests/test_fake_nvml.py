@@ -17,7 +17,13 @@ from typing import Any
 
 import pytest
 
+from conftest import require
 from pytest_gpu.sim import nvml
+
+
+@pytest.fixture(autouse=True)
+def _compiler() -> None:
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
 
 GiB = 1 << 30
 

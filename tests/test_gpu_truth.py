@@ -22,6 +22,8 @@ from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
 def fake(gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """``fake(spec, *args)``: an inner pytest run (own process) on the fake machine ``spec``."""
 
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+
     def run(spec: str, *args: str, visible: str | None = None) -> pytest.RunResult:
         monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", spec)
         monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
@@ -177,6 +179,7 @@ def test_mig_instances_are_the_inventory(gpu_pytester, fake):
 
 
 def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
+    require("C compiler", executable="cc")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTEST_GPU_FAKE_GPUS="sim:2x80GiB;mig:1=2x40GiB;reserved=1%", PYTEST_GPU_SIM_LEDGER=str(tmp_path / "l"))
     out = subprocess.run(

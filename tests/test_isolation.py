@@ -62,6 +62,7 @@ def lease(key, indices, memory):
 def run_torch(tmp_path: Path, body: str, spec: str = "sim:4x16GiB", **env: str) -> dict:
     """Run ``body`` after PRELUDE in a fresh process on fake GPUs; it fills ``out``."""
     require("torch", module="torch")
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     clean.update(PYTEST_GPU_FAKE_GPUS=spec, PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"), **env)
     code = PRELUDE + body + "\nprint('OUT', json.dumps(out))\n"
