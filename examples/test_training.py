@@ -3,8 +3,8 @@
 Each test does its "GPU work" on the simulated device the plugin leased to it:
 ``sim.hold(size, seconds)`` allocates, sleeps (the kernel running), frees. Like a CUDA
 allocation without a device it lands on the current device, which pytest-gpu sets to the
-leased GPU, so the same code lands on whichever GPU the lease names. Without pytest-gpu every test lands on GPU 0 and the
-big ones run out of memory together.
+leased GPU, so the same code lands on whichever GPU the lease names. Without pytest-gpu
+every test lands on GPU 0 and the big ones run out of memory together.
 """
 
 from __future__ import annotations
