@@ -25,6 +25,7 @@ from pytest_gpu.sim import nvml
 def _compiler() -> None:
     require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
 
+
 GiB = 1 << 30
 
 PRELUDE = """\
