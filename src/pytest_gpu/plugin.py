@@ -69,9 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
         run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
     else:
         settings = options.read(config)
+        from .rundir import RunDirError
+        from .sim.ledger import LedgerWriteError
+
         try:
             run = GpuRun.start(settings)
-        except DeviceSpecError as exc:
+        except (DeviceSpecError, RunDirError, LedgerWriteError) as exc:
             raise pytest.UsageError(str(exc)) from None
     config.stash[RUN_KEY] = run
     if run.settings.learn:

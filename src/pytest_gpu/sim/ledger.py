@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,13 @@ class OutOfMemoryError(MemoryError):
     """A simulated device (or this process's cap on it) has too little free memory."""
 
     __module__ = "pytest_gpu.sim"  # its public home, as tracebacks show it
+
+
+class LedgerWriteError(OSError):
+    """The ledger could not be written (its directory is full or read-only); ``filename`` is the directory."""
+
+    def __str__(self) -> str:
+        return f"pytest-gpu: cannot write the simulated GPU ledger at {self.filename}: {self.strerror}"
 
 
 class SimDeviceError(RuntimeError):
@@ -117,12 +124,19 @@ class Ledger:
         return {"spec": spec, "overhead": overhead, "procs": {}, "tags": {}}
 
     def _write(self, state: dict[str, Any]) -> None:
-        tmp = self.path / f"ledger.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.path / "ledger.json")
-        tmp = self.path / f"{STATE_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(render_state(self.machine(state["spec"]), state))
-        os.replace(tmp, self.path / STATE_FILE)
+        self._replace("ledger.json", json.dumps(state))
+        self._replace(STATE_FILE, render_state(self.machine(state["spec"]), state))
+
+    def _replace(self, name: str, text: str) -> None:
+        """Write ``name`` whole: aside, then renamed over it."""
+        tmp = self.path / f"{name}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self.path / name)
+        except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
+            with suppress(OSError):
+                tmp.unlink()  # what was written of it takes space the user needs back
+            raise LedgerWriteError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
     @contextmanager
     def _state(self, *, write: bool = True, prune: bool = True) -> Iterator[dict[str, Any]]:
