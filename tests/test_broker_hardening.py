@@ -1,0 +1,275 @@
+"""The broker's handshake cannot be held up by a local process that connects and stalls.
+
+A connection authenticates (multiprocessing.connection's key challenge) off the accept
+and serving threads, within ``handshake_timeout``; one that sends nothing, half a frame
+or a wrong answer is dropped on its own. Every wait here is bounded: a regression fails,
+it never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from pathlib import Path
+
+import pytest
+
+import pytest_gpu.broker as broker_module
+from pytest_gpu.broker import Broker
+from pytest_gpu.client import BrokerClient, BrokerError, Grant
+from pytest_gpu.placement import Policy
+from pytest_gpu.requests import GpuRequest
+
+GiB = 2**30
+SERVED_WITHIN = 1.0  # seconds: far below the default handshake timeout (5 s)
+WHOLE = GpuRequest(count=1, memory=None, exclusive=True)
+Stall = Callable[[socket.socket, bytes], None]
+
+
+class Stalled:
+    """Broker, raw sockets and clients of one test, all closed at its end (raw sockets first,
+    so that even a broker that blocks on them lets go)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.authkey = os.urandom(16)
+        self.raw: list[socket.socket] = []
+        self.clients: list[BrokerClient] = []
+        self.broker: Broker | None = None
+
+    def start(self, **kwargs: float) -> Broker:
+        address = str(self.tmp_path / "b.sock")
+        assert len(address) < 100, "Unix socket paths are limited to 108 bytes"
+        self.broker = Broker({0: 16 * GiB, 1: 16 * GiB}, address, self.authkey, Policy(overhead=0), **kwargs).start()
+        return self.broker
+
+    def connect_raw(self) -> socket.socket:
+        assert self.broker is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(2)  # connect() waits while the listen backlog is full
+        self.raw.append(sock)
+        sock.connect(self.broker.address)
+        sock.settimeout(10)
+        return sock
+
+    def client(self, worker: str, authkey: bytes | None = None) -> BrokerClient:
+        assert self.broker is not None
+        client = BrokerClient(self.broker.address, authkey or self.authkey, worker)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for sock in self.raw:
+            sock.close()
+        for client in self.clients:
+            client.close()
+        if self.broker is not None:
+            self.broker.close()
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Stalled]:
+    made = Stalled(tmp_path)
+    yield made
+    made.close()
+
+
+def in_time(run: Stalled, worker: str, seconds: float = SERVED_WITHIN, authkey: bytes | None = None) -> object:
+    """Connect a real client and have it acquire and release a GPU, in a thread; return what
+    it got (a Grant or the exception) if that took at most ``seconds``, else fail."""
+    result: list[object] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            client = run.client(worker, authkey)
+            grant = client.acquire(WHOLE, f"t::{worker}", timeout=5)
+            client.release(grant.key)
+            result.append(grant)
+        except BaseException as exc:
+            result.append(exc)
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=work, daemon=True).start()
+    assert done.wait(seconds), f"{worker} was not served within {seconds:g}s (the handshake is blocked)"
+    assert time.monotonic() - started <= seconds + 0.1
+    return result[0]
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    """One multiprocessing.connection frame (4-byte big-endian length, then the bytes)."""
+    header = recv_exactly(sock, 4)
+    (size,) = struct.unpack("!i", header)
+    return recv_exactly(sock, size)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the broker closed the connection"
+        data += chunk
+    return data
+
+
+def eof_within(sock: socket.socket, seconds: float) -> float:
+    """Read until the broker closes ``sock``; return how long that took (fail after ``seconds``)."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        pytest.fail(f"the broker did not close the stalled connection within {seconds:g}s")
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
+# -- (1) a silent connection ---------------------------------------------------------------
+
+
+def test_a_silent_connection_does_not_block_the_next_client(run: Stalled) -> None:
+    broker = run.start()
+    run.connect_raw()  # connects, sends nothing, stays
+    assert isinstance(in_time(run, "gw0"), Grant)
+    assert isinstance(in_time(run, "gw1"), Grant)  # and the one after it too
+    assert len(broker._handshakes) == 1  # the silent one is still pending: nobody waited for its timeout
+    assert [c["worker"] for c in broker.status()["clients"].values()] == ["gw0", "gw1"]
+
+
+def test_many_silent_connections_do_not_block_a_client(run: Stalled) -> None:
+    run.start()
+    for _ in range(20):
+        run.connect_raw()
+    assert isinstance(in_time(run, "gw0"), Grant)
+
+
+# -- (2) half a frame, then a stall ------------------------------------------------------
+
+
+def half_header(sock: socket.socket, authkey: bytes) -> None:
+    sock.sendall(b"\x00\x00")  # two bytes of the four-byte length of the challenge's answer
+
+
+def half_answer(sock: socket.socket, authkey: bytes) -> None:
+    read_frame(sock)  # the broker's challenge
+    sock.sendall(struct.pack("!i", 16) + b"\x01\x02\x03")  # an answer of 16 bytes, 3 sent
+
+
+def blocking_conn(sock: socket.socket) -> Connection:
+    """``sock`` as a multiprocessing Connection (blocking reads, each bounded by 10 s)."""
+    sock.setblocking(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 10, 0))
+    return Connection(os.dup(sock.fileno()))
+
+
+def answer_then_nothing(sock: socket.socket, authkey: bytes) -> None:
+    """Answers the broker's challenge rightly, then never sends its own (the second half)."""
+    conn = blocking_conn(sock)
+    try:
+        answer_challenge(conn, authkey)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("stall", [half_header, half_answer, answer_then_nothing])
+def test_half_a_handshake_does_not_block_the_next_client(run: Stalled, stall: Stall) -> None:
+    broker = run.start()
+    sock = run.connect_raw()
+    stall(sock, run.authkey)
+    assert isinstance(in_time(run, "gw0"), Grant)
+    assert [c["worker"] for c in broker.status()["clients"].values()] == ["gw0"]
+
+
+# -- (3) the stalled connection is closed at the deadline ----------------------------------
+
+
+@pytest.mark.parametrize("stall", [None, half_header, half_answer, answer_then_nothing])
+def test_a_stalled_handshake_is_closed_after_the_timeout(run: Stalled, stall: Stall | None) -> None:
+    broker = run.start(handshake_timeout=0.5)
+    sock = run.connect_raw()
+    connected = time.monotonic()
+    if stall is not None:
+        stall(sock, run.authkey)
+    eof_within(sock, 5.0)
+    assert time.monotonic() - connected >= 0.4, "closed before its deadline"
+    assert not broker._handshakes
+    assert broker.status()["clients"] == {}  # never became a client
+    assert isinstance(in_time(run, "gw0"), Grant)  # and the broker still works
+
+
+def test_a_client_that_takes_a_little_time_is_still_accepted(run: Stalled) -> None:
+    broker = run.start(handshake_timeout=2.0)
+    sock = run.connect_raw()
+    time.sleep(0.3)  # within its deadline
+    conn = blocking_conn(sock)
+    try:
+        answer_challenge(conn, run.authkey)  # what multiprocessing.connection.Client does
+        deliver_challenge(conn, run.authkey)
+        conn.send(("hello", {"worker": "slow", "pid": 0}))
+        assert conn.poll(5), "no reply to hello"
+        assert conn.recv()[0] == "ok"
+        assert [c["worker"] for c in broker.status()["clients"].values()] == ["slow"]
+    finally:
+        conn.close()
+
+
+def test_handshakes_beyond_the_limit_wait_for_a_free_slot(run: Stalled, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 3)
+    run.start(handshake_timeout=0.5)
+    for _ in range(3):
+        run.connect_raw()
+    # the client waits in the backlog until the stalled ones expire, then is served
+    started = time.monotonic()
+    assert isinstance(in_time(run, "gw0", seconds=3.0), Grant)
+    assert time.monotonic() - started >= 0.3, "a handshake beyond the limit was started"
+
+
+def test_close_ends_pending_handshakes_and_removes_the_socket(run: Stalled) -> None:
+    broker = run.start()
+    sock = run.connect_raw()
+    started = time.monotonic()
+    broker.close()
+    assert time.monotonic() - started < 2.0
+    eof_within(sock, 2.0)
+    assert not os.path.exists(broker.address)
+    assert wait_no_auth_threads(), "a handshake thread outlived the broker"
+
+
+def wait_no_auth_threads(timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(t.name == "pytest-gpu-auth" for t in threading.enumerate()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# -- (4) a wrong key ---------------------------------------------------------------------
+
+
+def test_wrong_key_is_refused_promptly_and_disturbs_no_one(run: Stalled) -> None:
+    broker = run.start()
+    holder = run.client("gw0")
+    held = holder.acquire(WHOLE, "t::held", timeout=5)
+    run.connect_raw()  # a silent connection is pending meanwhile
+    for i in range(3):
+        refused = in_time(run, f"intruder{i}", authkey=b"not the key")
+        assert isinstance(refused, BrokerError)
+        assert str(refused).startswith(f"cannot reach the pytest-gpu broker at {broker.address}: ")
+    # the client that was there keeps its lease and its connection
+    assert [row["test"] for row in broker.status()["leases"]] == ["t::held"]
+    second = holder.acquire(WHOLE, "t::second", timeout=5)
+    assert second.indices != held.indices
+    holder.release(second.key)
+    assert isinstance(in_time(run, "gw1"), Grant)
+    assert sorted(c["worker"] for c in broker.status()["clients"].values()) == ["gw0", "gw1"]
+    assert broker.crashes == []
