@@ -86,7 +86,9 @@ def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
         ("sim:", "--gpus 'sim:': no simulated devices given; expected e.g. sim:4x16GiB"),
         ("sim:  ", "--gpus 'sim:  ': no simulated devices given; expected e.g. sim:4x16GiB"),
         ("sim:0x16GiB", "--gpus 'sim:0x16GiB': count and size must be positive in '0x16GiB'"),
-        ("sim:4x0", "--gpus 'sim:4x0': count and size must be positive in '4x0'"),
+        ("sim:4x0GiB", "--gpus 'sim:4x0GiB': count and size must be positive in '4x0GiB'"),
+        ("sim:4x16", "--gpus 'sim:4x16': '4x16' has no unit; expected COUNTxSIZE with a unit, such as 4x16GiB"),
+        ("sim:4x", "--gpus 'sim:4x': no size after '4x'; expected COUNTxSIZE such as 4x16GiB"),
         ("sim:4x16GiB,,", "--gpus 'sim:4x16GiB,,': cannot read ''; expected COUNTxSIZE such as 4x16GiB"),
         ("sim:4xlots", f"--gpus 'sim:4xlots': bad size in '4xlots': expected {SIZE_FORM}, got 'lots'"),
         (

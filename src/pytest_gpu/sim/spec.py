@@ -104,6 +104,13 @@ def _groups(spec: str, body: str, what: str) -> list[int]:
         if not match:
             raise SpecError(f"{spec!r}: cannot read {part!r}; expected COUNTxSIZE such as 4x16GiB")
         count = int(match.group(1)) if match.group(1) else 1
+        if re.fullmatch(r"\d+[xX*]", part.strip()):  # "4x": the size is missing, not an unknown unit
+            raise SpecError(f"{spec!r}: no size after {part.strip()!r}; expected COUNTxSIZE such as 4x16GiB")
+        if re.fullmatch(r"[\d.]+", match.group(2)):  # "4x16": 16 bytes is never what was meant
+            raise SpecError(
+                f"{spec!r}: {part.strip()!r} has no unit; expected COUNTxSIZE with a unit, such as "
+                f"{count}x{match.group(2)}GiB"
+            )
         try:
             size = parse_size(match.group(2))
         except SizeError as exc:
