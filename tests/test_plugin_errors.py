@@ -264,3 +264,10 @@ def test_gpus_none_with_oversize_fail(gpu_pytester, run_inner):
     result.stdout.fnmatch_lines(
         ["pytest-gpu: needs 1 GPU (whole GPU) but this run has no GPUs (--gpus none) (--gpu-oversize=fail)"]
     )
+
+
+def test_help_lists_the_gpu_options_together_and_ray_in_a_group_of_its_own(gpu_pytester):
+    out = gpu_pytester.runpytest("--help").stdout.str()
+    gpu, ray = out.index("pytest-gpu: GPU-aware parallel test runs"), out.index("pytest-gpu: Ray clusters")
+    assert gpu < out.index("--gpu-schedule") < out.index("--gpu-trace") < out.index("--dist-timeout") < ray
+    assert ray < out.index("--ray-address") < out.index("--ray-start-timeout")

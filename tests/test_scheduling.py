@@ -113,6 +113,10 @@ def test_n_uses_gpu_scheduling_unless_off_or_dist_chosen(
     result = run_inner("--gpus", "sim:4x16GiB", "-n", "2", "-v", *args, subprocess=True)
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([f"scheduling tests via {scheduler}"])
+    said = "the GPU scheduler is off" in result.stdout.str()
+    assert said == ("--dist" in args), result.stdout.str()  # an explicit --dist is said in the summary
+    if "--dist" in args:
+        result.stdout.fnmatch_lines([f"pytest-gpu: --dist {args[1]} chosen: xdist places the tests, *"])
 
 
 @pytest.mark.parametrize("where", ["option", "ini"])

@@ -99,11 +99,19 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+def _help_order(row: tuple[str, str, str, str]) -> tuple[bool, bool]:
+    ini = row[1]
+    return ini.startswith(("dist_", "rank_", "ray_")), ini.startswith("ray_")
+
+
 def register(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpu", "pytest-gpu: GPU-aware parallel test runs")
-    for option, ini, default, help_text in OPTIONS:
-        dest = ini
-        group.addoption(option, dest=dest, default=None, help=f"{help_text} (ini: {ini})")
+    # the GPU options first, in the order of OPTIONS less Ray's; Ray's in a group of their own
+    ordered = sorted(OPTIONS, key=_help_order)
+    ray = parser.getgroup("gpu-ray", "pytest-gpu: Ray clusters")
+    for option, ini, default, help_text in ordered:
+        target = ray if ini.startswith("ray_") else group
+        target.addoption(option, dest=ini, default=None, help=f"{help_text} (ini: {ini})")
         parser.addini(ini, help_text, default=default)
     group.addoption(
         "--gpu-learn",

@@ -227,6 +227,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         lines.append(f"pytest-gpu: trace written to {summary.trace_path} (open in ui.perfetto.dev)")
     if summary.trace_error:
         lines.append(f"pytest-gpu: --gpu-trace: {summary.trace_error}")
+    dist = getattr(config.option, "dist", "no")
+    if config.stash.get(DIST_CHOSEN_KEY, False) and dist != "no" and run.settings.schedule:
+        # the user's --dist wins over the GPU scheduler: say so, it changes how tests are placed
+        lines.append(f"pytest-gpu: --dist {dist} chosen: xdist places the tests, the GPU scheduler is off")
     for line in lines + selection.summary_lines(config):
         terminalreporter.write_line(line)
 
