@@ -271,3 +271,17 @@ def test_help_lists_the_gpu_options_together_and_ray_in_a_group_of_its_own(gpu_p
     gpu, ray = out.index("pytest-gpu: GPU-aware parallel test runs"), out.index("pytest-gpu: Ray clusters")
     assert gpu < out.index("--gpu-schedule") < out.index("--gpu-trace") < out.index("--dist-timeout") < ray
     assert ray < out.index("--ray-address") < out.index("--ray-start-timeout")
+
+
+@pytest.mark.parametrize("args", [(), ("--co",), ("-k", "nothing")], ids=["run", "collect-only", "deselected"])
+def test_a_cpu_only_suite_hears_nothing_from_pytest_gpu(gpu_pytester, run_inner, args):
+    gpu_pytester.makepyfile("def test_a():\n    pass\n\ndef test_b(port):\n    assert port\n")
+    result = run_inner("--gpus", "sim:2x16GiB", *args)
+    assert "pytest-gpu" not in result.stdout.str() + result.stderr.str()
+
+
+def test_a_collection_error_hears_nothing_from_pytest_gpu(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile("import nothing_such_here\n")
+    result = run_inner("--gpus", "none")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert "pytest-gpu" not in result.stdout.str()

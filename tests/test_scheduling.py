@@ -109,9 +109,12 @@ def cached_args(pytester: pytest.Pytester) -> tuple[str, ...]:
 def test_n_uses_gpu_scheduling_unless_off_or_dist_chosen(
     gpu_pytester: pytest.Pytester, run_inner: Run, args: tuple[str, ...], scheduler: str
 ) -> None:
-    gpu_pytester.makepyfile(test_few="import pytest\n\n@pytest.mark.parametrize('i', range(3))\ndef test_x(i): pass\n")
+    gpu_pytester.makepyfile(
+        test_few="import pytest\n\n@pytest.mark.parametrize('i', range(3))\ndef test_x(i): pass\n\n"
+        "@pytest.mark.gpu(memory='1GiB')\ndef test_g(): pass\n"
+    )
     result = run_inner("--gpus", "sim:4x16GiB", "-n", "2", "-v", *args, subprocess=True)
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines([f"scheduling tests via {scheduler}"])
     said = "the GPU scheduler is off" in result.stdout.str()
     assert said == ("--dist" in args), result.stdout.str()  # an explicit --dist is said in the summary

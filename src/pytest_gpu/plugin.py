@@ -219,6 +219,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if run is None or run.broker is None:
         return
     summary = config.stash[SUMMARY_KEY]
+    if summary.quiet(run.broker.crashes):  # the plugin stays inert for CPU-only runs
+        for line in selection.summary_lines(config):
+            terminalreporter.write_line(line)
+        return
     lines = summary.lines(run.inventory, run.broker.crashes)
     lines += summary.timeline.summary_lines(
         [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"

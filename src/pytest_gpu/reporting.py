@@ -22,6 +22,7 @@ class Summary:
     violations: int = 0
     violating: list[str] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)  # what verification could not check -> tests
+    gpu_skipped: int = 0
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
@@ -56,6 +57,8 @@ class Summary:
         return {r.nodeid: r.duration for r in self.timeline.records.values() if r.outcome != "crashed"}
 
     def add(self, report: pytest.TestReport) -> None:
+        if report.skipped and "pytest-gpu:" in str(report.longrepr):
+            self.gpu_skipped += 1  # a GPU test this machine could not run: worth a summary
         if report.when != "teardown":
             return
         props = dict(report.user_properties)
@@ -70,6 +73,10 @@ class Summary:
         for note in str(props.get("gpu_notes", "")).splitlines():
             if note:
                 self.notes[note] = self.notes.get(note, 0) + 1
+
+    def quiet(self, crashes: list[CrashRecord]) -> bool:
+        """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing."""
+        return not (self.gpu_tests or self.gpu_skipped or crashes or self.trace_path or self.trace_error)
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [
