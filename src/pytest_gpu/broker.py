@@ -18,17 +18,26 @@ There are no polling loops: a waiting request is answered the moment a release m
 room for it.
 
 Protocol (pickled tuples; every message gets exactly one reply, in order, except that
-a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` for its key):
+a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` for its key,
+and that ``abandon`` and ``release`` get none):
 
     ("hello", {"worker", "pid"})                 -> ("ok", {"client"})
     ("acquire", {"key", "request", "test"})      -> ("granted", lease) | ("queued", key) | ("error", message)
     ("cancel", {"key"})                          -> ("cancelled", {"holders"}) | ("not-waiting", {})
+    ("abandon", {"key"})                         -> no reply (one-way)
     ("release", {"key", "contexts"})             -> no reply (one-way)
     ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
     ("status", {})                               -> ("status", dict)
     ("catalog", {"tests"})                       -> ("ok", {})   (an xdist worker's collection, for the scheduler)
+
+``abandon`` withdraws an ``acquire`` its test gave up on while waiting (pytest-timeout
+raising in the wait, a KeyboardInterrupt): still queued, it is dropped; granted meanwhile
+(its ``push-granted`` possibly on its way), the lease is released at once, as if by
+``release``; already gone, nothing happens. It is idempotent and never waits, so it can
+be sent from an exception handler; the client discards a push that still arrives for an
+abandoned key (the broker handles it in order, after any push it sent for that key).
 """
 
 from __future__ import annotations
@@ -372,7 +381,7 @@ class Broker:
             reply = self._handle(info, kind, body)
         except Exception as exc:  # a bug here must not stop the service for every worker
             reply = ("error", f"pytest-gpu broker failed on {kind!r}: {exc!r}")
-        if reply is not None:  # "release" is one-way: a grant costs one round trip
+        if reply is not None:  # "release" and "abandon" are one-way: a grant costs one round trip
             info.send(reply)
         return True
 
@@ -389,6 +398,17 @@ class Broker:
                     self._push_locked(self.pool.serve())  # what waited behind it may fit now
                     return ("cancelled", {"holders": holders})
             return ("not-waiting", {})
+        if kind == "abandon":
+            key = f"{info.client}/{body['key']}"
+            with self._lock:
+                info.tests.pop(key, None)
+                self._queued_at.pop(key, None)
+                if self.pool.cancel(key):
+                    granted = self.pool.serve()  # what waited behind it may fit now
+                else:
+                    granted = self.pool.release(key)  # granted meanwhile (or already gone: nothing)
+                self._push_locked(granted)
+            return None
         if kind == "release":
             key = f"{info.client}/{body['key']}"
             contexts = body.get("contexts")

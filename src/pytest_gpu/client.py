@@ -45,83 +45,180 @@ def _grant(body: dict[str, Any], waited: float | None = None) -> Grant:
 
 
 class BrokerClient:
-    """One connection per process; calls are serialised (one wait at a time)."""
+    """One connection per process; calls are serialised (one wait at a time).
+
+    A call abandoned half-way (pytest-timeout's signal method raising inside the wait, a
+    KeyboardInterrupt) leaves the connection usable: an abandoned acquire is withdrawn at
+    the broker (``abandon``: dropped from the queue, or released if it was granted
+    meanwhile), a push that still arrives for it is discarded, and the reply of an
+    interrupted call is skipped when it comes. Only an interruption in the middle of a
+    message (a few microseconds of copying, never the wait) leaves the stream in doubt:
+    then the connection is closed, the broker takes back everything this process held
+    (as after a crash), and the next call connects afresh.
+    """
 
     def __init__(self, address: str, authkey: bytes, worker: str) -> None:
-        try:
-            self._conn: Connection = Client(address, family="AF_UNIX", authkey=authkey)
-        except (OSError, EOFError, AuthenticationError) as exc:  # a wrong key is refused: BrokerError too
-            raise BrokerError(f"cannot reach the pytest-gpu broker at {address}: {exc}") from None
+        self._address = address
+        self._authkey = authkey
         self._lock = threading.Lock()
         self._keys = itertools.count()
         self._pushed: dict[str, tuple[str, Any]] = {}
+        self._abandoned: set[str] = set()  # acquire keys given up on: a push for them is dropped
+        self._owed = 0  # replies still to come for calls sent; those of interrupted calls are skipped
+        self._answer: tuple[str, Any] | None = None  # the reply to the call under way, once read
         self.worker = worker
-        reply = self._call("hello", {"worker": worker, "pid": os.getpid()})
+        self._conn: Connection | None = None
+        self._closed = False
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            conn = Client(self._address, family="AF_UNIX", authkey=self._authkey)
+        except (OSError, EOFError, AuthenticationError) as exc:  # a wrong key is refused: BrokerError too
+            raise BrokerError(f"cannot reach the pytest-gpu broker at {self._address}: {exc}") from None
+        self._conn = conn
+        self._pushed.clear()
+        self._abandoned.clear()
+        self._owed = 0
+        self._answer = None
+        reply = self._call("hello", {"worker": self.worker, "pid": os.getpid()})
         self.client_id = reply[1]["client"]
 
+    def _broken(self) -> None:
+        """The stream is in doubt (interrupted mid-message): drop the connection; the broker
+        takes everything back, and the next call reconnects."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            if self._closed:
+                raise BrokerError("the connection to the pytest-gpu broker was closed")
+            self._connect()
+        assert self._conn is not None
+        return self._conn
+
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        self._closed = True
+        self._broken()
 
-    def _recv(self, timeout: float | None = None) -> tuple[str, Any] | None:
-        """Next message, stashing pushes; ``None`` on timeout."""
-        if timeout is not None and not self._conn.poll(max(timeout, 0.0)):
-            return None
+    def _pump(self, timeout: float | None = None) -> bool:
+        """Read one message into this client's state; ``False`` on timeout.
+
+        It waits in ``poll`` (also without a timeout), so an exception raised during the
+        wait consumes nothing; one raised while a message is read and filed leaves the
+        stream in doubt, and the connection is dropped.
+        """
+        conn = self._connection()
         try:
-            message = self._conn.recv()
+            if not conn.poll(None if timeout is None else max(timeout, 0.0)):
+                return False
         except (EOFError, OSError) as exc:
+            self._broken()
             raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
-        return message
-
-    def _reply(self) -> tuple[str, Any]:
-        while True:
-            message = self._recv()
-            assert message is not None
-            if message[0].startswith("push-"):
-                self._pushed[message[1]["key"]] = message
-                continue
-            return message
-
-    def _send(self, kind: str, body: dict[str, Any]) -> None:
         try:
-            self._conn.send((kind, body))
-        except (OSError, EOFError) as exc:
+            message = conn.recv()
+            if message[0].startswith("push-"):
+                self._stash(message)
+            else:
+                self._owed -= 1
+                if self._owed == 0:  # earlier ones answer calls that were interrupted: skipped
+                    self._answer = message
+        except (EOFError, OSError) as exc:
+            self._broken()
             raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
+        except BaseException:
+            self._broken()
+            raise
+        return True
+
+    def _stash(self, message: tuple[str, Any]) -> None:
+        """Keep a push for its acquire, or drop it if that acquire was abandoned (the broker
+        takes such a late grant back itself: it handles ``abandon`` after sending it)."""
+        key = message[1]["key"]
+        if key in self._abandoned:
+            self._abandoned.discard(key)
+        else:
+            self._pushed[key] = message
+
+    def _send(self, kind: str, body: dict[str, Any], reply: bool = True) -> None:
+        conn = self._connection()
+        try:
+            if reply:
+                self._answer = None
+                self._owed += 1
+            conn.send((kind, body))
+        except (OSError, EOFError) as exc:
+            self._broken()
+            raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
+        except BaseException:
+            self._broken()  # possibly half a message written
+            raise
 
     def _call(self, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
         self._send(kind, body)
-        return self._reply()
+        while self._answer is None:
+            self._pump()
+        answer, self._answer = self._answer, None
+        return answer
 
     # -- public API -----------------------------------------------------------------
 
     def acquire(self, request: GpuRequest, test: str, timeout: float | None) -> Grant:
-        """Block until the broker grants ``request``; raise :class:`WaitTimeout` after ``timeout``."""
+        """Block until the broker grants ``request``; raise :class:`WaitTimeout` after ``timeout``.
+
+        Abandoned by any other exception (pytest-timeout, KeyboardInterrupt), the request
+        is withdrawn at the broker, and a grant that comes after all is given back at once.
+        """
         with self._lock:
+            self._connection()
             key = f"k{next(self._keys)}"
-            started = time.monotonic()
-            kind, body = self._call(
-                "acquire",
-                {
-                    "key": key,
-                    "request": (request.count, request.memory, request.exclusive, request.min_memory),
-                    "test": test,
-                },
-            )
-            if kind == "granted":
-                return _grant(body, 0.0)
-            if kind == "error":
-                raise BrokerError(str(body))
-            deadline = None if timeout is None else started + timeout
-            while key not in self._pushed:
-                left = None if deadline is None else deadline - time.monotonic()
-                message = self._recv(left) if left is None or left > 0 else None
-                if message is None:
-                    return self._give_up(key, request, timeout or 0.0, started)
-                if message[0].startswith("push-"):
-                    self._pushed[message[1]["key"]] = message
-            return self._take_push(key, started)
+            try:
+                return self._acquire(key, request, test, timeout)
+            except BrokerError:
+                raise  # refused, timed out (and cancelled) or disconnected: nothing left at the broker
+            except BaseException:
+                self._abandon(key)
+                raise
+
+    def _acquire(self, key: str, request: GpuRequest, test: str, timeout: float | None) -> Grant:
+        started = time.monotonic()
+        kind, body = self._call(
+            "acquire",
+            {
+                "key": key,
+                "request": (request.count, request.memory, request.exclusive, request.min_memory),
+                "test": test,
+            },
+        )
+        if kind == "granted":
+            return _grant(body, 0.0)
+        if kind == "error":
+            raise BrokerError(str(body))
+        deadline = None if timeout is None else started + timeout
+        while key not in self._pushed:
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self._pump(left):
+                return self._give_up(key, request, timeout or 0.0, started)
+        return self._take_push(key, started)
+
+    def _abandon(self, key: str) -> None:
+        """Withdraw an acquire given up on: whatever the broker did with it is undone."""
+        if self._conn is None:
+            return  # disconnected: the broker has taken everything back already
+        pushed = self._pushed.pop(key, None)
+        try:  # one-way: it must not wait (a second interruption, a process on its way out)
+            if pushed is None:
+                self._abandoned.add(key)
+                self._send("abandon", {"key": key}, reply=False)
+            elif pushed[0] == "push-granted":
+                self._send("release", {"key": key, "contexts": None}, reply=False)
+        except BrokerError:
+            pass  # disconnected meanwhile: the broker took everything back; the caller's exception stands
 
     def _take_push(self, key: str, started: float) -> Grant:
         kind, body = self._pushed.pop(key)
@@ -140,7 +237,9 @@ class BrokerClient:
         """Give a lease back. One-way: the broker handles this connection's messages in
         order, so anything this process asks next already sees the lease returned."""
         with self._lock:
-            self._send("release", {"key": key, "contexts": None if contexts is None else sorted(contexts)})
+            if self._conn is None:
+                return  # the connection was dropped: the broker took this lease back then
+            self._send("release", {"key": key, "contexts": None if contexts is None else sorted(contexts)}, reply=False)
 
     def report_contexts(self, indices: set[int]) -> None:
         with self._lock:

@@ -217,12 +217,14 @@ class GpuRun:
         """Wait for ``request``, then confine this process to it and start verifying."""
         asked = time.time()
         grant = self.client.acquire(request, test, self.settings.wait_timeout)
-        granted = time.time()
-        tag = f"{self.client.client_id}-{grant.key}"
-        verifier: SimVerifier | NvmlVerifier = (
-            SimVerifier() if self.inventory.simulated else NvmlVerifier(self.inventory, self.settings.context_overhead)
-        )
-        try:
+        try:  # anything raised from here on (pytest-timeout included) gives the lease back
+            granted = time.time()
+            tag = f"{self.client.client_id}-{grant.key}"
+            verifier: SimVerifier | NvmlVerifier = (
+                SimVerifier()
+                if self.inventory.simulated
+                else NvmlVerifier(self.inventory, self.settings.context_overhead)
+            )
             lease = make_lease(
                 grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
             )
