@@ -136,6 +136,9 @@ class RankPool:
         self.listener: Listener | None = None
         self.last_used = time.monotonic()
         self.tests_run = 0
+        self._runs = itertools.count()
+        # what the ranks had written when a test was interrupted in this process (see run_test)
+        self.abandoned: list[tuple[str, str]] = []
         self._stopped = False
 
     # -- start --------------------------------------------------------------------------
@@ -143,8 +146,9 @@ class RankPool:
     def start(self, config_args: list[str]) -> None:
         try:
             self._start(config_args)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            # an interruption (KeyboardInterrupt, pytest-timeout) while the ranks set up: no farewell
+            self.close(graceful=isinstance(exc, Exception))
             raise
 
     def _start(self, config_args: list[str]) -> None:
@@ -363,27 +367,63 @@ class RankPool:
         return replies
 
     def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
-        """Run one test body on every rank; the pool is marked broken if it cannot be trusted."""
+        """Run one test body on every rank; the pool is marked broken if it cannot be trusted.
+
+        Each run has an id of its own, sent with the body and echoed in every rank's result: a
+        result for another run (one the ranks were still busy with) is discarded, fails the test
+        and breaks the pool; it is never taken for this test's result.
+
+        Whatever ends the wait early in this process (pytest-timeout's signal raising here,
+        KeyboardInterrupt, any exception) kills the pool before it propagates, after asking the
+        ranks still in the body for their stacks (kept in ``abandoned``): no rank goes on
+        running a body whose test is over.
+        """
         started = time.monotonic()
         if not self.alive():
             raise PoolDied(self._death_note())
         offsets = self._offsets()
+        run_id = f"{self.id}/{next(self._runs)}/{secrets.token_hex(4)}"
         outcome = RankRun()
-        for conn in self.conns.values():
+        try:
+            for conn in self.conns.values():
+                try:
+                    conn.send(("run", dict(body, run_id=run_id)))
+                except OSError:
+                    raise PoolDied(self._death_note()) from None
+            self._wait_for_results(run_id, outcome, started, timeout, offsets)
+        except PoolDied:
+            raise
+        except BaseException:
             try:
-                conn.send(("run", body))
-            except OSError:
-                raise PoolDied(self._death_note()) from None
+                self._abandon(outcome, offsets)
+            finally:
+                self.close(graceful=False)
+            raise
+        outcome.seconds = time.monotonic() - started
+        self.tests_run += 1
+        self.last_used = time.monotonic()
+        return outcome
+
+    def _wait_for_results(
+        self, run_id: str, outcome: RankRun, started: float, timeout: float, offsets: dict[Path, int]
+    ) -> None:
         pending = set(self.conns)
         deadline = started + timeout
         while pending:
             got = self._collect(pending, deadline)
             for rank, (kind, reply) in got.items():
                 pending.discard(rank)
-                if kind == "result":
-                    outcome.results[rank] = reply
-                else:
+                if kind != "result":
                     outcome.problems.append(f"rank {rank} died during the test: {self._exit_of(rank)}")
+                elif reply.get("run_id") != run_id:
+                    # the rank was still busy with an earlier body: its answer belongs to another test
+                    outcome.problems.append(
+                        f"rank {rank} answered for another test run ({reply.get('run_id')!r}, not {run_id!r}); "
+                        "that result was discarded and the pool, out of step, was killed"
+                    )
+                    pending.add(rank)  # its own result may still come, within the grace
+                else:
+                    outcome.results[rank] = reply
             if not got:
                 break  # the deadline passed
             trouble = outcome.problems or any(r["outcome"] == "failed" for r in outcome.results.values())
@@ -415,10 +455,17 @@ class RankPool:
                     ("pytest-gpu pool", f"the world failed its health barrier ({detail}); pool replaced")
                 )
         outcome.sections[:0] = self._new_output(offsets, ("stdout", "stderr", "stack"))
-        outcome.seconds = time.monotonic() - started
-        self.tests_run += 1
-        self.last_used = time.monotonic()
-        return outcome
+
+    def _abandon(self, outcome: RankRun, offsets: dict[Path, int]) -> None:
+        """The test was interrupted: keep the stacks of the ranks still running it, and their output."""
+        self.abandoned = []
+        busy = set(self.conns) - set(outcome.results)
+        if busy and not self._stopped:
+            self._dump_stacks(busy)
+        self.abandoned = [
+            *self._new_output(offsets, ("stdout", "stderr", "stack")),
+            ("pytest-gpu pool", f"the test was interrupted while its ranks ran; the pool {self.id} was killed"),
+        ]
 
     def _health(self) -> tuple[bool, str]:
         for conn in self.conns.values():
@@ -548,6 +595,8 @@ class PoolManager:
         self.started = 0
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._running: RankPool | None = None  # the pool a test is running on, while it runs
+        self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
 
     def _fresh(self, spec: DistSpec, timeout: float) -> RankPool:
         pool = RankPool(spec, self.run, self.settings, self.base, timeout)
@@ -556,44 +605,72 @@ class PoolManager:
         return pool
 
     def execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
-        """Run a test on a pool for ``spec``; returns the run and notes for the report."""
+        """Run a test on a pool for ``spec``; returns the run and notes for the report.
+
+        Anything that ends this early (pytest-timeout's signal, KeyboardInterrupt, an error)
+        kills the pool in use, so that the next test gets a fresh one; what the interrupted
+        ranks had written (their stacks first) is then in ``abandoned``.
+        """
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
-            notes: list[str] = []
-            if not self.settings.pool:
-                pool = self._fresh(spec, timeout)
-                result = None
-                try:
-                    result = pool.run_test(body, timeout)
-                    return result, notes
-                finally:
-                    pool.close(graceful=result is not None and not result.broken)
-            # a test longer than the pool's process group allows needs a new group (and pool)
-            if self.pool is not None and (self.pool.spec.pool_key != spec.pool_key or self.pool.covers < timeout):
-                self.pool.close()
-                self.pool = None
-            if self.pool is not None and not self.pool.alive():
-                notes.append(self.pool._death_note() + "; this test ran in a fresh pool")
-                self.pool.close()
-                self.pool = None
-            if self.pool is None:
-                self.pool = self._fresh(spec, timeout)
+            self.abandoned = []
             try:
-                result = self.pool.run_test(body, timeout)
-            except PoolDied as exc:
-                notes.append(f"{exc}; this test was retried once in a fresh pool")
-                self.pool.close()
-                self.pool = self._fresh(spec, timeout)
-                result = self.pool.run_test(body, timeout)
-            if result.broken:
-                self.pool.close(graceful=False)
-                self.pool = None
-            else:
-                self._timer = threading.Timer(self.settings.idle, self._idle_close)
-                self._timer.daemon = True
-                self._timer.start()
-            return result, notes
+                return self._execute(spec, body, timeout)
+            except BaseException:
+                running, self._running = self._running, None
+                try:
+                    if running is not None:
+                        self.abandoned = running.abandoned
+                        running.close(graceful=False)
+                finally:
+                    if self.pool is not None:
+                        self.pool.close(graceful=False)
+                        self.pool = None
+                raise
+
+    def _run(self, pool: RankPool, body: dict[str, Any], timeout: float) -> RankRun:
+        self._running = pool
+        result = pool.run_test(body, timeout)
+        self._running = None
+        return result
+
+    def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+        notes: list[str] = []
+        if not self.settings.pool:
+            pool = self._fresh(spec, timeout)
+            result = None
+            try:
+                result = self._run(pool, body, timeout)
+                return result, notes
+            finally:
+                pool.close(graceful=result is not None and not result.broken)
+        # a test longer than the pool's process group allows needs a new group (and pool)
+        if self.pool is not None and (self.pool.spec.pool_key != spec.pool_key or self.pool.covers < timeout):
+            self.pool.close()
+            self.pool = None
+        if self.pool is not None and not self.pool.alive():
+            notes.append(self.pool._death_note() + "; this test ran in a fresh pool")
+            self.pool.close()
+            self.pool = None
+        if self.pool is None:
+            self.pool = self._fresh(spec, timeout)
+        try:
+            result = self._run(self.pool, body, timeout)
+        except PoolDied as exc:
+            notes.append(f"{exc}; this test was retried once in a fresh pool")
+            self.pool.close()
+            self.pool = None
+            self.pool = self._fresh(spec, timeout)
+            result = self._run(self.pool, body, timeout)
+        if result.broken:
+            self.pool.close(graceful=False)
+            self.pool = None
+        else:
+            self._timer = threading.Timer(self.settings.idle, self._idle_close)
+            self._timer.daemon = True
+            self._timer.start()
+        return result, notes
 
     def _idle_close(self) -> None:
         with self._lock:

@@ -132,6 +132,11 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
         raise DistributedFailure(f"pytest-gpu: {exc}") from None
+    except BaseException:
+        # interrupted (pytest-timeout, Ctrl-C): the pool was killed; show where its ranks were
+        for name, content in pools.abandoned:
+            item.add_report_section("call", name, content)
+        raise
     item.stash[RUN_RESULT_KEY] = result
     body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
     item.user_properties.extend(

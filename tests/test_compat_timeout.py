@@ -1,0 +1,208 @@
+"""Distributed tests beside pytest-timeout: an interrupted test leaves no rank running its body.
+
+pytest-timeout's signal method raises inside the pytest process, in the middle of the pool's
+wait for the ranks' results. The pool must then be killed (the ranks would go on running the
+hung body, and the next test's wait would read that body's result), and a result must only
+ever be taken for the test run it belongs to.
+"""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import threading
+import types
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+import pytest
+
+from conftest import require
+from pytest_gpu.distributed import pool as pool_module
+from pytest_gpu.distributed.pool import DistSettings, PoolManager, RankPool
+from pytest_gpu.distributed.spec import DistSpec
+
+MARK_VAR = "COMPAT_TIMEOUT_RUN_MARK"
+RANKMAIN = "pytest_gpu.distributed.rankmain"
+GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
+
+INNER = """
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+DATA = Path(os.environ["COMPAT_DATA"])
+GLOO2 = pytest.mark.distributed(world_size=2, backend="gloo")
+
+
+@GLOO2
+@pytest.mark.timeout(60)
+def test_0_starts_the_pool(rank):
+    pass  # the pool's start (seconds: every rank imports torch) is not part of the next test's 3 s
+
+
+@GLOO2
+def test_a_hangs(rank):
+    (DATA / f"a-{rank.rank}").write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+@GLOO2
+@pytest.mark.timeout(30)
+def test_b_runs(rank):
+    (DATA / f"b-{rank.rank}").write_text(str(os.getpid()))
+
+
+@GLOO2
+@pytest.mark.timeout(30)
+def test_c_own_value(rank):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank.rank + 7)])
+    dist.all_reduce(t)
+    assert t.item() == 15.0
+    (DATA / f"c-{rank.rank}").write_text(str(t.item()))
+"""
+
+
+def rank_processes(mark: str) -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if RANKMAIN in " ".join(proc.info["cmdline"] or ()) and proc.environ().get(MARK_VAR) == mark:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{proc.pid}: {' '.join(proc.cmdline())}")
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_test_timed_out_by_pytest_timeout_leaves_no_rank_running_its_body(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require("torch", module="torch")
+    require("pytest-timeout", module="pytest_timeout")
+    data = gpu_pytester.path / "data"
+    data.mkdir()
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK_VAR, mark)
+    monkeypatch.setenv("COMPAT_DATA", str(data))
+    gpu_pytester.makeini("[pytest]\n")
+    gpu_pytester.makepyfile(test_compat=textwrap.dedent(INNER))
+    result = run_inner("--timeout=3", "-v", subprocess=True, timeout=150)
+    output = result.stdout.str()
+    leftovers = rank_processes(mark)
+    assert not leftovers, f"rank processes outlived the run: {leftovers}"
+    expected = ["test_0_starts_the_pool PASSED", "test_a_hangs FAILED", "test_b_runs PASSED", "test_c_own_value PASSED"]
+    result.stdout.fnmatch_lines([f"*{line}*" for line in expected])
+    assert "Timeout (>3.0s) from pytest-timeout" in output
+    assert "rank 0 stack" in output and "in test_a_hangs" in output, output[-4000:]  # where the ranks hung
+    result.assert_outcomes(passed=3, failed=1)
+    # the second and third bodies really ran, in a fresh pool, and the third computed its own value
+    hung = {p.read_text() for p in data.glob("a-*")}
+    ran = {p.read_text() for p in data.glob("b-*")}
+    assert len(hung) == 2 and len(ran) == 2 and not hung & ran, (hung, ran)
+    assert {p.name: p.read_text() for p in data.glob("c-*")} == {"c-0": "15.0", "c-1": "15.0"}
+
+
+# -- the pool's side of the protocol, with in-process "ranks" ---------------------------------------
+
+
+class PipeRankPool(RankPool):
+    """A pool whose ranks are threads at the other end of pipes, answering as ``answer`` says."""
+
+    answer: ClassVar[Callable[[int, Connection, dict[str, Any]], None]]
+    made: ClassVar[list[PipeRankPool]] = []
+
+    def start(self, config_args: list[str]) -> None:
+        PipeRankPool.made.append(self)
+        for rank in range(self.spec.world_size):
+            ours, theirs = Pipe()
+            self.conns[rank] = ours
+            threading.Thread(target=self._serve, args=(rank, theirs), daemon=True).start()
+
+    def _serve(self, rank: int, conn: Connection) -> None:
+        try:
+            while True:
+                kind, body = conn.recv()
+                if kind == "run":
+                    type(self).answer(rank, conn, body)
+                elif kind == "close":
+                    conn.send(("closed", {"rank": rank}))
+                    return
+        except (EOFError, OSError):
+            return
+
+
+def result_of(rank: int, run_id: Any, value: str) -> tuple[str, dict[str, Any]]:
+    return ("result", {"rank": rank, "outcome": "passed", "message": "", "longrepr": "", "run_id": run_id, "v": value})
+
+
+def make_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: Callable[..., None]) -> PoolManager:
+    monkeypatch.setattr(pool_module, "RankPool", PipeRankPool)
+    monkeypatch.setattr(PipeRankPool, "made", [])
+    monkeypatch.setattr(PipeRankPool, "answer", staticmethod(answer), raising=False)
+    run = types.SimpleNamespace(client=None)  # no GPU lease, no port: nothing to give back
+    return PoolManager(run, DistSettings(timeout=30.0, grace=2.0), [], tmp_path)  # type: ignore[arg-type]
+
+
+def test_a_stale_result_is_never_taken_for_the_current_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def answer(rank: int, conn: Connection, body: dict[str, Any]) -> None:
+        if rank == 1:  # still busy with an earlier test: its result comes first
+            conn.send(result_of(rank, "an-earlier-run", "stale"))
+        conn.send(result_of(rank, body["run_id"], "own"))
+
+    manager = make_manager(tmp_path, monkeypatch, answer)
+    try:
+        result, _ = manager.execute(GLOO2, {"nodeid": "t"}, 30.0)
+    finally:
+        manager.close()
+    assert all(r["v"] == "own" for r in result.results.values()), result.results
+    assert result.outcome == "failed" and result.broken
+    assert any("answered for another test run" in p for p in result.problems), result.problems
+    assert manager.pool is None and PipeRankPool.made[0]._stopped  # an out-of-step pool is not reused
+
+
+class Interrupted(BaseException):
+    """What pytest-timeout's signal method raises (pytest's Failed, a BaseException)."""
+
+
+def test_an_interrupted_wait_kills_the_pool_and_the_next_test_gets_a_fresh_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hang = threading.Event()
+
+    def answer(rank: int, conn: Connection, body: dict[str, Any]) -> None:
+        if body["nodeid"] == "hangs":
+            hang.wait(30)
+        conn.send(result_of(rank, body["run_id"], body["nodeid"]))
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise Interrupted("timeout")
+
+    manager = make_manager(tmp_path, monkeypatch, answer)
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # as pytest-timeout --timeout-method=signal
+        with pytest.raises(Interrupted):
+            manager.execute(GLOO2, {"nodeid": "hangs"}, 30.0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        first = PipeRankPool.made[0]
+        assert first._stopped and manager.pool is None  # killed at once, not left running the body
+        assert any(name == "pytest-gpu pool" for name, _ in manager.abandoned)
+        hang.set()  # a rank that still answered now could only answer for the hung test
+        result, _ = manager.execute(GLOO2, {"nodeid": "next"}, 30.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        hang.set()
+        manager.close()
+    assert len(PipeRankPool.made) == 2
+    assert result.outcome == "passed" and {r["v"] for r in result.results.values()} == {"next"}
