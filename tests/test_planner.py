@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpu.planner import Job, Need, Planner
+from pytest_gpu.planner import Job, Need, Order, Planner
 
 EXCLUSIVE = None  # Need.memory for whole GPUs
 GPU_MEMORY = 16  # per GPU in the simulations (units are arbitrary)
@@ -310,6 +310,90 @@ def test_requeue_puts_singles_back_by_priority() -> None:
     assert planner.pick("A", 25.0) == 1
 
 
+# -- what goes first (--ff, --nf, -x) ---------------------------------------------------
+
+
+def test_default_order_is_longest_first() -> None:
+    jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 5.0, group="g"), cpu(4, 0.5, group="g")]
+    assert drain(Planner(jobs, [], Order()), ["A"]) == drain(Planner(jobs, []), ["A"]) == {"A": [3, 4, 1, 2, 0]}
+
+
+def test_last_failures_are_handed_out_first() -> None:
+    # the quick test that failed last time (3) goes out first, then longest first as before
+    jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 0.1), cpu(4, 4.0), cpu(5, 0.2)]
+    assert drain(Planner(jobs, [], Order({3: 1, 5: 1})), ["A"]) == {"A": [5, 3, 1, 4, 2, 0]}
+    assert drain(Planner(jobs, [], Order({3: 1, 5: 1})), ["A", "B"]) == {"A": [5, 3, 2], "B": [1, 4, 0]}
+
+
+def test_stop_early_hands_out_shortest_first_after_the_failures() -> None:
+    jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 4.0), cpu(4, 0.5), cpu(5, 0.2)]
+    assert drain(Planner(jobs, [], Order(shortest_first=True)), ["A"]) == {"A": [5, 4, 0, 2, 3, 1]}
+    assert drain(Planner(jobs, [], Order({3: 1}, shortest_first=True)), ["A"]) == {"A": [3, 5, 4, 0, 2, 1]}
+
+
+def test_new_tests_go_before_last_failures() -> None:
+    # --nf --ff: new (2), then failed (1), a new test that also failed (3) first
+    jobs = [cpu(i, d) for i, d in enumerate([5.0, 1.0, 2.0, 3.0])]
+    assert drain(Planner(jobs, [], Order({1: 1, 2: 2, 3: 3})), ["A"]) == {"A": [3, 2, 1, 0]}
+
+
+def test_a_group_with_a_last_failure_goes_first_in_collection_order() -> None:
+    jobs = [cpu(0, 9.0), cpu(1, 1.0, group="g"), cpu(2, 0.5, group="g"), cpu(3, 8.0)]
+    planner = Planner(jobs, [], Order({2: 1}))
+    planner.add_worker("A")
+    planner.add_worker("B")
+    assert planner.pick("A", 0.0) == 1  # the group's head, then the failure, on one worker
+    assert planner.pick("B", 0.0) == 0
+    assert planner.pick("A", 0.0) == 2
+    assert planner.pick("B", 0.0) == 3
+
+
+def test_a_last_failure_that_does_not_fit_waits_for_its_gpu() -> None:
+    # the fit rules stand: 0 and 2 (both failed last time) each need 12 of the one GPU
+    jobs = [gpu(0, 10.0, 12), cpu(1, 1.0), gpu(2, 0.5, 12), cpu(3, 2.0)]
+    planner = Planner(jobs, [GPU_MEMORY], Order({0: 1, 2: 1}, shortest_first=True))
+    planner.add_worker("A")
+    planner.add_worker("B")
+    assert planner.pick("A", 0.0) == 2
+    assert planner.pick("B", 0.0) == 1  # 0 would overlap 2 on the GPU
+    assert planner.pick("A", 0.0) == 0  # on A, after 2
+    assert planner.pick("B", 0.0) == 3
+
+
+def test_a_warm_pool_waits_for_a_last_failure() -> None:
+    jobs = [cpu(0, 5.0, pool="K"), cpu(1, 4.0, pool="K"), cpu(2, 1.0), cpu(3, 0.5)]
+    planner = Planner(jobs, [], Order({2: 1}))
+    planner.add_worker("A")
+    planner.add_worker("B")
+    assert planner.pick("A", 0.0) == 2
+    assert planner.pick("A", 0.0) == 0
+    assert planner.pick("B", 0.0) == 3  # leaves K's test to A
+    planner.complete("A", 2, 1.0)
+    assert planner.pick("A", 1.0) == 1  # pool K again, nothing ahead is pending
+
+
+def test_requeued_failure_goes_first_again() -> None:
+    planner = Planner([cpu(0, 5.0), cpu(1, 0.1), cpu(2, 3.0, pool="K"), cpu(3, 4.0, pool="K")], [], Order({1: 1}))
+    planner.add_worker("A")
+    assert [planner.pick("A", 0.0), planner.pick("A", 0.0)] == [1, 0]
+    assert planner.remove_worker("A") == [1, 0]
+    planner.add_worker("B")
+    assert planner.pick("B", 1.0) == 0  # the running test was reported; 0 came back
+    planner.requeue(1)  # a rerun of the failure
+    planner.add_worker("C")
+    assert planner.pick("C", 1.0) == 1
+
+
+def test_shortest_first_reaches_a_quick_failure_sooner_in_simulation() -> None:
+    # ten 2 s tests and a 0.1 s one (collected last) on 2 workers: when does the quick one end?
+    jobs = [cpu(i, 2.0) for i in range(10)] + [cpu(10, 0.1)]
+    longest = Sim(jobs, [], 2)
+    longest.run()
+    shortest = Sim(jobs, [], 2, order=Order(shortest_first=True))
+    shortest.run()
+    assert shortest.runs[10][2] <= 0.1 < 10.0 <= longest.runs[10][2]
+
+
 # -- simulation ------------------------------------------------------------------------
 
 
@@ -327,9 +411,10 @@ class Sim:
         workers: int,
         actual: Mapping[int, float] | None = None,
         removals: Sequence[tuple[float, int]] = (),
+        order: Order | None = None,
     ) -> None:
         self.jobs = {j.index: j for j in jobs}
-        self.planner = Planner(jobs, capacities)
+        self.planner = Planner(jobs, capacities, order)
         self.capacities = list(capacities)
         self.free = list(capacities)
         self.whole = [False] * len(capacities)

@@ -13,12 +13,16 @@ Rules, in order:
    took its first test until that worker goes away. That worker runs the group's
    tests back to back while they fit, so module- and class-scoped fixtures are set
    up once and not torn down in between by other modules' tests.
-2. A worker that last ran a distributed test of pool key K takes the longest pending
-   test of K that fits, so its warm rank pool is reused; other workers leave K's tests
-   to it unless they have nothing else that fits.
-3. Otherwise longest first (a group weighs its remaining duration) among the tests
-   whose GPUs are predicted to be free when the worker starts them. A CPU-only test
-   always fits.
+2. A worker that last ran a distributed test of pool key K takes the first pending
+   test of K (by the priority of rule 3) that fits, so its warm rank pool is reused;
+   other workers leave K's tests to it unless they have nothing else that fits.
+3. Otherwise by priority among the tests whose GPUs are predicted to be free when the
+   worker starts them (a CPU-only test always fits): tests the :class:`Order` moves
+   ahead first (last run's failures under ``--ff`` or ``-x``, new tests under ``--nf``),
+   then longest first, or shortest first when the run stops at its first failures
+   (``-x``/``--maxfail``: the time to the first failure counts, not the makespan). A
+   group weighs its remaining duration and the most advanced of its pending tests. A
+   worker's warm pool (rule 2) waits while a test moved further ahead is pending.
 4. When nothing fits and the worker's running test needs a successor (or no worker
    is busy at all), the test predicted to fit soonest; the worker's blocking acquire
    at the broker remains the safety net for every misprediction.
@@ -35,15 +39,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # A test predicted to be running past its estimate is assumed to end this much later.
 _OVERDUE = 0.05
 # When nothing fits, how many candidates (by priority) are compared for the soonest fit.
 _FALLBACK_SCAN = 64
-# How many pending tests of one GPU need a pick looks at (longest first).
+# How many pending tests of one GPU need a pick looks at (by priority).
 _SCAN = 256
 
 
@@ -66,6 +70,18 @@ class Job:
     pool: str | None = None
 
 
+@dataclass(frozen=True)
+class Order:
+    """What goes first among pending tests (the scheduler derives it from ``--ff``/``--nf``/``-x``).
+
+    ``ahead``: collection index -> how far that test is moved ahead (higher first;
+    absent: 0). ``shortest_first``: ties go to the shorter test, not the longer one.
+    The default, ``Order()``, is plain longest first."""
+
+    ahead: Mapping[int, int] = field(default_factory=dict)
+    shortest_first: bool = False
+
+
 @dataclass
 class _Worker:
     queue: list[int] = field(default_factory=list)  # held tests; queue[0] runs once a successor is held
@@ -83,10 +99,12 @@ class _Span:
 class Planner:
     """Online list scheduling of ``jobs`` onto workers over GPUs of ``capacities`` bytes."""
 
-    def __init__(self, jobs: Iterable[Job], capacities: Sequence[int]) -> None:
+    def __init__(self, jobs: Iterable[Job], capacities: Sequence[int], order: Order | None = None) -> None:
         self.jobs: dict[int, Job] = {}
         self.capacities = list(capacities)  # usable bytes per GPU; the scheduler may refresh these
-        # pending ungrouped tests, longest first: CPU-only and GPU ones apart (a CPU test
+        self.order = order if order is not None else Order()
+        self._sign = 1.0 if self.order.shortest_first else -1.0
+        # pending ungrouped tests, by priority (rule 3): CPU-only and GPU ones apart (a CPU test
         # always fits, so a pick never scans past the first one), and by pool key
         self._cpu: list[int] = []
         self._by_need: dict[Need, list[int]] = {}
@@ -101,6 +119,8 @@ class Planner:
                 self._groups.setdefault(job.group, deque()).append(job.index)
         for index in sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank):
             self._add_single(index)
+        # how many pending tests are moved ahead, by how far: a warm pool waits for them
+        self._ahead_pending: Counter[int] = Counter(self.order.ahead.get(i, 0) for i in self.jobs)
 
     def _lists(self, index: int) -> list[list[int]]:
         """The pending lists an ungrouped test belongs to."""
@@ -114,8 +134,12 @@ class Planner:
         for target in self._lists(index):
             bisect.insort(target, index, key=self._rank)
 
-    def _rank(self, index: int) -> tuple[float, int]:
-        return (-self.jobs[index].duration, index)
+    def _rank(self, index: int) -> tuple[int, float, int]:
+        return (-self.order.ahead.get(index, 0), self._sign * self.jobs[index].duration, index)
+
+    def _group_rank(self, members: deque[int]) -> tuple[int, float, int]:
+        ahead = max(self.order.ahead.get(i, 0) for i in members)
+        return (-ahead, self._sign * sum(self.jobs[i].duration for i in members), members[0])
 
     # -- workers --------------------------------------------------------------------
 
@@ -152,6 +176,7 @@ class Planner:
     def requeue(self, index: int) -> None:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
         job = self.jobs[index]
+        self._ahead_pending[self.order.ahead.get(index, 0)] += 1
         if job.group is not None:
             members = self._groups.setdefault(job.group, deque())
             members.appendleft(index)  # callers give a worker's queue back in reverse
@@ -200,7 +225,10 @@ class Planner:
             return memo[key]
 
         own_groups = [m[0] for g, m in self._groups.items() if m and self._bound.get(g) == worker]
-        pool_tests = self._by_pool.get(state.last_pool, []) if state.last_pool is not None else []
+        pool_tests: Iterable[int] = self._by_pool.get(state.last_pool, []) if state.last_pool is not None else []
+        if self.order.ahead:  # the warm pool waits while a test moved further ahead is pending
+            top = max((ahead for ahead, count in self._ahead_pending.items() if count), default=0)
+            pool_tests = (i for i in pool_tests if self.order.ahead.get(i, 0) >= top)
         passes: tuple[Iterable[int], ...] = (
             own_groups,  # finish a group it started
             pool_tests,  # keep its warm pool busy
@@ -223,7 +251,7 @@ class Planner:
         return choice
 
     def _candidates(self, worker: str, viable: Callable[[Need], bool] | None = None) -> Iterator[int]:
-        """Eligible pending tests in priority order: longest first, a group by its remaining time.
+        """Eligible pending tests in priority order (see rule 3), a group by its remaining tests.
 
         GPU tests whose need cannot fit at all (``viable``) are left out, and of each need
         only the first few are looked at: a pick costs the same for 100 tests or 100,000."""
@@ -231,11 +259,11 @@ class Planner:
         # bind that one too and interleave the two, while other workers idle
         busy_with_group = any(members and self._bound.get(g) == worker for g, members in self._groups.items())
         groups = sorted(
-            ((-sum(self.jobs[i].duration for i in members), members[0]), members[0])
+            (self._group_rank(members), members[0])
             for g, members in self._groups.items()
             if members and (self._bound.get(g) == worker or (g not in self._bound and not busy_with_group))
         )
-        streams: list[Iterator[tuple[tuple[float, int], int]]] = [
+        streams: list[Iterator[tuple[tuple[int, float, int], int]]] = [
             iter(groups),
             ((self._rank(i), i) for i in self._cpu),
         ]
@@ -254,6 +282,7 @@ class Planner:
 
     def _assign(self, worker: str, index: int, now: float) -> None:
         job = self.jobs[index]
+        self._ahead_pending[self.order.ahead.get(index, 0)] -= 1
         if job.group is not None:
             self._groups[job.group].popleft()
             if not self._groups[job.group]:

@@ -5,6 +5,12 @@ implements xdist's ``Scheduling`` protocol around :class:`~pytest_gpu.planner.Pl
 (the policy). Each worker holds at most two tests: the one running and the next, so
 every decision is taken as late as xdist allows.
 
+Which tests go first follows the run's options, as pytest orders ``items`` for them
+(:func:`order`): ``--ff`` (and ``--lf``) puts last run's failures first, ``--nf`` new
+tests, and ``-x``/``--maxfail`` last failures then the shortest tests (the developer
+waits for the first failure, not for the end of the run). Without these options: longest
+first, for the shortest makespan.
+
 A worker that dies gives back what it held: xdist reports the test it was running,
 the rest returns to pending and goes to the other workers (or xdist's replacement). No
 test waits for a dead worker, so the run cannot hang on one.
@@ -13,13 +19,13 @@ test waits for a dead worker, so the run cannot hang on one.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import catalog
-from .planner import Planner
+from . import catalog, history
+from .planner import Order, Planner
 
 if TYPE_CHECKING:
     from xdist.workermanage import WorkerController
@@ -115,7 +121,7 @@ class GpuScheduling:
                 return
             self.collection = next(iter(self.node2collection.values()))
             jobs = catalog.jobs(self.collection, self.run.broker.catalog if self.run.broker else {}, self.durations)
-            self.planner = Planner(jobs, self._room())
+            self.planner = Planner(jobs, self._room(), order_from(self.config, self.collection))
             for name in self._names.values():
                 self.planner.add_worker(name)
         self._fill_all()
@@ -165,3 +171,54 @@ class GpuScheduling:
                 report = pytest.CollectReport(nodeid=node.gateway.id, outcome="failed", longrepr=message, result=[])
                 self.config.hook.pytest_collectreport(report=report)
         return same
+
+
+# -- what goes first ------------------------------------------------------------------
+
+
+def order(
+    collection: Sequence[str],
+    failed: Collection[str],
+    known: Collection[str] | None,
+    *,
+    failed_first: bool,
+    new_first: bool,
+    stop_early: bool,
+) -> Order:
+    """The planner's :class:`Order` for xdist's ``collection`` (pure).
+
+    ``failed``: node ids that failed last time (a collector's id covers the tests under
+    it); ``known``: node ids earlier runs collected (``None``: nothing recorded).
+    ``new_first`` (``--nf``) moves new tests ahead of everything, as pytest does;
+    ``failed_first`` (``--ff``) or ``stop_early`` (``-x``/``--maxfail``) moves last run's
+    failures ahead, and ``stop_early`` hands the rest out shortest first."""
+    ahead: dict[int, int] = {}
+    for index, nodeid in enumerate(collection):
+        level = 0
+        if new_first and known is not None and nodeid not in known:
+            level += 2
+        if (failed_first or stop_early) and failed and _failed(nodeid, failed):
+            level += 1
+        if level:
+            ahead[index] = level
+    return Order(ahead, shortest_first=stop_early)
+
+
+def _failed(nodeid: str, failed: Collection[str]) -> bool:
+    if nodeid in failed:
+        return True
+    parts = nodeid.split("::")  # a module or class that failed to collect last time
+    return any("::".join(parts[:n]) in failed for n in range(1, len(parts)))
+
+
+def order_from(config: pytest.Config, collection: Sequence[str]) -> Order:
+    """:func:`order` from the run's options and pytest's cache (read at the controller)."""
+    new_first = bool(config.getoption("newfirst", False))
+    return order(
+        collection,
+        history.last_failed(config),
+        history.known_nodeids(config) if new_first else None,
+        failed_first=bool(config.getoption("failedfirst", False) or config.getoption("lf", False)),
+        new_first=new_first,
+        stop_early=bool(config.getoption("maxfail", 0)),
+    )
