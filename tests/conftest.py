@@ -36,8 +36,20 @@ def require(component: str, *, module: str | None = None, executable: str | None
 
 # Inner pytest runs: no cache files in the test directory, and no unrelated plugins
 # (their start-up cost is paid by every xdist worker).
-# pytest-depends reorders collected tests: only the tests of its compatibility turn it on.
-INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest", "-p", "no:depends")
+# pytest-depends reorders collected tests, pytest-randomly shuffles them: only the tests of
+# their compatibility turn them on.
+INNER_ARGS = (
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:benchmark",
+    "-p",
+    "no:hypothesispytest",
+    "-p",
+    "no:depends",
+    "-p",
+    "no:randomly",
+)
 _OUTER_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "PYTEST_ADDOPTS")
 # pytester points HOME at each test's directory; the fake libnvidia-ml.so.1 is built once
 # per cache directory, so inner runs share the user's (as real runs would)

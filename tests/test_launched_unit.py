@@ -497,3 +497,17 @@ def test_share_splits_what_cuda_can_allocate() -> None:
     shares = [share(Inventory((gpu,), "nvml"), r, 3).devices[0] for r in range(3)]
     assert [d.capacity for d in shares] == [79 * GiB // 3] * 3
     assert sum(d.capacity for d in shares) <= gpu.capacity
+
+
+def test_ranks_that_collected_the_same_tests_in_another_order_are_told_apart():
+    """Lockstep needs the same order too: pytest-randomly with a seed per rank would hang collectives."""
+    from pytest_gpu.launched.session import _differences
+
+    same = ["t.py::a", "t.py::b", "t.py::c"]
+    assert _differences({0: same, 1: list(same)}) == []
+    lines = _differences({0: same, 1: ["t.py::a", "t.py::c", "t.py::b"]})
+    assert len(lines) == 1
+    assert "rank 1 runs them in another order than rank 0: test 2 is t.py::c there, t.py::b on rank 0" in lines[0]
+    assert "--randomly-seed" in lines[0]
+    missing = _differences({0: same, 1: same[:2]})
+    assert missing == ["  only on rank 0 (not on every rank): t.py::c"]  # a missing test is named, not the order

@@ -301,4 +301,14 @@ def _differences(ids_by_rank: dict[int, list[str]]) -> list[str]:
         if extra:
             shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
             lines.append(f"  only on rank {rank} (not on every rank): {shown}")
+    if not lines:  # the same tests in another order run out of lockstep just as well (pytest-randomly)
+        first_rank, first = min(ids_by_rank.items())
+        for rank, ids in sorted(ids_by_rank.items()):
+            at = next((i for i, (a, b) in enumerate(zip(first, ids, strict=False)) if a != b), None)
+            if at is not None:
+                lines.append(
+                    f"  rank {rank} runs them in another order than rank {first_rank}: test {at + 1} is {ids[at]} "
+                    f"there, {first[at]} on rank {first_rank} (pytest-randomly? give every rank the same "
+                    "--randomly-seed)"
+                )
     return lines
