@@ -457,3 +457,13 @@ def test_short_names() -> None:
     assert trace.short("tests/test_x.py::TestY::test_z[1]") == "TestY::test_z[1]"
     assert trace.short("plain") == "plain"
     assert math.isfinite(sample_timeline().makespan())
+
+
+def test_summary_leaves_out_a_parallel_factor_below_one() -> None:
+    """Tiny tests with gaps between them give 0.4x: that measures the gaps, not parallelism."""
+    tl = Timeline()
+    run_test(tl, "t.py::a", "gw0", 0.0, 0.1)
+    run_test(tl, "t.py::b", "gw0", 0.2, 0.3)
+    first = tl.summary_lines([0], with_peaks=False)[0]
+    assert "· test time 0.2s · waited" in first
+    assert "in parallel" not in first

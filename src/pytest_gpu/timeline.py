@@ -139,7 +139,8 @@ class Timeline:
         total = sum(r.duration for r in tests)
         busy = self.busy(gpus)
         waited = sum(r.waited for r in tests)
-        parallel = f" ({total / makespan:.1f}x in parallel)" if makespan > 0 else ""
+        # below 1x the figure measures gaps between tiny tests, not parallelism: leave it out
+        parallel = f" ({total / makespan:.1f}x in parallel)" if makespan > 0 and total / makespan >= 1.05 else ""
         lines = [
             f"pytest-gpu: makespan {makespan:.1f}s · test time {total:.1f}s{parallel} · "
             f"waited {waited:.1f}s for GPUs"
