@@ -28,6 +28,7 @@ import psutil
 
 from ..procs import kill_and_wait
 from ..session import GpuRun
+from . import cover
 from .spec import DistSpec
 
 LAUNCH_VARS = (
@@ -210,6 +211,9 @@ class RankPool:
         )
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
+        measured = cover.rank_config()  # pytest --cov: the ranks measure too
+        if measured is not None:
+            env[cover.ENV] = measured
         return env
 
     def _command(self) -> list[str]:

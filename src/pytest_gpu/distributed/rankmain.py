@@ -28,6 +28,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+from . import cover
 from .rankinfo import RankInfo, RankPlaceholder
 
 RANK_VARS = ("PYTEST_GPU_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -237,6 +238,7 @@ class Rank:
                 self.conn.send(("checked", {"rank": self.rank, "ok": ok, "detail": detail}))
             elif kind == "close":
                 self.close()
+                cover.save_in_rank()  # before the reply: the pool kills the ranks once all have replied
                 self.conn.send(("closed", {"rank": self.rank}))
                 return
 
@@ -321,6 +323,7 @@ def _outcome(exc: BaseException, module_file: str | None, tbstyle: str) -> dict[
 
 
 def main() -> None:
+    cover.start_in_rank()  # before the test modules (and what they import) are imported
     rank = Rank()
     try:
         rank.serve()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pickle
 import time
 import zlib
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _pytest._code.code import ReprFileLocation
 
 from ..requests import GpuRequestError
 from .rankinfo import RankPlaceholder
@@ -20,10 +22,46 @@ if TYPE_CHECKING:  # the pool machinery is imported when the first distributed t
 SPEC_KEY = pytest.StashKey[DistSpec]()
 MANAGER_KEY = pytest.StashKey["PoolManager"]()
 RUN_RESULT_KEY = pytest.StashKey["RankRun"]()
+# what the ranks of an interrupted test left (stacks, output): for the failure's full text
+ABANDONED_KEY = pytest.StashKey[list[tuple[str, str]]]()
+STDERR_TAIL_LINES = 20  # of each failing rank's stderr, in the failure's full text
 
 
 class DistributedFailure(Exception):
-    """A distributed test failed; the message lists every failing rank."""
+    """A distributed test failed; the message lists every failing rank.
+
+    ``detail`` is what the report sections say about the failing ranks (their stacks, the
+    tail of their stderr), repeated in the failure's full text for junit readers.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class FailureRepr:
+    """A failure's ``longrepr``: the terminal shows ``shown``; ``str()`` adds ``detail``.
+
+    ``--junitxml`` writes ``str(longrepr)`` as the ``<failure>`` body and drops report
+    sections (``junit_logging`` only writes the captured stdout/stderr/log ones), so the
+    ranks' stacks and stderr tails would be lost there. On the terminal they already follow
+    as report sections: shown again in the failure text they would only be noise. An xdist
+    worker sends ``str()`` to the controller (see :func:`make_report`).
+    """
+
+    def __init__(self, shown: Any, detail: str, crash: Any = None) -> None:
+        self.shown = shown
+        self.detail = detail
+        self.reprcrash = crash if crash is not None else getattr(shown, "reprcrash", None)
+
+    def toterminal(self, tw: Any) -> None:
+        if hasattr(self.shown, "toterminal"):
+            self.shown.toterminal(tw)
+        else:
+            tw.line(str(self.shown))
+
+    def __str__(self) -> str:
+        return f"{str(self.shown).rstrip()}\n\n{self.detail}" if self.detail else str(self.shown)
 
 
 def stash_spec(item: pytest.Item, run: GpuRun) -> None:
@@ -31,6 +69,29 @@ def stash_spec(item: pytest.Item, run: GpuRun) -> None:
     spec = item_spec(item, run)
     if spec is not None:
         item.stash[SPEC_KEY] = spec
+        if not item.config.pluginmanager.has_plugin(PoolsEnd.NAME):
+            item.config.pluginmanager.register(PoolsEnd(), PoolsEnd.NAME)
+
+
+class PoolsEnd:
+    """Closes the pools when the test loop ends, before anything else sees that end.
+
+    Registered when collection finds a distributed test (a suite without one pays nothing).
+    The innermost ``pytest_runtestloop`` wrapper (trylast): pytest-cov combines its data files
+    when the loop ends, and a rank writes its data only when its pool closes it (see
+    :mod:`.cover`); closed later, at session end, the ranks' data would be missed and left
+    behind as stray ``.coverage.*`` files. ``pytest_sessionfinish`` still closes whatever
+    is left (an interrupted collection, say).
+    """
+
+    NAME = "pytest-gpu-pools-end"
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
+        try:
+            return (yield)
+        finally:
+            close(session.config)
 
 
 def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
@@ -136,6 +197,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         # interrupted (pytest-timeout, Ctrl-C): the pool was killed; show where its ranks were
         for name, content in pools.abandoned:
             item.add_report_section("call", name, content)
+        item.stash[ABANDONED_KEY] = list(pools.abandoned)
         raise
     item.stash[RUN_RESULT_KEY] = result
     body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
@@ -153,7 +215,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         item.add_report_section("call", "pytest-gpu pool", note)
     outcome = result.outcome
     if outcome == "failed":
-        raise DistributedFailure(failure_text(spec, result))
+        raise DistributedFailure(failure_text(spec, result), failure_detail(spec, result))
     if outcome == "skipped":
         reasons = sorted({r["message"] for r in result.results.values() if r["outcome"] == "skipped"})
         # reported at the test's location, as for a skip marker, not at this line of the plugin
@@ -173,10 +235,72 @@ def failure_text(spec: DistSpec, result: RankRun) -> str:
     return "\n".join(lines)
 
 
+def failure_detail(spec: DistSpec, result: RankRun) -> str:
+    """The sections about ranks that did not pass (stacks, stderr tails), as text for junit readers."""
+    passed = {r for r, res in result.results.items() if res["outcome"] != "failed"}
+    failing = [r for r in range(spec.world_size) if r not in passed]
+    return _sections_text(result.sections, failing)
+
+
+def _sections_text(sections: list[tuple[str, str]], ranks: list[int] | None) -> str:
+    """Every ``rank N stack`` section, then a short tail of each ``rank N stderr`` / ``log tail``.
+
+    ``ranks``: only those ranks (None: all).
+    """
+    by_name = dict(sections)
+    parts = []
+    for kind in ("stack", "stderr", "log tail"):
+        for name, content in sections:
+            head, _, rest = name.partition(" ")
+            number, _, what = rest.partition(" ")
+            if head != "rank" or what != kind or not number.isdigit():
+                continue
+            if ranks is not None and int(number) not in ranks:
+                continue
+            if kind == "log tail" and f"rank {number} stderr" in by_name:
+                continue  # the test's own stderr says it better than the log's last lines
+            text = content.rstrip("\n")
+            if kind != "stack":
+                lines = text.splitlines()
+                text = "\n".join(lines[-STDERR_TAIL_LINES:])
+                cut = len(lines) > STDERR_TAIL_LINES
+                title = f"rank {number} stderr" + (f" (last {STDERR_TAIL_LINES} lines)" if cut else "")
+            else:
+                title = f"rank {number} stack"
+            parts.append(f"{'-' * 20} {title} {'-' * 20}\n{text}")
+    return "\n".join(parts)
+
+
 def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
-    if call.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(DistributedFailure):
-        if not hasattr(report, "wasxfail"):
-            report.longrepr = str(call.excinfo.value)
+    """Fail a distributed test with the text of every failing rank.
+
+    The ranks' stacks and stderr tails go into the failure's full text (``str(longrepr)``:
+    junit's ``<failure>`` body), not its terminal text (the sections show them there). An
+    xdist worker can only send the full text to the controller, whose terminal shows it:
+    there the stack sections are dropped from the report instead of shown twice.
+    """
+    if call.when != "call" or call.excinfo is None or hasattr(report, "wasxfail"):
+        return
+    if call.excinfo.errisinstance(DistributedFailure):
+        exc = call.excinfo.value
+        assert isinstance(exc, DistributedFailure)
+        summary = str(exc)
+        crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, summary.splitlines()[0])
+        report.longrepr = FailureRepr(summary, exc.detail, crash)  # type: ignore[assignment]
+    elif ABANDONED_KEY in item.stash and report.longrepr is not None:
+        detail = _sections_text(item.stash[ABANDONED_KEY], None)
+        if detail:
+            report.longrepr = FailureRepr(report.longrepr, detail)  # type: ignore[assignment]
+    else:
+        return
+    if hasattr(item.config, "workerinput") and isinstance(report.longrepr, FailureRepr) and report.longrepr.detail:
+        report.sections = [(t, c) for t, c in report.sections if not _is_stack_section(t)]
+
+
+def _is_stack_section(title: str) -> bool:
+    # "Captured rank 3 stack call"
+    words = title.split()
+    return len(words) == 5 and words[1] == "rank" and words[3] == "stack"
 
 
 def rank_fixture() -> RankPlaceholder:
