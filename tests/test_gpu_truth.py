@@ -235,13 +235,16 @@ def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake):
 
 def test_one_mig_instance_per_process():
     """CUDA lets a process use one MIG instance, the first it sees; other GPUs stay visible."""
-    from pytest_gpu.gpu.devices import Inventory, process_view, sim_machine
-    from pytest_gpu.sim.spec import parse, parse_visible
+    from pytest_gpu.gpu.devices import Device, Inventory, cuda_view, process_view, sim_machine
+    from pytest_gpu.sim.spec import parse
 
-    machine = parse("sim:2x80GiB;mig:0=3x20GiB")
-    addressable = {u.index for u in machine.addressable()}
-    assert parse_visible(None, machine.units(), addressable) == [1, 2]  # GPU 1 and the first instance
-    assert parse_visible(f"{mig_uuid(0, 2)},{mig_uuid(0, 1)}", machine.units(), addressable) == [4]
+    units = tuple(
+        Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent)
+        for u in parse("sim:2x80GiB;mig:0=3x20GiB").units()
+    )
+    assert cuda_view(units, None) == [1, 2]  # GPU 1 and the first instance
+    assert cuda_view(units, f"{mig_uuid(0, 2)},{mig_uuid(0, 1)}") == [4]
+    assert cuda_view(units, f"1,{gpu_uuid(0)}") == [1]  # a GPU in MIG mode is invalid, by UUID too
     found, _ = sim_machine("sim:2x80GiB;mig:0=3x20GiB")
     inventory = Inventory(found, "nvml", machine=found)
     assert [d.index for d in inventory.devices] == [1, 2, 3, 4]  # every instance can be leased

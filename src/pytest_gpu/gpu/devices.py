@@ -125,8 +125,16 @@ def process_view(inventory: Inventory, visible: str | None = None, *, use_run: b
     by hand) the inventory itself is the view.
     """
     machine = inventory.machine or inventory.devices
-    value = inventory.visible if (visible is None and use_run) else visible
-    seen = addressable(machine) if value is None else select_visible(machine, value)
+    return cuda_view(machine, inventory.visible if (visible is None and use_run) else visible)
+
+
+def cuda_view(machine: tuple[Device, ...], visible: str | None) -> list[int]:
+    """Physical indices a CUDA process enumerates, in ordinal order, when it starts under
+    ``CUDA_VISIBLE_DEVICES=visible`` on ``machine`` (every device, MIG-mode GPUs included).
+
+    The one model of CUDA's enumeration: the simulated runtime uses it too.
+    """
+    seen = addressable(machine) if visible is None else select_visible(machine, visible)
     # CUDA gives a process one MIG instance, the first it can see (NVIDIA's MIG user guide)
     first_mig = next((d.index for d in seen if d.parent is not None), None)
     return [d.index for d in seen if d.parent is None or d.index == first_mig]
@@ -267,7 +275,7 @@ def select_visible(devices: tuple[Device, ...], visible: str) -> tuple[Device, .
 
     Entries are GPU indices, or ``GPU-``/``MIG-`` UUIDs or unique prefixes of them (a bare
     prefix means ``GPU-…``); like CUDA, an empty value hides every GPU, and an invalid
-    or repeated entry ends the list. An index of a GPU in MIG mode is invalid.
+    or repeated entry ends the list. A GPU in MIG mode (by index or UUID) is invalid.
     """
     chosen: list[Device] = []
     for raw in visible.split(","):
@@ -278,13 +286,11 @@ def select_visible(devices: tuple[Device, ...], visible: str) -> tuple[Device, .
         if re.fullmatch(r"-?\d+", entry):
             idx = int(entry)
             match = next((d for d in devices if d.index == idx and d.parent is None), None)
-            if match is not None and _mig_mode_gpu(match, devices):
-                match = None
         else:
             key = entry if entry.upper().startswith(("GPU-", "MIG-")) else f"GPU-{entry}"
             candidates = [d for d in devices if d.uuid.lower().startswith(key.lower())]
             match = candidates[0] if len(candidates) == 1 else None
-        if match is None or match in chosen:
+        if match is None or match in chosen or _mig_mode_gpu(match, devices):
             break
         chosen.append(match)
     return tuple(chosen)
@@ -305,12 +311,7 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
         return Inventory((), "none", "--gpus none")
     if lowered.startswith(SIM_PREFIX):
         found, note = sim_machine(value)
-        if visible is None:
-            return Inventory(found, value, note, found, visible)
-        seen = _usable(found, visible)
-        if not seen:
-            note = "; ".join(filter(None, [_why_none(found, visible), note]))
-        return Inventory(seen, value, note, found, visible)
+        return _visible_part(found, value, note, visible)
     if lowered == "auto" or re.fullmatch(r"\d+(\s*,\s*\d+)*", value):
         try:
             found, note = nvml_devices()
@@ -318,11 +319,9 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
             if lowered == "auto":
                 return Inventory((), "auto", str(exc))
             raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
-        seen = list(_usable(found, visible))
         if lowered == "auto":
-            if not seen:
-                note = "; ".join(filter(None, [_why_none(found, visible), note]))
-            return Inventory(tuple(seen), "nvml", note, found, visible)
+            return _visible_part(found, "nvml", note, visible)
+        seen = _usable(found, visible)
         wanted = [int(x) for x in value.split(",")]
         known = {d.index: d for d in found if d.parent is None}
         missing = [i for i in wanted if i not in known]
@@ -347,6 +346,14 @@ def _usable(found: tuple[Device, ...], visible: str | None) -> tuple[Device, ...
     """The devices a run may lease under an outer ``CUDA_VISIBLE_DEVICES``, in its order (every
     visible MIG instance: each lease is used by one process, a subprocess if need be)."""
     return addressable(found) if visible is None else select_visible(found, visible)
+
+
+def _visible_part(found: tuple[Device, ...], source: str, note: str, visible: str | None) -> Inventory:
+    """The inventory of what an outer ``CUDA_VISIBLE_DEVICES`` leaves of ``found``; why, when nothing."""
+    seen = _usable(found, visible)
+    if not seen:
+        note = "; ".join(filter(None, [_why_none(found, visible), note]))
+    return Inventory(seen, source, note, found, visible)
 
 
 def _why_none(found: tuple[Device, ...], visible: str | None) -> str:

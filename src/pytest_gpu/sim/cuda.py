@@ -2,7 +2,7 @@
 
 - The device list is fixed at the process's first CUDA use (:func:`init`, the analogue
   of ``cuInit``, which every other call implies), from ``CUDA_VISIBLE_DEVICES`` as CUDA
-  parses it (:func:`pytest_gpu.sim.spec.parse_visible`). Changing the variable later
+  parses it (:func:`pytest_gpu.gpu.devices.cuda_view`). Changing the variable later
   changes nothing in this process, only in its future subprocesses.
 - There is a current device per process (ordinal 0 until :func:`set_device`).
 - The first touch of a device opens a context there (charged in the ledger):
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from ..requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
-from .spec import parse_visible
 
 __all__ = [
     "Allocation",
@@ -69,11 +68,11 @@ def init() -> list[int]:
     _runtime()
     led = ledger()
     if _rt.view is None:
-        machine = led.machine()
+        from ..gpu.devices import Device, cuda_view  # the one model of CUDA's enumeration
+
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        units = machine.units()
-        addressable = {u.index for u in machine.addressable()}
-        _rt.view = parse_visible(visible, units, addressable)
+        units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
+        _rt.view = cuda_view(tuple(units), visible)
         _rt.visible = visible
     return list(_rt.view)
 
