@@ -402,3 +402,16 @@ out["contexts"] = sorted(simcuda.contexts())
     assert out["during"] == 1
     assert out["after"] == 1  # not left on GPU 3, where the last fraction reset switched it
     assert out["contexts"] == [1, 3]  # and never a context on GPU 0, where the process started
+
+
+def test_real_ordinals_come_from_what_the_driver_enumerates(clean_env, monkeypatch):
+    """After cuInit the driver's own device UUIDs decide the ordinals (a GPU NVML refused still counts)."""
+    inventory = real_inventory(indices=(0, 2))  # NVML gave GPUs 0 and 2 to the run; the machine has 4
+    hexes = {d.index: runtime._hex(d.uuid) for d in inventory.machine}
+    monkeypatch.setattr(runtime, "_cu_init", lambda: ([hexes[0], hexes[3], hexes[2]], ""))
+    assert runtime.pin(inventory) == [0, 3, 2]
+    assert make_lease("k", [2], GiB, False, 0.0, inventory, "t").device == "cuda:2"
+    runtime.forget()
+    # a UUID no NVML device has: the view is predicted from CUDA_VISIBLE_DEVICES at the pin
+    monkeypatch.setattr(runtime, "_cu_init", lambda: (["ff" * 16], ""))
+    assert runtime.pin(inventory) == [0, 1, 2, 3]

@@ -39,7 +39,7 @@ class LeaseUnreachable(RuntimeError):
 class _State:
     pinned: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when pinned
-    uuids: list[str] | None = None  # what the driver enumerates, read back after cuInit
+    uuids: list[str] | None = None  # what the driver enumerates (UUIDs' hex digits), read back after cuInit
     note: str = ""
 
 
@@ -78,7 +78,7 @@ def view(inventory: Inventory) -> list[int]:
     machine = inventory.machine or inventory.devices
     if _state.uuids is not None:  # what the driver really enumerates, matched to NVML's devices
         by_uuid = {_hex(d.uuid): d.index for d in machine}
-        found = [by_uuid.get(_hex(u)) for u in _state.uuids]
+        found = [by_uuid.get(u) for u in _state.uuids]
         if all(i is not None for i in found):
             return [i for i in found if i is not None]
     if _state.pinned:
@@ -109,22 +109,15 @@ def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> li
     )
 
 
-def ordinals(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int]:
-    """Like :func:`in_process`, but a lease this process cannot use at all raises."""
-    found = in_process(inventory, indices)
-    if found is None:
-        raise LeaseUnreachable(f"this process's CUDA cannot use MIG instance(s) {list(indices)}: one per process")
-    return found
-
-
 def _hex(uuid: str) -> str:
+    """The 32 hex digits of a ``GPU-…``/``MIG-…`` UUID, as the driver's 16 bytes give them."""
     return uuid.split("-", 1)[1].replace("-", "").lower() if "-" in uuid else uuid.lower()
 
 
 def _cu_init() -> tuple[list[str] | None, str]:
     """``cuInit(0)`` through libcuda.so.1, then the UUIDs of what the driver enumerates.
 
-    Returns (UUIDs in ordinal order or ``None``, a sentence when something failed).
+    Returns (the UUIDs' hex digits in ordinal order, or ``None``; a sentence when something failed).
     """
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -145,8 +138,7 @@ def _cu_init() -> tuple[list[str] | None, str]:
         raw = (ctypes.c_ubyte * 16)()
         if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0 or get_uuid(raw, device) != 0:
             return None, f"could not read the UUID of CUDA device {ordinal}"
-        b = bytes(raw).hex()
-        uuids.append(f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}")
+        uuids.append(bytes(raw).hex())
     return uuids, ""
 
 
