@@ -415,3 +415,12 @@ def test_real_ordinals_come_from_what_the_driver_enumerates(clean_env, monkeypat
     # a UUID no NVML device has: the view is predicted from CUDA_VISIBLE_DEVICES at the pin
     monkeypatch.setattr(runtime, "_cu_init", lambda: (["ff" * 16], ""))
     assert runtime.pin(inventory) == [0, 1, 2, 3]
+
+
+def test_a_lease_names_the_ordinals_of_the_pinned_cuda(clean_env, monkeypatch):
+    """The first lease of a process pins CUDA before naming its device, so device and confinement agree."""
+    inventory = real_inventory(indices=(0, 2))
+    hexes = {d.index: runtime._hex(d.uuid) for d in inventory.machine}
+    monkeypatch.setattr(runtime, "_cu_init", lambda: ([hexes[2], hexes[0]], ""))  # the driver's own order
+    lease = make_lease("k", [2], GiB, False, 0.0, inventory, "t")
+    assert lease.device == "cuda:0"

@@ -89,6 +89,7 @@ def make_lease(
     env[TF_GROWTH] = "true"
     if inventory.simulated:
         env[sim.TAG_ENV] = tag
+    runtime.pin(inventory)  # the ordinals named here are those of the pinned CUDA, as confine's
     ordinals = runtime.in_process(inventory, [d.index for d in devices])
     named = [f"cuda:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
     return GpuLease(
