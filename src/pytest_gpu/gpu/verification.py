@@ -21,6 +21,7 @@ was measured.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,6 +83,14 @@ def judge(
     return verdict
 
 
+@functools.cache
+def _version_problem() -> str:
+    """Why the installed nvidia-ml-py's process lists cannot be trusted ("": they can); read once."""
+    from .nvmlversion import nvml_version_problem
+
+    return nvml_version_problem() or ""
+
+
 def _mismatch(pynvml: ModuleType) -> type[Exception]:
     found = getattr(pynvml, "NVMLLibraryMismatchError", None)
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
@@ -113,12 +122,7 @@ class NvmlVerifier:
         self._torch_base: dict[int, int] = {}
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
-        from .nvmlversion import nvml_version_problem
-
-        problem = nvml_version_problem()
-        self._untrusted = bool(problem)  # its process lists are scrambled: measure nothing from them
-        if problem:
-            self._note(problem)
+        self._untrusted = _version_problem()  # its process lists are scrambled: measure nothing from them
 
     def _usage(self) -> tuple[dict[int, int], dict[int, int]] | None:
         """Bytes NVML reports per GPU for this process and for its children; ``None`` (and a
@@ -127,8 +131,7 @@ class NvmlVerifier:
         import pynvml
 
         if self._untrusted:
-            self._unmeasured.update(d.index for d in self.inventory.devices)
-            return None
+            return self._give_up(self._untrusted)
         me = psutil.Process()
         children = {child.pid for child in me.children(recursive=True)}
         mine: dict[int, int] = {}
@@ -136,9 +139,7 @@ class NvmlVerifier:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
-            self._note(f"NVML unavailable ({exc}): memory outside the lease was not checked")
-            self._unmeasured.update(d.index for d in self.inventory.devices)
-            return None
+            return self._give_up(f"NVML unavailable ({exc}): memory outside the lease was not checked")
         try:
             foreign: set[int] = set()
             for device in addressable(self.inventory.machine or self.inventory.devices):
@@ -163,15 +164,18 @@ class NvmlVerifier:
                         foreign.add(proc.pid)
             if foreign and not mine and not theirs:
                 # NVML reports host pids; in a container's pid namespace none of them is ours
-                self._note(
+                return self._give_up(
                     f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
                     "pid namespace (a container?): memory outside the lease was not checked"
                 )
-                self._unmeasured.update(d.index for d in self.inventory.devices)
-                return None
         finally:
             pynvml.nvmlShutdown()
         return mine, theirs
+
+    def _give_up(self, why: str) -> None:
+        """Nothing NVML says can be attributed to this test: note why, mark every GPU unmeasured."""
+        self._note(why)
+        self._unmeasured.update(d.index for d in self.inventory.devices)
 
     def _note(self, text: str) -> None:
         if text not in self._notes:

@@ -20,6 +20,7 @@ per-user default directory for the spec in ``PYTEST_GPU_SIM`` (default ``sim:4x1
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -103,8 +104,6 @@ class Ledger:
         from filelock import FileLock
 
         self._lock = FileLock(str(self.path / "ledger.lock"))
-        self._units: tuple[specs.Unit, ...] | None = None
-        self._machine: specs.Machine | None = None
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
@@ -176,17 +175,11 @@ class Ledger:
         if spec is None:
             with self._state(write=False, prune=False) as state:
                 spec = str(state["spec"])
-        if self._machine is None or self._machine.spec != spec.strip():
-            self._machine = specs.parse(spec)
-            self._units = None
-        return self._machine
+        return _parse(spec)
 
     def units(self, spec: str | None = None) -> tuple[specs.Unit, ...]:
         """Every device unit (GPUs, then MIG instances)."""
-        machine = self.machine(spec)
-        if self._units is None:
-            self._units = machine.units()
-        return self._units
+        return self.machine(spec).units()
 
     def used(self) -> dict[int, int]:
         """Bytes in use per device unit, contexts included (reserved memory not)."""
@@ -279,6 +272,10 @@ class Ledger:
             proc = state["procs"].get(pid)
             if proc is not None:
                 proc["allocs"].pop(handle, None)
+
+
+# a spec names one machine for good: parsed once per process
+_parse = functools.lru_cache(maxsize=16)(specs.parse)
 
 
 def _device_used(state: dict[str, Any], unit: int) -> int:
