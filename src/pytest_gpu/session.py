@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import sim
 from .gpu import runtime
-from .gpu.devices import DeviceSpecError, Inventory
+from .gpu.devices import Inventory
 from .gpu.isolation import Confinement, GpuLease, confine, make_lease
 from .gpu.verification import NvmlVerifier, SimVerifier, Verdict
 from .options import Settings
@@ -66,18 +66,12 @@ class GpuRun:
         from . import rundir
         from .broker import Broker
         from .gpu.devices import discover
+        from .launched.detect import detect
+        from .launched.share import node_share
         from .placement import Policy
         from .sim import fake
 
-        spec = settings.gpus.strip()
-        if not spec.lower().startswith("sim:") and fake.requested():
-            try:  # PYTEST_GPU_FAKE_GPUS: NVML is the fake library, before anything asks it
-                fake.activate()
-            except ValueError as exc:
-                raise DeviceSpecError(f"{fake.FAKE_ENV}: {exc}") from None
-        from .launched.detect import detect
-        from .launched.share import node_share
-
+        # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         inventory = node_share(discover(settings.gpus), detect())  # under a launcher: this rank's share of the node
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
@@ -122,10 +116,6 @@ class GpuRun:
             Path(data["run_dir"]),
         )
         run._set_env(data["env"])
-        from .sim import fake
-
-        if fake.requested():
-            fake.activate()
         return run
 
     def to_wire(self) -> dict[str, Any]:
