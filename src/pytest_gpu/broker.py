@@ -2,8 +2,9 @@
 
 Transport: :mod:`multiprocessing.connection` over a Unix socket in the run's private
 0700 directory, authenticated with a random key.
-One thread serves every authenticated connection as its messages arrive; decisions are
-made by :class:`pytest_gpu.placement.Pool` under one lock.
+One thread serves every authenticated connection as its messages arrive. GPU decisions
+are made by the machine's arbiter (:mod:`pytest_gpu.machine`): in this process when this
+run is the arbiter or has the GPUs to itself, else in the arbiter's run, over its socket.
 
 The key's challenge and answer (:func:`multiprocessing.connection.deliver_challenge`)
 run in a short-lived thread per new connection, never on the accept thread nor on the
@@ -53,7 +54,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from .placement import Lease, Policy, Pool, Unsatisfiable
+from .machine.arbiter import Event
+from .machine.link import MachineLink
+from .placement import Policy
 from .ports import DEFAULT_RANGE, PortPool
 from .requests import GpuRequest, format_size
 
@@ -67,6 +70,7 @@ class ClientInfo:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     tests: dict[str, str] = field(default_factory=dict)  # lease key -> test node id
     current_test: str | None = None
+    contexts: set[int] = field(default_factory=set)  # GPUs its process has (or is assumed to have) contexts on
 
     def send(self, message: tuple[str, Any]) -> None:
         with self.send_lock:
@@ -98,23 +102,19 @@ class Handshake:
     state: str = "pending"  # -> "done" (its thread finished) or "expired" (shut down at the deadline)
 
 
-def lease_message(lease: Lease, waited: float) -> dict[str, Any]:
-    return {
-        "key": lease.key.split("/", 1)[1],
-        "indices": list(lease.placement.indices),
-        "memory": lease.placement.memory,
-        "exclusive": lease.placement.exclusive,
-        "waited": waited,
-    }
-
-
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to answer the key's challenge
 MAX_HANDSHAKES = 64  # handshakes under way at once; more connections wait in the backlog meanwhile
 BACKLOG = 128
 
 
 class Broker:
-    """Owns the pool and the listener; start with :meth:`start`, stop with :meth:`close`."""
+    """Owns the listener and this run's side of the machine's leases; start with
+    :meth:`start`, stop with :meth:`close`.
+
+    GPU decisions are the machine's arbiter's (``link``, see :mod:`pytest_gpu.machine`):
+    shared with every run of the machine when ``link`` has a domain; without a ``link``
+    the run's GPUs are its own. ``uuids`` names each GPU index (default: private names).
+    """
 
     def __init__(
         self,
@@ -124,8 +124,16 @@ class Broker:
         policy: Policy | None = None,
         port_range: tuple[int, int] = DEFAULT_RANGE,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        link: MachineLink | None = None,
+        uuids: dict[int, str] | None = None,
     ) -> None:
-        self.pool = Pool(capacities, policy)
+        self.policy = policy or Policy()
+        self.link = link if link is not None else MachineLink(None, self.policy)
+        self.capacities = dict(sorted(capacities.items()))
+        self.uuids = {i: (uuids or {}).get(i) or f"private-{i}" for i in self.capacities}
+        self._index = {uuid: i for i, uuid in self.uuids.items()}
+        self._attached = False
+        self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
         self.ports = PortPool(port_range)
         self.address = address
         self.authkey = authkey
@@ -133,7 +141,7 @@ class Broker:
         self.crashes: list[CrashRecord] = []
         self.grants = 0
         self.catalog: dict[str, Any] = {}  # node id -> what the scheduler needs (see catalog.py)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._clients: dict[str, ClientInfo] = {}
         self._queued_at: dict[str, float] = {}
         self._ids = itertools.count()
@@ -177,6 +185,60 @@ class Broker:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+        self.link.close()
+
+    # -- the machine ------------------------------------------------------------------
+
+    def _machine(self) -> MachineLink:
+        """The link, attached on first use: a CPU-only run never joins the machine."""
+        if not self._attached:
+            with self._lock:
+                if not self._attached:
+                    self.link.attach({self.uuids[i]: c for i, c in self.capacities.items()}, self._on_events)
+                    self._attached = True
+        return self.link
+
+    def _indices(self, gpus: list[str]) -> list[int]:
+        return sorted(self._index[u] for u in gpus if u in self._index)
+
+    def _lease_message(self, key: str, body: dict[str, Any], waited: float) -> dict[str, Any]:
+        message = {
+            "key": key.split("/", 1)[1],
+            "indices": self._indices(body["gpus"]),
+            "memory": body["memory"],
+            "exclusive": body["exclusive"],
+            "waited": waited,
+        }
+        foreign = body.get("foreign")
+        if foreign:
+            message["foreign"] = {
+                "waited": bool(foreign.get("waited")),
+                "avoided": self._indices(foreign.get("avoided", [])),
+                "bytes": {self._index[u]: n for u, n in foreign.get("bytes", {}).items() if u in self._index},
+            }
+            self.foreign.append({"test": "", "waited": waited, **message["foreign"]})
+        return message
+
+    def _on_events(self, events: list[Event]) -> None:
+        """Grants and refusals of requests that waited (from the link's own thread)."""
+        now = time.monotonic()
+        with self._lock:
+            for kind, key, body in events:
+                client = key.split("/", 1)[0]
+                info = self._clients.get(client)
+                queued = self._queued_at.pop(key, None)
+                if kind == "granted":
+                    self.grants += 1
+                    if info is None:
+                        continue  # gone meanwhile: forget_client gave it back
+                    info.contexts.update(self._indices(body["gpus"]))
+                    message = self._lease_message(key, body, now - (queued if queued is not None else now))
+                    if "foreign" in message:
+                        self.foreign[-1]["test"] = info.tests.get(key, "?")
+                    info.send(("push-granted", message))
+                elif info is not None:
+                    info.tests.pop(key, None)
+                    info.send(("push-error", {"key": key.split("/", 1)[1], "message": body["message"]}))
 
     def _wake(self) -> None:
         """Wake the serving thread (new connections, closing)."""
@@ -391,31 +453,28 @@ class Broker:
         if kind == "cancel":
             key = f"{info.client}/{body['key']}"
             with self._lock:
-                if self.pool.cancel(key):
+                holders = self._machine().cancel(key)
+                if holders is not None:
                     self._queued_at.pop(key, None)
                     info.tests.pop(key, None)
-                    holders = self._holders_locked()
-                    self._push_locked(self.pool.serve())  # what waited behind it may fit now
-                    return ("cancelled", {"holders": holders})
+                    return ("cancelled", {"holders": self._local_rows(holders)})
             return ("not-waiting", {})
         if kind == "abandon":
             key = f"{info.client}/{body['key']}"
             with self._lock:
                 info.tests.pop(key, None)
                 self._queued_at.pop(key, None)
-                if self.pool.cancel(key):
-                    granted = self.pool.serve()  # what waited behind it may fit now
-                else:
-                    granted = self.pool.release(key)  # granted meanwhile (or already gone: nothing)
-                self._push_locked(granted)
+                self._machine().abandon(key)
             return None
         if kind == "release":
             key = f"{info.client}/{body['key']}"
             contexts = body.get("contexts")
             with self._lock:
                 info.tests.pop(key, None)
-                granted = self.pool.release(key, None if contexts is None else set(contexts))
-                self._push_locked(granted)
+                if contexts is not None:
+                    info.contexts = set(contexts)
+                gpus = None if contexts is None else [self.uuids[i] for i in contexts if i in self.uuids]
+                self._machine().release(key, gpus)
             return None
         if kind == "ports":
             with self._lock:
@@ -430,8 +489,8 @@ class Broker:
             return ("ok", {})
         if kind == "contexts":
             with self._lock:
-                self.pool.set_contexts(info.client, set(body["indices"]))
-                self._push_locked(self.pool.serve())
+                info.contexts = set(body["indices"])
+                self._machine().set_contexts(info.client, [self.uuids[i] for i in body["indices"] if i in self.uuids])
             return ("ok", {})
         if kind == "test":
             info.current_test = body.get("nodeid")
@@ -449,102 +508,44 @@ class Broker:
         count, memory, exclusive, min_memory = body["request"]
         request = GpuRequest(count=count, memory=memory, exclusive=exclusive, min_memory=min_memory)
         key = f"{info.client}/{body['key']}"
+        test = str(body.get("test") or "?")
         with self._lock:
-            info.tests[key] = str(body.get("test") or "?")
+            info.tests[key] = test
             self._queued_at[key] = time.monotonic()
-            try:
-                granted = self.pool.submit(key, info.client, request)
-            except Unsatisfiable as exc:
+            gpus = list(self.uuids.values())
+            kind, value = self._machine().submit(key, info.client, info.worker, test, request, gpus)
+            if kind == "queued":
+                return ("queued", body["key"])
+            self._queued_at.pop(key, None)
+            if kind != "granted":  # "error" or "rejected": it can never be placed
                 info.tests.pop(key, None)
-                self._queued_at.pop(key, None)
-                return ("error", str(exc))
-            mine = [lease for lease in granted if lease.key == key]
-            self._send_grants_locked([lease for lease in granted if lease.key != key])
-            blocked = self._blocked_locked()
-            refusal = blocked.pop(key, None)
-            if refusal is not None:
-                self.pool.cancel(key)
-                info.tests.pop(key, None)
-                self._queued_at.pop(key, None)
-            for other_key, message in blocked.items():
-                self._reject_locked(other_key, message)
-            if blocked or refusal is not None:  # the queue shrank: serve again
-                again = self.pool.serve()
-                mine = mine or [lease for lease in again if lease.key == key]
-                self._push_locked([lease for lease in again if lease.key != key])
-            if refusal is not None:
-                return ("error", refusal)
-            if mine:
-                self.grants += 1
-                self._queued_at.pop(key, None)
-                return ("granted", lease_message(mine[0], 0.0))
-            return ("queued", body["key"])
-
-    # -- shared helpers (call with self._lock held) -----------------------------------
-
-    def _push_locked(self, granted: list[Lease]) -> None:
-        """After a change: send the new grants, turn away what can never be placed, and
-        serve again while turning requests away lets others through (the queue shrank)."""
-        while True:
-            self._send_grants_locked(granted)
-            blocked = self._blocked_locked()
-            for key, message in blocked.items():
-                self._reject_locked(key, message)
-            if not blocked:
-                return
-            granted = self.pool.serve()
-
-    def _send_grants_locked(self, granted: list[Lease]) -> None:
-        now = time.monotonic()
-        for lease in granted:
-            info = self._clients.get(lease.client)
-            waited = now - self._queued_at.pop(lease.key, now)
+                return ("error", value)
             self.grants += 1
-            if info is not None:
-                info.send(("push-granted", lease_message(lease, waited)))
+            info.contexts.update(self._indices(value["gpus"]))
+            message = self._lease_message(key, value, 0.0)
+            if "foreign" in message:
+                self.foreign[-1]["test"] = test
+            return ("granted", message)
 
-    def _blocked_locked(self) -> dict[str, str]:
-        """Waiting requests that cannot be placed even if every lease came back."""
-        found = {}
-        for waiting in self.pool.queue:
-            reason = self.pool.blocked_forever(waiting)
-            if reason:
-                found[waiting.key] = reason
-        return found
-
-    def _reject_locked(self, key: str, message: str) -> None:
-        self.pool.cancel(key)
-        self._queued_at.pop(key, None)
-        client = key.split("/", 1)[0]
-        info = self._clients.get(client)
-        if info is not None:
-            info.tests.pop(key, None)
-            info.send(("push-error", {"key": key.split("/", 1)[1], "message": message}))
-
-    def _holders_locked(self) -> list[dict[str, Any]]:
-        rows = []
-        for lease in self.pool.leases.values():
-            info = self._clients.get(lease.client)
-            rows.append(
-                {
-                    "test": info.tests.get(lease.key, "?") if info else "?",
-                    "worker": info.worker if info else "?",
-                    "gpus": list(lease.placement.indices),
-                    "memory": lease.placement.memory,
-                    "exclusive": lease.placement.exclusive,
-                }
-            )
-        return rows
+    def _local_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The arbiter's holder rows in this run's terms: its GPU numbers, other runs named."""
+        mine = self.link.run
+        local = []
+        for row in rows:
+            gpus = [self._index.get(u, u) for u in row["gpus"]]
+            worker = row["worker"] if row["run"] == mine else f"{row['worker']} of run {row['run']} ({row['user']})"
+            local.append({**row, "gpus": gpus, "worker": worker})
+        return local
 
     def _disconnect(self, info: ClientInfo) -> None:
         with self._lock:
             self._clients.pop(info.client, None)
+            attached = self._attached
             # The process keeps its CUDA contexts until it exits, which may be a while after
             # it closed its connection (a worker shutting down): keep counting them till then.
-            contexts = {i for i, gpu in self.pool.gpus.items() if info.client in gpu.contexts}
-            if contexts and not self._closing:
-                self._hold_contexts_until_exit(info, contexts)
-            held, granted = self.pool.forget_client(info.client)
+            if attached and info.contexts and not self._closing:
+                self._hold_contexts_until_exit(info, set(info.contexts))
+            held = self.link.forget_client(info.client) if attached else []
             # port owners are "<test node id>@<pid>" (see lifecycle.ports_fixture)
             mine = [o.split("/", 1)[1] for o in self.ports.owners.values() if o.startswith(f"{info.client}/")]
             port_tests = sorted({o.rsplit("@", 1)[0] for o in mine})
@@ -552,11 +553,10 @@ class Broker:
             for key in [k for k in self._queued_at if k.startswith(f"{info.client}/")]:
                 del self._queued_at[key]
             if (held or ports) and not self._closing:
-                tests = sorted({info.tests.get(lease.key, "?") for lease in held})
+                tests = sorted({info.tests.get(key, "?") for key, _ in held})
                 test = ", ".join(tests) if tests else info.current_test or ", ".join(port_tests) or None
-                gpus = tuple(sorted({i for lease in held for i in lease.placement.indices}))
+                gpus = tuple(sorted({i for _, uuids in held for i in self._indices(list(uuids))}))
                 self.crashes.append(CrashRecord(info.worker, info.pid, test, gpus, tuple(sorted(ports)), time.time()))
-            self._push_locked(granted)
 
     def _hold_contexts_until_exit(self, info: ClientInfo, contexts: set[int]) -> None:
         """Count ``info``'s contexts under a stand-in client until its process has exited.
@@ -570,34 +570,47 @@ class Broker:
             fd = os.pidfd_open(info.pid)
         except OSError:
             return  # already gone
-        stand_in = f"{info.client}~exiting"
-        self.pool.set_contexts(stand_in, contexts)
-        self.pool.exiting.add(stand_in)
+        link = self.link
+        link.exiting(info.client, [self.uuids[i] for i in contexts if i in self.uuids])
 
         def wait() -> None:
             try:
                 select.select([fd], [], [])
             finally:
                 os.close(fd)
-            with self._lock:
-                self.pool.set_contexts(stand_in, set())
-                self.pool.exiting.discard(stand_in)
-                self._push_locked(self.pool.serve())
+            try:
+                link.exited(info.client)
+            except Exception:  # the run ended meanwhile
+                pass
 
         threading.Thread(target=wait, name=f"pytest-gpu-exit-{info.pid}", daemon=True).start()
 
     def status_locked(self) -> dict[str, Any]:
+        machine = self._machine().status()
+        mine = self.link.run
+        used = dict.fromkeys(self.capacities, 0)
+        contexts: dict[int, list[str]] = {i: [] for i in self.capacities}
+        for gpu in machine["gpus"]:
+            if gpu["uuid"] in self._index:
+                used[self._index[gpu["uuid"]]] = gpu["leased"]
+                prefix = f"{mine}|"
+                contexts[self._index[gpu["uuid"]]] = [c[len(prefix) :] for c in gpu["clients"] if c.startswith(prefix)]
         return {
             "clients": {c.client: {"worker": c.worker, "pid": c.pid} for c in self._clients.values()},
-            "leases": self._holders_locked(),
+            "leases": [
+                {k: r[k] for k in ("test", "worker", "gpus", "memory", "exclusive")}
+                for r in self._local_rows(machine["leases"])
+                if r["run"] == mine
+            ],
             "waiting": [
-                {"key": w.key, "request": w.request.describe(), "bypassed": w.bypassed} for w in self.pool.queue
+                {k: w[k] for k in ("key", "request", "bypassed")} for w in machine["waiting"] if w["run"] == mine
             ],
             "ports": dict(self.ports.owners),
-            "used": {i: self.pool.used(i) for i in self.pool.gpus},
-            "contexts": {i: sorted(g.contexts) for i, g in self.pool.gpus.items()},
+            "used": used,
+            "contexts": contexts,
             "grants": self.grants,
             "crashes": [c.__dict__ for c in self.crashes],
+            "machine": machine,
         }
 
     def status(self) -> dict[str, Any]:
@@ -605,12 +618,8 @@ class Broker:
             return self.status_locked()
 
     def room(self) -> list[int]:
-        """What each GPU can give leases now that its CUDA contexts are counted (at least one)."""
-        overhead = self.pool.policy.overhead
-        with self._lock:
-            return [
-                max(gpu.capacity - overhead * max(1, len(gpu.contexts)), 0) for _, gpu in sorted(self.pool.gpus.items())
-            ]
+        """What each GPU can give leases now that CUDA contexts and foreign usage are counted."""
+        return self._machine().room([self.uuids[i] for i in self.capacities])
 
 
 def describe_holders(holders: list[dict[str, Any]]) -> str:

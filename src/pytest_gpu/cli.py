@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .gpu.devices import DeviceSpecError, discover
 from .requests import format_size
@@ -77,6 +78,76 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ago(then: float | None, now: float) -> str:
+    return "?" if then is None else f"{max(now - then, 0.0):.1f}s"
+
+
+def format_status(name: str, state: dict[str, Any], now: float) -> list[str]:
+    """``pytest-gpu status`` lines for one machine domain."""
+    runs = state["runs"]
+    lines = [f"{name}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
+    for run in runs:
+        lines.append(f"  run {run['run']}  user {run['user']}  pid {run['pid']}  {run['label']}")
+    if state.get("pending"):
+        lines.append(f"  a new arbiter waits for runs {', '.join(state['pending'])} to re-attach")
+    for gpu in state["gpus"]:
+        extra = f", {format_size(gpu['foreign'])} used outside pytest-gpu" if gpu["foreign"] else ""
+        whole = ", held whole" if gpu["exclusive"] else ""
+        lines.append(
+            f"  {gpu['uuid']}: {format_size(gpu['capacity'])}, {format_size(gpu['leased'])} promised "
+            f"({gpu['contexts']} CUDA context{'' if gpu['contexts'] == 1 else 's'}){whole}{extra}"
+        )
+    lines.append(f"  leases ({len(state['leases'])}):")
+    for row in sorted(state["leases"], key=lambda r: r.get("since") or 0):
+        each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
+        lines.append(
+            f"    run {row['run']} {row['worker']}  {row['test']}  {', '.join(row['gpus'])}  {each}  "
+            f"for {_ago(row.get('since'), now)}"
+        )
+    lines.append(f"  waiting ({len(state['waiting'])}):")
+    for row in sorted(state["waiting"], key=lambda r: r.get("since") or 0):
+        why = "  (held back by usage outside pytest-gpu)" if row.get("foreign") else ""
+        lines.append(
+            f"    run {row['run']} {row['worker']}  {row['test']}  {row['request']}  "
+            f"for {_ago(row.get('since'), now)}, overtaken {row['bypassed']}x{why}"
+        )
+    return lines
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from .machine import domain as domains
+    from .machine.link import status
+
+    try:
+        root = domains.root()
+    except OSError as exc:
+        print(f"pytest-gpu status: {exc}", file=sys.stderr)
+        return 2
+    names = [args.machine] if args.machine else sorted(p.name for p in root.iterdir() if p.is_dir())
+    found = {}
+    for name in names:
+        path = root / name
+        if not (path / "arbiter.lock").exists():
+            continue
+        state = status(domains.Domain(name, path))
+        if state is not None:
+            found[name] = state
+    if args.json:
+        print(json.dumps(found, indent=2, sort_keys=True))
+        return 0
+    if not found:
+        where = f"machine {args.machine!r}" if args.machine else "this machine"
+        print(f"pytest-gpu status: no pytest-gpu run holds or waits for GPUs on {where} ({root})")
+        return 0
+    now = time.time()
+    for name, state in found.items():
+        print("\n".join(format_status(name, state, now)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pytest-gpu", description="pytest-gpu utilities")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--format", help="png or svg (default: from OUT's suffix, else png)")
     rep.add_argument("--title", help="chart title (default: the run's inventory and makespan)")
     rep.set_defaults(func=_report)
+    st = sub.add_parser(
+        "status", help="the machine's leases now: runs, tests, GPUs, memory, since when, and who waits for what"
+    )
+    st.add_argument(
+        "--machine",
+        metavar="NAME",
+        help="one domain: 'gpus' (the real GPUs) or 'sim-<name>' (a simulated machine); default: all",
+    )
+    st.add_argument("--json", action="store_true", help="print the arbiters' state as JSON")
+    st.set_defaults(func=_status)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

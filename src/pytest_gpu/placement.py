@@ -24,7 +24,7 @@ it is served — it gets the next GPUs that free up enough.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .requests import GpuRequest, format_size
@@ -40,13 +40,14 @@ class GpuState:
     tenants: int = 0  # live leases on this GPU
     exclusive: bool = False  # held by an exclusive lease
     contexts: set[str] = field(default_factory=set)  # clients with a CUDA context here
+    foreign: int = 0  # bytes that processes outside pytest-gpu use here (last sample)
 
     def free_for(self, client: str, overhead: int) -> int:
         """Memory a new shared lease of ``client`` could still get here."""
         if self.exclusive:
             return 0
         contexts = len(self.contexts | {client})
-        return self.capacity - self.leased - contexts * overhead
+        return self.capacity - self.foreign - self.leased - contexts * overhead
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,14 @@ def place(
     policy: Policy,
     *,
     within_budget: bool = True,
+    allowed: frozenset[int] | None = None,
 ) -> Placement | None:
-    """Choose GPUs for ``request`` from ``client``, or ``None`` if it does not fit now."""
-    fits: list[tuple[tuple[int, int, int, int], GpuState, int]] = []
+    """Choose GPUs for ``request`` from ``client``, or ``None`` if it does not fit now;
+    ``allowed``: the GPUs the client's run can see (default: all)."""
+    fits: list[tuple[tuple[int, int, int, int, int], GpuState, int]] = []
     for gpu in gpus:
+        if allowed is not None and gpu.index not in allowed:
+            continue
         has_ctx = client in gpu.contexts
         if not has_ctx and within_budget and len(gpu.contexts) + 1 > policy.context_limit(gpu.capacity):
             continue
@@ -88,21 +93,22 @@ def place(
         if request.exclusive:
             if gpu.tenants:
                 continue
-            grant = gpu.capacity - contexts * policy.overhead
+            grant = gpu.capacity - gpu.foreign - contexts * policy.overhead
             if grant <= 0 or grant < (request.min_memory or 0):  # a minimum counts what the lease would get
                 continue
-            # affinity first, then the GPU with the most to give
-            key = (0 if has_ctx else 1, 0, -grant, gpu.index)
+            # affinity first, then a GPU no foreign process uses, then the one with the most to give
+            key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, 0, -grant, gpu.index)
         else:
             assert request.memory is not None
             room = gpu.free_for(client, policy.overhead)
             if room < request.memory:
                 continue
             grant = request.memory
-            # affinity first; a new context goes where there are fewest (spreads the
-            # workers' home GPUs); then the tightest fit keeps large holes for large requests
+            # affinity first; then a GPU no foreign process uses (its usage may grow); a new
+            # context goes where there are fewest (spreads the workers' home GPUs); then the
+            # tightest fit keeps large holes for large requests
             spread = 0 if has_ctx else len(gpu.contexts)
-            key = (0 if has_ctx else 1, spread, room - request.memory, gpu.index)
+            key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, spread, room - request.memory, gpu.index)
         fits.append((key, gpu, grant))
     if len(fits) < request.count:
         return None
@@ -121,6 +127,8 @@ class Waiting:
     client: str
     request: GpuRequest
     bypassed: int = 0
+    allowed: frozenset[int] | None = None  # the GPUs its run can see (None: all)
+    foreign_blocked: bool = False  # it once did not fit only because of foreign usage
 
 
 @dataclass
@@ -129,6 +137,8 @@ class Lease:
     client: str
     request: GpuRequest
     placement: Placement
+    foreign_waited: bool = False  # it waited while only foreign usage kept it out
+    avoided: tuple[int, ...] = ()  # GPUs it would have had if no foreign process used them
 
 
 class Unsatisfiable(Exception):
@@ -146,29 +156,52 @@ class Pool:
         # clients whose contexts are going away (their process is exiting): they count
         # against capacity now, but cannot make a request wait forever
         self.exiting: set[str] = set()
+        self.paused = False  # grant nothing (a new arbiter waits for the runs that held leases)
+        # clients of one group (one run of many sharing the pool) : contexts of other groups
+        # never make a request wait forever
+        self.group: Callable[[str], str] | None = None
         # answers about drained GPUs depend only on the contexts: kept until those change
         Signature = tuple[tuple[frozenset[str], ...], frozenset[str]]
         self._budget_cache: dict[str, tuple[Signature, bool]] = {}
         self._forever_cache: dict[str, tuple[Signature, str | None]] = {}
-        self._never_fits_cache: dict[GpuRequest, str | None] = {}
+        self._never_fits_cache: dict[tuple[GpuRequest, frozenset[int] | None], str | None] = {}
 
     # -- questions -------------------------------------------------------------
 
-    def never_fits(self, request: GpuRequest) -> str | None:
-        """Why ``request`` cannot be placed on this inventory at all, or ``None``."""
-        if request not in self._never_fits_cache:  # the inventory never changes: ask once per shape
-            self._never_fits_cache[request] = self._never_fits(request)
-        return self._never_fits_cache[request]
+    def never_fits(self, request: GpuRequest, allowed: frozenset[int] | None = None) -> str | None:
+        """Why ``request`` cannot be placed on this inventory (or its ``allowed`` GPUs) at all, or ``None``."""
+        shape = (request, allowed)
+        if shape not in self._never_fits_cache:  # the inventory only grows: ask once per shape till it does
+            self._never_fits_cache[shape] = self._never_fits(request, allowed)
+        return self._never_fits_cache[shape]
 
-    def _never_fits(self, request: GpuRequest) -> str | None:
-        empty = [GpuState(g.index, g.capacity) for g in self.gpus.values()]
+    def _never_fits(self, request: GpuRequest, allowed: frozenset[int] | None) -> str | None:
+        empty = [GpuState(g.index, g.capacity) for g in self.gpus.values() if allowed is None or g.index in allowed]
         if place(empty, request, "?", self.policy, within_budget=False) is None:
-            sizes = ", ".join(format_size(g.capacity) for g in self.gpus.values()) or "none"
+            sizes = ", ".join(format_size(g.capacity) for g in empty) or "none"
             return (
-                f"needs {request.describe()} but the inventory has {len(self.gpus)} GPU(s) "
+                f"needs {request.describe()} but the inventory has {len(empty)} GPU(s) "
                 f"[{sizes}] with {format_size(self.policy.overhead)} of context overhead each"
             )
         return None
+
+    def add_gpu(self, index: int, capacity: int) -> None:
+        """A GPU joins the pool (a run that sees it attached)."""
+        if index not in self.gpus:
+            self.gpus[index] = GpuState(index, capacity)
+            self.gpus = dict(sorted(self.gpus.items()))
+            self._never_fits_cache.clear()
+            self._forever_cache.clear()
+            self._budget_cache.clear()
+
+    def set_foreign(self, usage: dict[int, int]) -> None:
+        """What processes outside pytest-gpu use on each GPU now (missing GPUs: nothing)."""
+        for index, gpu in self.gpus.items():
+            gpu.foreign = max(0, usage.get(index, 0))
+
+    def adopt(self, key: str, client: str, request: GpuRequest, placement: Placement) -> Lease:
+        """Take over a lease granted before (by an arbiter that is gone), as it was."""
+        return self._grant(Waiting(key, client, request), placement)
 
     def blocked_forever(self, waiting: Waiting) -> str | None:
         """Why a waiting request could not be placed even with every lease returned."""
@@ -181,8 +214,14 @@ class Pool:
         return reason
 
     def _blocked_forever(self, waiting: Waiting) -> str | None:
-        drained = [GpuState(g.index, g.capacity, contexts=g.contexts - self.exiting) for g in self.gpus.values()]
-        if place(drained, waiting.request, waiting.client, self.policy, within_budget=False) is not None:
+        drained = [
+            GpuState(g.index, g.capacity, contexts={c for c in g.contexts - self.exiting if self._lasting(c, waiting)})
+            for g in self.gpus.values()
+        ]
+        if (
+            place(drained, waiting.request, waiting.client, self.policy, within_budget=False, allowed=waiting.allowed)
+            is not None
+        ):
             return None
         busy = ", ".join(f"GPU {g.index}: {len(g.contexts)}" for g in self.gpus.values() if g.contexts)
         return (
@@ -191,18 +230,24 @@ class Pool:
             "or lower --gpu-context-overhead if contexts are smaller on this machine"
         )
 
+    def _lasting(self, context: str, waiting: Waiting) -> bool:
+        """Whether a context can be counted on to stay while ``waiting`` waits: another
+        group's (another run's, see ``group``) goes when that run ends."""
+        return self.group is None or self.group(context) == self.group(waiting.client)
+
     def holders(self, indices: Iterable[int] | None = None) -> list[Lease]:
         wanted = None if indices is None else set(indices)
         return [lease for lease in self.leases.values() if wanted is None or wanted & set(lease.placement.indices)]
 
     # -- changes ---------------------------------------------------------------
 
-    def submit(self, key: str, client: str, request: GpuRequest) -> list[Lease]:
-        """Queue a request and serve what can be served; returns the leases granted."""
-        reason = self.never_fits(request)
+    def submit(self, key: str, client: str, request: GpuRequest, allowed: frozenset[int] | None = None) -> list[Lease]:
+        """Queue a request (for the ``allowed`` GPUs only, if given) and serve what can be
+        served; returns the leases granted."""
+        reason = self.never_fits(request, allowed)
         if reason:
             raise Unsatisfiable(reason)
-        self.queue.append(Waiting(key, client, request))
+        self.queue.append(Waiting(key, client, request, allowed=allowed))
         return self.serve()
 
     def cancel(self, key: str) -> bool:
@@ -262,13 +307,24 @@ class Pool:
     def serve(self) -> list[Lease]:
         """Grant waiting requests in order, with bounded backfill (see module doc)."""
         granted: list[Lease] = []
+        if self.paused:
+            return granted
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
-            placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy)
+            placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed)
             if placement is None and self.blocked_within_budget(waiting):
-                placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy, within_budget=False)
+                placement = place(
+                    self.gpus.values(),
+                    waiting.request,
+                    waiting.client,
+                    self.policy,
+                    within_budget=False,
+                    allowed=waiting.allowed,
+                )
             if placement is None:
+                if not waiting.foreign_blocked and self._fits_without_foreign(waiting):
+                    waiting.foreign_blocked = True
                 if waiting.bypassed >= self.policy.max_bypass:
                     break  # overtaken often enough: nothing behind it may pass it now
                 position += 1
@@ -277,10 +333,35 @@ class Pool:
             for w in overtaken:
                 w.bypassed += 1
             del self.queue[position]
-            granted.append(self._grant(waiting, placement))
+            avoided = self._avoided(waiting, placement)
+            lease = self._grant(waiting, placement)
+            lease.foreign_waited, lease.avoided = waiting.foreign_blocked, avoided
+            granted.append(lease)
             if any(w.bypassed >= self.policy.max_bypass for w in overtaken):
                 break  # one ahead has been overtaken often enough: it is served next
         return granted
+
+    def _without_foreign(self) -> list[GpuState] | None:
+        """The GPUs as they are, but with no foreign usage; None when there is none anyway."""
+        if not any(g.foreign for g in self.gpus.values()):
+            return None
+        return [
+            GpuState(g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts)) for g in self.gpus.values()
+        ]
+
+    def _fits_without_foreign(self, waiting: Waiting) -> bool:
+        clean = self._without_foreign()
+        return clean is not None and (
+            place(clean, waiting.request, waiting.client, self.policy, within_budget=False, allowed=waiting.allowed)
+            is not None
+        )
+
+    def _avoided(self, waiting: Waiting, placement: Placement) -> tuple[int, ...]:
+        clean = self._without_foreign()
+        if clean is None:
+            return ()
+        alt = place(clean, waiting.request, waiting.client, self.policy, allowed=waiting.allowed)
+        return tuple(sorted(set(alt.indices) - set(placement.indices))) if alt is not None else ()
 
     def _signature(self) -> tuple[tuple[frozenset[str], ...], frozenset[str]]:
         """What the drained-GPU questions depend on: who has contexts where."""
@@ -293,7 +374,7 @@ class Pool:
         if cached is not None and cached[0] == signature:
             return cached[1]
         drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
-        blocked = place(drained, waiting.request, waiting.client, self.policy) is None
+        blocked = place(drained, waiting.request, waiting.client, self.policy, allowed=waiting.allowed) is None
         self._budget_cache[waiting.key] = (signature, blocked)
         return blocked
 

@@ -1,0 +1,452 @@
+"""Machine-wide leasing: one arbiter for every run of a machine (pytest_gpu.machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_gpu.cli import format_status
+from pytest_gpu.cli import main as cli_main
+from pytest_gpu.machine.arbiter import Arbiter, Held
+from pytest_gpu.machine.domain import ROOT_ENV, Domain
+from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.placement import Policy
+from pytest_gpu.requests import GpuRequest
+
+GiB = 2**30
+
+
+def shared(memory: int, count: int = 1) -> GpuRequest:
+    return GpuRequest(count=count, memory=memory, exclusive=False)
+
+
+def whole(count: int = 1) -> GpuRequest:
+    return GpuRequest(count=count, memory=None, exclusive=True)
+
+
+class Events:
+    """A run's sink: collects events, lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, events) -> None:
+        with self._cond:
+            self.events.extend(events)
+            self._cond.notify_all()
+
+    def wait(self, key: str, timeout: float = 5.0) -> tuple[str, dict]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for kind, k, body in self.events:
+                    if k == key:
+                        return kind, body
+                left = deadline - time.monotonic()
+                assert left > 0, f"no event for {key} within {timeout}s: {self.events}"
+                self._cond.wait(left)
+
+
+def attach(arbiter: Arbiter, run: str, gpus: dict[str, int], pid: int = 0) -> Events:
+    sink = Events()
+    arbiter.attach(run, pid=pid or os.getpid(), user="u", label=run, gpus=gpus, sink=sink)
+    return sink
+
+
+# -- the arbiter: decisions for every run -------------------------------------------------
+
+
+def test_two_runs_never_promise_the_same_memory():
+    arbiter = Arbiter(Policy(overhead=0))
+    attach(arbiter, "r1", {"U": 16 * GiB})
+    r2 = attach(arbiter, "r2", {"U": 16 * GiB})
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t::a", shared(10 * GiB), ["U"])[0] == "granted"
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t::b", shared(10 * GiB), ["U"]) == ("queued", None)
+    arbiter.release("r1", "c0/k0")
+    kind, body = r2.wait("c0/k0")
+    assert (kind, body["gpus"], body["memory"]) == ("granted", ["U"], 10 * GiB)
+
+
+def test_exclusive_is_exclusive_across_runs():
+    arbiter = Arbiter(Policy(overhead=0))
+    attach(arbiter, "r1", {"U": 16 * GiB})
+    attach(arbiter, "r2", {"U": 16 * GiB})
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t::a", whole(), ["U"])[0] == "granted"
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t::b", shared(GiB), ["U"]) == ("queued", None)
+    assert arbiter.submit("r2", "c1/k0", "c1", "gw1", "t::c", whole(), ["U"]) == ("queued", None)
+
+
+def test_runs_that_number_gpus_differently_share_them_by_uuid():
+    arbiter = Arbiter(Policy(overhead=0))
+    attach(arbiter, "r1", {"A": 16 * GiB, "B": 16 * GiB})  # --gpus 0,1
+    attach(arbiter, "r2", {"B": 16 * GiB, "C": 16 * GiB})  # --gpus 1,2
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(12 * GiB, count=2), ["A", "B"])[1]["gpus"] == [
+        "A",
+        "B",
+    ]
+    # r2 never gets a GPU it cannot see, and not B, which r1 filled
+    kind, body = arbiter.submit("r2", "c0/k0", "c0", "gw0", "t", shared(12 * GiB), ["B", "C"])
+    assert (kind, body["gpus"]) == ("granted", ["C"])
+    assert arbiter.submit("r2", "c0/k1", "c0", "gw0", "t", shared(12 * GiB), ["B", "C"]) == ("queued", None)
+
+
+def test_a_run_that_goes_away_gives_everything_back_to_the_others():
+    arbiter = Arbiter(Policy(overhead=GiB // 2))
+    attach(arbiter, "r1", {"U": 16 * GiB})
+    r2 = attach(arbiter, "r2", {"U": 16 * GiB})
+    arbiter.submit("r1", "c0/k0", "c0", "gw0", "t::a", whole(), ["U"])
+    arbiter.set_contexts("r1", "c1", ["U"])
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t::b", shared(15 * GiB), ["U"]) == ("queued", None)
+    held = arbiter.detach("r1")
+    assert held == [("c0/k0", ("U",))]
+    assert r2.wait("c0/k0")[0] == "granted"  # r1's lease and both its contexts are gone
+    assert [r["run"] for r in arbiter.status()["runs"]] == ["r2"]
+
+
+def test_waiting_is_fair_across_runs():
+    """A whole-GPU request of one run is overtaken at most max_bypass times by another run's small ones."""
+    arbiter = Arbiter(Policy(overhead=0, max_bypass=3))
+    attach(arbiter, "busy", {"U": 16 * GiB})
+    big = attach(arbiter, "big", {"U": 16 * GiB})
+    arbiter.submit("busy", "c0/k0", "c0", "gw0", "t", shared(GiB), ["U"])
+    assert arbiter.submit("big", "c0/k0", "c0", "gw0", "t::whole", whole(), ["U"]) == ("queued", None)
+    outcomes = [arbiter.submit("busy", f"c1/k{i}", "c1", "gw1", "t", shared(GiB), ["U"])[0] for i in range(6)]
+    assert outcomes == ["granted"] * 3 + ["queued"] * 3  # overtaken 3 times, then nothing passes it
+    for key in ["c0/k0", "c1/k0", "c1/k1", "c1/k2"]:
+        arbiter.release("busy", key)
+    assert big.wait("c0/k0")[0] == "granted"
+
+
+def test_a_new_arbiter_grants_nothing_until_the_runs_that_held_leases_are_back():
+    arbiter = Arbiter(Policy(overhead=0))
+    arbiter.expect({"r1"}, within=5.0)
+    attach(arbiter, "r2", {"U": 16 * GiB})
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t", shared(10 * GiB), ["U"]) == ("queued", None)
+    held = Held("c0/k0", "c0", "gw0", "t::r1", shared(10 * GiB), ("U",), 10 * GiB, False)
+    arbiter.attach("r1", pid=os.getpid(), user="u", label="r1", gpus={"U": 16 * GiB}, sink=Events(), held=[held])
+    assert arbiter.status()["pending"] == []
+    # r1's lease was taken over as it was: r2's request still waits
+    assert [w["run"] for w in arbiter.status()["waiting"]] == ["r2"]
+
+
+def test_a_new_arbiter_stops_waiting_for_a_run_that_never_comes_back():
+    arbiter = Arbiter(Policy(overhead=0))
+    arbiter.expect({"gone"}, within=0.2)
+    r2 = attach(arbiter, "r2", {"U": 16 * GiB})
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t", shared(GiB), ["U"]) == ("queued", None)
+    assert r2.wait("c0/k0", timeout=3)[0] == "granted"
+
+
+class Foreign:
+    """A foreign-usage source the test steers (NVML's role)."""
+
+    def __init__(self, usage: dict[str, int]) -> None:
+        self.usage = dict(usage)
+        self.roots: list[set[int]] = []
+
+    def __call__(self, uuids: list[str], roots: set[int]) -> dict[str, int]:
+        self.roots.append(set(roots))
+        return {u: self.usage.get(u, 0) for u in uuids}
+
+
+def test_foreign_usage_is_avoided_and_said():
+    foreign = Foreign({"A": 10 * GiB})
+    arbiter = Arbiter(Policy(overhead=0), foreign=foreign, foreign_ttl=0.05)
+    attach(arbiter, "r1", {"A": 16 * GiB, "B": 16 * GiB}, pid=4242)
+    arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(4 * GiB), ["A"])
+    # without the foreign process the worker would stay on A (its context, 12 GiB left); it has only 2
+    kind, body = arbiter.submit("r1", "c0/k1", "c0", "gw0", "t", shared(10 * GiB), ["A", "B"])
+    assert (kind, body["gpus"]) == ("granted", ["B"])
+    assert body["foreign"]["avoided"] == ["A"] and body["foreign"]["bytes"] == {"A": 10 * GiB}
+    assert foreign.roots[-1] == {4242}  # the runs' processes are never foreign
+    assert arbiter.room(["A", "B"]) == [6 * GiB, 16 * GiB]
+
+
+def test_a_gpu_a_foreign_process_uses_comes_last_even_where_it_has_room():
+    arbiter = Arbiter(Policy(overhead=0), foreign=Foreign({"A": GiB}))
+    attach(arbiter, "r1", {"A": 16 * GiB, "B": 16 * GiB})
+    arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(4 * GiB), ["B"])
+    assert arbiter.submit("r1", "c1/k0", "c1", "gw1", "t", shared(10 * GiB), ["A", "B"])[1]["gpus"] == ["B"]
+
+
+def test_a_request_waits_for_foreign_usage_to_go_without_any_other_event():
+    foreign = Foreign({"A": 14 * GiB})
+    arbiter = Arbiter(Policy(overhead=0), foreign=foreign, foreign_ttl=0.05)
+    sink = attach(arbiter, "r1", {"A": 16 * GiB})
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(4 * GiB), ["A"]) == ("queued", None)
+    assert arbiter.status()["waiting"][0]["foreign"] is True
+    foreign.usage["A"] = 0  # the foreign process exits; no run does anything
+    kind, body = sink.wait("c0/k0", timeout=2)
+    assert kind == "granted" and body["foreign"]["waited"] is True
+
+
+# -- links: runs in different processes, electing an arbiter ---------------------------------
+
+
+@pytest.fixture
+def domain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Domain:
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
+    return Domain.named(f"sim-{tmp_path.name}")
+
+
+@pytest.fixture
+def links(domain: Domain) -> Iterator[list[MachineLink]]:
+    made: list[MachineLink] = []
+    yield made
+    for link in made:
+        link.close()
+
+
+def new_link(links: list[MachineLink], domain: Domain, gpus: dict[str, int], policy=None) -> tuple[MachineLink, Events]:
+    link = MachineLink(domain, policy or Policy(overhead=0))
+    sink = Events()
+    link.attach(gpus, sink)
+    links.append(link)
+    return link, sink
+
+
+def test_the_first_run_is_the_arbiter_and_the_next_attach_to_it(domain, links):
+    a, _ = new_link(links, domain, {"U": 16 * GiB})
+    b, b_events = new_link(links, domain, {"U": 16 * GiB})
+    assert a.is_arbiter and not b.is_arbiter
+    assert a.submit("c0/k0", "c0", "gw0", "t::a", whole(), ["U"])[0] == "granted"
+    assert b.submit("c0/k0", "c0", "gw0", "t::b", shared(GiB), ["U"]) == ("queued", None)
+    a.release("c0/k0")
+    assert b_events.wait("c0/k0")[0] == "granted"
+    assert {r["run"] for r in b.status()["runs"]} == {a.run, b.run}
+
+
+def test_when_the_arbiter_leaves_another_run_takes_over_with_what_everyone_holds(domain, links):
+    a, _ = new_link(links, domain, {"U": 16 * GiB})
+    b, _ = new_link(links, domain, {"U": 16 * GiB})
+    c, c_events = new_link(links, domain, {"U": 16 * GiB})
+    assert b.submit("c0/k0", "c0", "gw0", "t::b", shared(10 * GiB), ["U"])[0] == "granted"
+    assert c.submit("c0/k0", "c0", "gw0", "t::c", shared(10 * GiB), ["U"]) == ("queued", None)
+    a.close()
+    # the next call of either elects again; both re-declare: b's lease stays, c still waits
+    deadline = time.monotonic() + 5
+    while not (b.is_arbiter or c.is_arbiter):
+        assert time.monotonic() < deadline, "no new arbiter"
+        time.sleep(0.01)
+    state = b.status()
+    assert [(r["run"], r["test"]) for r in state["leases"]] == [(b.run, "t::b")]
+    assert [(w["run"], w["test"]) for w in state["waiting"]] == [(c.run, "t::c")]
+    b.release("c0/k0")
+    assert c_events.wait("c0/k0")[0] == "granted"
+
+
+LEADER = """
+import os, sys, time
+sys.path[:0] = {paths!r}
+os.environ[{env!r}] = {root!r}
+from pytest_gpu.machine.domain import Domain
+from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.placement import Policy
+from pytest_gpu.requests import GpuRequest
+{become}
+link = MachineLink(Domain.named({name!r}), Policy(overhead=0))
+link.attach({{"U": 16 * 2**30}}, lambda events: None)
+print(link.is_arbiter, link.submit("c0/k0", "c0", "gw0", "t::killed", GpuRequest(1, None, True), ["U"])[0], flush=True)
+time.sleep(60)
+"""
+
+
+# Another user, from here on: imports are done first (this interpreter may live where only
+# root can read, e.g. /root/.pyenv), then the process gives up root for good.
+BECOME = """
+import pwd, pytest_gpu.placement, pytest_gpu.machine.server
+entry = pwd.getpwnam({user!r})
+os.setgroups([]); os.setgid(entry.pw_gid); os.setuid(entry.pw_uid)
+assert os.getuid() == entry.pw_uid
+"""
+
+
+def start_leader(domain: Domain, user: str | None = None) -> subprocess.Popen[str]:
+    become = BECOME.format(user=user) if user else ""
+    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become=become)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().split() == ["True", "granted"]
+    return proc
+
+
+def test_sigkill_of_the_arbiter_run_frees_its_leases_within_a_second(domain, links):
+    leader = start_leader(domain)
+    try:
+        b, b_events = new_link(links, domain, {"U": 16 * GiB})
+        assert not b.is_arbiter
+        assert b.submit("c0/k0", "c0", "gw0", "t::b", whole(), ["U"]) == ("queued", None)
+        killed = time.monotonic()
+        leader.send_signal(signal.SIGKILL)
+        assert b_events.wait("c0/k0", timeout=1.0)[0] == "granted"
+        assert time.monotonic() - killed < 1.0
+        assert b.is_arbiter
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_sigkill_of_a_follower_run_frees_its_leases_within_a_second(domain, links):
+    a, a_events = new_link(links, domain, {"U": 16 * GiB})
+    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become="")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["False", "granted"]
+        assert a.submit("c0/k0", "c0", "gw0", "t::a", whole(), ["U"]) == ("queued", None)
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        assert a_events.wait("c0/k0", timeout=1.0)[0] == "granted"
+        assert time.monotonic() - killed < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_silent_or_half_frame_peer_does_not_hold_up_the_arbiter(domain, links):
+    new_link(links, domain, {"U": 16 * GiB})
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(domain.address())
+    half.connect(domain.address())
+    half.sendall(b"\x00\x00\x01")  # a third of a length prefix, then nothing
+    try:
+        b, _ = new_link(links, domain, {"U": 16 * GiB})
+        started = time.monotonic()
+        for i in range(20):
+            assert b.submit(f"c0/k{i}", "c0", "gw0", "t", shared(GiB // 2), ["U"])[0] == "granted"
+            b.release(f"c0/k{i}")
+        assert time.monotonic() - started < 2.0
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_a_peer_sending_garbage_is_dropped_and_others_go_on(domain, links):
+    new_link(links, domain, {"U": 16 * GiB})
+    bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bad.connect(domain.address())
+    bad.sendall(b"\xff\xff\xff\xff")  # a 4 GiB frame: over the limit
+    assert bad.recv(10) == b""  # dropped
+    bad.close()
+    b, _ = new_link(links, domain, {"U": 16 * GiB})
+    assert b.submit("c0/k0", "c0", "gw0", "t", shared(GiB), ["U"])[0] == "granted"
+
+
+# -- pytest-gpu status ---------------------------------------------------------------------
+
+
+def test_status_says_who_holds_what_and_who_waits(domain, links, capsys):
+    a, _ = new_link(links, domain, {"GPU-A": 16 * GiB}, Policy(overhead=GiB // 2))
+    b, _ = new_link(links, domain, {"GPU-A": 16 * GiB}, Policy(overhead=GiB // 2))
+    a.submit("c0/k0", "c0", "gw0", "tests/t.py::test_holds", shared(10 * GiB), ["GPU-A"])
+    b.submit("c3/k0", "c3", "gw3", "tests/t.py::test_waits", whole(), ["GPU-A"])
+    assert cli_main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert f"{domain.name}: 2 runs attached" in out
+    assert f"run {a.run} gw0  tests/t.py::test_holds  GPU-A  10GiB  for " in out
+    assert f"run {b.run} gw3  tests/t.py::test_waits  1 GPU (whole GPU)  for " in out
+    assert "GPU-A: 16GiB, 10.5GiB promised (1 CUDA context)" in out
+    assert cli_main(["status", "--json"]) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in state[domain.name]["leases"]] == ["tests/t.py::test_holds"]
+
+
+def test_status_without_any_run(domain, capsys):
+    assert cli_main(["status"]) == 0
+    assert "no pytest-gpu run holds or waits for GPUs on this machine" in capsys.readouterr().out
+
+
+def test_format_status_names_foreign_usage_and_overtaking():
+    state = {
+        "runs": [{"run": "1-a", "user": "bob", "pid": 1, "label": "pytest -n 4"}],
+        "pending": [],
+        "grants": 3,
+        "gpus": [
+            {"uuid": "GPU-1", "capacity": 16 * GiB, "leased": 0, "foreign": 6 * GiB, "contexts": 1, "exclusive": False}
+        ],
+        "leases": [],
+        "waiting": [
+            {
+                "run": "1-a",
+                "worker": "gw0",
+                "test": "t::x",
+                "request": "1 GPU x 12GiB",
+                "since": 10.0,
+                "bypassed": 2,
+                "foreign": True,
+            }
+        ],
+    }
+    lines = format_status("gpus", state, now=12.5)
+    assert lines[0] == "gpus: 1 run attached, 3 grants so far"
+    assert "6GiB used outside pytest-gpu" in lines[2]
+    assert lines[-1].endswith("for 2.5s, overtaken 2x  (held back by usage outside pytest-gpu)")
+
+
+# -- two Unix users ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def other_user() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as a second user (two-user test)")
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed (two-user test)")
+    name = "pytestgpu2"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True, capture_output=True)
+    return name
+
+
+def test_two_users_runs_share_the_machine(other_user, monkeypatch):
+    # a machine directory both users reach (pytest's tmp_path is private to root)
+    base = Path(tempfile.mkdtemp(prefix="pytest-gpu-2users-"))
+    os.chmod(base, 0o755)
+    root = base / "machines"
+    monkeypatch.setenv(ROOT_ENV, str(root))
+    domain = Domain.named("gpus")
+    leader = start_leader(domain, user=other_user)  # the other user's run is the arbiter
+    made: list[MachineLink] = []
+    try:
+        mine, events = new_link(made, domain, {"U": 16 * GiB})
+        assert not mine.is_arbiter
+        state = mine.status()
+        assert {r["user"] for r in state["runs"]} == {other_user, "root"}
+        assert mine.submit("c0/k0", "c0", "gw0", "t::mine", whole(), ["U"]) == ("queued", None)
+        leader.send_signal(signal.SIGKILL)
+        assert events.wait("c0/k0", timeout=1.0)[0] == "granted"
+        assert mine.is_arbiter  # the lock file of the other user's arbiter could be taken over
+    finally:
+        leader.kill()
+        leader.wait()
+        for link in made:
+            link.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o755)
+    os.chown(root, int(subprocess.run(["id", "-u", other_user], capture_output=True, text=True).stdout), -1)
+    monkeypatch.setenv(ROOT_ENV, str(root))
+    from pytest_gpu.machine import domain as domains
+
+    domains._warned.clear()
+    found = domains.root()
+    assert found != root
+    err = capsys.readouterr().err
+    assert f"{root} belongs to another user" in err and "share GPUs only among themselves" in err
