@@ -648,7 +648,7 @@ def test_rank_killed_mid_test_fails_it_and_the_next_test_gets_a_fresh_pool(main:
 def test_stuck_rank_times_out_with_every_rank_stack(main: Inner) -> None:
     report = main.report(nid("test_stuck"))
     assert report["outcome"] == "failed"
-    assert "ranks [0, 1] did not finish within its timeout (5s)" in report["longrepr"]
+    assert "ranks 0 and 1 did not finish within its timeout (5s)" in report["longrepr"]
     stacks = report["sections"]
     sleep_line = line_of(MAIN_SOURCE, "STUCK-SLEEP")
     barrier_line = line_of(MAIN_SOURCE, "STUCK-BARRIER")
@@ -723,7 +723,7 @@ def test_pool_off_starts_fresh_ranks_for_every_test(tmp_path: Path) -> None:
     assert len(one) == len(two) == len(three) == 2
     assert not one & two and not two & three and not one & three
     text = result.report("test_off.py::test_sleeps_past_the_default_timeout")["longrepr"]
-    assert "ranks [0, 1] did not finish within its timeout (2s)" in text
+    assert "ranks 0 and 1 did not finish within its timeout (2s)" in text
     assert result.leftovers == []
 
 

@@ -263,3 +263,6 @@ def test_summary_counts_wait_time(gpu_pytester, run_inner):
     assert first < 0.5 < second  # the second waited for the first's hold
     total = float(re.search(r"· waited (\d+\.\d)s in total ·", result.stdout.str()).group(1))
     assert total == pytest.approx(first + second, abs=0.1)
+    # the timeline's line prints the same figure, from the same per-test waits
+    timeline = float(re.search(r"· waited (\d+\.\d)s for GPUs", result.stdout.str()).group(1))
+    assert timeline == total

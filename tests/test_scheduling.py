@@ -516,7 +516,7 @@ def test_worker_killed_holding_a_gpu_never_hangs_the_run(
         [
             r".*worker '(gw\d+)' crashed while running 'test_k\.py::test_die'",
             r"pytest-gpu: worker gw\d+ \(pid \d+\) died while running test_k\.py::test_die; "
-            r"its GPU \d were reclaimed$",
+            r"its GPU \d was reclaimed$",
         ]
     )
     recs = reports(gpu_pytester.path)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .timeline import Timeline
+from .wording import numbered, plural, verb
 
 if TYPE_CHECKING:
     from .broker import CrashRecord
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 @dataclass(eq=False)  # registered as a plugin: must stay hashable
 class Summary:
     gpu_tests: int = 0
-    waited: float = 0.0
     violations: int = 0
     violating: list[str] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)  # what verification could not check -> tests
@@ -26,6 +26,14 @@ class Summary:
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
+    interrupted: bool = False  # the run was cut short (Ctrl-C, pytest.exit, xdist's -x shutdown)
+    down: dict[str, str] = field(default_factory=dict)  # xdist worker -> why it went down while the run went on
+    cut_short: dict[str, list[str]] = field(default_factory=dict)  # xdist worker -> tests it left unfinished
+
+    @property
+    def waited(self) -> float:
+        """Seconds the tests waited for GPUs in all: the figure both summary lines print."""
+        return self.timeline.waited()
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         # under xdist the controller hears this when a worker starts the test: the start
@@ -36,6 +44,8 @@ class Summary:
         self.add(report)
         node = getattr(report, "node", None)  # xdist: the WorkerController that ran it
         worker = str(node.gateway.id) if node is not None else "main"
+        if report.when == "???":  # xdist: the test its worker was running when it went down
+            self.cut_short.setdefault(worker, []).append(report.nodeid)
         stop = float(getattr(report, "stop", 0.0) or 0.0) or time.time()
         self.timeline.phase(
             report.nodeid,
@@ -47,6 +57,18 @@ class Summary:
             float(report.duration or 0.0),
             dict(report.user_properties),
         )
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # Ctrl-C, pytest.exit(), or xdist's Interrupted (a worker got Ctrl-C, -x stopped the run):
+        # called before xdist tears its workers down, so before their leases come back
+        self.interrupted = True
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object | None) -> None:
+        # xdist calls this while its loop runs: a worker that went down with an error then
+        # died while the run went on (or, "keyboard-interrupt", was itself interrupted)
+        if error is not None:
+            self.down[str(node.gateway.id)] = str(error)
 
     def peaks(self) -> dict[str, int]:
         """Node id -> highest peak measured on one of its GPUs (for ``--gpu-learn``)."""
@@ -65,7 +87,6 @@ class Summary:
         if "gpu_indices" not in props:
             return
         self.gpu_tests += 1
-        self.waited += float(props.get("gpu_wait_seconds", 0.0))
         count = int(props.get("gpu_violations", 0))
         if count:
             self.violations += count
@@ -80,24 +101,42 @@ class Summary:
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [
-            f"pytest-gpu: {inventory.describe()} [{inventory.source}] · {self.gpu_tests} GPU test"
-            f"{'s' if self.gpu_tests != 1 else ''} · waited {self.waited:.1f}s in total · "
-            f"{self.violations} violation{'s' if self.violations != 1 else ''}"
+            f"pytest-gpu: {inventory.describe()} [{inventory.source}] · {plural(self.gpu_tests, 'GPU test')} · "
+            f"waited {self.waited:.1f}s in total · {plural(self.violations, 'violation')}"
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
-            out.append(f"pytest-gpu: not verified: {note} ({tests} test{'s' if tests != 1 else ''})")
-        for crash in crashes:
-            what = []
-            if crash.gpus:
-                what.append(f"GPU {','.join(map(str, crash.gpus))}")
-            if crash.ports:
-                what.append(f"{len(crash.ports)} port{'s' if len(crash.ports) != 1 else ''}")
-            out.append(
-                f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running "
-                f"{crash.test or 'an unknown test'}; its {' and '.join(what)} were reclaimed"
-            )
+            out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
+        out += [self.crash_line(crash) for crash in crashes]
         return out
+
+    def was_interrupted(self, crash: CrashRecord) -> bool:
+        """Whether ``crash``'s worker went away because the run was interrupted, not by dying.
+
+        A worker xdist saw go down while the run went on died (unless it went down with
+        Ctrl-C itself); any other worker that went away holding something in an
+        interrupted run was stopped with the run (by Ctrl-C, or by xdist tearing it down).
+        """
+        error = self.down.get(crash.worker)
+        if error is not None:
+            return error == "keyboard-interrupt"
+        return self.interrupted
+
+    def crash_line(self, crash: CrashRecord) -> str:
+        """What a worker that went away holding GPUs or ports left: the test it ran, what came back."""
+        # xdist knows the test its worker ran; the broker's name for a holder may be another's
+        # (the rank pool a test started holds its GPUs and port for the tests after it)
+        test = ", ".join(self.cut_short.get(crash.worker, ())) or crash.test or "an unknown test"
+        held = []
+        if crash.gpus:
+            held.append(numbered("GPU", crash.gpus))
+        if crash.ports:
+            held.append(plural(len(crash.ports), "port"))
+        were = verb(len(crash.gpus) + len(crash.ports), "was", "were")
+        what = f"its {' and its '.join(held)} {were}"
+        if self.was_interrupted(crash):
+            return f"pytest-gpu: interrupted while {crash.worker} ran {test}; {what} given back"
+        return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"

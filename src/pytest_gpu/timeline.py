@@ -44,6 +44,7 @@ class TestRecord:
     requested: int = 0  # bytes per GPU asked for (an exclusive lease: what it was given)
     peak: int | None = None  # highest bytes measured on one of its GPUs
     leases: list[LeaseSpan] = field(default_factory=list)
+    reported_wait: float | None = None  # seconds it waited for GPUs, as the test reported it
 
     __test__ = False
 
@@ -57,6 +58,13 @@ class TestRecord:
 
     @property
     def waited(self) -> float:
+        """Seconds the test waited for GPUs: its own ``gpu_wait_seconds``, as its report says.
+
+        The figure every total of the run is summed from (both summary lines, the trace),
+        so that they agree; a record without it (built by hand) falls back on its spans.
+        """
+        if self.reported_wait is not None:
+            return self.reported_wait
         return sum(max(span.granted - span.asked, 0.0) for span in self.leases)
 
 
@@ -105,6 +113,8 @@ class Timeline:
             rec.requested = int(properties.get("gpu_request_bytes", 0) or 0)  # type: ignore[call-overload]
             peaks = [int(p.split("=", 1)[1]) for p in str(properties.get("gpu_peak_bytes", "")).split(",") if "=" in p]
             rec.peak = max(peaks) if peaks else None
+        if "gpu_wait_seconds" in properties:
+            rec.reported_wait = float(properties["gpu_wait_seconds"])  # type: ignore[arg-type]
 
     # -- figures --------------------------------------------------------------------
 
@@ -120,6 +130,10 @@ class Timeline:
     def makespan(self) -> float:
         begin, end = self.bounds()
         return end - begin
+
+    def waited(self) -> float:
+        """Seconds all tests of the run waited for GPUs: the one figure the summary prints."""
+        return sum(r.waited for r in self.records.values())
 
     def busy(self, gpus: Iterable[int]) -> dict[int, float]:
         """Per GPU: the fraction of the makespan during which some test held a lease on it."""
@@ -138,7 +152,7 @@ class Timeline:
         makespan = self.makespan()
         total = sum(r.duration for r in tests)
         busy = self.busy(gpus)
-        waited = sum(r.waited for r in tests)
+        waited = self.waited()
         # below 1x the figure measures gaps between tiny tests, not parallelism: leave it out
         parallel = f" ({total / makespan:.1f}x in parallel)" if makespan > 0 and total / makespan >= 1.05 else ""
         lines = [

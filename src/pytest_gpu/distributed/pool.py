@@ -28,6 +28,7 @@ import psutil
 
 from ..procs import kill_and_wait
 from ..session import GpuRun
+from ..wording import numbered
 from . import cover
 from .spec import DistSpec
 
@@ -120,13 +121,22 @@ def _tail(path: Path, lines: int = 20) -> str:
 class RankPool:
     """``world_size`` rank processes with a process group, ready to run test bodies."""
 
-    def __init__(self, spec: DistSpec, run: GpuRun, settings: DistSettings, base: Path, timeout: float) -> None:
+    def __init__(
+        self, spec: DistSpec, run: GpuRun, settings: DistSettings, base: Path, timeout: float, test: str = ""
+    ) -> None:
         self.spec = spec
         self.run = run
         self.settings = settings
         self.covers = max(settings.timeout, timeout)  # the longest test timeout its process group outlasts
-        self.id = f"pool{next(_ids)}-{os.getpid()}"
+        self.id = f"pool{next(_ids)}-{os.getpid()}"  # internal: its directory, its run ids
         self.dir = base / self.id
+        # how the broker names what the pool holds (its GPUs, its port): in a crash report or a
+        # "held by" list, a person recognises the test that started it, never the pool's id
+        self.holder = (
+            f"the rank pool of {spec.describe()} started by {test}" if test else f"a rank pool of {spec.describe()}"
+        )
+        # port owners read "<who>@<unique>" (the broker names a dead worker's tests by what precedes the @)
+        self.ports_owner = f"{self.holder}@{self.id}"
         self.conns: dict[int, Connection] = {}
         self.lifelines: list[Connection] = []
         self.pids: dict[int, int] = {}
@@ -155,11 +165,11 @@ class RankPool:
     def _start(self, config_args: list[str]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         client = self.run.client
-        self.port = client.ports(1, self.id)[0]
+        self.port = client.ports(1, self.ports_owner)[0]
         slices = None
         request = self.spec.gpu_request(self.run.settings.default_memory)
         if request is not None:
-            grant = client.acquire(request, f"rank pool {self.spec.describe()}", self.settings.wait_timeout)
+            grant = client.acquire(request, self.holder, self.settings.wait_timeout)
             self.lease_key = grant.key
             names = [
                 str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid for i in grant.indices
@@ -183,7 +193,9 @@ class RankPool:
         if errors or missing:
             detail = "\n".join(errors)
             if missing:
-                detail += f"\nranks {missing} did not finish setting up within {self.settings.init_timeout:g}s"
+                detail += (
+                    f"\n{numbered('rank', missing)} did not finish setting up within {self.settings.init_timeout:g}s"
+                )
             raise PoolError(f"could not set up {self.spec.describe()}:\n{detail}\n{self._logs_tail()}")
 
     def setup_body(self, config_args: list[str]) -> dict[str, Any]:
@@ -440,7 +452,7 @@ class RankPool:
                 else f"the {self.settings.grace:g}s grace after a failure"
             )
             outcome.problems.append(
-                f"ranks {sorted(pending)} did not finish within {limit} "
+                f"{numbered('rank', sorted(pending))} did not finish within {limit} "
                 f"({timeout:g}s); their stacks are attached, the pool was killed"
             )
             self._dump_stacks(pending)
@@ -468,7 +480,10 @@ class RankPool:
             self._dump_stacks(busy)
         self.abandoned = [
             *self._new_output(offsets, ("stdout", "stderr", "stack")),
-            ("pytest-gpu pool", f"the test was interrupted while its ranks ran; the pool {self.id} was killed"),
+            (
+                "pytest-gpu pool",
+                f"the test was interrupted while its ranks ran; its pool of {self.spec.describe()} was killed",
+            ),
         ]
 
     def _health(self) -> tuple[bool, str]:
@@ -478,7 +493,7 @@ class RankPool:
         bad = [f"rank {r}: {b.get('detail') or k}" for r, (k, b) in replies.items() if k != "checked" or not b["ok"]]
         missing = sorted(set(self.conns) - set(replies))
         if missing:
-            bad.append(f"ranks {missing} did not answer")
+            bad.append(f"{numbered('rank', missing)} did not answer")
         return (not bad, "; ".join(bad))
 
     def _dump_stacks(self, ranks: set[int]) -> None:
@@ -539,7 +554,7 @@ class RankPool:
             client.release(self.lease_key)
             self.lease_key = None
         if self.port is not None:
-            client.release_ports(self.id)
+            client.release_ports(self.ports_owner)
             self.port = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -602,8 +617,8 @@ class PoolManager:
         self._running: RankPool | None = None  # the pool a test is running on, while it runs
         self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
 
-    def _fresh(self, spec: DistSpec, timeout: float) -> RankPool:
-        pool = RankPool(spec, self.run, self.settings, self.base, timeout)
+    def _fresh(self, spec: DistSpec, timeout: float, test: str = "") -> RankPool:
+        pool = RankPool(spec, self.run, self.settings, self.base, timeout, test)
         pool.start(self.config_args)
         self.started += 1
         return pool
@@ -641,8 +656,9 @@ class PoolManager:
 
     def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
         notes: list[str] = []
+        test = str(body.get("nodeid", ""))  # a pool started for this test is named after it
         if not self.settings.pool:
-            pool = self._fresh(spec, timeout)
+            pool = self._fresh(spec, timeout, test)
             result = None
             try:
                 result = self._run(pool, body, timeout)
@@ -658,14 +674,14 @@ class PoolManager:
             self.pool.close()
             self.pool = None
         if self.pool is None:
-            self.pool = self._fresh(spec, timeout)
+            self.pool = self._fresh(spec, timeout, test)
         try:
             result = self._run(self.pool, body, timeout)
         except PoolDied as exc:
             notes.append(f"{exc}; this test was retried once in a fresh pool")
             self.pool.close()
             self.pool = None
-            self.pool = self._fresh(spec, timeout)
+            self.pool = self._fresh(spec, timeout, test)
             result = self._run(self.pool, body, timeout)
         if result.broken:
             self.pool.close(graceful=False)

@@ -12,6 +12,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation
 
 from ..requests import GpuRequestError
+from ..wording import plural
 from .rankinfo import RankPlaceholder
 from .spec import DistSpec, build_spec
 
@@ -227,7 +228,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
 def failure_text(spec: DistSpec, result: RankRun) -> str:
     failed = {r: res for r, res in sorted(result.results.items()) if res["outcome"] == "failed"}
     count = len(failed) + (spec.world_size - len(result.results))
-    lines = [f"distributed test failed on {count} of {spec.world_size} ranks ({spec.describe()})"]
+    lines = [f"distributed test failed on {count} of {plural(spec.world_size, 'rank')} ({spec.describe()})"]
     lines += [f"  {problem}" for problem in result.problems]
     for rank, res in failed.items():
         lines.append(f"{'=' * 30} rank {rank} {'=' * 30}")

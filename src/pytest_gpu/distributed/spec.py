@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
+from ..wording import plural
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "none")
 LAUNCHERS = ("spawn", "torchrun", "mpirun", "srun")
@@ -38,7 +39,7 @@ class DistSpec:
 
     def describe(self) -> str:
         gpus = f", {self.gpus_per_rank} GPU/rank" if self.gpus_per_rank else ""
-        return f"{self.world_size} ranks ({self.backend} via {self.launcher}{gpus})"
+        return f"{plural(self.world_size, 'rank')} ({self.backend} via {self.launcher}{gpus})"
 
 
 def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, have_gpus: bool) -> DistSpec:
