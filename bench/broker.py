@@ -19,9 +19,17 @@ Scenarios:
   once, so most requests queue and are granted by a push when another client releases
   (latency then includes the wait for a free GPU).
 
+Machine-wide leasing (``--link``): ``private`` is a broker whose GPUs are its own (the
+arbiter in-process, no machine directory); ``machine`` is a run alone on its machine: it
+takes the machine's lock and is the arbiter in-process, as every run now is when alone;
+``follower`` is a run that shares the machine with another run, which is the arbiter: each
+decision is a round trip to that other process. ``--link all`` measures the three in
+turn, row by row.
+
 Run from the repository root::
 
     python bench/broker.py            # 3 s per scenario and client count
+    python bench/broker.py --link all --scenario immediate --clients 1,8,32
     python bench/broker.py --quick    # smoke run (a fraction of a second each)
     python bench/broker.py --profile  # also print where the broker's threads spend time
 """
@@ -49,6 +57,8 @@ from typing import Any, cast
 
 from pytest_gpu.broker import Broker
 from pytest_gpu.client import BrokerClient
+from pytest_gpu.machine.domain import ROOT_ENV, Domain
+from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.placement import Policy
 from pytest_gpu.requests import GpuRequest, format_size
 
@@ -248,6 +258,7 @@ class EchoServer:
 
 
 SERVERS = ("broker", "echo-threads", "echo-select")
+LINKS = ("private", "machine", "follower")
 
 
 def run_scenario(
@@ -257,6 +268,7 @@ def run_scenario(
     profiles: ThreadProfiles | None = None,
     server: str = "broker",
     offered: float = 0.0,
+    link: str = "private",
 ) -> Result:
     """One measurement: a fresh server, ``clients`` client processes, a ``duration`` window.
 
@@ -264,20 +276,32 @@ def run_scenario(
     """
     ctx = mp.get_context("spawn")
     interval = clients / offered if offered else 0.0
+    ready, results = ctx.Queue(), ctx.Queue()
+    go = ctx.Event()
     with tempfile.TemporaryDirectory(prefix="pytest-gpu-bench-") as tmp:
         os.chmod(tmp, 0o700)
         address = str(Path(tmp) / "broker.sock")
         authkey = secrets.token_bytes(32)
         service: Broker | EchoServer
+        other: MachineLink | None = None
         if server == "broker":
-            broker = Broker({i: scenario.capacity for i in range(scenario.gpus)}, address, authkey, Policy())
+            capacities = {i: scenario.capacity for i in range(scenario.gpus)}
+            uuids = {i: f"GPU-bench-{i}" for i in capacities}
+            machine = None
+            if link != "private":
+                os.environ[ROOT_ENV] = str(Path(tmp) / "machines")
+                domain = Domain.named("bench")
+                if link == "follower":  # another run is the arbiter, in another process
+                    other = ctx.Process(target=_arbiter_main, args=(str(Path(tmp) / "machines"), ready), daemon=True)
+                    other.start()
+                    ready.get(timeout=120)
+                machine = MachineLink(domain, Policy())
+            broker = Broker(capacities, address, authkey, Policy(), link=machine, uuids=uuids)
             if profiles is not None:
                 broker._serve = profiles.wrap(broker._serve)  # type: ignore[method-assign]
             service = broker.start()
         else:
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
-        ready, results = ctx.Queue(), ctx.Queue()
-        go = ctx.Event()
         window = ctx.Array("d", 2, lock=False)
         procs = [
             ctx.Process(
@@ -303,12 +327,26 @@ def run_scenario(
                 if proc.is_alive():
                     proc.kill()
             service.close()
+            if other is not None and other.is_alive():
+                other.kill()
+                other.join()
     latencies = [x for _, lat, _ in collected for x in lat]
     queued = sum(q for _, _, q in collected)
     label = scenario.name if server == "broker" else server
+    if server == "broker" and link != "private":
+        label += f" ({link})"
     if offered:
         label += f" @{offered:g}/s"
     return Result(label, clients, duration, len(latencies), queued, latencies)
+
+
+def _arbiter_main(root: str, ready: Any) -> None:
+    """Another run on the same machine: it attaches first, so it is the arbiter; it asks for nothing."""
+    os.environ[ROOT_ENV] = root
+    link = MachineLink(Domain.named("bench"), Policy())
+    link.attach({f"GPU-bench-{i}": 16 * GIB for i in range(8)}, lambda events: None)
+    ready.put("arbiter")
+    time.sleep(3600)
 
 
 # -- output ------------------------------------------------------------------------------
@@ -345,6 +383,7 @@ class Row:
     clients: int
     server: str = "broker"
     offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
+    link: str = "private"
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -365,6 +404,8 @@ def plan(args: argparse.Namespace) -> list[Row]:
         ]
         if args.scenario != "all":
             rows = [row for row in rows if row.scenario == args.scenario]
+    links = LINKS if args.link == "all" else (args.link,)
+    rows = [Row(r.scenario, r.clients, r.server, r.offered, link) for r in rows for link in links]
     if args.baseline:
         counts = sorted({row.clients for row in rows})
         rows += [Row("immediate", n, server) for server in SERVERS[1:] for n in counts]
@@ -386,6 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also time the bare transport: echo servers that grant at once (thread per client, and one thread)",
     )
+    parser.add_argument(
+        "--link",
+        choices=[*LINKS, "all"],
+        default="private",
+        help="the broker's GPUs its own, a run alone on the machine (arbiter), or a run beside another (follower)",
+    )
     args = parser.parse_args(argv)
 
     duration = args.duration if args.duration is not None else (0.3 if args.quick else 3.0)
@@ -401,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for row in rows:
         runs = [
-            run_scenario(SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered)
+            run_scenario(SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered, row.link)
             for _ in range(max(1, args.repeat))
         ]
         result = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]

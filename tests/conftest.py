@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,16 +57,35 @@ _OUTER_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVI
 _CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 
 
+MACHINE_DIR_ENV = "PYTEST_GPU_MACHINE_DIR"
+
+
+@pytest.fixture(autouse=True)
+def private_machines(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test its own machine directory: the runs it starts (in-process, subprocesses,
+    xdist) meet only each other, and its simulated machines are its own, never a concurrent
+    test's (this suite runs under xdist) nor a developer's real runs'.
+
+    Simulated machines stay one per spec (``PYTEST_GPU_SIM_MACHINE`` is left unset): two runs
+    of one test on different specs are two machines, as they are for a user.
+    """
+    path = tmp_path_factory.mktemp("machines")
+    monkeypatch.setenv(MACHINE_DIR_ENV, str(path))
+    monkeypatch.delenv("PYTEST_GPU_SIM_MACHINE", raising=False)
+    return path
+
+
 @pytest.fixture
-def gpu_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def gpu_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, private_machines: Path) -> pytest.Pytester:
     """``pytester`` with an environment free of GPU selection and pytest-gpu variables.
 
     An inner run must not inherit a lease (or a simulated ledger) from the run that
-    executes this test suite.
+    executes this test suite; it meets other runs in this test's own machine directory.
     """
     for name in list(os.environ):
         if name in _OUTER_VARS or name.startswith("PYTEST_GPU_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv(MACHINE_DIR_ENV, str(private_machines))
     monkeypatch.setenv("XDG_CACHE_HOME", _CACHE)
     return pytester
 
@@ -85,6 +105,56 @@ def run_inner(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
         return gpu_pytester.runpytest_inprocess(*full)
 
     return run
+
+
+# -- foreign processes on simulated GPUs -------------------------------------------------
+
+
+class Holder:
+    """A process outside any pytest run holding simulated GPU memory (``python -m pytest_gpu.sim hold``)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_gpu.sim", "hold", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("holding "):
+            _, err = self.proc.communicate(timeout=30)
+            raise AssertionError(f"hold {' '.join(args)} did not start (exit {self.proc.returncode}): {line}{err}")
+        self.pid = int(line.split()[1])
+        assert self.pid == self.proc.pid
+
+    def kill(self, *, reap: bool = True) -> None:
+        """SIGKILL it (the driver, and the ledger, free what it held); ``reap=False`` leaves a zombie."""
+        self.proc.kill()
+        if reap:
+            self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., Holder]]:
+    """``hold("--machine", name, "--spec", spec, "--gpu", "1", "--memory", "1GiB")``: a
+    :class:`Holder`, killed at the end of the test."""
+    made: list[Holder] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Holder:
+        holder = Holder(*args, env=env)
+        made.append(holder)
+        return holder
+
+    yield start
+    for holder in made:
+        holder.close()
 
 
 # -- a one-node SLURM cluster, shared by every test of the session that needs one ---------

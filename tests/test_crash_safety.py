@@ -84,7 +84,7 @@ def test_sigkill_of_worker_holding_two_gpus(gpu_pytester, run_inner):
     result.stdout.re_match_lines(
         [
             rf"pytest-gpu: worker {worker} \(pid \d+\) died while running test_crash\.py::test_crash; "
-            r"its GPU 0,1 and 2 ports were reclaimed$"
+            r"its GPUs 0 and 1 and its 2 ports were reclaimed$"
         ]
     )
     assert out.count("died while running") == 1
@@ -124,11 +124,14 @@ import time
 
 import pytest
 
+from pytest_gpu.lifecycle import RUN_KEY
+
 @pytest.mark.parametrize("i", range(2))
 @pytest.mark.gpu(memory="1GiB")
-def test_sleep(i, gpu, port):
+def test_sleep(i, gpu, port, request):
+    run_dir = str(request.config.stash[RUN_KEY].run_dir)
     with open(os.path.join({marks!r}, f"running-{{i}}"), "w") as f:
-        f.write(json.dumps({{"pid": os.getpid(), "ledger": os.environ["PYTEST_GPU_SIM_LEDGER"]}}))
+        f.write(json.dumps({{"pid": os.getpid(), "run_dir": run_dir}}))
     time.sleep(120)
 
 import json
@@ -157,7 +160,7 @@ def test_sigkill_of_controller(gpu_pytester, run_inner):
         assert len(workers) >= 2
         running = [json.loads(p.read_text()) for p in marks.iterdir()]
         assert {r["pid"] for r in running} <= {w.pid for w in workers}
-        run_dir = Path(running[0]["ledger"]).parent
+        run_dir = Path(running[0]["run_dir"])
         assert run_dir.name.startswith(f"run-{proc.pid}-")
         assert run_dir.is_dir()
         os.kill(proc.pid, signal.SIGKILL)
@@ -188,11 +191,12 @@ def test_normal_runs_leave_no_run_directory(gpu_pytester, run_inner):
         test_dirs=f"""
         import os
         import pytest
+        from pytest_gpu.lifecycle import RUN_KEY
 
         @pytest.mark.parametrize("i", range(4))
         @pytest.mark.gpu(memory="1GiB")
-        def test_dir(i, gpu):
-            run_dir = os.path.dirname(os.environ["PYTEST_GPU_SIM_LEDGER"])
+        def test_dir(i, gpu, request):
+            run_dir = str(request.config.stash[RUN_KEY].run_dir)
             assert os.path.isdir(run_dir)
             assert oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
             with open(os.path.join({str(seen)!r}, f"{{i}}-{{os.getpid()}}"), "w") as f:
@@ -213,9 +217,10 @@ def test_broker_socket_is_private(gpu_pytester, run_inner):
         test_sock="""
         import os
         import stat
+        from pytest_gpu.lifecycle import RUN_KEY
 
-        def test_sock(gpu):
-            run_dir = os.path.dirname(os.environ["PYTEST_GPU_SIM_LEDGER"])
+        def test_sock(gpu, request):
+            run_dir = str(request.config.stash[RUN_KEY].run_dir)
             sock = os.path.join(run_dir, "broker.sock")
             assert stat.S_ISSOCK(os.stat(sock).st_mode)
             assert os.stat(sock).st_mode & 0o077 == 0

@@ -157,8 +157,9 @@ class Foreign:
         self.usage = dict(usage)
         self.roots: list[set[int]] = []
 
-    def __call__(self, uuids: list[str], roots: set[int]) -> dict[str, int]:
+    def __call__(self, uuids: list[str], roots: set[int], accounted: dict[str, int]) -> dict[str, int]:
         self.roots.append(set(roots))
+        self.accounted = dict(accounted)
         return {u: self.usage.get(u, 0) for u in uuids}
 
 
@@ -172,6 +173,7 @@ def test_foreign_usage_is_avoided_and_said():
     assert (kind, body["gpus"]) == ("granted", ["B"])
     assert body["foreign"]["avoided"] == ["A"] and body["foreign"]["bytes"] == {"A": 10 * GiB}
     assert foreign.roots[-1] == {4242}  # the runs' processes are never foreign
+    assert set(foreign.accounted) == {"A", "B"}  # what the pool promised there, for NVML without pids
     assert arbiter.room(["A", "B"]) == [6 * GiB, 16 * GiB]
 
 
@@ -450,3 +452,22 @@ def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, t
     assert found != root
     err = capsys.readouterr().err
     assert f"{root} belongs to another user" in err and "share GPUs only among themselves" in err
+
+
+def test_summary_lines_for_foreign_usage():
+    from pytest_gpu.reporting import foreign_lines
+
+    entries = [
+        {"test": "t::a", "seconds": 0.0, "waited": False, "avoided": [0], "bytes": {0: 12 * GiB}},
+        {"test": "t::b", "seconds": 1.5, "waited": True, "avoided": [], "bytes": {1: 6 * GiB}},
+        {"test": "t::c", "seconds": 0.5, "waited": True, "avoided": [0], "bytes": {0: 10 * GiB, 1: 4 * GiB}},
+    ]
+    assert foreign_lines(entries) == [
+        "pytest-gpu: GPU 0 was avoided by 2 tests: processes outside pytest-gpu used 12GiB there",
+        "pytest-gpu: 2 tests were held back 2.0s in total by processes outside pytest-gpu "
+        "(10GiB on GPU 0, 6GiB on GPU 1)",
+    ]
+    assert foreign_lines(entries[1:2]) == [
+        "pytest-gpu: 1 test was held back 1.5s in total by processes outside pytest-gpu (6GiB on GPU 1)"
+    ]
+    assert foreign_lines([]) == []

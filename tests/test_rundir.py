@@ -135,25 +135,25 @@ def test_foreign_owned_shared_dir_leaves_runs_working(
     monkeypatch.setenv("TMPDIR", str(base))
     gpu_pytester.makepyfile(
         test_both="""
-        import os
         import pytest
+        from pytest_gpu.lifecycle import RUN_KEY
 
         def test_cpu():
             pass
 
         @pytest.mark.gpu(memory="1GiB")
-        def test_gpu(gpu):
-            print("LEDGER", os.environ["PYTEST_GPU_SIM_LEDGER"])
+        def test_gpu(gpu, request):
+            print("RUNDIR", request.config.stash[RUN_KEY].run_dir)
         """
     )
     result = run_inner("--gpus", "sim:1x16GiB", "-s", subprocess=True)
     result.assert_outcomes(passed=2)
     warnings = [line for line in result.errlines if line.startswith("pytest-gpu: warning:")]
     assert len(warnings) == 1 and f"{shared} {why}; this run uses {base}/pytest-gpu-" in warnings[0]
-    found = re.search(r"LEDGER (\S+)", result.stdout.str())
+    found = re.search(r"RUNDIR (\S+)", result.stdout.str())
     assert found is not None
-    ledger = Path(found[1])
-    assert ledger.parent.parent.parent == base  # fallback/run-*/sim-ledger
+    run_dir = Path(found[1])
+    assert run_dir.parent.parent == base  # fallback/run-*
     assert [p.name for p in base.iterdir()] == [shared.name]  # the run left nothing behind
 
 

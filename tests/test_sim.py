@@ -639,10 +639,17 @@ def test_contexts_of(children: list[Child], monkeypatch: pytest.MonkeyPatch) -> 
 # -- the default location ----------------------------------------------------------------
 
 
-def test_default_ledger_dir_is_per_user_and_per_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert sim.default_ledger_dir("sim:4x16GiB") == tmp_path / "pytest-gpu" / "sim-ledger-sim_4x16GiB"
-    assert sim.default_ledger_dir("sim:2x80GiB,2x24GiB") == tmp_path / "pytest-gpu" / "sim-ledger-sim_2x80GiB_2x24GiB"
+def test_default_ledger_is_the_simulated_machines_per_user_and_per_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pwd
+
+    monkeypatch.setenv("PYTEST_GPU_MACHINE_DIR", str(tmp_path))
+    user = pwd.getpwuid(os.getuid()).pw_name
+    assert sim.default_ledger_dir("sim:4x16GiB") == tmp_path / f"sim-{user}-sim_4x16GiB" / "sim-ledger"
+    assert sim.default_ledger_dir("sim:2x80GiB,2x24GiB") == tmp_path / f"sim-{user}-sim_2x80GiB_2x24GiB" / "sim-ledger"
     monkeypatch.delenv(LEDGER_ENV)
     monkeypatch.setenv(SPEC_ENV, "sim:1x1GiB")
-    assert sim.ledger().path == tmp_path / "pytest-gpu" / "sim-ledger-sim_1x1GiB"
+    assert sim.ledger().path == tmp_path / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
+    monkeypatch.setenv("PYTEST_GPU_SIM_MACHINE", "ci")  # a named machine, whatever the spec
+    assert sim.ledger().path == sim.machine_ledger_dir("sim:2x1GiB") == tmp_path / "sim-ci" / "sim-ledger"

@@ -216,7 +216,7 @@ class Broker:
                 "avoided": self._indices(foreign.get("avoided", [])),
                 "bytes": {self._index[u]: n for u, n in foreign.get("bytes", {}).items() if u in self._index},
             }
-            self.foreign.append({"test": "", "waited": waited, **message["foreign"]})
+            self.foreign.append({"test": "", "seconds": waited, **message["foreign"]})
         return message
 
     def _on_events(self, events: list[Event]) -> None:

@@ -17,7 +17,7 @@ from .launched import selection
 from .launched.detect import detect
 from .launched.session import LaunchedSession, log_dir, redirect_output, select_share
 from .lifecycle import RUN_KEY
-from .reporting import Summary
+from .reporting import Summary, foreign_lines
 from .session import WIRE_KEY, GpuRun
 
 SUMMARY_KEY = pytest.StashKey[Summary]()
@@ -223,7 +223,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         for line in selection.summary_lines(config):
             terminalreporter.write_line(line)
         return
-    lines = summary.lines(run.inventory, run.broker.crashes)
+    lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
     lines += summary.timeline.summary_lines(
         [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"
     )

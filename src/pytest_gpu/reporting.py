@@ -140,3 +140,35 @@ class Summary:
         if self.was_interrupted(crash):
             return f"pytest-gpu: interrupted while {crash.worker} ran {test}; {what} given back"
         return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"
+
+
+def foreign_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """Summary lines for grants that avoided a GPU or waited because processes outside
+    pytest-gpu used memory there (the broker's ``foreign`` records)."""
+    from .requests import format_size
+    from .wording import plural, verb
+
+    avoided: dict[int, list[dict[str, Any]]] = {}
+    waited: list[dict[str, Any]] = []
+    for entry in entries:
+        for index in entry.get("avoided", []):
+            avoided.setdefault(index, []).append(entry)
+        if entry.get("waited"):
+            waited.append(entry)
+    lines = []
+    for index, rows in sorted(avoided.items()):
+        most = max(int(r.get("bytes", {}).get(index, 0)) for r in rows)
+        lines.append(
+            f"pytest-gpu: GPU {index} was avoided by {plural(len(rows), 'test')}: processes outside "
+            f"pytest-gpu used {format_size(most)} there"
+        )
+    if waited:
+        gpus = sorted({int(i) for r in waited for i in r.get("bytes", {})})
+        most = {i: max(int(r.get("bytes", {}).get(i, 0)) for r in waited) for i in gpus}
+        where = ", ".join(f"{format_size(most[i])} on GPU {i}" for i in gpus)
+        total = sum(float(r.get("seconds", 0.0)) for r in waited)
+        lines.append(
+            f"pytest-gpu: {plural(len(waited), 'test')} {verb(len(waited), 'was', 'were')} held back "
+            f"{total:.1f}s in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
+        )
+    return lines

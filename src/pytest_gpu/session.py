@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from .requests import GpuRequest, format_size
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from .broker import Broker
     from .client import BrokerClient
+    from .machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
 
@@ -41,6 +43,60 @@ class ActiveLease:
     asked: float = 0.0  # wall-clock times, for the run's timeline
     granted: float = 0.0
     released: float = 0.0  # stamped before the release is sent: a waiter may be granted at once
+
+
+def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
+    """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
+    machine's (one per ``PYTEST_GPU_SIM_MACHINE``); joined when the first lease is asked."""
+    from .machine.domain import Domain
+    from .machine.link import MachineLink
+    from .sim import fake
+
+    spec = inventory.source if inventory.simulated else fake.requested()
+
+    def domain() -> Domain:
+        return Domain.sim(spec) if spec else Domain.real()
+
+    command = " ".join(["pytest", *sys.argv[1:]])
+    label = f"{command if len(command) <= 80 else command[:77] + '...'} in {os.getcwd()}"
+    return MachineLink(domain, policy, label=label, foreign=ForeignSource())
+
+
+def machine_names(inventory: Inventory, local_rank: int) -> dict[int, str]:
+    """What the machine's arbiter calls each GPU of the run: its UUID; or, for a launched
+    rank's fixed part of a GPU it shares with other ranks of the node (see
+    :mod:`pytest_gpu.launched.share`), a name of that part alone, since the ranks run each
+    test together and must each get their own part at once."""
+    physical = {d.uuid: d.capacity for d in inventory.machine}
+    return {
+        d.index: d.uuid if physical.get(d.uuid, d.capacity) == d.capacity else f"{d.uuid}{PART}{local_rank}"
+        for d in inventory.devices
+    }
+
+
+PART = "#part-of-rank-"
+
+
+class ForeignSource:
+    """What processes outside pytest-gpu use on each GPU, through NVML (the fake NVML on
+    simulated GPUs): the arbiter's foreign source. NVML is started on the first sample,
+    in the arbiter's process only."""
+
+    def __init__(self) -> None:
+        self._sampler: Any = None
+
+    def __call__(self, uuids: list[str], roots: set[int], accounted: dict[str, int]) -> dict[str, int]:
+        from .gpu.foreign import ForeignSampler
+
+        if self._sampler is None:
+            self._sampler = ForeignSampler()
+        whole = [u for u in uuids if PART not in u]  # a rank's part: its neighbours are foreign to it, by design
+        found = self._sampler.sample(roots, accounted, uuids=whole) if whole else {}
+        return {uuid: usage.bytes for uuid, usage in found.items()}
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
 
 
 @dataclass
@@ -72,7 +128,8 @@ class GpuRun:
         from .sim import fake
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
-        inventory = node_share(discover(settings.gpus), detect())  # under a launcher: this rank's share of the node
+        launch = detect()
+        inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
@@ -83,15 +140,28 @@ class GpuRun:
             authkey,
             policy,
             settings.port_range,
+            link=machine_link(inventory, policy),
+            uuids=machine_names(inventory, launch.local_rank if launch else 0),
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
-            # The run's own simulated machine: every process of the run (workers, ranks,
-            # subprocesses) sees it through the fake-GPU switch, with a ledger of its own.
-            sim.Ledger.create(run_dir / "sim-ledger", inventory.source, settings.context_overhead)
+            # The simulated machine the run names (PYTEST_GPU_SIM_MACHINE, default one per user
+            # and spec): runs naming the same one share its GPUs' memory, as runs on one real
+            # machine share its GPUs. Every process of the run (workers, ranks, subprocesses)
+            # sees it through the fake-GPU switch.
+            from .gpu.devices import DeviceSpecError
+
+            try:
+                ledger = sim.machine_ledger(inventory.source, settings.context_overhead)
+            except sim.SimMachineError as exc:  # in use with another spec: a usage error
+                run.close()  # the broker and run directory made above
+                raise DeviceSpecError(str(exc)) from None
+            except BaseException:
+                run.close()
+                raise
             run._set_env(
                 {
-                    sim.LEDGER_ENV: str(run_dir / "sim-ledger"),
+                    sim.LEDGER_ENV: str(ledger.path),
                     sim.SPEC_ENV: inventory.source,
                     sim.OVERHEAD_ENV: str(settings.context_overhead),
                     fake.FAKE_ENV: inventory.source,
@@ -209,7 +279,7 @@ class GpuRun:
         grant = self.client.acquire(request, test, self.settings.wait_timeout)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
-            tag = f"{self.client.client_id}-{grant.key}"
+            tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
             verifier: SimVerifier | NvmlVerifier = (
                 SimVerifier()
                 if self.inventory.simulated

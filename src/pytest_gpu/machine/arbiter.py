@@ -13,8 +13,8 @@ Keys and clients are prefixed with the run's id.
 Events (a grant or refusal of a request that waited) go to the run's ``sink``, called
 after the arbiter's lock is released, never under it: a sink may take its broker's lock.
 
-Foreign usage: ``foreign(uuids, roots)`` (see :mod:`pytest_gpu.gpu.foreign`) says per
-GPU how many bytes processes outside every attached run use; it is asked before grants,
+Foreign usage: ``foreign(uuids, roots, accounted)`` (see :mod:`pytest_gpu.gpu.foreign`)
+says per GPU how many bytes processes outside every attached run use; it is asked before grants,
 at most every ``foreign_ttl`` seconds (NVML has no event for it), and again every
 ``foreign_ttl`` seconds while a request waits only because of it.
 """
@@ -34,7 +34,9 @@ from ..requests import GpuRequest
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
-ForeignSource = Callable[[list[str], set[int]], dict[str, int]]
+# (GPU UUIDs, pids whose descendants are the runs' processes, bytes the pool accounts for
+# per UUID) -> bytes that processes outside every run use, per UUID
+ForeignSource = Callable[[list[str], set[int], dict[str, int]], dict[str, int]]
 
 RESUME_AFTER_S = 2.0  # after a failover: how long grants wait for the runs that were attached to re-attach
 
@@ -194,8 +196,9 @@ class Arbiter:
             return
         self._sampled = now
         roots = {entry.pid for entry in self.runs.values()}
+        accounted = {uuid: self.pool.used(mid) for uuid, mid in self._mids.items()}
         try:
-            usage = self.foreign(list(self._mids), roots)
+            usage = self.foreign(list(self._mids), roots, accounted)
         except Exception:  # NVML went away: decide on the last sample rather than fail every request
             return
         self.foreign_bytes = {uuid: n for uuid, n in usage.items() if n > 0}
@@ -223,6 +226,9 @@ class Arbiter:
             for timer in (self._retry, self._resume):
                 if timer is not None:
                     timer.cancel()
+            close = getattr(self.foreign, "close", None)
+            if close is not None:
+                close()
 
     # -- runs ---------------------------------------------------------------------------
 

@@ -2,11 +2,13 @@
 
 - :mod:`.spec`: the fake machine a spec such as ``sim:4x16GiB;mig:0=2x8GiB`` describes;
 - :mod:`.ledger`: device memory shared by every process (the "physics"), rendered for NVML;
+  one ledger per simulated machine (:func:`machine_ledger`), shared by every run that names it;
 - :mod:`.cuda`: a process's CUDA runtime (device list fixed at first use, current device,
   contexts, allocations) — the public API below comes from here;
 - :mod:`.nvml`: a fake ``libnvidia-ml.so.1`` built from C and loaded by nvidia-ml-py;
 - :mod:`.torch_cuda`: ``torch.cuda`` of torch's CPU build given these semantics;
-- :mod:`.fake`: the one switch, ``PYTEST_GPU_FAKE_GPUS=<spec>``, that turns them all on.
+- :mod:`.fake`: the one switch, ``PYTEST_GPU_FAKE_GPUS=<spec>``, that turns them all on;
+- ``python -m pytest_gpu.sim hold``: a process outside any run holding simulated memory.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ from .ledger import (
     LedgerWriteError,
     OutOfMemoryError,
     SimDeviceError,
+    SimMachineError,
     TagUsage,
     default_ledger_dir,
     ledger,
+    machine_ledger,
+    machine_ledger_dir,
 )
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "LedgerWriteError",
     "OutOfMemoryError",
     "SimDeviceError",
+    "SimMachineError",
     "TagUsage",
     "allocate",
     "current_device",
@@ -59,6 +65,8 @@ __all__ = [
     "hold",
     "init",
     "ledger",
+    "machine_ledger",
+    "machine_ledger_dir",
     "mem_get_info",
     "set_device",
     "set_memory_cap",

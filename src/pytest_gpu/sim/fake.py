@@ -9,8 +9,10 @@ processes, ``pytest-gpu inventory``):
 - ``torch.cuda`` of torch's CPU build is given the simulated semantics
   (:mod:`pytest_gpu.sim.torch_cuda`) as soon as torch is imported.
 
-The ledger is shared by every process that sees the same ``PYTEST_GPU_SIM_LEDGER``
-(default: a per-user directory for the spec), like the GPUs of one machine.
+The ledger is shared by every process that sees the same ``PYTEST_GPU_SIM_LEDGER``; without
+it, the switch sets it to the ledger of the simulated machine the process names
+(``PYTEST_GPU_SIM_MACHINE``, default one per user and spec: :func:`.ledger.machine_ledger`),
+so every process tree, of any user, that names the same machine shares its GPUs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from .ledger import LEDGER_ENV, SPEC_ENV, default_ledger_dir, ledger
+from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
 from .spec import parse
 
 FAKE_ENV = "PYTEST_GPU_FAKE_GPUS"
@@ -43,7 +45,9 @@ def activate(spec: str | None = None) -> bool:
     """Turn fake GPUs on in this process (and, through the environment, its subprocesses).
 
     ``spec`` defaults to ``PYTEST_GPU_FAKE_GPUS``; returns ``False`` when there is none.
-    Raises :class:`pytest_gpu.sim.spec.SpecError` for a spec that cannot be read.
+    Raises :class:`pytest_gpu.sim.spec.SpecError` for a spec that cannot be read, and its
+    subclass :class:`pytest_gpu.sim.SimMachineError` when the simulated machine named is in
+    use with another spec; :class:`pytest_gpu.sim.LedgerWriteError` when its ledger cannot be made.
     """
     global _active
     spec = spec or requested()
@@ -56,7 +60,8 @@ def activate(spec: str | None = None) -> bool:
         _saved.update({name: os.environ.get(name) for name in (FAKE_ENV, SPEC_ENV, LEDGER_ENV, "LD_LIBRARY_PATH")})
     os.environ[FAKE_ENV] = spec
     os.environ[SPEC_ENV] = machine.spec
-    os.environ.setdefault(LEDGER_ENV, str(default_ledger_dir(machine.spec)))
+    if not os.environ.get(LEDGER_ENV):  # the simulated machine's: shared like a real one's GPUs
+        os.environ[LEDGER_ENV] = str(machine_ledger(machine.spec).path)
     ledger().used()  # creates the ledger and its nvml.state if this is the first process
     from . import nvml
 
@@ -92,11 +97,21 @@ def deactivate() -> None:
     ``nvmlInit`` in this process still finds the fake one (which, without its ledger,
     answers "Driver Not Loaded"). A torch already given the simulated ``torch.cuda``
     keeps it, as a process keeps its CUDA.
+
+    For the simulated machine this process exits: what it held there (memory, contexts, its
+    use of the machine) is freed, and its simulated CUDA runtime starts afresh next time.
     """
     global _active
     if _active is None:
         return
+    from contextlib import suppress
+
     from ..importhook import cancel
+    from . import cuda
+
+    with suppress(OSError):  # a ledger that cannot be written keeps the record until this process exits
+        ledger().release(os.getpid())
+    cuda.forget()
 
     cancel("torch", _install_torch)
     try:

@@ -14,19 +14,31 @@ bug shows up as an OOM. As the driver does:
 Every write also renders ``nvml.state``, which the fake ``libnvidia-ml.so.1``
 (:mod:`pytest_gpu.sim.nvml`) reads: NVML then reports exactly what the ledger holds.
 
-The ledger lives in the directory named by ``PYTEST_GPU_SIM_LEDGER``; without it, in a
-per-user default directory for the spec in ``PYTEST_GPU_SIM`` (default ``sim:4x16GiB``).
+The ledger lives in the directory named by ``PYTEST_GPU_SIM_LEDGER``; without it, in the
+ledger of the *simulated machine* (:func:`machine_ledger`) for the spec in ``PYTEST_GPU_SIM``
+(default ``sim:4x16GiB``).
+
+A simulated machine is a machine: ``PYTEST_GPU_SIM_MACHINE=<name>`` names it (default: one
+per user and spec, :func:`pytest_gpu.machine.domain.sim_machine_name`), and every process
+that names it, whoever its user, shares its GPUs' memory, as the runs of one real machine
+share its GPUs. Its ledger is ``<machine dir>/sim-<name>/sim-ledger``: a directory every
+user may write (0777, not sticky: any user's process replaces the state files) with files
+every user may read and write (0666). A machine keeps its spec and context size while any
+process uses it (a process with memory or a context on it, or one that opened it with
+:func:`machine_ledger` and lives); an idle machine takes the spec of whoever opens it next.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
-import re
+import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +67,12 @@ class LedgerWriteError(OSError):
         return f"pytest-gpu: cannot write the simulated GPU ledger at {self.filename}: {self.strerror}"
 
 
+class SimMachineError(specs.SpecError):
+    """The simulated machine a process names is in use with another spec or context size."""
+
+    __module__ = "pytest_gpu.sim"
+
+
 class SimDeviceError(RuntimeError):
     """An invalid device ordinal or unusable device, as CUDA reports it."""
 
@@ -70,16 +88,94 @@ class TagUsage:
     touched: set[int] = field(default_factory=set)
 
 
+LOCK_FILE = "ledger.lock"
+SHARED_DIR_MODE = 0o777  # every user's processes replace the files (so: not sticky)
+SHARED_FILE_MODE = 0o666
+
+
+def machine_ledger_dir(spec: str) -> Path:
+    """The ledger directory of the simulated machine a process on ``spec`` uses (made on
+    first use, writable by every user): ``Domain.sim(spec).ledger_path``.
+
+    Raises :class:`LedgerWriteError` when the machine's directory cannot be made or used.
+    """
+    from ..machine.domain import Domain, DomainError
+
+    try:
+        path = Domain.sim(spec).ledger_path
+    except DomainError as exc:
+        raise LedgerWriteError(
+            exc.errno or errno.EACCES,
+            f"{exc.strerror}; set PYTEST_GPU_MACHINE_DIR to a writable directory",
+            exc.filename,
+        ) from None
+    _shared_dir(path)
+    return path
+
+
 def default_ledger_dir(spec: str) -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)
-    return Path(base) / "pytest-gpu" / f"sim-ledger-{safe}"
+    """The ledger a process on ``spec`` uses without ``PYTEST_GPU_SIM_LEDGER``: its
+    simulated machine's (:func:`machine_ledger_dir`)."""
+    return machine_ledger_dir(spec)
+
+
+def _shared_dir(path: Path) -> None:
+    """Make ``path`` a directory, and its lock file a file, that every user may write."""
+    where = str(path)
+    try:
+        path.mkdir(mode=SHARED_DIR_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
+    deadline = time.monotonic() + 2.0
+    while True:
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            raise LedgerWriteError(errno.ENOTDIR, "is not a directory", where)
+        mode = stat.S_IMODE(info.st_mode)
+        if mode == SHARED_DIR_MODE:
+            break
+        if info.st_uid == os.getuid():
+            try:
+                os.chmod(path, SHARED_DIR_MODE)  # mkdir's mode went through the umask
+            except OSError as exc:
+                raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
+            break
+        if mode & SHARED_DIR_MODE == SHARED_DIR_MODE:
+            break  # sticky as well: still writable (a peer's file cannot be replaced, ours can)
+        if time.monotonic() > deadline:  # its creator makes it shared right after mkdir
+            raise LedgerWriteError(
+                errno.EACCES, f"belongs to another user (uid {info.st_uid}) and is not writable by every user", where
+            )
+        time.sleep(0.02)
+    lock = path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), SHARED_FILE_MODE)
+    except FileExistsError:
+        return  # its creator made it shared (filelock keeps an existing file's mode)
+    except OSError as exc:
+        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
+    try:
+        os.fchmod(fd, SHARED_FILE_MODE)
+    finally:
+        os.close(fd)
 
 
 def _ledger_dir() -> tuple[Path, str]:
     spec = os.environ.get(SPEC_ENV) or DEFAULT_SPEC
     configured = os.environ.get(LEDGER_ENV)
-    return (Path(configured) if configured else default_ledger_dir(spec)), spec
+    return (Path(configured) if configured else machine_ledger_dir(spec)), spec
+
+
+def _same_machine(a: str, b: str) -> bool:
+    """Whether two specs describe the same machine (``sim:4x16GiB`` is ``4x16GiB``)."""
+    if a == b:
+        return True
+    try:
+        return replace(_parse(a), spec="") == replace(_parse(b), spec="")
+    except specs.SpecError:
+        return False
 
 
 def _proc_start(pid: int) -> float | None:
@@ -103,7 +199,8 @@ class Ledger:
         self.overhead = overhead
         from filelock import FileLock
 
-        self._lock = FileLock(str(self.path / "ledger.lock"))
+        self._lock = FileLock(str(self.path / LOCK_FILE))
+        self._file_mode: int | None = None  # SHARED_FILE_MODE in a directory every user writes
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
@@ -120,7 +217,7 @@ class Ledger:
         if overhead is None:
             raw = os.environ.get(OVERHEAD_ENV)
             overhead = parse_size(raw) if raw else DEFAULT_OVERHEAD
-        return {"spec": spec, "overhead": overhead, "procs": {}, "tags": {}}
+        return {"spec": spec, "overhead": overhead, "procs": {}, "tags": {}, "users": {}}
 
     def _write(self, state: dict[str, Any]) -> None:
         self._replace("ledger.json", json.dumps(state))
@@ -130,7 +227,12 @@ class Ledger:
         """Write ``name`` whole: aside, then renamed over it."""
         tmp = self.path / f"{name}.{os.getpid()}.tmp"
         try:
+            if self._file_mode is None:
+                shared = self.path.stat().st_mode & 0o002
+                self._file_mode = SHARED_FILE_MODE if shared else 0
             tmp.write_text(text)
+            if self._file_mode:  # other users' processes read it (the umask may say otherwise)
+                os.chmod(tmp, self._file_mode)
             os.replace(tmp, self.path / name)
         except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
             with suppress(OSError):
@@ -147,7 +249,8 @@ class Ledger:
             fresh = False
             if file.exists():
                 state = json.loads(file.read_text())
-                if self.spec and state["spec"] != self.spec and not self._live(state):
+                state.setdefault("users", {})  # a ledger written before machines had users
+                if self.spec and not _same_machine(state["spec"], self.spec) and not self._live(state):
                     state, fresh = self._fresh(), True
             else:
                 state, fresh = self._fresh(), True
@@ -158,15 +261,69 @@ class Ledger:
                 self._write(state)
 
     @staticmethod
-    def _live(state: dict[str, Any]) -> bool:
-        return any(_proc_start(int(pid)) == rec["ctime"] for pid, rec in state["procs"].items())
+    def _users(state: dict[str, Any]) -> list[int]:
+        """The live processes using the machine: holding memory or a context, or registered users."""
+        procs = {pid: rec["ctime"] for pid, rec in state["procs"].items()}
+        users = {**state.get("users", {}), **procs}
+        return sorted(int(pid) for pid, ctime in users.items() if _proc_start(int(pid)) == ctime)
+
+    @classmethod
+    def _live(cls, state: dict[str, Any]) -> bool:
+        return bool(cls._users(state))
 
     def _prune(self, state: dict[str, Any]) -> bool:
-        """Free what dead processes held, as the driver does when a process exits."""
+        """Free what dead processes held, as the driver does when a process exits; forget dead
+        users and the tags of dead owners (a run that was killed cannot drop them)."""
         dead = [pid for pid, rec in state["procs"].items() if _proc_start(int(pid)) != rec["ctime"]]
         for pid in dead:
             del state["procs"][pid]
-        return bool(dead)
+        users = state.setdefault("users", {})
+        gone = [pid for pid, ctime in users.items() if _proc_start(int(pid)) != ctime]
+        for pid in gone:
+            del users[pid]
+        orphans = [
+            tag
+            for tag, rec in state["tags"].items()
+            if "octime" in rec and _proc_start(int(rec["owner"])) != rec["octime"]
+        ]
+        for tag in orphans:
+            del state["tags"][tag]
+        return bool(dead or gone or orphans)
+
+    # -- the machine ---------------------------------------------------------------
+
+    def open_machine(self, spec: str, overhead: int | None, name: str) -> None:
+        """Open this ledger as simulated machine ``name`` for ``spec``: create it if new, take
+        ``spec`` (and ``overhead``, where given) if it is idle, and register this process as
+        one of its users. Raises :class:`SimMachineError` when it is in use with another spec
+        or context size."""
+        _parse(spec)  # a spec that cannot be read is refused before anything is written
+        pid = os.getpid()
+        self.path.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            file = self.path / "ledger.json"
+            state = json.loads(file.read_text()) if file.exists() else None
+            if state is not None:
+                self._prune(state)
+                same = _same_machine(state["spec"], spec) and overhead in (None, state["overhead"])
+                if not same:
+                    users = [u for u in self._users(state) if u != pid]
+                    if users:
+                        raise SimMachineError(_conflict(name, state, spec, overhead, users))
+                    state = None  # idle: it becomes the machine asked for
+            if state is None:
+                self.spec, self.overhead = spec, overhead
+                state = self._fresh()
+            state["users"][str(pid)] = _proc_start(pid)
+            self._write(state)
+        self.spec, self.overhead = str(state["spec"]), int(state["overhead"])
+
+    def release(self, pid: int) -> None:
+        """Forget process ``pid`` as its exit would: its memory, contexts and use of the machine
+        (an in-process run that ends is, for the machine, a process that exits)."""
+        with self._state(prune=False) as state:
+            state["procs"].pop(str(pid), None)
+            state["users"].pop(str(pid), None)
 
     # -- queries -------------------------------------------------------------------
 
@@ -209,7 +366,7 @@ class Ledger:
     def begin_tag(self, tag: str, owner: int) -> None:
         """Start accounting ``tag``; contexts of ``owner`` are not charged to it."""
         with self._state(prune=False) as state:
-            state["tags"][tag] = {"owner": owner, "peak": {}, "touched": []}
+            state["tags"][tag] = {"owner": owner, "octime": _proc_start(owner), "peak": {}, "touched": []}
 
     # -- allocation ----------------------------------------------------------------
 
@@ -331,6 +488,44 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
         for unit in sorted({int(k) for k in proc["ctx"]} | {d for d, _, _ in proc["allocs"].values()}):
             lines.append(f"proc {uuids[unit]} {pid} {_proc_used(state, proc, unit)}")
     return "\n".join(lines) + "\n"
+
+
+def _conflict(name: str, state: dict[str, Any], spec: str, overhead: int | None, users: list[int]) -> str:
+    from ..machine.domain import SIM_MACHINE_ENV
+
+    named = os.environ.get(SIM_MACHINE_ENV, "").strip()
+    which = f"{SIM_MACHINE_ENV}={named}" if named else f"the simulated machine {name}"
+    pids = ", ".join(map(str, users[:5])) + (", ..." if len(users) > 5 else "")
+    if not _same_machine(state["spec"], spec):
+        what = f"{which} is {state['spec']}; this run asked for {spec}"
+        fix = f"ask for {state['spec']}"
+    else:
+        what = (
+            f"{which} simulates CUDA contexts of {format_size(state['overhead'])}; this run asked for "
+            f"{format_size(overhead or 0)} (--gpu-context-overhead)"
+        )
+        fix = f"use --gpu-context-overhead={format_size(state['overhead'])}"
+    return (
+        f"pytest-gpu: {what}. The machine is in use (pid {pids}); {fix}, wait until it is idle, "
+        f"or name another simulated machine with {SIM_MACHINE_ENV}"
+    )
+
+
+def machine_ledger(spec: str, overhead: int | None = None) -> Ledger:
+    """The ledger of the simulated machine a process on ``spec`` uses (``PYTEST_GPU_SIM_MACHINE``,
+    default one per user and spec), created if missing and shared by every process and user.
+
+    ``overhead``: the CUDA context size the caller simulates (``None``: the machine's, or the
+    default for a new machine). The caller is registered as a user of the machine until it
+    exits (or :meth:`Ledger.release`). Raises :class:`SimMachineError` when the machine is in
+    use with another spec or context size, :class:`LedgerWriteError` when its directory cannot
+    be made.
+    """
+    from ..machine.domain import sim_machine_name
+
+    found = Ledger(machine_ledger_dir(spec))
+    found.open_machine(spec, overhead, sim_machine_name(spec))
+    return found
 
 
 def ledger() -> Ledger:

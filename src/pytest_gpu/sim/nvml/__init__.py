@@ -19,10 +19,12 @@ State file format (one record per line, space-separated; a name is the rest of i
 ``gpu`` lines come in index order 0..n-1; ``fault`` is ``none``, ``no_permission``,
 ``gpu_is_lost`` or ``unknown`` (the GPU is counted, but getting its handle fails with that
 error).  A gpu line's ``used`` excludes ``reserved``; a MIG-mode GPU's used memory is the sum of
-its instances'.  ``proc`` lines name a GPU or MIG UUID; processes that are gone are not reported,
-and compute processes of a MIG-mode GPU or MIG device are refused (NVML_ERROR_NO_PERMISSION, as
-for an unprivileged user).  The ``no_v3`` option is read here, not by the library: it selects
-the library variant built without those symbols (see :func:`library_dir`).
+its instances'.  ``proc`` lines name a GPU or MIG UUID; processes that are gone (zombies included)
+are not reported, and their memory is not counted in the device's ``used`` (the driver frees it
+at exit; the ledger forgets them only on its next write); compute processes of a MIG-mode GPU
+or MIG device are refused (NVML_ERROR_NO_PERMISSION, as for an unprivileged user).  The ``no_v3``
+option is read here, not by the library: it selects the library variant built without those
+symbols (see :func:`library_dir`).
 """
 
 from __future__ import annotations

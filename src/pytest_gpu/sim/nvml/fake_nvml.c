@@ -499,22 +499,46 @@ API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
     return leave(NVML_SUCCESS);
 }
 
+static unsigned long long minus(unsigned long long a, unsigned long long b) { return a > b ? a - b : 0; }
+
+/* Whether a process still runs: the driver frees a process's memory when it exits, before it is
+ * reaped, so a zombie counts as gone (as the ledger's pruning counts it). */
+static int alive(long pid) {
+    if (kill((pid_t)pid, 0) != 0 && errno != EPERM) return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 1; /* no /proc to ask: kill() said it exists */
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')'); /* "pid (comm) state ...": comm may hold spaces and ')' */
+    return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
+}
+
+/* Used memory of a device less what processes that are gone held there: freed at their exit, while
+ * the ledger forgets them only on its next write. */
+static unsigned long long live_used(const struct nvmlDevice_st *d) {
+    unsigned long long gone = 0;
+    for (unsigned int i = 0; i < g_state.nprocs; i++)
+        if (!strcmp(g_state.procs[i].uuid, d->uuid) && !alive(g_state.procs[i].pid)) gone += g_state.procs[i].used;
+    return minus(d->used, gone);
+}
+
 /* total / reserved / used (excluding reserved) of a device, MIG parents aggregated. */
 static void memory_of(const struct nvmlDevice_st *d, unsigned long long *total, unsigned long long *reserved,
                       unsigned long long *used) {
     *total = d->total;
     *reserved = d->reserved;
-    *used = d->used;
+    *used = live_used(d);
     if (!d->is_mig && d->mig_mode) {
         *used = 0;
         for (unsigned int k = 0; k < MAX_MIG; k++) {
             const struct nvmlDevice_st *m = &g_state.migs[d->index][k];
-            if (m->present) *used += m->used;
+            if (m->present) *used += live_used(m);
         }
     }
 }
-
-static unsigned long long minus(unsigned long long a, unsigned long long b) { return a > b ? a - b : 0; }
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     struct nvmlDevice_st *d = NULL;
@@ -632,8 +656,6 @@ API nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDe
 }
 
 /* ---- running processes ---------------------------------------------------- */
-
-static int alive(long pid) { return kill((pid_t)pid, 0) == 0 || errno == EPERM; }
 
 /* The two-call protocol shared by every *RunningProcesses* symbol; stride tells v1 from v2/v3 structs. */
 static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *infos, size_t stride,

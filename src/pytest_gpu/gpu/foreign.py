@@ -1,0 +1,322 @@
+"""What processes outside pytest-gpu use on the machine's GPUs, through NVML.
+
+GPUs belong to the machine: besides every pytest-gpu run (each a tree of processes under
+its controller, the *roots*), a notebook, a training job or another user's program may hold
+memory there. :class:`ForeignSampler` reports per GPU how much, so leases do not promise it.
+
+Two ways to tell, chosen per sample:
+
+- **per process**, when NVML's pids are this pid namespace's: every process NVML lists
+  (compute and graphics lists, v3 records where the driver has them) that is not ours is
+  foreign; a process is ours when it, or one of its ancestors, is a root
+  (:func:`descends_from`). An orphan of a run that died was re-parented to init (or a
+  subreaper), so it is foreign now, as it should be: nobody leases what it holds.
+- **by difference**, when per-process lists cannot be trusted: NVML reports host pids and
+  this process lives in a container's pid namespace (a listed pid does not exist here),
+  NVML refuses the list (``NoPermission`` on MIG for an unprivileged user), or the installed
+  nvidia-ml-py reads process records wrongly. Then foreign = max(0, used - reserved -
+  ``accounted``), where ``accounted`` is what pytest-gpu's own leases and contexts account
+  for on that GPU (the caller knows), and the result says so in its ``note``.
+
+A GPU whose handle NVML refuses (``NoPermission``, ``GPU_IS_LOST``) reports 0 with a note:
+nothing can be known about it. Nothing here raises for NVML's sake: what cannot be measured
+is said in the note, and the sample goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+from ..requests import format_size
+
+#: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
+#: their ``psutil`` create times (a recycled root pid is then not ours).
+Ours = Callable[[int], bool] | Collection[int] | Mapping[int, float]
+
+
+class ForeignProcess(NamedTuple):
+    """A process outside pytest-gpu using a GPU: its pid, bytes there, and name ("" if unknown)."""
+
+    pid: int
+    bytes: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """What processes outside pytest-gpu use on one GPU.
+
+    ``bytes``: their memory there (0 when unknown: see ``note``); ``processes``: the
+    foreign processes NVML lists there, when per-process classification was possible;
+    ``note``: why the figure is an estimate, or unknown.
+    """
+
+    bytes: int
+    processes: tuple[ForeignProcess, ...] = ()
+    note: str | None = None
+
+
+def descends_from(pid: int, roots: Collection[int] | Mapping[int, float]) -> bool:
+    """Whether process ``pid`` is one of ``roots`` or descends from one (through its parents).
+
+    ``roots`` may map each pid to its ``psutil`` create time: a root pid that was recycled by
+    another process then does not count. Parent links are followed as ``psutil`` does, which
+    stops at a parent pid recycled after the child started. A process that is gone (a zombie
+    included) or cannot be read is not ours.
+    """
+    if not roots:
+        return False
+    ctimes = roots if isinstance(roots, Mapping) else None
+    if ctimes is None and pid in roots:
+        return True
+    import psutil
+
+    try:
+        proc: psutil.Process | None = psutil.Process(pid)
+        seen: set[int] = set()
+        while proc is not None and proc.pid not in seen:
+            seen.add(proc.pid)
+            if proc.pid in roots and (ctimes is None or proc.create_time() == ctimes[proc.pid]):
+                return True
+            proc = proc.parent()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, a zombie, or hidden (hidepid)
+        return False
+    return False
+
+
+def _predicate(ours: Ours) -> Callable[[int], bool]:
+    if callable(ours):
+        return ours
+    roots = ours
+    return lambda pid: descends_from(pid, roots)
+
+
+@functools.cache
+def _version_problem() -> str:
+    from .nvmlversion import nvml_version_problem
+
+    return nvml_version_problem() or ""
+
+
+class _Unlistable(Exception):
+    """NVML would not list a GPU's processes (the reason is the message)."""
+
+
+class ForeignSampler:
+    """Samples foreign GPU usage through NVML; initialises NVML once, :meth:`close` shuts it down.
+
+    ``uuids``: the GPUs (or MIG instances) to sample by default. ``accounted``: a callable
+    returning what pytest-gpu's own leases and contexts account for per UUID, used where
+    per-process classification is impossible (a caller of :meth:`sample` may pass it
+    directly instead). Thread-safe.
+    """
+
+    def __init__(self, uuids: Iterable[str] = (), *, accounted: Callable[[], Mapping[str, int]] | None = None) -> None:
+        self.uuids = list(uuids)
+        self.accounted = accounted
+        self._lock = threading.Lock()
+        self._handles: dict[str, Any] = {}
+        self._nvml: ModuleType | None = None
+        self.unavailable: str | None = None  # why NVML cannot be used, if it cannot
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except ImportError:
+            self.unavailable = "nvidia-ml-py is not installed"
+        except Exception as exc:  # NVMLError (no driver, no library) and whatever a broken install raises
+            self.unavailable = f"NVML unavailable ({exc})"
+        else:
+            self._nvml = pynvml
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut NVML down (once); later samples say NVML is closed."""
+        with self._lock:
+            if self._nvml is not None:
+                try:
+                    self._nvml.nvmlShutdown()
+                except self._nvml.NVMLError:
+                    pass
+                self._nvml = None
+                self._handles.clear()
+                self.unavailable = "the sampler was closed"
+
+    def __enter__(self) -> ForeignSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sampling --------------------------------------------------------------------
+
+    def __call__(self, uuids: list[str], roots: set[int]) -> dict[str, int]:
+        """Foreign bytes per UUID: the arbiter's ``ForeignSource``."""
+        return {uuid: found.bytes for uuid, found in self.sample(roots, uuids=uuids).items()}
+
+    def sample(
+        self,
+        ours: Ours,
+        accounted: Mapping[str, int] | None = None,
+        *,
+        uuids: Iterable[str] | None = None,
+    ) -> dict[str, Foreign]:
+        """Per UUID, what processes that are not ``ours`` use there now.
+
+        ``ours``: a predicate on pids, or the roots' pids (see :data:`Ours`). ``accounted``:
+        bytes pytest-gpu accounts for per UUID (default: the ``accounted`` callable given at
+        construction, else nothing), needed only when per-process classification is impossible.
+        """
+        wanted = list(self.uuids if uuids is None else uuids)
+        with self._lock:
+            pynvml = self._nvml
+            if pynvml is None:
+                why = f"{self.unavailable}: foreign GPU usage is unknown"
+                return {uuid: Foreign(0, (), why) for uuid in wanted}
+            if accounted is None:
+                accounted = self.accounted() if self.accounted is not None else {}
+            is_ours = _predicate(ours)
+            result: dict[str, Foreign] = {}
+            memory: dict[str, tuple[int, int | None]] = {}  # uuid -> (used, reserved or None)
+            listed: dict[str, dict[int, int | None]] = {}  # uuid -> pid -> bytes (None: not available)
+            unlisted: dict[str, str] = {}  # uuid -> why its processes are not known
+            for uuid in wanted:
+                try:
+                    handle = self._handle(pynvml, uuid)
+                    memory[uuid] = self._memory(pynvml, handle)
+                except pynvml.NVMLError as exc:
+                    self._handles.pop(uuid, None)
+                    result[uuid] = Foreign(0, (), f"NVML refuses {uuid} ({exc}): its foreign usage is unknown")
+                    continue
+                try:
+                    listed[uuid] = self._processes(pynvml, handle)
+                except _Unlistable as exc:
+                    unlisted[uuid] = str(exc)
+            problem = _version_problem()
+            if problem:  # every list is scrambled: none can be read per process
+                unlisted.update(dict.fromkeys(listed, problem))
+                listed.clear()
+            hidden = self._hidden_pids(listed)
+            if hidden:
+                shown = ", ".join(map(str, hidden[:3])) + (", ..." if len(hidden) > 3 else "")
+                why = (
+                    f"NVML reports processes ({shown}) that do not exist in this pid namespace (a container?): "
+                    "their owners cannot be told apart"
+                )
+                unlisted.update(dict.fromkeys(listed, why))
+                listed.clear()
+            for uuid, procs in listed.items():
+                result[uuid] = self._by_process(uuid, procs, is_ours, memory[uuid], accounted.get(uuid, 0))
+            for uuid, why in unlisted.items():
+                result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why)
+            return {uuid: result[uuid] for uuid in wanted}
+
+    # -- NVML ------------------------------------------------------------------------
+
+    def _handle(self, pynvml: ModuleType, uuid: str) -> Any:
+        handle = self._handles.get(uuid)
+        if handle is None:
+            handle = self._handles[uuid] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        return handle
+
+    @staticmethod
+    def _memory(pynvml: ModuleType, handle: Any) -> tuple[int, int | None]:
+        """(used, reserved) bytes; ``used`` includes ``reserved`` when it is None (unknown)."""
+        version = getattr(pynvml, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+                return int(info.used), int(info.reserved)  # v2: used excludes reserved
+            except pynvml.NVMLError as exc:
+                if exc.value not in (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED):
+                    raise
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.used), None
+
+    @staticmethod
+    def _processes(pynvml: ModuleType, handle: Any) -> dict[int, int | None]:
+        """Every process on the device, compute and graphics, once each (pid -> bytes)."""
+        found: dict[int, int | None] = {}
+        for kind in ("Compute", "Graphics"):
+            try:
+                procs = ForeignSampler._list(pynvml, handle, kind)
+            except _Unlistable:
+                if kind == "Compute":
+                    raise
+                continue  # no graphics list (a compute-only GPU may refuse it): compute is what matters
+            for proc in procs:
+                used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
+                known = found.get(int(proc.pid))
+                # one process in both lists holds one amount of memory, not two
+                found[int(proc.pid)] = used if known is None else max(known, used or 0)
+        return found
+
+    @staticmethod
+    def _list(pynvml: ModuleType, handle: Any, kind: str) -> list[Any]:
+        """One of NVML's process lists, in the newest records both the driver and the bindings have."""
+        for suffix in ("_v3", "_v2", ""):
+            function = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses{suffix}", None)
+            if function is None:
+                continue
+            try:
+                return list(function(handle))
+            except pynvml.NVMLError as exc:
+                if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    continue  # an older driver: try older records
+                raise _Unlistable(f"NVML cannot list the processes there ({exc})") from None
+            except Exception as exc:  # nvidia-ml-py's library-mismatch error is not an NVMLError
+                raise _Unlistable(f"NVML cannot list the processes there ({exc})") from None
+        raise _Unlistable("NVML has no process list for it")
+
+    @staticmethod
+    def _hidden_pids(listed: Mapping[str, Mapping[int, int | None]]) -> list[int]:
+        """Listed pids that do not exist here: NVML's pids are another pid namespace's. (A process
+        that exits between NVML's list and this look makes one sample an estimate, no worse.)"""
+        import psutil
+
+        return sorted({pid for procs in listed.values() for pid in procs if not psutil.pid_exists(pid)})
+
+    # -- the two ways to tell ----------------------------------------------------------
+
+    @staticmethod
+    def _by_process(
+        uuid: str,
+        procs: Mapping[int, int | None],
+        is_ours: Callable[[int], bool],
+        memory: tuple[int, int | None],
+        accounted: int,
+    ) -> Foreign:
+        import psutil
+
+        foreign: list[ForeignProcess] = []
+        unknown: list[int] = []
+        for pid, used in sorted(procs.items()):
+            if is_ours(pid):
+                continue
+            try:
+                name = psutil.Process(pid).name()
+            except psutil.Error:
+                name = ""
+            if used is None:
+                unknown.append(pid)
+            foreign.append(ForeignProcess(pid, used or 0, name))
+        if unknown:  # NVML does not say what they use: estimate the whole GPU's foreign share
+            why = f"NVML does not say how much memory process {', '.join(map(str, unknown))} uses"
+            estimate = ForeignSampler._by_difference(uuid, memory, accounted, why)
+            return Foreign(estimate.bytes, tuple(foreign), estimate.note)
+        return Foreign(sum(p.bytes for p in foreign), tuple(foreign), None)
+
+    @staticmethod
+    def _by_difference(uuid: str, memory: tuple[int, int | None], accounted: int, why: str) -> Foreign:
+        used, reserved = memory
+        estimate = max(0, used - accounted)
+        how = f"used memory less the {format_size(accounted)} pytest-gpu accounts for"
+        if reserved is None:
+            how += " (the driver's reserve, which this NVML does not report, counts as foreign)"
+        return Foreign(estimate, (), f"{why}: foreign usage on {uuid} is its {how}")

@@ -1,0 +1,190 @@
+"""Several pytest runs on one (simulated) machine: they share its GPUs as one run would.
+
+Each run here is a real ``pytest -n N`` process; runs that name the same simulated
+machine (``PYTEST_GPU_SIM_MACHINE``) share its GPUs' memory, as runs on one real machine
+share its GPUs, and the machine's arbiter decides for all of them. Timing targets (the
+makespan of concurrent runs against one combined run) are in ``bench/concurrent_runs.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import INNER_ARGS
+from pytest_gpu.machine.domain import Domain
+from pytest_gpu.machine.link import status
+
+SPEC = "sim:2x16GiB"
+
+HEAVY = """
+import os, time, pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(memory="6GiB")
+@pytest.mark.parametrize("i", range(16))
+def test_heavy(gpu, i):
+    start = time.time()
+    block = sim.allocate(6 * 2**30, gpu.device)  # an OOM here fails the test
+    time.sleep(0.2)
+    block.free()
+    with open(os.environ["TIMES"], "a") as out:
+        out.write(f"{os.environ['RUN']} {start} {time.time()}\\n")
+"""
+
+EXCLUSIVE = """
+import os, time, pytest
+
+@pytest.mark.gpu(exclusive=True)
+@pytest.mark.parametrize("i", range(6))
+def test_whole(gpu, i):
+    start = time.time()
+    time.sleep(0.15)
+    with open(os.environ["TIMES"], "a") as out:
+        out.write(f"{os.environ['RUN']} {gpu.indices[0]} {start} {time.time()}\\n")
+"""
+
+
+def start_run(path: Path, name: str, machine: str, workers: int, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTEST_GPU_SIM_MACHINE": machine, "RUN": name, "TIMES": str(path / "times.txt")}
+    command = [sys.executable, "-m", "pytest", *INNER_ARGS, "-q", "-n", str(workers), "--gpus", SPEC, *args]
+    return subprocess.Popen(command, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+@pytest.mark.parametrize("runs", [2, 4])
+def test_concurrent_runs_share_the_machine_without_oom(gpu_pytester, runs):
+    path = gpu_pytester.path
+    gpu_pytester.makepyfile(test_heavy=HEAVY)
+    procs = [start_run(path, f"r{i}", "shared", 4, "test_heavy.py") for i in range(runs)]
+    outputs = [finish(p) for p in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+        assert "16 passed" in out and "OutOfMemoryError" not in out, out
+        assert "· 0 violations" in out, out
+    # they ran side by side, not one after another
+    spans: dict[str, list[float]] = {}
+    for line in (path / "times.txt").read_text().splitlines():
+        run, start, end = line.split()
+        span = spans.setdefault(run, [float("inf"), 0.0])
+        span[0], span[1] = min(span[0], float(start)), max(span[1], float(end))
+    assert len(spans) == runs
+    assert max(s[0] for s in spans.values()) < min(s[1] for s in spans.values()), spans
+
+
+def test_exclusive_leases_never_overlap_across_runs(gpu_pytester):
+    path = gpu_pytester.path
+    gpu_pytester.makepyfile(test_whole=EXCLUSIVE)
+    procs = [start_run(path, f"r{i}", "shared", 2, "test_whole.py") for i in range(3)]
+    for proc in procs:
+        out = finish(proc)
+        assert proc.returncode == 0 and "6 passed" in out, out
+    by_gpu: dict[str, list[tuple[float, float, str]]] = {}
+    for line in (path / "times.txt").read_text().splitlines():
+        run, gpu, start, end = line.split()
+        by_gpu.setdefault(gpu, []).append((float(start), float(end), run))
+    assert sum(len(v) for v in by_gpu.values()) == 18
+    for gpu, spans in by_gpu.items():
+        spans.sort()
+        for (_, end, run), (start, _, other) in itertools.pairwise(spans):
+            assert end <= start, f"GPU {gpu}: {run} and {other} held it at once"
+
+
+HOLDS = """
+import time, pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(exclusive=True)
+@pytest.mark.parametrize("i", range(2))
+def test_holds(gpu, i):
+    block = sim.allocate(8 * 2**30, gpu.device)
+    time.sleep(120)
+"""
+
+NEEDS = """
+import pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(exclusive=True, memory="8GiB")
+@pytest.mark.parametrize("i", range(2))
+def test_needs(gpu, i):
+    sim.allocate(8 * 2**30, gpu.device).free()
+"""
+
+
+def leases_of(domain: Domain) -> list[dict]:
+    state = status(domain) or {"leases": [], "waiting": []}
+    return state["leases"]
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"not within {timeout}s: {what}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_a_run_killed_mid_run_frees_its_leases_within_a_second_and_the_others_go_on(gpu_pytester):
+    path = gpu_pytester.path
+    gpu_pytester.makepyfile(test_holds=HOLDS, test_needs=NEEDS)
+    env_machine = "killed"
+    holder = start_run(path, "holder", env_machine, 2, "test_holds.py")
+    try:
+        os.environ["PYTEST_GPU_SIM_MACHINE"] = env_machine
+        domain = Domain.sim(SPEC)
+        wait_for(lambda: len(leases_of(domain)) == 2, 120, "the holder run holds both GPUs")
+        waiter = start_run(path, "waiter", env_machine, 2, "test_needs.py")
+        wait_for(lambda: len((status(domain) or {}).get("waiting", [])) == 2, 120, "the other run waits")
+        holder.send_signal(signal.SIGKILL)  # the controller: its workers are orphans now
+        freed = wait_for(
+            lambda: not leases_of(domain) or all(r["test"].startswith("test_needs") for r in leases_of(domain)),
+            5,
+            "leases freed",
+        )
+        assert freed < 1.0
+        out = finish(waiter)
+        # its tests ran where the orphans' memory (8 GiB each, until they exit) left room, or waited for it
+        assert waiter.returncode == 0 and "2 passed" in out, out
+        assert "OutOfMemoryError" not in out
+    finally:
+        os.environ.pop("PYTEST_GPU_SIM_MACHINE", None)
+        holder.kill()
+        holder.wait()
+
+
+FOREIGN = """
+import pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(memory="8GiB")
+@pytest.mark.parametrize("i", range(4))
+def test_big(gpu, i):
+    sim.allocate(8 * 2**30, gpu.device).free()
+    assert gpu.indices == (1,)
+"""
+
+
+def test_a_gpu_a_foreign_process_fills_is_avoided_and_the_summary_says_so(gpu_pytester, hold):
+    gpu_pytester.makepyfile(test_foreign=FOREIGN)
+    hold("--machine", "foreign", "--spec", SPEC, "--gpu", "0", "--memory", "12GiB")
+    proc = start_run(gpu_pytester.path, "r", "foreign", 2, "test_foreign.py")
+    out = finish(proc)
+    assert proc.returncode == 0 and "4 passed" in out, out
+    assert "OutOfMemoryError" not in out
+    # 12 GiB and the holder's CUDA context, as NVML counts them
+    assert re.search(
+        r"pytest-gpu: GPU 0 was avoided by [1-4] tests?: processes outside pytest-gpu used 12.5GiB there", out
+    ), out
