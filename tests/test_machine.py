@@ -471,3 +471,20 @@ def test_summary_lines_for_foreign_usage():
         "pytest-gpu: 1 test was held back 1.5s in total by processes outside pytest-gpu (6GiB on GPU 1)"
     ]
     assert foreign_lines([]) == []
+
+
+def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domain, links, monkeypatch):
+    from pytest_gpu.machine import link as links_module
+    from pytest_gpu.machine.link import MachineError
+
+    leader = start_leader(domain)
+    try:
+        b, _ = new_link(links, domain, {"U": 16 * GiB})
+        monkeypatch.setattr(links_module, "CALL_TIMEOUT_S", 0.5)
+        leader.send_signal(signal.SIGSTOP)
+        with pytest.raises(MachineError, match=r"did not answer 'submit' within 0.5s"):
+            b.submit("c0/k0", "c0", "gw0", "t::b", shared(GiB), ["U"])
+    finally:
+        leader.send_signal(signal.SIGCONT)
+        leader.kill()
+        leader.wait()

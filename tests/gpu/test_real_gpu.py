@@ -7,6 +7,7 @@ elsewhere every test is skipped with a reason that says so.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -178,3 +179,81 @@ def test_jax_respects_the_lease(gpu_pytester, real_run):
         pytest.skip("JAX is not installed here (optional in the real-GPU suite)")
     gpu_pytester.makepyfile(test_jax=JAX)
     real_run("-n", "2", "--gpus", "0", "-v").assert_outcomes(passed=1)
+
+
+SHARE = """
+import os, time, pytest, torch
+
+@pytest.mark.gpu(memory=os.environ["LEASE"])
+@pytest.mark.parametrize("i", range(6))
+def test_share(gpu, i):
+    x = torch.empty(int(os.environ["USE"]), dtype=torch.uint8, device=gpu.device)
+    x.fill_(1)
+    torch.cuda.synchronize()
+    time.sleep(0.5)
+"""
+
+
+def test_two_runs_share_the_real_gpus(gpu_pytester, real_gpus, cuda_torch, tmp_path):
+    """Two pytest runs at once, each leasing 30 % of GPU 0 per test on two workers: together
+    they would need 120 % if neither saw the other's leases."""
+    total = real_gpus[0][2] * 2**20
+    gpu_pytester.makepyfile(test_share=SHARE)
+    env = {
+        **os.environ,
+        "LEASE": str(int(total * 0.3)),
+        "USE": str(int(total * 0.28)),
+        "PYTEST_GPU_MACHINE_DIR": str(tmp_path / "machines"),
+    }
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-n", "2"]
+    command += ["--gpus", "0", "test_share.py"]
+    procs = [
+        subprocess.Popen(
+            command, cwd=gpu_pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0 and "6 passed" in out, out
+        assert "OutOfMemoryError" not in out and "· 0 violations" in out, out
+
+
+FOREIGN_WAIT = """
+import os, pytest, torch
+
+@pytest.mark.gpu(memory=os.environ["LEASE"])
+def test_after_the_foreign_process(gpu):
+    x = torch.empty(int(os.environ["LEASE"]) // 2, dtype=torch.uint8, device=gpu.device)
+    x.fill_(1)
+"""
+
+HOG = (
+    "import sys, time, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0'); "
+    "x.fill_(1); torch.cuda.synchronize(); print('holding', flush=True); time.sleep(float(sys.argv[2]))"
+)
+
+
+def test_a_foreign_process_on_the_real_gpu_is_waited_for(gpu_pytester, real_gpus, cuda_torch, tmp_path):
+    """NVML sees a process outside pytest-gpu holding 60 % of GPU 0; a test that needs 50 %
+    waits until it exits, and the summary says why."""
+    total = real_gpus[0][2] * 2**20
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(int(total * 0.6)), "6"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "holding"
+        gpu_pytester.makepyfile(test_foreign=FOREIGN_WAIT)
+        env = {**os.environ, "LEASE": str(int(total * 0.5)), "PYTEST_GPU_MACHINE_DIR": str(tmp_path / "machines")}
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q", "--gpus", "0"],
+            cwd=gpu_pytester.path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        text = out.stdout + out.stderr
+        assert out.returncode == 0 and "1 passed" in text, text
+        assert "held back" in text and "by processes outside pytest-gpu" in text, text
+    finally:
+        hog.kill()
+        hog.wait()

@@ -36,6 +36,7 @@ from .server import ArbiterServer
 from .wire import FrameReader, WireError, encode, request_to_wire
 
 ELECT_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 60.0  # an arbiter that holds its lock but does not answer (SIGSTOP) fails the call
 
 
 class MachineError(RuntimeError):
@@ -113,7 +114,13 @@ class Remote:
             with self._calls_lock:
                 self._calls.pop(rid, None)
             raise _Lost() from exc
-        waiter[0].wait()
+        if not waiter[0].wait(CALL_TIMEOUT_S):
+            with self._calls_lock:
+                self._calls.pop(rid, None)
+            raise MachineError(
+                f"pytest-gpu: the machine's arbiter did not answer {op!r} within {CALL_TIMEOUT_S:g}s "
+                "(its process is stopped or overloaded; `pytest-gpu status` names the runs)"
+            )
         reply = waiter[1]
         if reply is None:
             raise _Lost()
