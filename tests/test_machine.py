@@ -488,3 +488,17 @@ def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domai
         leader.send_signal(signal.SIGCONT)
         leader.kill()
         leader.wait()
+
+
+def test_a_run_without_gpus_never_joins_the_machine(tmp_path, monkeypatch):
+    from pytest_gpu.broker import Broker
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
+    joined = []
+    link = MachineLink(lambda: joined.append(1) or Domain.named("gpus"), Policy())
+    broker = Broker({}, str(tmp_path / "b.sock"), b"k" * 32, Policy(), link=link).start()
+    try:
+        assert broker.room() == []
+    finally:
+        broker.close()
+    assert joined == [] and not (tmp_path / "machines").exists()

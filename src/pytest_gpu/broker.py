@@ -619,6 +619,8 @@ class Broker:
 
     def room(self) -> list[int]:
         """What each GPU can give leases now that CUDA contexts and foreign usage are counted."""
+        if not self.capacities:
+            return []  # a run without GPUs never joins the machine
         return self._machine().room([self.uuids[i] for i in self.capacities])
 
 
