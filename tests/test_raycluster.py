@@ -36,6 +36,7 @@ import os
 import re
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 
@@ -59,7 +60,12 @@ def record(ray_cluster, name):
         state = json.loads((ray_cluster.log.parent / raycluster.STATE_FILE).read_text())
         procs = raycluster.session_processes(state["watchdog"], state["ctime"])
         data["state"] = state
-        data["procs"] = [[p.pid, p.name(), p.create_time()] for p in procs]
+        data["procs"] = []
+        for p in procs:
+            try:
+                data["procs"].append([p.pid, p.name(), p.create_time()])
+            except psutil.NoSuchProcess:
+                pass  # a short-lived Ray worker that ended meanwhile: nothing left to stop
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     (OUT / f"{{name}}-{{worker}}-{{os.getpid()}}.json").write_text(json.dumps(data))
 
