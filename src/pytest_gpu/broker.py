@@ -132,6 +132,7 @@ class Broker:
         self.capacities = dict(sorted(capacities.items()))
         self.uuids = {i: (uuids or {}).get(i) or f"private-{i}" for i in self.capacities}
         self._index = {uuid: i for i, uuid in self.uuids.items()}
+        self._gpu_list = list(self.uuids.values())
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
         self.ports = PortPool(port_range)
@@ -512,8 +513,7 @@ class Broker:
         with self._lock:
             info.tests[key] = test
             self._queued_at[key] = time.monotonic()
-            gpus = list(self.uuids.values())
-            kind, value = self._machine().submit(key, info.client, info.worker, test, request, gpus)
+            kind, value = self._machine().submit(key, info.client, info.worker, test, request, self._gpu_list)
             if kind == "queued":
                 return ("queued", body["key"])
             self._queued_at.pop(key, None)

@@ -157,6 +157,7 @@ class Pool:
         # against capacity now, but cannot make a request wait forever
         self.exiting: set[str] = set()
         self.paused = False  # grant nothing (a new arbiter waits for the runs that held leases)
+        self._foreign = False  # any GPU with foreign usage (see set_foreign)
         # clients of one group (one run of many sharing the pool) : contexts of other groups
         # never make a request wait forever
         self.group: Callable[[str], str] | None = None
@@ -198,6 +199,7 @@ class Pool:
         """What processes outside pytest-gpu use on each GPU now (missing GPUs: nothing)."""
         for index, gpu in self.gpus.items():
             gpu.foreign = max(0, usage.get(index, 0))
+        self._foreign = any(gpu.foreign for gpu in self.gpus.values())
 
     def adopt(self, key: str, client: str, request: GpuRequest, placement: Placement) -> Lease:
         """Take over a lease granted before (by an arbiter that is gone), as it was."""
@@ -343,7 +345,7 @@ class Pool:
 
     def _without_foreign(self) -> list[GpuState] | None:
         """The GPUs as they are, but with no foreign usage; None when there is none anyway."""
-        if not any(g.foreign for g in self.gpus.values()):
+        if not self._foreign:
             return None
         return [
             GpuState(g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts)) for g in self.gpus.values()

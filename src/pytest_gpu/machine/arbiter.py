@@ -101,6 +101,7 @@ class Arbiter:
         self.pending: set[str] = set()  # runs expected back after a failover
         self._mids: dict[str, int] = {}
         self._uuids: dict[int, str] = {}
+        self._allowed: dict[tuple[str, ...], frozenset[int]] = {}  # a run's GPU list, as pool indices
         self._lock = threading.Lock()
         self._sampled = float("-inf")
         self._retry: threading.Timer | None = None
@@ -115,13 +116,19 @@ class Arbiter:
         out: dict[str, list[Event]] = defaultdict(list)
         with self._lock:
             yield out
-            sinks = {run: self.runs[run].sink for run in out if run in self.runs}
-        for run, events in out.items():
-            if run in sinks and events:
-                try:
-                    sinks[run](events)
-                except Exception:  # a run's broken sink must not break the arbiter
-                    pass
+            sinks = self._sinks_locked(out)
+        self._dispatch(out, sinks)
+
+    def _sinks_locked(self, out: dict[str, list[Event]]) -> dict[str, Sink]:
+        return {run: self.runs[run].sink for run, events in out.items() if events and run in self.runs}
+
+    @staticmethod
+    def _dispatch(out: dict[str, list[Event]], sinks: dict[str, Sink]) -> None:
+        for run, sink in sinks.items():
+            try:
+                sink(out[run])
+            except Exception:  # a run's broken sink must not break the arbiter
+                pass
 
     def _mid(self, uuid: str) -> int:
         if uuid not in self._mids:
@@ -137,6 +144,8 @@ class Arbiter:
 
     def _deliver_locked(self, granted: list[Lease], out: dict[str, list[Event]]) -> None:
         """Turn grants into events, refuse what can never be placed, serve again while refusing frees the queue."""
+        if not granted and not self.pool.queue:
+            return  # nothing granted, nothing waits: nothing to say
         while True:
             now = time.time()
             for lease in granted:
@@ -329,13 +338,16 @@ class Arbiter:
     ) -> tuple[str, Any]:
         """``("granted", body)``, ``("queued", None)`` or ``("error", message)``; for
         ``key`` only: grants of other requests this one made possible go out as events."""
-        with self._locked() as out:
+        out: dict[str, list[Event]] = defaultdict(list)
+        with self._lock:  # by hand, not _locked(): this is the path every grant takes
             entry = self.runs[run]
             pool_key, pool_client = f"{run}|{key}", f"{run}|{client}"
             entry.tests[pool_key] = test
             entry.workers[pool_client] = worker
             entry.since[pool_key] = time.time()
-            allowed = frozenset(self._mid(u) for u in gpus)
+            allowed = self._allowed.get(tuple(gpus))
+            if allowed is None:
+                allowed = self._allowed[tuple(gpus)] = frozenset(self._mid(u) for u in gpus)
             self._sample_locked()
             try:
                 granted = self.pool.submit(pool_key, pool_client, request, allowed)
@@ -344,11 +356,14 @@ class Arbiter:
                 return ("error", str(exc))
             self._deliver_locked(granted, out)
             mine = [e for e in out[run] if e[1] == key]
-            out[run] = [e for e in out[run] if e[1] != key]
-            if not mine:
-                return ("queued", None)
-            kind, _, body = mine[0]
-            return (kind, body if kind == "granted" else body["message"])
+            if mine:
+                out[run] = [e for e in out[run] if e[1] != key]
+            sinks = self._sinks_locked(out)
+        self._dispatch(out, sinks)
+        if not mine:
+            return ("queued", None)
+        kind, _, body = mine[0]
+        return (kind, body if kind == "granted" else body["message"])
 
     def cancel(self, run: str, key: str) -> list[dict[str, Any]] | None:
         """Withdraw a waiting request: the holders of its GPUs then, or ``None`` if it was not waiting."""
@@ -371,11 +386,14 @@ class Arbiter:
 
     def release(self, run: str, key: str, contexts: list[str] | None = None) -> None:
         """Give a lease back; ``contexts``: the GPUs its process really has contexts on now, if known."""
-        with self._locked() as out:
+        out: dict[str, list[Event]] = defaultdict(list)
+        with self._lock:
             pool_key = f"{run}|{key}"
             self._forget_key_locked(pool_key)
             known = None if contexts is None else {self._mids[u] for u in contexts if u in self._mids}
             self._deliver_locked(self.pool.release(pool_key, known), out)
+            sinks = self._sinks_locked(out)
+        self._dispatch(out, sinks)
 
     def set_contexts(self, run: str, client: str, contexts: list[str]) -> None:
         with self._locked() as out:

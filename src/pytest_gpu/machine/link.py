@@ -375,6 +375,9 @@ class MachineLink:
         """Events, from the arbiter in this process or the reader thread: the sink gets them
         on a thread of its own, which holds none of this link's locks (a sink may wait for
         its broker's lock, held by a thread that waits for this link)."""
+        if self._arbiter is not None and not self._inflight:
+            self._events.put(events)  # the arbiter's own run keeps no mirror
+            return
         with self._mlock:
             passed = self._mirror(events)
         if passed:
@@ -418,6 +421,10 @@ class MachineLink:
         self, key: str, client: str, worker: str, test: str, request: GpuRequest, gpus: list[str]
     ) -> tuple[str, Any]:
         with self._lock:
+            arbiter = self._arbiter
+            if arbiter is not None:
+                # the fast path of a run that is the arbiter: no mirror (it never re-declares)
+                return arbiter.submit(self.run, key, client, worker, test, request, gpus)
             with self._mlock:
                 self._inflight.add(key)
             try:
@@ -437,12 +444,13 @@ class MachineLink:
                     early = self._early.pop(key, None)
             if kind == "queued" and early is not None:  # decided before the answer came
                 kind, value = early[0], early[2] if early[0] == "granted" else early[2]["message"]
-            asked = Asked(key, client, worker, test, request, tuple(gpus))
-            with self._mlock:
-                if kind == "granted":
-                    self._held[key] = _held_from(asked, value)
-                elif kind == "queued":
-                    self._asked[key] = asked
+            if self._arbiter is None:  # still a follower: keep the mirror
+                asked = Asked(key, client, worker, test, request, tuple(gpus))
+                with self._mlock:
+                    if kind == "granted":
+                        self._held[key] = _held_from(asked, value)
+                    elif kind == "queued":
+                        self._asked[key] = asked
             return kind, value
 
     def cancel(self, key: str) -> list[dict[str, Any]] | None:
@@ -460,6 +468,10 @@ class MachineLink:
 
     def release(self, key: str, contexts: list[str] | None = None) -> None:
         with self._lock:
+            arbiter = self._arbiter
+            if arbiter is not None:
+                arbiter.release(self.run, key, contexts)
+                return
             with self._mlock:
                 held = self._held.pop(key, None)
                 if contexts is not None and held is not None:
