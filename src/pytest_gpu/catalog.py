@@ -4,12 +4,16 @@ xdist gives the controller node ids only. Each worker, once it has collected, se
 broker (in the controller process) one entry per test that is not plain CPU work: its
 GPU need, its rank-pool key, its group. The call returns before xdist's own
 ``collectionfinish`` event is sent, so the scheduler finds every entry in place.
+
+Later, when a module- or class-scoped fixture of a group leases GPUs, the worker adds
+``held:<group>`` (``{"h": [[GPUs, bytes per GPU or None], ...]}``): what the group's
+tests hold besides their own needs while they run (:class:`HeldNeeds`).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -25,11 +29,12 @@ UNKNOWN_DURATION = 1.0
 
 def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
     """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group}``."""
-    from . import dependencies
+    from . import dependencies, fixture_leases
     from .distributed.runner import SPEC_KEY
     from .lifecycle import REQUEST_KEY
 
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
+    fixture_leases.remember_groups(items[0].config, groups)
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         entry: dict[str, Any] = {}
@@ -49,7 +54,10 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
 
 
 def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict[str, str]:
-    """Node id -> group: ``xdist_group`` names and dependency chains, merged where they share a test."""
+    """Node id -> group: ``xdist_group`` names, dependency chains and instances of module- or
+    class-scoped fixtures that lease GPUs, merged where they share a test."""
+    from .fixture_leases import group_tags
+
     parent: dict[str, str] = {}
 
     def find(tag: str) -> str:
@@ -66,6 +74,7 @@ def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict
             mine.append(f"xdist_group:{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}")
         if item.nodeid in dependency:
             mine.append(dependency[item.nodeid])
+        mine += group_tags(item)
         if mine:
             tags[item.nodeid] = mine
             for other in mine[1:]:
@@ -87,3 +96,27 @@ def jobs(
         need = Need(int(entry["n"]), entry["m"]) if entry.get("n") else None
         out.append(Job(index, float(durations.get(nodeid, default)), need, entry.get("g"), entry.get("p")))
     return out
+
+
+class HeldNeeds(Mapping[str, tuple[Need, ...]]):
+    """Group -> what its fixtures hold while its tests run, read live from the broker's
+    catalog (the planner's :attr:`~pytest_gpu.planner.Planner.held`)."""
+
+    def __init__(self, catalog: Mapping[str, Any]) -> None:
+        from .fixture_leases import HELD_PREFIX
+
+        self._catalog = catalog
+        self._prefix = HELD_PREFIX
+
+    def __getitem__(self, group: str) -> tuple[Need, ...]:
+        entry = self._catalog[self._prefix + group]
+        return tuple(Need(int(n), None if m is None else int(m)) for n, m in entry["h"])
+
+    def get(self, group: str, default: Any = None) -> Any:  # the planner's hot path: no KeyError
+        return self[group] if self._prefix + group in self._catalog else default
+
+    def __iter__(self) -> Iterator[str]:
+        return (k[len(self._prefix) :] for k in list(self._catalog) if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -37,11 +37,20 @@ class TestState:
     request: GpuRequest | None = None
     # each lease held: [gpus, bytes per GPU, exclusive, asked, granted, released] (wall clock)
     leases: list[list[Any]] = field(default_factory=list)
+    # leases of fixtures (any scope) this test used: their GPUs are theirs to judge (fixture_leases)
+    fixture_gpus: set[int] = field(default_factory=set)
+    view_saved: dict[str, str | None] | None = None  # the environment before the fixtures' GPUs were added
+    fixture_violations: list[str] = field(default_factory=list)  # of fixtures torn down in this teardown
+    fixture_notes: list[str] = field(default_factory=list)
 
     def finish(self, run: GpuRun, active: ActiveLease) -> None:
         """Give ``active`` back, keeping its verdict and its place on the timeline."""
         try:
-            self.verdict.merge(run.finish(active, self.indices))
+            if self.fixture_gpus:
+                from .fixture_leases import separate
+
+                separate(active, self.fixture_gpus, "a fixture's lease", run)
+            self.verdict.merge(run.finish(active, self.indices | self.fixture_gpus))
         finally:
             lease = active.lease
             self.leases.append(
@@ -59,15 +68,24 @@ class TestState:
 
 
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    """The closest ``gpu`` marker, or the default request for a ``gpu`` fixture user.
+    """The test's request, from the first of: its closest ``gpu`` marker, the
+    ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
+    for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`).
 
     Raises :class:`GpuRequestError` naming the test and the expected form.
     """
+    from .conventions import item_kwargs
+
     marker = item.get_closest_marker("gpu")
+    what = "gpu marker"
     try:
         if marker is not None:
             request = build_request(marker.args, marker.kwargs, run.settings.default_memory)
             named = "memory" in marker.kwargs or "exclusive" in marker.kwargs
+        elif (convention := item_kwargs(item, run.settings.default_memory)) is not None:
+            kwargs, what, form = convention
+            request = build_request((), kwargs, run.settings.default_memory, what=what, form=form)
+            named = "memory" in kwargs or "exclusive" in kwargs
         elif "gpu" in getattr(item, "fixturenames", ()):
             request = build_request((), {}, run.settings.default_memory, what="gpu fixture")
             named = False
@@ -82,7 +100,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     if run.inventory.devices and request.memory is not None:
         if request.memory > usable:
             raise GpuRequestError(
-                f"{item.nodeid}: gpu marker: memory={format_size(request.memory)} is larger than any GPU "
+                f"{item.nodeid}: {what}: memory={format_size(request.memory)} is larger than any GPU "
                 f"can give ({format_size(usable)} after the CUDA context on the largest of "
                 f"{run.inventory.describe()}); expected a smaller memory= or exclusive=True"
             )
@@ -131,18 +149,21 @@ OVERSIZE_KEY = pytest.StashKey[str]()
 
 def setup(item: pytest.Item, run: GpuRun) -> None:
     """Before fixtures: acquire the test's lease and confine the process to it."""
+    from . import fixture_leases
+
     state = TestState()
     item.stash[STATE_KEY] = state
+    fixture_leases.begin(item)
     reason = item.stash.get(OVERSIZE_KEY, None)
     if reason is not None:
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
     request = item.stash.get(REQUEST_KEY, None)
-    if request is None:
-        return
-    state.request = request
-    state.main = _acquire(run, request, item)
-    state.waited += state.main.lease.waited
-    state.indices.update(state.main.lease.indices)
+    if request is not None:
+        state.request = request
+        state.main = _acquire(run, request, item)
+        state.waited += state.main.lease.waited
+        state.indices.update(state.main.lease.indices)
+    fixture_leases.apply_view(item, run)  # wider-scoped fixtures it uses that hold leases already
 
 
 def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
@@ -160,9 +181,16 @@ def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease
 
 def teardown(item: pytest.Item, run: GpuRun) -> None:
     """After fixtures are torn down: verify, give everything back, record properties."""
+    from . import fixture_leases
+
     state = item.stash.get(STATE_KEY, None)
+    violations, notes = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
+    if state is None and (violations or notes):
+        state = item.stash[STATE_KEY] = TestState()
     if state is None:
         return
+    state.fixture_violations += violations
+    state.fixture_notes += notes
     while state.sections:  # a gpu_request block left open (e.g. a generator not closed)
         state.finish(run, state.sections.pop())
     if state.main is not None:
@@ -204,9 +232,15 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
     state = item.stash.get(STATE_KEY, None)
     if state is None:
         return
-    if not state.verdict.violations:
+    if state.fixture_notes:
+        report.sections.append(("pytest-gpu verification", "\n".join(state.fixture_notes)))
+    texts = list(state.fixture_violations)  # a fixture's, named: not this test's
+    if state.verdict.violations:
+        lines = "\n".join(f"  - {v}" for v in state.verdict.violations)
+        texts.insert(0, f"pytest-gpu: {item.nodeid} broke its GPU lease:\n{lines}")
+    if not texts:
         return
-    text = f"pytest-gpu: {item.nodeid} broke its GPU lease:\n" + "\n".join(f"  - {v}" for v in state.verdict.violations)
+    text = "\n".join(texts)
     if run.settings.verify == "fail" and report.outcome == "passed":
         report.outcome = "failed"
         report.longrepr = text

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from .conventions import MarkerMapError, marker_map
 from .gpu.devices import GPUS_FORM
 from .ports import DEFAULT_RANGE, parse_port_range
 from .requests import DefaultMemory, SizeError, parse_size
@@ -44,6 +45,12 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "gpu_context_overhead",
         "500MiB",
         "memory one process's CUDA context takes on a GPU, counted against capacity.",
+    ),
+    (
+        "--gpu-workers-per-gpu",
+        "gpu_workers_per_gpu",
+        "none",
+        "-n auto: at most this many workers per GPU (a positive whole number), or 'none' for no cap.",
     ),
     (
         "--gpu-port-range",
@@ -138,6 +145,13 @@ def register(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
     )
+    parser.addini(
+        "gpu_marker_map",
+        "your own markers as GPU requests, one 'MARKER: count=N memory=SIZE exclusive' per line "
+        "(each part optional; a gpu marker on the test wins).",
+        type="linelist",
+        default=[],
+    )
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,7 @@ class Settings:
     learn: bool = False
     schedule: bool = True
     trace: str = ""
+    workers_per_gpu: int | None = None  # -n auto's cap (the controller reads it; not sent to workers)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -227,6 +242,10 @@ def read(config: pytest.Config) -> Settings:
         overhead = parse_size(overhead_text)
     except SizeError as exc:
         raise pytest.UsageError(f"{where}: {exc}") from None
+    try:
+        marker_map(config, default_memory)  # checked at start-up; kept for item_request
+    except MarkerMapError as exc:
+        raise pytest.UsageError(str(exc)) from None
     range_text, where = _value(config, "gpu_port_range")
     try:
         port_range = parse_port_range(range_text)
@@ -249,6 +268,7 @@ def read(config: pytest.Config) -> Settings:
         learn=bool(config.getoption("gpu_learn", False)),
         schedule=_choice(config, "gpu_schedule", ("on", "off")) == "on",
         trace=_trace_path(config),
+        workers_per_gpu=_workers_per_gpu(config),
     )
 
 
@@ -258,6 +278,16 @@ def _trace_path(config: pytest.Config) -> str:
     if path and os.path.isdir(path):
         raise pytest.UsageError(f"{where}: expected the path of a file to write the trace to, got directory {path!r}")
     return path
+
+
+def _workers_per_gpu(config: pytest.Config) -> int | None:
+    text, where = _value(config, "gpu_workers_per_gpu")
+    value = text.strip().lower()
+    if value in ("", "none"):
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) <= 0:
+        raise pytest.UsageError(f"{where}: expected a positive whole number of workers per GPU or 'none', got {text!r}")
+    return int(value)
 
 
 def _seconds(config: pytest.Config, ini: str) -> float:

@@ -12,7 +12,9 @@ Rules, in order:
    tests) go to one worker, in collection order; a group is bound to the worker that
    took its first test until that worker goes away. That worker runs the group's
    tests back to back while they fit, so module- and class-scoped fixtures are set
-   up once and not torn down in between by other modules' tests.
+   up once and not torn down in between by other modules' tests. What a group's
+   fixtures hold besides its tests' own needs (:attr:`Planner.held`, e.g. a
+   module-scoped model's lease) is counted with each of its tests.
 2. A worker that last ran a distributed test of pool key K takes the first pending
    test of K (by the priority of rule 3) that fits, so its warm rank pool is reused;
    other workers leave K's tests to it unless they have nothing else that fits.
@@ -113,6 +115,9 @@ class Planner:
         self._bound: dict[str, str] = {}  # group -> worker
         self._pool_owner: dict[str, str] = {}  # pool key -> worker that last ran it
         self._workers: dict[str, _Worker] = {}
+        # group -> needs its fixtures hold while its tests run, besides their own (a live
+        # mapping: the scheduler learns them as workers set those fixtures up)
+        self.held: Mapping[str, Sequence[Need]] = {}
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
@@ -206,22 +211,23 @@ class Planner:
         state = self._workers[worker]
         spans, start = self._forecast(worker, now)
         at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
-        memo: dict[tuple[Need, float], bool] = {}
+        memo: dict[tuple[tuple[Need, ...], float], bool] = {}
 
         def viable(need: Need) -> bool:
             if need not in at_start:
-                at_start[need] = self._fits_at(need, start, 0.0, spans)
+                at_start[need] = self._fits_at((need,), start, 0.0, spans)
             return at_start[need]
 
         def fits(index: int) -> bool:
             job = self.jobs[index]
-            if job.need is None:
+            needs = self._needs(job)
+            if not needs:
                 return True
-            if not viable(job.need):
+            if not all(viable(need) for need in needs):
                 return False
-            key = (job.need, job.duration)
+            key = (needs, job.duration)
             if key not in memo:
-                memo[key] = self._fits_at(job.need, start, job.duration, spans)
+                memo[key] = self._fits_at(needs, start, job.duration, spans)
             return memo[key]
 
         own_groups = [m[0] for g, m in self._groups.items() if m and self._bound.get(g) == worker]
@@ -312,29 +318,34 @@ class Planner:
                 end = t + job.duration
                 if position == 0:
                     end = max(end, now + _OVERDUE)
-                if job.need is not None:
-                    spans.append(_Span(t, end, job.need))
+                spans += [_Span(t, end, need) for need in self._needs(job)]
                 t = end
             if name == worker:
                 free_at = t
         return spans, free_at
 
-    def _fits_at(self, need: Need, start: float, duration: float, spans: list[_Span]) -> bool:
+    def _needs(self, job: Job) -> tuple[Need, ...]:
+        """What ``job`` holds while it runs: its own need and what its group's fixtures hold."""
+        held = tuple(self.held.get(job.group, ())) if job.group is not None else ()
+        return held if job.need is None else (job.need, *held)
+
+    def _fits_at(self, needs: Sequence[Need], start: float, duration: float, spans: list[_Span]) -> bool:
         end = start + max(duration, 1e-6)
         overlapping = [s for s in spans if s.start < end and s.end > start]
         points = {start} | {s.start for s in overlapping if s.start > start}
         for point in points:
             active = [s.need for s in overlapping if s.start <= point < s.end]
-            if not self._packs([*active, need]):
+            if not self._packs([*active, *needs]):
                 return False
         return True
 
     def _fit_time(self, job: Job, start: float, spans: list[_Span]) -> float:
         """The earliest moment from ``start`` at which ``job`` is predicted to fit."""
-        if job.need is None:
+        needs = self._needs(job)
+        if not needs:
             return start
         for moment in sorted({start} | {s.end for s in spans if s.end > start}):
-            if self._fits_at(job.need, moment, job.duration, spans):
+            if self._fits_at(needs, moment, job.duration, spans):
                 return moment
         return float("inf")
 

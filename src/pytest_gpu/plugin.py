@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from . import history, lifecycle, options, raycluster
+from . import fixture_leases, history, lifecycle, options, raycluster
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
 from .gpu.devices import DeviceSpecError
@@ -34,6 +34,12 @@ MARKERS = (
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.register(parser)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -126,6 +132,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GpuScheduling(config, log, config.stash[RUN_KEY], history.load(config, history.DURATIONS_KEY))
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` with GPUs: workers by GPU memory, CPUs and RAM (see autoworkers); ``None``
+    (firstresult: xdist's own answer follows) for ``-n logical``, its env var, or no GPUs."""
+    from .autoworkers import auto_num_workers
+
+    return auto_num_workers(config)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     # an xdist worker: tell the scheduler what each test needs before xdist sends the node ids
@@ -164,10 +179,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
     try:
         return (yield)
     finally:
         lifecycle.teardown(item, item.config.stash[RUN_KEY])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
+    with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
+        return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -219,6 +241,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if run is None or run.broker is None:
         return
     summary = config.stash[SUMMARY_KEY]
+    from .autoworkers import summary_lines as auto_lines  # how -n auto chose, where pytest-gpu chose
+
+    for line in auto_lines(config):
+        terminalreporter.write_line(line)
     if summary.quiet(run.broker.crashes):  # the plugin stays inert for CPU-only runs
         for line in selection.summary_lines(config):
             terminalreporter.write_line(line)
@@ -264,6 +290,20 @@ def ports(request: pytest.FixtureRequest) -> Callable[[int], list[int]]:
 def port(ports: Callable[[int], list[int]]) -> int:
     """One TCP port unique across the whole run."""
     return ports(1)[0]
+
+
+@pytest.fixture(scope="session")
+def gpu_lease_factory(request: pytest.FixtureRequest) -> fixture_leases.GpuLeaseFactory:
+    """For fixtures of any scope: ``lease = gpu_lease_factory(count=1, memory="8GiB")`` in a
+    fixture's body is a lease held until that fixture's teardown."""
+    return fixture_leases.GpuLeaseFactory(request.config)
+
+
+@pytest.fixture(scope="session")
+def ports_factory(request: pytest.FixtureRequest) -> fixture_leases.PortsFactory:
+    """For fixtures of any scope: ``ports_factory(n=1)`` in a fixture's body gives run-unique
+    TCP ports, reclaimed at that fixture's teardown."""
+    return fixture_leases.PortsFactory(request.config)
 
 
 @pytest.fixture

@@ -122,6 +122,8 @@ class GpuScheduling:
             self.collection = next(iter(self.node2collection.values()))
             jobs = catalog.jobs(self.collection, self.run.broker.catalog if self.run.broker else {}, self.durations)
             self.planner = Planner(jobs, self._room(), order_from(self.config, self.collection))
+            if self.run.broker is not None:  # what leasing fixtures hold, as workers set them up
+                self.planner.held = catalog.HeldNeeds(self.run.broker.catalog)
             for name in self._names.values():
                 self.planner.add_worker(name)
         self._fill_all()
