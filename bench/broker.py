@@ -45,6 +45,7 @@ import os
 import platform
 import pstats
 import secrets
+import socket
 import sys
 import tempfile
 import threading
@@ -269,6 +270,7 @@ def run_scenario(
     server: str = "broker",
     offered: float = 0.0,
     link: str = "private",
+    attack: bool = False,
 ) -> Result:
     """One measurement: a fresh server, ``clients`` client processes, a ``duration`` window.
 
@@ -302,6 +304,13 @@ def run_scenario(
             service = broker.start()
         else:
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
+        attackers: list[socket.socket] = []
+        if attack:
+            if server == "broker" and link != "private":
+                broker._machine()  # joined: the arbiter's socket exists (a run attaches at its first lease)
+                attackers = _attack(address, Domain.named("bench").address())
+            else:
+                attackers = _attack(address)
         window = ctx.Array("d", 2, lock=False)
         procs = [
             ctx.Process(
@@ -327,6 +336,8 @@ def run_scenario(
                 if proc.is_alive():
                     proc.kill()
             service.close()
+            for sock in attackers:
+                sock.close()
             if other is not None and other.is_alive():
                 other.kill()
                 other.join()
@@ -335,9 +346,30 @@ def run_scenario(
     label = scenario.name if server == "broker" else server
     if server == "broker" and link != "private":
         label += f" ({link})"
+    if attack:
+        label += " attacked"
     if offered:
         label += f" @{offered:g}/s"
     return Result(label, clients, duration, len(latencies), queued, latencies)
+
+
+ATTACKERS = 16  # of each kind
+
+
+def _attack(*addresses: str | None) -> list[socket.socket]:
+    """Local processes that connect and then stall: silent ones, and ones that stop half-way
+    through the first frame (the broker's key challenge; the arbiter's length prefix)."""
+    socks = []
+    for address in addresses:
+        if address is None:
+            continue
+        for i in range(2 * ATTACKERS):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(address)
+            if i % 2:
+                sock.sendall(b"\x00\x00")  # half a length prefix, then nothing
+            socks.append(sock)
+    return socks
 
 
 def _arbiter_main(root: str, ready: Any) -> None:
@@ -384,6 +416,7 @@ class Row:
     server: str = "broker"
     offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
     link: str = "private"
+    attack: bool = False
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -406,6 +439,12 @@ def plan(args: argparse.Namespace) -> list[Row]:
             rows = [row for row in rows if row.scenario == args.scenario]
     links = LINKS if args.link == "all" else (args.link,)
     rows = [Row(r.scenario, r.clients, r.server, r.offered, link) for r in rows for link in links]
+    if args.attack:  # each row twice in a row: as is, then with stalled connections on the sockets
+        rows = [
+            Row(r.scenario, r.clients, r.server, r.offered, r.link, attacked)
+            for r in rows
+            for attacked in (False, True)
+        ]
     if args.baseline:
         counts = sorted({row.clients for row in rows})
         rows += [Row("immediate", n, server) for server in SERVERS[1:] for n in counts]
@@ -433,6 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="private",
         help="the broker's GPUs its own, a run alone on the machine (arbiter), or a run beside another (follower)",
     )
+    parser.add_argument(
+        "--attack",
+        action="store_true",
+        help=f"measure each row also with {ATTACKERS} silent and {ATTACKERS} half-frame connections on the sockets",
+    )
     args = parser.parse_args(argv)
 
     duration = args.duration if args.duration is not None else (0.3 if args.quick else 3.0)
@@ -448,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for row in rows:
         runs = [
-            run_scenario(SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered, row.link)
+            run_scenario(
+                SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered, row.link, row.attack
+            )
             for _ in range(max(1, args.repeat))
         ]
         result = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
