@@ -133,6 +133,7 @@ class Broker:
         self.uuids = {i: (uuids or {}).get(i) or f"private-{i}" for i in self.capacities}
         self._index = {uuid: i for i, uuid in self.uuids.items()}
         self._gpu_list = list(self.uuids.values())
+        self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
         self.ports = PortPool(port_range)
@@ -506,8 +507,13 @@ class Broker:
         return ("error", f"unknown request {kind!r}")
 
     def _acquire(self, info: ClientInfo, body: dict[str, Any]) -> tuple[str, Any]:
-        count, memory, exclusive, min_memory = body["request"]
-        request = GpuRequest(count=count, memory=memory, exclusive=exclusive, min_memory=min_memory)
+        shape = tuple(body["request"])
+        request = self._requests.get(shape)
+        if request is None:  # a suite asks for a handful of shapes: build each once
+            count, memory, exclusive, min_memory = shape
+            request = GpuRequest(count=count, memory=memory, exclusive=exclusive, min_memory=min_memory)
+            if len(self._requests) < 4096:
+                self._requests[shape] = request
         key = f"{info.client}/{body['key']}"
         test = str(body.get("test") or "?")
         with self._lock:
