@@ -243,7 +243,10 @@ def test_when_the_arbiter_leaves_another_run_takes_over_with_what_everyone_holds
     while not (b.is_arbiter or c.is_arbiter):
         assert time.monotonic() < deadline, "no new arbiter"
         time.sleep(0.01)
-    state = b.status()
+    # both have re-attached (the one that did not lead may still be on its way)
+    while len((state := b.status())["runs"]) < 2:
+        assert time.monotonic() < deadline, f"not both re-attached: {state['runs']}"
+        time.sleep(0.01)
     assert [(r["run"], r["test"]) for r in state["leases"]] == [(b.run, "t::b")]
     assert [(w["run"], w["test"]) for w in state["waiting"]] == [(c.run, "t::c")]
     b.release("c0/k0")
@@ -502,3 +505,22 @@ def test_a_run_without_gpus_never_joins_the_machine(tmp_path, monkeypatch):
     finally:
         broker.close()
     assert joined == [] and not (tmp_path / "machines").exists()
+
+
+def test_a_forked_child_keeps_neither_the_arbiters_lock_nor_its_address(domain, links):
+    """A test's forked child that outlives its run must not keep the machine's lock or socket."""
+    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become="")
+    fork = (
+        "child = os.fork()\nif child == 0:\n    time.sleep(30)\n    os._exit(0)\nprint(child, flush=True)\nos._exit(0)"
+    )
+    code = code.replace("time.sleep(60)", "import os\n" + fork)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().split() == ["True", "granted"]
+    child = int(proc.stdout.readline())
+    proc.wait(timeout=30)  # the run is gone; its forked child sleeps on
+    try:
+        b, _ = new_link(links, domain, {"U": 16 * GiB})
+        assert b.is_arbiter  # it could take the lock and bind the address
+        assert b.submit("c0/k0", "c0", "gw0", "t", whole(), ["U"])[0] == "granted"
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -24,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -174,6 +175,21 @@ def _live_runs(domain: Domain, exclude: str) -> set[str]:
     return live
 
 
+_links: weakref.WeakSet[MachineLink] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``fork()``: a child (a test's ``multiprocessing`` worker, say) must hold none of
+    the run's locks or sockets, or it would keep the run "alive" and the arbiter's lock and
+    address taken after the run is gone. Only the child's copies are closed."""
+    for link in list(_links):
+        link._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class MachineLink:
     """This run's side of machine-wide leasing (see the module doc).
 
@@ -219,6 +235,21 @@ class MachineLink:
         self._early: dict[str, Event] = {}
         self._events: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
+        _links.add(self)
+
+    def _forget_in_child(self) -> None:
+        for fd in (self._lock_fd, self._member_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._lock_fd = self._member_fd = -1
+        if self._server is not None:
+            self._server.forget_in_child()
+        if self._remote is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._remote.sock.detach())
+        self._server = self._remote = self._arbiter = None
+        self._closed = True  # the child is no run: close() does nothing there
 
     @property
     def is_arbiter(self) -> bool:

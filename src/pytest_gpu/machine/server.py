@@ -67,6 +67,16 @@ class ArbiterServer:
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="pytest-gpu-arbiter", daemon=True)
 
+    def forget_in_child(self) -> None:
+        """In a forked child: drop this process's copies of the sockets (never shut them
+        down: they are the parent's too), so the child cannot keep the arbiter's address
+        bound after the parent is gone."""
+        for sock in [self._listener, *(peer.sock for peer in self._peers)]:
+            try:
+                os.close(sock.detach())
+            except OSError:
+                pass
+
     def start(self) -> ArbiterServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
