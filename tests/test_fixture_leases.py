@@ -802,3 +802,31 @@ def test_groups_from_leasing_fixtures_at_collection(gpu_pytester: pytest.Pyteste
 def test_plugin_documents_the_factories(gpu_pytester: pytest.Pytester, run_inner: Run) -> None:
     result = run_inner("--fixtures", "-p", "no:xdist")
     result.stdout.fnmatch_lines(["gpu_lease_factory [[]session scope[]]*", "ports_factory [[]session scope[]]*"])
+
+
+ONLY_FIXTURES = """
+import pytest
+from pytest_gpu import sim
+
+@pytest.fixture(scope="module")
+def model(gpu_lease_factory):
+    lease = gpu_lease_factory(memory="2GiB")
+    weights = sim.allocate("1GiB")
+    yield lease
+    weights.free()
+
+def test_a(model):
+    pass
+
+def test_b(model):
+    pass
+"""
+
+
+def test_a_run_whose_only_leases_are_fixtures_still_gets_its_summary(
+    gpu_pytester: pytest.Pytester, run_inner: Run
+) -> None:
+    gpu_pytester.makepyfile(test_only=ONLY_FIXTURES)
+    result = run_inner("--gpus", "sim:1x16GiB")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["pytest-gpu: 1 simulated GPU (1x16GiB) [[]sim:1x16GiB[]] · 0 GPU tests · *"])

@@ -28,10 +28,11 @@ UNKNOWN_DURATION = 1.0
 
 
 def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
-    """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group}``."""
+    """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group,
+    "s": 1 for a test that runs alone (``gpu_serial``)}``."""
     from . import dependencies, fixture_leases
     from .distributed.runner import SPEC_KEY
-    from .lifecycle import REQUEST_KEY
+    from .lifecycle import ALONE_KEY, REQUEST_KEY
 
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
     fixture_leases.remember_groups(items[0].config, groups)
@@ -48,6 +49,8 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
             entry["m"] = request.memory
         if item.nodeid in groups:
             entry["g"] = groups[item.nodeid]
+        if item.stash.get(ALONE_KEY, False):
+            entry["s"] = 1
         if entry:
             out[item.nodeid] = entry
     return out
@@ -94,7 +97,8 @@ def jobs(
     for index, nodeid in enumerate(collection):
         entry = catalog.get(nodeid, {})
         need = Need(int(entry["n"]), entry["m"]) if entry.get("n") else None
-        out.append(Job(index, float(durations.get(nodeid, default)), need, entry.get("g"), entry.get("p")))
+        duration = float(durations.get(nodeid, default))
+        out.append(Job(index, duration, need, entry.get("g"), entry.get("p"), bool(entry.get("s"))))
     return out
 
 

@@ -22,6 +22,8 @@ REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
 STATE_KEY = pytest.StashKey["TestState"]()
 RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
+SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
+ALONE_KEY = pytest.StashKey[bool]()  # the test has a gpu_serial marker (set at collection)
 
 
 @dataclass
@@ -72,10 +74,14 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
     for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`).
 
+    A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
+
     Raises :class:`GpuRequestError` naming the test and the expected form.
     """
     from .conventions import item_kwargs
 
+    if item.get_closest_marker(SERIAL_MARKER) is not None:
+        return alone_request(item, run)
     marker = item.get_closest_marker("gpu")
     what = "gpu marker"
     try:
@@ -107,6 +113,47 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     return request
 
 
+def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
+    """A ``gpu_serial`` test's request: every GPU of the run, exclusively, so that no other
+    run's test shares them either (``None`` without GPUs: the test is still alone in the run).
+
+    Raises :class:`GpuRequestError` for what cannot be combined with it: arguments, a ``gpu``
+    or ``distributed`` marker, leases of its own besides (a ``gpu_request`` section, a fixture
+    calling ``gpu_lease_factory``: they would wait for the GPUs the test itself holds)."""
+    from .fixture_leases import FACTORY, _effective
+
+    form = f"@pytest.mark.{SERIAL_MARKER} (no arguments)"
+    for mark in item.iter_markers(SERIAL_MARKER):
+        if mark.args or mark.kwargs:
+            given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
+            raise GpuRequestError(f"{item.nodeid}: {SERIAL_MARKER} takes no arguments, got ({given}); expected {form}")
+    holds = f"a {SERIAL_MARKER} test holds every GPU of the run exclusively"
+    if item.get_closest_marker("gpu") is not None:
+        raise GpuRequestError(
+            f"{item.nodeid}: both {SERIAL_MARKER} and a gpu marker: {holds} (its gpu fixture is that "
+            "lease); remove the gpu marker (from the test, or its class or module)"
+        )
+    if item.get_closest_marker("distributed") is not None:
+        raise GpuRequestError(
+            f"{item.nodeid}: both {SERIAL_MARKER} and a distributed marker: a distributed test's rank "
+            f"pool leases GPUs of its own, which {holds} would keep from it; remove one of the two"
+        )
+    info = getattr(item, "_fixtureinfo", None)
+    leasing = ["gpu_request"] if "gpu_request" in getattr(item, "fixturenames", ()) else []
+    for name in info.names_closure if info is not None else ():
+        if any(FACTORY in fd.argnames for fd in _effective(info.name2fixturedefs.get(name), name)):
+            leasing.append(name)
+    if leasing:
+        raise GpuRequestError(
+            f"{item.nodeid}: {SERIAL_MARKER} with a lease of its own besides ({', '.join(leasing)}): "
+            f"{holds}, so that lease would wait for the test itself; use the test's gpu fixture instead "
+            "(its lease: every GPU)"
+        )
+    if not run.inventory.devices:
+        return None
+    return GpuRequest(count=len(run.inventory.devices), exclusive=True)
+
+
 def collect_report(
     report: pytest.CollectReport, run: GpuRun, checks: Sequence[Callable[[pytest.Item, GpuRun], None]] = ()
 ) -> None:
@@ -119,6 +166,8 @@ def collect_report(
             continue
         try:
             node.stash[REQUEST_KEY] = item_request(node, run)
+            if node.get_closest_marker(SERIAL_MARKER) is not None:
+                node.stash[ALONE_KEY] = True
             for check in checks:
                 check(node, run)
         except GpuRequestError as exc:
@@ -157,6 +206,9 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
     reason = item.stash.get(OVERSIZE_KEY, None)
     if reason is not None:
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
+    alone = _cannot_run_alone(item, run)
+    if alone is not None:
+        pytest.fail(alone, pytrace=False)
     request = item.stash.get(REQUEST_KEY, None)
     if request is not None:
         state.request = request
@@ -164,6 +216,37 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
         state.waited += state.main.lease.waited
         state.indices.update(state.main.lease.indices)
     fixture_leases.apply_view(item, run)  # wider-scoped fixtures it uses that hold leases already
+
+
+def _cannot_run_alone(item: pytest.Item, run: GpuRun) -> str | None:
+    """Why this ``gpu_serial`` test cannot run alone: an xdist worker among several, where
+    xdist's own scheduling hands out the tests (``--dist``, ``--gpu-schedule=off``)."""
+    if not item.stash.get(ALONE_KEY, False):
+        return None
+    from .plugin import SCHEDULE_KEY
+
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None or workerinput.get(SCHEDULE_KEY):
+        return None  # one process, or pytest-gpu's scheduler: it runs alone
+    if int(workerinput.get("workercount", 2)) < 2:
+        return None  # one worker
+    chosen = _dist_chosen(workerinput.get("mainargv", ())) if run.settings.schedule else "--gpu-schedule=off"
+    return (
+        f"pytest-gpu: {item.nodeid} is marked {SERIAL_MARKER}, but under {chosen} xdist hands out the tests "
+        f"and other tests would run beside it; drop {chosen} (pytest-gpu's scheduler then runs it alone), "
+        f"or give these tests a pass of their own: -m {SERIAL_MARKER} without -n, and -m 'not {SERIAL_MARKER}' "
+        f"with {chosen}"
+    )
+
+
+def _dist_chosen(argv: Sequence[str]) -> str:
+    """``--dist MODE`` as the controller's command line gave it (a worker's own ``dist`` is "no")."""
+    for n, arg in enumerate(argv):
+        if arg.startswith("--dist="):
+            return f"--dist {arg.partition('=')[2]}"
+        if arg == "--dist" and n + 1 < len(argv):
+            return f"--dist {argv[n + 1]}"
+    return "--dist"  # from addopts, say
 
 
 def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
@@ -210,7 +293,8 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
                 ("gpu_peak_bytes", peak),
                 ("gpu_violations", len(state.verdict.violations)),
                 ("gpu_request", state.request.describe() if state.request else ""),
-                ("gpu_request_bytes", _requested_bytes(state)),
+                # a gpu_serial test's lease is not its to size: no suggestion from it
+                ("gpu_request_bytes", 0 if item.stash.get(ALONE_KEY, False) else _requested_bytes(state)),
                 ("gpu_leases", json.dumps(state.leases)),
             ]
         )

@@ -8,6 +8,13 @@ one is chosen when the running one starts, for the moment it is predicted to sta
 
 Rules, in order:
 
+0. Tests that run *alone* (``gpu_serial``; a group with such a test runs alone as a
+   whole) go before everything else. While one is held by a worker, no other worker is
+   given anything; the worker holding it gets its successor (the next test to run alone,
+   else what rule 1-4 give, which starts only once it finished). A pending one is handed
+   out only once no worker runs a test (each holds at most one, not started: xdist starts
+   a test only once its worker holds the next). First in the run, that drain is free, and
+   no idle worker holds a warm rank pool or a fixture's lease that it would wait for.
 1. Tests of a *group* (an ``xdist_group`` mark, or a chain of pytest-dependency
    tests) go to one worker, in collection order; a group is bound to the worker that
    took its first test until that worker goes away. That worker runs the group's
@@ -70,6 +77,7 @@ class Job:
     need: Need | None = None
     group: str | None = None
     pool: str | None = None
+    alone: bool = False  # gpu_serial: no other test of the run runs meanwhile (rule 0)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class Planner:
     """Online list scheduling of ``jobs`` onto workers over GPUs of ``capacities`` bytes."""
 
     def __init__(self, jobs: Iterable[Job], capacities: Sequence[int], order: Order | None = None) -> None:
+        jobs = list(jobs)
         self.jobs: dict[int, Job] = {}
         self.capacities = list(capacities)  # usable bytes per GPU; the scheduler may refresh these
         self.order = order if order is not None else Order()
@@ -112,6 +121,10 @@ class Planner:
         self._by_need: dict[Need, list[int]] = {}
         self._by_pool: dict[str, list[int]] = {}
         self._groups: dict[str, deque[int]] = {}  # pending group members, collection order
+        # rule 0: tests that run alone, and groups with such a test (pending, as above)
+        self._alone: list[int] = []
+        self._alone_groups: dict[str, deque[int]] = {}
+        self._alone_group_names = frozenset(j.group for j in jobs if j.alone and j.group is not None)
         self._bound: dict[str, str] = {}  # group -> worker
         self._pool_owner: dict[str, str] = {}  # pool key -> worker that last ran it
         self._workers: dict[str, _Worker] = {}
@@ -121,7 +134,9 @@ class Planner:
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
-                self._groups.setdefault(job.group, deque()).append(job.index)
+                self._group_lists(job.group).setdefault(job.group, deque()).append(job.index)
+        # every test of the alone phase, to know whether a worker holds one
+        self.alone = frozenset(i for i, j in self.jobs.items() if j.alone or j.group in self._alone_group_names)
         for index in sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank):
             self._add_single(index)
         # how many pending tests are moved ahead, by how far: a warm pool waits for them
@@ -130,6 +145,8 @@ class Planner:
     def _lists(self, index: int) -> list[list[int]]:
         """The pending lists an ungrouped test belongs to."""
         job = self.jobs[index]
+        if job.alone:
+            return [self._alone]
         lists = [self._cpu if job.need is None else self._by_need.setdefault(job.need, [])]
         if job.pool is not None:
             lists.append(self._by_pool.setdefault(job.pool, []))
@@ -175,15 +192,16 @@ class Planner:
 
     @property
     def pending(self) -> int:
-        singles = len(self._cpu) + sum(len(m) for m in self._by_need.values())
-        return singles + sum(len(m) for m in self._groups.values())
+        singles = len(self._cpu) + sum(len(m) for m in self._by_need.values()) + len(self._alone)
+        grouped = sum(len(m) for m in self._groups.values()) + sum(len(m) for m in self._alone_groups.values())
+        return singles + grouped
 
     def requeue(self, index: int) -> None:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] += 1
         if job.group is not None:
-            members = self._groups.setdefault(job.group, deque())
+            members = self._group_lists(job.group).setdefault(job.group, deque())
             members.appendleft(index)  # callers give a worker's queue back in reverse
         else:
             self._add_single(index)
@@ -197,9 +215,10 @@ class Planner:
 
     def eligible(self, worker: str) -> bool:
         """Whether some pending test may go to ``worker`` (not all bound to others)."""
-        if self._cpu or any(self._by_need.values()):
+        if self._cpu or any(self._by_need.values()) or self._alone:
             return True
-        return any(members and self._bound.get(g, worker) == worker for g, members in self._groups.items())
+        groups = itertools.chain(self._groups.items(), self._alone_groups.items())
+        return any(members and self._bound.get(g, worker) == worker for g, members in groups)
 
     # -- choosing -------------------------------------------------------------------
 
@@ -207,8 +226,16 @@ class Planner:
         """The test ``worker`` should hold next (already assigned to it), or ``None``.
 
         ``None`` when nothing is eligible, or when nothing fits yet, the worker holds
-        nothing and another worker is busy (its completion will ask again)."""
+        nothing and another worker is busy (its completion will ask again), or while a
+        test that runs alone waits for the run to drain or runs on another worker (rule 0)."""
         state = self._workers[worker]
+        if self.alone:  # rule 0 (a suite without gpu_serial tests pays one check)
+            alone = self._pick_alone(worker)
+            if alone is not None:
+                if alone >= 0:
+                    self._assign(worker, alone, now)
+                    return alone
+                return None
         spans, start = self._forecast(worker, now)
         at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
         memo: dict[tuple[tuple[Need, ...], float], bool] = {}
@@ -256,6 +283,30 @@ class Planner:
             self._assign(worker, choice, now)
         return choice
 
+    def _pick_alone(self, worker: str) -> int | None:
+        """Rule 0: the test that runs alone ``worker`` gets; ``-1``: it gets nothing now;
+        ``None``: rules 1-4 decide (nothing of the kind is pending, or ``worker`` holds the
+        last one and gets its successor, which starts once it finished)."""
+        holders = [w for w, s in self._workers.items() if any(i in self.alone for i in s.queue)]
+        if holders and holders != [worker]:
+            return -1  # the run is another worker's test's alone
+        if not self._alone and not self._alone_groups:
+            return None
+        if not holders and any(len(s.queue) > 1 for s in self._workers.values()):
+            return -1  # draining: nothing else starts; handed out once no worker runs a test
+        own = [m[0] for g, m in self._alone_groups.items() if self._bound.get(g) == worker]
+        if own:
+            return own[0]  # a group that runs alone, back to back, in collection order
+        first = [(self._rank(i), i) for i in self._alone[:1]]
+        first += [(self._group_rank(m), m[0]) for g, m in self._alone_groups.items() if g not in self._bound]
+        if first:
+            return min(first)[1]
+        return None if holders else -1  # what is left is a group bound to another worker
+
+    def _group_lists(self, group: str) -> dict[str, deque[int]]:
+        """The pending groups ``group`` is among (rule 0's, or the others)."""
+        return self._alone_groups if group in self._alone_group_names else self._groups
+
     def _candidates(self, worker: str, viable: Callable[[Need], bool] | None = None) -> Iterator[int]:
         """Eligible pending tests in priority order (see rule 3), a group by its remaining tests.
 
@@ -290,9 +341,10 @@ class Planner:
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] -= 1
         if job.group is not None:
-            self._groups[job.group].popleft()
-            if not self._groups[job.group]:
-                del self._groups[job.group]
+            groups = self._group_lists(job.group)
+            groups[job.group].popleft()
+            if not groups[job.group]:
+                del groups[job.group]
             self._bound[job.group] = worker
         else:
             for target in self._lists(index):

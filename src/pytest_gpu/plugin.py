@@ -29,6 +29,8 @@ MARKERS = (
     '(e.g. "8GiB"), or whole GPUs; see pytest-gpu\'s README.',
     'distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None): '
     "the test body runs on WORLD_SIZE ranks of a warm pool; see pytest-gpu's README.",
+    "gpu_serial: the test runs alone: no other test of the run meanwhile, and every GPU of the run "
+    "leased exclusively (no other run's tests on them); see pytest-gpu's README.",
 )
 
 
@@ -245,7 +247,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
     for line in auto_lines(config):
         terminalreporter.write_line(line)
-    if summary.quiet(run.broker.crashes):  # the plugin stays inert for CPU-only runs
+    if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
         for line in selection.summary_lines(config):
             terminalreporter.write_line(line)
         return

@@ -95,9 +95,12 @@ class Summary:
             if note:
                 self.notes[note] = self.notes.get(note, 0) + 1
 
-    def quiet(self, crashes: list[CrashRecord]) -> bool:
-        """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing."""
-        return not (self.gpu_tests or self.gpu_skipped or crashes or self.trace_path or self.trace_error)
+    def quiet(self, crashes: list[CrashRecord], grants: int = 0) -> bool:
+        """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing.
+        ``grants``: leases the run's broker granted (fixtures' too, which no test reports)."""
+        return not (
+            self.gpu_tests or self.gpu_skipped or crashes or grants or self.trace_path or self.trace_error
+        )
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [

@@ -11,6 +11,12 @@ tests, and ``-x``/``--maxfail`` last failures then the shortest tests (the devel
 waits for the first failure, not for the end of the run). Without these options: longest
 first, for the shortest makespan.
 
+``gpu_serial`` tests come before all of these, one after another on one worker, while
+the other workers are given nothing (the planner's rule 0): at the start of the run no
+worker runs a test yet, so the drain costs nothing. The worker's next test is handed to
+it with the last of them (xdist starts a test only once its worker holds the next one)
+and starts once that one finished; then every worker gets work again.
+
 A worker that dies gives back what it held: xdist reports the test it was running,
 the rest returns to pending and goes to the other workers (or xdist's replacement). No
 test waits for a dead worker, so the run cannot hang on one.
