@@ -623,7 +623,10 @@ def test_a_bad_hook_result_fails_collection_naming_the_test(gpu_pytester, run_in
     result = run_inner("--gpus", "sim:4x16GiB")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["*pytest-gpu: invalid GPU request"])
-    (line,) = [line for line in result.outlines if line.startswith("test_hooked.py::test_bad: ")]
+    # once in the error, and again in the short summary where pytest does not truncate (CI=true)
+    lines = {line for line in result.outlines if line.startswith("test_hooked.py::test_bad: ")}
+    assert len(lines) == 1, lines
+    (line,) = lines
     assert line.startswith(f"test_hooked.py::test_bad: {message}"), line
     if returned == "int('x')":  # where the hook raised
         assert line.endswith(f"{gpu_pytester.path / 'conftest.py'}:3)"), line

@@ -393,7 +393,7 @@ def test_the_marker_map_and_the_hook_do_not_shrink_a_serial_tests_lease(
 ) -> None:
     gpu_pytester.makeini("[pytest]\nmarkers =\n    large: big\ngpu_marker_map =\n    large: count=1 memory=1GiB\n")
     gpu_pytester.makeconftest(HOOK)
-    gpu_pytester.makepyfile(test_conventions=CONVENTIONS)
+    gpu_pytester.makepyfile(test_serial_conventions=CONVENTIONS)
     result = run_inner("--gpus", "sim:2x16GiB", "--strict-markers")
     result.assert_outcomes(passed=2)
 

@@ -485,6 +485,12 @@ def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domai
         b, _ = new_link(links, domain, {"U": 16 * GiB})
         monkeypatch.setattr(links_module, "CALL_TIMEOUT_S", 0.5)
         leader.send_signal(signal.SIGSTOP)
+        import psutil
+
+        deadline = time.monotonic() + 10
+        while psutil.Process(leader.pid).status() != psutil.STATUS_STOPPED:  # the stop lands asynchronously
+            assert time.monotonic() < deadline, "the arbiter's process did not stop"
+            time.sleep(0.01)
         with pytest.raises(MachineError, match=r"did not answer 'submit' within 0.5s"):
             b.submit("c0/k0", "c0", "gw0", "t::b", shared(GiB), ["U"])
     finally:
