@@ -405,7 +405,14 @@ def _requests(gpu_pytester, run_inner, *args: str) -> dict[str, dict | None]:
 
 
 def _req(count: int = 1, memory: int | None = None, exclusive: bool = True, min_memory: int | None = None) -> dict:
-    return {"count": count, "memory": memory, "exclusive": exclusive, "min_memory": min_memory}
+    return {
+        "count": count,
+        "memory": memory,
+        "exclusive": exclusive,
+        "min_memory": min_memory,
+        "cpus": 0,
+        "host_memory": 0,
+    }
 
 
 def test_precedence_marker_then_hook_then_map_then_fixture_default(gpu_pytester, run_inner):

@@ -149,7 +149,13 @@ def test_marker_forms_and_closest_marker_wins(gpu_pytester, run_inner, default_m
 
 def test_marker_is_registered(run_inner):
     result = run_inner("--markers")
-    result.stdout.fnmatch_lines(["@pytest.mark.gpu(count=1, memory=None, exclusive=False): the test needs COUNT GPUs*"])
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.gpu(count=1, memory=None, exclusive=False, cpus=None, host_memory=None): "
+            "the test needs COUNT GPUs*"
+        ]
+    )
+    result.stdout.fnmatch_lines(["@pytest.mark.host(cpus=None, host_memory=None): the test leases CPUS CPUs*"])
 
 
 SKIPPED = """

@@ -3,6 +3,7 @@
 Layers (each uses only those above it):
 
     requests      what a test asks for (pure)
+    host          the machine's CPUs and RAM as leases, thread counts that follow cpus=
     sim/          simulated GPUs as strict as CUDA and NVML: spec, ledger (the test
                   "physics"), cuda (a process's runtime), nvml (a fake libnvidia-ml.so.1),
                   torch_cuda (torch.cuda for the CPU build), fake (the PYTEST_GPU_FAKE_GPUS switch)

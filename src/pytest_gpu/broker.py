@@ -56,6 +56,7 @@ from typing import Any
 
 from .machine.arbiter import Event
 from .machine.link import MachineLink
+from .machine.wire import request_from_wire
 from .placement import Policy
 from .ports import DEFAULT_RANGE, PortPool
 from .requests import GpuRequest, format_size
@@ -126,6 +127,7 @@ class Broker:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         link: MachineLink | None = None,
         uuids: dict[int, str] | None = None,
+        host: tuple[int, int] | None = None,
     ) -> None:
         self.policy = policy or Policy()
         self.link = link if link is not None else MachineLink(None, self.policy)
@@ -133,6 +135,7 @@ class Broker:
         self.uuids = {i: (uuids or {}).get(i) or f"private-{i}" for i in self.capacities}
         self._index = {uuid: i for i, uuid in self.uuids.items()}
         self._gpu_list = list(self.uuids.values())
+        self.host = host  # this run's view of the machine's CPUs and RAM (see pytest_gpu.host)
         self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
@@ -192,11 +195,13 @@ class Broker:
     # -- the machine ------------------------------------------------------------------
 
     def _machine(self) -> MachineLink:
-        """The link, attached on first use: a CPU-only run never joins the machine."""
+        """The link, attached on first use: a CPU-only run that leases nothing never joins the machine."""
         if not self._attached:
             with self._lock:
                 if not self._attached:
-                    self.link.attach({self.uuids[i]: c for i, c in self.capacities.items()}, self._on_events)
+                    self.link.attach(
+                        {self.uuids[i]: c for i, c in self.capacities.items()}, self._on_events, host=self.host
+                    )
                     self._attached = True
         return self.link
 
@@ -510,8 +515,7 @@ class Broker:
         shape = tuple(body["request"])
         request = self._requests.get(shape)
         if request is None:  # a suite asks for a handful of shapes: build each once
-            count, memory, exclusive, min_memory = shape
-            request = GpuRequest(count=count, memory=memory, exclusive=exclusive, min_memory=min_memory)
+            request = request_from_wire(shape)  # (count, memory, exclusive, min_memory[, cpus, host_memory])
             if len(self._requests) < 4096:
                 self._requests[shape] = request
         key = f"{info.client}/{body['key']}"
@@ -635,6 +639,13 @@ def describe_holders(holders: list[dict[str, Any]]) -> str:
         return "no test held a GPU at that moment"
     parts = []
     for row in holders:
-        each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
-        parts.append(f"{row['test']} ({row['worker']}: GPU {','.join(map(str, row['gpus']))}, {each})")
+        held = []
+        if row["gpus"]:
+            each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
+            held.append(f"GPU {','.join(map(str, row['gpus']))}, {each}")
+        if row.get("cpus"):
+            held.append(f"{row['cpus']} CPUs")
+        if row.get("host_memory"):
+            held.append(f"{format_size(row['host_memory'])} of host memory")
+        parts.append(f"{row['test']} ({row['worker']}: {', '.join(held)})")
     return "held by " + "; ".join(parts)

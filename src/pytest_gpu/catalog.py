@@ -44,7 +44,8 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
         if spec is not None:
             entry["p"] = repr(spec.pool_key)
             request = spec.gpu_request(run.settings.default_memory) or request  # the pool's GPUs, if any
-        if request is not None and run.never_fits(request) is None:  # one that never fits is skipped
+        # one that never fits is skipped; one of host resources only is CPU work to the scheduler
+        if request is not None and request.count and run.never_fits(request) is None:
             entry["n"] = request.count
             entry["m"] = request.memory
         if item.nodeid in groups:

@@ -12,6 +12,7 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from .broker import describe_holders
+from .machine.wire import request_to_wire
 from .requests import GpuRequest
 
 
@@ -191,7 +192,7 @@ class BrokerClient:
             "acquire",
             {
                 "key": key,
-                "request": (request.count, request.memory, request.exclusive, request.min_memory),
+                "request": tuple(request_to_wire(request)),  # 4 fields, or 6 with a host part
                 "test": test,
             },
         )

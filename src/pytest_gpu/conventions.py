@@ -20,17 +20,21 @@ from typing import Any
 
 import pytest
 
-from .requests import DefaultMemory, GpuRequestError, build_request
+from .requests import HOST_KWARGS, DefaultMemory, GpuRequest, GpuRequestError, build_host_request, build_request
 
 MAP_INI = "gpu_marker_map"
 MAP_FORM = (
     "one 'MARKER: KEY=VALUE ...' per line with keys count, memory, exclusive (or the bare word "
-    "exclusive), such as 'multi_gpu: count=2 memory=8GiB' or 'large: exclusive'; "
+    "exclusive), cpus, host_memory, such as 'multi_gpu: count=2 memory=8GiB', 'large: exclusive' or "
+    "'loader: cpus=4 host_memory=16GiB' (only cpus/host_memory: no GPU); "
     "'MARKER:' alone means one GPU with the default memory"
 )
 HOOK = "pytest_gpu_item_request"
-HOOK_FORM = 'None or a dict of gpu marker keywords such as {"count": 2, "memory": "8GiB", "exclusive": False}'
-_KEYS = ("count", "memory", "exclusive")
+HOOK_FORM = (
+    'None or a dict of gpu marker keywords such as {"count": 2, "memory": "8GiB", "exclusive": False, "cpus": 4} '
+    '(only "cpus"/"host_memory": no GPU, as the host marker)'
+)
+_KEYS = ("count", "memory", "exclusive", "cpus", "host_memory")
 # markers pytest-gpu reads itself: mapping them would be a second meaning for the same name
 _OWN_MARKERS = ("gpu", "distributed")
 # structural checks only, before the run's --gpu-default-memory is known
@@ -51,7 +55,8 @@ def parse_marker_map(lines: Sequence[str], default: DefaultMemory | None = None)
     ``MARKER: PART ...`` where MARKER is a Python identifier (not ``gpu`` nor ``distributed``)
     and each PART, separated by spaces or commas, is ``count=N`` (a positive int),
     ``memory=SIZE`` (as the marker's: ``8GiB``, ``512MiB``, ``8GB``, bytes), ``exclusive``
-    (alone, or ``exclusive=true``/``false``); a value may be quoted. No part at all is a
+    (alone, or ``exclusive=true``/``false``), ``cpus=N`` and ``host_memory=SIZE`` (host
+    resources; with only these two, no GPU, as the ``host`` marker); a value may be quoted. No part at all is a
     bare ``@pytest.mark.gpu``. Each marker and each key at most once.
 
     ``default`` (the run's ``--gpu-default-memory``) also checks what depends on it
@@ -78,11 +83,19 @@ def parse_marker_map(lines: Sequence[str], default: DefaultMemory | None = None)
                 raise _error(raw, f"{key} given twice")
             kwargs[key] = value
         try:
-            build_request((), kwargs, default or _ANY_DEFAULT, what=f"marker {name!r}", form=MAP_FORM)
+            convention_request(kwargs, default or _ANY_DEFAULT, what=f"marker {name!r}", form=MAP_FORM)
         except GpuRequestError as exc:
             raise _error(raw, str(exc)) from None
         mapping[name] = kwargs
     return mapping
+
+
+def convention_request(kwargs: Mapping[str, Any], default: DefaultMemory, *, what: str, form: str) -> GpuRequest:
+    """The request of a map line's or the hook's keywords: a ``gpu`` marker's, except that
+    host keywords alone (``cpus``, ``host_memory``) ask for no GPU, as the ``host`` marker."""
+    if kwargs and set(kwargs) <= set(HOST_KWARGS):
+        return build_host_request((), kwargs, what=what, form=form)
+    return build_request((), kwargs, default, what=what, form=form)
 
 
 def _part(raw: str, part: str) -> tuple[str, Any]:
@@ -94,9 +107,9 @@ def _part(raw: str, part: str) -> tuple[str, Any]:
         raise _error(raw, f"{part!r} is neither KEY=VALUE nor exclusive")
     if key not in _KEYS:
         raise _error(raw, f"unknown key {key!r}")
-    if key == "count":
+    if key in ("count", "cpus"):
         if not re.fullmatch(r"[+-]?\d+", value):
-            raise _error(raw, f"count must be a positive int, got {value!r}")
+            raise _error(raw, f"{key} must be a positive int, got {value!r}")
         return key, int(value)
     if key == "exclusive":
         if value.lower() not in ("true", "false"):

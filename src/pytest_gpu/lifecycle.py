@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .gpu.verification import Verdict
-from .requests import GpuRequest, GpuRequestError, build_request, format_size, learned
+from .requests import (
+    GpuRequest,
+    GpuRequestError,
+    build_host_request,
+    build_request,
+    format_size,
+    learned,
+    with_host,
+)
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -22,6 +30,7 @@ REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
 STATE_KEY = pytest.StashKey["TestState"]()
 RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
+HOST_MARKER = "host"  # CPUs and RAM, with or without GPUs: see pytest_gpu.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
 ALONE_KEY = pytest.StashKey[bool]()  # the test has a gpu_serial marker (set at collection)
 
@@ -72,13 +81,25 @@ class TestState:
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     """The test's request, from the first of: its closest ``gpu`` marker, the
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
-    for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`).
+    for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`); with the CPUs and RAM of
+    its closest ``host`` marker added (a test with only that one asks for no GPU).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
 
     Raises :class:`GpuRequestError` naming the test and the expected form.
     """
-    from .conventions import item_kwargs
+    request = _gpu_request(item, run)
+    host = item.get_closest_marker(HOST_MARKER)
+    if host is None:
+        return request
+    try:
+        return with_host(request, build_host_request(host.args, host.kwargs), f"{HOST_MARKER} marker")
+    except GpuRequestError as exc:
+        raise GpuRequestError(f"{item.nodeid}: {exc}") from None
+
+
+def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
+    from .conventions import convention_request, item_kwargs
 
     if item.get_closest_marker(SERIAL_MARKER) is not None:
         return alone_request(item, run)
@@ -90,7 +111,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
             named = "memory" in marker.kwargs or "exclusive" in marker.kwargs
         elif (convention := item_kwargs(item, run.settings.default_memory)) is not None:
             kwargs, what, form = convention
-            request = build_request((), kwargs, run.settings.default_memory, what=what, form=form)
+            request = convention_request(kwargs, run.settings.default_memory, what=what, form=form)
             named = "memory" in kwargs or "exclusive" in kwargs
         elif "gpu" in getattr(item, "fixturenames", ()):
             request = build_request((), {}, run.settings.default_memory, what="gpu fixture")
@@ -101,7 +122,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
     usable = run.usable_memory
     peak = run.learned_peaks.get(item.nodeid)
-    if run.settings.learn and not named and peak is not None and usable > 0:
+    if run.settings.learn and request.count and not named and peak is not None and usable > 0:
         request = learned(request, peak, usable)
     if run.inventory.devices and request.memory is not None:
         if request.memory > usable:

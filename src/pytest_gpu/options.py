@@ -53,6 +53,20 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "-n auto: at most this many workers per GPU (a positive whole number), or 'none' for no cap.",
     ),
     (
+        "--gpu-host-cpus",
+        "gpu_host_cpus",
+        "auto",
+        "CPUs the machine has for tests' cpus= leases: 'auto' (this process's CPU affinity) or a positive "
+        "whole number; the first run attached to the machine's arbiter declares it for all.",
+    ),
+    (
+        "--gpu-host-memory",
+        "gpu_host_memory",
+        "auto",
+        "RAM the machine has for tests' host_memory= leases: 'auto' (total RAM less 10%, at least 1GiB, "
+        "kept back) or a size such as 64GiB; the first run attached to the machine's arbiter declares it for all.",
+    ),
+    (
         "--gpu-port-range",
         "gpu_port_range",
         f"{DEFAULT_RANGE[0]}-{DEFAULT_RANGE[1]}",
@@ -173,6 +187,8 @@ class Settings:
     schedule: bool = True
     trace: str = ""
     workers_per_gpu: int | None = None  # -n auto's cap (the controller reads it; not sent to workers)
+    host_cpus: int | None = None  # the machine's CPUs for cpus= leases (None: measured, see pytest_gpu.host)
+    host_memory: int | None = None  # the machine's RAM for host_memory= leases (None: measured)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -188,6 +204,7 @@ class Settings:
             "learn": self.learn,
             "schedule": self.schedule,
             "ray": [self.ray_address, self.ray_start_timeout],
+            "host": [self.host_cpus, self.host_memory],
         }
 
     @classmethod
@@ -209,6 +226,8 @@ class Settings:
             schedule=bool(data.get("schedule", True)),
             ray_address=str(data.get("ray", ["", 60.0])[0]),
             ray_start_timeout=float(data.get("ray", ["", 60.0])[1]),
+            host_cpus=data.get("host", [None, None])[0],
+            host_memory=data.get("host", [None, None])[1],
         )
 
 
@@ -269,7 +288,32 @@ def read(config: pytest.Config) -> Settings:
         schedule=_choice(config, "gpu_schedule", ("on", "off")) == "on",
         trace=_trace_path(config),
         workers_per_gpu=_workers_per_gpu(config),
+        host_cpus=_host_cpus(config),
+        host_memory=_host_memory(config),
     )
+
+
+def _host_cpus(config: pytest.Config) -> int | None:
+    text, where = _value(config, "gpu_host_cpus")
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) <= 0:
+        raise pytest.UsageError(f"{where}: expected 'auto' or a positive whole number of CPUs, got {text!r}")
+    return int(value)
+
+
+def _host_memory(config: pytest.Config) -> int | None:
+    text, where = _value(config, "gpu_host_memory")
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        size = parse_size(text.strip())
+    except SizeError as exc:
+        raise pytest.UsageError(f"{where}: expected 'auto' or a size; {exc}") from None
+    if size <= 0:
+        raise pytest.UsageError(f"{where}: expected 'auto' or a positive size, got {text!r}")
+    return size
 
 
 def _trace_path(config: pytest.Config) -> str:

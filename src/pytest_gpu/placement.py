@@ -15,6 +15,12 @@ new context is opened on a GPU only while that GPU's contexts stay within the
 that could never be placed within it is placed by capacity alone, so it bounds the
 growth of contexts with workers x GPUs without ever deadlocking a request.
 
+Host resources: a request's ``cpus`` and ``host_memory`` come from the machine's CPUs and
+RAM (:class:`HostState`), granted together with its GPUs or not at all: a request is
+placed only when both its GPU part and its host part fit, so the fairness rule below
+covers host resources unchanged. A pool that was never told the machine's host capacity
+(:meth:`Pool.set_host`) does not limit them.
+
 Fairness: waiting requests are served in arrival order; a later request may be granted
 before an earlier one (backfill) only while that earlier one has been overtaken fewer
 than ``max_bypass`` times. So **every request is overtaken by at most ``max_bypass``
@@ -50,6 +56,31 @@ class GpuState:
         return self.capacity - self.foreign - self.leased - contexts * overhead
 
 
+@dataclass
+class HostState:
+    """The broker's book for the machine's CPUs and RAM."""
+
+    cpus: int
+    memory: int
+    leased_cpus: int = 0
+    leased_memory: int = 0
+
+    def fits(self, request: GpuRequest) -> bool:
+        return self.leased_cpus + request.cpus <= self.cpus and self.leased_memory + request.host_memory <= self.memory
+
+    def never_fits(self, request: GpuRequest) -> str | None:
+        """Why the host part of ``request`` exceeds the machine itself, or ``None``."""
+        over = []
+        if request.cpus > self.cpus:
+            over.append(f"{request.cpus} CPUs but the machine has {self.cpus} (expected cpus= at most {self.cpus})")
+        if request.host_memory > self.memory:
+            over.append(
+                f"{format_size(request.host_memory)} of host memory but the machine can lease "
+                f"{format_size(self.memory)} (expected host_memory= at most that)"
+            )
+        return ("needs " + "; and ".join(over)) if over else None
+
+
 @dataclass(frozen=True)
 class Placement:
     """GPUs granted to a request, and the memory each one gives it."""
@@ -79,9 +110,15 @@ def place(
     *,
     within_budget: bool = True,
     allowed: frozenset[int] | None = None,
+    host: HostState | None = None,
 ) -> Placement | None:
     """Choose GPUs for ``request`` from ``client``, or ``None`` if it does not fit now;
-    ``allowed``: the GPUs the client's run can see (default: all)."""
+    ``allowed``: the GPUs the client's run can see (default: all); ``host``: the machine's
+    CPUs and RAM, which must hold the request's host part too (``None``: not limited)."""
+    if host is not None and request.host and not host.fits(request):
+        return None
+    if request.count == 0:  # host resources only
+        return Placement((), 0, False)
     fits: list[tuple[tuple[int, int, int, int, int], GpuState, int]] = []
     for gpu in gpus:
         if allowed is not None and gpu.index not in allowed:
@@ -151,6 +188,7 @@ class Pool:
     def __init__(self, capacities: dict[int, int], policy: Policy | None = None) -> None:
         self.policy = policy or Policy()
         self.gpus: dict[int, GpuState] = {i: GpuState(i, c) for i, c in sorted(capacities.items())}
+        self.host: HostState | None = None  # the machine's CPUs and RAM, once told (set_host)
         self.leases: dict[str, Lease] = {}
         self.queue: list[Waiting] = []
         # clients whose contexts are going away (their process is exiting): they count
@@ -177,6 +215,10 @@ class Pool:
         return self._never_fits_cache[shape]
 
     def _never_fits(self, request: GpuRequest, allowed: frozenset[int] | None) -> str | None:
+        if self.host is not None and request.host:
+            reason = self.host.never_fits(request)
+            if reason:
+                return reason
         empty = [GpuState(g.index, g.capacity) for g in self.gpus.values() if allowed is None or g.index in allowed]
         if place(empty, request, "?", self.policy, within_budget=False) is None:
             sizes = ", ".join(format_size(g.capacity) for g in empty) or "none"
@@ -194,6 +236,12 @@ class Pool:
             self._never_fits_cache.clear()
             self._forever_cache.clear()
             self._budget_cache.clear()
+
+    def set_host(self, cpus: int, memory: int) -> None:
+        """The machine's CPUs and bytes of RAM that leases may promise; what is leased stays."""
+        leased = (self.host.leased_cpus, self.host.leased_memory) if self.host is not None else (0, 0)
+        self.host = HostState(cpus, memory, *leased)
+        self._never_fits_cache.clear()
 
     def set_foreign(self, usage: dict[int, int]) -> None:
         """What processes outside pytest-gpu use on each GPU now (missing GPUs: nothing)."""
@@ -270,6 +318,9 @@ class Pool:
         lease = self.leases.pop(key, None)
         if lease is None:
             return []
+        if self.host is not None:
+            self.host.leased_cpus -= lease.request.cpus
+            self.host.leased_memory -= lease.request.host_memory
         for index in lease.placement.indices:
             gpu = self.gpus[index]
             gpu.tenants -= 1
@@ -314,8 +365,12 @@ class Pool:
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
-            placement = place(self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed)
-            if placement is None and self.blocked_within_budget(waiting):
+            host = self.host
+            placement = place(
+                self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed, host=host
+            )
+            host_fits = host is None or host.fits(waiting.request)
+            if placement is None and host_fits and self.blocked_within_budget(waiting):
                 placement = place(
                     self.gpus.values(),
                     waiting.request,
@@ -323,6 +378,7 @@ class Pool:
                     self.policy,
                     within_budget=False,
                     allowed=waiting.allowed,
+                    host=host,
                 )
             if placement is None:
                 if not waiting.foreign_blocked and self._fits_without_foreign(waiting):
@@ -354,7 +410,15 @@ class Pool:
     def _fits_without_foreign(self, waiting: Waiting) -> bool:
         clean = self._without_foreign()
         return clean is not None and (
-            place(clean, waiting.request, waiting.client, self.policy, within_budget=False, allowed=waiting.allowed)
+            place(
+                clean,
+                waiting.request,
+                waiting.client,
+                self.policy,
+                within_budget=False,
+                allowed=waiting.allowed,
+                host=self.host,
+            )
             is not None
         )
 
@@ -382,6 +446,9 @@ class Pool:
 
     def _grant(self, waiting: Waiting, placement: Placement) -> Lease:
         self._forget(waiting.key)
+        if self.host is not None:
+            self.host.leased_cpus += waiting.request.cpus
+            self.host.leased_memory += waiting.request.host_memory
         for index in placement.indices:
             gpu = self.gpus[index]
             gpu.tenants += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 _UNITS: dict[str, int] = {
@@ -87,12 +87,36 @@ class GpuRequest:
     memory: int | None = None
     exclusive: bool = True
     min_memory: int | None = None
+    # host resources leased with the GPUs (see :mod:`pytest_gpu.host`): CPUs and bytes of RAM;
+    # a host-only request (a CPU test's ``host`` marker) has ``count=0``, ``memory=0``
+    cpus: int = 0
+    host_memory: int = 0
 
     def __post_init__(self) -> None:
         if self.min_memory is not None and not self.exclusive:
             raise ValueError("GpuRequest: min_memory is for exclusive requests; a shared one gives memory")
+        if self.count == 0 and (self.exclusive or self.memory):
+            raise ValueError("GpuRequest: a request for no GPU (count=0) is shared and has memory=0")
+
+    @property
+    def host(self) -> bool:
+        """Whether the request leases host resources (CPUs or RAM) too."""
+        return bool(self.cpus or self.host_memory)
+
+    def describe_host(self) -> str:
+        parts = []
+        if self.cpus:
+            parts.append(f"{self.cpus} CPU{'' if self.cpus == 1 else 's'}")
+        if self.host_memory:
+            parts.append(f"{format_size(self.host_memory)} of host memory")
+        return " and ".join(parts)
 
     def describe(self) -> str:
+        gpus = self._describe_gpus() if self.count else ""
+        host = self.describe_host()
+        return " with ".join(part for part in (gpus, host) if part) or "nothing"
+
+    def _describe_gpus(self) -> str:
         if not self.exclusive:
             each = format_size(self.memory or 0)
         elif self.min_memory is not None:
@@ -129,11 +153,50 @@ def learned(request: GpuRequest, peak: int, usable: int) -> GpuRequest:
     """``--gpu-learn``: a request that named no memory gets ``max(1.25 x peak, 256MiB)``
     per GPU (shared), at most what a GPU can give."""
     memory = min(max(int(LEARN_FACTOR * peak), LEARN_FLOOR), usable)
-    return GpuRequest(count=request.count, memory=memory, exclusive=False)
+    return replace(request, memory=memory, exclusive=False, min_memory=None)
 
 
-GPU_MARKER_FORM = '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
-_GPU_KWARGS = ("count", "memory", "exclusive")
+GPU_MARKER_FORM = (
+    '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False, '
+    'cpus=4, host_memory="16GiB")'
+)
+HOST_KWARGS = ("cpus", "host_memory")
+_GPU_KWARGS = ("count", "memory", "exclusive", *HOST_KWARGS)
+HOST_MARKER_FORM = (
+    '@pytest.mark.host(cpus=2), @pytest.mark.host(host_memory="8GiB") or @pytest.mark.host(cpus=2, host_memory="8GiB")'
+)
+
+
+def host_part(kwargs: Mapping[str, Any], what: str, form: str) -> tuple[int, int]:
+    """``(cpus, host_memory)`` from request keywords (0: not asked); raises :class:`GpuRequestError`."""
+    cpus = kwargs.get("cpus", 0)
+    if "cpus" in kwargs and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus <= 0):
+        raise GpuRequestError(f"{what}: cpus must be a positive int (CPUs to lease), got {cpus!r}; expected {form}")
+    host_memory = 0
+    if "host_memory" in kwargs:
+        value = kwargs["host_memory"]
+        try:
+            host_memory = parse_size(value)
+        except SizeError as exc:
+            raise GpuRequestError(f"{what}: host_memory={value!r} is not a size: {exc}; expected {form}") from None
+        if host_memory <= 0:
+            raise GpuRequestError(f"{what}: host_memory must be positive, got {value!r}; expected {form}")
+    return cpus, host_memory
+
+
+def build_host_request(
+    args: Sequence[Any], kwargs: Mapping[str, Any], *, what: str = "host marker", form: str = HOST_MARKER_FORM
+) -> GpuRequest:
+    """A ``host`` marker's arguments as a request for no GPU, only CPUs and RAM (``count=0``)."""
+    unknown = sorted(set(kwargs) - set(HOST_KWARGS))
+    if unknown:
+        raise GpuRequestError(f"{what}: unknown keyword {', '.join(map(repr, unknown))}; expected {form}")
+    if args:
+        raise GpuRequestError(f"{what}: takes keywords only, got positional {tuple(args)!r}; expected {form}")
+    if not kwargs:
+        raise GpuRequestError(f"{what}: asks for nothing; expected {form}")
+    cpus, host_memory = host_part(kwargs, what, form)
+    return GpuRequest(count=0, memory=0, exclusive=False, cpus=cpus, host_memory=host_memory)
 
 
 def build_request(
@@ -163,8 +226,10 @@ def build_request(
         raise GpuRequestError(f"{what}: exclusive must be True or False, got {exclusive!r}")
     memory_arg = kwargs.get("memory")
     memory = None if memory_arg is None else _memory(memory_arg, what)
+    cpus, host_memory = host_part(kwargs, what, form)
+    host = {"cpus": cpus, "host_memory": host_memory}
     if exclusive:  # with memory: only a GPU that can give at least that much, still whole
-        return GpuRequest(count=count, memory=None, exclusive=True, min_memory=memory)
+        return GpuRequest(count=count, memory=None, exclusive=True, min_memory=memory, **host)
     if memory is None:
         if default.exclusive:
             if "exclusive" in kwargs:  # exclusive=False said out loud, but no size to share with
@@ -172,9 +237,23 @@ def build_request(
                     f"{what}: exclusive=False needs memory= (the default memory is 'exclusive', "
                     'see --gpu-default-memory); expected e.g. memory="8GiB", exclusive=False'
                 )
-            return GpuRequest(count=count, memory=None, exclusive=True)
-        return GpuRequest(count=count, memory=default.memory, exclusive=False)
-    return GpuRequest(count=count, memory=memory, exclusive=False)
+            return GpuRequest(count=count, memory=None, exclusive=True, **host)
+        return GpuRequest(count=count, memory=default.memory, exclusive=False, **host)
+    return GpuRequest(count=count, memory=memory, exclusive=False, **host)
+
+
+def with_host(request: GpuRequest | None, host: GpuRequest, what: str) -> GpuRequest:
+    """``request`` (a GPU request, or none) with the host part of ``host`` (a ``host`` marker's).
+
+    Raises :class:`GpuRequestError` when both name the same resource."""
+    if request is None:
+        return host
+    twice = [k for k in HOST_KWARGS if getattr(request, k) and getattr(host, k)]
+    if twice:
+        raise GpuRequestError(
+            f"{what}: {', '.join(twice)} given both in the GPU request and in the host marker; give it once"
+        )
+    return replace(request, cpus=request.cpus or host.cpus, host_memory=request.host_memory or host.host_memory)
 
 
 def _memory(value: Any, what: str) -> int:

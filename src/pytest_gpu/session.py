@@ -22,6 +22,7 @@ from .gpu import runtime
 from .gpu.devices import Inventory
 from .gpu.isolation import Confinement, GpuLease, confine, make_lease
 from .gpu.verification import NvmlVerifier, SimVerifier, Verdict
+from .host import HostCapacity, confine_threads
 from .options import Settings
 from .requests import GpuRequest, format_size
 
@@ -39,10 +40,26 @@ class ActiveLease:
 
     lease: GpuLease
     confinement: Confinement
-    verifier: SimVerifier | NvmlVerifier
+    verifier: SimVerifier | NvmlVerifier | None  # None: a lease of host resources only
     asked: float = 0.0  # wall-clock times, for the run's timeline
     granted: float = 0.0
     released: float = 0.0  # stamped before the release is sent: a waiter may be granted at once
+
+
+def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
+    """The ``gpu``-fixture-shaped value of a lease of host resources only (no GPU)."""
+    return GpuLease(
+        key=key,
+        indices=(),
+        uuids=(),
+        memory=0,
+        exclusive=False,
+        device="",
+        visible_devices="",
+        env={},
+        waited=waited,
+        simulated=simulated,
+    )
 
 
 def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
@@ -113,13 +130,14 @@ class GpuRun:
     _keys: itertools.count = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
+    _host: HostCapacity | None = None
 
     # -- construction ---------------------------------------------------------------
 
     @classmethod
     def start(cls, settings: Settings, worker: str = "main") -> GpuRun:
         """Controller or single process: discover, make the run directory, start the broker."""
-        from . import rundir
+        from . import host, rundir
         from .broker import Broker
         from .gpu.devices import discover
         from .launched.detect import detect
@@ -142,6 +160,7 @@ class GpuRun:
             settings.port_range,
             link=machine_link(inventory, policy),
             uuids=machine_names(inventory, launch.local_rank if launch else 0),
+            host=host.capacity(settings.host_cpus, settings.host_memory).to_wire(),
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
@@ -251,8 +270,23 @@ class GpuRun:
             return 0
         return max(d.capacity for d in self.inventory.devices) - self.settings.context_overhead
 
+    @property
+    def host(self) -> HostCapacity:
+        """The machine's CPUs and RAM as this run sees them (see :mod:`pytest_gpu.host`)."""
+        if self._host is None:
+            from .host import capacity
+
+            self._host = capacity(self.settings.host_cpus, self.settings.host_memory)
+        return self._host
+
     def never_fits(self, request: GpuRequest) -> str | None:
-        """Why this inventory can never satisfy ``request``, or ``None``."""
+        """Why this inventory (and machine) can never satisfy ``request``, or ``None``."""
+        if request.host:
+            from .placement import HostState
+
+            reason = HostState(self.host.cpus, self.host.memory).never_fits(request)
+            if reason is not None:
+                return reason
         if request.count > len(self.inventory.devices):  # also: no GPUs at all
             return f"needs {request.describe()} but this run has {self.inventory.describe()}"
         usable = self.usable_memory
@@ -280,17 +314,28 @@ class GpuRun:
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
-            verifier: SimVerifier | NvmlVerifier = (
-                SimVerifier()
-                if self.inventory.simulated
-                else NvmlVerifier(self.inventory, self.settings.context_overhead)
-            )
-            lease = make_lease(
-                grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
-            )
-            if self.settings.verify != "off":
-                verifier.begin(lease, os.getpid())
-            confinement = confine(lease, self.inventory)
+            verifier: SimVerifier | NvmlVerifier | None = None
+            if grant.indices:
+                verifier = (
+                    SimVerifier()
+                    if self.inventory.simulated
+                    else NvmlVerifier(self.inventory, self.settings.context_overhead)
+                )
+                lease = make_lease(
+                    grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
+                )
+                if self.settings.verify != "off":
+                    verifier.begin(lease, os.getpid())
+                confinement = confine(lease, self.inventory)
+            else:  # host resources only: no GPU to confine to or to verify
+                lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
+                confinement = Confinement()
+            if request.cpus:
+                try:
+                    confine_threads(request.cpus, confinement)
+                except BaseException:
+                    confinement.undo()
+                    raise
         except BaseException:
             self.client.release(grant.key)
             raise
@@ -301,7 +346,7 @@ class GpuRun:
         leases of the same test held (their usage is theirs)."""
         try:
             active.confinement.undo()
-            if self.settings.verify == "off":
+            if self.settings.verify == "off" or active.verifier is None:
                 verdict = Verdict()
             else:
                 verdict = active.verifier.end(active.lease, others)

@@ -13,6 +13,10 @@ Keys and clients are prefixed with the run's id.
 Events (a grant or refusal of a request that waited) go to the run's ``sink``, called
 after the arbiter's lock is released, never under it: a sink may take its broker's lock.
 
+Host resources: the machine's CPUs and RAM (see :mod:`pytest_gpu.host`) are in the same
+pool, told by the first run that attaches (``host=(cpus, bytes)``); later runs' views are
+ignored, so every run leases from one account of them.
+
 Foreign usage: ``foreign(uuids, roots, accounted)`` (see :mod:`pytest_gpu.gpu.foreign`)
 says per GPU how many bytes processes outside every attached run use; it is asked before grants,
 at most every ``foreign_ttl`` seconds (NVML has no event for it), and again every
@@ -252,13 +256,17 @@ class Arbiter:
         sink: Sink,
         held: list[Held] = (),  # type: ignore[assignment]
         asked: list[Asked] = (),  # type: ignore[assignment]
+        host: tuple[int, int] | None = None,
     ) -> None:
-        """A run joins with its GPUs (UUID -> capacity); after a failover it brings the
+        """A run joins with its GPUs (UUID -> capacity) and its view of the machine's CPUs
+        and RAM (``host``: the first run's view is kept); after a failover it brings the
         leases it holds (taken over as they were) and the requests it waits on (queued
         again, in their order)."""
         with self._locked() as out:
             self.runs[run] = RunEntry(run, pid, user, label, sink)
             entry = self.runs[run]
+            if host is not None and self.pool.host is None:
+                self.pool.set_host(int(host[0]), int(host[1]))
             for uuid, capacity in gpus.items():
                 self.pool.add_gpu(self._mid(uuid), capacity)
             for lease in held:
@@ -457,6 +465,8 @@ class Arbiter:
                     "gpus": [self._uuids[i] for i in lease.placement.indices],
                     "memory": lease.placement.memory,
                     "exclusive": lease.placement.exclusive,
+                    "cpus": lease.request.cpus,
+                    "host_memory": lease.request.host_memory,
                     "since": entry.since.get(lease.key) if entry else None,
                 }
             )
@@ -503,6 +513,14 @@ class Arbiter:
                     }
                     for i, g in self.pool.gpus.items()
                 ],
+                "host": None
+                if self.pool.host is None
+                else {
+                    "cpus": self.pool.host.cpus,
+                    "memory": self.pool.host.memory,
+                    "leased_cpus": self.pool.host.leased_cpus,
+                    "leased_memory": self.pool.host.leased_memory,
+                },
                 "leases": self._holders_locked(),
                 "waiting": waiting,
                 "grants": self.grants,

@@ -219,6 +219,7 @@ class MachineLink:
         self._lock = threading.RLock()
         self._mlock = threading.Lock()
         self._gpus: dict[str, int] = {}
+        self._host: tuple[int, int] | None = None  # this run's view of the machine's CPUs and RAM
         self._sink: Sink | None = None
         self._arbiter: Arbiter | None = None  # when this run is the arbiter
         self._server: ArbiterServer | None = None
@@ -257,12 +258,13 @@ class MachineLink:
 
     # -- joining ------------------------------------------------------------------------
 
-    def attach(self, gpus: dict[str, int], sink: Sink) -> None:
-        """Join the machine with these GPUs (UUID -> capacity); ``sink`` gets this run's events."""
+    def attach(self, gpus: dict[str, int], sink: Sink, host: tuple[int, int] | None = None) -> None:
+        """Join the machine with these GPUs (UUID -> capacity) and this run's view of its
+        CPUs and RAM (``host``, see :mod:`pytest_gpu.host`); ``sink`` gets this run's events."""
         with self._lock:
             if self._attached:
                 return
-            self._gpus, self._sink = dict(gpus), sink
+            self._gpus, self._sink, self._host = dict(gpus), sink, host
             self._dispatcher = threading.Thread(
                 target=self._dispatch_loop, name="pytest-gpu-machine-events", daemon=True
             )
@@ -272,7 +274,13 @@ class MachineLink:
             if self.domain is None:  # a private pool: this run shares its GPUs with no one
                 self._arbiter = Arbiter(self.policy, self.foreign)
                 self._arbiter.attach(
-                    self.run, pid=os.getpid(), user=_me(), label=self.label, gpus=self._gpus, sink=self._file_events
+                    self.run,
+                    pid=os.getpid(),
+                    user=_me(),
+                    label=self.label,
+                    gpus=self._gpus,
+                    sink=self._file_events,
+                    host=self._host,
                 )
             else:
                 self._join_membership()
@@ -344,6 +352,7 @@ class MachineLink:
             sink=self._file_events,
             held=held,
             asked=asked,
+            host=self._host,
         )
         for client, gpus in contexts.items():
             arbiter.set_contexts(self.run, client, gpus)
@@ -365,6 +374,7 @@ class MachineLink:
             gpus=self._gpus,
             held=[_held_to_wire(h) for h in held],
             asked=[_asked_to_wire(a) for a in asked],
+            **({} if self._host is None else {"host": list(self._host)}),
         )
         for client, gpus in contexts.items():
             remote.call("set_contexts", client=client, contexts=gpus)

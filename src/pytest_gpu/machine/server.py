@@ -45,6 +45,14 @@ def _user(uid: int) -> str:
         return str(uid)
 
 
+def _host(value: Any) -> tuple[int, int] | None:
+    """A run's view of the machine's CPUs and RAM (absent from an older run's attach)."""
+    if value is None:
+        return None
+    cpus, memory = value
+    return int(cpus), int(memory)
+
+
 class ArbiterServer:
     """Serves ``arbiter`` on the abstract Unix socket ``address`` until :meth:`close`."""
 
@@ -256,6 +264,7 @@ class ArbiterServer:
                     )
                     for a in m.get("asked", [])
                 ],
+                host=_host(m.get("host")),
             )
             return True
         run = peer.run

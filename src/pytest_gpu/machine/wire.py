@@ -57,12 +57,28 @@ class FrameReader:
 
 
 def request_to_wire(request: GpuRequest) -> list[Any]:
-    return [request.count, request.memory, request.exclusive, request.min_memory]
+    """``[count, memory, exclusive, min_memory]``, then ``cpus, host_memory`` only when the
+    request leases host resources (what an older peer reads is unchanged otherwise)."""
+    shape = [request.count, request.memory, request.exclusive, request.min_memory]
+    if request.host:
+        shape += [request.cpus, request.host_memory]
+    return shape
 
 
-def request_from_wire(data: list[Any]) -> GpuRequest:
-    count, memory, exclusive, min_memory = data
-    return GpuRequest(count=int(count), memory=memory, exclusive=bool(exclusive), min_memory=min_memory)
+def request_from_wire(data: list[Any] | tuple[Any, ...]) -> GpuRequest:
+    """The inverse of :func:`request_to_wire`: 4 fields (no host part) or 6."""
+    if len(data) not in (4, 6):
+        raise WireError(f"a request has 4 or 6 fields, got {len(data)}")
+    count, memory, exclusive, min_memory = data[:4]
+    cpus, host_memory = data[4:] if len(data) == 6 else (0, 0)
+    return GpuRequest(
+        count=int(count),
+        memory=memory,
+        exclusive=bool(exclusive),
+        min_memory=min_memory,
+        cpus=int(cpus),
+        host_memory=int(host_memory),
+    )
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
