@@ -71,7 +71,7 @@ def test_marker_keywords_build_the_host_part():
 def test_bad_host_values_say_what_was_expected(kwargs, match):
     with pytest.raises(GpuRequestError, match=match) as info:
         build_host_request((), kwargs)
-    assert "expected @pytest.mark.host(" in str(info.value)
+    assert "expected @pytest.mark.host_resources(" in str(info.value)
 
 
 def test_a_resource_named_twice_is_refused():
@@ -226,15 +226,15 @@ def _stamp(name, body):
     with open(os.path.join(OUT, name + ".json"), "w") as f:
         json.dump([start, time.time(), os.environ.get("OMP_NUM_THREADS"), os.environ.get("MKL_NUM_THREADS")], f)
 
-@pytest.mark.host(cpus=2)
+@pytest.mark.host_resources(cpus=2)
 def test_one():
     _stamp("one", lambda: time.sleep(0.6))
 
-@pytest.mark.host(cpus=2, host_memory="64MiB")
+@pytest.mark.host_resources(cpus=2, host_memory="64MiB")
 def test_two():
     _stamp("two", lambda: time.sleep(0.6))
 
-@pytest.mark.host(cpus=1)
+@pytest.mark.host_resources(cpus=1)
 def test_three():
     _stamp("three", lambda: time.sleep(0.6))
 
@@ -269,7 +269,7 @@ OMP_RESTORED = """
 import os, sys
 import pytest
 
-@pytest.mark.host(cpus=3)
+@pytest.mark.host_resources(cpus=3)
 def test_during():
     assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["MKL_NUM_THREADS"] == "3"
     assert "torch" not in sys.modules  # never imported for this
@@ -308,7 +308,7 @@ TORCH_TESTS = """
 import sys
 import pytest
 
-@pytest.mark.host(cpus=2)
+@pytest.mark.host_resources(cpus=2)
 def test_during():
     assert sys.modules["torch"].threads == 2
 
@@ -327,11 +327,11 @@ def test_torch_threads_follow_cpus_when_torch_is_loaded(gpu_pytester, run_inner)
 BAD = """
 import pytest
 
-@pytest.mark.host(cpus=0)
+@pytest.mark.host_resources(cpus=0)
 def test_zero():
     pass
 
-@pytest.mark.host(cpus=-1)
+@pytest.mark.host_resources(cpus=-1)
 def test_negative():
     pass
 
@@ -339,7 +339,7 @@ def test_negative():
 def test_text():
     pass
 
-@pytest.mark.host(cpus=2)
+@pytest.mark.host_resources(cpus=2)
 @pytest.mark.gpu(cpus=2)
 def test_twice():
     pass
@@ -353,11 +353,12 @@ def test_bad_values_fail_collection_naming_the_test(gpu_pytester, run_inner):
     result.stdout.fnmatch_lines(
         [
             "*pytest-gpu: invalid GPU request*",
-            "*test_bad.py::test_zero: host marker: cpus must be a positive int (CPUs to lease), got 0; "
-            "expected @pytest.mark.host(*",
-            "*test_bad.py::test_negative: host marker: cpus must be a positive int*got -1*",
+            "*test_bad.py::test_zero: host_resources marker: cpus must be a positive int (CPUs to lease), got 0; "
+            "expected @pytest.mark.host_resources(*",
+            "*test_bad.py::test_negative: host_resources marker: cpus must be a positive int*got -1*",
             "*test_bad.py::test_text: gpu marker: cpus must be a positive int*got '4'; expected @pytest.mark.gpu*",
-            "*test_bad.py::test_twice: host marker: cpus given both in the GPU request and in the host marker*",
+            "*test_bad.py::test_twice: host_resources marker: cpus given both in the GPU request and in the "
+            "host_resources marker*",
         ]
     )
 
@@ -365,11 +366,11 @@ def test_bad_values_fail_collection_naming_the_test(gpu_pytester, run_inner):
 LARGE = """
 import pytest
 
-@pytest.mark.host(cpus=3)
+@pytest.mark.host_resources(cpus=3)
 def test_large():
     pass
 
-@pytest.mark.host(cpus=2)
+@pytest.mark.host_resources(cpus=2)
 def test_fits():
     pass
 """
@@ -415,7 +416,7 @@ import pytest
 def test_map_host_only():
     pass
 
-@pytest.mark.host(cpus=2, host_memory="1GiB")
+@pytest.mark.host_resources(cpus=2, host_memory="1GiB")
 def test_marker_host_only():
     pass
 
@@ -430,7 +431,7 @@ def test_map_with_gpu():
 def test_marker_with_gpu():
     pass
 
-@pytest.mark.host(cpus=4)
+@pytest.mark.host_resources(cpus=4)
 @pytest.mark.gpu(memory="1GiB")
 def test_both_markers():
     pass

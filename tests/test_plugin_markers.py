@@ -155,7 +155,9 @@ def test_marker_is_registered(run_inner):
             "the test needs COUNT GPUs*"
         ]
     )
-    result.stdout.fnmatch_lines(["@pytest.mark.host(cpus=None, host_memory=None): the test leases CPUS CPUs*"])
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.host_resources(cpus=None, host_memory=None): the test leases CPUS CPUs*"]
+    )
 
 
 SKIPPED = """

@@ -32,7 +32,7 @@ MAP_FORM = (
 HOOK = "pytest_gpu_item_request"
 HOOK_FORM = (
     'None or a dict of gpu marker keywords such as {"count": 2, "memory": "8GiB", "exclusive": False, "cpus": 4} '
-    '(only "cpus"/"host_memory": no GPU, as the host marker)'
+    '(only "cpus"/"host_memory": no GPU, as the host_resources marker)'
 )
 _KEYS = ("count", "memory", "exclusive", "cpus", "host_memory")
 # markers pytest-gpu reads itself: mapping them would be a second meaning for the same name

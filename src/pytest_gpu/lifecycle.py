@@ -30,7 +30,7 @@ REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
 STATE_KEY = pytest.StashKey["TestState"]()
 RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
-HOST_MARKER = "host"  # CPUs and RAM, with or without GPUs: see pytest_gpu.host
+HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
 ALONE_KEY = pytest.StashKey[bool]()  # the test has a gpu_serial marker (set at collection)
 

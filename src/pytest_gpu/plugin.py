@@ -27,8 +27,8 @@ SCHEDULE_KEY = "pytest_gpu_schedule"  # workerinput: the controller uses GpuSche
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False, cpus=None, host_memory=None): the test needs COUNT GPUs "
     'with MEMORY each (e.g. "8GiB"), or whole GPUs, and CPUS CPUs and HOST_MEMORY of RAM; see pytest-gpu\'s README.',
-    'host(cpus=None, host_memory=None): the test leases CPUS CPUs and HOST_MEMORY of RAM (e.g. "8GiB") from the '
-    "machine, with or without GPUs; OMP_NUM_THREADS follows cpus; see pytest-gpu's README.",
+    'host_resources(cpus=None, host_memory=None): the test leases CPUS CPUs and HOST_MEMORY of RAM (e.g. "8GiB") '
+    "from the machine, with or without GPUs; OMP_NUM_THREADS follows cpus; see pytest-gpu's README.",
     'distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None): '
     "the test body runs on WORLD_SIZE ranks of a warm pool; see pytest-gpu's README.",
     "gpu_serial: the test runs alone: no other test of the run meanwhile, and every GPU of the run "

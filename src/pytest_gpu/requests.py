@@ -163,7 +163,8 @@ GPU_MARKER_FORM = (
 HOST_KWARGS = ("cpus", "host_memory")
 _GPU_KWARGS = ("count", "memory", "exclusive", *HOST_KWARGS)
 HOST_MARKER_FORM = (
-    '@pytest.mark.host(cpus=2), @pytest.mark.host(host_memory="8GiB") or @pytest.mark.host(cpus=2, host_memory="8GiB")'
+    '@pytest.mark.host_resources(cpus=2), @pytest.mark.host_resources(host_memory="8GiB") or '
+    '@pytest.mark.host_resources(cpus=2, host_memory="8GiB")'
 )
 
 
@@ -185,7 +186,7 @@ def host_part(kwargs: Mapping[str, Any], what: str, form: str) -> tuple[int, int
 
 
 def build_host_request(
-    args: Sequence[Any], kwargs: Mapping[str, Any], *, what: str = "host marker", form: str = HOST_MARKER_FORM
+    args: Sequence[Any], kwargs: Mapping[str, Any], *, what: str = "host_resources marker", form: str = HOST_MARKER_FORM
 ) -> GpuRequest:
     """A ``host`` marker's arguments as a request for no GPU, only CPUs and RAM (``count=0``)."""
     unknown = sorted(set(kwargs) - set(HOST_KWARGS))
@@ -251,7 +252,7 @@ def with_host(request: GpuRequest | None, host: GpuRequest, what: str) -> GpuReq
     twice = [k for k in HOST_KWARGS if getattr(request, k) and getattr(host, k)]
     if twice:
         raise GpuRequestError(
-            f"{what}: {', '.join(twice)} given both in the GPU request and in the host marker; give it once"
+            f"{what}: {', '.join(twice)} given both in the GPU request and in the host_resources marker; give it once"
         )
     return replace(request, cpus=request.cpus or host.cpus, host_memory=request.host_memory or host.host_memory)
 
