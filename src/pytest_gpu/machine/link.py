@@ -273,15 +273,7 @@ class MachineLink:
                 self.domain = self._domain()
             if self.domain is None:  # a private pool: this run shares its GPUs with no one
                 self._arbiter = Arbiter(self.policy, self.foreign)
-                self._arbiter.attach(
-                    self.run,
-                    pid=os.getpid(),
-                    user=_me(),
-                    label=self.label,
-                    gpus=self._gpus,
-                    sink=self._file_events,
-                    host=self._host,
-                )
+                self._attach_here(self._arbiter)
             else:
                 self._join_membership()
                 self._elect_and_attach(expect=False)
@@ -342,6 +334,12 @@ class MachineLink:
         if expect:
             arbiter.expect(_live_runs(self.domain, self.run))
         self._lock_fd, self._arbiter = fd, arbiter
+        self._attach_here(arbiter)
+        self._server = server.start()
+        return True
+
+    def _attach_here(self, arbiter: Arbiter) -> None:
+        """This run joins the arbiter in its own process, with what it holds and waits for."""
         held, asked, contexts = self._snapshot()
         arbiter.attach(
             self.run,
@@ -356,8 +354,6 @@ class MachineLink:
         )
         for client, gpus in contexts.items():
             arbiter.set_contexts(self.run, client, gpus)
-        self._server = server.start()
-        return True
 
     def _snapshot(self) -> tuple[list[Held], list[Asked], dict[str, list[str]]]:
         with self._mlock:
