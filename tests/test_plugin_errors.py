@@ -9,7 +9,10 @@ import re
 
 import pytest
 
-MARKER_FORM = '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False)'
+MARKER_FORM = (
+    '@pytest.mark.gpu, @pytest.mark.gpu(2) or '
+    '@pytest.mark.gpu(count=2, memory="8GiB", exclusive=False, cpus=4, host_memory="16GiB")'
+)
 SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
 GPUS_FORM = "auto, none, an index list such as 0,2,3, or simulated devices such as sim:4x16GiB"
 

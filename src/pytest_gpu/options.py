@@ -132,7 +132,8 @@ def register(parser: pytest.Parser) -> None:
     ray = parser.getgroup("gpu-ray", "pytest-gpu: Ray clusters")
     for option, ini, default, help_text in ordered:
         target = ray if ini.startswith("ray_") else group
-        target.addoption(option, dest=ini, default=None, help=f"{help_text} (ini: {ini})")
+        # argparse %-formats help texts: a literal "%" must be doubled there
+        target.addoption(option, dest=ini, default=None, help=f"{help_text.replace('%', '%%')} (ini: {ini})")
         parser.addini(ini, help_text, default=default)
     group.addoption(
         "--gpu-learn",
