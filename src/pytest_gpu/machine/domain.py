@@ -15,11 +15,13 @@ coordinate only among themselves, in a private directory, and say so once.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 import stat
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,27 +63,53 @@ def sim_machine_name(spec: str) -> str:
     return _safe(named) if named else _safe(f"{_user()}-{spec}")
 
 
+def shared_problem(path: Path, mode: int) -> tuple[int, str] | None:
+    """After ``path`` was made (``mkdir``): why it is not a directory every user can write
+    with ``mode`` (``0o1777``: sticky, like ``/tmp``), as (errno, why), or None.
+
+    Ours: given ``mode`` (``mkdir``'s went through the umask). Another user's: its creator
+    makes it shared right after its ``mkdir``, so one that is not shared yet is waited for,
+    briefly. OSError: it vanished meanwhile."""
+    sticky = bool(mode & stat.S_ISVTX)
+    deadline = time.monotonic() + 2.0
+    while True:
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            return errno.ENOTDIR, "is not a directory"
+        current = stat.S_IMODE(info.st_mode)
+        if current == mode:
+            return None
+        if info.st_uid == os.getuid():
+            try:
+                os.chmod(path, mode)
+            except OSError as exc:
+                return exc.errno or errno.EACCES, f"cannot be shared ({exc.strerror or exc})"
+            return None
+        if current & mode == mode:
+            return None  # another user's, and as open as asked (or more)
+        if time.monotonic() > deadline:
+            wanted = "sticky and world-writable" if sticky else "writable by every user"
+            return errno.EACCES, f"belongs to another user (uid {info.st_uid}) and is not {wanted}"
+        time.sleep(0.02)
+
+
 def _shared_ok(path: Path) -> str | None:
-    """Why ``path`` cannot be the shared (sticky, world-writable) directory, or None."""
+    """Why ``path`` cannot be a shared (sticky, world-writable) directory, or None (made so)."""
     try:
         path.mkdir(mode=0o1777, exist_ok=True)
-        info = path.lstat()
+        problem = shared_problem(path, 0o1777)
     except FileExistsError:
         return "is not a directory"
     except OSError as exc:
         return f"cannot be created ({exc.strerror or exc})"
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
-    if info.st_uid == os.getuid():
-        if stat.S_IMODE(info.st_mode) != 0o1777:
-            try:
-                os.chmod(path, 0o1777)  # mkdir's mode went through the umask
-            except OSError as exc:
-                return f"cannot be shared ({exc.strerror or exc})"
-        return None
-    if stat.S_IMODE(info.st_mode) & 0o1777 != 0o1777:
-        return f"belongs to another user (uid {info.st_uid}) and is not sticky and world-writable"
-    return None
+    return None if problem is None else problem[1]
+
+
+def make_shared(path: Path) -> None:
+    """Make ``path`` a shared (sticky, world-writable) directory, or raise :class:`DomainError`."""
+    why = _shared_ok(path)
+    if why is not None:
+        raise DomainError(0, why, str(path))
 
 
 def root() -> Path:
@@ -117,9 +145,7 @@ class Domain:
     @classmethod
     def named(cls, name: str) -> Domain:
         path = root() / _safe(name)
-        why = _shared_ok(path)
-        if why is not None:
-            raise DomainError(0, why, str(path))
+        make_shared(path)
         return cls(name, path)
 
     @classmethod

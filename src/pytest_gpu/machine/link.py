@@ -32,7 +32,7 @@ from typing import Any
 from ..placement import Policy
 from ..requests import GpuRequest
 from .arbiter import Arbiter, Asked, Event, ForeignSource, Held, Sink
-from .domain import Domain
+from .domain import Domain, make_shared
 from .server import ArbiterServer
 from .wire import FrameReader, WireError, encode, request_to_wire
 
@@ -281,10 +281,7 @@ class MachineLink:
 
     def _join_membership(self) -> None:
         assert self.domain is not None
-        self.domain.runs_path.mkdir(mode=0o1777, exist_ok=True)
-        with contextlib.suppress(OSError):
-            if self.domain.runs_path.stat().st_uid == os.getuid():
-                os.chmod(self.domain.runs_path, 0o1777)
+        make_shared(self.domain.runs_path)  # every user's runs add their files there
         fd = os.open(self.domain.runs_path / f"{self.run}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         self._member_fd = fd

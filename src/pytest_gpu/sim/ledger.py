@@ -34,8 +34,6 @@ import errno
 import functools
 import json
 import os
-import stat
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -121,6 +119,8 @@ def default_ledger_dir(spec: str) -> Path:
 
 def _shared_dir(path: Path) -> None:
     """Make ``path`` a directory, and its lock file a file, that every user may write."""
+    from ..machine.domain import shared_problem
+
     where = str(path)
     try:
         path.mkdir(mode=SHARED_DIR_MODE)
@@ -128,27 +128,12 @@ def _shared_dir(path: Path) -> None:
         pass
     except OSError as exc:
         raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
-    deadline = time.monotonic() + 2.0
-    while True:
-        info = path.lstat()
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-            raise LedgerWriteError(errno.ENOTDIR, "is not a directory", where)
-        mode = stat.S_IMODE(info.st_mode)
-        if mode == SHARED_DIR_MODE:
-            break
-        if info.st_uid == os.getuid():
-            try:
-                os.chmod(path, SHARED_DIR_MODE)  # mkdir's mode went through the umask
-            except OSError as exc:
-                raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
-            break
-        if mode & SHARED_DIR_MODE == SHARED_DIR_MODE:
-            break  # sticky as well: still writable (a peer's file cannot be replaced, ours can)
-        if time.monotonic() > deadline:  # its creator makes it shared right after mkdir
-            raise LedgerWriteError(
-                errno.EACCES, f"belongs to another user (uid {info.st_uid}) and is not writable by every user", where
-            )
-        time.sleep(0.02)
+    try:
+        problem = shared_problem(path, SHARED_DIR_MODE)
+    except OSError as exc:
+        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
+    if problem is not None:
+        raise LedgerWriteError(*problem, where)
     lock = path / LOCK_FILE
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), SHARED_FILE_MODE)
