@@ -208,10 +208,14 @@ class Broker:
     def _indices(self, gpus: list[str]) -> list[int]:
         return sorted(self._index[u] for u in gpus if u in self._index)
 
-    def _lease_message(self, key: str, body: dict[str, Any], waited: float) -> dict[str, Any]:
+    def _granted(self, info: ClientInfo, key: str, body: dict[str, Any], waited: float) -> dict[str, Any]:
+        """Record a grant to ``info`` (the arbiter's ``body``); the lease message for its client."""
+        self.grants += 1
+        indices = self._indices(body["gpus"])
+        info.contexts.update(indices)
         message = {
             "key": key.split("/", 1)[1],
-            "indices": self._indices(body["gpus"]),
+            "indices": indices,
             "memory": body["memory"],
             "exclusive": body["exclusive"],
             "waited": waited,
@@ -223,7 +227,7 @@ class Broker:
                 "avoided": self._indices(foreign.get("avoided", [])),
                 "bytes": {self._index[u]: n for u, n in foreign.get("bytes", {}).items() if u in self._index},
             }
-            self.foreign.append({"test": "", "seconds": waited, **message["foreign"]})
+            self.foreign.append({"test": info.tests.get(key, "?"), "seconds": waited, **message["foreign"]})
         return message
 
     def _on_events(self, events: list[Event]) -> None:
@@ -235,14 +239,11 @@ class Broker:
                 info = self._clients.get(client)
                 queued = self._queued_at.pop(key, None)
                 if kind == "granted":
-                    self.grants += 1
                     if info is None:
+                        self.grants += 1
                         continue  # gone meanwhile: forget_client gave it back
-                    info.contexts.update(self._indices(body["gpus"]))
-                    message = self._lease_message(key, body, now - (queued if queued is not None else now))
-                    if "foreign" in message:
-                        self.foreign[-1]["test"] = info.tests.get(key, "?")
-                    info.send(("push-granted", message))
+                    waited = now - (queued if queued is not None else now)
+                    info.send(("push-granted", self._granted(info, key, body, waited)))
                 elif info is not None:
                     info.tests.pop(key, None)
                     info.send(("push-error", {"key": key.split("/", 1)[1], "message": body["message"]}))
@@ -530,12 +531,7 @@ class Broker:
             if kind != "granted":  # "error" or "rejected": it can never be placed
                 info.tests.pop(key, None)
                 return ("error", value)
-            self.grants += 1
-            info.contexts.update(self._indices(value["gpus"]))
-            message = self._lease_message(key, value, 0.0)
-            if "foreign" in message:
-                self.foreign[-1]["test"] = test
-            return ("granted", message)
+            return ("granted", self._granted(info, key, value, 0.0))
 
     def _local_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The arbiter's holder rows in this run's terms: its GPU numbers, other runs named."""
