@@ -47,20 +47,22 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "_"
 
 
-def _user() -> str:
+def user_name(uid: int | None = None) -> str:
+    """The name of user ``uid`` (default: this process's), or the number where it has none."""
+    uid = os.getuid() if uid is None else uid
     try:
         import pwd
 
-        return pwd.getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError):
-        return str(os.getuid())
+        return str(uid)
 
 
 def sim_machine_name(spec: str) -> str:
     """The simulated machine a run on ``spec`` uses: ``$PYTEST_GPU_SIM_MACHINE``, or one per
     user and spec (``<user>-<spec>``)."""
     named = os.environ.get(SIM_MACHINE_ENV, "").strip()
-    return _safe(named) if named else _safe(f"{_user()}-{spec}")
+    return _safe(named) if named else _safe(f"{user_name()}-{spec}")
 
 
 def shared_problem(path: Path, mode: int) -> tuple[int, str] | None:

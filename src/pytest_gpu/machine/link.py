@@ -26,13 +26,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ..placement import Policy
 from ..requests import GpuRequest
 from .arbiter import Arbiter, Asked, Event, ForeignSource, Held, Sink
-from .domain import Domain, make_shared
+from .domain import Domain, make_shared, user_name
 from .server import ArbiterServer
 from .wire import FrameReader, WireError, encode, request_to_wire
 
@@ -341,7 +340,7 @@ class MachineLink:
         arbiter.attach(
             self.run,
             pid=os.getpid(),
-            user=_me(),
+            user=user_name(),
             label=self.label,
             gpus=self._gpus,
             sink=self._file_events,
@@ -362,11 +361,11 @@ class MachineLink:
             "attach",
             run=self.run,
             pid=os.getpid(),
-            user=_me(),
+            user=user_name(),
             label=self.label,
             gpus=self._gpus,
-            held=[_held_to_wire(h) for h in held],
-            asked=[_asked_to_wire(a) for a in asked],
+            held=[_to_wire(h) for h in held],
+            asked=[_to_wire(a) for a in asked],
             **({} if self._host is None else {"host": list(self._host)}),
         )
         for client, gpus in contexts.items():
@@ -592,15 +591,6 @@ def status(domain: Domain, timeout: float = 5.0) -> dict[str, Any] | None:
         remote.close()
 
 
-def _me() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
-        return str(os.getuid())
-
-
 def _held_from(asked: Asked, body: dict[str, Any]) -> Held:
     return Held(
         asked.key,
@@ -614,15 +604,6 @@ def _held_from(asked: Asked, body: dict[str, Any]) -> Held:
     )
 
 
-def _held_to_wire(held: Held) -> dict[str, Any]:
-    data = dict(held.__dict__)
-    data["request"] = request_to_wire(held.request)
-    data["gpus"] = list(held.gpus)
-    return data
-
-
-def _asked_to_wire(asked: Asked) -> dict[str, Any]:
-    data = dict(replace(asked).__dict__)
-    data["request"] = request_to_wire(asked.request)
-    data["gpus"] = list(asked.gpus)
-    return data
+def _to_wire(record: Held | Asked) -> dict[str, Any]:
+    """A lease held or a request waited on, as JSON for a new arbiter's ``attach``."""
+    return {**record.__dict__, "request": request_to_wire(record.request), "gpus": list(record.gpus)}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arbiter import Arbiter, Asked, Event, Held
+from .domain import user_name
 from .wire import FrameReader, WireError, encode, peer_credentials, request_from_wire
 
 MAX_OUTBOX = 16 << 20
@@ -34,15 +35,6 @@ class Peer:
     outbox: bytearray = field(default_factory=bytearray)
     run: str | None = None
     closed: bool = False
-
-
-def _user(uid: int) -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
 
 
 def _host(value: Any) -> tuple[int, int] | None:
@@ -241,7 +233,7 @@ class ArbiterServer:
             arbiter.attach(
                 run,
                 pid=peer.pid or int(m.get("pid", 0)),  # the kernel's word, not the message's
-                user=_user(peer.uid) if peer.uid >= 0 else str(m.get("user", "?")),
+                user=user_name(peer.uid) if peer.uid >= 0 else str(m.get("user", "?")),
                 label=str(m.get("label", "?")),
                 gpus={str(u): int(c) for u, c in m["gpus"].items()},
                 sink=lambda events, peer=peer: self._events(peer, events),
