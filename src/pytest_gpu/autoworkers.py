@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from .host import machine_cpus, total_memory
 from .requests import GpuRequest, format_size, learned
 from .wording import plural
 
@@ -146,16 +147,11 @@ AUTO_KEY = pytest.StashKey[Decision]()
 
 def host_cpus() -> int:
     """CPUs this process may run on (its affinity mask: taskset, cgroup cpusets)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    return machine_cpus()
 
 
 def host_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().total)
+    return total_memory()
 
 
 def recorded_peaks(config: pytest.Config, key: str) -> list[int]:

@@ -50,9 +50,9 @@ class HostCapacity:
 def machine_cpus() -> int:
     """CPUs this process may run on (its affinity mask), else the machine's count."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return max(1, os.cpu_count() or 1)
 
 
 def reserve(total: int) -> int:
@@ -60,11 +60,16 @@ def reserve(total: int) -> int:
     return min(max(int(total * RESERVE_FRACTION), RESERVE_MIN), total)
 
 
-def machine_memory() -> int:
-    """RAM that leases may promise: the machine's total less :func:`reserve`."""
+def total_memory() -> int:
+    """The machine's RAM."""
     import psutil
 
-    total = int(psutil.virtual_memory().total)
+    return int(psutil.virtual_memory().total)
+
+
+def machine_memory() -> int:
+    """RAM that leases may promise: the machine's total less :func:`reserve`."""
+    total = total_memory()
     return total - reserve(total)
 
 
