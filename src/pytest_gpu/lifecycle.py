@@ -82,7 +82,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     """The test's request, from the first of: its closest ``gpu`` marker, the
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
     for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`); with the CPUs and RAM of
-    its closest ``host`` marker added (a test with only that one asks for no GPU).
+    its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
 

@@ -541,9 +541,6 @@ class MachineLink:
     def room(self, gpus: list[str]) -> list[int]:
         return list(self._call("room", lambda a: a.room(gpus), gpus=gpus))
 
-    def holders(self) -> list[dict[str, Any]]:
-        return list(self._call("holders", lambda a: a.holders()))
-
     def status(self) -> dict[str, Any]:
         return dict(self._call("status", lambda a: a.status()))
 

@@ -284,8 +284,6 @@ class ArbiterServer:
             return arbiter.exited(run, m["client"])
         if op == "room":
             return arbiter.room(m["gpus"])
-        if op == "holders":
-            return arbiter.holders()
         raise ValueError(f"unknown op {op!r}")
 
     def _events(self, peer: Peer, events: list[Event]) -> None:
