@@ -1,8 +1,8 @@
 """Benchmark the lease broker: grants per second and grant latency.
 
-One :class:`pytest_gpu.broker.Broker` runs in this process, listening on a Unix socket
+One :class:`pytest_gpu.leasing.broker.Broker` runs in this process, listening on a Unix socket
 in a private temporary directory, exactly as in a pytest run. Each client is a separate
-process (``multiprocessing`` spawn) holding one :class:`pytest_gpu.client.BrokerClient`
+process (``multiprocessing`` spawn) holding one :class:`pytest_gpu.leasing.client.BrokerClient`
 connection, as an xdist worker does. A client loops over
 
     acquire(request)  ->  granted      (timed: the grant latency)
@@ -56,12 +56,12 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpu.broker import Broker
-from pytest_gpu.client import BrokerClient
+from pytest_gpu.leasing.broker import Broker
+from pytest_gpu.leasing.client import BrokerClient
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.requests import GpuRequest, format_size
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.placement import Policy
-from pytest_gpu.requests import GpuRequest, format_size
 
 GIB = 2**30
 WARMUP_CYCLES = 20

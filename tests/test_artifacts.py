@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.artifacts import ArtifactBuildError, ArtifactStore
+from pytest_gpu.run.artifacts import ArtifactBuildError, ArtifactStore
 
 SUITE = """
 import os, signal, time

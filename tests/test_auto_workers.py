@@ -13,8 +13,9 @@ import psutil
 import pytest
 
 from conftest import INNER_ARGS
-from pytest_gpu import autoworkers, options
-from pytest_gpu.autoworkers import choose
+from pytest_gpu import options
+from pytest_gpu.scheduling import autoworkers
+from pytest_gpu.scheduling.autoworkers import choose
 
 GiB, MiB = 2**30, 2**20
 OVERHEAD = 500 * MiB  # the default context overhead

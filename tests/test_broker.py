@@ -1,4 +1,4 @@
-"""pytest_gpu.broker + pytest_gpu.client over a real authenticated Unix socket."""
+"""pytest_gpu.leasing.broker + pytest_gpu.leasing.client over a real authenticated Unix socket."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from pytest_gpu.broker import Broker, CrashRecord, describe_holders
-from pytest_gpu.client import BrokerClient, BrokerError, Grant, WaitTimeout
-from pytest_gpu.placement import Policy
-from pytest_gpu.ports import PortPool
-from pytest_gpu.requests import GpuRequest
+from pytest_gpu.leasing.broker import Broker, CrashRecord, describe_holders
+from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.ports import PortPool
+from pytest_gpu.leasing.requests import GpuRequest
 
 MiB, GiB = 2**20, 2**30
 OVERHEAD = 500 * MiB
@@ -392,8 +392,8 @@ def test_client_that_held_nothing_is_no_crash(run: Run) -> None:
 
 CHILD = """
 import sys, time
-from pytest_gpu.client import BrokerClient
-from pytest_gpu.requests import GpuRequest
+from pytest_gpu.leasing.client import BrokerClient
+from pytest_gpu.leasing.requests import GpuRequest
 
 address, key, worker, test, count = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 client = BrokerClient(address, key, worker)

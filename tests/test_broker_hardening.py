@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import pytest_gpu.broker as broker_module
-from pytest_gpu.broker import Broker
-from pytest_gpu.client import BrokerClient, BrokerError, Grant
-from pytest_gpu.placement import Policy
-from pytest_gpu.requests import GpuRequest
+import pytest_gpu.leasing.broker as broker_module
+from pytest_gpu.leasing.broker import Broker
+from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.requests import GpuRequest
 
 GiB = 2**30
 SERVED_WITHIN = 1.0  # seconds: far below the default handshake timeout (5 s)

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from conftest import require
-from pytest_gpu.broker import Broker
-from pytest_gpu.client import BrokerClient, WaitTimeout
-from pytest_gpu.placement import Policy
-from pytest_gpu.requests import GpuRequest
+from pytest_gpu.leasing.broker import Broker
+from pytest_gpu.leasing.client import BrokerClient, WaitTimeout
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.requests import GpuRequest
 
 GiB = 2**30
 WHOLE = GpuRequest(count=1, memory=None, exclusive=True)

@@ -1,5 +1,5 @@
 """Requests from a suite's own conventions: the ``gpu_marker_map`` ini key and the
-``pytest_gpu_item_request`` hook (pytest_gpu.conventions, hookspecs, lifecycle.item_request).
+``pytest_gpu_item_request`` hook (pytest_gpu.leasing.conventions, hookspecs, lifecycle.item_request).
 
 The grammar is tested pure; the rest end-to-end: the same tests written three ways (gpu
 markers, mapped markers, a hook) get the same leases, in-process and under xdist, and
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.conventions import MAP_FORM, MarkerMapError, parse_marker_map
-from pytest_gpu.requests import DefaultMemory, GpuRequest, build_request
+from pytest_gpu.leasing.conventions import MAP_FORM, MarkerMapError, parse_marker_map
+from pytest_gpu.leasing.requests import DefaultMemory, GpuRequest, build_request
 
 GiB, MiB = 2**30, 2**20
 WHOLE_16GIB = 16 * GiB - 500 * MiB  # what an exclusive lease gets on a 16GiB simulated GPU
@@ -293,7 +293,7 @@ def test_the_map_and_the_hook_give_the_same_leases_as_explicit_markers(gpu_pytes
 PROBE = """
 import dataclasses, json
 import pytest
-from pytest_gpu.lifecycle import REQUEST_KEY
+from pytest_gpu.run.lifecycle import REQUEST_KEY
 
 def pytest_collection_finish(session):
     rows = {{}}
@@ -448,7 +448,7 @@ def test_the_map_follows_the_default_memory(gpu_pytester, run_inner):
 
 
 LEARN_PROBE = """
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 def pytest_sessionstart(session):  # as if an earlier --gpu-learn run had measured 1GiB peaks
     run = session.config.stash[RUN_KEY]

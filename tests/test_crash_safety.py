@@ -24,7 +24,7 @@ import signal
 import time
 
 import pytest
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 @pytest.mark.gpu(2, exclusive=True)
 def test_crash(request, gpu, ports):
@@ -124,7 +124,7 @@ import time
 
 import pytest
 
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 @pytest.mark.parametrize("i", range(2))
 @pytest.mark.gpu(memory="1GiB")
@@ -191,7 +191,7 @@ def test_normal_runs_leave_no_run_directory(gpu_pytester, run_inner):
         test_dirs=f"""
         import os
         import pytest
-        from pytest_gpu.lifecycle import RUN_KEY
+        from pytest_gpu.run.lifecycle import RUN_KEY
 
         @pytest.mark.parametrize("i", range(4))
         @pytest.mark.gpu(memory="1GiB")
@@ -217,7 +217,7 @@ def test_broker_socket_is_private(gpu_pytester, run_inner):
         test_sock="""
         import os
         import stat
-        from pytest_gpu.lifecycle import RUN_KEY
+        from pytest_gpu.run.lifecycle import RUN_KEY
 
         def test_sock(gpu, request):
             run_dir = str(request.config.stash[RUN_KEY].run_dir)
@@ -233,10 +233,10 @@ def test_broker_socket_is_private(gpu_pytester, run_inner):
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfds (Linux)")
 def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
     """A worker that closed its connection still has CUDA contexts until its process exits."""
-    from pytest_gpu.broker import Broker
-    from pytest_gpu.client import BrokerClient
-    from pytest_gpu.placement import Policy
-    from pytest_gpu.requests import GpuRequest
+    from pytest_gpu.leasing.broker import Broker
+    from pytest_gpu.leasing.client import BrokerClient
+    from pytest_gpu.leasing.placement import Policy
+    from pytest_gpu.leasing.requests import GpuRequest
 
     gib = 2**30
     run_dir = Path(tempfile.mkdtemp(prefix="pytest-gpu-broker-test-"))
@@ -246,8 +246,8 @@ def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
             sys.executable,
             "-c",
             "import sys\n"
-            "from pytest_gpu.client import BrokerClient\n"
-            "from pytest_gpu.requests import GpuRequest\n"
+            "from pytest_gpu.leasing.client import BrokerClient\n"
+            "from pytest_gpu.leasing.requests import GpuRequest\n"
             f"c = BrokerClient({str(run_dir / 'b.sock')!r}, b'k' * 32, 'gw-exiting')\n"
             "g = c.acquire(GpuRequest(1, 2 * 2**30, False), 't', 10)\n"
             "c.release(g.key, {0})\n"

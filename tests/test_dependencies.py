@@ -1,4 +1,4 @@
-"""Dependency groups (`pytest_gpu.dependencies`): which collected tests must share a worker."""
+"""Dependency groups (`pytest_gpu.scheduling.dependencies`): which collected tests must share a worker."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from conftest import INNER_ARGS, require
-from pytest_gpu.dependencies import GROUP_PREFIX, automark_enabled, dependency_groups
+from pytest_gpu.scheduling.dependencies import GROUP_PREFIX, automark_enabled, dependency_groups
 
 # Registers the marker even where pytest-dependency is not installed (the lines add up).
 INI = """

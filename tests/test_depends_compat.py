@@ -2,7 +2,7 @@
 
 pytest-depends keeps every outcome in the process that ran the test, so a dependency run
 on another xdist worker counts as failed and its dependents are skipped ("depends on
-..."). `pytest_gpu.dependencies` turns its chains into scheduler groups, resolving names
+..."). `pytest_gpu.scheduling.dependencies` turns its chains into scheduler groups, resolving names
 as pytest-depends does; these tests check the groups against pytest-depends' own
 resolution and run chains under ``-n 4`` with the GPU scheduler on and off.
 """
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import require
-from pytest_gpu.dependencies import GROUP_PREFIX, dependency_groups
+from pytest_gpu.scheduling.dependencies import GROUP_PREFIX, dependency_groups
 
 # Like conftest.INNER_ARGS, but with pytest-depends active (this suite's own ini blocks it).
 ARGS = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:benchmark", "-p", "no:hypothesispytest")

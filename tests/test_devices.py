@@ -16,7 +16,7 @@ from pytest_gpu.gpu.devices import (
     select_visible,
     sim_uuid,
 )
-from pytest_gpu.requests import SIZE_FORM
+from pytest_gpu.leasing.requests import SIZE_FORM
 
 GiB = 2**30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpu.distributed.spec import DIST_MARKER_FORM, DistSpec, build_spec
-from pytest_gpu.requests import GpuRequestError
+from pytest_gpu.leasing.requests import GpuRequestError
 
 FORM = '@pytest.mark.distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None)'
 WHAT = "distributed marker"

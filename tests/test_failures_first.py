@@ -1,8 +1,8 @@
 """Last run's failures first (``--ff``, ``-x``), new tests first (``--nf``) under the GPU scheduler.
 
 The scheduler reads pytest's own cache (``cache/lastfailed``, ``cache/nodeids``) at the
-xdist controller and gives the planner an :class:`~pytest_gpu.planner.Order`. The unit
-tests check :func:`pytest_gpu.scheduler.order`; the end-to-end ones run an inner suite
+xdist controller and gives the planner an :class:`~pytest_gpu.scheduling.planner.Order`. The unit
+tests check :func:`pytest_gpu.scheduling.scheduler.order`; the end-to-end ones run an inner suite
 twice on one cache directory: a first run records durations and a failure, the second
 (``--ff`` or ``-x``) must start the failing test among the first ones.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.scheduler import order
+from pytest_gpu.scheduling.scheduler import order
 
 COLLECTION = ["t.py::test_a", "t.py::test_b", "t.py::K::test_c", "u.py::test_d[1]", "u.py::test_d[2]"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from conftest import require
-from pytest_gpu.catalog import HeldNeeds, _groups
-from pytest_gpu.planner import Job, Need, Planner
+from pytest_gpu.scheduling.catalog import HeldNeeds, _groups
+from pytest_gpu.scheduling.planner import Job, Need, Planner
 
 GiB = 2**30
 Run = Callable[..., pytest.RunResult]
@@ -393,7 +393,7 @@ import signal
 import time
 
 import pytest
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 
 @pytest.fixture(scope="module")
@@ -526,7 +526,7 @@ import os
 
 import pytest
 from pytest_gpu import sim
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import INNER_ARGS
-from pytest_gpu.planner import Job, Need, Planner
+from pytest_gpu.scheduling.planner import Job, Need, Planner
 
 Run = Callable[..., pytest.RunResult]
 

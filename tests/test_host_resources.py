@@ -9,12 +9,10 @@ from collections import defaultdict
 
 import pytest
 
-from pytest_gpu import host
 from pytest_gpu.gpu.isolation import Confinement
-from pytest_gpu.machine.arbiter import Arbiter
-from pytest_gpu.machine.wire import WireError, request_from_wire, request_to_wire
-from pytest_gpu.placement import Policy, Pool, Unsatisfiable
-from pytest_gpu.requests import (
+from pytest_gpu.leasing import host
+from pytest_gpu.leasing.placement import Policy, Pool, Unsatisfiable
+from pytest_gpu.leasing.requests import (
     DefaultMemory,
     GpuRequest,
     GpuRequestError,
@@ -22,6 +20,8 @@ from pytest_gpu.requests import (
     build_request,
     with_host,
 )
+from pytest_gpu.machine.arbiter import Arbiter
+from pytest_gpu.machine.wire import WireError, request_from_wire, request_to_wire
 
 GiB = 2**30
 SHARED = DefaultMemory(exclusive=False, memory=GiB)
@@ -388,7 +388,7 @@ def test_a_request_larger_than_the_machine_is_refused_at_collection(gpu_pytester
 
 PROBE = """
 import dataclasses, json
-from pytest_gpu.lifecycle import REQUEST_KEY
+from pytest_gpu.run.lifecycle import REQUEST_KEY
 
 def pytest_collection_finish(session):
     rows = {{}}

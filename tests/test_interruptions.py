@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from conftest import INNER_ARGS
-from pytest_gpu.broker import CrashRecord
 from pytest_gpu.distributed.pool import DistSettings, RankPool
 from pytest_gpu.distributed.spec import DistSpec
-from pytest_gpu.reporting import Summary
-from pytest_gpu.requests import DefaultMemory
-from pytest_gpu.timeline import Timeline
-from pytest_gpu.wording import join, numbered, plural, verb
+from pytest_gpu.leasing.broker import CrashRecord
+from pytest_gpu.leasing.requests import DefaultMemory
+from pytest_gpu.report.summary import Summary
+from pytest_gpu.report.timeline import Timeline
+from pytest_gpu.report.wording import join, numbered, plural, verb
 
 T0 = 1_700_000_000.0
 

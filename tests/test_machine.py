@@ -19,11 +19,11 @@ import pytest
 
 from pytest_gpu.cli import format_status
 from pytest_gpu.cli import main as cli_main
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.requests import GpuRequest
 from pytest_gpu.machine.arbiter import Arbiter, Held
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.placement import Policy
-from pytest_gpu.requests import GpuRequest
 
 GiB = 2**30
 
@@ -259,8 +259,8 @@ sys.path[:0] = {paths!r}
 os.environ[{env!r}] = {root!r}
 from pytest_gpu.machine.domain import Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.placement import Policy
-from pytest_gpu.requests import GpuRequest
+from pytest_gpu.leasing.placement import Policy
+from pytest_gpu.leasing.requests import GpuRequest
 {become}
 link = MachineLink(Domain.named({name!r}), Policy(overhead=0))
 link.attach({{"U": 16 * 2**30}}, lambda events: None)
@@ -272,7 +272,7 @@ time.sleep(60)
 # Another user, from here on: imports are done first (this interpreter may live where only
 # root can read, e.g. /root/.pyenv), then the process gives up root for good.
 BECOME = """
-import pwd, pytest_gpu.placement, pytest_gpu.machine.server
+import pwd, pytest_gpu.leasing.placement, pytest_gpu.machine.server
 entry = pwd.getpwnam({user!r})
 os.setgroups([]); os.setgid(entry.pw_gid); os.setuid(entry.pw_uid)
 assert os.getuid() == entry.pw_uid
@@ -458,7 +458,7 @@ def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, t
 
 
 def test_summary_lines_for_foreign_usage():
-    from pytest_gpu.reporting import foreign_lines
+    from pytest_gpu.report.summary import foreign_lines
 
     entries = [
         {"test": "t::a", "seconds": 0.0, "waited": False, "avoided": [0], "bytes": {0: 12 * GiB}},
@@ -500,7 +500,7 @@ def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domai
 
 
 def test_a_run_without_gpus_never_joins_the_machine(tmp_path, monkeypatch):
-    from pytest_gpu.broker import Broker
+    from pytest_gpu.leasing.broker import Broker
 
     monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
     joined = []

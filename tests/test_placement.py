@@ -1,4 +1,4 @@
-"""pytest_gpu.placement: examples and hypothesis properties of the pure placement policy.
+"""pytest_gpu.leasing.placement: examples and hypothesis properties of the pure placement policy.
 
 The properties drive a :class:`Pool` the way the broker does (after every change, turn
 away what :meth:`Pool.blocked_forever` says can never be placed) and check, with their
@@ -19,8 +19,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpu.placement import GpuState, Lease, Placement, Policy, Pool, Unsatisfiable, Waiting, place
-from pytest_gpu.requests import GpuRequest
+from pytest_gpu.leasing.placement import (
+    GpuState,
+    Lease,
+    Placement,
+    Policy,
+    Pool,
+    Unsatisfiable,
+    Waiting,
+    place,
+)
+from pytest_gpu.leasing.requests import GpuRequest
 
 MiB, GiB = 2**20, 2**30
 

@@ -1,4 +1,4 @@
-"""pytest_gpu.planner: which test an xdist worker holds next (pure policy, simulated time only)."""
+"""pytest_gpu.scheduling.planner: which test an xdist worker holds next (pure policy, simulated time only)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpu.planner import Job, Need, Order, Planner
+from pytest_gpu.scheduling.planner import Job, Need, Order, Planner
 
 EXCLUSIVE = None  # Need.memory for whole GPUs
 GPU_MEMORY = 16  # per GPU in the simulations (units are arbitrary)

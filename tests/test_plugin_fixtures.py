@@ -202,7 +202,7 @@ def test_gpu_and_port(gpu, port):
 
 PORTS_CONTROLLER = """
 import json
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 def pytest_sessionfinish(session):
     run = session.config.stash[RUN_KEY]
@@ -268,7 +268,7 @@ def test_cpu_suite_never_connects(gpu_pytester, run_inner):
     """A suite that asks for no GPU and no port leaves the broker without clients."""
     gpu_pytester.makeconftest(
         """
-        from pytest_gpu.lifecycle import RUN_KEY
+        from pytest_gpu.run.lifecycle import RUN_KEY
 
         def pytest_sessionfinish(session):
             run = session.config.stash[RUN_KEY]

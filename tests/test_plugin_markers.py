@@ -187,7 +187,7 @@ def test_cpu():
 """
 
 GRANT_COUNTER = """
-from pytest_gpu.lifecycle import RUN_KEY
+from pytest_gpu.run.lifecycle import RUN_KEY
 
 def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"broker grants: {config.stash[RUN_KEY].broker.grants}")

@@ -25,8 +25,8 @@ import pytest
 
 from conftest import require
 from pytest_gpu import raycluster
+from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.options import Settings
-from pytest_gpu.requests import DefaultMemory
 
 # Inner suite. It lives in tests/ below the inner rootdir, so Ray workers can import the
 # helper it calls only through the PYTHONPATH the plugin gives the head.

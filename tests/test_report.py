@@ -1,4 +1,4 @@
-"""``pytest-gpu report``: a run trace drawn as a Gantt chart (pytest_gpu.gantt and the CLI)."""
+"""``pytest-gpu report``: a run trace drawn as a Gantt chart (pytest_gpu.report.gantt and the CLI)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from conftest import require
-from pytest_gpu import gantt
 from pytest_gpu.cli import main
+from pytest_gpu.report import gantt
 
 GIB = 2**30
 EXPECTED = "expected a trace written by pytest --gpu-trace"
@@ -278,7 +278,7 @@ def test_load_trace_errors(tmp_path: Path, content: str | bytes | None, message:
 
 def test_no_matplotlib_at_import():
     """The CLI and the pure part must work (and start fast) without the report extra."""
-    code = "import sys, pytest_gpu.cli, pytest_gpu.gantt; assert 'matplotlib' not in sys.modules"
+    code = "import sys, pytest_gpu.cli, pytest_gpu.report.gantt; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

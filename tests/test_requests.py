@@ -1,4 +1,4 @@
-"""pytest_gpu.requests: sizes, the default-memory setting and marker arguments."""
+"""pytest_gpu.leasing.requests: sizes, the default-memory setting and marker arguments."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pytest_gpu.requests import (
+from pytest_gpu.leasing.requests import (
     GPU_MARKER_FORM,
     SIZE_FORM,
     DefaultMemory,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu import rundir
+from pytest_gpu.run import rundir
 
 sim_ledger = importlib.import_module("pytest_gpu.sim.ledger")  # pytest_gpu.sim.ledger is also a function
 
@@ -136,7 +136,7 @@ def test_foreign_owned_shared_dir_leaves_runs_working(
     gpu_pytester.makepyfile(
         test_both="""
         import pytest
-        from pytest_gpu.lifecycle import RUN_KEY
+        from pytest_gpu.run.lifecycle import RUN_KEY
 
         def test_cpu():
             pass

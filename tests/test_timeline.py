@@ -1,4 +1,4 @@
-"""pytest_gpu.timeline (records built from report phases, summary figures) and pytest_gpu.trace (Perfetto JSON)."""
+"""report.timeline (records built from report phases, summary figures) and report.trace (Perfetto JSON)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpu import trace
-from pytest_gpu.requests import format_size
-from pytest_gpu.timeline import SUGGEST_FLOOR, LeaseSpan, Timeline, suggest
+from pytest_gpu.leasing.requests import format_size
+from pytest_gpu.report import trace
+from pytest_gpu.report.timeline import SUGGEST_FLOOR, LeaseSpan, Timeline, suggest
 
 MIB = 2**20
 GIB = 2**30

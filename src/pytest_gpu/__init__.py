@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .gpu.isolation import GpuLease
-    from .requests import GpuRequest, parse_size
+    from .leasing.requests import GpuRequest, parse_size
 
 __all__ = ["GpuLease", "GpuRequest", "parse_size"]
 __version__ = "0.1.0"
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
         return GpuLease
     if name in ("GpuRequest", "parse_size"):
-        from . import requests
+        from .leasing import requests
 
         return getattr(requests, name)
     raise AttributeError(f"module 'pytest_gpu' has no attribute {name!r}")

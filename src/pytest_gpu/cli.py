@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .gpu.devices import DeviceSpecError, discover
-from .requests import format_size
+from .leasing.requests import format_size
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -35,7 +35,7 @@ def _inventory(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from . import gantt  # matplotlib itself is imported only when drawing
+    from .report import gantt  # matplotlib itself is imported only when drawing
 
     trace = Path(args.trace)
     out = Path(args.output) if args.output else None

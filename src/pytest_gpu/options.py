@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from .conventions import MarkerMapError, marker_map
 from .gpu.devices import GPUS_FORM
-from .ports import DEFAULT_RANGE, parse_port_range
-from .requests import DefaultMemory, SizeError, parse_size
+from .leasing.conventions import MarkerMapError, marker_map
+from .leasing.ports import DEFAULT_RANGE, parse_port_range
+from .leasing.requests import DefaultMemory, SizeError, parse_size
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -188,7 +188,7 @@ class Settings:
     schedule: bool = True
     trace: str = ""
     workers_per_gpu: int | None = None  # -n auto's cap (the controller reads it; not sent to workers)
-    host_cpus: int | None = None  # the machine's CPUs for cpus= leases (None: measured, see pytest_gpu.host)
+    host_cpus: int | None = None  # the machine's CPUs for cpus= leases (None: measured, see pytest_gpu.leasing.host)
     host_memory: int | None = None  # the machine's RAM for host_memory= leases (None: measured)
 
     def to_wire(self) -> dict[str, Any]:

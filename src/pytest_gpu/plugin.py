@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from . import fixture_leases, history, lifecycle, options, raycluster
+from . import options, raycluster
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
 from .gpu.devices import DeviceSpecError
@@ -16,9 +16,11 @@ from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.detect import detect
 from .launched.session import LaunchedSession, log_dir, redirect_output, select_share
-from .lifecycle import RUN_KEY
-from .reporting import Summary, foreign_lines
-from .session import WIRE_KEY, GpuRun
+from .report.summary import Summary, foreign_lines
+from .run import fixture_leases, lifecycle
+from .run.lifecycle import RUN_KEY
+from .run.session import WIRE_KEY, GpuRun
+from .scheduling import history
 
 SUMMARY_KEY = pytest.StashKey[Summary]()
 DIST_CHOSEN_KEY = pytest.StashKey[bool]()
@@ -79,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
     else:
         settings = options.read(config)
-        from .rundir import RunDirError
+        from .run.rundir import RunDirError
         from .sim.ledger import LedgerWriteError
 
         try:
@@ -131,7 +133,7 @@ def _schedules(config: pytest.Config) -> bool:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if not _schedules(config):
         return None  # xdist's own, as chosen with --dist
-    from .scheduler import GpuScheduling
+    from .scheduling.scheduler import GpuScheduling
 
     return GpuScheduling(config, log, config.stash[RUN_KEY], history.load(config, history.DURATIONS_KEY))
 
@@ -140,7 +142,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` with GPUs: workers by GPU memory, CPUs and RAM (see autoworkers); ``None``
     (firstresult: xdist's own answer follows) for ``-n logical``, its env var, or no GPUs."""
-    from .autoworkers import auto_num_workers
+    from .scheduling.autoworkers import auto_num_workers
 
     return auto_num_workers(config)
 
@@ -151,7 +153,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     workerinput = getattr(session.config, "workerinput", None)
     if workerinput is None or not workerinput.get(SCHEDULE_KEY) or not session.items:
         return
-    from .catalog import entries
+    from .scheduling.catalog import entries
 
     run = session.config.stash[RUN_KEY]
     tests = entries(session.items, run)
@@ -226,7 +228,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if detect() is None:  # under a launcher, rank 0 keeps the durations of every rank
         history.merge(config, history.DURATIONS_KEY, summary.durations())
     if run.settings.trace:
-        from . import trace
+        from .report import trace
 
         data = trace.build(
             summary.timeline,
@@ -245,7 +247,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if run is None or run.broker is None:
         return
     summary = config.stash[SUMMARY_KEY]
-    from .autoworkers import summary_lines as auto_lines  # how -n auto chose, where pytest-gpu chose
+    from .scheduling.autoworkers import summary_lines as auto_lines  # how -n auto chose, where pytest-gpu chose
 
     for line in auto_lines(config):
         terminalreporter.write_line(line)
@@ -328,6 +330,6 @@ def ray_cluster(request: pytest.FixtureRequest) -> Generator[raycluster.RayClust
 def shared_artifact(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """``path = shared_artifact("dataset", build, version="3")``: ``build(path)`` fills a
     directory once for the whole run (all workers), reused by later runs of the same version."""
-    from .artifacts import store
+    from .run.artifacts import store
 
     return store(request.config, request.config.stash[RUN_KEY].run_dir).get

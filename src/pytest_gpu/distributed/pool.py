@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 
 from ..procs import kill_and_wait
-from ..session import GpuRun
-from ..wording import numbered
+from ..report.wording import numbered
+from ..run.session import GpuRun
 from . import cover
 from .spec import DistSpec
 

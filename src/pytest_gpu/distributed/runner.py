@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest._code.code import ReprFileLocation
 
-from ..requests import GpuRequestError
-from ..wording import plural
+from ..leasing.requests import GpuRequestError
+from ..report.wording import plural
 from .rankinfo import RankPlaceholder
 from .spec import DistSpec, build_spec
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
-    from ..session import GpuRun
+    from ..run.session import GpuRun
     from .pool import PoolManager, RankRun
 
 SPEC_KEY = pytest.StashKey[DistSpec]()

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
-from ..wording import plural
+from ..leasing.requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
+from ..report.wording import plural
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "none")
 LAUNCHERS = ("spawn", "torchrun", "mpirun", "srun")

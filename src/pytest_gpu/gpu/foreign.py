@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from ..requests import format_size
+from ..leasing.requests import format_size
 
 #: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
 #: their ``psutil`` create times (a recycled root pid is then not ours).

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from .. import sim
-from ..requests import format_size
+from ..leasing.requests import format_size
 from . import runtime
 from .devices import Inventory, addressable
 from .isolation import GpuLease

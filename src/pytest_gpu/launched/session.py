@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from .. import history
-from ..history import DURATIONS_KEY
+from ..scheduling import history
+from ..scheduling.history import DURATIONS_KEY
 from . import gather
 from .detect import LaunchContext
 from .shard import partition

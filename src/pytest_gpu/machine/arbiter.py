@@ -1,8 +1,8 @@
-"""The machine's arbiter: one :class:`~pytest_gpu.placement.Pool` for every run on these GPUs.
+"""The machine's arbiter: one :class:`~pytest_gpu.leasing.placement.Pool` for every run on these GPUs.
 
 Each run's broker still serves its own workers, but every decision about GPU memory is
 made here, for all runs at once: the capacity rule, the context budget and the bounded
-bypass of :mod:`pytest_gpu.placement` therefore hold machine-wide, so no byte is promised
+bypass of :mod:`pytest_gpu.leasing.placement` therefore hold machine-wide, so no byte is promised
 twice, an exclusive lease is exclusive across runs, and a waiting request is overtaken by
 at most ``max_bypass`` later ones, whichever run they come from.
 
@@ -13,7 +13,7 @@ Keys and clients are prefixed with the run's id.
 Events (a grant or refusal of a request that waited) go to the run's ``sink``, called
 after the arbiter's lock is released, never under it: a sink may take its broker's lock.
 
-Host resources: the machine's CPUs and RAM (see :mod:`pytest_gpu.host`) are in the same
+Host resources: the machine's CPUs and RAM (see :mod:`pytest_gpu.leasing.host`) are in the same
 pool, told by the first run that attaches (``host=(cpus, bytes)``); later runs' views are
 ignored, so every run leases from one account of them.
 
@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..placement import Lease, Placement, Policy, Pool, Unsatisfiable
-from ..requests import GpuRequest
+from ..leasing.placement import Lease, Placement, Policy, Pool, Unsatisfiable
+from ..leasing.requests import GpuRequest
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
@@ -293,7 +293,7 @@ class Arbiter:
                 self._deliver_locked(self.pool.serve(), out)
 
     def _waiting(self, pool_key: str, client: str, request: GpuRequest, allowed: frozenset[int]) -> Any:
-        from ..placement import Waiting
+        from ..leasing.placement import Waiting
 
         reason = self.pool.never_fits(request, allowed)
         if reason:

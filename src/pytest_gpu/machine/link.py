@@ -28,8 +28,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..placement import Policy
-from ..requests import GpuRequest
+from ..leasing.placement import Policy
+from ..leasing.requests import GpuRequest
 from .arbiter import Arbiter, Asked, Event, ForeignSource, Held, Sink
 from .domain import Domain, make_shared, user_name
 from .server import ArbiterServer
@@ -259,7 +259,7 @@ class MachineLink:
 
     def attach(self, gpus: dict[str, int], sink: Sink, host: tuple[int, int] | None = None) -> None:
         """Join the machine with these GPUs (UUID -> capacity) and this run's view of its
-        CPUs and RAM (``host``, see :mod:`pytest_gpu.host`); ``sink`` gets this run's events."""
+        CPUs and RAM (``host``, see :mod:`pytest_gpu.leasing.host`); ``sink`` gets this run's events."""
         with self._lock:
             if self._attached:
                 return

@@ -12,7 +12,7 @@ import socket
 import struct
 from typing import Any
 
-from ..requests import GpuRequest
+from ..leasing.requests import GpuRequest
 
 MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")

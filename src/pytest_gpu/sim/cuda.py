@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..requests import format_size, parse_size
+from ..leasing.requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = [

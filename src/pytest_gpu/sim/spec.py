@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..requests import SizeError, format_size, parse_size
+from ..leasing.requests import SizeError, format_size, parse_size
 
 PREFIX = "sim:"
 FAULTS = ("no_permission", "gpu_is_lost", "unknown")

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NoReturn
 
-from ..requests import parse_size
+from ..leasing.requests import parse_size
 from . import cuda as sim_cuda
 from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
 

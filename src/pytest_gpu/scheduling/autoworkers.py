@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from .host import machine_cpus, total_memory
-from .requests import GpuRequest, format_size, learned
-from .wording import plural
+from ..leasing.host import machine_cpus, total_memory
+from ..leasing.requests import GpuRequest, format_size, learned
+from ..report.wording import plural
 
 HOST_MEMORY_PER_WORKER = 4 * 2**30  # host RAM one worker is counted to need
 XDIST_ENV = "PYTEST_XDIST_AUTO_NUM_WORKERS"
@@ -116,7 +116,7 @@ def choose(
     (``None``: whole GPUs); ``overhead``: one CUDA context; ``per_gpu``: the
     ``gpu_workers_per_gpu`` cap. A result with ``workers`` ``None``: no GPU fits one test.
     """
-    from .placement import Policy
+    from ..leasing.placement import Policy
 
     policy = Policy(overhead=overhead)
     fits: list[int] = []
@@ -176,10 +176,11 @@ def auto_num_workers(config: pytest.Config) -> int | None:
     no GPUs). The decision is kept in ``config.stash[AUTO_KEY]`` for the summary."""
     if getattr(config.option, "numprocesses", None) != "auto" or os.environ.get(XDIST_ENV):
         return None
-    from . import history, options
-    from .gpu.devices import DeviceSpecError, discover
-    from .launched.detect import detect
-    from .launched.share import node_share
+    from .. import options
+    from ..gpu.devices import DeviceSpecError, discover
+    from ..launched.detect import detect
+    from ..launched.share import node_share
+    from . import history
 
     settings = options.read(config)
     try:

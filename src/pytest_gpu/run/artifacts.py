@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from . import history
+from ..scheduling import history
 
 
 class ArtifactBuildError(RuntimeError):

@@ -58,15 +58,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import rundir, sim
-from .gpu.isolation import TF_GROWTH, VISIBLE_VARS, XLA_FRACTION, XLA_PREALLOCATE
-from .procs import kill_and_wait
+from .. import sim
+from ..gpu.isolation import TF_GROWTH, VISIBLE_VARS, XLA_FRACTION, XLA_PREALLOCATE
+from ..procs import kill_and_wait
+from ..run import rundir
 
 if TYPE_CHECKING:  # psutil, like Ray, is imported where it is used: the plugin loads this module
     import psutil
     import pytest
 
-    from .session import GpuRun
+    from ..run.session import GpuRun
 
 STATE_FILE = "ray-head.json"
 LOCK_FILE = "ray-head.lock"
@@ -403,7 +404,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def _start_head(run: GpuRun) -> dict[str, Any]:
     """Start the head under its watchdog and wait for it; the record (or an error record)."""
-    from .client import BrokerError
+    from ..leasing.client import BrokerError
 
     owner = f"ray-head@{os.getpid()}"
     try:

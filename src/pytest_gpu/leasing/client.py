@@ -11,8 +11,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+from ..machine.wire import request_to_wire
 from .broker import describe_holders
-from .machine.wire import request_to_wire
 from .requests import GpuRequest
 
 

@@ -1,6 +1,6 @@
 """Requests from a suite's own conventions, without editing its tests.
 
-Two sources, consulted by :func:`pytest_gpu.lifecycle.item_request` after an explicit
+Two sources, consulted by :func:`pytest_gpu.run.lifecycle.item_request` after an explicit
 ``gpu`` marker and before the ``gpu`` fixture's default request:
 
 1. the ``pytest_gpu_item_request(item)`` hook (see :mod:`pytest_gpu.hookspecs`), for
@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from .requests import HOST_KWARGS, DefaultMemory, GpuRequest, GpuRequestError, build_host_request, build_request
+from .requests import (
+    HOST_KWARGS,
+    DefaultMemory,
+    GpuRequest,
+    GpuRequestError,
+    build_host_request,
+    build_request,
+)
 
 MAP_INI = "gpu_marker_map"
 MAP_FORM = (

@@ -2,7 +2,7 @@
 
 Records are built from test reports, so the xdist controller sees every worker's
 tests: the reports carry wall-clock phase times, and pytest-gpu adds each lease's
-times and GPUs as user properties (see :mod:`pytest_gpu.lifecycle`).
+times and GPUs as user properties (see :mod:`pytest_gpu.run.lifecycle`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .requests import format_size
+from ..leasing.requests import format_size
 
 MIB = 2**20
 SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less

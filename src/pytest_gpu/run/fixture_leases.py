@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .gpu.isolation import VISIBLE_VARS, GpuLease
-from .gpu.verification import Verdict
-from .requests import GpuRequestError, build_request
-from .wording import numbered
+from ..gpu.isolation import VISIBLE_VARS, GpuLease
+from ..gpu.verification import Verdict
+from ..leasing.requests import GpuRequestError, build_request
+from ..report.wording import numbered
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -190,8 +190,8 @@ def _holding(config: pytest.Config, frame: _Frame) -> Holding:
 
 def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GpuLease:
     """Acquire a lease for the fixture being set up (see the module docstring)."""
-    from .client import BrokerError
-    from .gpu.runtime import LeaseUnreachable
+    from ..gpu.runtime import LeaseUnreachable
+    from ..leasing.client import BrokerError
 
     frame = _frame(config, f"{FACTORY}(...)", "the gpu fixture, or gpu_request for a section")
     who = _who(frame)
@@ -317,7 +317,7 @@ def apply_view(item: pytest.Item, run: GpuRun) -> None:
 
 def _use_device(run: GpuRun, lease_: GpuLease) -> None:
     """Make the lease's first GPU the current device (a fixture's confinement moved it)."""
-    from .gpu import runtime
+    from ..gpu import runtime
 
     try:
         ordinals = runtime.in_process(run.inventory, lease_.indices)
@@ -326,7 +326,7 @@ def _use_device(run: GpuRun, lease_: GpuLease) -> None:
     if not ordinals:
         return
     if runtime.simulated(run.inventory):
-        from .sim import cuda
+        from ..sim import cuda
 
         cuda.set_device(ordinals[0])
     torch = sys.modules.get("torch")

@@ -87,7 +87,7 @@ class GpuRequest:
     memory: int | None = None
     exclusive: bool = True
     min_memory: int | None = None
-    # host resources leased with the GPUs (see :mod:`pytest_gpu.host`): CPUs and bytes of RAM;
+    # host resources leased with the GPUs (see :mod:`pytest_gpu.leasing.host`): CPUs and bytes of RAM;
     # a host-only request (a CPU test's ``host`` marker) has ``count=0``, ``memory=0``
     cpus: int = 0
     host_memory: int = 0

@@ -1,7 +1,7 @@
 """The xdist scheduler: hands tests to workers by their GPU needs and past durations.
 
 Used under ``-n`` unless the user chose ``--dist`` or gave ``--gpu-schedule=off``. It
-implements xdist's ``Scheduling`` protocol around :class:`~pytest_gpu.planner.Planner`
+implements xdist's ``Scheduling`` protocol around :class:`~pytest_gpu.scheduling.planner.Planner`
 (the policy). Each worker holds at most two tests: the one running and the next, so
 every decision is taken as late as xdist allows.
 
@@ -36,7 +36,7 @@ from .planner import Order, Planner
 if TYPE_CHECKING:
     from xdist.workermanage import WorkerController
 
-    from .session import GpuRun
+    from ..run.session import GpuRun
 
 
 class GpuScheduling:

@@ -17,19 +17,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import sim
-from .gpu import runtime
-from .gpu.devices import Inventory
-from .gpu.isolation import Confinement, GpuLease, confine, make_lease
-from .gpu.verification import NvmlVerifier, SimVerifier, Verdict
-from .host import HostCapacity, confine_threads
-from .options import Settings
-from .requests import GpuRequest, format_size
+from .. import sim
+from ..gpu import runtime
+from ..gpu.devices import Inventory
+from ..gpu.isolation import Confinement, GpuLease, confine, make_lease
+from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict
+from ..leasing.host import HostCapacity, confine_threads
+from ..leasing.requests import GpuRequest, format_size
+from ..options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
-    from .broker import Broker
-    from .client import BrokerClient
-    from .machine.link import MachineLink
+    from ..leasing.broker import Broker
+    from ..leasing.client import BrokerClient
+    from ..machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
 
@@ -65,9 +65,9 @@ def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
 def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
     machine's (one per ``PYTEST_GPU_SIM_MACHINE``); joined when the first lease is asked."""
-    from .machine.domain import Domain
-    from .machine.link import MachineLink
-    from .sim import fake
+    from ..machine.domain import Domain
+    from ..machine.link import MachineLink
+    from ..sim import fake
 
     spec = inventory.source if inventory.simulated else fake.requested()
 
@@ -103,7 +103,7 @@ class ForeignSource:
         self._sampler: Any = None
 
     def __call__(self, uuids: list[str], roots: set[int], accounted: dict[str, int]) -> dict[str, int]:
-        from .gpu.foreign import ForeignSampler
+        from ..gpu.foreign import ForeignSampler
 
         if self._sampler is None:
             self._sampler = ForeignSampler()
@@ -137,13 +137,14 @@ class GpuRun:
     @classmethod
     def start(cls, settings: Settings, worker: str = "main") -> GpuRun:
         """Controller or single process: discover, make the run directory, start the broker."""
-        from . import host, rundir
-        from .broker import Broker
-        from .gpu.devices import discover
-        from .launched.detect import detect
-        from .launched.share import node_share
-        from .placement import Policy
-        from .sim import fake
+        from ..gpu.devices import discover
+        from ..launched.detect import detect
+        from ..launched.share import node_share
+        from ..leasing import host
+        from ..leasing.broker import Broker
+        from ..leasing.placement import Policy
+        from ..sim import fake
+        from . import rundir
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         launch = detect()
@@ -168,7 +169,7 @@ class GpuRun:
             # and spec): runs naming the same one share its GPUs' memory, as runs on one real
             # machine share its GPUs. Every process of the run (workers, ranks, subprocesses)
             # sees it through the fake-GPU switch.
-            from .gpu.devices import DeviceSpecError
+            from ..gpu.devices import DeviceSpecError
 
             try:
                 ledger = sim.machine_ledger(inventory.source, settings.context_overhead)
@@ -242,7 +243,7 @@ class GpuRun:
 
             self.broker.close()
             rundir.remove(self.run_dir)
-        from .sim import fake
+        from ..sim import fake
 
         if self.broker is not None and fake.active():
             fake.deactivate()  # the run's fake machine ends with it (in-process runs follow each other)
@@ -258,7 +259,7 @@ class GpuRun:
     def client(self) -> BrokerClient:
         with self._client_lock:
             if self._client is None:
-                from .client import BrokerClient
+                from ..leasing.client import BrokerClient
 
                 self._client = BrokerClient(self.address, self.authkey, self.worker)
             return self._client
@@ -272,9 +273,9 @@ class GpuRun:
 
     @property
     def host(self) -> HostCapacity:
-        """The machine's CPUs and RAM as this run sees them (see :mod:`pytest_gpu.host`)."""
+        """The machine's CPUs and RAM as this run sees them (see :mod:`pytest_gpu.leasing.host`)."""
         if self._host is None:
-            from .host import capacity
+            from ..leasing.host import capacity
 
             self._host = capacity(self.settings.host_cpus, self.settings.host_memory)
         return self._host
@@ -282,7 +283,7 @@ class GpuRun:
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory (and machine) can never satisfy ``request``, or ``None``."""
         if request.host:
-            from .placement import HostState
+            from ..leasing.placement import HostState
 
             reason = HostState(self.host.cpus, self.host.memory).never_fits(request)
             if reason is not None:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .gpu.verification import Verdict
-from .requests import (
+from ..gpu.verification import Verdict
+from ..leasing.requests import (
     GpuRequest,
     GpuRequestError,
     build_host_request,
@@ -30,7 +30,7 @@ REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
 STATE_KEY = pytest.StashKey["TestState"]()
 RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
-HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.host
+HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.leasing.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
 ALONE_KEY = pytest.StashKey[bool]()  # the test has a gpu_serial marker (set at collection)
 
@@ -81,7 +81,7 @@ class TestState:
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     """The test's request, from the first of: its closest ``gpu`` marker, the
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
-    for a ``gpu`` fixture user (see :mod:`pytest_gpu.conventions`); with the CPUs and RAM of
+    for a ``gpu`` fixture user (see :mod:`pytest_gpu.leasing.conventions`); with the CPUs and RAM of
     its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
@@ -99,7 +99,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
 
 
 def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    from .conventions import convention_request, item_kwargs
+    from ..leasing.conventions import convention_request, item_kwargs
 
     if item.get_closest_marker(SERIAL_MARKER) is not None:
         return alone_request(item, run)
@@ -244,7 +244,7 @@ def _cannot_run_alone(item: pytest.Item, run: GpuRun) -> str | None:
     xdist's own scheduling hands out the tests (``--dist``, ``--gpu-schedule=off``)."""
     if not item.stash.get(ALONE_KEY, False):
         return None
-    from .plugin import SCHEDULE_KEY
+    from ..plugin import SCHEDULE_KEY
 
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None or workerinput.get(SCHEDULE_KEY):
@@ -271,8 +271,8 @@ def _dist_chosen(argv: Sequence[str]) -> str:
 
 
 def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
-    from .client import BrokerError
-    from .gpu.runtime import LeaseUnreachable
+    from ..gpu.runtime import LeaseUnreachable
+    from ..leasing.client import BrokerError
 
     try:
         return run.acquire(request, item.nodeid)

@@ -21,7 +21,7 @@ import pytest
 from .planner import Job, Need
 
 if TYPE_CHECKING:
-    from .session import GpuRun
+    from ..run.session import GpuRun
 
 # Default for a test with no recorded duration when nothing at all is known.
 UNKNOWN_DURATION = 1.0
@@ -30,9 +30,10 @@ UNKNOWN_DURATION = 1.0
 def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
     """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group,
     "s": 1 for a test that runs alone (``gpu_serial``)}``."""
-    from . import dependencies, fixture_leases
-    from .distributed.runner import SPEC_KEY
-    from .lifecycle import ALONE_KEY, REQUEST_KEY
+    from ..distributed.runner import SPEC_KEY
+    from ..run import fixture_leases
+    from ..run.lifecycle import ALONE_KEY, REQUEST_KEY
+    from . import dependencies
 
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
     fixture_leases.remember_groups(items[0].config, groups)
@@ -60,7 +61,7 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
 def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict[str, str]:
     """Node id -> group: ``xdist_group`` names, dependency chains and instances of module- or
     class-scoped fixtures that lease GPUs, merged where they share a test."""
-    from .fixture_leases import group_tags
+    from ..run.fixture_leases import group_tags
 
     parent: dict[str, str] = {}
 
@@ -105,10 +106,10 @@ def jobs(
 
 class HeldNeeds(Mapping[str, tuple[Need, ...]]):
     """Group -> what its fixtures hold while its tests run, read live from the broker's
-    catalog (the planner's :attr:`~pytest_gpu.planner.Planner.held`)."""
+    catalog (the planner's :attr:`~pytest_gpu.scheduling.planner.Planner.held`)."""
 
     def __init__(self, catalog: Mapping[str, Any]) -> None:
-        from .fixture_leases import HELD_PREFIX
+        from ..run.fixture_leases import HELD_PREFIX
 
         self._catalog = catalog
         self._prefix = HELD_PREFIX

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .gpu.isolation import Confinement
+    from ..gpu.isolation import Confinement
 
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 1 << 30

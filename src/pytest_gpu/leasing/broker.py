@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from .machine.arbiter import Event
-from .machine.link import MachineLink
-from .machine.wire import request_from_wire
+from ..machine.arbiter import Event
+from ..machine.link import MachineLink
+from ..machine.wire import request_from_wire
 from .placement import Policy
 from .ports import DEFAULT_RANGE, PortPool
 from .requests import GpuRequest, format_size
@@ -135,7 +135,7 @@ class Broker:
         self.uuids = {i: (uuids or {}).get(i) or f"private-{i}" for i in self.capacities}
         self._index = {uuid: i for i, uuid in self.uuids.items()}
         self._gpu_list = list(self.uuids.values())
-        self.host = host  # this run's view of the machine's CPUs and RAM (see pytest_gpu.host)
+        self.host = host  # this run's view of the machine's CPUs and RAM (see pytest_gpu.leasing.host)
         self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .requests import format_size
+from ..leasing.requests import format_size
 from .timeline import TestRecord, Timeline
 
 WORKERS_PID = 1

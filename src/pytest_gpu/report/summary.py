@@ -12,8 +12,8 @@ from .timeline import Timeline
 from .wording import numbered, plural, verb
 
 if TYPE_CHECKING:
-    from .broker import CrashRecord
-    from .gpu.devices import Inventory
+    from ..gpu.devices import Inventory
+    from ..leasing.broker import CrashRecord
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable
@@ -148,7 +148,7 @@ class Summary:
 def foreign_lines(entries: list[dict[str, Any]]) -> list[str]:
     """Summary lines for grants that avoided a GPU or waited because processes outside
     pytest-gpu used memory there (the broker's ``foreign`` records)."""
-    from .requests import format_size
+    from ..leasing.requests import format_size
     from .wording import plural, verb
 
     avoided: dict[int, list[dict[str, Any]]] = {}

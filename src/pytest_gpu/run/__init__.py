@@ -1,0 +1,2 @@
+"""One run in each of its processes: the run's state (session), one test's life (lifecycle),
+leases held by fixtures, the run directory and the artifacts shared through it."""
