@@ -24,9 +24,12 @@ import psutil
 import pytest
 
 from conftest import require
-from pytest_gpu import raycluster
 from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.options import Settings
+from pytest_gpu.procs import owner_alive
+from pytest_gpu.raycluster.head import HeadSpec, driver_search_path, head_env, host_port, temp_dir_for
+from pytest_gpu.raycluster.startonce import WATCHDOG_MODULE
+from pytest_gpu.raycluster.stop import STOP_GRACE, kill_session, session_processes
 
 # Inner suite. It lives in tests/ below the inner rootdir, so Ray workers can import the
 # helper it calls only through the PYTHONPATH the plugin gives the head.
@@ -40,7 +43,8 @@ import psutil
 import pytest
 import ray
 
-from pytest_gpu import raycluster
+from pytest_gpu.raycluster.head import STATE_FILE
+from pytest_gpu.raycluster.stop import session_processes
 
 OUT = Path({out!r})
 
@@ -57,8 +61,8 @@ def one_gpu():
 def record(ray_cluster, name):
     data = {{"address": ray_cluster.address, "started_by_plugin": ray_cluster.started_by_plugin}}
     if ray_cluster.log is not None:
-        state = json.loads((ray_cluster.log.parent / raycluster.STATE_FILE).read_text())
-        procs = raycluster.session_processes(state["watchdog"], state["ctime"])
+        state = json.loads((ray_cluster.log.parent / STATE_FILE).read_text())
+        procs = session_processes(state["watchdog"], state["ctime"])
         data["state"] = state
         data["procs"] = []
         for p in procs:
@@ -93,14 +97,6 @@ def test_record(ray_cluster, i):
 """
 
 
-def _alive(pid: int, ctime: float) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - ctime) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _mentions(text: str) -> list[str]:
     """Live processes whose command line mentions ``text``."""
     found = []
@@ -120,10 +116,10 @@ def _assert_head_gone(record: dict[str, Any]) -> None:
     state = record["state"]
     names = {name for _, name, _ in record["procs"]}
     assert {"raylet", "gcs_server"} <= names, names  # the check below looks at real Ray processes
-    survivors = [(pid, name) for pid, name, ctime in record["procs"] if _alive(pid, ctime)]
+    survivors = [(pid, name) for pid, name, ctime in record["procs"] if owner_alive(pid, ctime)]
     assert not survivors, survivors
-    assert not _alive(state["watchdog"], state["ctime"])
-    assert not raycluster.session_processes(state["watchdog"], state["ctime"])
+    assert not owner_alive(state["watchdog"], state["ctime"])
+    assert not session_processes(state["watchdog"], state["ctime"])
     assert not _mentions(state["temp_dir"])
 
 
@@ -205,11 +201,12 @@ def test_sigkill_of_the_run_stops_its_head(gpu_pytester, run_inner):
         import os
         import signal
 
-        from pytest_gpu import raycluster
+        from pytest_gpu.raycluster.head import STATE_FILE
+        from pytest_gpu.raycluster.stop import session_processes
 
         def test_crash(ray_cluster):
-            state = json.loads((ray_cluster.log.parent / raycluster.STATE_FILE).read_text())
-            procs = raycluster.session_processes(state["watchdog"], state["ctime"])
+            state = json.loads((ray_cluster.log.parent / STATE_FILE).read_text())
+            procs = session_processes(state["watchdog"], state["ctime"])
             data = {{"state": state, "procs": [[p.pid, p.name(), p.create_time()] for p in procs]}}
             with open({str(out / "crash.json")!r}, "w") as f:
                 json.dump(data, f)
@@ -218,10 +215,8 @@ def test_sigkill_of_the_run_stops_its_head(gpu_pytester, run_inner):
     )
     run_inner("--gpus", "sim:1x16GiB", subprocess=True, timeout=180)
     (record,) = _records(out)
-    deadline = time.monotonic() + raycluster.STOP_GRACE + 10
-    while time.monotonic() < deadline and raycluster.session_processes(
-        record["state"]["watchdog"], record["state"]["ctime"]
-    ):
+    deadline = time.monotonic() + STOP_GRACE + 10
+    while time.monotonic() < deadline and session_processes(record["state"]["watchdog"], record["state"]["ctime"]):
         time.sleep(0.2)
     _assert_head_gone(record)
 
@@ -268,7 +263,7 @@ def external_head(ports) -> Iterator[str]:
                 time.sleep(0.1)
         yield f"127.0.0.1:{gcs}"
         # still alive after the inner run: the plugin never stops a cluster it did not start
-        names = {p.name() for p in raycluster.session_processes(head.pid, ctime)}
+        names = {p.name() for p in session_processes(head.pid, ctime)}
         assert head.poll() is None
         assert {"raylet", "gcs_server"} <= names, names
         socket.create_connection(("127.0.0.1", gcs), timeout=2).close()
@@ -278,7 +273,7 @@ def external_head(ports) -> Iterator[str]:
             head.wait(20)
         except subprocess.TimeoutExpired:
             pass
-        raycluster.kill_session(head.pid, ctime)
+        kill_session(head.pid, ctime)
         head.wait()
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
@@ -383,7 +378,7 @@ def test_ray_settings_reach_xdist_workers():
     ],
 )
 def test_host_port(address, expected):
-    assert raycluster.host_port(address) == expected
+    assert host_port(address) == expected
 
 
 def test_head_env_has_the_runs_gpus_not_a_tests_lease():
@@ -395,7 +390,7 @@ def test_head_env_has_the_runs_gpus_not_a_tests_lease():
         "PYTHONPATH": "/already",
         "RAY_AUTH_MODE": "token",
     }
-    env = raycluster.head_env(environ, (0, 1, 2, 3), ["/repo/tests", "/repo/tests"])
+    env = head_env(environ, (0, 1, 2, 3), ["/repo/tests", "/repo/tests"])
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "HIP_VISIBLE_DEVICES" not in env and "PYTEST_GPU_SIM_TAG" not in env
@@ -405,7 +400,7 @@ def test_head_env_has_the_runs_gpus_not_a_tests_lease():
 
 
 def test_head_command_declares_gpus_and_avoids_default_ports(tmp_path):
-    spec = raycluster.HeadSpec(
+    spec = HeadSpec(
         num_cpus=2,
         gpus=(0, 2),
         gcs_port=21000,
@@ -421,23 +416,23 @@ def test_head_command_declares_gpus_and_avoids_default_ports(tmp_path):
     assert "--dashboard-agent-listen-port=21002" in cmd
     assert not any(c.startswith("--ray-client-server-port") for c in cmd)
     assert spec.expected() == {"CPU": 2.0, "GPU": 2.0}
-    assert raycluster.HeadSpec(1, (), 1, 2, 3, 4, tmp_path).expected() == {"CPU": 1.0}
+    assert HeadSpec(1, (), 1, 2, 3, 4, tmp_path).expected() == {"CPU": 1.0}
 
 
 def test_driver_search_path_keeps_test_dirs_not_the_interpreters(tmp_path):
     site = next(p for p in sys.path if p.endswith("site-packages"))
-    assert raycluster.driver_search_path([str(tmp_path), site, "", str(tmp_path / "missing")]) == [str(tmp_path)]
+    assert driver_search_path([str(tmp_path), site, "", str(tmp_path / "missing")]) == [str(tmp_path)]
 
 
 def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):
     run_dir = Path(tempfile.mkdtemp(prefix="r-", dir="/tmp"))
     try:
-        assert raycluster.temp_dir_for(run_dir) == (run_dir / "ray", False)
+        assert temp_dir_for(run_dir) == (run_dir / "ray", False)
     finally:
         shutil.rmtree(run_dir)
     long_dir = tmp_path / ("d" * 60)
     long_dir.mkdir()
-    path, separate = raycluster.temp_dir_for(long_dir)
+    path, separate = temp_dir_for(long_dir)
     try:
         assert separate and len(str(path)) <= 40 and path.is_dir()
     finally:
@@ -445,15 +440,20 @@ def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):
 
 
 def test_watchdog_stops_its_command_when_the_owner_dies(tmp_path):
-    """The watchdog alone, with ``sleep`` for a head: owner gone -> command and session gone."""
+    """The watchdog alone, with ``sleep`` for a head: owner gone -> command and session gone.
+
+    Run as the launcher runs it; ``-W error::RuntimeWarning`` catches runpy's warning about a
+    module the package imported before ``-m`` ran it (it would run twice)."""
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     owner_ctime = psutil.Process(owner.pid).create_time()
     script = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
     watchdog = subprocess.Popen(
         [
             sys.executable,
+            "-W",
+            "error::RuntimeWarning",
             "-m",
-            "pytest_gpu.raycluster",
+            WATCHDOG_MODULE,
             "--owner",
             str(owner.pid),
             "--owner-ctime",
@@ -467,16 +467,16 @@ def test_watchdog_stops_its_command_when_the_owner_dies(tmp_path):
     )
     try:
         deadline = time.monotonic() + 20
-        while len(raycluster.session_processes(watchdog.pid)) < 3 and time.monotonic() < deadline:
+        while len(session_processes(watchdog.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        members = raycluster.session_processes(watchdog.pid)
+        members = session_processes(watchdog.pid)
         assert len(members) == 3, members  # watchdog, its command, the command's child
         owner.kill()
         owner.wait()
-        assert watchdog.wait(raycluster.STOP_GRACE + 5) == 0
+        assert watchdog.wait(STOP_GRACE + 5) == 0
         psutil.wait_procs(members, timeout=5)
-        assert not raycluster.session_processes(watchdog.pid)
+        assert not session_processes(watchdog.pid)
     finally:
         owner.kill()
-        raycluster.kill_session(watchdog.pid)
+        kill_session(watchdog.pid)
         watchdog.wait()

@@ -182,6 +182,7 @@ def _fresh_run(root: Path, pid: int, owner: str | None, age: float = 0.0) -> Pat
         ("alive", "owner", 3600, True),
         ("dead", "owner", 0, False),
         ("alive", "reused", 0, False),  # the pid is someone else's now
+        ("alive", "shifted", 0, True),  # the boot time psutil adds moved a second (NTP)
     ],
 )
 def test_sweep_keeps_runs_being_created_and_removes_dead_ones(
@@ -194,9 +195,23 @@ def test_sweep_keeps_runs_being_created_and_removes_dead_ones(
         owner = json.dumps({"pid": pid, "ctime": psutil.Process(pid).create_time() if creator == "alive" else 1.0})
     elif owner == "reused":
         owner = json.dumps({"pid": pid, "ctime": psutil.Process(pid).create_time() - 3600})
+    elif owner == "shifted":
+        owner = json.dumps({"pid": pid, "ctime": psutil.Process(pid).create_time() + 1.0})
     run = _fresh_run(tmp_path, pid, owner, age)
     assert rundir.sweep_stale(tmp_path) == ([] if kept else [run])
     assert run.is_dir() == kept
+
+
+def test_sweep_keeps_a_run_whose_owner_may_not_be_inspected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    def denied(self: psutil.Process) -> float:
+        raise psutil.AccessDenied(self.pid)
+
+    run = _fresh_run(tmp_path, os.getpid(), json.dumps({"pid": os.getpid(), "ctime": 1.0}), 3600)
+    monkeypatch.setattr(psutil.Process, "create_time", denied)
+    assert rundir.sweep_stale(tmp_path) == []
+    assert run.is_dir()
 
 
 def test_sweep_tolerates_a_directory_removed_under_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,7 +235,7 @@ def test_sweep_tolerates_a_directory_removed_under_it(tmp_path: Path, monkeypatc
 STRESS = r"""
 import json, os, sys, tempfile, time
 from pathlib import Path
-from pytest_gpu import rundir
+from pytest_gpu.run import rundir
 
 seconds, dead = float(sys.argv[1]), int(sys.argv[2])
 root = rundir.base_dir()

@@ -1,4 +1,11 @@
-"""Ending process trees (rank pools, the Ray head): one way to do it, used by both."""
+"""Processes this package started or recorded: ending them, and telling whether one still runs.
+
+Rank pools and the Ray head end their process trees one way (:func:`kill_and_wait`).
+Run directories, the Ray head's watchdog and the simulated GPUs' ledger all record a
+process as ``(pid, create time)`` and later ask whether *that* process still runs, not
+some later one that got the same pid (:func:`owner_alive`). psutil is imported on use:
+the plugin loads this module into every pytest process.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,35 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import psutil
+
+# psutil's create_time is the process's start in clock ticks since boot plus the boot time
+# from /proc/stat: whole seconds, re-read on every call, and moved when the wall clock is
+# stepped or slewed (NTP). The same process can therefore read a whole second off what was
+# recorded (plus float noise from adding ~1.7e9). A reused pid within 1.5 s of the recorded
+# start would need the whole pid space to wrap in that time, so the slack costs nothing.
+CTIME_TOLERANCE_S = 1.5
+
+
+def owner_alive(pid: int, ctime: float | None, *, tolerance: float = CTIME_TOLERANCE_S, unsure: bool = True) -> bool:
+    """Whether process ``pid``, started at ``ctime`` (psutil's ``create_time``), still runs.
+
+    A zombie counts as gone (it has exited, only its parent has not reaped it), and so does
+    a process under that pid that started at another time (the pid was reused).
+    ``ctime=None`` checks the pid only. ``unsure`` is the answer where psutil may not look
+    at the process (``AccessDenied``): a caller that would destroy something of a live
+    process on ``False`` keeps the default.
+    """
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if ctime is not None and abs(proc.create_time() - ctime) > tolerance:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess too
+        return False
+    except psutil.Error:
+        return unsure
 
 
 def kill_and_wait(procs: Sequence[psutil.Process], timeout: float = 5.0) -> None:

@@ -26,9 +26,10 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+from ..procs import owner_alive
+
 OWNER_FILE = "owner.json"
 GRACE_S = 60.0  # a run directory younger than this without an owner file is being created
-_CTIME_SLACK_S = 1.0  # psutil's create_time follows the boot time /proc/stat reports, which NTP can move
 
 
 class RunDirError(OSError):
@@ -107,21 +108,6 @@ def _roots() -> list[Path]:
     return found
 
 
-def _alive(pid: int, ctime: float | None) -> bool:
-    """Whether process ``pid`` (started at ``ctime``, if given) still runs; True where unsure."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if ctime is not None and abs(proc.create_time() - ctime) > _CTIME_SLACK_S:
-            return False  # the pid was reused
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:  # ZombieProcess too
-        return False
-    except psutil.Error:  # AccessDenied: a sweep must never remove a live run's directory
-        return True
-
-
 def _stale(run: Path) -> bool:
     """Whether ``run`` was left by a process that is gone. FileNotFoundError: it vanished."""
     try:
@@ -132,10 +118,10 @@ def _stale(run: Path) -> bool:
         # else (a creator that died early, a name we did not make) after the grace period
         _, _, rest = run.name.partition("-")
         creator = rest.partition("-")[0]
-        if creator.isdigit() and _alive(int(creator), None):
+        if creator.isdigit() and owner_alive(int(creator), None):
             return False
         return time.time() - run.stat().st_mtime >= GRACE_S
-    return not _alive(pid, ctime)
+    return not owner_alive(pid, ctime)  # unsure (AccessDenied): alive, never sweep a live run's directory
 
 
 def sweep_stale(root: Path | None = None) -> list[Path]:

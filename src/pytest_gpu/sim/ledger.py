@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..leasing.requests import format_size, parse_size
+from ..procs import owner_alive
 from . import spec as specs
 
 LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
@@ -164,6 +165,7 @@ def _same_machine(a: str, b: str) -> bool:
 
 
 def _proc_start(pid: int) -> float | None:
+    """What the ledger records of a process: its create time (``None`` where it cannot be read)."""
     import psutil  # imported on use: the plugin imports this module in every process
 
     try:
@@ -173,6 +175,12 @@ def _proc_start(pid: int) -> float | None:
         return proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+
+
+def _alive(pid: int | str, ctime: float | None) -> bool:
+    # one that may not be inspected counts as gone (as it always has here): were it dead,
+    # the ledger would otherwise hold its memory and contexts for ever
+    return owner_alive(int(pid), ctime, unsure=False)
 
 
 class Ledger:
@@ -250,7 +258,7 @@ class Ledger:
         """The live processes using the machine: holding memory or a context, or registered users."""
         procs = {pid: rec["ctime"] for pid, rec in state["procs"].items()}
         users = {**state.get("users", {}), **procs}
-        return sorted(int(pid) for pid, ctime in users.items() if _proc_start(int(pid)) == ctime)
+        return sorted(int(pid) for pid, ctime in users.items() if _alive(pid, ctime))
 
     @classmethod
     def _live(cls, state: dict[str, Any]) -> bool:
@@ -259,17 +267,15 @@ class Ledger:
     def _prune(self, state: dict[str, Any]) -> bool:
         """Free what dead processes held, as the driver does when a process exits; forget dead
         users and the tags of dead owners (a run that was killed cannot drop them)."""
-        dead = [pid for pid, rec in state["procs"].items() if _proc_start(int(pid)) != rec["ctime"]]
+        dead = [pid for pid, rec in state["procs"].items() if not _alive(pid, rec["ctime"])]
         for pid in dead:
             del state["procs"][pid]
         users = state.setdefault("users", {})
-        gone = [pid for pid, ctime in users.items() if _proc_start(int(pid)) != ctime]
+        gone = [pid for pid, ctime in users.items() if not _alive(pid, ctime)]
         for pid in gone:
             del users[pid]
         orphans = [
-            tag
-            for tag, rec in state["tags"].items()
-            if "octime" in rec and _proc_start(int(rec["owner"])) != rec["octime"]
+            tag for tag, rec in state["tags"].items() if "octime" in rec and not _alive(rec["owner"], rec["octime"])
         ]
         for tag in orphans:
             del state["tags"][tag]
