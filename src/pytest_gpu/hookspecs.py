@@ -8,9 +8,12 @@ implementation ``@pytest.hookimpl(optionalhook=True)``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from .gpu.isolation import Confinement, GpuLease
 
 
 @pytest.hookspec(firstresult=True)
@@ -27,4 +30,23 @@ def pytest_gpu_item_request(item: pytest.Item) -> Mapping[str, Any] | None:
     for tests without a ``gpu`` marker (the marker wins) and without a ``distributed`` one
     (it gets its GPUs from ``gpus_per_rank``). Only the ``conftest.py`` files on the test's
     path take part; the first non-``None`` result wins, the deepest conftest's first.
+    """
+
+
+@pytest.hookspec
+def pytest_gpu_confine(lease: GpuLease, confinement: Confinement) -> None:
+    """Confine a framework of this test process to ``lease``, when the lease starts.
+
+    Every implementation runs; torch's and CuPy's are built in (``pytest_gpu.gpu.adapters``,
+    registered as ``gpu_adapters``: ``-p no:gpu_adapters`` drops them). Called in the process
+    that holds the lease (the test's, or a fixture's through ``gpu_lease_factory``), after
+    ``CUDA_VISIBLE_DEVICES`` and the lease's environment are decided and before the test body.
+
+    Never import your framework here (a test that does not use it must not pay for it):
+    ``confinement.when_imported("jax", apply)`` calls ``apply(module)`` now if it is
+    imported, else right after the test imports it. ``confinement.ordinals`` are the leased
+    GPUs as this process's CUDA numbers them (``lease.indices``' order), ``lease.memory``
+    the bytes per GPU. Undo what you set with ``confinement.on_undo(step)``: the steps run
+    last-added first when the lease ends. An error raised now fails the lease's setup; one
+    raised by a late ``apply`` is a warning and a note in the test's verdict.
     """

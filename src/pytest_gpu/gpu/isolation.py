@@ -1,31 +1,24 @@
-"""Applying a lease inside the test process: environment, and framework adapters.
+"""Applying a lease inside the test process: environment, and the frameworks' confinement.
 
 Only the leased GPUs are ever touched. A framework is used only if the test process
 imports it: if it is loaded when the lease starts it is confined at once, and if the test
 imports it while holding the lease it is confined right after its import
-(:mod:`pytest_gpu.importhook`); the plugin never imports torch or CuPy itself.
+(:mod:`pytest_gpu.importhook`); the plugin never imports torch or CuPy itself. Which
+frameworks are confined, and how, is the ``pytest_gpu_confine`` hook's: torch and CuPy
+are built in (:mod:`pytest_gpu.gpu.adapters`), a conftest adds its own.
 
 Before anything is narrowed, the process's CUDA device list is pinned to the run's
 (:mod:`pytest_gpu.gpu.runtime`), so ordinals never depend on which test started CUDA.
-
-The real-CUDA adapters follow torch's and CuPy's own sources (``c10/cuda``'s
-``setMemoryFraction`` calls ``SetDevice`` and leaves it; the caching allocator keeps
-freed blocks until ``empty_cache``; ``reset_peak_memory_stats`` sets the peak to the
-current reserve; CuPy's ``set_limit`` and ``free_all_blocks`` act on the current
-device's pool). They are exercised in CI against :mod:`pytest_gpu.sim.torch_cuda` and a
-CuPy stand-in, not on a real GPU.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 from .. import importhook, sim
 from . import runtime
@@ -109,13 +102,49 @@ def make_lease(
 
 @dataclass
 class Confinement:
-    """What :func:`confine` changed, so :meth:`undo` can put it back."""
+    """What :func:`confine` changed, so :meth:`undo` can put it back.
+
+    The ``pytest_gpu_confine`` hook receives it: an implementation confines its framework
+    through :meth:`when_imported` and :meth:`on_undo`. ``ordinals`` are the leased GPUs as
+    this process's CUDA numbers them (``lease.indices`` order); ``inventory`` the run's GPUs.
+    """
 
     saved_env: dict[str, str | None] = field(default_factory=dict)
     undo_steps: list[Callable[[], None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    ordinals: list[int] = field(default_factory=list)
+    inventory: Inventory | None = None
+
+    def on_undo(self, step: Callable[[], None]) -> None:
+        """Run ``step`` when the lease ends (steps run last-added first)."""
+        self.undo_steps.append(step)
+
+    def when_imported(self, name: str, apply: Callable[[ModuleType], None]) -> None:
+        """``apply(module)`` now if module ``name`` is imported, else right after the test
+        imports it while it holds the lease (never importing it here: the plugin must not).
+
+        An error of a late ``apply`` never breaks the test's import: it becomes a note of the
+        test's verdict and a warning. An error now propagates (the lease is not applied).
+        """
+        module = sys.modules.get(name)
+        if module is not None:
+            apply(module)
+            return
+
+        def hook(module: ModuleType) -> None:
+            # runs inside the test's import statement; an undo step added now runs first at undo
+            try:
+                apply(module)
+            except Exception as exc:
+                note = f"could not confine {module.__name__} after its import: {exc!r}"
+                self.notes.append(note)
+                warnings.warn(f"pytest-gpu: {note}", RuntimeWarning, stacklevel=2)
+
+        importhook.on_import(name, hook)
+        self.on_undo(lambda: importhook.cancel(name, hook))
 
     def undo(self) -> None:
+        """Put back what the confinement changed, last change first; errors become notes."""
         for step in reversed(self.undo_steps):
             try:
                 step()
@@ -130,8 +159,12 @@ class Confinement:
         self.saved_env.clear()
 
 
-def confine(lease: GpuLease, inventory: Inventory) -> Confinement:
+def confine(lease: GpuLease, inventory: Inventory, frameworks: Callable[..., object] | None = None) -> Confinement:
     """Apply ``lease`` to this process until :meth:`Confinement.undo`.
+
+    ``frameworks`` confines the frameworks the test uses: the ``pytest_gpu_confine`` hook
+    (``config.hook.pytest_gpu_confine``), whose built-in implementations are the torch and
+    CuPy adapters of :mod:`pytest_gpu.gpu.adapters`; ``None``: those two alone.
 
     Raises :class:`pytest_gpu.gpu.runtime.LeaseUnreachable` when this process's CUDA
     cannot address the lease; whatever was applied before an error is undone.
@@ -146,16 +179,15 @@ def confine(lease: GpuLease, inventory: Inventory) -> Confinement:
                 "uses one MIG instance per process: use the lease from a subprocess (gpu.env)"
             )
         else:
+            done.inventory, done.ordinals = inventory, ordinals
             if runtime.simulated(inventory):
                 _confine_sim(lease, ordinals, done)
-            for name, adapter in (("torch", _confine_torch), ("cupy", _confine_cupy)):
-                module = sys.modules.get(name)
-                if module is not None:
-                    adapter(module, lease, ordinals, inventory, done)
-                else:  # the test may import it while it holds the lease: confine it then
-                    hook = _late(adapter, lease, ordinals, inventory, done)
-                    importhook.on_import(name, hook)
-                    done.undo_steps.append(lambda name=name, hook=hook: importhook.cancel(name, hook))
+            if frameworks is None:
+                from . import adapters
+
+                adapters.pytest_gpu_confine(lease, done)
+            else:
+                frameworks(lease=lease, confinement=done)
         for name, value in lease.env.items():
             done.saved_env[name] = os.environ.get(name)
             os.environ[name] = value
@@ -165,55 +197,15 @@ def confine(lease: GpuLease, inventory: Inventory) -> Confinement:
     return done
 
 
-Adapter = Callable[[ModuleType, GpuLease, list[int], Inventory, Confinement], None]
-
-# The budgets of the leases this process holds now, per (framework, device): a
-# gpu_request section on the GPU of the test's main lease adds to the cap, and ending it
-# gives the main lease its own cap back (not none, not the section's).
-_held: dict[tuple[str, int], list[int]] = {}
-
-
-def _hold(kind: str, device: int, memory: int) -> tuple[int, bool]:
-    """Add a lease's budget on ``device``; (the process's total there now, whether it is the first)."""
-    stack = _held.setdefault((kind, device), [])
-    stack.append(memory)
-    return sum(stack), len(stack) == 1
-
-
-def _drop(kind: str, device: int, memory: int) -> int:
-    """Remove a lease's budget on ``device``; the total of the leases still held there (0: none)."""
-    stack = _held.get((kind, device), [])
-    if memory in stack:
-        stack.remove(memory)
-    if not stack:
-        _held.pop((kind, device), None)
-    return sum(stack)
-
-
-def _late(
-    adapter: Adapter, lease: GpuLease, ordinals: list[int], inventory: Inventory, done: Confinement
-) -> Callable[[ModuleType], None]:
-    def hook(module: ModuleType) -> None:
-        # runs inside the test's import statement; an undo step added now runs first at undo
-        try:
-            adapter(module, lease, ordinals, inventory, done)
-        except Exception as exc:  # never break the test's import; said in the summary and here
-            note = f"could not confine {module.__name__} after its import: {exc!r}"
-            done.notes.append(note)
-            warnings.warn(f"pytest-gpu: {note}", RuntimeWarning, stacklevel=2)
-
-    return hook
-
-
 def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
     from ..sim import cuda
 
     previous = cuda.current_device()
     for index in lease.indices:
-        total, _ = _hold("sim", index, lease.memory)
+        total, _ = hold("sim", index, lease.memory)
         cuda.set_memory_cap(index, total)
         done.undo_steps.append(
-            lambda index=index: cuda.set_memory_cap(index, _drop("sim", index, lease.memory) or None)
+            lambda index=index: cuda.set_memory_cap(index, drop("sim", index, lease.memory) or None)
         )
     cuda.set_device(ordinals[0])
     done.undo_steps.append(lambda: _restore_sim_device(previous))
@@ -228,88 +220,24 @@ def _restore_sim_device(previous: int) -> None:
         cuda.set_device(previous)
 
 
-def _has_context(torch: ModuleType, ordinal: int) -> bool:
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if probe is not None:
-        return bool(probe(ordinal))
-    return bool(torch.cuda.memory_reserved(ordinal) > 0)
+# The budgets of the leases this process holds now, per (framework, device): a
+# gpu_request section on the GPU of the test's main lease adds to the cap, and ending it
+# gives the main lease its own cap back (not none, not the section's).
+_held: dict[tuple[str, int], list[int]] = {}
 
 
-def _confine_torch(
-    torch: ModuleType, lease: GpuLease, ordinals: list[int], inventory: Inventory, done: Confinement
-) -> None:
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not cuda.is_available():
-        return
-    state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
-
-    def total_of(ordinal: int, index: int) -> int:
-        # torch caps a fraction of the total *it* sees (cudaMemGetInfo), a little less than NVML's
-        return int(cuda.get_device_properties(ordinal).total_memory) or inventory.by_index(index).capacity
-
-    def apply() -> None:
-        if not state["active"] or state["applied"]:
-            return  # the lease ended before torch started CUDA
-        state["applied"] = True
-        state["previous"] = cuda.current_device()
-        # Blocks an earlier test left in the cache would count as this test's peak
-        # (reset_peak_memory_stats sets the peak to the current reserve), and are memory
-        # the broker has given to someone else.
-        cuda.empty_cache()
-        for ordinal, index in zip(ordinals, lease.indices, strict=True):
-            budget, first = _hold("torch", ordinal, lease.memory)
-            cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
-            if first:  # a section on the main lease's GPU must not erase the main lease's peak
-                cuda.reset_peak_memory_stats(ordinal)
-        cuda.set_device(ordinals[0])
-
-    def undo() -> None:
-        state["active"] = False
-        if not state["applied"]:
-            return
-        gc.collect()  # tensors only a reference cycle still holds
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:
-            clear()  # cuBLAS keeps workspaces in torch's allocator: not the test's leak
-        cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
-        for ordinal, index in zip(ordinals, lease.indices, strict=True):
-            left = _drop("torch", ordinal, lease.memory)
-            cuda.set_per_process_memory_fraction(min(1.0, left / total_of(ordinal, index)) if left else 1.0, ordinal)
-        # Old torch's setMemoryFraction switched the device and left it; go back where the
-        # process was only if it has a context there (else CUDA 12 would open one).
-        previous = state["previous"]
-        if previous is not None and previous not in ordinals and _has_context(torch, previous):
-            cuda.set_device(previous)
-        else:
-            cuda.set_device(ordinals[0])
-
-    done.undo_steps.append(undo)
-    lazy_call = getattr(cuda, "_lazy_call", None)
-    if cuda.is_initialized() or lazy_call is None:
-        apply()
-    else:  # torch runs it when it starts CUDA: a test that never does keeps torch's CUDA unstarted
-        lazy_call(apply)
+def hold(kind: str, device: int, memory: int) -> tuple[int, bool]:
+    """Add a lease's budget on ``device``; (the process's total there now, whether it is the first)."""
+    stack = _held.setdefault((kind, device), [])
+    stack.append(memory)
+    return sum(stack), len(stack) == 1
 
 
-def _confine_cupy(
-    cupy: ModuleType, lease: GpuLease, ordinals: list[int], inventory: Inventory, done: Confinement
-) -> None:
-    pool = cupy.get_default_memory_pool()
-    previous: dict[int, int] = {}
-    # set_limit and free_all_blocks act on the current device's pool only: visit each GPU
-    for ordinal in ordinals:
-        with cupy.cuda.Device(ordinal):
-            pool.free_all_blocks()
-            previous[ordinal] = pool.get_limit()
-            budget, _ = _hold("cupy", ordinal, lease.memory)
-            pool.set_limit(size=budget)
-    cupy.cuda.Device(ordinals[0]).use()
-
-    def undo() -> None:
-        for ordinal in ordinals:
-            with cupy.cuda.Device(ordinal):
-                pool.free_all_blocks()
-                left = _drop("cupy", ordinal, lease.memory)
-                pool.set_limit(size=left or previous[ordinal])
-
-    done.undo_steps.append(undo)
+def drop(kind: str, device: int, memory: int) -> int:
+    """Remove a lease's budget on ``device``; the total of the leases still held there (0: none)."""
+    stack = _held.get((kind, device), [])
+    if memory in stack:
+        stack.remove(memory)
+    if not stack:
+        _held.pop((kind, device), None)
+    return sum(stack)

@@ -46,8 +46,8 @@ def redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-class LaunchedSession:
-    """Registered as a plugin in the pytest process (xdist controller) of every rank."""
+class LaunchedRank:
+    """The launched-rank role: registered beside the controller or lone object of each rank's main process."""
 
     def __init__(self, config: pytest.Config, ctx: LaunchContext, timeout: float, shard: bool) -> None:
         self.config = config
@@ -84,7 +84,7 @@ class LaunchedSession:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if self.shard or hasattr(self.config, "workerinput"):
+        if self.shard:
             return
         ids = [item.nodeid for item in session.items]
         gather.publish(self.dir, "collected", self.ctx.rank, {"run": self.ctx.run_id, "ids": ids})

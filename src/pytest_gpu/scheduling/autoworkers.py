@@ -178,13 +178,13 @@ def auto_num_workers(config: pytest.Config) -> int | None:
         return None
     from .. import options
     from ..gpu.devices import DeviceSpecError, discover
-    from ..launched.detect import detect
     from ..launched.share import node_share
+    from ..roles.keys import LAUNCH_KEY
     from . import history
 
     settings = options.read(config)
     try:
-        inventory = node_share(discover(settings.gpus), detect())
+        inventory = node_share(discover(settings.gpus), config.stash.get(LAUNCH_KEY, None))
     except DeviceSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     if not inventory.devices:

@@ -1,0 +1,118 @@
+"""The built-in implementations of the ``pytest_gpu_confine`` hook: torch and CuPy.
+
+Registered by the plugin as ``gpu_adapters`` (``-p no:gpu_adapters`` turns them off, for a
+suite that confines these frameworks its own way). Neither is imported here: each adapter
+runs when its framework is imported (:meth:`Confinement.when_imported`).
+
+They follow torch's and CuPy's own sources (``c10/cuda``'s ``setMemoryFraction`` calls
+``SetDevice`` and leaves it; the caching allocator keeps freed blocks until
+``empty_cache``; ``reset_peak_memory_stats`` sets the peak to the current reserve; CuPy's
+``set_limit`` and ``free_all_blocks`` act on the current device's pool). Exercised in CI
+against :mod:`pytest_gpu.sim.torch_cuda` and a CuPy stand-in; on a real GPU only where a
+device machine ran ``tests/gpu/``.
+"""
+
+from __future__ import annotations
+
+import gc
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from .isolation import Confinement, GpuLease, drop, hold
+
+
+@pytest.hookimpl
+def pytest_gpu_confine(lease: GpuLease, confinement: Confinement) -> None:
+    """Confine torch and CuPy, now or when the test imports them, to ``lease``."""
+    ordinals = confinement.ordinals
+    confinement.when_imported("torch", lambda torch: _confine_torch(torch, lease, ordinals, confinement))
+    confinement.when_imported("cupy", lambda cupy: _confine_cupy(cupy, lease, ordinals, confinement))
+
+
+def _has_context(torch: ModuleType, ordinal: int) -> bool:
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is not None:
+        return bool(probe(ordinal))
+    return bool(torch.cuda.memory_reserved(ordinal) > 0)
+
+
+def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return
+    state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
+
+    def total_of(ordinal: int, index: int) -> int:
+        # torch caps a fraction of the total *it* sees (cudaMemGetInfo), a little less than NVML's
+        return int(cuda.get_device_properties(ordinal).total_memory) or _capacity(done, index)
+
+    def apply() -> None:
+        if not state["active"] or state["applied"]:
+            return  # the lease ended before torch started CUDA
+        state["applied"] = True
+        state["previous"] = cuda.current_device()
+        # Blocks an earlier test left in the cache would count as this test's peak
+        # (reset_peak_memory_stats sets the peak to the current reserve), and are memory
+        # the broker has given to someone else.
+        cuda.empty_cache()
+        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+            budget, first = hold("torch", ordinal, lease.memory)
+            cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
+            if first:  # a section on the main lease's GPU must not erase the main lease's peak
+                cuda.reset_peak_memory_stats(ordinal)
+        cuda.set_device(ordinals[0])
+
+    def undo() -> None:
+        state["active"] = False
+        if not state["applied"]:
+            return
+        gc.collect()  # tensors only a reference cycle still holds
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()  # cuBLAS keeps workspaces in torch's allocator: not the test's leak
+        cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
+        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+            left = drop("torch", ordinal, lease.memory)
+            cuda.set_per_process_memory_fraction(min(1.0, left / total_of(ordinal, index)) if left else 1.0, ordinal)
+        # Old torch's setMemoryFraction switched the device and left it; go back where the
+        # process was only if it has a context there (else CUDA 12 would open one).
+        previous = state["previous"]
+        if previous is not None and previous not in ordinals and _has_context(torch, previous):
+            cuda.set_device(previous)
+        else:
+            cuda.set_device(ordinals[0])
+
+    done.on_undo(undo)
+    lazy_call = getattr(cuda, "_lazy_call", None)
+    if cuda.is_initialized() or lazy_call is None:
+        apply()
+    else:  # torch runs it when it starts CUDA: a test that never does keeps torch's CUDA unstarted
+        lazy_call(apply)
+
+
+def _confine_cupy(cupy: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
+    pool = cupy.get_default_memory_pool()
+    previous: dict[int, int] = {}
+    # set_limit and free_all_blocks act on the current device's pool only: visit each GPU
+    for ordinal in ordinals:
+        with cupy.cuda.Device(ordinal):
+            pool.free_all_blocks()
+            previous[ordinal] = pool.get_limit()
+            budget, _ = hold("cupy", ordinal, lease.memory)
+            pool.set_limit(size=budget)
+    cupy.cuda.Device(ordinals[0]).use()
+
+    def undo() -> None:
+        for ordinal in ordinals:
+            with cupy.cuda.Device(ordinal):
+                pool.free_all_blocks()
+                left = drop("cupy", ordinal, lease.memory)
+                pool.set_limit(size=left or previous[ordinal])
+
+    done.on_undo(undo)
+
+
+def _capacity(done: Confinement, index: int) -> int:
+    return done.inventory.by_index(index).capacity if done.inventory is not None else 0

@@ -1,0 +1,14 @@
+"""What the plugin keeps per process (``config.stash``) and hands to xdist workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..launched.detect import LaunchContext
+
+# The launcher this process is a rank of (None: none), read once, before conftests load.
+LAUNCH_KEY = pytest.StashKey[LaunchContext | None]()
+# Whether the user chose an xdist distribution mode (read before xdist turns -n N into --dist load).
+DIST_CHOSEN_KEY = pytest.StashKey[bool]()
+# workerinput: True when the controller hands tests out with GpuScheduling.
+SCHEDULE_KEY = "pytest_gpu_schedule"

@@ -1,0 +1,104 @@
+"""The process that owns a run (the xdist controller, or pytest without workers).
+
+It holds the run's broker, hears every test report (its :class:`Summary`), keeps what the
+run measured for later runs, writes the trace, and prints pytest-gpu's summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .. import raycluster
+from ..launched import selection
+from ..launched.detect import LaunchContext
+from ..report.summary import Summary, foreign_lines
+from ..run.session import WIRE_KEY, GpuRun
+from ..scheduling import history
+from .base import RoleBase, register
+from .keys import DIST_CHOSEN_KEY, SCHEDULE_KEY
+
+
+class RunOwner(RoleBase):
+    """Hooks of the process that owns the run; see :class:`Controller` and ``Lone``."""
+
+    def __init__(self, config: pytest.Config, run: GpuRun, launch: LaunchContext | None) -> None:
+        super().__init__(config, run, launch)
+        self.summary = Summary()
+        register(config, self.summary, "pytest-gpu-summary")  # collects test reports
+
+    def finish_session(self, session: pytest.Session) -> None:
+        super().finish_session(session)
+        config, run, summary = self.config, self.run, self.summary
+        if run.settings.learn:
+            history.merge(config, history.PEAKS_KEY, summary.peaks())
+        if self.launch is None:  # under a launcher, rank 0 keeps the durations of every rank
+            history.merge(config, history.DURATIONS_KEY, summary.durations())
+        if run.settings.trace:
+            from ..report import trace
+
+            data = trace.build(
+                summary.timeline,
+                [(d.index, d.total_memory) for d in run.inventory.devices],
+                run.inventory.describe(),
+                run.inventory.source,
+            )
+            try:
+                summary.trace_path = str(trace.write(run.settings.trace, data))
+            except OSError as exc:  # reported with the summary; the tests' outcome stands
+                summary.trace_error = f"could not write the trace to {run.settings.trace}: {exc}"
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        config, run, summary = self.config, self.run, self.summary
+        assert run.broker is not None  # the owner's
+        from ..scheduling.autoworkers import summary_lines as auto_lines  # how -n auto chose
+
+        for line in auto_lines(config):
+            terminalreporter.write_line(line)
+        if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
+            for line in selection.summary_lines(config):
+                terminalreporter.write_line(line)
+            return
+        lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        lines += summary.timeline.summary_lines(
+            [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"
+        )
+        if summary.trace_path:
+            lines.append(f"pytest-gpu: trace written to {summary.trace_path} (open in ui.perfetto.dev)")
+        if summary.trace_error:
+            lines.append(f"pytest-gpu: --gpu-trace: {summary.trace_error}")
+        dist = getattr(config.option, "dist", "no")
+        if config.stash.get(DIST_CHOSEN_KEY, False) and dist != "no" and run.settings.schedule:
+            # the user's --dist wins over the GPU scheduler: say so, it changes how tests are placed
+            lines.append(f"pytest-gpu: --dist {dist} chosen: xdist places the tests, the GPU scheduler is off")
+        for line in lines + selection.summary_lines(config):
+            terminalreporter.write_line(line)
+
+    def close(self) -> None:
+        super().close()
+        raycluster.stop_head(self.run)  # the Ray head a test started is the owner's to stop
+
+
+class Controller(RunOwner):
+    """The xdist controller: hands each worker the run, and (unless ``--dist`` was chosen)
+    hands tests out by what they need (:class:`GpuScheduling`)."""
+
+    @property
+    def schedules(self) -> bool:
+        return self.run.settings.schedule and not self.config.stash.get(DIST_CHOSEN_KEY, False)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """Each new worker (replacements too) gets the broker's address."""
+        node.workerinput[WIRE_KEY] = self.run.to_wire()
+        node.workerinput[SCHEDULE_KEY] = self.schedules
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        if not self.schedules:
+            return None  # xdist's own, as chosen with --dist
+        from ..scheduling.scheduler import GpuScheduling
+
+        return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY))
+

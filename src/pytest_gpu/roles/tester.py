@@ -1,0 +1,107 @@
+"""The processes that run tests: an xdist worker, or pytest without workers (``Lone``).
+
+Each test's life (request, lease, confinement, verification, report) is
+:mod:`pytest_gpu.run.lifecycle`'s; distributed tests are :mod:`pytest_gpu.distributed.runner`'s.
+These hooks only call them in pytest's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from ..distributed import runner
+from ..launched import selection
+from ..launched.session import select_share
+from ..run import fixture_leases, lifecycle
+from .base import RoleBase
+from .keys import SCHEDULE_KEY
+from .owner import RunOwner
+
+
+class TestProcess(RoleBase):
+    """Hooks of a process that collects and runs tests."""
+
+    __test__ = False  # not a test class, whatever pytest's python_classes say
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        report = yield
+        lifecycle.collect_report(report, self.run, (runner.stash_spec,))
+        return report
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        selection.deselect(config, items, self.launch)
+        self.select(items)
+        lifecycle.mark_oversize(items, self.run)
+
+    def select(self, items: list[pytest.Item]) -> None:
+        """Narrow the collected tests further (a worker: its rank's shard)."""
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # plain (not tryfirst): after the skip/skipif/xfail checks, before fixtures are set up
+        lifecycle.setup(item, self.run)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
+        try:
+            return (yield)
+        finally:
+            lifecycle.teardown(item, self.run)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
+        with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        lifecycle.make_report(item, report, self.run)
+        runner.make_report(item, call, report)
+        return report
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
+        if runner.SPEC_KEY not in pyfuncitem.stash:
+            return None
+        runner.run_item(pyfuncitem, self.run)
+        return True
+
+    def finish_session(self, session: pytest.Session) -> None:
+        runner.close(self.config)  # no rank outlives the session, also after Ctrl-C
+        super().finish_session(session)
+
+    def close(self) -> None:
+        runner.close(self.config)
+        super().close()
+
+
+class Worker(TestProcess):
+    """An xdist worker: runs the tests the controller sends it, in the controller's run."""
+
+    def select(self, items: list[pytest.Item]) -> None:
+        if self.launch is not None and self.config.getoption("shard"):
+            select_share(self.config, self.launch, items)  # xdist workers collect: each takes the rank's share
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        # tell the scheduler what each test needs before xdist sends the node ids
+        if not self.config.workerinput.get(SCHEDULE_KEY) or not session.items:  # type: ignore[attr-defined]
+            return
+        from ..scheduling.catalog import entries
+
+        tests = entries(session.items, self.run)
+        if tests:  # a CPU-only suite needs no entry, and so no connection to the broker
+            self.run.client.catalog(tests)
+
+
+class Lone(TestProcess, RunOwner):
+    """pytest without xdist workers: owns the run and runs its tests."""

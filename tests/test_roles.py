@@ -1,0 +1,164 @@
+"""One plugin object per role: decided once, registered where it applies, gone after unconfigure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpu import roles
+from pytest_gpu.roles import Role, decide
+
+pytest_plugins = ["pytester"]
+
+ROLE_NAMES = ("pytest-gpu-controller", "pytest-gpu-worker", "pytest-gpu-lone", "pytest-gpu-launched-rank")
+
+# a conftest that writes, per process, which of pytest-gpu's role objects are registered
+RECORDER = f"""
+import json, os
+
+NAMES = {ROLE_NAMES!r} + ("pytest-gpu-summary",)
+OUT = os.environ["ROLES_OUT"]
+
+
+def _write(config, when):
+    who = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    present = [n for n in NAMES if config.pluginmanager.get_plugin(n) is not None]
+    with open(os.path.join(OUT, f"{{who}}-{{when}}.json"), "w") as f:
+        json.dump(present, f)
+
+
+def pytest_sessionstart(session):
+    _write(session.config, "session")
+"""
+
+
+@pytest.mark.parametrize(
+    ("worker", "dist", "collect_only", "role"),
+    [
+        (False, "no", False, Role.LONE),
+        (False, "load", False, Role.CONTROLLER),
+        (False, "loadgroup", False, Role.CONTROLLER),
+        (False, "load", True, Role.LONE),  # xdist starts no workers for --collect-only
+        (True, "load", False, Role.WORKER),
+        (True, "no", False, Role.WORKER),
+    ],
+)
+def test_decide(worker: bool, dist: str, collect_only: bool, role: Role) -> None:
+    assert decide(worker=worker, dist=dist, collect_only=collect_only) is role
+
+
+def _recorded(out: Path) -> dict[str, list[str]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+
+
+def test_a_lone_process_registers_the_lone_role_and_unregisters_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = pytester.mkdir("out")
+    pytester.makeconftest(RECORDER)
+    monkeypatch.setenv("ROLES_OUT", str(out))
+    pytester.makepyfile("def test_a():\n    pass\n")
+    calls: list[Any] = []
+    real = roles.install
+
+    def spy(config: pytest.Config, run: Any) -> Role:
+        calls.append(config)
+        return real(config, run)
+
+    monkeypatch.setattr(roles, "install", spy)
+    result = pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist")
+    result.assertoutcome(passed=1)
+    assert _recorded(out) == {"main-session": ["pytest-gpu-lone", "pytest-gpu-summary"]}
+    (config,) = calls  # the role is decided once
+    for name in (*ROLE_NAMES, "pytest-gpu-summary"):
+        assert config.pluginmanager.get_plugin(name) is None, f"{name} still registered after unconfigure"
+
+
+def test_the_launch_is_detected_once_per_process(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpu import plugin
+    from pytest_gpu.launched import detect as detect_module
+
+    pytester.makepyfile("def test_a():\n    pass\n")
+    calls: list[int] = []
+    real = detect_module.detect
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plugin, "detect", counting)
+    monkeypatch.setattr(detect_module, "detect", counting)
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist").assertoutcome(passed=1)
+    assert len(calls) == 1
+
+
+@pytest.mark.slow
+def test_controller_and_workers_register_their_own_roles(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = pytester.mkdir("out")
+    pytester.makeconftest(RECORDER)
+    monkeypatch.setenv("ROLES_OUT", str(out))
+    pytester.makepyfile("import pytest\n\n@pytest.mark.gpu(memory='1GiB')\ndef test_a():\n    pass\n")
+    result = pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "2")
+    result.assert_outcomes(passed=1)
+    assert _recorded(out) == {
+        "main-session": ["pytest-gpu-controller", "pytest-gpu-summary"],
+        "gw0-session": ["pytest-gpu-worker"],
+        "gw1-session": ["pytest-gpu-worker"],
+    }
+
+
+def test_a_conftest_confinement_hook_runs_beside_the_builtin_adapters(pytester: pytest.Pytester) -> None:
+    """pytest_gpu_confine: a conftest confines its own framework, lazily, and undoes it."""
+    pytester.makeconftest(
+        """
+        import sys, types
+        LOG = []
+
+        def pytest_gpu_confine(lease, confinement):
+            LOG.append(("confine", lease.indices, list(confinement.ordinals)))
+            confinement.when_imported("myframework", lambda m: LOG.append(("applied", m.__name__)))
+            confinement.on_undo(lambda: LOG.append(("undone",)))
+        """
+    )
+    pytester.makepyfile(
+        myframework="VALUE = 1\n",
+        test_it="""
+        import pytest
+        from conftest import LOG
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_uses_it():
+            assert LOG[-1][0] == "confine"
+            assert not any(e[0] == "applied" for e in LOG)  # not imported: not applied
+            import myframework
+            assert LOG[-1] == ("applied", "myframework")
+
+        def test_after():
+            assert LOG[-1] == ("undone",)
+        """,
+    )
+    pytester.syspathinsert()
+    pytester.inline_run("--gpus", "sim:2x16GiB", "-p", "no:xdist").assertoutcome(passed=2)
+
+
+def test_the_builtin_adapters_can_be_turned_off(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        def test_it(pytestconfig):
+            names = [pytestconfig.pluginmanager.get_name(p) for p in pytestconfig.pluginmanager.get_plugins()]
+            assert ("gpu_adapters" in names) is {expected}
+        """.replace("{expected}", "True")
+    )
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist").assertoutcome(passed=1)
+    pytester.makepyfile(
+        """
+        def test_it(pytestconfig):
+            assert pytestconfig.pluginmanager.get_plugin("gpu_adapters") is None
+        """
+    )
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", "-p", "no:gpu_adapters").assertoutcome(passed=1)
