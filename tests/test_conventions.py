@@ -1,5 +1,5 @@
 """Requests from a suite's own conventions: the ``gpu_marker_map`` ini key and the
-``pytest_gpu_item_request`` hook (pytest_gpu.leasing.conventions, hookspecs, lifecycle.item_request).
+``pytest_gpu_item_request`` hook (pytest_gpu.run.conventions, hookspecs, lifecycle.item_request).
 
 The grammar is tested pure; the rest end-to-end: the same tests written three ways (gpu
 markers, mapped markers, a hook) get the same leases, in-process and under xdist, and
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.leasing.conventions import MAP_FORM, MarkerMapError, parse_marker_map
 from pytest_gpu.leasing.requests import DefaultMemory, GpuRequest, build_request
+from pytest_gpu.run.conventions import MAP_FORM, MarkerMapError, parse_marker_map
 
 GiB, MiB = 2**30, 2**20
 WHOLE_16GIB = 16 * GiB - 500 * MiB  # what an exclusive lease gets on a 16GiB simulated GPU
@@ -257,6 +257,7 @@ def _leases(path: Path) -> dict[tuple[str, str], dict]:
     return by_key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [None, "2"], ids=["in-process", "xdist"])
 def test_the_map_and_the_hook_give_the_same_leases_as_explicit_markers(gpu_pytester, run_inner, workers):
     out = gpu_pytester.path / "leases.jsonl"
@@ -690,6 +691,7 @@ def test_a_mapped_request_too_large_for_any_gpu_fails_collection_naming_the_test
     )
 
 
+@pytest.mark.slow
 def test_mapped_markers_are_the_suites_to_register_under_strict_markers(gpu_pytester, run_inner):
     gpu_pytester.makeini("[pytest]\ngpu_marker_map =\n    large: exclusive\n")
     gpu_pytester.makepyfile("import pytest\n\n@pytest.mark.large\ndef test_l(gpu):\n    pass\n")

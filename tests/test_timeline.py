@@ -26,7 +26,7 @@ def lease_row(
     gpus: Sequence[int], memory: int, asked: float, granted: float, released: float, exclusive: bool = False
 ) -> list[object]:
     """One ``gpu_leases`` row as lifecycle writes it: [gpus, memory, exclusive, asked, granted, released]."""
-    return [list(gpus), memory, exclusive, T0 + asked, T0 + granted, T0 + released]
+    return LeaseSpan(tuple(gpus), memory, exclusive, T0 + asked, T0 + granted, T0 + released).to_wire()
 
 
 def props(

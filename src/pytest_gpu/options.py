@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pytest
 
 from .gpu.devices import GPUS_FORM
-from .leasing.conventions import MarkerMapError, marker_map
 from .leasing.ports import DEFAULT_RANGE, parse_port_range
 from .leasing.requests import DefaultMemory, SizeError, parse_size
+from .run.conventions import MarkerMapError, marker_map
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -169,6 +169,9 @@ def register(parser: pytest.Parser) -> None:
     )
 
 
+CONTROLLER_ONLY = {"controller_only": True}  # metadata of a Settings field xdist workers are not sent
+
+
 @dataclass(frozen=True)
 class Settings:
     gpus: str
@@ -186,50 +189,25 @@ class Settings:
     ray_start_timeout: float = 60.0
     learn: bool = False
     schedule: bool = True
-    trace: str = ""
-    workers_per_gpu: int | None = None  # -n auto's cap (the controller reads it; not sent to workers)
+    trace: str = field(default="", metadata=CONTROLLER_ONLY)  # the controller writes it
+    workers_per_gpu: int | None = field(default=None, metadata=CONTROLLER_ONLY)  # -n auto's cap
     host_cpus: int | None = None  # the machine's CPUs for cpus= leases (None: measured, see pytest_gpu.leasing.host)
     host_memory: int | None = None  # the machine's RAM for host_memory= leases (None: measured)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "gpus": self.gpus,
-            "default_memory": [self.default_memory.exclusive, self.default_memory.memory],
-            "oversize": self.oversize,
-            "verify": self.verify,
-            "wait_timeout": self.wait_timeout,
-            "context_overhead": self.context_overhead,
-            "port_range": list(self.port_range),
-            "dist": [self.dist_timeout, self.dist_pool, self.dist_pool_idle],
-            "rank_gather_timeout": self.rank_gather_timeout,
-            "learn": self.learn,
-            "schedule": self.schedule,
-            "ray": [self.ray_address, self.ray_start_timeout],
-            "host": [self.host_cpus, self.host_memory],
-        }
+        """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
+        ``port_range`` a list); the controller's own fields stay home."""
+        values = asdict(self)
+        values["port_range"] = list(self.port_range)
+        return {f.name: values[f.name] for f in fields(self) if not f.metadata.get("controller_only")}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Settings:
-        exclusive, memory = data["default_memory"]
-        return cls(
-            gpus=data["gpus"],
-            default_memory=DefaultMemory(exclusive, memory),
-            oversize=data["oversize"],
-            verify=data["verify"],
-            wait_timeout=float(data["wait_timeout"]),
-            context_overhead=int(data["context_overhead"]),
-            port_range=(int(data["port_range"][0]), int(data["port_range"][1])),
-            dist_timeout=float(data["dist"][0]),
-            dist_pool=bool(data["dist"][1]),
-            dist_pool_idle=float(data["dist"][2]),
-            rank_gather_timeout=float(data.get("rank_gather_timeout", 300.0)),
-            learn=bool(data.get("learn", False)),
-            schedule=bool(data.get("schedule", True)),
-            ray_address=str(data.get("ray", ["", 60.0])[0]),
-            ray_start_timeout=float(data.get("ray", ["", 60.0])[1]),
-            host_cpus=data.get("host", [None, None])[0],
-            host_memory=data.get("host", [None, None])[1],
-        )
+        """The inverse of :meth:`to_wire`: a field it lacks keeps its default."""
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        values["default_memory"] = DefaultMemory(**values["default_memory"])
+        values["port_range"] = tuple(values["port_range"])
+        return cls(**values)
 
 
 def _value(config: pytest.Config, ini: str) -> tuple[str, str]:

@@ -1,2 +1,2 @@
-"""What a test asks for and how a run grants it: requests and their conventions, placement
-(pure), the host's CPUs and RAM, ports, the broker and its client."""
+"""What a test asks for and how a run grants it: requests, placement (pure), the host's CPUs
+and RAM, ports, the broker, its protocol and its client, and the leases a report carries."""

@@ -30,6 +30,7 @@ and that ``abandon`` and ``release`` get none):
     ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
+    ("test", {"nodeid"})                         -> ("ok", {})   (the test running now, None: none; for crash reports)
     ("status", {})                               -> ("status", dict)
     ("catalog", {"tests"})                       -> ("ok", {})   (an xdist worker's collection, for the scheduler)
 
@@ -52,13 +53,30 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any
+from typing import Any, cast
 
 from ..machine.arbiter import Event
 from ..machine.link import MachineLink
 from ..machine.wire import request_from_wire
 from .placement import Policy
-from .ports import DEFAULT_RANGE, PortPool
+from .ports import DEFAULT_RANGE, PortOwner, PortPool
+from .protocol import (
+    Acquire,
+    Cancelled,
+    Catalog,
+    Contexts,
+    CurrentTest,
+    ForeignNote,
+    Hello,
+    KeyBody,
+    LeaseMessage,
+    Message,
+    PortsAsk,
+    PortsRelease,
+    PushError,
+    Release,
+    Welcome,
+)
 from .requests import GpuRequest, format_size
 
 
@@ -73,12 +91,24 @@ class ClientInfo:
     current_test: str | None = None
     contexts: set[int] = field(default_factory=set)  # GPUs its process has (or is assumed to have) contexts on
 
-    def send(self, message: tuple[str, Any]) -> None:
+    def send(self, message: Message) -> None:
         with self.send_lock:
             try:
                 self.conn.send(message)
             except OSError:
                 pass  # the reader thread sees the disconnect and cleans up
+
+
+def scoped(client: str, name: str) -> str:
+    """A client's own name for a lease or a port owner, made unique in the run: the
+    arbiter's lease key, the port pool's owner. Client ids never contain "/"."""
+    return f"{client}/{name}"
+
+
+def unscoped(key: str) -> tuple[str, str]:
+    """The inverse of :func:`scoped`: ``(client, name)``."""
+    client, _, name = key.partition("/")
+    return client, name
 
 
 @dataclass(frozen=True)
@@ -208,26 +238,26 @@ class Broker:
     def _indices(self, gpus: list[str]) -> list[int]:
         return sorted(self._index[u] for u in gpus if u in self._index)
 
-    def _granted(self, info: ClientInfo, key: str, body: dict[str, Any], waited: float) -> dict[str, Any]:
+    def _granted(self, info: ClientInfo, key: str, body: dict[str, Any], waited: float) -> LeaseMessage:
         """Record a grant to ``info`` (the arbiter's ``body``); the lease message for its client."""
         self.grants += 1
         indices = self._indices(body["gpus"])
         info.contexts.update(indices)
-        message = {
-            "key": key.split("/", 1)[1],
-            "indices": indices,
-            "memory": body["memory"],
-            "exclusive": body["exclusive"],
-            "waited": waited,
-        }
+        message = LeaseMessage(
+            key=unscoped(key)[1],
+            indices=indices,
+            memory=body["memory"],
+            exclusive=body["exclusive"],
+            waited=waited,
+        )
         foreign = body.get("foreign")
         if foreign:
-            message["foreign"] = {
-                "waited": bool(foreign.get("waited")),
-                "avoided": self._indices(foreign.get("avoided", [])),
-                "bytes": {self._index[u]: n for u, n in foreign.get("bytes", {}).items() if u in self._index},
-            }
-            self.foreign.append({"test": info.tests.get(key, "?"), "seconds": waited, **message["foreign"]})
+            note = message["foreign"] = ForeignNote(
+                waited=bool(foreign.get("waited")),
+                avoided=self._indices(foreign.get("avoided", [])),
+                bytes={self._index[u]: n for u, n in foreign.get("bytes", {}).items() if u in self._index},
+            )
+            self.foreign.append({"test": info.tests.get(key, "?"), "seconds": waited, **note})
         return message
 
     def _on_events(self, events: list[Event]) -> None:
@@ -235,7 +265,7 @@ class Broker:
         now = time.monotonic()
         with self._lock:
             for kind, key, body in events:
-                client = key.split("/", 1)[0]
+                client, name = unscoped(key)
                 info = self._clients.get(client)
                 queued = self._queued_at.pop(key, None)
                 if kind == "granted":
@@ -246,7 +276,7 @@ class Broker:
                     info.send(("push-granted", self._granted(info, key, body, waited)))
                 elif info is not None:
                     info.tests.pop(key, None)
-                    info.send(("push-error", {"key": key.split("/", 1)[1], "message": body["message"]}))
+                    info.send(("push-error", PushError(key=name, message=body["message"])))
 
     def _wake(self) -> None:
         """Wake the serving thread (new connections, closing)."""
@@ -421,7 +451,8 @@ class Broker:
     def _drop(self, conn: Connection, conns: dict[Connection, ClientInfo | None]) -> None:
         del conns[conn]
         try:
-            self._selector.unregister(conn.fileno())
+            if self._selector is not None:  # set by _serve_loop, the only caller
+                self._selector.unregister(conn.fileno())
         except (KeyError, ValueError, OSError):
             pass
         conn.close()
@@ -441,11 +472,12 @@ class Broker:
             if kind != "hello":
                 self._drop(conn, conns)
                 return False
-            info = ClientInfo(f"c{next(self._ids)}", str(body.get("worker", "?")), int(body.get("pid", 0)), conn)
+            hello = cast(Hello, body)
+            info = ClientInfo(f"c{next(self._ids)}", str(hello.get("worker", "?")), int(hello.get("pid", 0)), conn)
             with self._lock:
                 self._clients[info.client] = info
             conns[conn] = info
-            info.send(("ok", {"client": info.client}))
+            info.send(("ok", Welcome(client=info.client)))
             return True
         try:
             reply = self._handle(info, kind, body)
@@ -455,28 +487,30 @@ class Broker:
             info.send(reply)
         return True
 
-    def _handle(self, info: ClientInfo, kind: str, body: dict[str, Any]) -> tuple[str, Any] | None:
+    def _handle(self, info: ClientInfo, kind: str, body: Any) -> Message | None:
+        """Serve one message; its ``body`` is the :mod:`~pytest_gpu.leasing.protocol` type of its ``kind``."""
         if kind == "acquire":
-            return self._acquire(info, body)
+            return self._acquire(info, cast(Acquire, body))
         if kind == "cancel":
-            key = f"{info.client}/{body['key']}"
+            key = scoped(info.client, cast(KeyBody, body)["key"])
             with self._lock:
                 holders = self._machine().cancel(key)
                 if holders is not None:
                     self._queued_at.pop(key, None)
                     info.tests.pop(key, None)
-                    return ("cancelled", {"holders": self._local_rows(holders)})
+                    return ("cancelled", Cancelled(holders=self._local_rows(holders)))
             return ("not-waiting", {})
         if kind == "abandon":
-            key = f"{info.client}/{body['key']}"
+            key = scoped(info.client, cast(KeyBody, body)["key"])
             with self._lock:
                 info.tests.pop(key, None)
                 self._queued_at.pop(key, None)
                 self._machine().abandon(key)
             return None
         if kind == "release":
-            key = f"{info.client}/{body['key']}"
-            contexts = body.get("contexts")
+            release = cast(Release, body)
+            key = scoped(info.client, release["key"])
+            contexts = release.get("contexts")
             with self._lock:
                 info.tests.pop(key, None)
                 if contexts is not None:
@@ -485,41 +519,43 @@ class Broker:
                 self._machine().release(key, gpus)
             return None
         if kind == "ports":
+            ask = cast(PortsAsk, body)
             with self._lock:
                 try:
-                    got = self.ports.take(int(body["n"]), f"{info.client}/{body['owner']}")
+                    got = self.ports.take(int(ask["n"]), scoped(info.client, ask["owner"]))
                 except RuntimeError as exc:
                     return ("error", str(exc))
             return ("ports", got)
         if kind == "release_ports":
             with self._lock:
-                self.ports.give_back(f"{info.client}/{body['owner']}")
+                self.ports.give_back(scoped(info.client, cast(PortsRelease, body)["owner"]))
             return ("ok", {})
         if kind == "contexts":
+            indices = cast(Contexts, body)["indices"]
             with self._lock:
-                info.contexts = set(body["indices"])
-                self._machine().set_contexts(info.client, [self.uuids[i] for i in body["indices"] if i in self.uuids])
+                info.contexts = set(indices)
+                self._machine().set_contexts(info.client, [self.uuids[i] for i in indices if i in self.uuids])
             return ("ok", {})
         if kind == "test":
-            info.current_test = body.get("nodeid")
+            info.current_test = cast(CurrentTest, body).get("nodeid")
             return ("ok", {})
         if kind == "status":
             with self._lock:
                 return ("status", self.status_locked())
         if kind == "catalog":
             with self._lock:
-                self.catalog.update(body["tests"])
+                self.catalog.update(cast(Catalog, body)["tests"])
             return ("ok", {})
         return ("error", f"unknown request {kind!r}")
 
-    def _acquire(self, info: ClientInfo, body: dict[str, Any]) -> tuple[str, Any]:
+    def _acquire(self, info: ClientInfo, body: Acquire) -> Message:
         shape = tuple(body["request"])
         request = self._requests.get(shape)
         if request is None:  # a suite asks for a handful of shapes: build each once
             request = request_from_wire(shape)  # (count, memory, exclusive, min_memory[, cpus, host_memory])
             if len(self._requests) < 4096:
                 self._requests[shape] = request
-        key = f"{info.client}/{body['key']}"
+        key = scoped(info.client, body["key"])
         test = str(body.get("test") or "?")
         with self._lock:
             info.tests[key] = test
@@ -552,11 +588,11 @@ class Broker:
             if attached and info.contexts and not self._closing:
                 self._hold_contexts_until_exit(info, set(info.contexts))
             held = self.link.forget_client(info.client) if attached else []
-            # port owners are "<test node id>@<pid>" (see lifecycle.ports_fixture)
-            mine = [o.split("/", 1)[1] for o in self.ports.owners.values() if o.startswith(f"{info.client}/")]
-            port_tests = sorted({o.rsplit("@", 1)[0] for o in mine})
-            ports = self.ports.give_back_prefix(f"{info.client}/")
-            for key in [k for k in self._queued_at if k.startswith(f"{info.client}/")]:
+            prefix = scoped(info.client, "")
+            mine = [unscoped(o)[1] for o in self.ports.owners.values() if o.startswith(prefix)]
+            port_tests = sorted({PortOwner.parse(o).holder for o in mine})  # a test's node id, a fixture, ...
+            ports = self.ports.give_back_prefix(prefix)
+            for key in [k for k in self._queued_at if k.startswith(prefix)]:
                 del self._queued_at[key]
             if (held or ports) and not self._closing:
                 tests = sorted({info.tests.get(key, "?") for key, _ in held})

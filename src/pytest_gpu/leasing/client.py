@@ -6,13 +6,30 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
-from typing import Any
+from typing import Any, cast
 
 from ..machine.wire import request_to_wire
 from .broker import describe_holders
+from .protocol import (
+    Acquire,
+    Cancelled,
+    Catalog,
+    Contexts,
+    CurrentTest,
+    Hello,
+    KeyBody,
+    LeaseMessage,
+    Message,
+    PortsAsk,
+    PortsRelease,
+    PushError,
+    Release,
+    Welcome,
+)
 from .requests import GpuRequest
 
 
@@ -26,7 +43,8 @@ class WaitTimeout(BrokerError):
 
 @dataclass(frozen=True)
 class Grant:
-    """What the broker granted: physical GPU indices and memory per GPU."""
+    """What the broker granted (a :class:`~pytest_gpu.leasing.protocol.LeaseMessage`):
+    physical GPU indices and memory per GPU."""
 
     key: str
     indices: tuple[int, ...]
@@ -34,15 +52,16 @@ class Grant:
     exclusive: bool
     waited: float
 
-
-def _grant(body: dict[str, Any], waited: float | None = None) -> Grant:
-    return Grant(
-        key=str(body["key"]),
-        indices=tuple(body["indices"]),
-        memory=int(body["memory"]),
-        exclusive=bool(body["exclusive"]),
-        waited=float(body["waited"] if waited is None else waited),
-    )
+    @classmethod
+    def from_wire(cls, body: LeaseMessage, waited: float | None = None) -> Grant:
+        """``waited``: as this process measured it, in place of the broker's figure."""
+        return cls(
+            key=str(body["key"]),
+            indices=tuple(body["indices"]),
+            memory=int(body["memory"]),
+            exclusive=bool(body["exclusive"]),
+            waited=float(body["waited"] if waited is None else waited),
+        )
 
 
 class BrokerClient:
@@ -63,10 +82,10 @@ class BrokerClient:
         self._authkey = authkey
         self._lock = threading.Lock()
         self._keys = itertools.count()
-        self._pushed: dict[str, tuple[str, Any]] = {}
+        self._pushed: dict[str, Message] = {}  # acquire key -> its push-granted or push-error
         self._abandoned: set[str] = set()  # acquire keys given up on: a push for them is dropped
         self._owed = 0  # replies still to come for calls sent; those of interrupted calls are skipped
-        self._answer: tuple[str, Any] | None = None  # the reply to the call under way, once read
+        self._answer: Message | None = None  # the reply to the call under way, once read
         self.worker = worker
         self._conn: Connection | None = None
         self._closed = False
@@ -82,8 +101,8 @@ class BrokerClient:
         self._abandoned.clear()
         self._owed = 0
         self._answer = None
-        reply = self._call("hello", {"worker": self.worker, "pid": os.getpid()})
-        self.client_id = reply[1]["client"]
+        reply = self._call("hello", Hello(worker=self.worker, pid=os.getpid()))
+        self.client_id = cast(Welcome, reply[1])["client"]
 
     def _broken(self) -> None:
         """The stream is in doubt (interrupted mid-message): drop the connection; the broker
@@ -137,16 +156,16 @@ class BrokerClient:
             raise
         return True
 
-    def _stash(self, message: tuple[str, Any]) -> None:
+    def _stash(self, message: Message) -> None:
         """Keep a push for its acquire, or drop it if that acquire was abandoned (the broker
         takes such a late grant back itself: it handles ``abandon`` after sending it)."""
-        key = message[1]["key"]
+        key = cast("LeaseMessage | PushError", message[1])["key"]
         if key in self._abandoned:
             self._abandoned.discard(key)
         else:
             self._pushed[key] = message
 
-    def _send(self, kind: str, body: dict[str, Any], reply: bool = True) -> None:
+    def _send(self, kind: str, body: Mapping[str, object], reply: bool = True) -> None:
         conn = self._connection()
         try:
             if reply:
@@ -160,7 +179,7 @@ class BrokerClient:
             self._broken()  # possibly half a message written
             raise
 
-    def _call(self, kind: str, body: dict[str, Any]) -> tuple[str, Any]:
+    def _call(self, kind: str, body: Mapping[str, object]) -> Message:
         self._send(kind, body)
         while self._answer is None:
             self._pump()
@@ -190,14 +209,10 @@ class BrokerClient:
         started = time.monotonic()
         kind, body = self._call(
             "acquire",
-            {
-                "key": key,
-                "request": tuple(request_to_wire(request)),  # 4 fields, or 6 with a host part
-                "test": test,
-            },
+            Acquire(key=key, request=tuple(request_to_wire(request)), test=test),  # 4 fields, or 6 with a host part
         )
         if kind == "granted":
-            return _grant(body, 0.0)
+            return Grant.from_wire(body, 0.0)
         if kind == "error":
             raise BrokerError(str(body))
         deadline = None if timeout is None else started + timeout
@@ -215,23 +230,25 @@ class BrokerClient:
         try:  # one-way: it must not wait (a second interruption, a process on its way out)
             if pushed is None:
                 self._abandoned.add(key)
-                self._send("abandon", {"key": key}, reply=False)
+                self._send("abandon", KeyBody(key=key), reply=False)
             elif pushed[0] == "push-granted":
-                self._send("release", {"key": key, "contexts": None}, reply=False)
+                self._send("release", Release(key=key, contexts=None), reply=False)
         except BrokerError:
             pass  # disconnected meanwhile: the broker took everything back; the caller's exception stands
 
     def _take_push(self, key: str, started: float) -> Grant:
         kind, body = self._pushed.pop(key)
         if kind == "push-error":
-            raise BrokerError(str(body["message"]))
-        return _grant(body, time.monotonic() - started)
+            raise BrokerError(str(cast(PushError, body)["message"]))
+        return Grant.from_wire(body, time.monotonic() - started)
 
     def _give_up(self, key: str, request: GpuRequest, timeout: float, started: float) -> Grant:
-        kind, body = self._call("cancel", {"key": key})
+        kind, body = self._call("cancel", KeyBody(key=key))
         if kind == "not-waiting" and key in self._pushed:
             return self._take_push(key, started)  # granted just as we gave up: keep it
-        holders = describe_holders(body.get("holders", [])) if kind == "cancelled" else "unknown holders"
+        holders = "unknown holders"
+        if kind == "cancelled":
+            holders = describe_holders(cast(Cancelled, body).get("holders", []))
         raise WaitTimeout(f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}")
 
     def release(self, key: str, contexts: set[int] | None = None) -> None:
@@ -240,32 +257,33 @@ class BrokerClient:
         with self._lock:
             if self._conn is None:
                 return  # the connection was dropped: the broker took this lease back then
-            self._send("release", {"key": key, "contexts": None if contexts is None else sorted(contexts)}, reply=False)
+            held = None if contexts is None else sorted(contexts)
+            self._send("release", Release(key=key, contexts=held), reply=False)
 
     def report_contexts(self, indices: set[int]) -> None:
         with self._lock:
-            self._call("contexts", {"indices": sorted(indices)})
+            self._call("contexts", Contexts(indices=sorted(indices)))
 
     def set_test(self, nodeid: str | None) -> None:
         """Tell the broker which test runs now, so a crash report can name it."""
         with self._lock:
-            self._call("test", {"nodeid": nodeid})
+            self._call("test", CurrentTest(nodeid=nodeid))
 
     def ports(self, n: int, owner: str) -> list[int]:
         with self._lock:
-            kind, body = self._call("ports", {"n": n, "owner": owner})
+            kind, body = self._call("ports", PortsAsk(n=n, owner=owner))
         if kind == "error":
             raise BrokerError(str(body))
         return list(body)
 
     def release_ports(self, owner: str) -> None:
         with self._lock:
-            self._call("release_ports", {"owner": owner})
+            self._call("release_ports", PortsRelease(owner=owner))
 
     def catalog(self, tests: dict[str, Any]) -> None:
         """Tell the controller's scheduler what this worker collected (before xdist does)."""
         with self._lock:
-            self._call("catalog", {"tests": tests})
+            self._call("catalog", Catalog(tests=tests))
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 DEFAULT_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
+
+
+@dataclass(frozen=True)
+class PortOwner:
+    """Who asked for ports, as a ``ports`` message names it: ``"<holder>@<tag>"``.
+
+    ``holder`` is what a crash report names (a test's node id, a fixture, a rank pool);
+    ``tag`` keeps two holders of one name apart (the process id, a pool's id). The broker
+    reads the holder back when the process dies holding ports.
+    """
+
+    holder: str
+    tag: str
+
+    SEP: ClassVar[str] = "@"  # the last one: a node id may contain "@" itself (a parameter)
+
+    def __str__(self) -> str:
+        return f"{self.holder}{self.SEP}{self.tag}"
+
+    @classmethod
+    def of_this_process(cls, holder: str) -> PortOwner:
+        return cls(holder, str(os.getpid()))
+
+    @classmethod
+    def parse(cls, text: str) -> PortOwner:
+        """The inverse of ``str()``; a name without a tag is all holder."""
+        holder, sep, tag = text.rpartition(cls.SEP)
+        return cls(holder, tag) if sep else cls(text, "")
 
 
 def parse_port_range(value: str) -> tuple[int, int]:

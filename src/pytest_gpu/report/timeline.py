@@ -2,32 +2,21 @@
 
 Records are built from test reports, so the xdist controller sees every worker's
 tests: the reports carry wall-clock phase times, and pytest-gpu adds each lease's
-times and GPUs as user properties (see :mod:`pytest_gpu.run.lifecycle`).
+times and GPUs as user properties (written by :mod:`pytest_gpu.run.lifecycle`, typed in
+:mod:`pytest_gpu.leasing.spans`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..leasing.requests import format_size
+from ..leasing.spans import LeaseSpan, gpu_properties, parse_peaks, parse_spans
 
 MIB = 2**20
 SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less
-
-
-@dataclass(frozen=True)
-class LeaseSpan:
-    """One lease a test held: GPUs, bytes per GPU, and when it was asked for, granted, released."""
-
-    gpus: tuple[int, ...]
-    memory: int
-    exclusive: bool
-    asked: float
-    granted: float
-    released: float
 
 
 @dataclass
@@ -107,14 +96,15 @@ class Timeline:
             rec.outcome = "failed" if when == "call" else "error"
         elif outcome == "skipped" and rec.outcome == "passed":
             rec.outcome = "skipped"
-        if "gpu_leases" in properties:
-            rec.leases = [_span(row) for row in json.loads(str(properties["gpu_leases"]))]
-            rec.request = str(properties.get("gpu_request", ""))
-            rec.requested = int(properties.get("gpu_request_bytes", 0) or 0)  # type: ignore[call-overload]
-            peaks = [int(p.split("=", 1)[1]) for p in str(properties.get("gpu_peak_bytes", "")).split(",") if "=" in p]
+        props = gpu_properties(properties.items())
+        if "gpu_leases" in props:
+            rec.leases = parse_spans(str(props["gpu_leases"]))
+            rec.request = str(props.get("gpu_request", ""))
+            rec.requested = int(props.get("gpu_request_bytes", 0) or 0)
+            peaks = parse_peaks(str(props.get("gpu_peak_bytes", ""))).values()
             rec.peak = max(peaks) if peaks else None
-        if "gpu_wait_seconds" in properties:
-            rec.reported_wait = float(properties["gpu_wait_seconds"])  # type: ignore[arg-type]
+        if "gpu_wait_seconds" in props:
+            rec.reported_wait = float(props["gpu_wait_seconds"])
 
     # -- figures --------------------------------------------------------------------
 
@@ -196,18 +186,6 @@ def suggest(peak: int) -> int:
     """A request for a test that peaked at ``peak`` bytes: 1.25x, rounded up to 256 MiB."""
     wanted = max(int(peak * 1.25), SUGGEST_FLOOR)
     return -(-wanted // SUGGEST_FLOOR) * SUGGEST_FLOOR
-
-
-def _span(row: Sequence[object]) -> LeaseSpan:
-    gpus, memory, exclusive, asked, granted, released = row
-    return LeaseSpan(
-        tuple(int(g) for g in gpus),  # type: ignore[attr-defined]
-        int(memory),  # type: ignore[call-overload]
-        bool(exclusive),
-        float(asked),  # type: ignore[arg-type]
-        float(granted),  # type: ignore[arg-type]
-        float(released),  # type: ignore[arg-type]
-    )
 
 
 def _union(spans: Sequence[tuple[float, float]]) -> float:

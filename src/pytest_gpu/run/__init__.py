@@ -1,2 +1,3 @@
-"""One run in each of its processes: the run's state (session), one test's life (lifecycle),
-leases held by fixtures, the run directory and the artifacts shared through it."""
+"""One run in each of its processes: the run's state (session), one test's life (lifecycle)
+and the requests a suite's conventions give it, leases held by fixtures, the run directory
+and the artifacts shared through it."""

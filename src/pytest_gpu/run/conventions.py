@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .requests import (
+from ..leasing.requests import (
     HOST_KWARGS,
     DefaultMemory,
     GpuRequest,

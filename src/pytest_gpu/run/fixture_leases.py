@@ -51,6 +51,7 @@ import pytest
 
 from ..gpu.isolation import VISIBLE_VARS, GpuLease
 from ..gpu.verification import Verdict
+from ..leasing.ports import PortOwner
 from ..leasing.requests import GpuRequestError, build_request
 from ..report.wording import numbered
 
@@ -240,8 +241,8 @@ def ports(config: pytest.Config, n: int) -> list[int]:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         pytest.fail(f"pytest-gpu: {_who(frame)}: {PORTS_FACTORY}(n) expects a positive int, got {n!r}", pytrace=False)
     holding = _holding(config, frame)
-    if holding.ports_owner is None:  # "<holder>@<pid>": the broker names the holder after a crash
-        holding.ports_owner = f"{holding.label}#{next(registry(config).seq)}@{os.getpid()}"
+    if holding.ports_owner is None:  # the broker names the holder after a crash
+        holding.ports_owner = str(PortOwner.of_this_process(f"{holding.label}#{next(registry(config).seq)}"))
     return _run(config).client.ports(n, holding.ports_owner)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..gpu.verification import Verdict
+from ..leasing.ports import PortOwner
 from ..leasing.requests import (
     GpuRequest,
     GpuRequestError,
@@ -22,6 +21,7 @@ from ..leasing.requests import (
     learned,
     with_host,
 )
+from ..leasing.spans import GpuProperties, LeaseSpan, format_peaks, format_spans
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -46,8 +46,7 @@ class TestState:
     waited: float = 0.0
     ports_owner: str | None = None
     request: GpuRequest | None = None
-    # each lease held: [gpus, bytes per GPU, exclusive, asked, granted, released] (wall clock)
-    leases: list[list[Any]] = field(default_factory=list)
+    leases: list[LeaseSpan] = field(default_factory=list)  # each lease held, for the report's timeline
     # leases of fixtures (any scope) this test used: their GPUs are theirs to judge (fixture_leases)
     fixture_gpus: set[int] = field(default_factory=set)
     view_saved: dict[str, str | None] | None = None  # the environment before the fixtures' GPUs were added
@@ -65,14 +64,14 @@ class TestState:
         finally:
             lease = active.lease
             self.leases.append(
-                [
-                    list(lease.indices),
+                LeaseSpan(
+                    tuple(lease.indices),
                     lease.memory,
                     lease.exclusive,
                     active.asked,
                     active.granted,
                     active.released or time.time(),
-                ]
+                )
             )
 
     __test__ = False  # not a test class, whatever pytest's collection thinks
@@ -81,7 +80,7 @@ class TestState:
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     """The test's request, from the first of: its closest ``gpu`` marker, the
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
-    for a ``gpu`` fixture user (see :mod:`pytest_gpu.leasing.conventions`); with the CPUs and RAM of
+    for a ``gpu`` fixture user (see :mod:`pytest_gpu.run.conventions`); with the CPUs and RAM of
     its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
@@ -99,7 +98,7 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
 
 
 def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    from ..leasing.conventions import convention_request, item_kwargs
+    from .conventions import convention_request, item_kwargs
 
     if item.get_closest_marker(SERIAL_MARKER) is not None:
         return alone_request(item, run)
@@ -244,7 +243,7 @@ def _cannot_run_alone(item: pytest.Item, run: GpuRun) -> str | None:
     xdist's own scheduling hands out the tests (``--dist``, ``--gpu-schedule=off``)."""
     if not item.stash.get(ALONE_KEY, False):
         return None
-    from ..plugin import SCHEDULE_KEY
+    from ..roles.keys import SCHEDULE_KEY
 
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None or workerinput.get(SCHEDULE_KEY):
@@ -304,30 +303,35 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
         run.client.release_ports(state.ports_owner)
         state.ports_owner = None
     if state.indices:
-        peak = ",".join(f"{i}={state.verdict.peak.get(i, 0)}" for i in sorted(state.indices))
-        if not state.verdict.measured:
-            peak = ""  # unknown, not zero: no suggestion is made from it
-        item.user_properties.extend(
-            [
-                ("gpu_indices", ",".join(map(str, sorted(state.indices)))),
-                ("gpu_wait_seconds", round(state.waited, 4)),
-                ("gpu_peak_bytes", peak),
-                ("gpu_violations", len(state.verdict.violations)),
-                ("gpu_request", state.request.describe() if state.request else ""),
-                # a gpu_serial test's lease is not its to size: no suggestion from it
-                ("gpu_request_bytes", 0 if item.stash.get(ALONE_KEY, False) else _requested_bytes(state)),
-                ("gpu_leases", json.dumps(state.leases)),
-            ]
-        )
-        if state.verdict.notes:  # what could not be checked: said in the summary, never silent
-            item.user_properties.append(("gpu_notes", "\n".join(state.verdict.notes)))
+        item.user_properties.extend(report_properties(state, item.stash.get(ALONE_KEY, False)).items())
+
+
+def report_properties(state: TestState, alone: bool) -> GpuProperties:
+    """What the test's report says about its leases (read by :mod:`pytest_gpu.report.timeline`
+    and :mod:`pytest_gpu.report.summary`); ``alone``: a ``gpu_serial`` test."""
+    peak = format_peaks({i: state.verdict.peak.get(i, 0) for i in sorted(state.indices)})
+    if not state.verdict.measured:
+        peak = ""  # unknown, not zero: no suggestion is made from it
+    props = GpuProperties(
+        gpu_indices=",".join(map(str, sorted(state.indices))),
+        gpu_wait_seconds=round(state.waited, 4),
+        gpu_peak_bytes=peak,
+        gpu_violations=len(state.verdict.violations),
+        gpu_request=state.request.describe() if state.request else "",
+        # a gpu_serial test's lease is not its to size: no suggestion from it
+        gpu_request_bytes=0 if alone else _requested_bytes(state),
+        gpu_leases=format_spans(state.leases),
+    )
+    if state.verdict.notes:  # what could not be checked: said in the summary, never silent
+        props["gpu_notes"] = "\n".join(state.verdict.notes)
+    return props
 
 
 def _requested_bytes(state: TestState) -> int:
     """Memory per GPU the test asked for: its marker's, or what an exclusive lease gave (0: none)."""
     if state.request is not None and state.request.memory is not None:
         return state.request.memory
-    return max((int(lease[1]) for lease in state.leases), default=0)
+    return max((span.memory for span in state.leases), default=0)
 
 
 def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
@@ -406,7 +410,7 @@ def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"{node.nodeid}: ports(n) expects a positive int, got {n!r}")
         if state.ports_owner is None:
-            state.ports_owner = f"{node.nodeid}@{os.getpid()}"
+            state.ports_owner = str(PortOwner.of_this_process(node.nodeid))
         return run.client.ports(n, state.ports_owner)
 
     return ports

@@ -13,9 +13,10 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import sim
 from ..gpu import runtime
@@ -27,11 +28,35 @@ from ..leasing.requests import GpuRequest, format_size
 from ..options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
+    from ..launched.detect import LaunchContext
     from ..leasing.broker import Broker
     from ..leasing.client import BrokerClient
     from ..machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
+
+
+class RunWire(TypedDict):
+    """What the xdist controller hands each worker under ``workerinput[WIRE_KEY]``
+    (:meth:`GpuRun.to_wire`, :meth:`GpuRun.join`); execnet carries plain values only."""
+
+    settings: dict[str, Any]  # Settings.to_wire
+    inventory: dict[str, object]  # Inventory.to_wire
+    address: str  # the broker's socket
+    authkey: str  # hex
+    run_dir: str
+    env: dict[str, str]  # the run's environment variables a worker must see too (WORKER_ENV)
+
+
+# set by the controller's run (the simulated machine, CUDA's device order), read by workers
+WORKER_ENV = (
+    sim.LEDGER_ENV,
+    sim.SPEC_ENV,
+    sim.OVERHEAD_ENV,
+    "CUDA_DEVICE_ORDER",
+    "PYTEST_GPU_FAKE_GPUS",
+    "LD_LIBRARY_PATH",
+)
 
 
 @dataclass
@@ -127,18 +152,21 @@ class GpuRun:
     broker: Broker | None = None
     _client: BrokerClient | None = None
     _client_lock: threading.Lock = field(default_factory=threading.Lock)
-    _keys: itertools.count = field(default_factory=itertools.count)
+    _keys: itertools.count[int] = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
+    # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
+    frameworks: Callable[..., object] | None = None
     _host: HostCapacity | None = None
 
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def start(cls, settings: Settings, worker: str = "main") -> GpuRun:
-        """Controller or single process: discover, make the run directory, start the broker."""
+    def start(cls, settings: Settings, worker: str = "main", launch: LaunchContext | None = None) -> GpuRun:
+        """Controller or single process: discover, make the run directory, start the broker.
+
+        ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
         from ..gpu.devices import discover
-        from ..launched.detect import detect
         from ..launched.share import node_share
         from ..leasing import host
         from ..leasing.broker import Broker
@@ -147,7 +175,6 @@ class GpuRun:
         from . import rundir
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
-        launch = detect()
         inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
@@ -195,7 +222,7 @@ class GpuRun:
         return run
 
     @classmethod
-    def join(cls, data: dict[str, Any], worker: str) -> GpuRun:
+    def join(cls, data: RunWire, worker: str) -> GpuRun:
         """An xdist worker: use the controller's broker and inventory."""
         run = cls(
             Settings.from_wire(data["settings"]),
@@ -208,27 +235,15 @@ class GpuRun:
         run._set_env(data["env"])
         return run
 
-    def to_wire(self) -> dict[str, Any]:
-        env = {
-            k: os.environ[k]
-            for k in (
-                sim.LEDGER_ENV,
-                sim.SPEC_ENV,
-                sim.OVERHEAD_ENV,
-                "CUDA_DEVICE_ORDER",
-                "PYTEST_GPU_FAKE_GPUS",
-                "LD_LIBRARY_PATH",
-            )
-            if k in os.environ
-        }
-        return {
-            "settings": self.settings.to_wire(),
-            "inventory": self.inventory.to_wire(),
-            "address": self.address,
-            "authkey": self.authkey.hex(),
-            "run_dir": str(self.run_dir),
-            "env": env,
-        }
+    def to_wire(self) -> RunWire:
+        return RunWire(
+            settings=self.settings.to_wire(),
+            inventory=self.inventory.to_wire(),
+            address=self.address,
+            authkey=self.authkey.hex(),
+            run_dir=str(self.run_dir),
+            env={k: os.environ[k] for k in WORKER_ENV if k in os.environ},
+        )
 
     def _set_env(self, values: dict[str, str]) -> None:
         for name, value in values.items():
@@ -327,7 +342,7 @@ class GpuRun:
                 )
                 if self.settings.verify != "off":
                     verifier.begin(lease, os.getpid())
-                confinement = confine(lease, self.inventory)
+                confinement = confine(lease, self.inventory, self.frameworks)
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
                 confinement = Confinement()
