@@ -18,16 +18,16 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any, ClassVar
 
-import psutil
 import pytest
 
 from conftest import require
+from helpers import rank_processes
 from pytest_gpu.distributed import pool as pool_module
-from pytest_gpu.distributed.pool import DistSettings, PoolManager, RankPool
+from pytest_gpu.distributed.pool import DistSettings, RankPool
+from pytest_gpu.distributed.runner import PoolManager
 from pytest_gpu.distributed.spec import DistSpec
 
 MARK_VAR = "COMPAT_TIMEOUT_RUN_MARK"
-RANKMAIN = "pytest_gpu.distributed.rankmain"
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
 
 INNER = """
@@ -72,18 +72,7 @@ def test_c_own_value(rank):
 """
 
 
-def rank_processes(mark: str) -> list[str]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if RANKMAIN in " ".join(proc.info["cmdline"] or ()) and proc.environ().get(MARK_VAR) == mark:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(f"{proc.pid}: {' '.join(proc.cmdline())}")
-        except psutil.Error:
-            continue
-    return found
-
-
+@pytest.mark.slow
 def test_a_test_timed_out_by_pytest_timeout_leaves_no_rank_running_its_body(
     gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,7 +87,7 @@ def test_a_test_timed_out_by_pytest_timeout_leaves_no_rank_running_its_body(
     gpu_pytester.makepyfile(test_compat=textwrap.dedent(INNER))
     result = run_inner("--timeout=3", "-v", subprocess=True, timeout=150)
     output = result.stdout.str()
-    leftovers = rank_processes(mark)
+    leftovers = rank_processes(MARK_VAR, mark)
     assert not leftovers, f"rank processes outlived the run: {leftovers}"
     expected = ["test_0_starts_the_pool PASSED", "test_a_hangs FAILED", "test_b_runs PASSED", "test_c_own_value PASSED"]
     result.stdout.fnmatch_lines([f"*{line}*" for line in expected])
@@ -174,6 +163,7 @@ class Interrupted(BaseException):
     """What pytest-timeout's signal method raises (pytest's Failed, a BaseException)."""
 
 
+@pytest.mark.slow
 def test_an_interrupted_wait_kills_the_pool_and_the_next_test_gets_a_fresh_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,28 +1,95 @@
 """pytest-gpu: run GPU-heavy test suites in parallel on every GPU, without OOMs or port clashes.
 
-Layers (each uses only those above it):
+The package, one folder per subsystem, roughly from what a test asks for to what the user
+reads. "(pure)": no pytest and no I/O, transitively (tests/test_layout.py checks it, and
+that this map names every module).
 
-    requests      what a test asks for (pure)
-    host          the machine's CPUs and RAM as leases, thread counts that follow cpus=
-    sim/          simulated GPUs as strict as CUDA and NVML: spec, ledger (the test
-                  "physics"), cuda (a process's runtime), nvml (a fake libnvidia-ml.so.1),
-                  torch_cuda (torch.cuda for the CPU build), fake (the PYTEST_GPU_FAKE_GPUS switch)
-    gpu/          real GPUs: devices (NVML, index lists, MIG), runtime (the process's CUDA,
-                  pinned before a lease), isolation (applying a lease), verification,
-                  foreign (what processes outside pytest-gpu use, through NVML)
-    placement     which GPUs a request gets, fairness (pure)
-    machine/      every run of a machine shares one view of its GPUs: domain (where runs
-                  meet), arbiter (the one pool), wire, server, link (lead, attach, fail over)
-    ports         run-unique TCP ports
-    broker        a run's lease service; client: its test-process side
-    conventions   requests from a suite's own markers and the pytest_gpu_item_request hook
-                  (declared in hookspecs)
-    autoworkers   GPU-aware ``-n auto``
-    session       one process's pytest-gpu state; lifecycle: one test's; fixture_leases:
-                  leases held by fixtures of any scope
-    reporting     the terminal summary (wording: counts that read right)
-    plugin        pytest hooks only
-    cli           the ``pytest-gpu`` command (inventory, report, status)
+    plugin              the ``pytest11`` entry point ``gpu``: options, markers, fixtures;
+                        registers the role's plugin object
+    hookspecs           hooks for conftests: pytest_gpu_item_request, pytest_gpu_confine
+    options             command-line options and ini keys, validated into Settings
+    cli                 the ``pytest-gpu`` command (inventory, report, status)
+    importhook          run a callback right after a module is imported
+    procs               process trees and owner liveness, for every layer
+    roles/              one plugin object per role a process plays
+        base            what every role shares: its run, ending it
+        keys            what the roles keep in config.stash and hand to workers
+        owner           the run's owner (controller, lone): summary, history, trace
+        tester          processes that run tests: worker, lone
+    leasing/            what a test asks for and how a run grants it
+        requests        sizes and GPU requests (pure)
+        placement       which GPUs a request gets, fairness (pure)
+        host            the machine's CPUs and RAM as leases, thread counts
+        ports           run-unique TCP ports
+        broker          a run's lease service (its protocol: protocol)
+        protocol        the bodies of the broker's messages
+        client          the broker's test-process side
+        spans           a test's leases as its report carries them
+    machine/            every run of a machine shares one view of its GPUs
+        domain          where the runs of a machine meet
+        arbiter         the one pool of the machine
+        wire            the arbiter's frames (JSON)
+        server          the arbiter's socket
+        link            a run's side: lead, attach, fail over
+    gpu/                real GPUs
+        devices         NVML, index lists, MIG
+        runtime         the process's CUDA, pinned before a lease
+        isolation       applying a lease in the test process
+        adapters        torch's and CuPy's confinement (pytest_gpu_confine)
+        verification    did the test stay within its lease
+        foreign         what processes outside pytest-gpu use, through NVML
+        nvmlversion     which NVML the driver has
+    sim/                simulated GPUs as strict as CUDA and NVML
+        spec            ``sim:4x16GiB`` and its options (pure)
+        ledger          the machine's memory and contexts: the tests' physics
+        cuda            a process's simulated CUDA runtime
+        nvml            a fake libnvidia-ml.so.1, built from C
+        torch_cuda      torch.cuda for the CPU build of torch
+        fake            the PYTEST_GPU_FAKE_GPUS switch
+    run/                one run in each of its processes
+        session         the run's state in one process (GpuRun)
+        lifecycle       one test's life with a lease
+        conventions     requests from a suite's own markers and the item-request hook
+        fixture_leases  leases held by fixtures of any scope
+        rundir          the run directory and its owner
+        artifacts       data built once per run (shared_artifact)
+    scheduling/         which worker runs which test when
+        planner         the plan (pure)
+        scheduler       xdist's scheduler, driven by the planner
+        catalog         what each collected test needs
+        dependencies    tests that depend on others
+        history         durations and peaks of earlier runs
+        autoworkers     GPU-aware ``-n auto``
+    report/             what the run tells its user
+        summary         the terminal summary
+        wording         counts that read right (pure)
+        timeline        one record per test, the summary's figures (pure)
+        trace           the Perfetto trace
+        gantt           the Gantt chart of a trace
+    distributed/        distributed test bodies on a warm pool of ranks
+        spec            the ``distributed`` marker, the run's settings for it (pure)
+        protocol        what a pool and its ranks send each other, and the files they write
+        launchers       spawn, torchrun, mpirun, srun: commands, environments, ending them
+        pool            the warm pool of rank processes
+        rankmain        a rank process
+        rankinfo        the ``rank`` fixture's value
+        runner          a distributed test in the test process; the process's pools
+        cover           coverage in rank processes
+    launched/           pytest itself under srun, mpirun or torchrun
+        detect          is this process a rank of a launcher
+        markers         which tests may run where (pure)
+        selection       deselecting by those markers
+        share           a rank's share of the node's GPUs
+        shard           splitting a suite over the ranks (pure)
+        gather          ranks publishing to each other through files
+        session         the launched-rank role (LaunchedRank)
+    raycluster/         Ray clusters for tests (the ``ray_cluster`` fixture)
+        head            what a head is: the fixture's value, command, environment, files
+        readiness       this process's Ray driver: connect, wait, disconnect
+        driver          the fixture: which cluster the driver joins
+        startonce       the run's own head, started once
+        stop            stopping a head and its processes
+        watchdog        ``-m pytest_gpu.raycluster.watchdog``: runs the head, stops it if the run dies
 """
 
 from typing import TYPE_CHECKING, Any

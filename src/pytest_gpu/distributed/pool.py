@@ -1,8 +1,10 @@
-"""Warm pools of rank processes, owned by one pytest process (a worker, or the only one).
+"""A warm pool of rank processes, owned by one pytest process (a worker, or the only one).
 
 A pool is started for a :class:`DistSpec` key, keeps its process group, its
 rendezvous port and its GPU lease while it lives, and runs one test after another.
-It is torn down when a test needs another key, when it has been idle for
+Its launcher (:mod:`.launchers`) starts and kills its processes; it talks to its ranks,
+and reads what they write, as :mod:`.protocol` says. Its :class:`~.runner.PoolManager`
+tears it down when a test needs another key, when it has been idle for
 ``--dist-pool-idle`` seconds, at session end, and whenever it can no longer be
 trusted: a rank died, a test timed out, or the world failed its health barrier.
 """
@@ -15,38 +17,22 @@ import queue
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import psutil
-
-from ..procs import kill_and_wait
 from ..report.wording import numbered
 from ..run.session import GpuRun
-from . import cover
-from .spec import DistSpec
+from . import cover, protocol
+from .launchers import launcher_for
+from .protocol import Message
+from .spec import DistSettings, DistSpec, group_timeout
 
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "PYTEST_GPU_RANK",
-    "PYTEST_GPU_WORLD_SIZE",
-    "CUDA_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "PYTEST_GPU_SIM_TAG",
-)
 _ids = itertools.count()
-# How far the process group's own timeout lies past the longest test a pool runs: the time
-# the pool needs to collect every rank's stack and kill the ranks once that test timed out.
-GROUP_TIMEOUT_MARGIN = 60.0
 
 
 class PoolError(RuntimeError):
@@ -55,26 +41,6 @@ class PoolError(RuntimeError):
 
 class PoolDied(RuntimeError):
     """The pool was found dead before a test could be sent to it."""
-
-
-@dataclass(frozen=True)
-class DistSettings:
-    timeout: float = 300.0  # per test, unless the marker says otherwise
-    pool: bool = True
-    idle: float = 60.0
-    init_timeout: float = 120.0
-    grace: float = 10.0  # how long the other ranks get once one rank failed or died
-    wait_timeout: float = 1800.0
-
-
-def group_timeout(settings: DistSettings, test_timeout: float) -> float:
-    """The ``timeout`` of a pool's process group, for tests of up to ``test_timeout`` seconds.
-
-    torch applies it to every collective (NCCL's watchdog aborts the ranks when one waits
-    longer), so it must outlast the pool's own per-test timeout, which reports a hang with
-    every rank's stack; ``init_timeout`` (the rendezvous) is bounded by the pool's set-up wait.
-    """
-    return max(settings.init_timeout, test_timeout + settings.grace + GROUP_TIMEOUT_MARGIN)
 
 
 @dataclass
@@ -99,25 +65,6 @@ class RankRun:
         return "passed"
 
 
-def _signal_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name} (exit {code})"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 class RankPool:
     """``world_size`` rank processes with a process group, ready to run test bodies."""
 
@@ -140,8 +87,7 @@ class RankPool:
         self.conns: dict[int, Connection] = {}
         self.lifelines: list[Connection] = []
         self.pids: dict[int, int] = {}
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.pgid: int | None = None
+        self.launcher = launcher_for(spec)  # starts (and ends) the rank processes
         self.lease_key: str | None = None
         self.port: int | None = None
         self.listener: Listener | None = None
@@ -163,9 +109,12 @@ class RankPool:
             raise
 
     def _start(self, config_args: list[str]) -> None:
+        problem = self.launcher.unavailable()  # before a port and GPUs are taken (and waited for)
+        if problem is not None:
+            raise PoolError(problem)
         self.dir.mkdir(parents=True, exist_ok=True)
         client = self.run.client
-        self.port = client.ports(1, self.ports_owner)[0]
+        self.port = port = client.ports(1, self.ports_owner)[0]
         slices = None
         request = self.spec.gpu_request(self.run.settings.default_memory)
         if request is not None:
@@ -179,16 +128,30 @@ class RankPool:
         authkey = secrets.token_bytes(32)
         address = str(self.dir / "ctl.sock")
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]] = queue.Queue()
+        arrivals: queue.Queue[tuple[Message, Connection]] = queue.Queue()
         threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
-        env = self._env(address, authkey, slices)
-        self._launch(env)
+        self.launcher.start(self._env(address, authkey, slices), port, self.dir / protocol.LAUNCHER_LOG)
         self._gather(arrivals)
+        self._set_up(config_args)
+
+    def _set_up(self, config_args: list[str]) -> None:
+        """Every rank joins the process group: one that could not (or not in time) fails the start."""
         body = self.setup_body(config_args)
         for conn in self.conns.values():
-            conn.send(("setup", body))
+            conn.send((protocol.SETUP, body))
         replies = self._collect(set(self.conns), time.monotonic() + self.settings.init_timeout)
-        errors = [f"rank {r}:\n{body['error']}" for r, (kind, body) in sorted(replies.items()) if kind != "ready"]
+        errors = []
+        for rank, (kind, reply) in sorted(replies.items()):
+            match kind:
+                case protocol.READY:
+                    continue
+                case protocol.SETUP_FAILED:
+                    error = reply["error"]
+                case protocol.DIED:
+                    error = f"it died while setting up: {self._exit_of(rank)}"
+                case _:
+                    error = str(protocol.unexpected(f"rank {rank}", kind, (protocol.READY, protocol.SETUP_FAILED)))
+            errors.append(f"rank {rank}:\n{error}")
         missing = sorted(set(self.conns) - set(replies))
         if errors or missing:
             detail = "\n".join(errors)
@@ -196,9 +159,12 @@ class RankPool:
                 detail += (
                     f"\n{numbered('rank', missing)} did not finish setting up within {self.settings.init_timeout:g}s"
                 )
-            raise PoolError(f"could not set up {self.spec.describe()}:\n{detail}\n{self._logs_tail()}")
+            raise self._failed("set up", f"\n{detail}")
 
-    def setup_body(self, config_args: list[str]) -> dict[str, Any]:
+    def _failed(self, verb: str, why: str) -> PoolError:
+        return PoolError(f"could not {verb} {self.spec.describe()}:{why}\n{protocol.summary(self.dir)}")
+
+    def setup_body(self, config_args: list[str]) -> protocol.SetupBody:
         """What every rank sets up with: pytest's configuration, and its process group's timeout."""
         return {
             "sys_path": list(sys.path),
@@ -208,19 +174,14 @@ class RankPool:
         }
 
     def _env(self, address: str, authkey: bytes, slices: str | None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(
-            {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self.port),
-                "PYTEST_GPU_RANK_ADDRESS": address,
-                "PYTEST_GPU_RANK_AUTHKEY": authkey.hex(),
-                "PYTEST_GPU_RANK_LOG_DIR": str(self.dir),
-                "PYTEST_GPU_RANK_BACKEND": self.spec.backend,
-                "PYTEST_GPU_OWNER_PGID": str(os.getpgrp()),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        """What a rank needs from its pool (the launcher adds the rest of its environment)."""
+        env = {
+            "PYTEST_GPU_RANK_ADDRESS": address,
+            "PYTEST_GPU_RANK_AUTHKEY": authkey.hex(),
+            "PYTEST_GPU_RANK_LOG_DIR": str(self.dir),
+            "PYTEST_GPU_RANK_BACKEND": self.spec.backend,
+            "PYTEST_GPU_OWNER_PGID": str(os.getpgrp()),
+        }
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
         measured = cover.rank_config()  # pytest --cov: the ranks measure too
@@ -228,114 +189,48 @@ class RankPool:
             env[cover.ENV] = measured
         return env
 
-    def _command(self) -> list[str]:
-        ws = str(self.spec.world_size)
-        rank_cmd = [sys.executable, "-m", "pytest_gpu.distributed.rankmain"]
-        if self.spec.launcher == "torchrun":
-            return [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc-per-node={ws}",
-                "--nnodes=1",
-                "--master-addr=127.0.0.1",
-                f"--master-port={self.port}",
-                "-m",
-                "pytest_gpu.distributed.rankmain",
-            ]
-        if self.spec.launcher == "mpirun":
-            exe = shutil.which("mpirun")
-            if exe is None:
-                raise PoolError("launcher 'mpirun' needs an MPI's mpirun on PATH (e.g. apt-get install openmpi-bin)")
-            return [exe, "-n", ws, *rank_cmd]
-        if self.spec.launcher == "srun":
-            exe = shutil.which("srun")
-            if exe is None:
-                raise PoolError("launcher 'srun' needs SLURM's srun on PATH, inside an allocation")
-            return [exe, f"--ntasks={ws}", "--nodes=1", "--kill-on-bad-exit=1", *rank_cmd]
-        raise AssertionError(self.spec.launcher)
-
-    def _launch(self, env: dict[str, str]) -> None:
-        out = open(self.dir / "launcher.log", "ab")
-        try:
-            if self.spec.launcher == "spawn":
-                for r in range(self.spec.world_size):
-                    rank_env = dict(env, PYTEST_GPU_RANK=str(r), PYTEST_GPU_WORLD_SIZE=str(self.spec.world_size))
-                    rank_env.update(RANK=str(r), WORLD_SIZE=str(self.spec.world_size), LOCAL_RANK=str(r))
-                    group = _join_group(0 if self.pgid is None else self.pgid)
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "pytest_gpu.distributed.rankmain"],
-                        env=rank_env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=out,
-                        **group,
-                    )
-                    self.procs.append(proc)
-                    if self.pgid is None:
-                        self.pgid = proc.pid
-            else:
-                if self.spec.launcher == "mpirun" and os.geteuid() == 0:
-                    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-                env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-                proc = subprocess.Popen(
-                    self._command(), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, **_join_group(0)
-                )
-                self.procs.append(proc)
-                self.pgid = proc.pid
-        finally:
-            out.close()
-
-    def _accept(self, arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]]) -> None:
+    def _accept(self, arrivals: queue.Queue[tuple[Message, Connection]]) -> None:
         assert self.listener is not None
         while not self._stopped:
             try:
                 conn = self.listener.accept()
-                kind, body = conn.recv()
+                message = conn.recv()
             except Exception:
                 if self._stopped:
                     return
                 continue
-            arrivals.put((kind, body, conn))
+            arrivals.put((message, conn))
 
-    def _gather(self, arrivals: queue.Queue[tuple[str, dict[str, Any], Connection]]) -> None:
+    def _gather(self, arrivals: queue.Queue[tuple[Message, Connection]]) -> None:
+        """Wait for every rank's two connections, each opened with HELLO or LIFELINE."""
         deadline = time.monotonic() + self.settings.init_timeout
         ws = self.spec.world_size
         while len(self.conns) < ws or len(self.lifelines) < ws:
             try:
-                kind, body, conn = arrivals.get(timeout=0.2)
+                (kind, body), conn = arrivals.get(timeout=0.2)
             except queue.Empty:
-                dead = [p for p in self.procs if p.poll() is not None]
-                if dead or time.monotonic() > deadline:
-                    who = "a rank process" if self.spec.launcher == "spawn" else self.spec.launcher
-                    why = (
-                        f"{who} ended: {_signal_text(dead[0].returncode)}"
-                        if dead
-                        else f"not every rank connected within {self.settings.init_timeout:g}s"
-                    )
-                    raise PoolError(f"could not start {self.spec.describe()}: {why}\n{self._logs_tail()}") from None
+                ended = self.launcher.ended()
+                if ended is not None or time.monotonic() > deadline:
+                    why = ended or f"not every rank connected within {self.settings.init_timeout:g}s"
+                    raise self._failed("start", f" {why}") from None
                 continue
-            if kind == "hello":
-                self.conns[int(body["rank"])] = conn
-                self.pids[int(body["rank"])] = int(body["pid"])
-            else:
-                self.lifelines.append(conn)
-
-    def _logs_tail(self) -> str:
-        parts = []
-        for path in [*sorted(self.dir.glob("*.std*")), self.dir / "launcher.log"]:
-            tail = _tail(path)
-            if tail.strip():
-                parts.append(f"--- {path.name} ---\n{tail}")
-        return "\n".join(parts)
+            match kind:
+                case protocol.HELLO:
+                    self.conns[int(body["rank"])] = conn
+                    self.pids[int(body["rank"])] = int(body["pid"])
+                case protocol.LIFELINE:
+                    self.lifelines.append(conn)
+                case _:
+                    conn.close()
+                    error = protocol.unexpected("a connecting rank", kind, (protocol.HELLO, protocol.LIFELINE))
+                    raise self._failed("start", f" {error}")
 
     # -- one test ------------------------------------------------------------------------
 
     def alive(self) -> bool:
         if self._stopped or not self.conns:
             return False
-        if any(p.poll() is not None for p in self.procs):
+        if self.launcher.ended() is not None:
             return False
         for conn in self.conns.values():
             try:
@@ -345,41 +240,21 @@ class RankPool:
                 return False
         return True
 
-    def _offsets(self) -> dict[Path, int]:
-        sizes = {}
-        for r in range(self.spec.world_size):
-            for stream in ("stdout", "stderr", "stack"):
-                path = self.dir / f"rank{r}.{stream}"
-                sizes[path] = path.stat().st_size if path.exists() else 0
-        return sizes
-
-    def _new_output(self, offsets: dict[Path, int], streams: tuple[str, ...]) -> list[tuple[str, str]]:
-        sections = []
-        for path, start in offsets.items():
-            rank, stream = path.stem.removeprefix("rank"), path.suffix[1:]
-            if stream not in streams or not path.exists():
-                continue
-            with open(path, "rb") as fh:
-                fh.seek(start)
-                text = fh.read().decode(errors="replace")
-            if text.strip():
-                sections.append((f"rank {rank} {stream}", text))
-        return sections
-
-    def _collect(self, ranks: set[int], deadline: float) -> dict[int, tuple[str, dict[str, Any]]]:
-        """Replies from ``ranks`` until ``deadline``; a closed connection gives ("died", {})."""
-        replies: dict[int, tuple[str, dict[str, Any]]] = {}
+    def _collect(self, ranks: set[int], deadline: float) -> dict[int, Message]:
+        """Replies from ``ranks`` until ``deadline``; a closed connection gives ``(DIED, {})``."""
+        replies: dict[int, Message] = {}
         by_conn = {self.conns[r]: r for r in ranks}
         while by_conn:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            for conn in wait(list(by_conn), timeout=left):
-                rank = by_conn.pop(conn)  # type: ignore[call-overload]
+            for ready in wait(list(by_conn), timeout=left):
+                conn = cast(Connection, ready)  # wait() returns some of what it was given
+                rank = by_conn.pop(conn)
                 try:
                     replies[rank] = conn.recv()
                 except (EOFError, OSError):
-                    replies[rank] = ("died", {})
+                    replies[rank] = (protocol.DIED, {})
         return replies
 
     def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
@@ -397,13 +272,13 @@ class RankPool:
         started = time.monotonic()
         if not self.alive():
             raise PoolDied(self._death_note())
-        offsets = self._offsets()
+        offsets = protocol.offsets(self.dir, self.spec.world_size)
         run_id = f"{self.id}/{next(self._runs)}/{secrets.token_hex(4)}"
         outcome = RankRun()
         try:
             for conn in self.conns.values():
                 try:
-                    conn.send(("run", dict(body, run_id=run_id)))
+                    conn.send((protocol.RUN, dict(body, run_id=run_id)))
                 except OSError:
                     raise PoolDied(self._death_note()) from None
             self._wait_for_results(run_id, outcome, started, timeout, offsets)
@@ -421,7 +296,7 @@ class RankPool:
         return outcome
 
     def _wait_for_results(
-        self, run_id: str, outcome: RankRun, started: float, timeout: float, offsets: dict[Path, int]
+        self, run_id: str, outcome: RankRun, started: float, timeout: float, offsets: protocol.Offsets
     ) -> None:
         pending = set(self.conns)
         deadline = started + timeout
@@ -429,8 +304,11 @@ class RankPool:
             got = self._collect(pending, deadline)
             for rank, (kind, reply) in got.items():
                 pending.discard(rank)
-                if kind != "result":
+                if kind == protocol.DIED:
                     outcome.problems.append(f"rank {rank} died during the test: {self._exit_of(rank)}")
+                elif kind != protocol.RESULT:
+                    error = protocol.unexpected(f"rank {rank}", kind, (protocol.RESULT,))
+                    outcome.problems.append(f"{error}; the pool was killed")
                 elif reply.get("run_id") != run_id:
                     # the rank was still busy with an earlier body: its answer belongs to another test
                     outcome.problems.append(
@@ -460,7 +338,7 @@ class RankPool:
         if outcome.problems:
             outcome.broken = True
             for rank in sorted(set(self.conns) - set(outcome.results)):
-                log = _tail(self.dir / f"rank{rank}.stderr")
+                log = protocol.tail(protocol.rank_file(self.dir, rank, "stderr"))
                 if log.strip() and rank not in pending:
                     outcome.sections.append((f"rank {rank} log tail", log))
         elif any(r["outcome"] == "failed" or r.get("poisoned") for r in outcome.results.values()):
@@ -470,16 +348,16 @@ class RankPool:
                 outcome.sections.append(
                     ("pytest-gpu pool", f"the world failed its health barrier ({detail}); pool replaced")
                 )
-        outcome.sections[:0] = self._new_output(offsets, ("stdout", "stderr", "stack"))
+        outcome.sections[:0] = protocol.written_since(offsets)
 
-    def _abandon(self, outcome: RankRun, offsets: dict[Path, int]) -> None:
+    def _abandon(self, outcome: RankRun, offsets: protocol.Offsets) -> None:
         """The test was interrupted: keep the stacks of the ranks still running it, and their output."""
         self.abandoned = []
         busy = set(self.conns) - set(outcome.results)
         if busy and not self._stopped:
             self._dump_stacks(busy)
         self.abandoned = [
-            *self._new_output(offsets, ("stdout", "stderr", "stack")),
+            *protocol.written_since(offsets),
             (
                 "pytest-gpu pool",
                 f"the test was interrupted while its ranks ran; its pool of {self.spec.describe()} was killed",
@@ -488,9 +366,19 @@ class RankPool:
 
     def _health(self) -> tuple[bool, str]:
         for conn in self.conns.values():
-            conn.send(("check", {"timeout": self.settings.grace}))
+            conn.send((protocol.CHECK, {"timeout": self.settings.grace}))
         replies = self._collect(set(self.conns), time.monotonic() + self.settings.grace + 5)
-        bad = [f"rank {r}: {b.get('detail') or k}" for r, (k, b) in replies.items() if k != "checked" or not b["ok"]]
+        bad = []
+        for rank, (kind, reply) in replies.items():
+            match kind:
+                case protocol.CHECKED if reply["ok"]:
+                    continue
+                case protocol.CHECKED:
+                    bad.append(f"rank {rank}: {reply.get('detail') or kind}")
+                case protocol.DIED:
+                    bad.append(f"rank {rank}: {kind}")
+                case _:
+                    bad.append(f"rank {rank}: {protocol.unexpected(f'rank {rank}', kind, (protocol.CHECKED,))}")
         missing = sorted(set(self.conns) - set(replies))
         if missing:
             bad.append(f"{numbered('rank', missing)} did not answer")
@@ -507,14 +395,7 @@ class RankPool:
         time.sleep(1.0)  # faulthandler writes from a signal handler: give it a moment
 
     def _exit_of(self, rank: int) -> str:
-        if self.spec.launcher == "spawn" and rank < len(self.procs):
-            proc = self.procs[rank]
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-            return _signal_text(proc.returncode)
-        return f"pid {self.pids.get(rank)} is gone (launched by {self.spec.launcher}; exit status not visible)"
+        return self.launcher.exit_of(rank, self.pids.get(rank))
 
     def _death_note(self) -> str:
         states = [f"rank {r}: {self._exit_of(r)}" for r in sorted(self.conns)] or ["no rank connected"]
@@ -533,12 +414,12 @@ class RankPool:
         if graceful and self.conns and self.alive():
             for conn in self.conns.values():
                 try:
-                    conn.send(("close", {}))
+                    conn.send((protocol.CLOSE, {}))
                 except OSError:
                     pass
-            self._collect(set(self.conns), time.monotonic() + 5)
+            self._collect(set(self.conns), time.monotonic() + 5)  # CLOSED, or DIED: either way, the kill follows
         self._stopped = True
-        self._kill_all()
+        self.launcher.kill(self.pids.values())
         for conn in [*self.conns.values(), *self.lifelines]:
             try:
                 conn.close()
@@ -557,151 +438,3 @@ class RankPool:
             client.release_ports(self.ports_owner)
             self.port = None
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _kill_all(self) -> None:
-        if self.spec.launcher == "srun":
-            # srun gives its job allocation back only when it exits by itself: a SIGKILLed srun
-            # leaves the SLURM job running (holding its CPUs and GPUs). SIGTERM makes it end the
-            # step (its tasks get the signal) and release the allocation.
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in self.procs:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-        victims: list[psutil.Process] = []
-        for pid in [*self.pids.values(), *(p.pid for p in self.procs)]:
-            try:
-                proc = psutil.Process(pid)
-                victims += [proc, *proc.children(recursive=True)]
-            except psutil.Error:
-                pass
-        if self.pgid is not None:
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except OSError:
-                pass
-        kill_and_wait(victims)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _join_group(pgid: int) -> dict[str, Any]:
-    """Popen arguments that put the child in process group ``pgid`` (0: a new group of its own).
-
-    Ranks get a group of their own (so ``killpg`` takes them and their children) but stay
-    in pytest's session, since a process can only join a group of its own session.
-    """
-    if sys.version_info >= (3, 11):
-        return {"process_group": pgid}
-    return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # pragma: no cover - Python 3.10
-
-
-class PoolManager:
-    """The pools of one pytest process: at most one warm pool at a time."""
-
-    def __init__(self, run: GpuRun, settings: DistSettings, config_args: list[str], base: Path) -> None:
-        self.run = run
-        self.settings = settings
-        self.config_args = config_args
-        self.base = base
-        self.pool: RankPool | None = None
-        self.started = 0
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self._running: RankPool | None = None  # the pool a test is running on, while it runs
-        self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
-
-    def _fresh(self, spec: DistSpec, timeout: float, test: str = "") -> RankPool:
-        pool = RankPool(spec, self.run, self.settings, self.base, timeout, test)
-        pool.start(self.config_args)
-        self.started += 1
-        return pool
-
-    def execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
-        """Run a test on a pool for ``spec``; returns the run and notes for the report.
-
-        Anything that ends this early (pytest-timeout's signal, KeyboardInterrupt, an error)
-        kills the pool in use, so that the next test gets a fresh one; what the interrupted
-        ranks had written (their stacks first) is then in ``abandoned``.
-        """
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            self.abandoned = []
-            try:
-                return self._execute(spec, body, timeout)
-            except BaseException:
-                running, self._running = self._running, None
-                try:
-                    if running is not None:
-                        self.abandoned = running.abandoned
-                        running.close(graceful=False)
-                finally:
-                    if self.pool is not None:
-                        self.pool.close(graceful=False)
-                        self.pool = None
-                raise
-
-    def _run(self, pool: RankPool, body: dict[str, Any], timeout: float) -> RankRun:
-        self._running = pool
-        result = pool.run_test(body, timeout)
-        self._running = None
-        return result
-
-    def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
-        notes: list[str] = []
-        test = str(body.get("nodeid", ""))  # a pool started for this test is named after it
-        if not self.settings.pool:
-            pool = self._fresh(spec, timeout, test)
-            result = None
-            try:
-                result = self._run(pool, body, timeout)
-                return result, notes
-            finally:
-                pool.close(graceful=result is not None and not result.broken)
-        # a test longer than the pool's process group allows needs a new group (and pool)
-        if self.pool is not None and (self.pool.spec.pool_key != spec.pool_key or self.pool.covers < timeout):
-            self.pool.close()
-            self.pool = None
-        if self.pool is not None and not self.pool.alive():
-            notes.append(self.pool._death_note() + "; this test ran in a fresh pool")
-            self.pool.close()
-            self.pool = None
-        if self.pool is None:
-            self.pool = self._fresh(spec, timeout, test)
-        try:
-            result = self._run(self.pool, body, timeout)
-        except PoolDied as exc:
-            notes.append(f"{exc}; this test was retried once in a fresh pool")
-            self.pool.close()
-            self.pool = None
-            self.pool = self._fresh(spec, timeout, test)
-            result = self._run(self.pool, body, timeout)
-        if result.broken:
-            self.pool.close(graceful=False)
-            self.pool = None
-        else:
-            self._timer = threading.Timer(self.settings.idle, self._idle_close)
-            self._timer.daemon = True
-            self._timer.start()
-        return result, notes
-
-    def _idle_close(self) -> None:
-        with self._lock:
-            if self.pool is not None and time.monotonic() - self.pool.last_used >= self.settings.idle - 0.01:
-                self.pool.close()
-                self.pool = None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            if self.pool is not None:
-                self.pool.close()
-                self.pool = None

@@ -3,7 +3,8 @@
 Started by the pool (directly, or by torchrun / mpirun / srun), it connects back to
 its pytest process over an authenticated Unix socket — never through stdout, which
 NCCL and user code write to — sets up the process group once, then runs test bodies
-on request and cleans up between them.
+on request and cleans up between them (the messages, and the files it writes:
+:mod:`.protocol`).
 
 A second connection, the *lifeline*, is only read by a daemon thread: when the pytest
 process dies (even by SIGKILL) the kernel closes it, and the rank kills its whole
@@ -28,7 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from . import cover
+from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
 RANK_VARS = ("PYTEST_GPU_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -65,21 +66,22 @@ class Rank:
             from ..sim import fake
 
             fake.activate()
-        self._stack_file = open(self.log_dir / f"rank{self.rank}.stack", "w")
+        self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]
         authkey = bytes.fromhex(os.environ["PYTEST_GPU_RANK_AUTHKEY"])
         self.conn: Connection = Client(address, family="AF_UNIX", authkey=authkey)
-        self.conn.send(("hello", {"rank": self.rank, "pid": os.getpid(), "pgid": os.getpgrp()}))
+        self.conn.send((protocol.HELLO, {"rank": self.rank, "pid": os.getpid(), "pgid": os.getpgrp()}))
         lifeline = Client(address, family="AF_UNIX", authkey=authkey)
-        lifeline.send(("lifeline", {"rank": self.rank}))
+        lifeline.send((protocol.LIFELINE, {"rank": self.rank}))
         threading.Thread(target=self._watch, args=(lifeline,), daemon=True).start()
         self.group: Any = None
         self.modules: dict[str, Any] = {}
 
     def _redirect_output(self) -> None:
         for fd, stream in ((1, "stdout"), (2, "stderr")):
-            target = os.open(self.log_dir / f"rank{self.rank}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            file = protocol.rank_file(self.log_dir, self.rank, stream)
+            target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             os.dup2(target, fd)
             os.close(target)
 
@@ -221,26 +223,36 @@ class Rank:
                 MPI.Finalize()
 
     def serve(self) -> None:
+        """Answer the pool's messages (see :mod:`.protocol`) until CLOSE.
+
+        A message it has no answer for raises :class:`~.protocol.ProtocolError`: the rank
+        exits with it in its stderr, and the pool, reading the rank's end as DIED, is killed
+        with that stderr in its report, instead of waiting for a reply that never comes.
+        """
         kind, body = self.conn.recv()
-        assert kind == "setup", kind
+        if kind != protocol.SETUP:
+            raise protocol.unexpected("the pool", kind, (protocol.SETUP,))
         try:
             self.setup(body)
         except BaseException:
-            self.conn.send(("setup-failed", {"rank": self.rank, "error": traceback.format_exc()}))
+            self.conn.send((protocol.SETUP_FAILED, {"rank": self.rank, "error": traceback.format_exc()}))
             raise
-        self.conn.send(("ready", {"rank": self.rank}))
+        self.conn.send((protocol.READY, {"rank": self.rank}))
         while True:
             kind, body = self.conn.recv()
-            if kind == "run":
-                self.conn.send(("result", self.run(body)))
-            elif kind == "check":
-                ok, detail = self.check(body["timeout"])
-                self.conn.send(("checked", {"rank": self.rank, "ok": ok, "detail": detail}))
-            elif kind == "close":
-                self.close()
-                cover.save_in_rank()  # before the reply: the pool kills the ranks once all have replied
-                self.conn.send(("closed", {"rank": self.rank}))
-                return
+            match kind:
+                case protocol.RUN:
+                    self.conn.send((protocol.RESULT, self.run(body)))
+                case protocol.CHECK:
+                    ok, detail = self.check(body["timeout"])
+                    self.conn.send((protocol.CHECKED, {"rank": self.rank, "ok": ok, "detail": detail}))
+                case protocol.CLOSE:
+                    self.close()
+                    cover.save_in_rank()  # before the reply: the pool kills the ranks once all have replied
+                    self.conn.send((protocol.CLOSED, {"rank": self.rank}))
+                    return
+                case _:
+                    raise protocol.unexpected("the pool", kind, (protocol.RUN, protocol.CHECK, protocol.CLOSE))
 
 
 def _groups() -> set[Any]:
@@ -325,14 +337,18 @@ def _outcome(exc: BaseException, module_file: str | None, tbstyle: str) -> dict[
 def main() -> None:
     cover.start_in_rank()  # before the test modules (and what they import) are imported
     rank = Rank()
+    code = 0
     try:
         rank.serve()
     except (EOFError, OSError, KeyboardInterrupt):
         pass
+    except protocol.ProtocolError:
+        traceback.print_exc()  # into the rank's stderr file, which the pool reports
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: a half-closed NCCL/MPI world can hang in it
+    os._exit(code)  # skip interpreter teardown: a half-closed NCCL/MPI world can hang in it
 
 
 if __name__ == "__main__":

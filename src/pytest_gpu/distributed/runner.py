@@ -1,11 +1,16 @@
-"""pytest side of distributed tests: send the body and fixture values to a pool, report every rank."""
+"""pytest side of distributed tests: send the body and fixture values to a pool, report every rank.
+
+The process's pools are its :class:`PoolManager`'s: at most one warm pool at a time.
+"""
 
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 import zlib
 from collections.abc import Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -14,11 +19,11 @@ from _pytest._code.code import ReprFileLocation
 from ..leasing.requests import GpuRequestError
 from ..report.wording import plural
 from .rankinfo import RankPlaceholder
-from .spec import DistSpec, build_spec
+from .spec import DistSettings, DistSpec, build_spec
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
     from ..run.session import GpuRun
-    from .pool import PoolManager, RankRun
+    from .pool import RankPool, RankRun
 
 SPEC_KEY = pytest.StashKey[DistSpec]()
 MANAGER_KEY = pytest.StashKey["PoolManager"]()
@@ -117,8 +122,6 @@ def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
 def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
     found = config.stash.get(MANAGER_KEY, None)
     if found is None:
-        from .pool import DistSettings, PoolManager
-
         settings = DistSettings(
             timeout=run.settings.dist_timeout,
             pool=run.settings.dist_pool,
@@ -306,3 +309,121 @@ def _is_stack_section(title: str) -> bool:
 
 def rank_fixture() -> RankPlaceholder:
     return RankPlaceholder()
+
+
+# -- the pools of this process ------------------------------------------------------------------
+
+
+class PoolManager:
+    """The pools of one pytest process: at most one warm pool at a time.
+
+    It reuses its warm pool when a test's spec has the pool's key (and the pool's process
+    group outlasts the test's timeout), and otherwise replaces it. A pool found dead is
+    replaced and the test retried once; a pool left broken by a test, or by an interruption,
+    is killed; an idle one is closed after ``--dist-pool-idle`` seconds.
+    """
+
+    def __init__(self, run: GpuRun, settings: DistSettings, config_args: list[str], base: Path) -> None:
+        self.run = run
+        self.settings = settings
+        self.config_args = config_args
+        self.base = base
+        self.pool: RankPool | None = None
+        self.started = 0
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._running: RankPool | None = None  # the pool a test is running on, while it runs
+        self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
+
+    def _fresh(self, spec: DistSpec, timeout: float, test: str = "") -> RankPool:
+        from . import pool as module  # RankPool looked up at each start: a test can substitute its own
+
+        fresh = module.RankPool(spec, self.run, self.settings, self.base, timeout, test)
+        fresh.start(self.config_args)
+        self.started += 1
+        return fresh
+
+    def execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+        """Run a test on a pool for ``spec``; returns the run and notes for the report.
+
+        Anything that ends this early (pytest-timeout's signal, KeyboardInterrupt, an error)
+        kills the pool in use, so that the next test gets a fresh one; what the interrupted
+        ranks had written (their stacks first) is then in ``abandoned``.
+        """
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self.abandoned = []
+            try:
+                return self._execute(spec, body, timeout)
+            except BaseException:
+                running, self._running = self._running, None
+                try:
+                    if running is not None:
+                        self.abandoned = running.abandoned
+                        running.close(graceful=False)
+                finally:
+                    if self.pool is not None:
+                        self.pool.close(graceful=False)
+                        self.pool = None
+                raise
+
+    def _run(self, pool: RankPool, body: dict[str, Any], timeout: float) -> RankRun:
+        self._running = pool
+        result = pool.run_test(body, timeout)
+        self._running = None
+        return result
+
+    def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+        from .pool import PoolDied
+
+        notes: list[str] = []
+        test = str(body.get("nodeid", ""))  # a pool started for this test is named after it
+        if not self.settings.pool:
+            pool = self._fresh(spec, timeout, test)
+            result = None
+            try:
+                result = self._run(pool, body, timeout)
+                return result, notes
+            finally:
+                pool.close(graceful=result is not None and not result.broken)
+        # a test longer than the pool's process group allows needs a new group (and pool)
+        if self.pool is not None and (self.pool.spec.pool_key != spec.pool_key or self.pool.covers < timeout):
+            self.pool.close()
+            self.pool = None
+        if self.pool is not None and not self.pool.alive():
+            notes.append(self.pool._death_note() + "; this test ran in a fresh pool")
+            self.pool.close()
+            self.pool = None
+        if self.pool is None:
+            self.pool = self._fresh(spec, timeout, test)
+        try:
+            result = self._run(self.pool, body, timeout)
+        except PoolDied as exc:
+            notes.append(f"{exc}; this test was retried once in a fresh pool")
+            self.pool.close()
+            self.pool = None
+            self.pool = self._fresh(spec, timeout, test)
+            result = self._run(self.pool, body, timeout)
+        if result.broken:
+            self.pool.close(graceful=False)
+            self.pool = None
+        else:
+            self._timer = threading.Timer(self.settings.idle, self._idle_close)
+            self._timer.daemon = True
+            self._timer.start()
+        return result, notes
+
+    def _idle_close(self) -> None:
+        with self._lock:
+            if self.pool is not None and time.monotonic() - self.pool.last_used >= self.settings.idle - 0.01:
+                self.pool.close()
+                self.pool = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None

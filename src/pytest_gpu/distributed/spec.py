@@ -1,4 +1,4 @@
-"""The ``distributed`` marker: what a distributed test asks for (pure)."""
+"""The ``distributed`` marker: what a distributed test asks for, and the run's settings for it (pure)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,30 @@ def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, have_gpus: boo
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise GpuRequestError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
     return DistSpec(world_size, backend, gpus_per_rank, launcher, None if timeout is None else float(timeout))
+
+
+# How far the process group's own timeout lies past the longest test a pool runs: the time
+# the pool needs to collect every rank's stack and kill the ranks once that test timed out.
+GROUP_TIMEOUT_MARGIN = 60.0
+
+
+@dataclass(frozen=True)
+class DistSettings:
+    """The run's options for its distributed tests (``--dist-timeout``, ``--dist-pool``, ...)."""
+
+    timeout: float = 300.0  # per test, unless the marker says otherwise
+    pool: bool = True
+    idle: float = 60.0
+    init_timeout: float = 120.0
+    grace: float = 10.0  # how long the other ranks get once one rank failed or died
+    wait_timeout: float = 1800.0
+
+
+def group_timeout(settings: DistSettings, test_timeout: float) -> float:
+    """The ``timeout`` of a pool's process group, for tests of up to ``test_timeout`` seconds.
+
+    torch applies it to every collective (NCCL's watchdog aborts the ranks when one waits
+    longer), so it must outlast the pool's own per-test timeout, which reports a hang with
+    every rank's stack; ``init_timeout`` (the rendezvous) is bounded by the pool's set-up wait.
+    """
+    return max(settings.init_timeout, test_timeout + settings.grace + GROUP_TIMEOUT_MARGIN)

@@ -1,0 +1,203 @@
+"""What a pool (:mod:`.pool`) and its rank processes (:mod:`.rankmain`) say to each other.
+
+Transport: :mod:`multiprocessing.connection` over the pool's Unix socket, authenticated
+with a key the pool hands its ranks in their environment; every message is a pickled
+``(kind, body)`` tuple. Each rank opens two connections: its control connection, which
+carries everything below, and its lifeline, which carries only :data:`LIFELINE` and whose
+closing (the pytest process died) makes the rank kill its process group.
+
+A rank's life, one line per exchange (the pool waits for every rank's reply)::
+
+    rank -> pool   HELLO      on connecting                        HelloBody
+    rank -> pool   LIFELINE   on its second connection             LifelineBody
+    pool -> rank   SETUP      once every rank has connected        SetupBody
+    rank -> pool   READY | SETUP_FAILED                            ReadyBody | SetupFailedBody
+    pool -> rank   RUN        one test body                        RunBody
+    rank -> pool   RESULT     once the body ended, however         ResultBody
+    pool -> rank   CHECK      after a failed test: health barrier  CheckBody
+    rank -> pool   CHECKED                                         CheckedBody
+    pool -> rank   CLOSE      a graceful end                       CloseBody
+    rank -> pool   CLOSED     then the pool kills every rank       ClosedBody
+
+A kind the receiver does not expect at that point is a protocol error (:func:`unexpected`):
+the two sides are out of step, and the pool is not trusted any further.
+
+Output never travels over the connection: each rank sends its stdout and stderr to
+``rank<N>.stdout`` and ``rank<N>.stderr`` in the pool's directory (not to a launcher's
+pipe, which NCCL and MPI write to as well), faulthandler writes its stack to
+``rank<N>.stack`` on SIGUSR1, and a launcher program's own output goes to ``launcher.log``.
+A test's report gets what the ranks wrote while it ran (:func:`offsets`, :func:`written_since`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypedDict
+
+Message = tuple[str, dict[str, Any]]  # (kind, body)
+
+HELLO = "hello"
+"""rank -> pool, first message on its control connection: which rank this connection is."""
+LIFELINE = "lifeline"
+"""rank -> pool, only message on its second connection; the pool never answers nor reads it again."""
+SETUP = "setup"
+"""pool -> rank, once all ranks said hello: join the process group, configure pytest."""
+READY = "ready"
+"""rank -> pool, reply to SETUP: the process group is up."""
+SETUP_FAILED = "setup-failed"
+"""rank -> pool, reply to SETUP: setting up raised; the rank exits after sending it."""
+RUN = "run"
+"""pool -> rank: run one test body (the runner's payload) and answer with RESULT."""
+RESULT = "result"
+"""rank -> pool, reply to RUN, whatever the body did (passed, failed, skipped, xfailed)."""
+CHECK = "check"
+"""pool -> rank, after a failed or poisoned test: is the world still usable? (a timed barrier)"""
+CHECKED = "checked"
+"""rank -> pool, reply to CHECK."""
+CLOSE = "close"
+"""pool -> rank: leave the process group (and save coverage); a graceful end."""
+CLOSED = "closed"
+"""rank -> pool, reply to CLOSE, the rank's last message: the pool then kills the ranks."""
+DIED = "died"
+"""Never sent: what the pool reads in place of a reply when a rank's connection closed."""
+
+
+class HelloBody(TypedDict):
+    rank: int
+    pid: int  # the pool signals it (SIGUSR1: faulthandler's stacks) and kills it
+    pgid: int
+
+
+class LifelineBody(TypedDict):
+    rank: int
+
+
+class SetupBody(TypedDict):
+    sys_path: list[str]  # the pytest process's, so test modules import alike
+    cwd: str
+    config_args: list[str]  # a pytest configuration like the pytest process's (assertion rewriting)
+    group_timeout: float  # the process group's timeout, past the longest test the pool runs
+
+
+class ReadyBody(TypedDict):
+    rank: int
+
+
+class SetupFailedBody(TypedDict):
+    rank: int
+    error: str  # the traceback
+
+
+class RunBody(TypedDict):
+    module_file: str
+    module_name: str
+    cls: str  # qualified name of the test's class, "" for a function
+    func: str
+    kwargs: bytes  # the fixture values, pickled; the ``rank`` fixture's is a placeholder
+    seed: int  # random, numpy and torch are reseeded with it
+    nodeid: str
+    tbstyle: str
+    run_id: str  # echoed in RESULT: a result for another run is never taken for this one
+
+
+class _Timings(TypedDict, total=False):
+    body_started: float  # seconds from RUN to the body's first line
+    body_seconds: float  # the body's own time, when it returned
+
+
+class ResultBody(_Timings):
+    rank: int
+    outcome: str  # "passed", "failed", "skipped" or "xfailed"
+    message: str
+    longrepr: str
+    run_id: str | None  # RunBody's, echoed
+    poisoned: bool  # the failure came from the process group: the pool checks its health
+
+
+class CheckBody(TypedDict):
+    timeout: float
+
+
+class CheckedBody(TypedDict):
+    rank: int
+    ok: bool
+    detail: str  # what failed, when not ok
+
+
+class CloseBody(TypedDict):
+    pass
+
+
+class ClosedBody(TypedDict):
+    rank: int
+
+
+class ProtocolError(RuntimeError):
+    """A message its receiver has no use for at that point: pool and rank are out of step."""
+
+
+def unexpected(sender: str, kind: object, expected: Iterable[str]) -> ProtocolError:
+    """The error for ``kind`` from ``sender`` where only one of ``expected`` may come."""
+    allowed = " or ".join(repr(k) for k in expected)
+    return ProtocolError(
+        f"protocol error: {sender} sent {kind!r} where only {allowed} may come "
+        "(pool and rank out of step, or not the same pytest-gpu)"
+    )
+
+
+# -- the files ------------------------------------------------------------------------------
+
+STREAMS = ("stdout", "stderr", "stack")
+LAUNCHER_LOG = "launcher.log"
+
+Offsets = dict[Path, int]  # each rank file's size when a test started
+
+
+def rank_file(directory: Path, rank: int, stream: str) -> Path:
+    """The file of ``rank``'s ``stream`` (one of :data:`STREAMS`)."""
+    return directory / f"rank{rank}.{stream}"
+
+
+def tail(file: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of ``file`` ("" when there is none)."""
+    try:
+        text = file.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def offsets(directory: Path, world_size: int) -> Offsets:
+    """Where each rank file ends now: what comes after is the next test's."""
+    sizes = {}
+    for rank in range(world_size):
+        for stream in STREAMS:
+            file = rank_file(directory, rank, stream)
+            sizes[file] = file.stat().st_size if file.exists() else 0
+    return sizes
+
+
+def written_since(since: Offsets) -> list[tuple[str, str]]:
+    """What the ranks wrote after ``since``, as report sections ("rank 1 stderr", text)."""
+    sections = []
+    for file, start in since.items():
+        if not file.exists():
+            continue
+        with open(file, "rb") as fh:
+            fh.seek(start)
+            text = fh.read().decode(errors="replace")
+        if text.strip():
+            rank, stream = file.stem.removeprefix("rank"), file.suffix[1:]
+            sections.append((f"rank {rank} {stream}", text))
+    return sections
+
+
+def summary(directory: Path) -> str:
+    """The tail of every rank's output and of the launcher's log: why a pool could not start."""
+    parts = []
+    for file in [*sorted(directory.glob("*.std*")), directory / LAUNCHER_LOG]:
+        text = tail(file)
+        if text.strip():
+            parts.append(f"--- {file.name} ---\n{text}")
+    return "\n".join(parts)
