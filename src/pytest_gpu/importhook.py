@@ -55,7 +55,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)  # type: ignore[arg-type]
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, fullname)  # type: ignore[arg-type]
+                    spec.loader = _Loader(spec.loader, fullname)
                 return spec
         return None
 

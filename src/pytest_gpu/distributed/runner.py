@@ -180,7 +180,8 @@ def _dumps(value: Any) -> bytes:
             import cloudpickle
         except ImportError:
             raise
-        return cloudpickle.dumps(value)
+        data: bytes = cloudpickle.dumps(value)  # cloudpickle publishes no types
+        return data
 
 
 def run_item(item: pytest.Function, run: GpuRun) -> None:

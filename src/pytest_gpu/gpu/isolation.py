@@ -204,9 +204,11 @@ def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> Non
     for index in lease.indices:
         total, _ = hold("sim", index, lease.memory)
         cuda.set_memory_cap(index, total)
-        done.undo_steps.append(
-            lambda index=index: cuda.set_memory_cap(index, drop("sim", index, lease.memory) or None)
-        )
+
+        def lift(index: int = index) -> None:  # the default binds this iteration's index
+            cuda.set_memory_cap(index, drop("sim", index, lease.memory) or None)
+
+        done.undo_steps.append(lift)
     cuda.set_device(ordinals[0])
     done.undo_steps.append(lambda: _restore_sim_device(previous))
 

@@ -131,7 +131,8 @@ class NvmlVerifier:
         import pynvml
 
         if self._untrusted:
-            return self._give_up(self._untrusted)
+            self._give_up(self._untrusted)
+            return None
         me = psutil.Process()
         children = {child.pid for child in me.children(recursive=True)}
         mine: dict[int, int] = {}
@@ -139,7 +140,8 @@ class NvmlVerifier:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
-            return self._give_up(f"NVML unavailable ({exc}): memory outside the lease was not checked")
+            self._give_up(f"NVML unavailable ({exc}): memory outside the lease was not checked")
+            return None
         try:
             foreign: set[int] = set()
             for device in addressable(self.inventory.machine or self.inventory.devices):
@@ -164,10 +166,11 @@ class NvmlVerifier:
                         foreign.add(proc.pid)
             if foreign and not mine and not theirs:
                 # NVML reports host pids; in a container's pid namespace none of them is ours
-                return self._give_up(
+                self._give_up(
                     f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
                     "pid namespace (a container?): memory outside the lease was not checked"
                 )
+                return None
         finally:
             pynvml.nvmlShutdown()
         return mine, theirs

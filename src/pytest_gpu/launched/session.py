@@ -19,7 +19,7 @@ import signal
 import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -164,7 +164,7 @@ class LaunchedRank:
         report.location = tuple(report.location)
         report.user_properties = [tuple(p) for p in report.user_properties]
         report.sections = [tuple(s) for s in report.sections]
-        return report
+        return cast(pytest.TestReport, report)  # pluggy's hook calls are untyped; these data are test reports
 
     def _report(self, by_rank: dict[int, list[pytest.TestReport]]) -> None:
         """Rank 0: feed the other ranks' reports to this session's reporters."""

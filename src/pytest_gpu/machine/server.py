@@ -12,6 +12,7 @@ for a run arrive as ``{"ev": [[kind, key, body], ...]}``.
 
 from __future__ import annotations
 
+import functools
 import os
 import selectors
 import socket
@@ -228,15 +229,15 @@ class ArbiterServer:
         if op == "attach":
             if peer.run is not None:
                 raise ValueError("this connection has attached a run already")
-            run = str(m["run"])
-            peer.run = run
+            attaching = str(m["run"])
+            peer.run = attaching
             arbiter.attach(
-                run,
+                attaching,
                 pid=peer.pid or int(m.get("pid", 0)),  # the kernel's word, not the message's
                 user=user_name(peer.uid) if peer.uid >= 0 else str(m.get("user", "?")),
                 label=str(m.get("label", "?")),
                 gpus={str(u): int(c) for u, c in m["gpus"].items()},
-                sink=lambda events, peer=peer: self._events(peer, events),
+                sink=functools.partial(self._events, peer),
                 held=[
                     Held(
                         h["key"],

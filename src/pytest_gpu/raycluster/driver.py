@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .head import RayCluster, RayClusterError, host_port
-from .readiness import disconnect, gcs_address, init_and_wait, wait_tcp
+from .readiness import cluster_resources, disconnect, gcs_address, init_and_wait, wait_tcp
 from .startonce import ensure_head
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ def fixture(request: pytest.FixtureRequest, run: GpuRun) -> Generator[RayCluster
     """``ray_cluster``: connect (starting the run's head if needed), disconnect at session end."""
     import pytest
 
+    problem: str | None
     try:
         cluster = connect(run)
     except RayClusterError as exc:
@@ -65,7 +66,7 @@ def connect(run: GpuRun) -> RayCluster:
     what = f"the Ray head started by pytest-gpu at {head['address']} (log: {head['log']})"
     expected = {k: float(v) for k, v in head["expected"].items()}
     if ray.is_initialized():  # this process started the head and is connected already
-        resources = {str(k): float(v) for k, v in ray.cluster_resources().items()}
+        resources = cluster_resources()
     else:
         resources = init_and_wait(head["address"], expected, time.monotonic() + timeout, what, timeout)
     return RayCluster(head["address"], resources, True, tuple(head["gpus"]), Path(head["log"]))

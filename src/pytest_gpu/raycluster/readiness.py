@@ -33,6 +33,14 @@ def gcs_address(fallback: str) -> str:
         return fallback
 
 
+def cluster_resources() -> dict[str, float]:
+    """``ray.cluster_resources()`` of the connected cluster, keys and values as their types say."""
+    import ray
+
+    found = ray.cluster_resources()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
+    return {str(k): float(v) for k, v in found.items()}
+
+
 def init_and_wait(
     address: str, expected: Mapping[str, float], deadline: float, what: str, timeout: float
 ) -> dict[str, float]:
@@ -46,7 +54,7 @@ def init_and_wait(
     resources: dict[str, float] = {}
     while True:
         try:
-            resources = {str(k): float(v) for k, v in ray.cluster_resources().items()}
+            resources = cluster_resources()
         except Exception:
             resources = {}
         if resources and all(resources.get(k, 0.0) >= v for k, v in expected.items()):

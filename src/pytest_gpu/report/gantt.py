@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard, cast
 
 from .trace import GPU_PID, WORKERS_PID
 
@@ -166,24 +166,24 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise TraceError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {EXPECTED}") from None
     _metadata(data)
-    return data
+    return cast("dict[str, Any]", data)  # _metadata checked it is a JSON object
 
 
 def _metadata(data: object) -> Mapping[str, Any]:
     other = data.get("otherData") if isinstance(data, Mapping) else None
     meta = other.get("pytest_gpu") if isinstance(other, Mapping) else None
-    if not isinstance(meta, Mapping):
+    if not isinstance(data, Mapping) or not isinstance(meta, Mapping):
         raise TraceError(f"not a pytest-gpu trace (no otherData.pytest_gpu); {EXPECTED}")
     if not isinstance(data.get("traceEvents"), list):
         raise TraceError(f"traceEvents is missing or not a list; {EXPECTED}")
     return meta
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

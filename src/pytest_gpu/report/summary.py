@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from ..leasing.spans import gpu_properties
 from .timeline import Timeline
 from .wording import numbered, plural, verb
 
@@ -44,7 +46,8 @@ class Summary:
         self.add(report)
         node = getattr(report, "node", None)  # xdist: the WorkerController that ran it
         worker = str(node.gateway.id) if node is not None else "main"
-        if report.when == "???":  # xdist: the test its worker was running when it went down
+        # xdist: the test its worker was running when it went down (a `when` outside pytest's Literal)
+        if cast(str, report.when) == "???":
             self.cut_short.setdefault(worker, []).append(report.nodeid)
         stop = float(getattr(report, "stop", 0.0) or 0.0) or time.time()
         self.timeline.phase(
@@ -83,7 +86,7 @@ class Summary:
             self.gpu_skipped += 1  # a GPU test this machine could not run: worth a summary
         if report.when != "teardown":
             return
-        props = dict(report.user_properties)
+        props = gpu_properties(report.user_properties)
         if "gpu_indices" not in props:
             return
         self.gpu_tests += 1
@@ -145,33 +148,45 @@ class Summary:
         return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"
 
 
-def foreign_lines(entries: list[dict[str, Any]]) -> list[str]:
+def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:
     """Summary lines for grants that avoided a GPU or waited because processes outside
     pytest-gpu used memory there (the broker's ``foreign`` records)."""
     from ..leasing.requests import format_size
     from .wording import plural, verb
 
-    avoided: dict[int, list[dict[str, Any]]] = {}
-    waited: list[dict[str, Any]] = []
+    avoided: dict[int, list[Mapping[str, object]]] = {}
+    waited: list[Mapping[str, object]] = []
     for entry in entries:
-        for index in entry.get("avoided", []):
+        for index in _avoided(entry):
             avoided.setdefault(index, []).append(entry)
         if entry.get("waited"):
             waited.append(entry)
     lines = []
     for index, rows in sorted(avoided.items()):
-        most = max(int(r.get("bytes", {}).get(index, 0)) for r in rows)
+        most = max(int(_bytes(r).get(index, 0)) for r in rows)
         lines.append(
             f"pytest-gpu: GPU {index} was avoided by {plural(len(rows), 'test')}: processes outside "
             f"pytest-gpu used {format_size(most)} there"
         )
     if waited:
-        gpus = sorted({int(i) for r in waited for i in r.get("bytes", {})})
-        most = {i: max(int(r.get("bytes", {}).get(i, 0)) for r in waited) for i in gpus}
-        where = ", ".join(f"{format_size(most[i])} on GPU {i}" for i in gpus)
-        total = sum(float(r.get("seconds", 0.0)) for r in waited)
+        gpus = sorted({int(i) for r in waited for i in _bytes(r)})
+        most_on = {i: max(int(_bytes(r).get(i, 0)) for r in waited) for i in gpus}
+        where = ", ".join(f"{format_size(most_on[i])} on GPU {i}" for i in gpus)
+        total = sum(float(cast(float, r.get("seconds", 0.0))) for r in waited)  # the broker's wait, seconds
         lines.append(
             f"pytest-gpu: {plural(len(waited), 'test')} {verb(len(waited), 'was', 'were')} held back "
             f"{total:.1f}s in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
         )
     return lines
+
+
+# The broker's foreign records are its ForeignNote fields (pytest_gpu.leasing.protocol) plus
+# "test" and "seconds"; these read the two that are containers.
+
+
+def _avoided(entry: Mapping[str, object]) -> list[int]:
+    return cast("list[int]", entry.get("avoided", []))  # ForeignNote.avoided: GPU indices
+
+
+def _bytes(entry: Mapping[str, object]) -> Mapping[int, int]:
+    return cast("Mapping[int, int]", entry.get("bytes", {}))  # ForeignNote.bytes: GPU index -> bytes

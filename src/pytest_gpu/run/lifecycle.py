@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from ..leasing.requests import (
 from ..leasing.spans import GpuProperties, LeaseSpan, format_peaks, format_spans
 
 if TYPE_CHECKING:
+    from ..gpu.isolation import GpuLease
     from .session import ActiveLease, GpuRun
 
 REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
@@ -160,9 +161,10 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
         )
     info = getattr(item, "_fixtureinfo", None)
     leasing = ["gpu_request"] if "gpu_request" in getattr(item, "fixturenames", ()) else []
-    for name in info.names_closure if info is not None else ():
-        if any(FACTORY in fd.argnames for fd in _effective(info.name2fixturedefs.get(name), name)):
-            leasing.append(name)
+    if info is not None:
+        for name in info.names_closure:
+            if any(FACTORY in fd.argnames for fd in _effective(info.name2fixturedefs.get(name), name)):
+                leasing.append(name)
     if leasing:
         raise GpuRequestError(
             f"{item.nodeid}: {SERIAL_MARKER} with a lease of its own besides ({', '.join(leasing)}): "
@@ -362,15 +364,15 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
 # -- fixtures ------------------------------------------------------------------------
 
 
-def gpu_fixture(request: pytest.FixtureRequest) -> Any:
-    state = request.node.stash.get(STATE_KEY, None)
+def gpu_fixture(request: pytest.FixtureRequest) -> GpuLease:
+    state: TestState | None = request.node.stash.get(STATE_KEY, None)  # pytest leaves request.node unannotated
     if state is None or state.main is None:
         raise RuntimeError("pytest-gpu: no lease for this test (is the gpu fixture used outside a test?)")
     return state.main.lease
 
 
 @contextmanager
-def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[GpuLease]:
     try:
         request = build_request(args, kwargs, run.settings.default_memory, what="gpu_request", form=GPU_FIXTURE_FORM)
     except GpuRequestError as exc:
@@ -393,16 +395,16 @@ def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict
             state.finish(run, active)
 
 
-def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:
+def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[..., AbstractContextManager[GpuLease]]:
     node = request.node
 
-    def gpu_request(*args: Any, **kwargs: Any) -> Any:
+    def gpu_request(*args: Any, **kwargs: Any) -> AbstractContextManager[GpuLease]:
         return _section(node, run, args, kwargs)
 
     return gpu_request
 
 
-def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Any:
+def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[[int], list[int]]:
     node = request.node
     state = node.stash[STATE_KEY]
 

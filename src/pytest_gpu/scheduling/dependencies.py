@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from _pytest.nodes import Node  # the base of Session, Package, Module, Class: pytest does not export it
 
 __all__ = ["GROUP_PREFIX", "automark_enabled", "dependency_groups", "depends_active"]
 
@@ -36,7 +39,7 @@ MARKER = "dependency"
 AUTOMARK_INI = "automark_dependency"
 
 # pytest-dependency's DependencyManager.ScopeCls: one results table per node of these types.
-_SCOPE_TYPES: dict[str, type[pytest.Node]] = {
+_SCOPE_TYPES: dict[str, type[Node]] = {
     "session": pytest.Session,
     "package": pytest.Package,
     "module": pytest.Module,
@@ -115,7 +118,7 @@ def dependency_groups(
             parent[max(ra, rb)] = min(ra, rb)
 
     # (scope, scope node, recorded name) -> items recording that name there.
-    recorded: dict[tuple[str, pytest.Node, Hashable], list[int]] = {}
+    recorded: dict[tuple[str, Node, Hashable], list[int]] = {}
     # (item, scope, names it depends on), checked once every name is known.
     dependents: list[tuple[int, Any, list[Hashable]]] = []
     for index, item in enumerate(items):
@@ -137,10 +140,10 @@ def dependency_groups(
                 dependents.append((index, scope, _depend_names(depends)))
 
     linked: list[int] = []
-    joined: set[tuple[str, pytest.Node, Hashable]] = set()  # keys whose recorders are one set already
+    joined: set[tuple[str, Node, Hashable]] = set()  # keys whose recorders are one set already
     for index, scope, names in dependents:
-        node_type = _SCOPE_TYPES.get(scope) if isinstance(scope, str) else None
-        node = items[index].getparent(node_type) if node_type is not None else None
+        scope_type = _SCOPE_TYPES.get(scope) if isinstance(scope, str) else None
+        node = items[index].getparent(scope_type) if scope_type is not None else None
         if node is None:  # pytest-dependency errors out at setup: no outcome to share
             continue
         for name in names:

@@ -75,13 +75,14 @@ def _use_ledger(args: argparse.Namespace) -> None:
         or DEFAULT_SPEC
     )
     found = machine_ledger(spec)
+    assert found.spec is not None  # machine_ledger opened the machine: its spec is known
     os.environ[LEDGER_ENV] = str(found.path)
     os.environ[SPEC_ENV] = found.spec
 
 
 def hold(args: argparse.Namespace) -> int:
     from . import cuda
-    from .ledger import OutOfMemoryError, SimDeviceError
+    from .ledger import TAG_ENV, OutOfMemoryError, SimDeviceError, ledger
     from .spec import SpecError
 
     try:
@@ -90,12 +91,12 @@ def hold(args: argparse.Namespace) -> int:
     except (SizeError, SpecError) as exc:
         print(f"hold: {exc}", file=sys.stderr)
         return 2
-    os.environ.pop(cuda.TAG_ENV, None)  # outside every run: no test's memory
+    os.environ.pop(TAG_ENV, None)  # outside every run: no test's memory
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # --gpu is the machine's numbering
     cuda.init()
     ordinal = cuda.ordinal_of(args.gpu)
     if ordinal is None:
-        units = [u.index for u in cuda.ledger().units()]
+        units = [u.index for u in ledger().units()]
         print(f"hold: the simulated machine has no usable GPU {args.gpu} (its units: {units})", file=sys.stderr)
         return 2
     # SIGTERM frees the memory on the way out, as a program's exit would

@@ -437,7 +437,8 @@ def _device_used(state: dict[str, Any], unit: int) -> int:
 
 def _proc_used(state: dict[str, Any], proc: dict[str, Any], unit: int) -> int:
     ctx = state["overhead"] if str(unit) in proc["ctx"] else 0
-    return ctx + sum(n for d, n, _ in proc["allocs"].values() if d == unit)
+    used: int = ctx + sum(n for d, n, _ in proc["allocs"].values() if d == unit)  # the state is JSON: Any
+    return used
 
 
 def _tag_used(state: dict[str, Any], tag: str, unit: int) -> int:

@@ -461,7 +461,8 @@ def _device_lazy_init() -> None:
 def _cuda_error(what: str, help_line: str) -> Exception:
     """What ``C10_CUDA_CHECK`` raises for a failed runtime call."""
     message = f"CUDA error: {what}\n{help_line}\n{_CUDA_CHECK_TAIL}"
-    return _require_torch().AcceleratorError(message)
+    error: Exception = _require_torch().AcceleratorError(message)  # torch is untyped here (Any)
+    return error
 
 
 def _unpack_index(value: object, what: str) -> int:
