@@ -17,23 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import shared, whole
 from pytest_gpu.cli import format_status
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.requests import GpuRequest
 from pytest_gpu.machine.arbiter import Arbiter, Held
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
 
 GiB = 2**30
-
-
-def shared(memory: int, count: int = 1) -> GpuRequest:
-    return GpuRequest(count=count, memory=memory, exclusive=False)
-
-
-def whole(count: int = 1) -> GpuRequest:
-    return GpuRequest(count=count, memory=None, exclusive=True)
 
 
 class Events:
@@ -443,6 +435,7 @@ def test_two_users_runs_share_the_machine(other_user, monkeypatch):
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, tmp_path, monkeypatch, capsys):
     root = tmp_path / "theirs"
     root.mkdir(mode=0o755)
@@ -476,9 +469,10 @@ def test_summary_lines_for_foreign_usage():
     assert foreign_lines([]) == []
 
 
+@pytest.mark.slow
 def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domain, links, monkeypatch):
-    from pytest_gpu.machine import link as links_module
-    from pytest_gpu.machine.link import MachineError
+    from pytest_gpu.machine import remote as links_module
+    from pytest_gpu.machine.remote import MachineError
 
     leader = start_leader(domain)
     try:

@@ -52,7 +52,7 @@ from ..machine.arbiter import Event
 from ..machine.link import MachineLink
 from ..machine.wire import request_from_wire
 from .placement import Policy
-from .ports import DEFAULT_RANGE, PortOwner, PortPool
+from .ports import DEFAULT_RANGE, PortAllocator, PortOwner
 from .protocol import (
     Acquire,
     Cancelled,
@@ -150,7 +150,7 @@ class Broker(AuthServer[ClientInfo]):
         self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
-        self.ports = PortPool(port_range)
+        self.ports = PortAllocator(port_range)
         self.crashes: list[CrashRecord] = []
         self.grants = 0
         self.catalog: dict[str, Any] = {}  # node id -> what the scheduler needs (see catalog.py)

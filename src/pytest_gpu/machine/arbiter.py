@@ -1,4 +1,4 @@
-"""The machine's arbiter: one :class:`~pytest_gpu.leasing.placement.Pool` for every run on these GPUs.
+"""The machine's arbiter: one :class:`~pytest_gpu.leasing.placement.Allocator` for every run on these GPUs.
 
 Each run's broker still serves its own workers, but every decision about GPU memory is
 made here, for all runs at once: the capacity rule, the context budget and the bounded
@@ -7,7 +7,7 @@ twice, an exclusive lease is exclusive across runs, and a waiting request is ove
 at most ``max_bypass`` later ones, whichever run they come from.
 
 GPUs are known by UUID (runs number them differently: ``--gpus 1,2`` in one run is
-``0,2`` in another); inside the pool each UUID gets a small integer in order of arrival.
+``0,2`` in another); inside the allocator each UUID gets a small integer in order of arrival.
 Keys and clients are prefixed with the run's id.
 
 Events (a grant or refusal of a request that waited) go to the run's ``sink``, called
@@ -33,12 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.placement import Lease, Placement, Policy, Pool, Unsatisfiable
+from ..leasing.placement import Allocator, Lease, Placement, Policy, Unsatisfiable
 from ..leasing.requests import GpuRequest
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
-# (GPU UUIDs, pids whose descendants are the runs' processes, bytes the pool accounts for
+# (GPU UUIDs, pids whose descendants are the runs' processes, bytes the allocator accounts for
 # per UUID) -> bytes that processes outside every run use, per UUID
 ForeignSource = Callable[[list[str], set[int], dict[str, int]], dict[str, int]]
 
@@ -95,8 +95,8 @@ class Arbiter:
         foreign: ForeignSource | None = None,
         foreign_ttl: float = 0.25,
     ) -> None:
-        self.pool = Pool({}, policy)
-        self.pool.group = lambda client: client.partition("|")[0]  # the run
+        self.allocator = Allocator({}, policy)
+        self.allocator.group = lambda client: client.partition("|")[0]  # the run
         self.foreign = foreign
         self.foreign_ttl = foreign_ttl
         self.foreign_bytes: dict[str, int] = {}
@@ -148,7 +148,7 @@ class Arbiter:
 
     def _deliver_locked(self, granted: list[Lease], out: dict[str, list[Event]]) -> None:
         """Turn grants into events, refuse what can never be placed, serve again while refusing frees the queue."""
-        if not granted and not self.pool.queue:
+        if not granted and not self.allocator.queue:
             return  # nothing granted, nothing waits: nothing to say
         while True:
             now = time.time()
@@ -160,18 +160,18 @@ class Arbiter:
                     entry.since[lease.key] = now
                 out[run].append(("granted", key, self._grant_body(lease)))
             refused = {}
-            for waiting in self.pool.queue:
-                reason = self.pool.blocked_forever(waiting)
+            for waiting in self.allocator.queue:
+                reason = self.allocator.blocked_forever(waiting)
                 if reason:
                     refused[waiting.key] = reason
             for pool_key, reason in refused.items():
-                self.pool.cancel(pool_key)
+                self.allocator.cancel(pool_key)
                 run, key = self._split(pool_key)
                 self._forget_key_locked(pool_key)
                 out[run].append(("rejected", key, {"message": reason}))
             if not refused:
                 break
-            granted = self.pool.serve()
+            granted = self.allocator.serve()
         self._schedule_retry_locked()
 
     def _grant_body(self, lease: Lease) -> dict[str, Any]:
@@ -186,7 +186,11 @@ class Arbiter:
             body["foreign"] = {
                 "waited": lease.foreign_waited,
                 "avoided": [self._uuids[i] for i in lease.avoided],
-                "bytes": {self._uuids[i]: self.pool.gpus[i].foreign for i in sorted(gpus) if self.pool.gpus[i].foreign},
+                "bytes": {
+                    self._uuids[i]: self.allocator.gpus[i].foreign
+                    for i in sorted(gpus)
+                    if self.allocator.gpus[i].foreign
+                },
             }
         return body
 
@@ -202,26 +206,26 @@ class Arbiter:
             entry.since.pop(pool_key, None)
 
     def _sample_locked(self, force: bool = False) -> None:
-        if self.foreign is None or not self.pool.gpus:
+        if self.foreign is None or not self.allocator.gpus:
             return
         now = time.monotonic()
         if not force and now - self._sampled < self.foreign_ttl:
             return
         self._sampled = now
         roots = {entry.pid for entry in self.runs.values()}
-        accounted = {uuid: self.pool.used(mid) for uuid, mid in self._mids.items()}
+        accounted = {uuid: self.allocator.used(mid) for uuid, mid in self._mids.items()}
         try:
             usage = self.foreign(list(self._mids), roots, accounted)
         except Exception:  # NVML went away: decide on the last sample rather than fail every request
             return
         self.foreign_bytes = {uuid: n for uuid, n in usage.items() if n > 0}
-        self.pool.set_foreign({self._mids[u]: n for u, n in usage.items() if u in self._mids})
+        self.allocator.set_foreign({self._mids[u]: n for u, n in usage.items() if u in self._mids})
 
     def _schedule_retry_locked(self) -> None:
         """While a request waits only because of foreign usage, look again every ``foreign_ttl``."""
         if self._closed or self._retry is not None or self.foreign is None:
             return
-        if not any(w.foreign_blocked for w in self.pool.queue):
+        if not any(w.foreign_blocked for w in self.allocator.queue):
             return
         self._retry = threading.Timer(self.foreign_ttl, self._retry_now)
         self._retry.daemon = True
@@ -231,7 +235,7 @@ class Arbiter:
         with self._locked() as out:
             self._retry = None
             self._sample_locked(force=True)
-            self._deliver_locked(self.pool.serve(), out)
+            self._deliver_locked(self.allocator.serve(), out)
 
     def close(self) -> None:
         with self._lock:
@@ -265,14 +269,14 @@ class Arbiter:
         with self._locked() as out:
             self.runs[run] = RunEntry(run, pid, user, label, sink)
             entry = self.runs[run]
-            if host is not None and self.pool.host is None:
-                self.pool.set_host(int(host[0]), int(host[1]))
+            if host is not None and self.allocator.host is None:
+                self.allocator.set_host(int(host[0]), int(host[1]))
             for uuid, capacity in gpus.items():
-                self.pool.add_gpu(self._mid(uuid), capacity)
+                self.allocator.add_gpu(self._mid(uuid), capacity)
             for lease in held:
                 pool_key, client = f"{run}|{lease.key}", f"{run}|{lease.client}"
                 placement = Placement(tuple(self._mid(u) for u in lease.gpus), lease.memory, lease.exclusive)
-                self.pool.adopt(pool_key, client, lease.request, placement)
+                self.allocator.adopt(pool_key, client, lease.request, placement)
                 entry.tests[pool_key] = lease.test
                 entry.workers[client] = lease.worker
                 entry.since[pool_key] = time.time()
@@ -283,19 +287,19 @@ class Arbiter:
                 entry.since[pool_key] = time.time()
                 allowed = frozenset(self._mid(u) for u in ask.gpus)
                 try:
-                    self.pool.queue.append(self._waiting(pool_key, client, ask.request, allowed))
+                    self.allocator.queue.append(self._waiting(pool_key, client, ask.request, allowed))
                 except Unsatisfiable as exc:
                     out[run].append(("rejected", ask.key, {"message": str(exc)}))
             self.pending.discard(run)
             if not self.pending:
-                self.pool.paused = False
+                self.allocator.paused = False
                 self._sample_locked()
-                self._deliver_locked(self.pool.serve(), out)
+                self._deliver_locked(self.allocator.serve(), out)
 
     def _waiting(self, pool_key: str, client: str, request: GpuRequest, allowed: frozenset[int]) -> Any:
         from ..leasing.placement import Waiting
 
-        reason = self.pool.never_fits(request, allowed)
+        reason = self.allocator.never_fits(request, allowed)
         if reason:
             raise Unsatisfiable(reason)
         return Waiting(pool_key, client, request, allowed=allowed)
@@ -307,7 +311,7 @@ class Arbiter:
             self.pending = set(runs) - set(self.runs)
             if not self.pending:
                 return
-            self.pool.paused = True
+            self.allocator.paused = True
             self._resume = threading.Timer(within, self._give_up_waiting)
             self._resume.daemon = True
             self._resume.start()
@@ -315,9 +319,9 @@ class Arbiter:
     def _give_up_waiting(self) -> None:
         with self._locked() as out:
             self.pending.clear()
-            self.pool.paused = False
+            self.allocator.paused = False
             self._sample_locked()
-            self._deliver_locked(self.pool.serve(), out)
+            self._deliver_locked(self.allocator.serve(), out)
 
     def detach(self, run: str) -> list[tuple[str, tuple[str, ...]]]:
         """A run is gone (finished, or its connection closed because it died): everything
@@ -325,18 +329,18 @@ class Arbiter:
         with self._locked() as out:
             entry = self.runs.pop(run, None)
             held: list[tuple[str, tuple[str, ...]]] = []
-            clients = {w.client for w in self.pool.queue if w.key.startswith(f"{run}|")}
-            clients |= {lease.client for lease in self.pool.leases.values() if lease.key.startswith(f"{run}|")}
-            clients |= {c for g in self.pool.gpus.values() for c in g.contexts if c.startswith(f"{run}|")}
+            clients = {w.client for w in self.allocator.queue if w.key.startswith(f"{run}|")}
+            clients |= {lease.client for lease in self.allocator.leases.values() if lease.key.startswith(f"{run}|")}
+            clients |= {c for g in self.allocator.gpus.values() for c in g.contexts if c.startswith(f"{run}|")}
             granted: list[Lease] = []
             for client in sorted(clients):
-                self.pool.exiting.discard(client)
-                leases, more = self.pool.forget_client(client)
+                self.allocator.exiting.discard(client)
+                leases, more = self.allocator.forget_client(client)
                 held.extend(self._named(lease) for lease in leases)
                 granted.extend(more)
             if entry is not None:
                 self._sample_locked(force=True)  # its orphans, if any, are foreign from now on
-                self._deliver_locked(granted + self.pool.serve(), out)
+                self._deliver_locked(granted + self.allocator.serve(), out)
             return held
 
     # -- requests -----------------------------------------------------------------------
@@ -358,7 +362,7 @@ class Arbiter:
                 allowed = self._allowed[tuple(gpus)] = frozenset(self._mid(u) for u in gpus)
             self._sample_locked()
             try:
-                granted = self.pool.submit(pool_key, pool_client, request, allowed)
+                granted = self.allocator.submit(pool_key, pool_client, request, allowed)
             except Unsatisfiable as exc:
                 self._forget_key_locked(pool_key)
                 return ("error", str(exc))
@@ -377,11 +381,11 @@ class Arbiter:
         """Withdraw a waiting request: the holders of its GPUs then, or ``None`` if it was not waiting."""
         with self._locked() as out:
             pool_key = f"{run}|{key}"
-            if not self.pool.cancel(pool_key):
+            if not self.allocator.cancel(pool_key):
                 return None
             self._forget_key_locked(pool_key)
             holders = self._holders_locked()
-            self._deliver_locked(self.pool.serve(), out)
+            self._deliver_locked(self.allocator.serve(), out)
             return holders
 
     def abandon(self, run: str, key: str) -> None:
@@ -389,7 +393,7 @@ class Arbiter:
         with self._locked() as out:
             pool_key = f"{run}|{key}"
             self._forget_key_locked(pool_key)
-            granted = self.pool.serve() if self.pool.cancel(pool_key) else self.pool.release(pool_key)
+            granted = self.allocator.serve() if self.allocator.cancel(pool_key) else self.allocator.release(pool_key)
             self._deliver_locked(granted, out)
 
     def release(self, run: str, key: str, contexts: list[str] | None = None) -> None:
@@ -399,20 +403,20 @@ class Arbiter:
             pool_key = f"{run}|{key}"
             self._forget_key_locked(pool_key)
             known = None if contexts is None else {self._mids[u] for u in contexts if u in self._mids}
-            self._deliver_locked(self.pool.release(pool_key, known), out)
+            self._deliver_locked(self.allocator.release(pool_key, known), out)
             sinks = self._sinks_locked(out)
         self._dispatch(out, sinks)
 
     def set_contexts(self, run: str, client: str, contexts: list[str]) -> None:
         with self._locked() as out:
-            self.pool.set_contexts(f"{run}|{client}", {self._mids[u] for u in contexts if u in self._mids})
-            self._deliver_locked(self.pool.serve(), out)
+            self.allocator.set_contexts(f"{run}|{client}", {self._mids[u] for u in contexts if u in self._mids})
+            self._deliver_locked(self.allocator.serve(), out)
 
     def forget_client(self, run: str, client: str) -> list[tuple[str, tuple[str, ...]]]:
         """A worker of ``run`` is gone: what it held goes back; returns (key, GPU UUIDs) of its leases."""
         with self._locked() as out:
             pool_client = f"{run}|{client}"
-            leases, granted = self.pool.forget_client(pool_client)
+            leases, granted = self.allocator.forget_client(pool_client)
             for lease in leases:
                 self._forget_key_locked(lease.key)
             entry = self.runs.get(run)
@@ -425,25 +429,25 @@ class Arbiter:
         """A worker closed its connection but its process (and its contexts) still exist."""
         with self._lock:
             stand_in = f"{run}|{client}~exiting"
-            self.pool.set_contexts(stand_in, {self._mids[u] for u in contexts if u in self._mids})
-            self.pool.exiting.add(stand_in)
+            self.allocator.set_contexts(stand_in, {self._mids[u] for u in contexts if u in self._mids})
+            self.allocator.exiting.add(stand_in)
 
     def exited(self, run: str, client: str) -> None:
         with self._locked() as out:
             stand_in = f"{run}|{client}~exiting"
-            self.pool.set_contexts(stand_in, set())
-            self.pool.exiting.discard(stand_in)
-            self._deliver_locked(self.pool.serve(), out)
+            self.allocator.set_contexts(stand_in, set())
+            self.allocator.exiting.discard(stand_in)
+            self._deliver_locked(self.allocator.serve(), out)
 
     # -- questions ----------------------------------------------------------------------
 
     def room(self, gpus: list[str]) -> list[int]:
         """What each of ``gpus`` can give leases now, contexts and foreign usage counted."""
-        overhead = self.pool.policy.overhead
+        overhead = self.allocator.policy.overhead
         with self._lock:
             rows = []
             for uuid in gpus:
-                gpu = self.pool.gpus.get(self._mids.get(uuid, -1))
+                gpu = self.allocator.gpus.get(self._mids.get(uuid, -1))
                 if gpu is None:
                     rows.append(0)
                     continue
@@ -452,7 +456,7 @@ class Arbiter:
 
     def _holders_locked(self) -> list[dict[str, Any]]:
         rows = []
-        for lease in self.pool.leases.values():
+        for lease in self.allocator.leases.values():
             run, _ = self._split(lease.key)
             entry = self.runs.get(run)
             rows.append(
@@ -480,7 +484,7 @@ class Arbiter:
         """The machine now: runs, GPUs, leases and who waits for what (``pytest-gpu status``)."""
         with self._lock:
             waiting = []
-            for w in self.pool.queue:
+            for w in self.allocator.queue:
                 run, key = self._split(w.key)
                 entry = self.runs.get(run)
                 waiting.append(
@@ -505,21 +509,21 @@ class Arbiter:
                     {
                         "uuid": self._uuids[i],
                         "capacity": g.capacity,
-                        "leased": self.pool.used(i),
+                        "leased": self.allocator.used(i),
                         "foreign": g.foreign,
                         "contexts": len(g.contexts),
                         "clients": sorted(g.contexts),  # "<run>|<client>"
                         "exclusive": g.exclusive,
                     }
-                    for i, g in self.pool.gpus.items()
+                    for i, g in self.allocator.gpus.items()
                 ],
                 "host": None
-                if self.pool.host is None
+                if self.allocator.host is None
                 else {
-                    "cpus": self.pool.host.cpus,
-                    "memory": self.pool.host.memory,
-                    "leased_cpus": self.pool.host.leased_cpus,
-                    "leased_memory": self.pool.host.leased_memory,
+                    "cpus": self.allocator.host.cpus,
+                    "memory": self.allocator.host.memory,
+                    "leased_cpus": self.allocator.host.leased_cpus,
+                    "leased_memory": self.allocator.host.leased_memory,
                 },
                 "leases": self._holders_locked(),
                 "waiting": waiting,

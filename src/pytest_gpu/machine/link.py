@@ -8,20 +8,19 @@ included, so there is never a second arbiter nor a lock left behind.
 
 When the arbiter's run ends (or dies), its socket closes and every other run elects
 again: one takes the lock, the rest connect to it, and each brings what it holds and
-waits for (this module keeps that mirror of its own run). The new arbiter grants
+waits for (the mirror of its own run it keeps, :mod:`.mirror`). The new arbiter grants
 nothing until every run that is still alive (its ``runs/<id>.lock`` is still locked)
 has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is promised twice.
+A run that is not the arbiter reaches it over :mod:`.remote`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import itertools
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 import weakref
@@ -30,123 +29,19 @@ from typing import Any
 
 from ..leasing.placement import Policy
 from ..leasing.requests import GpuRequest
-from .arbiter import Arbiter, Asked, Event, ForeignSource, Held, Sink
+from .arbiter import Arbiter, Asked, Event, ForeignSource, Sink
 from .domain import Domain, make_shared, user_name
+from .mirror import Mirror, to_wire
+from .remote import Lost, MachineError, Remote
 from .server import ArbiterServer
-from .wire import FrameReader, WireError, encode, request_to_wire
+from .wire import request_to_wire
 
 ELECT_TIMEOUT_S = 10.0
-CALL_TIMEOUT_S = 60.0  # an arbiter that holds its lock but does not answer (SIGSTOP) fails the call
-
-
-class MachineError(RuntimeError):
-    """The machine's arbiter cannot be reached or answered with an error."""
-
-
-class _Lost(Exception):
-    """The arbiter's connection closed while a call waited for its answer."""
-
-
-class Remote:
-    """A connection to the arbiter in another process."""
-
-    def __init__(
-        self, address: str, on_frame_events: Callable[[list[Event]], None], on_lost: Callable[[Remote], None]
-    ) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.connect(address)
-        except OSError:
-            self.sock.close()
-            raise
-        self._on_events = on_frame_events
-        self._on_lost = on_lost
-        self._ids = itertools.count(1)
-        self._send_lock = threading.Lock()
-        self._calls: dict[int, list[Any]] = {}  # id -> [threading.Event, reply]
-        self._calls_lock = threading.Lock()
-        self.lost = False
-        self.closing = False
-        self._thread = threading.Thread(target=self._read_loop, name="pytest-gpu-machine-link", daemon=True)
-        self._thread.start()
-
-    def _read_loop(self) -> None:
-        reader = FrameReader()
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    break
-                for message in reader.feed(data):
-                    if "ev" in message:
-                        self._on_events([(str(k), str(key), body) for k, key, body in message["ev"]])
-                        continue
-                    with self._calls_lock:
-                        waiter = self._calls.pop(int(message.get("re", -1)), None)
-                    if waiter is not None:
-                        waiter[1] = message
-                        waiter[0].set()
-        except (OSError, WireError, ValueError, TypeError):
-            pass
-        self.lost = True
-        with self._calls_lock:
-            waiters, self._calls = list(self._calls.values()), {}
-        for waiter in waiters:
-            waiter[0].set()  # reply stays None: lost
-        if not self.closing:
-            self._on_lost(self)
-
-    def _send(self, message: dict[str, Any]) -> None:
-        data = encode(message)
-        with self._send_lock:
-            self.sock.sendall(data)
-
-    def call(self, op: str, **fields: Any) -> Any:
-        if self.lost:
-            raise _Lost()
-        rid = next(self._ids)
-        waiter: list[Any] = [threading.Event(), None]
-        with self._calls_lock:
-            self._calls[rid] = waiter
-        try:
-            self._send({"op": op, "id": rid, **fields})
-        except OSError as exc:
-            with self._calls_lock:
-                self._calls.pop(rid, None)
-            raise _Lost() from exc
-        if not waiter[0].wait(CALL_TIMEOUT_S):
-            with self._calls_lock:
-                self._calls.pop(rid, None)
-            raise MachineError(
-                f"pytest-gpu: the machine's arbiter did not answer {op!r} within {CALL_TIMEOUT_S:g}s "
-                "(its process is stopped or overloaded; `pytest-gpu status` names the runs)"
-            )
-        reply = waiter[1]
-        if reply is None:
-            raise _Lost()
-        if "error" in reply:
-            raise MachineError(f"the machine's arbiter refused {op!r}: {reply['error']}")
-        return reply.get("ok")
-
-    def tell(self, op: str, **fields: Any) -> None:
-        """One-way: no answer is awaited (a lost message is covered by the mirror)."""
-        try:
-            self._send({"op": op, **fields})
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.closing = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
 
 
 def _live_runs(domain: Domain, exclude: str) -> set[str]:
     """Runs whose membership lock is held (they are alive), but ``exclude``."""
-    live = set()
+    live: set[str] = set()
     try:
         entries = list(domain.runs_path.glob("*.lock"))
     except OSError:
@@ -213,10 +108,9 @@ class MachineLink:
         self.foreign = foreign
         self.run = run or f"{os.getpid()}-{secrets.token_hex(3)}"
         self.failovers = 0
-        # _lock: calls and failovers, one at a time (held across I/O); _mlock: the mirror
-        # only, never held across I/O (the reader thread takes it to file events)
+        # _lock: calls and failovers, one at a time (held across I/O); the mirror has its
+        # own, never held across I/O (the reader thread takes it to file events)
         self._lock = threading.RLock()
-        self._mlock = threading.Lock()
         self._gpus: dict[str, int] = {}
         self._host: tuple[int, int] | None = None  # this run's view of the machine's CPUs and RAM
         self._sink: Sink | None = None
@@ -227,12 +121,7 @@ class MachineLink:
         self._member_fd = -1
         self._attached = False
         self._closed = False
-        # the mirror: what this run holds and waits for, to bring to a new arbiter
-        self._held: dict[str, Held] = {}
-        self._asked: dict[str, Asked] = {}
-        self._contexts: dict[str, list[str]] = {}
-        self._inflight: set[str] = set()
-        self._early: dict[str, Event] = {}
+        self._mirror = Mirror()  # what this run holds and waits for, to bring to a new arbiter
         self._events: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
         _links.add(self)
@@ -303,7 +192,7 @@ class MachineLink:
                 continue
             try:
                 self._attach_remote(remote)
-            except _Lost:
+            except Lost:
                 remote.close()
                 continue
             self._remote = remote
@@ -325,7 +214,7 @@ class MachineLink:
         except OSError:  # the old arbiter's socket is not gone yet
             os.close(fd)
             return False
-        # this run's leases are in the pool before any other run can reach it (the server
+        # this run's leases are in the allocator before any other run can reach it (the server
         # starts last): nothing it holds can be promised to another run meanwhile
         if expect:
             arbiter.expect(_live_runs(self.domain, self.run))
@@ -336,7 +225,7 @@ class MachineLink:
 
     def _attach_here(self, arbiter: Arbiter) -> None:
         """This run joins the arbiter in its own process, with what it holds and waits for."""
-        held, asked, contexts = self._snapshot()
+        held, asked, contexts = self._mirror.snapshot()
         arbiter.attach(
             self.run,
             pid=os.getpid(),
@@ -351,12 +240,8 @@ class MachineLink:
         for client, gpus in contexts.items():
             arbiter.set_contexts(self.run, client, gpus)
 
-    def _snapshot(self) -> tuple[list[Held], list[Asked], dict[str, list[str]]]:
-        with self._mlock:
-            return list(self._held.values()), list(self._asked.values()), dict(self._contexts)
-
     def _attach_remote(self, remote: Remote) -> None:
-        held, asked, contexts = self._snapshot()
+        held, asked, contexts = self._mirror.snapshot()
         remote.call(
             "attach",
             run=self.run,
@@ -364,8 +249,8 @@ class MachineLink:
             user=user_name(),
             label=self.label,
             gpus=self._gpus,
-            held=[_to_wire(h) for h in held],
-            asked=[_to_wire(a) for a in asked],
+            held=[to_wire(h) for h in held],
+            asked=[to_wire(a) for a in asked],
             **({} if self._host is None else {"host": list(self._host)}),
         )
         for client, gpus in contexts.items():
@@ -390,29 +275,14 @@ class MachineLink:
 
     # -- events -------------------------------------------------------------------------
 
-    def _mirror(self, events: list[Event]) -> list[Event]:
-        """Keep the mirror in step with events; hold back those of calls still in flight."""
-        passed = []
-        for event in events:
-            kind, key, body = event
-            if key in self._inflight:
-                self._early[key] = event
-                continue
-            asked = self._asked.pop(key, None)
-            if kind == "granted" and asked is not None:
-                self._held[key] = _held_from(asked, body)
-            passed.append(event)
-        return passed
-
     def _file_events(self, events: list[Event]) -> None:
         """Events, from the arbiter in this process or the reader thread: the sink gets them
         on a thread of its own, which holds none of this link's locks (a sink may wait for
         its broker's lock, held by a thread that waits for this link)."""
-        if self._arbiter is not None and not self._inflight:
+        if self._arbiter is not None and not self._mirror.inflight:
             self._events.put(events)  # the arbiter's own run keeps no mirror
             return
-        with self._mlock:
-            passed = self._mirror(events)
+        passed = self._mirror.file(events)
         if passed:
             self._events.put(passed)
 
@@ -439,7 +309,7 @@ class MachineLink:
                 assert self._remote is not None, "attach() first"
                 try:
                     return self._remote.call(op, **fields)
-                except _Lost:
+                except Lost:
                     self._failover()
             raise MachineError(f"pytest-gpu: the machine's arbiter kept going away during {op!r}")
 
@@ -458,8 +328,7 @@ class MachineLink:
             if arbiter is not None:
                 # the fast path of a run that is the arbiter: no mirror (it never re-declares)
                 return arbiter.submit(self.run, key, client, worker, test, request, gpus)
-            with self._mlock:
-                self._inflight.add(key)
+            self._mirror.begin(key)
             try:
                 kind, value = self._call(
                     "submit",
@@ -472,31 +341,22 @@ class MachineLink:
                     gpus=gpus,
                 )
             finally:
-                with self._mlock:
-                    self._inflight.discard(key)
-                    early = self._early.pop(key, None)
+                early = self._mirror.end(key)
             if kind == "queued" and early is not None:  # decided before the answer came
                 kind, value = early[0], early[2] if early[0] == "granted" else early[2]["message"]
             if self._arbiter is None:  # still a follower: keep the mirror
-                asked = Asked(key, client, worker, test, request, tuple(gpus))
-                with self._mlock:
-                    if kind == "granted":
-                        self._held[key] = _held_from(asked, value)
-                    elif kind == "queued":
-                        self._asked[key] = asked
+                self._mirror.answered(Asked(key, client, worker, test, request, tuple(gpus)), kind, value)
             return kind, value
 
     def cancel(self, key: str) -> list[dict[str, Any]] | None:
         with self._lock:
-            with self._mlock:
-                self._asked.pop(key, None)
-            return self._call("cancel", lambda a: a.cancel(self.run, key), key=key)
+            self._mirror.withdraw(key)
+            holders: list[dict[str, Any]] | None = self._call("cancel", lambda a: a.cancel(self.run, key), key=key)
+            return holders
 
     def abandon(self, key: str) -> None:
         with self._lock:
-            with self._mlock:
-                self._asked.pop(key, None)
-                self._held.pop(key, None)
+            self._mirror.drop(key)
             self._tell("abandon", lambda a: a.abandon(self.run, key), key=key)
 
     def release(self, key: str, contexts: list[str] | None = None) -> None:
@@ -505,16 +365,12 @@ class MachineLink:
             if arbiter is not None:
                 arbiter.release(self.run, key, contexts)
                 return
-            with self._mlock:
-                held = self._held.pop(key, None)
-                if contexts is not None and held is not None:
-                    self._contexts[held.client] = list(contexts)
+            self._mirror.release(key, contexts)
             self._tell("release", lambda a: a.release(self.run, key, contexts), key=key, contexts=contexts)
 
     def set_contexts(self, client: str, contexts: list[str]) -> None:
         with self._lock:
-            with self._mlock:
-                self._contexts[client] = list(contexts)
+            self._mirror.set_contexts(client, contexts)
             self._call(
                 "set_contexts",
                 lambda a: a.set_contexts(self.run, client, contexts),
@@ -524,11 +380,7 @@ class MachineLink:
 
     def forget_client(self, client: str) -> list[tuple[str, tuple[str, ...]]]:
         with self._lock:
-            with self._mlock:
-                for mirror in (self._held, self._asked):
-                    for key in [k for k, v in mirror.items() if v.client == client]:
-                        del mirror[key]
-                self._contexts.pop(client, None)
+            self._mirror.forget_client(client)
             rows = self._call("forget_client", lambda a: a.forget_client(self.run, client), client=client)
             return [(str(k), tuple(g)) for k, g in rows]
 
@@ -582,25 +434,8 @@ def status(domain: Domain, timeout: float = 5.0) -> dict[str, Any] | None:
     try:
         remote.sock.settimeout(timeout)
         return dict(remote.call("status"))
-    except _Lost:
+    except Lost:
         return None
     finally:
         remote.close()
 
-
-def _held_from(asked: Asked, body: dict[str, Any]) -> Held:
-    return Held(
-        asked.key,
-        asked.client,
-        asked.worker,
-        asked.test,
-        asked.request,
-        tuple(body["gpus"]),
-        int(body["memory"]),
-        bool(body["exclusive"]),
-    )
-
-
-def _to_wire(record: Held | Asked) -> dict[str, Any]:
-    """A lease held or a request waited on, as JSON for a new arbiter's ``attach``."""
-    return {**record.__dict__, "request": request_to_wire(record.request), "gpus": list(record.gpus)}
