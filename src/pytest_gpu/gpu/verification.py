@@ -24,11 +24,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
+from typing import Protocol
 
 from .. import sim
 from ..leasing.requests import format_size
+from ..report.wording import numbered
 from . import runtime
 from .devices import Inventory, addressable
 from .isolation import GpuLease
@@ -94,6 +96,14 @@ def _version_problem() -> str:
 def _mismatch(pynvml: ModuleType) -> type[Exception]:
     found = getattr(pynvml, "NVMLLibraryMismatchError", None)
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
+
+
+class Verifier(Protocol):
+    """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
+
+    def begin(self, lease: GpuLease, owner: int) -> None: ...
+
+    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict: ...
 
 
 class SimVerifier:
@@ -228,4 +238,30 @@ class NvmlVerifier:
         verdict = judge(lease, peak, current, touched, others)
         verdict.notes.extend(self._notes)
         verdict.measured = torch is not None or not (self._unmeasured & set(lease.indices))
+        return verdict
+
+
+class SharedVerifier:
+    """A verifier that leaves GPUs shared with other leases of this process unjudged.
+
+    On real GPUs NVML's usage and torch's allocator count per process: on a GPU that a
+    test's lease shares with a fixture's, the test's peak and leftovers cannot be told from
+    the fixture's. Said in a note, not guessed (simulated GPUs count per lease: no need)."""
+
+    def __init__(self, inner: Verifier, shared: set[int], whose: str) -> None:
+        self.inner = inner
+        self.shared = shared
+        self.whose = whose
+
+    def begin(self, lease_: GpuLease, owner: int) -> None:
+        self.inner.begin(lease_, owner)
+
+    def end(self, lease_: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        kept = tuple(i for i in lease_.indices if i not in self.shared)
+        verdict = self.inner.end(replace(lease_, indices=kept), {*others, *self.shared})
+        verdict.measured = False
+        verdict.notes.append(
+            f"{numbered('GPU', sorted(self.shared))} shared with {self.whose} in this process: peak and "
+            "leftovers there are not told apart (NVML and torch count per process)"
+        )
         return verdict

@@ -44,16 +44,15 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..gpu.isolation import VISIBLE_VARS, GpuLease
-from ..gpu.verification import Verdict
+from ..gpu.verification import SharedVerifier, Verdict
 from ..leasing.ports import PortOwner
 from ..leasing.requests import GpuRequestError, build_request
-from ..report.wording import numbered
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -64,7 +63,11 @@ FACTORY_FORM = f'{FACTORY}(count=1, memory="8GiB", exclusive=False)'
 HELD_PREFIX = "held:"  # catalog key of what a group's fixtures hold (see catalog.HeldNeeds)
 GROUP_PREFIX = "fixture:"
 # scopes whose fixture instance is shared by the tests under one node: grouped for the scheduler
-_GROUPED = {"module": pytest.Module, "class": pytest.Class, "package": pytest.Package}
+GROUPED: dict[str, type[pytest.Collector]] = {
+    "module": pytest.Module,
+    "class": pytest.Class,
+    "package": pytest.Package,
+}
 
 
 @dataclass(eq=False)
@@ -104,7 +107,7 @@ class Registry:
     tearing: pytest.Item | None = None  # the test whose teardown is under way
     groups: dict[str, str] = field(default_factory=dict)  # node id -> scheduler group (xdist workers)
     group_needs: dict[str, dict[str, list[int | None]]] = field(default_factory=dict)
-    seq: itertools.count = field(default_factory=itertools.count)
+    seq: itertools.count[int] = field(default_factory=itertools.count)
 
 
 REGISTRY_KEY = pytest.StashKey[Registry]()
@@ -414,73 +417,13 @@ def _finish(run: GpuRun, ending: list[Holding], item: pytest.Item | None) -> tup
     return texts, notes
 
 
-# -- real GPUs: what per-process counters cannot tell apart ---------------------------------
-
-
-class _Separate:
-    """A verifier that leaves GPUs shared with other leases of this process unjudged.
-
-    On real GPUs NVML's usage and torch's allocator count per process: on a GPU that a
-    test's lease shares with a fixture's, the test's peak and leftovers cannot be told from
-    the fixture's. Said in a note, not guessed (simulated GPUs count per lease: no need)."""
-
-    def __init__(self, inner: Any, shared: set[int], whose: str) -> None:
-        self.inner = inner
-        self.shared = shared
-        self.whose = whose
-
-    def begin(self, lease_: GpuLease, owner: int) -> None:
-        self.inner.begin(lease_, owner)
-
-    def end(self, lease_: GpuLease, others: Any = ()) -> Verdict:
-        kept = tuple(i for i in lease_.indices if i not in self.shared)
-        verdict = self.inner.end(replace(lease_, indices=kept), {*others, *self.shared})
-        verdict.measured = False
-        verdict.notes.append(
-            f"{numbered('GPU', sorted(self.shared))} shared with {self.whose} in this process: peak and "
-            "leftovers there are not told apart (NVML and torch count per process)"
-        )
-        return verdict
-
-
 def separate(active: ActiveLease, gpus: set[int], whose: str, run: GpuRun) -> None:
     """On real GPUs, make ``active``'s verification leave the GPUs it shares with ``gpus`` unjudged."""
     if run.inventory.simulated:
         return
     shared = set(active.lease.indices) & gpus
-    if shared and not isinstance(active.verifier, _Separate):
-        active.verifier = _Separate(active.verifier, shared, whose)
-
-
-# -- scheduling -------------------------------------------------------------------------------
-
-
-def _effective(defs: Any, name: str) -> list[Any]:
-    """The definitions of ``name`` a test runs: the closest, and those it overrides by requesting its own name."""
-    out: list[Any] = []
-    for fixturedef in reversed(list(defs or ())):
-        out.append(fixturedef)
-        if name not in getattr(fixturedef, "argnames", ()):
-            break
-    return out
-
-
-def group_tags(item: pytest.Item) -> list[str]:
-    """Group tags of ``item``: one per module-, class- or package-scoped fixture instance it
-    uses that requests ``gpu_lease_factory`` (known at collection: the factory is an argument)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    tags: list[str] = []
-    for name in info.names_closure:
-        for fixturedef in _effective(info.name2fixturedefs.get(name), name):
-            kind = _GROUPED.get(fixturedef.scope)
-            if kind is None or FACTORY not in fixturedef.argnames:
-                continue
-            node = item.getparent(kind) or (item.getparent(pytest.Module) if kind is pytest.Class else None)
-            if node is not None and f"{GROUP_PREFIX}{node.nodeid}" not in tags:
-                tags.append(f"{GROUP_PREFIX}{node.nodeid}")
-    return tags
+    if shared and active.verifier is not None and not isinstance(active.verifier, SharedVerifier):
+        active.verifier = SharedVerifier(active.verifier, shared, whose)
 
 
 def remember_groups(config: pytest.Config, groups: dict[str, str]) -> None:
@@ -490,7 +433,7 @@ def remember_groups(config: pytest.Config, groups: dict[str, str]) -> None:
 
 def _tell_scheduler(reg: Registry, run: GpuRun, holding: Holding, active: ActiveLease) -> None:
     """Tell the scheduler what the group of the test being set up holds while it runs."""
-    if holding.scope not in _GROUPED or not reg.groups or reg.item is None:
+    if holding.scope not in GROUPED or not reg.groups or reg.item is None:
         return
     group = reg.groups.get(reg.item.nodeid)
     if group is None:

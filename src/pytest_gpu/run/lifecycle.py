@@ -141,7 +141,8 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     Raises :class:`GpuRequestError` for what cannot be combined with it: arguments, a ``gpu``
     or ``distributed`` marker, leases of its own besides (a ``gpu_request`` section, a fixture
     calling ``gpu_lease_factory``: they would wait for the GPUs the test itself holds)."""
-    from .fixture_leases import FACTORY, _effective
+    from ..scheduling.catalog import effective
+    from .fixture_leases import FACTORY
 
     form = f"@pytest.mark.{SERIAL_MARKER} (no arguments)"
     for mark in item.iter_markers(SERIAL_MARKER):
@@ -163,7 +164,7 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     leasing = ["gpu_request"] if "gpu_request" in getattr(item, "fixturenames", ()) else []
     if info is not None:
         for name in info.names_closure:
-            if any(FACTORY in fd.argnames for fd in _effective(info.name2fixturedefs.get(name), name)):
+            if any(FACTORY in fd.argnames for fd in effective(info.name2fixturedefs.get(name), name)):
                 leasing.append(name)
     if leasing:
         raise GpuRequestError(

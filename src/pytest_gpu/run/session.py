@@ -22,7 +22,7 @@ from .. import sim
 from ..gpu import runtime
 from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, confine, make_lease
-from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict
+from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict, Verifier
 from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..options import Settings
@@ -65,7 +65,7 @@ class ActiveLease:
 
     lease: GpuLease
     confinement: Confinement
-    verifier: SimVerifier | NvmlVerifier | None  # None: a lease of host resources only
+    verifier: Verifier | None  # None: a lease of host resources only
     asked: float = 0.0  # wall-clock times, for the run's timeline
     granted: float = 0.0
     released: float = 0.0  # stamped before the release is sent: a waiter may be granted at once
@@ -330,7 +330,7 @@ class GpuRun:
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
-            verifier: SimVerifier | NvmlVerifier | None = None
+            verifier: Verifier | None = None
             if grant.indices:
                 verifier = (
                     SimVerifier()

@@ -61,8 +61,6 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
 def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict[str, str]:
     """Node id -> group: ``xdist_group`` names, dependency chains and instances of module- or
     class-scoped fixtures that lease GPUs, merged where they share a test."""
-    from ..run.fixture_leases import group_tags
-
     parent: dict[str, str] = {}
 
     def find(tag: str) -> str:
@@ -126,3 +124,33 @@ class HeldNeeds(Mapping[str, tuple[Need, ...]]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def effective(defs: Any, name: str) -> list[Any]:
+    """The definitions of ``name`` a test runs: the closest, and those it overrides by requesting its own name."""
+    out: list[Any] = []
+    for fixturedef in reversed(list(defs or ())):
+        out.append(fixturedef)
+        if name not in getattr(fixturedef, "argnames", ()):
+            break
+    return out
+
+
+def group_tags(item: pytest.Item) -> list[str]:
+    """Group tags of ``item``: one per module-, class- or package-scoped fixture instance it
+    uses that requests ``gpu_lease_factory`` (known at collection: the factory is an argument)."""
+    from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED
+
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    tags: list[str] = []
+    for name in info.names_closure:
+        for fixturedef in effective(info.name2fixturedefs.get(name), name):
+            kind = GROUPED.get(fixturedef.scope)
+            if kind is None or FACTORY not in fixturedef.argnames:
+                continue
+            node = item.getparent(kind) or (item.getparent(pytest.Module) if kind is pytest.Class else None)
+            if node is not None and f"{GROUP_PREFIX}{node.nodeid}" not in tags:
+                tags.append(f"{GROUP_PREFIX}{node.nodeid}")
+    return tags
