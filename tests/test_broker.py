@@ -18,7 +18,7 @@ import pytest
 from pytest_gpu.leasing.broker import Broker, CrashRecord, describe_holders
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout
 from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.ports import PortPool
+from pytest_gpu.leasing.ports import PortAllocator
 from pytest_gpu.leasing.requests import GpuRequest
 
 MiB, GiB = 2**20, 2**30
@@ -51,12 +51,12 @@ class Run:
         self,
         capacities: dict[int, int] | None = None,
         policy: Policy = POLICY,
-        ports: PortPool | None = None,
+        ports: PortAllocator | None = None,
     ) -> Broker:
         address = str(self.tmp_path / f"b{len(self.brokers)}.sock")
         assert len(address) < 100, "Unix socket paths are limited to 108 bytes"
         broker = Broker(capacities or {0: 16 * GiB, 1: 16 * GiB}, address, self.authkey, policy)
-        broker.ports = ports or PortPool((30000, 30999), check=always_free, seed=0)
+        broker.ports = ports or PortAllocator((30000, 30999), check=always_free, seed=0)
         self.brokers.append(broker.start())
         return broker
 
@@ -302,7 +302,7 @@ def test_lost_broker_is_a_broker_error(run: Run) -> None:
 
 
 def test_ports_unique_across_clients_and_reclaimed(run: Run) -> None:
-    broker = run.broker(ports=PortPool((30000, 30005), check=always_free, seed=0))
+    broker = run.broker(ports=PortAllocator((30000, 30005), check=always_free, seed=0))
     a, b, c = run.client("gw0"), run.client("gw1"), run.client("gw2")
     pa = a.ports(3, "t::a")
     pb = b.ports(3, "t::b")
@@ -330,7 +330,7 @@ def test_release_ports_only_returns_that_owners(run: Run) -> None:
 def test_real_ports_are_bindable(run: Run) -> None:
     import socket
 
-    broker = run.broker(ports=PortPool(seed=11))  # the real bind check, the default range
+    broker = run.broker(ports=PortAllocator(seed=11))  # the real bind check, the default range
     for port in run.client("gw0").ports(4, "t::real"):
         assert 20000 <= port <= 32767
         with socket.socket() as sock:

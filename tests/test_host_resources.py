@@ -11,7 +11,7 @@ import pytest
 
 from pytest_gpu.gpu.isolation import Confinement
 from pytest_gpu.leasing import host
-from pytest_gpu.leasing.placement import Policy, Pool, Unsatisfiable
+from pytest_gpu.leasing.placement import Allocator, Policy, Unsatisfiable
 from pytest_gpu.leasing.requests import (
     DefaultMemory,
     GpuRequest,
@@ -35,8 +35,8 @@ def gpu(memory: int, n_cpus: int = 0, host_memory: int = 0) -> GpuRequest:
     return GpuRequest(count=1, memory=memory, exclusive=False, cpus=n_cpus, host_memory=host_memory)
 
 
-def pool(host_cpus: int = 2, host_memory: int = 8 * GiB, max_bypass: int = 16) -> Pool:
-    p = Pool({0: 16 * GiB}, Policy(overhead=0, max_bypass=max_bypass))
+def pool(host_cpus: int = 2, host_memory: int = 8 * GiB, max_bypass: int = 16) -> Allocator:
+    p = Allocator({0: 16 * GiB}, Policy(overhead=0, max_bypass=max_bypass))
     p.set_host(host_cpus, host_memory)
     return p
 
@@ -176,7 +176,7 @@ def test_a_request_larger_than_the_machine_never_queues():
 
 
 def test_a_pool_not_told_the_host_does_not_limit_it():
-    p = Pool({0: 16 * GiB}, Policy(overhead=0))
+    p = Allocator({0: 16 * GiB}, Policy(overhead=0))
     assert p.submit("a", "c0", cpus(1000))
     assert p.submit("b", "c0", gpu(GiB, 1000))
 
@@ -197,7 +197,7 @@ def test_two_runs_share_the_machines_cpus_and_the_first_view_wins():
     arbiter = Arbiter(Policy(overhead=0))
     arbiter.attach("r1", pid=1, user="u", label="one", gpus={}, sink=events["r1"].extend, host=(2, 8 * GiB))
     arbiter.attach("r2", pid=2, user="u", label="two", gpus={"U": 16 * GiB}, sink=events["r2"].extend, host=(64, GiB))
-    assert (arbiter.pool.host.cpus, arbiter.pool.host.memory) == (2, 8 * GiB)
+    assert (arbiter.allocator.host.cpus, arbiter.allocator.host.memory) == (2, 8 * GiB)
     kind, _ = arbiter.submit("r1", "c0/k0", "c0", "gw0", "t::a", cpus(2), [])
     assert kind == "granted"
     kind, _ = arbiter.submit("r2", "c0/k0", "c0", "gw0", "t::b", gpu(GiB, 1), ["U"])
@@ -209,7 +209,7 @@ def test_two_runs_share_the_machines_cpus_and_the_first_view_wins():
     kind, message = arbiter.submit("r2", "c0/k1", "c0", "gw0", "t::c", cpus(3), ["U"])
     assert kind == "error" and "needs 3 CPUs but the machine has 2" in message
     assert [key for key, _ in arbiter.detach("r2")] == ["c0/k0"]
-    assert arbiter.pool.host.leased_cpus == 0
+    assert arbiter.allocator.host.leased_cpus == 0
 
 
 # -- end to end ----------------------------------------------------------------------------

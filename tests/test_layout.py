@@ -26,6 +26,10 @@ LONG_MODULES = {
     "sim/torch_cuda.py": "torch.cuda's API surface for the CPU build: one stand-in per torch function, "
     "splitting it would scatter one contract over files",
     "sim/ledger.py": "the simulated machine's physics (memory, contexts, processes) under one file lock",
+    "machine/arbiter.py": "every method works on the one pool of the machine under one lock: a split would be "
+    "mixins over shared private state",
+    "leasing/placement.py": "pure policy, property-tested as one unit; its only seam (placing one request vs the "
+    "queue's fairness) would cut the fairness bound's proof in two",
 }
 
 

@@ -1,7 +1,7 @@
 """pytest_gpu.leasing.placement: examples and hypothesis properties of the pure placement policy.
 
-The properties drive a :class:`Pool` the way the broker does (after every change, turn
-away what :meth:`Pool.blocked_forever` says can never be placed) and check, with their
+The properties drive a :class:`Allocator` the way the broker does (after every change, turn
+away what :meth:`Allocator.blocked_forever` says can never be placed) and check, with their
 own bookkeeping rather than the pool's counters:
 
 1. never over-committed, whatever the sequence of submit / release / forget / contexts;
@@ -19,12 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import shared, whole
 from pytest_gpu.leasing.placement import (
+    Allocator,
     GpuState,
     Lease,
     Placement,
     Policy,
-    Pool,
     Unsatisfiable,
     Waiting,
     place,
@@ -32,14 +33,6 @@ from pytest_gpu.leasing.placement import (
 from pytest_gpu.leasing.requests import GpuRequest
 
 MiB, GiB = 2**20, 2**30
-
-
-def shared(memory: int, count: int = 1) -> GpuRequest:
-    return GpuRequest(count=count, memory=memory, exclusive=False)
-
-
-def whole(count: int = 1, at_least: int | None = None) -> GpuRequest:
-    return GpuRequest(count=count, memory=None, exclusive=True, min_memory=at_least)
 
 
 def granted_keys(leases: list[Lease]) -> list[str]:
@@ -138,19 +131,19 @@ def test_place_counts_the_clients_own_new_context() -> None:
 
 
 def test_affinity_client_goes_where_it_has_a_context() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB, 2: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB, 2: 16 * GiB}, Policy(overhead=GiB))
     pool.set_contexts("a", {2})
     assert pool.submit("a/1", "a", shared(GiB))[0].placement.indices == (2,)
 
 
 def test_affinity_beats_a_tighter_fit() -> None:
-    pool = Pool({0: 4 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 4 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     pool.set_contexts("a", {1})
     assert pool.submit("a/1", "a", shared(GiB))[0].placement.indices == (1,)
 
 
 def test_affinity_for_exclusive_requests() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     pool.set_contexts("a", {1})
     pool.set_contexts("b", {0})
     lease = pool.submit("a/1", "a", whole())[0]
@@ -158,7 +151,7 @@ def test_affinity_for_exclusive_requests() -> None:
 
 
 def test_affinity_falls_back_when_the_home_gpu_is_full() -> None:
-    pool = Pool({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     pool.submit("a/1", "a", shared(6 * GiB))  # a's home: GPU 0
     assert pool.leases["a/1"].placement.indices == (0,)
     lease = pool.submit("a/2", "a", shared(2 * GiB))[0]
@@ -168,7 +161,7 @@ def test_affinity_falls_back_when_the_home_gpu_is_full() -> None:
 
 
 def test_worker_home_gpus_spread_and_stick() -> None:
-    pool = Pool({i: 16 * GiB for i in range(4)}, Policy(overhead=500 * MiB))
+    pool = Allocator({i: 16 * GiB for i in range(4)}, Policy(overhead=500 * MiB))
     homes = {}
     for worker in ("w0", "w1", "w2", "w3"):
         homes[worker] = pool.submit(f"{worker}/1", worker, shared(GiB))[0].placement.indices
@@ -184,7 +177,7 @@ def test_worker_home_gpus_spread_and_stick() -> None:
 
 
 def test_release_with_reported_contexts_replaces_the_assumed_ones() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
     pool.submit("a/1", "a", shared(GiB, count=2))
     assert {i for i, g in pool.gpus.items() if "a" in g.contexts} == {0, 1}
     pool.release("a/1", contexts={1})
@@ -194,7 +187,7 @@ def test_release_with_reported_contexts_replaces_the_assumed_ones() -> None:
 
 
 def test_set_contexts_keeps_the_gpus_a_client_holds() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
     pool.submit("a/1", "a", shared(GiB))
     held = pool.leases["a/1"].placement.indices[0]
     pool.set_contexts("a", set())
@@ -206,7 +199,7 @@ def test_set_contexts_keeps_the_gpus_a_client_holds() -> None:
 
 def test_context_budget_makes_a_request_wait_for_a_gpu_with_room_for_contexts() -> None:
     # 8GiB GPUs, 1GiB contexts, budget 25% -> at most 2 contexts per GPU when it can be helped
-    pool = Pool({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
+    pool = Allocator({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
     assert pool.policy.context_limit(8 * GiB) == 2
     assert pool.submit("a/1", "a", shared(GiB))[0].placement.indices == (0,)
     assert pool.submit("b/1", "b", shared(6 * GiB))[0].placement.indices == (1,)  # new contexts spread
@@ -219,7 +212,7 @@ def test_context_budget_makes_a_request_wait_for_a_gpu_with_room_for_contexts() 
 
 
 def test_context_budget_is_soft_when_it_can_never_be_met() -> None:
-    pool = Pool({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
+    pool = Allocator({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
     for client in "abcd":
         pool.submit(f"{client}/1", client, shared(GiB))
     assert all(len(gpu.contexts) == 2 for gpu in pool.gpus.values())
@@ -230,7 +223,7 @@ def test_context_budget_is_soft_when_it_can_never_be_met() -> None:
 
 
 def test_context_budget_never_applies_to_a_client_with_a_context() -> None:
-    pool = Pool({0: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
+    pool = Allocator({0: 8 * GiB}, Policy(overhead=GiB, context_fraction=0.25))
     pool.set_contexts("a", {0})
     pool.set_contexts("b", {0})
     assert granted_keys(pool.submit("a/1", "a", shared(GiB))) == ["a/1"]
@@ -240,7 +233,7 @@ def test_context_budget_never_applies_to_a_client_with_a_context() -> None:
 
 
 def test_never_fits_too_many_gpus() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=500 * MiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=500 * MiB))
     assert pool.never_fits(whole(3)) == (
         "needs 3 GPUs (whole GPU each) but the inventory has 2 GPU(s) [16GiB, 16GiB] "
         "with 500MiB of context overhead each"
@@ -249,7 +242,7 @@ def test_never_fits_too_many_gpus() -> None:
 
 
 def test_never_fits_too_much_memory() -> None:
-    pool = Pool({0: 16 * GiB, 1: 24 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 24 * GiB}, Policy(overhead=GiB))
     assert pool.never_fits(shared(23 * GiB)) is None
     assert pool.never_fits(shared(23 * GiB + 1)) == (
         "needs 1 GPU (23GiB) but the inventory has 2 GPU(s) [16GiB, 24GiB] with 1GiB of context overhead each"
@@ -261,7 +254,7 @@ def test_never_fits_too_much_memory() -> None:
 
 
 def test_never_fits_exclusive_with_a_minimum() -> None:
-    pool = Pool({0: 80 * GiB, 1: 80 * GiB, 2: 24 * GiB, 3: 24 * GiB}, Policy(overhead=500 * MiB))
+    pool = Allocator({0: 80 * GiB, 1: 80 * GiB, 2: 24 * GiB, 3: 24 * GiB}, Policy(overhead=500 * MiB))
     assert pool.never_fits(whole(2, at_least=40 * GiB)) is None
     assert pool.never_fits(whole(at_least=80 * GiB - 500 * MiB)) is None
     assert pool.never_fits(whole(at_least=80 * GiB - 500 * MiB + 1)) is not None
@@ -272,27 +265,27 @@ def test_never_fits_exclusive_with_a_minimum() -> None:
 
 
 def test_never_fits_without_gpus() -> None:
-    pool = Pool({}, Policy(overhead=500 * MiB))
+    pool = Allocator({}, Policy(overhead=500 * MiB))
     assert pool.never_fits(whole()) == (
         "needs 1 GPU (whole GPU) but the inventory has 0 GPU(s) [none] with 500MiB of context overhead each"
     )
 
 
 def test_never_fits_when_the_context_fills_the_gpu() -> None:
-    pool = Pool({0: GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: GiB}, Policy(overhead=GiB))
     assert pool.never_fits(whole()) is not None
     assert pool.never_fits(shared(1)) is not None
 
 
 def test_never_fits_ignores_current_leases_and_contexts() -> None:
-    pool = Pool({0: 4 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 4 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     pool.submit("a/1", "a", whole())
     pool.set_contexts("b", {0})
     assert pool.never_fits(shared(3 * GiB)) is None
 
 
 def test_submit_raises_unsatisfiable_and_queues_nothing() -> None:
-    pool = Pool({0: 16 * GiB}, Policy(overhead=500 * MiB))
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=500 * MiB))
     with pytest.raises(Unsatisfiable) as info:
         pool.submit("a/1", "a", whole(2))
     assert str(info.value) == (
@@ -302,9 +295,9 @@ def test_submit_raises_unsatisfiable_and_queues_nothing() -> None:
     assert pool.leases == {}
 
 
-def _crowded_pool() -> Pool:
+def _crowded_pool() -> Allocator:
     """One 4GiB GPU with 1GiB contexts, three other clients keeping theirs open."""
-    pool = Pool({0: 4 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 4 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     for client in "abc":
         pool.submit(f"{client}/1", client, shared(512 * MiB))
         pool.release(f"{client}/1")
@@ -324,7 +317,7 @@ def test_blocked_forever_explains_the_contexts() -> None:
 
 
 def test_blocked_forever_is_none_when_leases_are_in_the_way() -> None:
-    pool = Pool({0: 4 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 4 * GiB}, Policy(overhead=GiB))
     pool.submit("a/1", "a", whole())
     pool.submit("b/1", "b", shared(2 * GiB))
     (waiting,) = pool.queue
@@ -353,7 +346,7 @@ def test_set_contexts_then_serve_grants() -> None:
 
 
 def test_queued_then_granted_on_release() -> None:
-    pool = Pool({0: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=GiB))
     assert granted_keys(pool.submit("a/1", "a", whole())) == ["a/1"]
     assert pool.submit("b/1", "b", whole()) == []
     assert [w.key for w in pool.queue] == ["b/1"]
@@ -365,12 +358,12 @@ def test_queued_then_granted_on_release() -> None:
 
 
 def test_release_unknown_key_is_harmless() -> None:
-    pool = Pool({0: 16 * GiB})
+    pool = Allocator({0: 16 * GiB})
     assert pool.release("nobody/1") == []
 
 
 def test_cancel() -> None:
-    pool = Pool({0: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=GiB))
     pool.submit("a/1", "a", whole())
     pool.submit("b/1", "b", whole())
     assert pool.cancel("b/1") is True
@@ -380,7 +373,7 @@ def test_cancel() -> None:
 
 
 def test_forget_client_returns_its_leases_and_grants_the_waiting() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
     pool.submit("dead/1", "dead", whole(2))
     pool.submit("dead/2", "dead", shared(GiB))  # queued, dropped with its client
     pool.submit("b/1", "b", whole())
@@ -395,7 +388,7 @@ def test_forget_client_returns_its_leases_and_grants_the_waiting() -> None:
 
 
 def test_forget_client_with_several_leases_grants_everything_that_fits() -> None:
-    pool = Pool({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=0))
+    pool = Allocator({0: 8 * GiB, 1: 8 * GiB}, Policy(overhead=0))
     pool.submit("dead/1", "dead", whole())
     pool.submit("dead/2", "dead", whole())
     pool.submit("x/1", "x", whole())
@@ -407,7 +400,7 @@ def test_forget_client_with_several_leases_grants_everything_that_fits() -> None
 
 
 def test_holders() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB))
     pool.submit("a/1", "a", whole())
     pool.submit("b/1", "b", whole())
     by_gpu = {lease.placement.indices[0]: lease.key for lease in pool.holders()}
@@ -417,7 +410,7 @@ def test_holders() -> None:
 
 
 def test_used_counts_leases_exclusive_grants_and_contexts() -> None:
-    pool = Pool({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=GiB, context_fraction=1.0))
     pool.submit("a/1", "a", shared(3 * GiB))
     pool.submit("b/1", "b", shared(2 * GiB))  # new context spreads to GPU 1
     pool.submit("c/1", "c", shared(GiB))
@@ -438,7 +431,7 @@ def test_used_counts_leases_exclusive_grants_and_contexts() -> None:
 
 
 def test_backfill_is_bounded_by_max_bypass() -> None:
-    pool = Pool({0: 8 * GiB}, Policy(overhead=0, max_bypass=2))
+    pool = Allocator({0: 8 * GiB}, Policy(overhead=0, max_bypass=2))
     pool.submit("a/1", "a", shared(2 * GiB))
     assert pool.submit("big/1", "big", whole()) == []
     assert granted_keys(pool.submit("s/1", "s1", shared(GiB))) == ["s/1"]  # backfill 1
@@ -453,7 +446,7 @@ def test_backfill_is_bounded_by_max_bypass() -> None:
 
 
 def test_max_bypass_zero_is_strict_fifo() -> None:
-    pool = Pool({0: 8 * GiB}, Policy(overhead=0, max_bypass=0))
+    pool = Allocator({0: 8 * GiB}, Policy(overhead=0, max_bypass=0))
     pool.submit("a/1", "a", shared(GiB))
     pool.submit("big/1", "big", whole())
     assert pool.submit("s/1", "s", shared(GiB)) == []
@@ -461,7 +454,7 @@ def test_max_bypass_zero_is_strict_fifo() -> None:
 
 
 def test_in_order_grants_do_not_count_as_bypass() -> None:
-    pool = Pool({0: 8 * GiB}, Policy(overhead=0, max_bypass=1))
+    pool = Allocator({0: 8 * GiB}, Policy(overhead=0, max_bypass=1))
     pool.submit("a/1", "a", whole())
     for i in range(3):
         pool.submit(f"q/{i}", f"q{i}", shared(GiB))
@@ -475,7 +468,7 @@ def test_in_order_grants_do_not_count_as_bypass() -> None:
 class Driver:
     """Drives a pool as the broker does, keeping its own books of arrival and grant order."""
 
-    pool: Pool
+    pool: Allocator
     arrival: dict[str, int] = field(default_factory=dict)
     granted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -540,7 +533,7 @@ class Driver:
         return sorted(i for i, gpu in self.pool.gpus.items() if client in gpu.contexts)
 
 
-def check_never_overcommitted(pool: Pool) -> None:
+def check_never_overcommitted(pool: Allocator) -> None:
     for index, gpu in pool.gpus.items():
         on_gpu = [lease for lease in pool.leases.values() if index in lease.placement.indices]
         shared_bytes = sum(lease.placement.memory for lease in on_gpu if not lease.placement.exclusive)
@@ -576,7 +569,7 @@ def check_fairness(driver: Driver) -> None:
         assert waiting.bypassed == len(driver.overtaken.get(waiting.key, ()))
 
 
-def check_no_idle_wait(pool: Pool) -> None:
+def check_no_idle_wait(pool: Allocator) -> None:
     """Nothing waits while nothing is leased: a waiting request always waits *for* a lease."""
     if not pool.leases:
         assert pool.queue == [], f"waiting with no lease out: {[w.key for w in pool.queue]}"
@@ -662,7 +655,7 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 @PROPERTY
 @given(caps=capacities, policy=policies, ops=operations)
 def test_property_never_overcommitted(caps: dict[int, int], policy: Policy, ops: list[tuple]) -> None:
-    driver = Driver(Pool(caps, policy))
+    driver = Driver(Allocator(caps, policy))
     check_never_overcommitted(driver.pool)
     run_operations(driver, ops, after_each=lambda d: check_never_overcommitted(d.pool))
 
@@ -672,7 +665,7 @@ def test_property_never_overcommitted(caps: dict[int, int], policy: Policy, ops:
 def test_property_every_request_that_fits_is_granted(
     caps: dict[int, int], policy: Policy, ops: list[tuple], seed: int
 ) -> None:
-    driver = Driver(Pool(caps, policy))
+    driver = Driver(Allocator(caps, policy))
     run_operations(driver, ops, after_each=check_all)
     # give every lease back, in random order, until nothing is left
     rng = random.Random(seed)
@@ -691,7 +684,7 @@ def test_property_every_request_that_fits_is_granted(
 @PROPERTY
 @given(caps=capacities, policy=policies, ops=busy_operations, seed=st.integers(0, 2**32 - 1))
 def test_property_fairness_bound(caps: dict[int, int], policy: Policy, ops: list[tuple], seed: int) -> None:
-    driver = Driver(Pool(caps, policy))
+    driver = Driver(Allocator(caps, policy))
     run_operations(driver, ops, after_each=check_fairness)
     rng = random.Random(seed)
     while driver.pool.leases:
@@ -719,7 +712,7 @@ def test_property_burst_then_drain(
     caps: dict[int, int], requests: list[tuple[str, GpuRequest]], policy: Policy, seed: int
 ) -> None:
     """Many requests at once, then leases come back in random order: everything is served."""
-    driver = Driver(Pool(caps, policy))
+    driver = Driver(Allocator(caps, policy))
     for client, request in requests:
         driver.submit(client, request)
         check_all(driver)
@@ -739,8 +732,8 @@ def test_property_burst_then_drain(
 def test_property_never_fits_agrees_with_an_empty_pool(
     caps: dict[int, int], policy: Policy, request: GpuRequest
 ) -> None:
-    pool = Pool(caps, policy)
-    fits_empty = place(list(Pool(caps, policy).gpus.values()), request, "x", policy, within_budget=False)
+    pool = Allocator(caps, policy)
+    fits_empty = place(list(Allocator(caps, policy).gpus.values()), request, "x", policy, within_budget=False)
     assert (pool.never_fits(request) is None) == (fits_empty is not None)
     if fits_empty is not None:
         granted = pool.submit("x/1", "x", request)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pytest_gpu.leasing.ports import DEFAULT_RANGE, PortPool, bindable, parse_port_range
+from pytest_gpu.leasing.ports import DEFAULT_RANGE, PortAllocator, bindable, parse_port_range
 
 
 def always_free(port: int) -> bool:
@@ -42,11 +42,11 @@ def test_default_range_is_below_the_ephemeral_ports() -> None:
     assert DEFAULT_RANGE == (20000, 32767)
 
 
-# -- PortPool with an injected check ---------------------------------------------------
+# -- PortAllocator with an injected check ---------------------------------------------------
 
 
 def test_take_returns_distinct_ports_in_range() -> None:
-    pool = PortPool((30000, 30099), check=always_free, seed=1)
+    pool = PortAllocator((30000, 30099), check=always_free, seed=1)
     got = pool.take(10, "a")
     assert len(got) == len(set(got)) == 10
     assert all(30000 <= p <= 30099 for p in got)
@@ -54,7 +54,7 @@ def test_take_returns_distinct_ports_in_range() -> None:
 
 
 def test_take_is_round_robin_and_wraps() -> None:
-    pool = PortPool((30000, 30004), check=always_free, seed=0)
+    pool = PortAllocator((30000, 30004), check=always_free, seed=0)
     start = pool._next
     first = pool.take(5, "a")
     assert first == [30000 + (start - 30000 + i) % 5 for i in range(5)]
@@ -62,7 +62,7 @@ def test_take_is_round_robin_and_wraps() -> None:
 
 
 def test_a_port_given_back_is_not_reused_at_once() -> None:
-    pool = PortPool((30000, 30009), check=always_free, seed=3)
+    pool = PortAllocator((30000, 30009), check=always_free, seed=3)
     (first,) = pool.take(1, "a")
     pool.give_back("a")
     seen = [p for i in range(9) for p in pool.take(1, f"o{i}")]
@@ -71,7 +71,7 @@ def test_a_port_given_back_is_not_reused_at_once() -> None:
 
 
 def test_ports_are_unique_across_owners() -> None:
-    pool = PortPool((30000, 30019), check=always_free, seed=5)
+    pool = PortAllocator((30000, 30019), check=always_free, seed=5)
     a = pool.take(7, "a")
     b = pool.take(7, "b")
     c = pool.take(6, "c")
@@ -86,7 +86,7 @@ def test_busy_ports_are_skipped() -> None:
         checked.append(port)
         return port not in busy
 
-    pool = PortPool((30000, 30004), check=check, seed=0)
+    pool = PortAllocator((30000, 30004), check=check, seed=0)
     assert sorted(pool.take(3, "a")) == [30000, 30002, 30004]
     assert set(checked) == {30000, 30001, 30002, 30003, 30004}
 
@@ -98,7 +98,7 @@ def test_leased_ports_are_not_checked_again() -> None:
         checked.append(port)
         return True
 
-    pool = PortPool((30000, 30003), check=check, seed=0)
+    pool = PortAllocator((30000, 30003), check=check, seed=0)
     mine = pool.take(2, "a")
     checked.clear()
     others = pool.take(2, "b")
@@ -107,7 +107,7 @@ def test_leased_ports_are_not_checked_again() -> None:
 
 
 def test_exhaustion_error_and_nothing_kept() -> None:
-    pool = PortPool((30000, 30004), check=always_free, seed=0)
+    pool = PortAllocator((30000, 30004), check=always_free, seed=0)
     pool.take(3, "a")
     with pytest.raises(RuntimeError) as info:
         pool.take(3, "b")
@@ -117,19 +117,19 @@ def test_exhaustion_error_and_nothing_kept() -> None:
 
 
 def test_exhaustion_counts_busy_ports() -> None:
-    pool = PortPool((30000, 30009), check=lambda port: port % 2 == 0, seed=0)
+    pool = PortAllocator((30000, 30009), check=lambda port: port % 2 == 0, seed=0)
     with pytest.raises(RuntimeError) as info:
         pool.take(6, "a")
     assert str(info.value) == "only 5 of 6 ports free in 30000-30009 (0 leased); widen --gpu-port-range"
 
 
 def test_take_zero() -> None:
-    pool = PortPool((30000, 30000), check=lambda port: False, seed=0)
+    pool = PortAllocator((30000, 30000), check=lambda port: False, seed=0)
     assert pool.take(0, "a") == []
 
 
 def test_give_back() -> None:
-    pool = PortPool((30000, 30009), check=always_free, seed=0)
+    pool = PortAllocator((30000, 30009), check=always_free, seed=0)
     a = pool.take(3, "c1/test_a")
     b = pool.take(2, "c1/test_b")
     assert sorted(pool.give_back("c1/test_a")) == sorted(a)
@@ -139,7 +139,7 @@ def test_give_back() -> None:
 
 
 def test_give_back_prefix_returns_one_clients_ports() -> None:
-    pool = PortPool((30000, 30009), check=always_free, seed=0)
+    pool = PortAllocator((30000, 30009), check=always_free, seed=0)
     a1 = pool.take(2, "c1/t1")
     a2 = pool.take(1, "c1/t2")
     other = pool.take(2, "c10/t1")  # "c1/" must not match "c10/"
@@ -149,8 +149,8 @@ def test_give_back_prefix_returns_one_clients_ports() -> None:
 
 
 def test_same_seed_same_start() -> None:
-    assert PortPool(seed=42)._next == PortPool(seed=42)._next
-    assert DEFAULT_RANGE[0] <= PortPool(seed=42)._next <= DEFAULT_RANGE[1]
+    assert PortAllocator(seed=42)._next == PortAllocator(seed=42)._next
+    assert DEFAULT_RANGE[0] <= PortAllocator(seed=42)._next <= DEFAULT_RANGE[1]
 
 
 # -- the real check --------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_bindable_sees_a_listening_socket(listening: socket.socket) -> None:
 
 def test_real_pool_skips_a_port_in_use(listening: socket.socket) -> None:
     port = listening.getsockname()[1]
-    pool = PortPool((port, port), seed=0)  # the real bind check
+    pool = PortAllocator((port, port), seed=0)  # the real bind check
     with pytest.raises(RuntimeError) as info:
         pool.take(1, "a")
     assert str(info.value) == f"only 0 of 1 ports free in {port}-{port} (0 leased); widen --gpu-port-range"
@@ -183,7 +183,7 @@ def test_real_pool_skips_a_port_in_use(listening: socket.socket) -> None:
 
 
 def test_real_pool_hands_out_bindable_ports() -> None:
-    pool = PortPool(seed=7)
+    pool = PortAllocator(seed=7)
     for port in pool.take(3, "a"):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", port))  # raises if the pool handed out a busy port

@@ -11,6 +11,7 @@ that this map names every module).
     cli                 the ``pytest-gpu`` command (inventory, report, status)
     importhook          run a callback right after a module is imported
     procs               process trees and owner liveness, for every layer
+    authserver          an authenticated Unix-socket service: handshakes apart, one serving thread
     roles/              one plugin object per role a process plays
         base            what every role shares: its run, ending it
         keys            what the roles keep in config.stash and hand to workers
@@ -27,10 +28,12 @@ that this map names every module).
         spans           a test's leases as its report carries them
     machine/            every run of a machine shares one view of its GPUs
         domain          where the runs of a machine meet
-        arbiter         the one pool of the machine
+        arbiter         the one allocator of the machine
         wire            the arbiter's frames (JSON)
         server          the arbiter's socket
         link            a run's side: lead, attach, fail over
+        remote          a run's connection to the arbiter in another process
+        mirror          what a run holds and waits for, brought to a new arbiter
     gpu/                real GPUs
         devices         NVML, index lists, MIG
         runtime         the process's CUDA, pinned before a lease

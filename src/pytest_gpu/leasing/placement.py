@@ -1,6 +1,6 @@
 """Which GPUs a request gets, and in which order waiting requests are served.
 
-Pure policy: no sockets, no clocks, no files. The broker wraps a :class:`Pool` with a
+Pure policy: no sockets, no clocks, no files. The broker wraps a :class:`Allocator` with a
 lock and a transport.
 
 Capacity rule (never over-commit): on every GPU, the memory of its leases plus one
@@ -19,7 +19,7 @@ Host resources: a request's ``cpus`` and ``host_memory`` come from the machine's
 RAM (:class:`HostState`), granted together with its GPUs or not at all: a request is
 placed only when both its GPU part and its host part fit, so the fairness rule below
 covers host resources unchanged. A pool that was never told the machine's host capacity
-(:meth:`Pool.set_host`) does not limit them.
+(:meth:`Allocator.set_host`) does not limit them.
 
 Fairness: waiting requests are served in arrival order; a later request may be granted
 before an earlier one (backfill) only while that earlier one has been overtaken fewer
@@ -182,7 +182,7 @@ class Unsatisfiable(Exception):
     """A request that cannot be placed even if every lease were given back."""
 
 
-class Pool:
+class Allocator:
     """Leases, contexts and the wait queue over one inventory; all decisions, no I/O."""
 
     def __init__(self, capacities: dict[int, int], policy: Policy | None = None) -> None:
@@ -196,7 +196,7 @@ class Pool:
         self.exiting: set[str] = set()
         self.paused = False  # grant nothing (a new arbiter waits for the runs that held leases)
         self._foreign = False  # any GPU with foreign usage (see set_foreign)
-        # clients of one group (one run of many sharing the pool) : contexts of other groups
+        # clients of one group (one run of many sharing the allocator) : contexts of other groups
         # never make a request wait forever
         self.group: Callable[[str], str] | None = None
         # answers about drained GPUs depend only on the contexts: kept until those change
@@ -229,7 +229,7 @@ class Pool:
         return None
 
     def add_gpu(self, index: int, capacity: int) -> None:
-        """A GPU joins the pool (a run that sees it attached)."""
+        """A GPU joins the allocator (a run that sees it attached)."""
         if index not in self.gpus:
             self.gpus[index] = GpuState(index, capacity)
             self.gpus = dict(sorted(self.gpus.items()))

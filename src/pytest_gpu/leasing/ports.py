@@ -62,7 +62,7 @@ def bindable(port: int) -> bool:
     return True
 
 
-class PortPool:
+class PortAllocator:
     """Hands out ports round-robin from a range, never one that is leased or busy.
 
     Round-robin (from a random start, so concurrent runs rarely meet) keeps a port that
