@@ -300,7 +300,7 @@ def run_scenario(
                 machine = MachineLink(domain, Policy())
             broker = Broker(capacities, address, authkey, Policy(), link=machine, uuids=uuids)
             if profiles is not None:
-                broker._serve = profiles.wrap(broker._serve)  # type: ignore[method-assign]
+                broker._serve_loop = profiles.wrap(broker._serve_loop)  # type: ignore[method-assign]
             service = broker.start()
         else:
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
