@@ -162,3 +162,55 @@ def test_the_builtin_adapters_can_be_turned_off(pytester: pytest.Pytester) -> No
         """
     )
     pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", "-p", "no:gpu_adapters").assertoutcome(passed=1)
+
+
+def test_a_conftests_hooks_run_before_the_roles(pytester: pytest.Pytester) -> None:
+    """Hook order follows registration: a conftest's setup hook runs before pytest-gpu leases the GPU
+    (so one that skips never waits for a GPU, and one that waits for a condition waits before asking)."""
+    pytester.makeconftest(
+        """
+        import os
+        import pytest
+
+        SEEN = {}
+
+        def pytest_runtest_setup(item):
+            SEEN[item.name] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if item.name == "test_skipped":
+                pytest.skip("the conftest says so")
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        from conftest import SEEN
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_leased():
+            assert SEEN["test_leased"] is None  # the conftest ran before the lease was taken
+
+        @pytest.mark.gpu(exclusive=True)
+        def test_skipped():
+            pass
+        """
+    )
+    pytester.syspathinsert()
+    result = pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist")
+    result.assertoutcome(passed=1, skipped=1)
+    assert "pytest-gpu" not in "\n".join(map(str, result.getcalls("pytest_terminal_summary")))
+    run_reports = [r for r in result.getreports("pytest_runtest_logreport") if "test_skipped" in r.nodeid]
+    assert all("gpu_leases" not in dict(r.user_properties) for r in run_reports)  # never leased
+
+
+def test_expected_role_reads_the_command_line_before_xdist_does(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_gpu.roles import expected_role
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert expected_role(pytester.parseconfig("-n", "2")) is Role.CONTROLLER
+    assert expected_role(pytester.parseconfig("-n", "0")) is Role.LONE
+    assert expected_role(pytester.parseconfig("-n", "2", "--collect-only")) is Role.LONE
+    assert expected_role(pytester.parseconfig()) is Role.LONE
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    assert expected_role(pytester.parseconfig()) is Role.WORKER

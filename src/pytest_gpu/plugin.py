@@ -63,6 +63,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
     # Before output capturing starts (it keeps the terminal's descriptor): ranks other
     # than 0 of a launch write everything to their log file instead of the terminal.
     ctx = early_config.stash[LAUNCH_KEY] = detect()  # read once per process
+    roles.register_early(early_config)  # before the initial conftests: their hooks run first
     if ctx is not None and not ctx.is_root and "PYTEST_XDIST_WORKER" not in os.environ:
         redirect_output(log_dir(early_config) / ctx.launcher / f"rank{ctx.rank}.log")
     from .sim import fake

@@ -7,27 +7,27 @@
     launched rank (LaunchedRank, launched/session.py): beside the controller or lone object of
                                each rank's main process under srun, mpirun or torchrun
 
-The role is decided once, in ``pytest_configure``, by :func:`decide`; the objects are
-unregistered when the config is cleaned up, after ``pytest_unconfigure``.
+The role is foreseen before the initial conftests load (:func:`register_early`: hook order
+follows registration, and a conftest's hooks must run before the role's), confirmed and
+given the run in ``pytest_configure`` (:func:`install`); the objects are unregistered when
+the config is cleaned up, after ``pytest_unconfigure``.
 """
 
 from __future__ import annotations
 
-import enum
+import os
 
 import pytest
 
-from ..launched.detect import LaunchContext
 from ..run.lifecycle import RUN_KEY
 from ..run.session import GpuRun
-from .base import register
-from .keys import LAUNCH_KEY
+from .base import RoleBase, register
+from .keys import LAUNCH_KEY, Role
+
+__all__ = ["Role", "decide", "expected_role", "install", "register_early", "role_of"]
 
 
-class Role(enum.Enum):
-    CONTROLLER = "controller"
-    WORKER = "worker"
-    LONE = "lone"
+ROLE_KEY = pytest.StashKey[RoleBase]()
 
 
 def decide(*, worker: bool, dist: str, collect_only: bool) -> Role:
@@ -39,6 +39,7 @@ def decide(*, worker: bool, dist: str, collect_only: bool) -> Role:
 
 
 def role_of(config: pytest.Config) -> Role:
+    """The role, from what xdist decided (``pytest_configure`` and later)."""
     return decide(
         worker=hasattr(config, "workerinput"),
         dist=str(getattr(config.option, "dist", "no")),  # "no" when xdist is not installed or -p no:xdist
@@ -46,16 +47,43 @@ def role_of(config: pytest.Config) -> Role:
     )
 
 
-def install(config: pytest.Config, run: GpuRun) -> Role:
-    """Register this process's plugin objects (and unregister them at config cleanup)."""
-    from .owner import Controller
-    from .tester import Lone, Worker
+def expected_role(config: pytest.Config) -> Role:
+    """The role, foreseen before the initial conftests load: xdist has set
+    ``PYTEST_XDIST_WORKER`` in a worker, and turns ``-n N`` into ``--dist load`` only later."""
+    ns = getattr(config, "known_args_namespace", config.option)
+    dist = str(getattr(ns, "dist", "no"))
+    if dist == "no" and (getattr(ns, "numprocesses", None) or getattr(ns, "distload", False)):
+        dist = "load"
+    return decide(
+        worker="PYTEST_XDIST_WORKER" in os.environ,
+        dist=dist,
+        collect_only=bool(getattr(ns, "collectonly", False)),
+    )
 
+
+def register_early(config: pytest.Config) -> None:
+    """Register the expected role's object before the initial conftests load.
+
+    Hook order follows registration: a conftest's plain hooks (a ``pytest_runtest_setup``
+    that skips, a ``pytest_collection_modifyitems`` that adds markers) run before the
+    role's, as they ran before the plugin module's, so pytest-gpu sees what they did.
+    """
+    _create(config, expected_role(config))
+
+
+def install(config: pytest.Config, run: GpuRun) -> Role:
+    """At ``pytest_configure``: attach ``run`` to the role's object (replacing the early one
+    where the foresight was wrong, e.g. a pytest started from inside an xdist worker),
+    and register the launched-rank role where it applies."""
     role = role_of(config)
+    plugin = config.stash.get(ROLE_KEY, None)
+    if plugin is None or plugin.role is not role:
+        if plugin is not None and config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.unregister(plugin)
+        plugin = _create(config, role)
     config.stash[RUN_KEY] = run
-    launch: LaunchContext | None = config.stash.get(LAUNCH_KEY, None)
-    plugin = {Role.CONTROLLER: Controller, Role.WORKER: Worker, Role.LONE: Lone}[role](config, run, launch)
-    register(config, plugin, f"pytest-gpu-{role.value}")
+    plugin.attach(run)
+    launch = plugin.launch
     if role is not Role.WORKER and launch is not None:
         from ..launched.session import LaunchedRank, log_dir
 
@@ -68,3 +96,14 @@ def install(config: pytest.Config, run: GpuRun) -> Role:
         raise pytest.UsageError("--shard: not running under a launcher (srun, mpirun or torchrun), nothing to shard")
     return role
 
+
+def _create(config: pytest.Config, role: Role) -> RoleBase:
+    from .owner import Controller
+    from .tester import Lone, Worker
+
+    kind: type[RoleBase] = {Role.CONTROLLER: Controller, Role.WORKER: Worker, Role.LONE: Lone}[role]
+    plugin = kind(config, config.stash.get(LAUNCH_KEY, None))
+    plugin.role = role
+    register(config, plugin, f"pytest-gpu-{role.value}")
+    config.stash[ROLE_KEY] = plugin
+    return plugin

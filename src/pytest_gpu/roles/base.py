@@ -7,16 +7,32 @@ import pytest
 from ..launched.detect import LaunchContext
 from ..run.lifecycle import RUN_KEY
 from ..run.session import GpuRun
+from .keys import Role
 
 
 class RoleBase:
-    """A role's plugin object. Subclasses extend :meth:`finish_session` and :meth:`close`
-    cooperatively (``super()``), so a process with two roles' duties (``Lone``) runs both."""
+    """A role's plugin object. Subclasses extend :meth:`attach`, :meth:`finish_session` and
+    :meth:`close` cooperatively (``super()``), so a process with two roles' duties (``Lone``)
+    runs both.
 
-    def __init__(self, config: pytest.Config, run: GpuRun, launch: LaunchContext | None) -> None:
+    Registered before the initial conftests load (so a conftest's hooks run before these,
+    as they ran before the plugin module's), its run is attached at ``pytest_configure``;
+    no hook of it fires in between."""
+
+    def __init__(self, config: pytest.Config, launch: LaunchContext | None) -> None:
         self.config = config
-        self.run = run
         self.launch = launch
+        self._run: GpuRun | None = None
+        self.role: Role | None = None  # set by roles.install
+
+    @property
+    def run(self) -> GpuRun:
+        assert self._run is not None, "a role's hook ran before pytest_configure attached the run"
+        return self._run
+
+    def attach(self, run: GpuRun) -> None:
+        """The run is known (``pytest_configure``)."""
+        self._run = run
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.finish_session(session)
@@ -28,6 +44,8 @@ class RoleBase:
         """What must end before the run closes."""
 
     def pytest_unconfigure(self) -> None:
+        if self._run is None:
+            return  # pytest_configure failed before the run existed
         try:
             self.close()
         finally:

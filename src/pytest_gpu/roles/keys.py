@@ -1,6 +1,8 @@
-"""What the plugin keeps per process (``config.stash``) and hands to xdist workers."""
+"""What the plugin keeps per process (``config.stash``), hands to xdist workers, and the roles."""
 
 from __future__ import annotations
+
+import enum
 
 import pytest
 
@@ -12,3 +14,11 @@ LAUNCH_KEY = pytest.StashKey[LaunchContext | None]()
 DIST_CHOSEN_KEY = pytest.StashKey[bool]()
 # workerinput: True when the controller hands tests out with GpuScheduling.
 SCHEDULE_KEY = "pytest_gpu_schedule"
+
+
+class Role(enum.Enum):
+    """What a pytest process is to its run (see :mod:`pytest_gpu.roles`)."""
+
+    CONTROLLER = "controller"
+    WORKER = "worker"
+    LONE = "lone"

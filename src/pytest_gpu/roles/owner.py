@@ -12,7 +12,6 @@ import pytest
 
 from .. import raycluster
 from ..launched import selection
-from ..launched.detect import LaunchContext
 from ..report.summary import Summary, foreign_lines
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
@@ -23,10 +22,12 @@ from .keys import DIST_CHOSEN_KEY, SCHEDULE_KEY
 class RunOwner(RoleBase):
     """Hooks of the process that owns the run; see :class:`Controller` and ``Lone``."""
 
-    def __init__(self, config: pytest.Config, run: GpuRun, launch: LaunchContext | None) -> None:
-        super().__init__(config, run, launch)
+    summary: Summary
+
+    def attach(self, run: GpuRun) -> None:
+        super().attach(run)
         self.summary = Summary()
-        register(config, self.summary, "pytest-gpu-summary")  # collects test reports
+        register(self.config, self.summary, "pytest-gpu-summary")  # collects test reports
 
     def finish_session(self, session: pytest.Session) -> None:
         super().finish_session(session)
