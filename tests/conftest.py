@@ -1,21 +1,48 @@
-"""Shared test helpers.
+"""Shared fixtures, and the suite's two tiers.
 
 Tests that need an optional component (torch, Open MPI, SLURM, Ray, ...) call
 ``require("name")``: when it is absent the test is skipped with the reason
 ``missing component: name``. `.ci/run` installs every component and fails the build if
-any test is skipped with that reason.
+any test is skipped with that reason. Helper functions shared by several test files
+(no fixtures) live in ``tests/helpers.py``.
+
+Tiers (for contributors)
+------------------------
+``python -m pytest -q -rs`` runs everything: the full tier, CI's command (`.ci/run`).
+``python -m pytest -q -rs -m "not slow"`` runs the fast tier: pure logic and in-process
+units (the broker, the arbiter, placement, planner, ... in this process), in about half a
+minute. A test is ``slow`` when it runs a whole pytest session (pytester, in-process or
+in a subprocess), starts xdist workers, a launcher (mpirun, srun, torchrun), Ray, the
+SLURM cluster, a virtualenv, or processes that cost it more than about half a second
+(torch imports, compilers, holders it waits on), or when it waits seconds on purpose.
+
+How a test becomes ``slow`` (``pytest_collection_modifyitems`` below):
+
+* it uses a fixture of :data:`SLOW_FIXTURES`: ``pytester`` (so ``gpu_pytester`` and
+  ``run_inner`` too) or ``slurm`` -- nothing to do for those;
+* ``@pytest.mark.slow`` on the test, or ``pytestmark = pytest.mark.slow`` in a module
+  whose every test is end to end;
+* its module, or the test itself, is named in :data:`SLOW_TESTS` (for modules that
+  carry no marks of their own).
+
+A test that is not ``slow`` and starts pytest, xdist workers, a launcher, Ray, a virtualenv
+or pip in a subprocess fails, in either tier, with a message that says to mark it. A
+fast-tier test that takes more than :data:`FAST_BUDGET_S` seconds is named at the end of
+the run: mark it, or make it faster.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -31,6 +58,134 @@ def require(component: str, *, module: str | None = None, executable: str | None
         pytest.skip(f"{MISSING}: {component} (python module {module!r} not installed)")
     if executable is not None and shutil.which(executable) is None:
         pytest.skip(f"{MISSING}: {component} ({executable!r} not on PATH)")
+
+
+# -- tiers: what makes a test `slow` (the module docstring says how to use them) ----------
+
+SLOW = "slow"
+# fixtures of whole pytest sessions (pytester: in-process or in a subprocess; gpu_pytester
+# and run_inner use it) and of a cluster
+SLOW_FIXTURES = frozenset({"pytester", "slurm"})
+# modules (name -> None: every test) and single tests (name -> test names, without
+# parameters) of modules that carry no marks of their own yet; a module that marks its
+# tests itself (@pytest.mark.slow, pytestmark) needs no entry
+SLOW_TESTS: dict[str, frozenset[str] | None] = {
+    "test_distributed": None,  # every test reads one inner run with rank pools
+    "test_raycluster": frozenset(
+        {"test_plugin_does_not_import_ray", "test_watchdog_stops_its_command_when_the_owner_dies"}
+    ),
+    "test_rundir": frozenset({"test_racing_runs_lose_no_live_directory"}),  # processes racing for seconds
+}
+# a test not marked slow that runs longer than this is named at the end of the run
+FAST_BUDGET_S = 2.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{SLOW}: runs a pytest session (pytester) or starts costly processes (xdist workers, launchers, "
+        "Ray, SLURM, torch) or waits on purpose; the fast tier is -m 'not slow' (tests/conftest.py)",
+    )
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    if item.get_closest_marker(SLOW) is not None:
+        return True
+    if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    module = item.module.__name__ if isinstance(item, pytest.Function) else ""
+    if module not in SLOW_TESTS:
+        return False
+    names = SLOW_TESTS[module]
+    return names is None or getattr(item, "originalname", item.name) in names
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker(SLOW) is None and _is_slow(item):
+            item.add_marker(SLOW)
+
+
+def _slow_command(args: object) -> str | None:
+    """What makes this command line a slow tier's process, or None."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        argv = shlex.split(os.fsdecode(args))
+    else:
+        argv = [os.fsdecode(a) for a in args]  # type: ignore[union-attr]
+    if not argv:
+        return None
+    names = [os.path.basename(a) for a in argv]
+    for launcher in ("mpirun", "mpiexec", "srun", "sbatch", "torchrun", "ray", "raylet", "gcs_server", "pip"):
+        if names[0] == launcher:
+            return launcher
+    modules = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"} | {a[2:] for a in argv if a.startswith("-m")}
+    for module, what in (
+        ("pytest", "pytest in a subprocess"),
+        ("torch.distributed.run", "torchrun"),
+        ("venv", "a virtualenv"),
+        ("pip", "pip"),
+    ):
+        if module in modules:
+            return what
+    if any("exec(eval(sys.stdin.readline()))" in a for a in argv):  # execnet's bootstrap: an xdist worker
+        return "an xdist worker"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test not marked slow may not start the slow tier's processes (see the module docstring)."""
+    if request.node.get_closest_marker(SLOW) is not None:
+        yield
+        return
+    started: list[str] = []
+    original = subprocess.Popen.__init__
+
+    def guarded(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        what = _slow_command(args)
+        if what is not None:
+            started.append(what)
+            pytest.fail(
+                f"{request.node.nodeid} starts {what} ({args!r}) but is not marked slow: add "
+                "@pytest.mark.slow (or see tests/conftest.py's docstring)",
+                pytrace=False,
+            )
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
+    call = request.node.stash.get(_CALL_REPORT, None)
+    if started and call is not None and call.passed:  # the test swallowed the failure, or a thread of it started one
+        pytest.fail(f"{request.node.nodeid} started {', '.join(started)} but is not marked slow", pytrace=False)
+
+
+_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
+    return report
+
+
+_over_budget: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > FAST_BUDGET_S and SLOW not in report.keywords:
+        _over_budget.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _over_budget:
+        terminalreporter.section(f"tests not marked slow that took over {FAST_BUDGET_S:g}s", sep="-")
+        for duration, nodeid in sorted(_over_budget, reverse=True):
+            terminalreporter.write_line(f"{duration:6.1f}s {nodeid}")
 
 
 # -- end-to-end runs of the plugin through pytester ----------------------------------

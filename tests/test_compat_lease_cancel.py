@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import require
+from helpers import wait_for
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, WaitTimeout
 from pytest_gpu.leasing.placement import Policy
@@ -50,14 +51,6 @@ def interrupt_after(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-    return value
 
 
 @pytest.fixture
@@ -157,17 +150,24 @@ def test_wait_timeout_still_cancels_and_names_the_holder(one_gpu: Any) -> None:
 
 TIMED_OUT_WAIT = """
 import time
+from pathlib import Path
+
 import pytest
+
+HOLDING = Path(__file__).parent / "holding"
 
 @pytest.mark.timeout(30)
 @pytest.mark.xdist_group("a")
 @pytest.mark.gpu(exclusive=True)
 def test_holds_the_gpu(gpu):
+    HOLDING.write_text("")
     time.sleep(5)
 
 @pytest.mark.xdist_group("b")
 def test_times_out_waiting(gpu_request):
-    time.sleep(0.5)  # the holder has the GPU by now
+    deadline = time.monotonic() + 2.5  # within --timeout=3
+    while not HOLDING.exists() and time.monotonic() < deadline:  # the holder has the GPU
+        time.sleep(0.01)
     with gpu_request(exclusive=True):
         pass
 

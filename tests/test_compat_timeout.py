@@ -72,7 +72,6 @@ def test_c_own_value(rank):
 """
 
 
-@pytest.mark.slow
 def test_a_test_timed_out_by_pytest_timeout_leaves_no_rank_running_its_body(
     gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -257,7 +257,6 @@ def _leases(path: Path) -> dict[tuple[str, str], dict]:
     return by_key
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("workers", [None, "2"], ids=["in-process", "xdist"])
 def test_the_map_and_the_hook_give_the_same_leases_as_explicit_markers(gpu_pytester, run_inner, workers):
     out = gpu_pytester.path / "leases.jsonl"
@@ -691,7 +690,6 @@ def test_a_mapped_request_too_large_for_any_gpu_fails_collection_naming_the_test
     )
 
 
-@pytest.mark.slow
 def test_mapped_markers_are_the_suites_to_register_under_strict_markers(gpu_pytester, run_inner):
     gpu_pytester.makeini("[pytest]\ngpu_marker_map =\n    large: exclusive\n")
     gpu_pytester.makepyfile("import pytest\n\n@pytest.mark.large\ndef test_l(gpu):\n    pass\n")

@@ -74,8 +74,11 @@ def test_sigkill_of_worker_holding_two_gpus(gpu_pytester, run_inner):
     gpu_pytester.makeconftest(CRASH_CONFTEST.format(holding=holding))
     gpu_pytester.makepyfile(test_crash=CRASH.format(killed=str(killed), granted=str(granted), holding=holding))
     # three tests on two workers go round-robin: crash -> gw0, waiter -> gw1, after -> gw0
-    # (re-queued when gw0 dies); the waiter's timeout is far beyond the bound checked below
-    result = run_inner("--gpus", "sim:2x16GiB", "-n", "2", "--gpu-wait-timeout", "20", subprocess=True)
+    # (re-queued when gw0 dies); the waiter's timeout is far beyond the bound checked below.
+    # xdist's scheduling: the GPU scheduler would hold the waiter back instead of sending it
+    # to wait at the broker, and test_crash would wait its whole 30 s for a waiter.
+    args = ("--gpus", "sim:2x16GiB", "-n", "2", "--gpu-schedule=off", "--gpu-wait-timeout", "20")
+    result = run_inner(*args, subprocess=True)
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()
     crashed = re.search(r"worker '(gw\d+)' crashed while running 'test_crash\.py::test_crash'", out)
@@ -230,6 +233,7 @@ def test_broker_socket_is_private(gpu_pytester, run_inner):
     run_inner("--gpus", "sim:1x16GiB").assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfds (Linux)")
 def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
     """A worker that closed its connection still has CUDA contexts until its process exits."""

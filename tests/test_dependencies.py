@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from conftest import INNER_ARGS, require
+from helpers import by_group
 from pytest_gpu.scheduling.dependencies import GROUP_PREFIX, automark_enabled, dependency_groups
 
 # Registers the marker even where pytest-dependency is not installed (the lines add up).
@@ -33,14 +34,6 @@ def collect(pytester: pytest.Pytester, *args: str, **files: str) -> tuple[list[p
 def groups_of(pytester: pytest.Pytester, **files: str) -> dict[str, str]:
     items, _ = collect(pytester, **files)
     return dependency_groups(items)
-
-
-def by_group(groups: dict[str, str]) -> dict[str, set[str]]:
-    """Group id -> its members' nodeids."""
-    out: dict[str, set[str]] = {}
-    for nodeid, group in groups.items():
-        out.setdefault(group, set()).add(nodeid)
-    return out
 
 
 @pytest.fixture

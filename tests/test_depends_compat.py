@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import require
+from helpers import by_group
 from pytest_gpu.scheduling.dependencies import GROUP_PREFIX, dependency_groups
 
 # Like conftest.INNER_ARGS, but with pytest-depends active (this suite's own ini blocks it).
@@ -42,13 +43,6 @@ def collect(pytester: pytest.Pytester, *args: str, **files: str) -> list[pytest.
     items, reprec = pytester.inline_genitems(*ARGS, *args)
     assert not reprec.getfailedcollections()
     return items
-
-
-def by_group(groups: dict[str, str]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for nodeid, group in groups.items():
-        out.setdefault(group, set()).add(nodeid)
-    return out
 
 
 # Every name form pytest-depends resolves (util.get_names / get_absolute_nodeid).

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import require
 
+pytestmark = pytest.mark.slow  # every test here runs pytest (or a launcher) in a subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cached_args
 from pytest_gpu.scheduling.scheduler import order
 
 COLLECTION = ["t.py::test_a", "t.py::test_b", "t.py::K::test_c", "u.py::test_d[1]", "u.py::test_d[2]"]
@@ -78,12 +79,6 @@ def test_quick():
 
 QUICK = "test_ff.py::test_quick"
 TOTAL = 13
-
-
-def cached_args(pytester: pytest.Pytester) -> tuple[str, ...]:
-    """As conftest's INNER_ARGS, but with pytest's cache on, kept inside the pytester directory."""
-    cache_dir = f"cache_dir={pytester.path / '.pytest_cache'}"
-    return ("-p", "no:benchmark", "-p", "no:hypothesispytest", "-p", "no:depends", "-o", cache_dir)
 
 
 def started(path: Path) -> list[str]:

@@ -398,6 +398,7 @@ def test_mig_slot_out_of_range_is_invalid_argument(tmp_path: Path, cache_dir: Pa
     assert out["slots"] == ["NVMLError_NotFound", None, "NVMLError_InvalidArgument", "NVMLError_InvalidArgument"]
 
 
+@pytest.mark.slow
 def test_no_v3_variant_lacks_the_v3_symbols(tmp_path: Path, cache_dir: Path) -> None:
     write_state(tmp_path, "option no_v3 1", *PLAIN, f"proc GPU-00000000-aaaa {os.getpid()} 5")
     code = """
@@ -419,6 +420,7 @@ def test_no_v3_variant_lacks_the_v3_symbols(tmp_path: Path, cache_dir: Path) -> 
     assert new == {**new, "v3": None, "unversioned": None, "v2": 1, "has_v3": True, "has_graphics_v3": True}
 
 
+@pytest.mark.slow
 def test_driver_not_loaded_without_state(tmp_path: Path, cache_dir: Path) -> None:
     code = """
         out["init"] = err(pynvml.nvmlInit)
@@ -531,6 +533,7 @@ def test_soname_resolves_to_an_already_loaded_fake(tmp_path: Path, cache_dir: Pa
     assert done.stdout.split() == ["2", "550.54.15"]
 
 
+@pytest.mark.slow
 def test_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "cc.log"
     wrapper = tmp_path / "counting-cc"
@@ -569,6 +572,7 @@ def test_no_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
         nvml.library_dir()
 
 
+@pytest.mark.slow
 def test_source_compiles_without_warnings(tmp_path: Path) -> None:
     strict = ("-std=c11", "-Wall", "-Wextra", "-Werror")
     for flag in ((), ("-DFAKE_NVML_NO_V3",)):

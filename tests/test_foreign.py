@@ -134,6 +134,7 @@ def _name(pid: int) -> str:
     return psutil.Process(pid).name()
 
 
+@pytest.mark.slow
 def test_a_holder_is_foreign_with_its_pid_and_bytes(machine) -> None:
     sampler, hold = machine("sim:2x4GiB", [GPU0, GPU1])
     holder = hold(1, "1GiB")
@@ -145,6 +146,7 @@ def test_a_holder_is_foreign_with_its_pid_and_bytes(machine) -> None:
     assert sampler.call([GPU1], set()) == {GPU1: GiB + OVERHEAD}  # the arbiter's ForeignSource
 
 
+@pytest.mark.slow
 def test_a_root_and_its_children_are_ours(machine) -> None:
     sampler, hold = machine("sim:2x4GiB", [GPU0, GPU1])
     holder = hold(1, "1GiB")
@@ -155,6 +157,7 @@ def test_a_root_and_its_children_are_ours(machine) -> None:
     assert sampler.sample({os.getpid(): me - 5})[GPU1].bytes == GiB + OVERHEAD  # a recycled root pid
 
 
+@pytest.mark.slow
 def test_a_killed_holder_is_gone_on_the_next_sample(machine) -> None:
     sampler, hold = machine("sim:2x4GiB", [GPU0, GPU1])
     holder, other = hold(1, "1GiB"), hold(1, "512MiB")
@@ -169,6 +172,7 @@ def test_a_killed_holder_is_gone_on_the_next_sample(machine) -> None:
     assert sampler.sample()[GPU1] == Foreign(0, (), None)
 
 
+@pytest.mark.slow
 def test_an_old_driver_without_v3_records_still_lists_processes(machine) -> None:
     sampler, hold = machine("sim:2x4GiB;no-v3", [GPU1])
     holder = hold(1, "1GiB")
@@ -178,6 +182,7 @@ def test_an_old_driver_without_v3_records_still_lists_processes(machine) -> None
 # -- by difference ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_host_pids_in_a_container_are_estimated_by_difference(machine) -> None:
     sampler, hold = machine("sim:2x4GiB;pidns=5000000", [GPU0, GPU1])
     holder, other = hold(1, "1GiB"), hold(0, "512MiB")
@@ -196,6 +201,7 @@ def test_host_pids_in_a_container_are_estimated_by_difference(machine) -> None:
     assert found[GPU0].bytes == 512 * MiB + OVERHEAD
 
 
+@pytest.mark.slow
 def test_a_gpu_that_refuses_process_lists_is_estimated_by_difference(machine) -> None:
     inst = mig_uuid(0, 0)
     sampler, hold = machine("sim:1x16GiB;mig:0=2x8GiB", [inst, mig_uuid(0, 1)])
@@ -210,6 +216,7 @@ def test_a_gpu_that_refuses_process_lists_is_estimated_by_difference(machine) ->
     assert sampler.sample(set(), {inst: 0})[inst].bytes == 0
 
 
+@pytest.mark.slow
 def test_a_gpu_nvml_refuses_is_unknown_and_said(machine) -> None:
     sampler, hold = machine("sim:2x4GiB;fault:0=no_permission", [GPU0, GPU1])
     holder = hold(1, "1GiB")
@@ -220,6 +227,7 @@ def test_a_gpu_nvml_refuses_is_unknown_and_said(machine) -> None:
     assert found[GPU1].processes == (ForeignProcess(holder.pid, GiB + OVERHEAD, _name(holder.pid)),)
 
 
+@pytest.mark.slow
 def test_a_closed_sampler_says_so(machine) -> None:
     sampler, _ = machine("sim:2x4GiB", [GPU0])
     sampler.close_sampler()
@@ -289,6 +297,7 @@ def test_a_zombie_is_not_ours_and_does_not_raise() -> None:
         child.wait()
 
 
+@pytest.mark.slow
 def test_a_holder_on_another_machine_is_not_seen(machine, hold: Callable[..., Holder]) -> None:
     """Two simulated machines are two machines."""
     sampler, _ = machine("sim:2x4GiB", [GPU1])

@@ -8,18 +8,17 @@ is on them either. Checked from the planner alone (simulated time) and end to en
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import INNER_ARGS
+from helpers import load_trace
 from pytest_gpu.scheduling.planner import Job, Need, Planner
 
 Run = Callable[..., pytest.RunResult]
@@ -158,10 +157,6 @@ ALONE = (
 )
 
 
-def load_trace(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text())["traceEvents"]
-
-
 def spans_of(events: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
     """Node id -> (start, end, worker track) of each test in the trace (setup to teardown)."""
     return {
@@ -193,7 +188,7 @@ def test_a_serial_test_overlaps_no_other_test_and_the_run_resumes_in_parallel(
     args = ("--gpus", "sim:4x16GiB", "-n", "4", "--strict-markers", "--gpu-trace", str(trace))
     result = run_inner(*args, subprocess=True)
     result.assert_outcomes(passed=16)
-    events = load_trace(trace)
+    events, _ = load_trace(trace)
     spans = spans_of(events)
     assert len(spans) == 16
     for nodeid in ALONE:  # the serial tests, and the group one of them is in
@@ -237,7 +232,7 @@ def test_a_serial_test_without_gpus_is_still_alone_in_the_run(gpu_pytester: pyte
     trace = gpu_pytester.path / "trace.json"
     result = run_inner("--gpus", "none", "-n", "3", "--gpu-trace", str(trace), subprocess=True)
     result.assert_outcomes(passed=7)
-    events = load_trace(trace)
+    events, _ = load_trace(trace)
     spans = spans_of(events)
     assert overlapping(spans, "test_cpu_only.py::test_alone") == []
     assert not [e for e in events if e.get("cat") == "lease"]

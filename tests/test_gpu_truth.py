@@ -178,6 +178,7 @@ def test_mig_instances_are_the_inventory(gpu_pytester, fake):
     assert "peaked at 0B" not in result.stdout.str()  # NVML could not measure it: no made-up suggestion
 
 
+@pytest.mark.slow
 def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
     require("C compiler", executable="cc")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}

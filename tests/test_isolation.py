@@ -72,6 +72,7 @@ def run_torch(tmp_path: Path, body: str, spec: str = "sim:4x16GiB", **env: str) 
     return json.loads(line[4:])
 
 
+@pytest.mark.slow
 def test_torch_gets_device_and_caps_on_leased_gpus_only(tmp_path):
     out = run_torch(
         tmp_path,
@@ -102,6 +103,7 @@ out["notes"] = done.notes
     assert out["notes"] == []
 
 
+@pytest.mark.slow
 def test_cached_memory_of_an_earlier_test_is_neither_its_peak_nor_kept(tmp_path):
     """Item 2: reset_peak_memory_stats sets the peak to the current reserve: the cache must be empty first."""
     out = run_torch(
@@ -125,6 +127,7 @@ b.undo()
     assert out["peak_b"] < 2 * GiB  # the second test's own peak, not the first test's cache
 
 
+@pytest.mark.slow
 def test_undo_opens_no_context_outside_the_lease(tmp_path):
     """Item 3: going back to a device the process never used would open a context there (CUDA 12)."""
     out = run_torch(
@@ -144,6 +147,7 @@ out["current"] = torch.cuda.current_device()
     assert out["current"] == 2
 
 
+@pytest.mark.slow
 def test_fraction_is_of_the_total_torch_sees(tmp_path):
     """Item 13: NVML's total includes the driver's reserve; torch's cap is a fraction of what CUDA sees."""
     out = run_torch(
@@ -352,6 +356,7 @@ def test_a_failing_adapter_undoes_what_was_applied(clean_env, tmp_path):
     sim.cuda.forget()
 
 
+@pytest.mark.slow
 def test_torch_sections_and_lazy_start(tmp_path):
     """Sections on the main lease's GPU and elsewhere; torch's CUDA is started only when the test uses it."""
     out = run_torch(
@@ -385,6 +390,7 @@ main.undo()
     assert out["current_after_other"] == 1
 
 
+@pytest.mark.slow
 def test_undo_with_a_torch_whose_fraction_call_switches_device(tmp_path):
     """Item 3 on torch < 2.10: setMemoryFraction calls SetDevice and leaves it there."""
     out = run_torch(

@@ -25,6 +25,10 @@ from conftest import require
 INNER = ("-p", "no:benchmark", "-p", "no:hypothesispytest", "--color=no")
 NO_CACHE = ("-p", "no:cacheprovider")
 LAUNCH_TIMEOUT = 150
+# where a rank never reports, rank 0 waits this long twice (for its results, then for it to
+# leave): short, but long enough for every rank to finish collecting (that gather waits as long)
+MISSING_RANK_TIMEOUT = 4
+GATHER = f"--rank-gather-timeout={MISSING_RANK_TIMEOUT}"
 GiB, OVERHEAD = 2**30, 500 * 2**20  # --gpu-context-overhead's default
 
 # the environment of a rank of an outer launch (or of an outer xdist worker) must not leak in
@@ -262,6 +266,7 @@ def launcher(request: pytest.FixtureRequest) -> Launcher:
 # -- lockstep: every rank runs every test ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> None:
     name = launcher.name
     cwd = suite(tmp_path, test_lockstep=LOCKSTEP)
@@ -316,18 +321,17 @@ def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> Non
     assert rank1_cases["test_lockstep::test_x"].find("failure") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torchrun", "srun"])
 def test_killed_rank_is_reported_by_rank_0(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     launcher = Launcher(name, request)
     cwd = suite(tmp_path, test_killed=KILLED)
-    result = launcher.run(cwd, 2, *NO_CACHE, "--rank-gather-timeout=8", "--junitxml=junit.xml")
+    result = launcher.run(cwd, 2, *NO_CACHE, GATHER, "--junitxml=junit.xml")
     out, terminal = result.stdout, result.terminal
     rank1_log = cwd / "logs" / name / "rank1.log"
 
     assert result.returncode != 0, terminal
-    assert (
-        f"rank 1 did not report within --rank-gather-timeout=8s (it died or hangs); its output: {rank1_log}" in out
-    ), terminal
+    assert f"rank 1 did not report within {GATHER}s (it died or hangs); its output: {rank1_log}" in out, terminal
     assert f"FAILED pytest-gpu::rank1 - rank 1 of 2 ({name}) did not report" in out
     if name == "torchrun":  # torchrun stopped rank 0 in the middle of test_dies
         assert "KeyboardInterrupt: SIGTERM from the launcher" in out
@@ -337,18 +341,19 @@ def test_killed_rank_is_reported_by_rank_0(name: str, request: pytest.FixtureReq
         assert result.exit_statuses(1) == ["1"]
     failure = result.junit()["pytest-gpu::rank1"].find("failure")
     assert failure is not None
-    assert "did not report its results within --rank-gather-timeout=8s" in (failure.get("message") or "")
+    assert f"did not report its results within {GATHER}s" in (failure.get("message") or "")
 
 
+@pytest.mark.slow
 def test_hung_rank_under_mpirun_is_reported(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     launcher = Launcher("mpirun", request)
     cwd = suite(tmp_path, test_hung=HUNG)
-    result = launcher.run(cwd, 2, *NO_CACHE, "--rank-gather-timeout=8", "--junitxml=junit.xml")
+    result = launcher.run(cwd, 2, *NO_CACHE, GATHER, "--junitxml=junit.xml")
     out = result.stdout
     rank1_log = cwd / "logs" / "mpirun" / "rank1.log"
 
     assert result.returncode != 0, result.terminal
-    assert f"rank 1 did not report within --rank-gather-timeout=8s (it died or hangs); its output: {rank1_log}" in out
+    assert f"rank 1 did not report within {GATHER}s (it died or hangs); its output: {rank1_log}" in out
     assert "FAILED pytest-gpu::rank1 - rank 1 of 2 (mpirun) did not report" in out
     assert re.search(r"=+ 1 failed, 2 passed in ", out), out
     assert result.exit_statuses(1) == ["1"]
@@ -379,6 +384,7 @@ def test_two(gpu):
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "gpus", "leases", "two"),
     [
@@ -415,6 +421,7 @@ def test_ranks_of_a_node_lease_disjoint_shares_of_its_gpus(
     assert f"test_shares.py::test_two: {two}" in result.stdout  # a rank's share is all it may lease
 
 
+@pytest.mark.slow
 def test_ranks_that_collected_different_tests(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     launcher = Launcher("mpirun", request)
     cwd = suite(tmp_path, test_mismatch=MISMATCH)
@@ -536,6 +543,7 @@ def share_spread(out: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.slow
 def test_shard_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     launcher = Launcher("srun", request)
     cwd = suite(tmp_path, test_sharded=SHARDED)
@@ -560,6 +568,7 @@ def test_shard_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> Non
     assert spreads[1] <= 25, spreads
 
 
+@pytest.mark.slow
 def test_shard_with_xdist_workers_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The README's recipe: each rank runs its share with its own xdist workers."""
     launcher = Launcher("srun", request)

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from conftest import require
+from helpers import cached_args, load_trace
 
 # The controller (or a serial run) sees every worker's reports, crashed tests included.
 REPORTER = """
@@ -77,25 +78,18 @@ def starts_by_worker(recs: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     return out
 
 
-def load_trace(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    data = json.loads(path.read_text())
-    return data["traceEvents"], data["otherData"]["pytest_gpu"]
-
-
 def spans_of_tests(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The trace's test spans, by start."""
     return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "test"), key=lambda e: e["ts"])
 
 
-def cached_args(pytester: pytest.Pytester) -> tuple[str, ...]:
-    """As run_inner's INNER_ARGS, but with pytest's cache on, kept inside the pytester directory."""
-    return ("-p", "no:benchmark", "-p", "no:hypothesispytest", "-o", f"cache_dir={pytester.path / '.pytest_cache'}")
-
-
 # -- which scheduler -n uses ----------------------------------------------------------------------
 
-
-@pytest.mark.parametrize(
+FEW = (
+    "import pytest\n\n@pytest.mark.parametrize('i', range(3))\ndef test_x(i): pass\n\n"
+    "@pytest.mark.gpu(memory='1GiB')\ndef test_g(): pass\n"
+)
+SCHEDULERS = pytest.mark.parametrize(
     ("args", "scheduler"),
     [
         ((), "GpuScheduling"),
@@ -106,13 +100,46 @@ def cached_args(pytester: pytest.Pytester) -> tuple[str, ...]:
     ],
     ids=["default", "off", "ini-off", "dist-load", "dist-loadgroup"],
 )
+
+# The controller as ``-n 2`` configures it (pytest-gpu's and xdist's command-line and
+# configure hooks have run), asked for its scheduler the way xdist's session asks; then
+# that session is taken out, so the tests run in this process instead of starting workers
+# (no worker, so no terminal summary of a distributed run: the end-to-end test checks that).
+SCHEDULER_PROBE = """
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    dsession = config.pluginmanager.getplugin("dsession")
+    scheduler = config.hook.pytest_xdist_make_scheduler(config=config, log=dsession.log)
+    (config.rootpath / "scheduler.txt").write_text(type(scheduler).__name__)
+    config.pluginmanager.unregister(dsession)
+"""
+
+
+@SCHEDULERS
 def test_n_uses_gpu_scheduling_unless_off_or_dist_chosen(
     gpu_pytester: pytest.Pytester, run_inner: Run, args: tuple[str, ...], scheduler: str
 ) -> None:
-    gpu_pytester.makepyfile(
-        test_few="import pytest\n\n@pytest.mark.parametrize('i', range(3))\ndef test_x(i): pass\n\n"
-        "@pytest.mark.gpu(memory='1GiB')\ndef test_g(): pass\n"
-    )
+    gpu_pytester.makeconftest(SCHEDULER_PROBE)
+    gpu_pytester.makepyfile(test_few=FEW)
+    result = run_inner("--gpus", "sim:4x16GiB", "-n", "2", "-v", *args)
+    result.assert_outcomes(passed=4)
+    assert (gpu_pytester.path / "scheduler.txt").read_text() == scheduler
+
+
+@pytest.mark.parametrize(
+    ("args", "scheduler"),
+    [((), "GpuScheduling"), (("--dist", "loadgroup"), "LoadGroupScheduling")],
+    ids=["default", "dist-loadgroup"],
+)
+def test_n_uses_the_chosen_scheduler_end_to_end(
+    gpu_pytester: pytest.Pytester, run_inner: Run, args: tuple[str, ...], scheduler: str
+) -> None:
+    """The probe's answer is the scheduler real workers get, and an explicit --dist is said
+    in the summary (--gpu-schedule=off is not: test_cpu_work_fills_the_gap_... checks)."""
+    gpu_pytester.makepyfile(test_few=FEW)
     result = run_inner("--gpus", "sim:4x16GiB", "-n", "2", "-v", *args, subprocess=True)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines([f"scheduling tests via {scheduler}"])
@@ -388,6 +415,7 @@ def test_cpu_work_fills_the_gap_instead_of_waiting_for_the_gpu(gpu_pytester: pyt
     plain = gpu_pytester.runpytest_subprocess(*args, "--gpu-schedule=off", "-v", timeout=120)
     plain.assert_outcomes(passed=8)
     plain.stdout.fnmatch_lines(["*scheduling tests via LoadScheduling"])
+    assert "the GPU scheduler is off" not in plain.stdout.str()  # only an explicit --dist is said
     assert sum(e["args"]["wait_s"] for e in spans_of_tests(load_trace(trace)[0])) > 0.5
 
     scheduled = gpu_pytester.runpytest_subprocess(*args, timeout=120)
@@ -650,7 +678,7 @@ def test_second():
 SLOW_RELEASE = """
 import time
 
-from pytest_gpu import client
+from pytest_gpu.leasing import client
 
 _release = client.BrokerClient.release
 

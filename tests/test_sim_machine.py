@@ -175,6 +175,7 @@ def test_an_idle_machine_takes_the_spec_asked_for(machine: str, hold: Callable[.
     assert led.used() == {0: 0}
 
 
+@pytest.mark.slow
 def test_a_live_user_without_memory_keeps_the_machine(machine: str) -> None:
     user = subprocess.Popen(
         [sys.executable, "-c", f"from pytest_gpu import sim; sim.machine_ledger({SPEC!r}); print('in'); input()"],
@@ -312,6 +313,7 @@ def _fake_ledger(env: dict[str, str]) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_fake_gpus_use_the_machine_ledger(machine: str, hold: Callable[..., Holder], tmp_path: Path) -> None:
     env = _clean_env(PYTEST_GPU_FAKE_GPUS=SPEC)
     assert _fake_ledger(env) == str(Domain.sim(SPEC).ledger_path)
@@ -337,6 +339,7 @@ def _hold(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_hold_for_some_seconds_then_frees(machine: str) -> None:
     done = _hold("--spec", SPEC, "--gpu", "1", "--memory", "1GiB", "--seconds", "0.1")
     assert done.returncode == 0, done.stderr
@@ -359,6 +362,7 @@ def test_hold_takes_a_named_machines_own_spec(machine: str, hold: Callable[..., 
     assert sim.machine_ledger("sim:3x2GiB").contexts_of(holder.pid) == {2}
 
 
+@pytest.mark.slow
 def test_hold_says_what_went_wrong(machine: str, hold: Callable[..., Holder]) -> None:
     bad = _hold("--spec", "sim:4xlots", "--gpu", "0", "--memory", "1GiB")
     assert bad.returncode == 2

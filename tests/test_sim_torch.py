@@ -67,6 +67,7 @@ def run_script(tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visi
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_device_list_is_fixed_at_first_cuda_call_and_device_count_follows_torch(tmp_path: Path) -> None:
     out = run_script(
         tmp_path,
@@ -109,6 +110,7 @@ def test_device_list_is_fixed_at_first_cuda_call_and_device_count_follows_torch(
     assert out["contexts_after_set_device"] == [2]
 
 
+@pytest.mark.slow
 def test_current_device_guards_and_contexts_follow_cuda_12(tmp_path: Path) -> None:
     out = run_script(
         tmp_path,
@@ -149,6 +151,7 @@ def test_current_device_guards_and_contexts_follow_cuda_12(tmp_path: Path) -> No
     assert out["ledger_used"] == {str(i): OVERHEAD for i in range(4)}
 
 
+@pytest.mark.slow
 def test_caching_allocator_rounds_caches_and_reports_like_torch(tmp_path: Path) -> None:
     out = run_script(
         tmp_path,
@@ -213,6 +216,7 @@ def test_caching_allocator_rounds_caches_and_reports_like_torch(tmp_path: Path) 
     assert out["after_reset"] == [False, True, OVERHEAD, False]  # the context stays with the process
 
 
+@pytest.mark.slow
 def test_out_of_memory_retries_once_then_raises_torchs_error(tmp_path: Path) -> None:
     machine = spec.parse("sim:4x16GiB;reserved=1%")
     total = machine.gpus[0].total - machine.gpus[0].reserved

@@ -1,0 +1,95 @@
+"""Helper functions shared by several test files: ``from helpers import wait_for``.
+
+Fixtures, ``require`` and the tiers live in ``conftest.py``; what one test file alone
+needs stays in that file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import pytest
+
+from pytest_gpu.leasing.requests import GpuRequest
+
+T = TypeVar("T")
+
+# -- waiting for a condition instead of sleeping a fixed time -----------------------------
+
+
+def wait_for(condition: Callable[[], T], timeout: float = 5.0, what: str = "condition", interval: float = 0.005) -> T:
+    """Poll ``condition`` until it returns something true, and return that; fail the test
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(interval)
+    return value
+
+
+# -- GPU requests --------------------------------------------------------------------------
+
+
+def whole(count: int = 1, at_least: int | None = None) -> GpuRequest:
+    """``count`` whole GPUs (exclusive), each with at least ``at_least`` bytes if given."""
+    return GpuRequest(count=count, memory=None, exclusive=True, min_memory=at_least)
+
+
+def shared(memory: int, count: int = 1) -> GpuRequest:
+    """``memory`` bytes on each of ``count`` shared GPUs."""
+    return GpuRequest(count=count, memory=memory, exclusive=False)
+
+
+# -- inner runs ------------------------------------------------------------------------------
+
+
+def cached_args(pytester: pytest.Pytester) -> tuple[str, ...]:
+    """As conftest's INNER_ARGS, but with pytest's cache on, kept inside the pytester directory."""
+    from conftest import INNER_ARGS
+
+    plugins = [
+        arg
+        for pair in zip(INNER_ARGS[::2], INNER_ARGS[1::2], strict=True)
+        if pair[1] != "no:cacheprovider"
+        for arg in pair
+    ]
+    return (*plugins, "-o", f"cache_dir={pytester.path / '.pytest_cache'}")
+
+
+def by_group(groups: dict[str, str]) -> dict[str, set[str]]:
+    """Node id -> group id, turned into group id -> its members' node ids."""
+    out: dict[str, set[str]] = {}
+    for nodeid, group in groups.items():
+        out.setdefault(group, set()).add(nodeid)
+    return out
+
+
+def load_trace(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A ``--gpu-trace`` file: its events, and pytest-gpu's own data about the run."""
+    data = json.loads(path.read_text())
+    return data["traceEvents"], data["otherData"]["pytest_gpu"]
+
+
+# -- processes ---------------------------------------------------------------------------
+
+RANKMAIN = "pytest_gpu.distributed.rankmain"
+
+
+def rank_processes(var: str, mark: str) -> list[str]:
+    """Rank processes (and their launchers) still alive whose environment has ``var=mark``:
+    those of the inner run that a test marked so; ``pid: command line`` each."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if RANKMAIN in cmdline and proc.environ().get(var) == mark:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{proc.pid}: {cmdline}")
+        except psutil.Error:
+            continue
+    return found
