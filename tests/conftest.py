@@ -86,6 +86,19 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{SLOW}: runs a pytest session (pytester) or starts costly processes (xdist workers, launchers, "
         "Ray, SLURM, torch) or waits on purpose; the fast tier is -m 'not slow' (tests/conftest.py)",
     )
+    if not hasattr(config, "workerinput"):
+        _compile_the_package()
+
+
+def _compile_the_package() -> None:
+    """Write pytest_gpu's bytecode once: with PYTHONDONTWRITEBYTECODE set (as in CI's image) no
+    process writes it, so every inner pytest, xdist worker and rank of the suite compiled the
+    whole package from source again (~0.4 s each, hundreds of processes)."""
+    import compileall
+
+    import pytest_gpu
+
+    compileall.compile_dir(str(Path(pytest_gpu.__file__).parent), quiet=2)
 
 
 def _is_slow(item: pytest.Item) -> bool:

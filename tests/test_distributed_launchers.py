@@ -14,28 +14,13 @@ import time
 import uuid
 import xml.etree.ElementTree as ET
 
-import psutil
 import pytest
 
 from conftest import require
+from helpers import rank_processes
 
-RANKMAIN = "pytest_gpu.distributed.rankmain"
 MARK_VAR = "DIST_TEST_RUN_MARK"
 INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark", "-rA")
-
-
-def rank_processes(mark: str) -> list[str]:
-    """Rank processes and launchers of the inner run with this marker, still alive."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or ())
-            if RANKMAIN in cmdline and proc.environ().get(MARK_VAR) == mark:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(f"{proc.pid}: {cmdline}")
-        except psutil.Error:
-            continue
-    return found
 
 
 class Launch:
@@ -115,7 +100,7 @@ def test_mpi_backend_through_mpirun(launch: Launch) -> None:
     assert "distributed test failed on 1 of 2 ranks (2 ranks (mpi via mpirun))" in text
     assert "E       AssertionError: assert (2 + 1) == 2" in text
     assert "=== rank 0 ===" not in text
-    assert rank_processes(launch.mark) == []
+    assert rank_processes(MARK_VAR, launch.mark) == []
 
 
 # -- torchrun ---------------------------------------------------------------------------------------
@@ -157,7 +142,7 @@ def test_torchrun_launcher_with_gloo(launch: Launch) -> None:
     props = launch.props()
     assert props["test_allreduce_under_torchrun"]["dist_pool"] == "fresh"
     assert props["test_warm_under_torchrun"]["dist_pool"] == "warm"
-    assert rank_processes(launch.mark) == []
+    assert rank_processes(MARK_VAR, launch.mark) == []
 
 
 # -- srun on a one-node SLURM cluster -----------------------------------------------------------------
@@ -206,7 +191,7 @@ def test_srun_launcher(launch: Launch, slurm: str, monkeypatch: pytest.MonkeyPat
     props = launch.props()
     assert props["test_allreduce_under_srun"]["dist_pool"] == "fresh"
     assert props["test_warm_under_srun"]["dist_pool"] == "warm"
-    assert rank_processes(launch.mark) == []
+    assert rank_processes(MARK_VAR, launch.mark) == []
     squeue = shutil.which("squeue")
     if squeue is not None:  # the pools' jobs ended with them (a SIGKILLed srun would leave its job running)
         deadline = time.monotonic() + 10
