@@ -83,3 +83,14 @@ def test_kill_and_wait_ends_live_processes_and_skips_gone_ones() -> None:
     finally:
         live.kill()
         live.wait()
+
+
+def test_foreign_usage_knows_its_own_run_through_a_second_of_clock_step() -> None:
+    """descends_from compares a root's recorded start with the same tolerance as owner_alive:
+    an exact comparison counted the run's own processes as foreign after an NTP step."""
+    from pytest_gpu.gpu.foreign import descends_from
+
+    me = os.getpid()
+    start = psutil.Process(me).create_time()
+    assert descends_from(me, {me: start + 1.0})
+    assert not descends_from(me, {me: start + 100.0})  # another process that had the pid

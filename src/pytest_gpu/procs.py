@@ -1,7 +1,8 @@
 """Processes this package started or recorded: ending them, and telling whether one still runs.
 
 Rank pools and the Ray head end their process trees one way (:func:`kill_and_wait`).
-Run directories, the Ray head's watchdog and the simulated GPUs' ledger all record a
+Run directories, the Ray head's watchdog, the simulated GPUs' ledger, shared artifacts'
+builders and the machine's attached runs (foreign usage) all record a
 process as ``(pid, create time)`` and later ask whether *that* process still runs, not
 some later one that got the same pid (:func:`owner_alive`). psutil is imported on use:
 the plugin loads this module into every pytest process.
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
 CTIME_TOLERANCE_S = 1.5
 
 
+def started_at(proc: psutil.Process, ctime: float, tolerance: float = CTIME_TOLERANCE_S) -> bool:
+    """Whether ``proc`` is the process recorded as started at ``ctime`` (not a reused pid)."""
+    return abs(proc.create_time() - ctime) <= tolerance
+
+
 def owner_alive(pid: int, ctime: float | None, *, tolerance: float = CTIME_TOLERANCE_S, unsure: bool = True) -> bool:
     """Whether process ``pid``, started at ``ctime`` (psutil's ``create_time``), still runs.
 
@@ -36,7 +42,7 @@ def owner_alive(pid: int, ctime: float | None, *, tolerance: float = CTIME_TOLER
 
     try:
         proc = psutil.Process(pid)
-        if ctime is not None and abs(proc.create_time() - ctime) > tolerance:
+        if ctime is not None and not started_at(proc, ctime, tolerance):
             return False
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:  # ZombieProcess too

@@ -76,12 +76,14 @@ def descends_from(pid: int, roots: Collection[int] | Mapping[int, float]) -> boo
         return True
     import psutil
 
+    from ..procs import started_at
+
     try:
         proc: psutil.Process | None = psutil.Process(pid)
         seen: set[int] = set()
         while proc is not None and proc.pid not in seen:
             seen.add(proc.pid)
-            if proc.pid in roots and (ctimes is None or proc.create_time() == ctimes[proc.pid]):
+            if proc.pid in roots and (ctimes is None or started_at(proc, ctimes[proc.pid])):
                 return True
             proc = proc.parent()
     except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, a zombie, or hidden (hidepid)

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from ..procs import owner_alive
 from ..scheduling import history
 
 
@@ -29,18 +30,6 @@ class ArtifactBuildError(RuntimeError):
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:100] or "_"
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a killed process its parent has not reaped yet counts as dead."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
 
 
 class ArtifactStore:
@@ -103,7 +92,7 @@ class ArtifactStore:
         """Remove half-built directories of builders that died (we hold the lock now)."""
         for leftover in home.glob(".build-*"):
             pid = leftover.name.split("-")[1]
-            if not pid.isdigit() or not _pid_alive(int(pid)):
+            if not pid.isdigit() or not owner_alive(int(pid), None):
                 shutil.rmtree(leftover, ignore_errors=True)
         for leftover in home.glob(".old-*"):
             shutil.rmtree(leftover, ignore_errors=True)
