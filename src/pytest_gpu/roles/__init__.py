@@ -65,8 +65,8 @@ def register_early(config: pytest.Config) -> None:
     """Register the expected role's object before the initial conftests load.
 
     Hook order follows registration: a conftest's plain hooks (a ``pytest_runtest_setup``
-    that skips, a ``pytest_collection_modifyitems`` that adds markers) run before the
-    role's, as they ran before the plugin module's, so pytest-gpu sees what they did.
+    that skips or waits for a condition) run before the role's, as they ran before the
+    plugin module's, so a test a conftest skips never waits for its lease.
     """
     _create(config, expected_role(config))
 
@@ -101,9 +101,8 @@ def _create(config: pytest.Config, role: Role) -> RoleBase:
     from .owner import Controller
     from .tester import Lone, Worker
 
-    kind: type[RoleBase] = {Role.CONTROLLER: Controller, Role.WORKER: Worker, Role.LONE: Lone}[role]
+    (kind,) = [k for k in (Controller, Worker, Lone) if k.role is role]
     plugin = kind(config, config.stash.get(LAUNCH_KEY, None))
-    plugin.role = role
     register(config, plugin, f"pytest-gpu-{role.value}")
     config.stash[ROLE_KEY] = plugin
     return plugin

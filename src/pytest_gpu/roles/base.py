@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from ..launched.detect import LaunchContext
@@ -19,11 +21,12 @@ class RoleBase:
     as they ran before the plugin module's), its run is attached at ``pytest_configure``;
     no hook of it fires in between."""
 
+    role: ClassVar[Role]  # each concrete role's class says which it is
+
     def __init__(self, config: pytest.Config, launch: LaunchContext | None) -> None:
         self.config = config
         self.launch = launch
         self._run: GpuRun | None = None
-        self.role: Role | None = None  # set by roles.install
 
     @property
     def run(self) -> GpuRun:

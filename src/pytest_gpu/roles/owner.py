@@ -16,7 +16,7 @@ from ..report.summary import Summary, foreign_lines
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
 from .base import RoleBase, register
-from .keys import DIST_CHOSEN_KEY, SCHEDULE_KEY
+from .keys import DIST_CHOSEN_KEY, SCHEDULE_KEY, Role
 
 
 class RunOwner(RoleBase):
@@ -84,6 +84,8 @@ class RunOwner(RoleBase):
 class Controller(RunOwner):
     """The xdist controller: hands each worker the run, and (unless ``--dist`` was chosen)
     hands tests out by what they need (:class:`GpuScheduling`)."""
+
+    role = Role.CONTROLLER
 
     @property
     def schedules(self) -> bool:

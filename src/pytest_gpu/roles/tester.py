@@ -17,7 +17,7 @@ from ..launched import selection
 from ..launched.session import select_share
 from ..run import fixture_leases, lifecycle
 from .base import RoleBase
-from .keys import SCHEDULE_KEY
+from .keys import SCHEDULE_KEY, Role
 from .owner import RunOwner
 
 
@@ -87,6 +87,8 @@ class TestProcess(RoleBase):
 class Worker(TestProcess):
     """An xdist worker: runs the tests the controller sends it, in the controller's run."""
 
+    role = Role.WORKER
+
     def select(self, items: list[pytest.Item]) -> None:
         if self.launch is not None and self.config.getoption("shard"):
             select_share(self.config, self.launch, items)  # xdist workers collect: each takes the rank's share
@@ -105,3 +107,5 @@ class Worker(TestProcess):
 
 class Lone(TestProcess, RunOwner):
     """pytest without xdist workers: owns the run and runs its tests."""
+
+    role = Role.LONE
