@@ -175,13 +175,7 @@ def host_part(kwargs: Mapping[str, Any], what: str, form: str) -> tuple[int, int
         raise GpuRequestError(f"{what}: cpus must be a positive int (CPUs to lease), got {cpus!r}; expected {form}")
     host_memory = 0
     if "host_memory" in kwargs:
-        value = kwargs["host_memory"]
-        try:
-            host_memory = parse_size(value)
-        except SizeError as exc:
-            raise GpuRequestError(f"{what}: host_memory={value!r} is not a size: {exc}; expected {form}") from None
-        if host_memory <= 0:
-            raise GpuRequestError(f"{what}: host_memory must be positive, got {value!r}; expected {form}")
+        host_memory = _positive_size(kwargs["host_memory"], what, "host_memory", f"; expected {form}")
     return cpus, host_memory
 
 
@@ -226,7 +220,7 @@ def build_request(
     if not isinstance(exclusive, bool):
         raise GpuRequestError(f"{what}: exclusive must be True or False, got {exclusive!r}")
     memory_arg = kwargs.get("memory")
-    memory = None if memory_arg is None else _memory(memory_arg, what)
+    memory = None if memory_arg is None else _positive_size(memory_arg, what)
     cpus, host_memory = host_part(kwargs, what, form)
     host = {"cpus": cpus, "host_memory": host_memory}
     if exclusive:  # with memory: only a GPU that can give at least that much, still whole
@@ -257,11 +251,13 @@ def with_host(request: GpuRequest | None, host: GpuRequest, what: str) -> GpuReq
     return replace(request, cpus=request.cpus or host.cpus, host_memory=request.host_memory or host.host_memory)
 
 
-def _memory(value: Any, what: str) -> int:
+def _positive_size(value: Any, what: str, key: str = "memory", hint: str = "") -> int:
+    """Bytes of the size ``value`` given as ``key`` (``what`` names the test or option; ``hint``
+    ends the error); raises :class:`GpuRequestError` for what is not a positive size."""
     try:
-        memory = parse_size(value)
+        size = parse_size(value)
     except SizeError as exc:
-        raise GpuRequestError(f"{what}: memory={value!r} is not a size: {exc}") from None
-    if memory <= 0:
-        raise GpuRequestError(f"{what}: memory must be positive, got {value!r}")
-    return memory
+        raise GpuRequestError(f"{what}: {key}={value!r} is not a size: {exc}{hint}") from None
+    if size <= 0:
+        raise GpuRequestError(f"{what}: {key} must be positive, got {value!r}{hint}")
+    return size
