@@ -7,6 +7,7 @@ needs stays in that file.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,12 @@ def wait_for(condition: Callable[[], T], timeout: float = 5.0, what: str = "cond
 
 
 # -- GPU requests --------------------------------------------------------------------------
+
+
+def user_dir(machines: Path) -> Path:
+    """This user's own directory in the machine directory ``machines`` (its private domains
+    and simulated machines, see pytest_gpu.machine.domain)."""
+    return machines / f"user-{os.geteuid()}"
 
 
 def whole(count: int = 1, at_least: int | None = None) -> GpuRequest:

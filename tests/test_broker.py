@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from pytest_gpu.leasing.broker import Broker, CrashRecord, describe_holders
-from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout
+from pytest_gpu.leasing.broker import Broker, CrashRecord
+from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout, describe_holders
 from pytest_gpu.leasing.placement import Policy
 from pytest_gpu.leasing.ports import PortAllocator
 from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.machine.link import MachineLink
 
 MiB, GiB = 2**20, 2**30
 OVERHEAD = 500 * MiB
@@ -55,8 +56,11 @@ class Run:
     ) -> Broker:
         address = str(self.tmp_path / f"b{len(self.brokers)}.sock")
         assert len(address) < 100, "Unix socket paths are limited to 108 bytes"
-        broker = Broker(capacities or {0: 16 * GiB, 1: 16 * GiB}, address, self.authkey, policy)
-        broker.ports = ports or PortAllocator((30000, 30999), check=always_free, seed=0)
+        # ports are the machine's arbiter's: here one in this process (a private link)
+        ports = ports or PortAllocator((30000, 30999), check=always_free, seed=0)
+        link = MachineLink(None, policy, ports=ports)
+        capacities = capacities or {0: 16 * GiB, 1: 16 * GiB}
+        broker = Broker(capacities, address, self.authkey, policy, (ports.lo, ports.hi), link=link)
         self.brokers.append(broker.start())
         return broker
 

@@ -21,7 +21,7 @@ from pytest_gpu.leasing.requests import (
     with_host,
 )
 from pytest_gpu.machine.arbiter import Arbiter
-from pytest_gpu.machine.wire import WireError, request_from_wire, request_to_wire
+from pytest_gpu.machine.messages import WireError, request_from_wire, request_to_wire
 
 GiB = 2**30
 SHARED = DefaultMemory(exclusive=False, memory=GiB)

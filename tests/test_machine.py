@@ -21,9 +21,11 @@ from helpers import shared, whole
 from pytest_gpu.cli import format_status
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.machine.arbiter import Arbiter, Held
+from pytest_gpu.machine.arbiter import Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.machine.messages import Held
+from pytest_gpu.machine.wire import reachable
 
 GiB = 2**30
 
@@ -190,10 +192,12 @@ def test_a_request_waits_for_foreign_usage_to_go_without_any_other_event():
 # -- links: runs in different processes, electing an arbiter ---------------------------------
 
 
-@pytest.fixture
-def domain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Domain:
+@pytest.fixture(params=["private", "machine_wide"])
+def domain(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Domain:
+    """This user's own domain (a lock file and a socket in a 0700 directory), or one where
+    every user's runs meet (an abstract socket: binding it is the election)."""
     monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
-    return Domain.named(f"sim-{tmp_path.name}")
+    return getattr(Domain, request.param)(f"sim-{tmp_path.name}")
 
 
 @pytest.fixture
@@ -254,7 +258,7 @@ from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.leasing.placement import Policy
 from pytest_gpu.leasing.requests import GpuRequest
 {become}
-link = MachineLink(Domain.named({name!r}), Policy(overhead=0))
+link = MachineLink(Domain.{kind}({name!r}), Policy(overhead=0))
 link.attach({{"U": 16 * 2**30}}, lambda events: None)
 print(link.is_arbiter, link.submit("c0/k0", "c0", "gw0", "t::killed", GpuRequest(1, None, True), ["U"])[0], flush=True)
 time.sleep(60)
@@ -271,9 +275,24 @@ assert os.getuid() == entry.pw_uid
 """
 
 
+def _connect(sock: socket.socket, address: str) -> None:
+    with reachable(address) as where:  # a socket file's path may be longer than sun_path allows
+        sock.connect(where)
+
+
+def _root() -> str:
+    return os.environ[ROOT_ENV]
+
+
+def _kind(domain: Domain) -> str:
+    return "machine_wide" if domain.wide else "private"
+
+
 def start_leader(domain: Domain, user: str | None = None) -> subprocess.Popen[str]:
     become = BECOME.format(user=user) if user else ""
-    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become=become)
+    code = LEADER.format(
+        paths=sys.path, env=ROOT_ENV, root=_root(), name=domain.name, kind=_kind(domain), become=become
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().split() == ["True", "granted"]
@@ -298,7 +317,7 @@ def test_sigkill_of_the_arbiter_run_frees_its_leases_within_a_second(domain, lin
 
 def test_sigkill_of_a_follower_run_frees_its_leases_within_a_second(domain, links):
     a, a_events = new_link(links, domain, {"U": 16 * GiB})
-    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become="")
+    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=_root(), name=domain.name, kind=_kind(domain), become="")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -317,8 +336,8 @@ def test_a_silent_or_half_frame_peer_does_not_hold_up_the_arbiter(domain, links)
     new_link(links, domain, {"U": 16 * GiB})
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.connect(domain.address())
-    half.connect(domain.address())
+    _connect(silent, domain.address())
+    _connect(half, domain.address())
     half.sendall(b"\x00\x00\x01")  # a third of a length prefix, then nothing
     try:
         b, _ = new_link(links, domain, {"U": 16 * GiB})
@@ -335,7 +354,7 @@ def test_a_silent_or_half_frame_peer_does_not_hold_up_the_arbiter(domain, links)
 def test_a_peer_sending_garbage_is_dropped_and_others_go_on(domain, links):
     new_link(links, domain, {"U": 16 * GiB})
     bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    bad.connect(domain.address())
+    _connect(bad, domain.address())
     bad.sendall(b"\xff\xff\xff\xff")  # a 4 GiB frame: over the limit
     assert bad.recv(10) == b""  # dropped
     bad.close()
@@ -351,13 +370,15 @@ def test_status_says_who_holds_what_and_who_waits(domain, links, capsys):
     b, _ = new_link(links, domain, {"GPU-A": 16 * GiB}, Policy(overhead=GiB // 2))
     a.submit("c0/k0", "c0", "gw0", "tests/t.py::test_holds", shared(10 * GiB), ["GPU-A"])
     b.submit("c3/k0", "c3", "gw3", "tests/t.py::test_waits", whole(), ["GPU-A"])
-    assert cli_main(["status"]) == 0
+    # this user's own domains are listed by their directories; a machine-wide one (but the real GPUs') by name
+    asked = ["status", "--machine", domain.name] if domain.wide else ["status"]
+    assert cli_main(asked) == 0
     out = capsys.readouterr().out
     assert f"{domain.name}: 2 runs attached" in out
     assert f"run {a.run} gw0  tests/t.py::test_holds  GPU-A  10GiB  for " in out
     assert f"run {b.run} gw3  tests/t.py::test_waits  1 GPU (whole GPU)  for " in out
     assert "GPU-A: 16GiB, 10.5GiB promised (1 CUDA context)" in out
-    assert cli_main(["status", "--json"]) == 0
+    assert cli_main([*asked, "--json"]) == 0
     state = json.loads(capsys.readouterr().out)
     assert [r["test"] for r in state[domain.name]["leases"]] == ["tests/t.py::test_holds"]
 
@@ -415,7 +436,7 @@ def test_two_users_runs_share_the_machine(other_user, monkeypatch):
     os.chmod(base, 0o755)
     root = base / "machines"
     monkeypatch.setenv(ROOT_ENV, str(root))
-    domain = Domain.named("gpus")
+    domain = Domain.real()
     leader = start_leader(domain, user=other_user)  # the other user's run is the arbiter
     made: list[MachineLink] = []
     try:
@@ -426,7 +447,7 @@ def test_two_users_runs_share_the_machine(other_user, monkeypatch):
         assert mine.submit("c0/k0", "c0", "gw0", "t::mine", whole(), ["U"]) == ("queued", None)
         leader.send_signal(signal.SIGKILL)
         assert events.wait("c0/k0", timeout=1.0)[0] == "granted"
-        assert mine.is_arbiter  # the lock file of the other user's arbiter could be taken over
+        assert mine.is_arbiter  # the other user's arbiter's address was free again
     finally:
         leader.kill()
         leader.wait()
@@ -444,10 +465,11 @@ def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, t
     from pytest_gpu.machine import domain as domains
 
     domains._warned.clear()
-    found = domains.root()
-    assert found != root
+    found = domains.private_root()
+    assert root not in found.parents
     err = capsys.readouterr().err
-    assert f"{root} belongs to another user" in err and "share GPUs only among themselves" in err
+    assert f"{root} belongs to {other_user}" in err and "is not sticky and world-writable" in err
+    assert f"this user's runs meet in {found} instead" in err
 
 
 def test_summary_lines_for_foreign_usage():
@@ -498,7 +520,7 @@ def test_a_run_without_gpus_never_joins_the_machine(tmp_path, monkeypatch):
 
     monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
     joined = []
-    link = MachineLink(lambda: joined.append(1) or Domain.named("gpus"), Policy())
+    link = MachineLink(lambda: joined.append(1) or Domain.real(), Policy())
     broker = Broker({}, str(tmp_path / "b.sock"), b"k" * 32, Policy(), link=link).start()
     try:
         assert broker.room() == []
@@ -509,7 +531,7 @@ def test_a_run_without_gpus_never_joins_the_machine(tmp_path, monkeypatch):
 
 def test_a_forked_child_keeps_neither_the_arbiters_lock_nor_its_address(domain, links):
     """A test's forked child that outlives its run must not keep the machine's lock or socket."""
-    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=str(domain.path.parent), name=domain.name, become="")
+    code = LEADER.format(paths=sys.path, env=ROOT_ENV, root=_root(), name=domain.name, kind=_kind(domain), become="")
     fork = (
         "child = os.fork()\nif child == 0:\n    time.sleep(30)\n    os._exit(0)\nprint(child, flush=True)\nos._exit(0)"
     )

@@ -55,7 +55,7 @@ def test_take_returns_distinct_ports_in_range() -> None:
 
 def test_take_is_round_robin_and_wraps() -> None:
     pool = PortAllocator((30000, 30004), check=always_free, seed=0)
-    start = pool._next
+    start = pool._next[(30000, 30004)]
     first = pool.take(5, "a")
     assert first == [30000 + (start - 30000 + i) % 5 for i in range(5)]
     assert sorted(first) == [30000, 30001, 30002, 30003, 30004]
@@ -150,7 +150,17 @@ def test_give_back_prefix_returns_one_clients_ports() -> None:
 
 def test_same_seed_same_start() -> None:
     assert PortAllocator(seed=42)._next == PortAllocator(seed=42)._next
-    assert DEFAULT_RANGE[0] <= PortAllocator(seed=42)._next <= DEFAULT_RANGE[1]
+    assert DEFAULT_RANGE[0] <= PortAllocator(seed=42)._next[DEFAULT_RANGE] <= DEFAULT_RANGE[1]
+
+
+def test_each_range_asked_for_is_its_own_round_robin() -> None:
+    """The machine's arbiter serves runs with different --gpu-port-range: ports come from the range asked."""
+    pool = PortAllocator((30000, 30999), check=always_free, seed=1)
+    narrow = pool.take(3, "a", (40000, 40002))
+    assert sorted(narrow) == [40000, 40001, 40002]
+    assert all(30000 <= p <= 30999 for p in pool.take(3, "b"))
+    with pytest.raises(RuntimeError, match=r"only 0 of 1 ports free in 40000-40002 \(3 leased\)"):
+        pool.take(1, "c", (40000, 40002))
 
 
 # -- the real check --------------------------------------------------------------------

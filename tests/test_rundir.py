@@ -298,11 +298,25 @@ def _no_space(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Path, "write_text", write_text)
 
 
+def _no_space_for_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write(2) writes a few bytes, then finds the disk full."""
+    real = os.write
+    seen: set[int] = set()
+
+    def write(fd: int, data: bytes) -> int:
+        if fd in seen:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        seen.add(fd)
+        return real(fd, bytes(data[:3]))
+
+    monkeypatch.setattr(os, "write", write)
+
+
 def test_ledger_write_on_a_full_disk_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     led = sim_ledger.Ledger.create(tmp_path, "sim:1x16GiB", 0)
     before = sorted(p.name for p in tmp_path.iterdir())
     with monkeypatch.context() as m:
-        _no_space(m)
+        _no_space_for_writes(m)
         with pytest.raises(sim_ledger.LedgerWriteError) as caught:
             led.allocate(2**20, 0, None, None)
     assert str(caught.value) == (

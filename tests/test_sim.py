@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import user_dir
 from pytest_gpu import sim
 from pytest_gpu.gpu.devices import sim_uuid
 from pytest_gpu.sim import (
@@ -647,10 +648,11 @@ def test_default_ledger_is_the_simulated_machines_per_user_and_per_spec(
 
     monkeypatch.setenv("PYTEST_GPU_MACHINE_DIR", str(tmp_path))
     user = pwd.getpwuid(os.getuid()).pw_name
-    assert sim.default_ledger_dir("sim:4x16GiB") == tmp_path / f"sim-{user}-sim_4x16GiB" / "sim-ledger"
-    assert sim.default_ledger_dir("sim:2x80GiB,2x24GiB") == tmp_path / f"sim-{user}-sim_2x80GiB_2x24GiB" / "sim-ledger"
+    mine = user_dir(tmp_path)  # the user's own directory: no other user enters it
+    assert sim.default_ledger_dir("sim:4x16GiB") == mine / f"sim-{user}-sim_4x16GiB" / "sim-ledger"
+    assert sim.default_ledger_dir("sim:2x80GiB,2x24GiB") == mine / f"sim-{user}-sim_2x80GiB_2x24GiB" / "sim-ledger"
     monkeypatch.delenv(LEDGER_ENV)
     monkeypatch.setenv(SPEC_ENV, "sim:1x1GiB")
-    assert sim.ledger().path == tmp_path / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
+    assert sim.ledger().path == mine / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
     monkeypatch.setenv("PYTEST_GPU_SIM_MACHINE", "ci")  # a named machine, whatever the spec
-    assert sim.ledger().path == sim.machine_ledger_dir("sim:2x1GiB") == tmp_path / "sim-ci" / "sim-ledger"
+    assert sim.ledger().path == sim.machine_ledger_dir("sim:2x1GiB") == mine / "sim-ci" / "sim-ledger"

@@ -17,13 +17,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import filelock  # noqa: F401 - imported before a fork that drops privileges (the child cannot read site-packages)
 import pytest
 
 from conftest import Holder
+from helpers import user_dir
 from pytest_gpu import sim
 from pytest_gpu.machine import domain
 from pytest_gpu.machine.domain import Domain
@@ -53,7 +54,7 @@ def _state(path: Path) -> dict:
 
 def test_machine_ledger_lives_in_the_named_machines_directory(machine: str, private_machines: Path) -> None:
     led = sim.machine_ledger(SPEC, 256 * MiB)
-    assert led.path == Domain.sim(SPEC).ledger_path == private_machines / f"sim-{machine}" / "sim-ledger"
+    assert led.path == Domain.sim(SPEC).ledger_path == user_dir(private_machines) / f"sim-{machine}" / "sim-ledger"
     assert sim.machine_ledger_dir(SPEC) == led.path
     assert (led.spec, led.overhead) == (SPEC, 256 * MiB)
     assert (led.path / "nvml.state").read_text().count("\ngpu ") == 2  # rendered for the fake NVML
@@ -64,8 +65,8 @@ def test_default_machine_is_one_per_user_and_spec(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv(domain.SIM_MACHINE_ENV, raising=False)
     user = pwd.getpwuid(os.getuid()).pw_name
     one, two = sim.machine_ledger("sim:1x1GiB"), sim.machine_ledger("sim:2x1GiB")
-    assert one.path == private_machines / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
-    assert two.path == private_machines / f"sim-{user}-sim_2x1GiB" / "sim-ledger"
+    assert one.path == user_dir(private_machines) / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
+    assert two.path == user_dir(private_machines) / f"sim-{user}-sim_2x1GiB" / "sim-ledger"
 
 
 def test_processes_naming_one_machine_share_its_memory(
@@ -217,27 +218,29 @@ def test_a_machine_in_use_keeps_its_context_size(machine: str, hold: Callable[..
 # -- every user -----------------------------------------------------------------------------
 
 
-def test_the_ledger_is_writable_by_every_user_whatever_the_umask(machine: str) -> None:
-    old = os.umask(0o077)
+def test_the_ledger_is_this_users_alone_whatever_the_umask(machine: str) -> None:
+    old = os.umask(0o000)
     try:
         led = sim.machine_ledger(SPEC)
         led.allocate(GiB, 0, None, None)
     finally:
         os.umask(old)
-    assert stat.S_IMODE(led.path.stat().st_mode) == 0o777  # not sticky: any user replaces the files
+    assert stat.S_IMODE(led.path.stat().st_mode) == 0o700
+    assert stat.S_IMODE(led.path.parent.stat().st_mode) == 0o700
     for name in ("ledger.json", "nvml.state", "ledger.lock"):
-        assert stat.S_IMODE((led.path / name).stat().st_mode) == 0o666, name
+        assert stat.S_IMODE((led.path / name).stat().st_mode) == 0o600, name
+    assert not [p.name for p in led.path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
 
 
-def _as_user(uid: int, body: Callable[[], None]) -> None:
-    """Run ``body`` in a forked child that is user ``uid`` (umask 077); raise what it raised."""
+def _as_user(uid: int, body: Callable[[], None], groups: tuple[int, ...] = ()) -> None:
+    """Run ``body`` in a forked child that is user ``uid`` (umask 077, in ``groups``); raise what it raised."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 0
         try:
             os.close(read)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(uid)
             os.setuid(uid)
             os.umask(0o077)
@@ -250,37 +253,73 @@ def _as_user(uid: int, body: Callable[[], None]) -> None:
     with os.fdopen(read, "rb") as pipe:
         message = pipe.read().decode()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, f"as uid {uid}: {message}"
+    assert status == 0, message
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two other users")
-def test_another_users_process_writes_the_machine(monkeypatch: pytest.MonkeyPatch, machine: str) -> None:
+@pytest.fixture
+def shared_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A machine directory other users' processes can reach (pytest's tmp_path is root's, 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run processes as other users (two-user test)")
     base = Path(tempfile.mkdtemp(prefix="pytest-gpu-users-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        root = base / "machines"
-        root.mkdir()
-        root.chmod(0o1777)  # as /tmp/pytest-gpu-machines is made
-        monkeypatch.setenv(domain.ROOT_ENV, str(root))
-        first, second = 40001, 40002
+    base.chmod(0o755)
+    (base / "machines").mkdir(mode=0o1777)
+    (base / "machines").chmod(0o1777)  # as an administrator makes it (root's: no user can take names from others)
+    monkeypatch.setenv(domain.ROOT_ENV, str(base / "machines"))
+    yield base / "machines"
+    shutil.rmtree(base, ignore_errors=True)
 
-        def creates() -> None:  # makes the machine, holds memory, exits without freeing
-            led = sim.machine_ledger(SPEC)
-            led.allocate(GiB, 1, None, None)
 
-        def uses() -> None:  # another user: reads it, prunes the dead, replaces the files, allocates
-            led = sim.machine_ledger(SPEC)
-            assert led.used() == {0: 0, 1: 0}, led.used()
-            led.allocate(3 * GiB, 1, None, None)
+def test_another_user_can_neither_read_nor_write_a_users_machine(shared_root: Path, machine: str) -> None:
+    first, second = 40001, 40002
 
-        _as_user(first, creates)
-        path = Domain.sim(SPEC).ledger_path
-        assert path.stat().st_uid == first and (path / "ledger.json").stat().st_uid == first
-        _as_user(second, uses)
-        assert (path / "ledger.json").stat().st_uid == second  # replaced by the second user
-        assert (path / "nvml.state").stat().st_uid == second
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    def creates() -> None:
+        sim.machine_ledger(SPEC).allocate(GiB, 1, None, None)
+
+    def pries() -> None:  # another user naming the same machine gets a machine of its own
+        mine = sim.machine_ledger(SPEC)
+        assert mine.used() == {0: 0, 1: 0}, mine.used()
+        theirs = shared_root / f"user-{first}" / f"sim-{machine}" / "sim-ledger"
+        for path in (theirs / "ledger.json", theirs.parent):
+            try:
+                path.stat()
+            except PermissionError:
+                continue
+            raise AssertionError(f"{path} is reachable by another user")
+
+    _as_user(first, creates)
+    _as_user(second, pries)
+    assert stat.S_IMODE((shared_root / f"user-{first}").stat().st_mode) == 0o700
+
+
+def test_a_machine_shared_with_a_group_is_the_members_and_no_one_elses(
+    shared_root: Path, machine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second, stranger, group = 40001, 40002, 40003, 40010
+    monkeypatch.setenv(domain.SIM_GROUP_ENV, str(group))
+
+    def creates() -> None:  # makes the machine, holds memory, exits without freeing
+        sim.machine_ledger(SPEC).allocate(GiB, 1, None, None)
+
+    def uses() -> None:  # another member: reads it, prunes the dead, replaces the files, allocates
+        led = sim.machine_ledger(SPEC)
+        assert led.used() == {0: 0, 1: 0}, led.used()
+        led.allocate(3 * GiB, 1, None, None)
+
+    def refused() -> None:  # not a member: a clear error, nothing touched
+        with pytest.raises(SimMachineError, match=f"PYTEST_GPU_SIM_GROUP={group}: this user .* is not in that group"):
+            sim.machine_ledger(SPEC)
+        with pytest.raises(PermissionError):
+            (shared_root / f"sim-{machine}" / "sim-ledger" / "ledger.json").stat()
+
+    _as_user(first, creates, groups=(group,))
+    path = Domain.sim(SPEC).ledger_path
+    assert path == shared_root / f"sim-{machine}" / "sim-ledger"
+    assert (path.stat().st_gid, stat.S_IMODE(path.stat().st_mode)) == (group, 0o2770)
+    _as_user(second, uses, groups=(group,))
+    assert (path / "ledger.json").stat().st_uid == second  # replaced by the second member
+    assert stat.S_IMODE((path / "ledger.json").stat().st_mode) == 0o660
+    _as_user(stranger, refused)
 
 
 # -- what dead processes leave --------------------------------------------------------------

@@ -11,6 +11,7 @@ that this map names every module).
     cli                 the ``pytest-gpu`` command (inventory, report, status)
     importhook          run a callback right after a module is imported
     procs               process trees and owner liveness, for every layer
+    safefiles           files in directories other users can write, never following their links
     authserver          an authenticated Unix-socket service: handshakes apart, one serving thread
     roles/              one plugin object per role a process plays
         base            what every role shares: its run, ending it
@@ -27,9 +28,10 @@ that this map names every module).
         client          the broker's test-process side
         spans           a test's leases as its report carries them
     machine/            every run of a machine shares one view of its GPUs
-        domain          where the runs of a machine meet
-        arbiter         the one allocator of the machine
-        wire            the arbiter's frames (JSON)
+        domain          where the runs of a machine meet, and who may meet there
+        arbiter         the one allocator of the machine: GPUs, host resources, ports
+        wire            the arbiter's frames (JSON) and sockets
+        messages        every field of a run's requests to the arbiter, checked (pure)
         server          the arbiter's socket
         link            a run's side: lead, attach, fail over
         remote          a run's connection to the arbiter in another process

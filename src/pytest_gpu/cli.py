@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ def format_status(name: str, state: dict[str, Any], now: float) -> list[str]:
     runs = state["runs"]
     lines = [f"{name}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
     for run in runs:
+        if "run" not in run:  # another user's: only that it exists, and what it holds
+            held = f"{run['leases']} lease{'' if run['leases'] == 1 else 's'}"
+            lines.append(
+                f"  a run of user {run['user']}: {held}{' on ' + ', '.join(run['gpus']) if run['gpus'] else ''}"
+            )
+            continue
         lines.append(f"  run {run['run']}  user {run['user']}  pid {run['pid']}  {run['label']}")
     if state.get("pending"):
         lines.append(f"  a new arbiter waits for runs {', '.join(state['pending'])} to re-attach")
@@ -114,33 +121,53 @@ def format_status(name: str, state: dict[str, Any], now: float) -> list[str]:
     return lines
 
 
+def _domains(only: str | None) -> list[Any]:
+    """The domains whose arbiter `status` asks: the real GPUs' (machine-wide), this user's own
+    (private), and simulated machines shared with a group this user can enter."""
+    from .machine.domain import Domain, machine_dir, private_root
+
+    found = [Domain.real()]
+    try:
+        found += [Domain.private(p.name) for p in sorted(private_root().iterdir()) if p.is_dir()]
+    except OSError:
+        pass
+    try:
+        found += [
+            Domain.machine_wide(p.name, p)
+            for p in sorted(machine_dir().glob("sim-*"))
+            if p.is_dir() and not p.is_symlink() and os.access(p, os.R_OK | os.X_OK)
+        ]
+    except OSError:
+        pass
+    if only is not None:
+        return [d for d in found if d.name == only] or [Domain.machine_wide(only)]
+    return found
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from .machine import domain as domains
+    from .machine.domain import REAL, machine_dir
     from .machine.link import status
 
     try:
-        root = domains.root()
+        domains = _domains(args.machine)
     except OSError as exc:
         print(f"pytest-gpu status: {exc}", file=sys.stderr)
         return 2
-    names = [args.machine] if args.machine else sorted(p.name for p in root.iterdir() if p.is_dir())
     found = {}
-    for name in names:
-        path = root / name
-        if not (path / "arbiter.lock").exists():
-            continue
-        state = status(domains.Domain(name, path))
+    for domain in domains:
+        state = status(domain)
         if state is not None:
-            found[name] = state
+            private = not domain.wide and domain.name == REAL  # the fallback from a squatted address
+            found[f"{REAL} (this user's runs only)" if private else domain.name] = state
     if args.json:
         print(json.dumps(found, indent=2, sort_keys=True))
         return 0
     if not found:
         where = f"machine {args.machine!r}" if args.machine else "this machine"
-        print(f"pytest-gpu status: no pytest-gpu run holds or waits for GPUs on {where} ({root})")
+        print(f"pytest-gpu status: no pytest-gpu run holds or waits for GPUs on {where} ({machine_dir()})")
         return 0
     now = time.time()
     for name, state in found.items():

@@ -50,9 +50,10 @@ from typing import Any, cast
 from ..authserver import HANDSHAKE_TIMEOUT, AuthServer
 from ..machine.arbiter import Event
 from ..machine.link import MachineLink
-from ..machine.wire import request_from_wire
+from ..machine.messages import request_from_wire
+from ..machine.remote import MachineError
 from .placement import Policy
-from .ports import DEFAULT_RANGE, PortAllocator, PortOwner
+from .ports import DEFAULT_RANGE, PortOwner
 from .protocol import (
     Acquire,
     Cancelled,
@@ -70,7 +71,7 @@ from .protocol import (
     Release,
     Welcome,
 )
-from .requests import GpuRequest, format_size
+from .requests import GpuRequest
 
 
 @dataclass
@@ -150,7 +151,9 @@ class Broker(AuthServer[ClientInfo]):
         self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
-        self.ports = PortAllocator(port_range)
+        # ports are the machine's arbiter's to hand out (no two runs hold one at once); these are this run's
+        self.port_range = port_range
+        self.ports: dict[int, str] = {}  # port -> owner (scoped)
         self.crashes: list[CrashRecord] = []
         self.grants = 0
         self.catalog: dict[str, Any] = {}  # node id -> what the scheduler needs (see catalog.py)
@@ -283,15 +286,20 @@ class Broker(AuthServer[ClientInfo]):
             return None
         if kind == "ports":
             ask = cast(PortsAsk, body)
+            owner = scoped(info.client, str(ask["owner"]))
             with self._lock:
                 try:
-                    got = self.ports.take(int(ask["n"]), scoped(info.client, ask["owner"]))
-                except RuntimeError as exc:
+                    got = self._machine().take_ports(int(ask["n"]), owner, self.port_range)
+                except MachineError as exc:
                     return ("error", str(exc))
+                self.ports.update(dict.fromkeys(got, owner))
             return ("ports", got)
         if kind == "release_ports":
+            owner = scoped(info.client, str(cast(PortsRelease, body)["owner"]))
             with self._lock:
-                self.ports.give_back(scoped(info.client, cast(PortsRelease, body)["owner"]))
+                if owner in self.ports.values():
+                    self.link.give_back_ports(owner)
+                    self.ports = {p: o for p, o in self.ports.items() if o != owner}
             return ("ok", {})
         if kind == "contexts":
             indices = cast(Contexts, body)["indices"]
@@ -352,9 +360,12 @@ class Broker(AuthServer[ClientInfo]):
                 self._hold_contexts_until_exit(info, set(info.contexts))
             held = self.link.forget_client(info.client) if attached else []
             prefix = scoped(info.client, "")
-            mine = [unscoped(o)[1] for o in self.ports.owners.values() if o.startswith(prefix)]
+            mine = [unscoped(o)[1] for o in self.ports.values() if o.startswith(prefix)]
             port_tests = sorted({PortOwner.parse(o).holder for o in mine})  # a test's node id, a fixture, ...
-            ports = self.ports.give_back_prefix(prefix)
+            ports = [p for p, o in self.ports.items() if o.startswith(prefix)]
+            if ports:
+                self.ports = {p: o for p, o in self.ports.items() if not o.startswith(prefix)}
+                self.link.give_back_ports_prefix(prefix)
             for key in [k for k in self._queued_at if k.startswith(prefix)]:
                 del self._queued_at[key]
             if (held or ports) and not self._closing:
@@ -410,7 +421,7 @@ class Broker(AuthServer[ClientInfo]):
             "waiting": [
                 {k: w[k] for k in ("key", "request", "bypassed")} for w in machine["waiting"] if w["run"] == mine
             ],
-            "ports": dict(self.ports.owners),
+            "ports": dict(self.ports),
             "used": used,
             "contexts": contexts,
             "grants": self.grants,
@@ -427,20 +438,3 @@ class Broker(AuthServer[ClientInfo]):
         if not self.capacities:
             return []  # a run without GPUs never joins the machine
         return self._machine().room([self.uuids[i] for i in self.capacities])
-
-
-def describe_holders(holders: list[dict[str, Any]]) -> str:
-    if not holders:
-        return "no test held a GPU at that moment"
-    parts = []
-    for row in holders:
-        held = []
-        if row["gpus"]:
-            each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
-            held.append(f"GPU {','.join(map(str, row['gpus']))}, {each}")
-        if row.get("cpus"):
-            held.append(f"{row['cpus']} CPUs")
-        if row.get("host_memory"):
-            held.append(f"{format_size(row['host_memory'])} of host memory")
-        parts.append(f"{row['test']} ({row['worker']}: {', '.join(held)})")
-    return "held by " + "; ".join(parts)

@@ -12,8 +12,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any, cast
 
-from ..machine.wire import request_to_wire
-from .broker import describe_holders
+from ..machine.messages import request_to_wire
 from .protocol import (
     Acquire,
     Cancelled,
@@ -30,7 +29,7 @@ from .protocol import (
     Release,
     Welcome,
 )
-from .requests import GpuRequest
+from .requests import GpuRequest, format_size
 
 
 class BrokerError(RuntimeError):
@@ -288,3 +287,20 @@ class BrokerClient:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._call("status", {})[1])
+
+
+def describe_holders(holders: list[dict[str, Any]]) -> str:
+    if not holders:
+        return "no test held a GPU at that moment"
+    parts = []
+    for row in holders:
+        held = []
+        if row["gpus"]:
+            each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
+            held.append(f"GPU {','.join(map(str, row['gpus']))}, {each}")
+        if row.get("cpus"):
+            held.append(f"{row['cpus']} CPUs")
+        if row.get("host_memory"):
+            held.append(f"{format_size(row['host_memory'])} of host memory")
+        parts.append(f"{row['test']} ({row['worker']}: {', '.join(held)})")
+    return "held by " + "; ".join(parts)

@@ -78,18 +78,25 @@ class PortAllocator:
     ) -> None:
         self.lo, self.hi = port_range
         self._check = check
-        self._next = random.Random(seed).randint(self.lo, self.hi)
+        self._random = random.Random(seed)
+        self._next = {(self.lo, self.hi): self._random.randint(self.lo, self.hi)}  # per range
         self.owners: dict[int, str] = {}
 
-    def take(self, n: int, owner: str) -> list[int]:
-        """``n`` ports for ``owner``; raises RuntimeError if the range has too few free."""
+    def take(self, n: int, owner: str, port_range: tuple[int, int] | None = None) -> list[int]:
+        """``n`` ports for ``owner`` from ``port_range`` (default: the allocator's); raises
+        RuntimeError if the range has too few free."""
+        lo, hi = port_range or (self.lo, self.hi)
+        if (lo, hi) not in self._next:
+            if len(self._next) > 64:  # runs use a few ranges; a stranger's many must not grow this
+                self._next.clear()
+            self._next[(lo, hi)] = self._random.randint(lo, hi)
         got: list[int] = []
-        size = self.hi - self.lo + 1
+        size = hi - lo + 1
         for _ in range(size):
             if len(got) == n:
                 break
-            port = self._next
-            self._next = self.lo if port >= self.hi else port + 1
+            port = self._next[(lo, hi)]
+            self._next[(lo, hi)] = lo if port >= hi else port + 1
             if port in self.owners or not self._check(port):
                 continue
             self.owners[port] = owner
@@ -97,11 +104,18 @@ class PortAllocator:
         if len(got) < n:
             for port in got:
                 del self.owners[port]
+            leased = sum(lo <= p <= hi for p in self.owners)
             raise RuntimeError(
-                f"only {len(got)} of {n} ports free in {self.lo}-{self.hi} "
-                f"({len(self.owners)} leased); widen --gpu-port-range"
+                f"only {len(got)} of {n} ports free in {lo}-{hi} ({leased} leased); widen --gpu-port-range"
             )
         return got
+
+    def adopt(self, port: int, owner: str) -> bool:
+        """Take over a port handed out before (by an arbiter that is gone); ``False`` if another holds it."""
+        if self.owners.get(port, owner) != owner:
+            return False
+        self.owners[port] = owner
+        return True
 
     def give_back(self, owner: str) -> list[int]:
         mine = [p for p, o in self.owners.items() if o == owner]

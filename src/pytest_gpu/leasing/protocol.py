@@ -22,7 +22,7 @@ class Hello(TypedDict):
 
 class Acquire(TypedDict):
     key: str  # the client's own name for the lease (the broker scopes it by client)
-    request: tuple[Any, ...]  # pytest_gpu.machine.wire.request_to_wire
+    request: tuple[Any, ...]  # pytest_gpu.machine.messages.request_to_wire
     test: str
 
 

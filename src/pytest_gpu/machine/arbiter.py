@@ -17,6 +17,18 @@ Host resources: the machine's CPUs and RAM (see :mod:`pytest_gpu.leasing.host`) 
 pool, told by the first run that attaches (``host=(cpus, bytes)``); later runs' views are
 ignored, so every run leases from one account of them.
 
+Identity: a run's id begins with its user's uid (``<uid>.<pid>-<random>``), which the
+server checks against the kernel's word (``SO_PEERCRED``); every operation names no run,
+only keys and clients of the connection's own run. :meth:`Arbiter.status` shows a viewer
+the details of its own user's runs only: of another user's, that they exist, how many
+leases they hold and on which GPUs.
+
+What a run says of the machine is checked against what the arbiter's process measures
+(``truth``: capacities by UUID, see :mod:`pytest_gpu.run.session`): a GPU it does not know
+is refused, and no run can declare a GPU larger than it is.
+
+Ports: the arbiter also hands out TCP ports, so no two runs of the machine hold one at once.
+
 Foreign usage: ``foreign(uuids, roots, accounted)`` (see :mod:`pytest_gpu.gpu.foreign`)
 says per GPU how many bytes processes outside every attached run use; it is asked before grants,
 at most every ``foreign_ttl`` seconds (NVML has no event for it), and again every
@@ -25,6 +37,8 @@ at most every ``foreign_ttl`` seconds (NVML has no event for it), and again ever
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
 from collections import defaultdict
@@ -34,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..leasing.placement import Allocator, Lease, Placement, Policy, Unsatisfiable
+from ..leasing.ports import PortAllocator
 from ..leasing.requests import GpuRequest
+from .messages import Asked, Held
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
@@ -42,7 +58,24 @@ Sink = Callable[[list[Event]], None]
 # per UUID) -> bytes that processes outside every run use, per UUID
 ForeignSource = Callable[[list[str], set[int], dict[str, int]], dict[str, int]]
 
+# UUIDs -> the capacity the arbiter's own process measures of those it knows (others: absent)
+Truth = Callable[[list[str]], dict[str, int]]
+
+MAX_KEYS_PER_RUN = 4096  # requests one run has waiting or granted at once
+MAX_CLIENTS_PER_RUN = 1024  # processes one run leases for
 RESUME_AFTER_S = 2.0  # after a failover: how long grants wait for the runs that were attached to re-attach
+PART = "#part-of-rank-"  # a launched rank's part of a GPU: the GPU's UUID, this, the rank
+
+
+def roster_digest(run: str) -> str:
+    """How a roster names another user's run: enough to recognise it when it re-attaches."""
+    return "#" + hashlib.sha256(run.encode()).hexdigest()[:20]
+
+
+def run_uid(run: str) -> int | None:
+    """The uid a run id begins with (``<uid>.<rest>``), or ``None``."""
+    head, dot, _ = run.partition(".")
+    return int(head) if dot and head.isdigit() else None
 
 
 @dataclass
@@ -51,6 +84,7 @@ class RunEntry:
 
     run: str
     pid: int
+    uid: int
     user: str
     label: str  # what `pytest-gpu status` calls it: where it runs from
     sink: Sink
@@ -58,32 +92,7 @@ class RunEntry:
     tests: dict[str, str] = field(default_factory=dict)  # pool key -> test node id
     workers: dict[str, str] = field(default_factory=dict)  # pool client -> worker name
     since: dict[str, float] = field(default_factory=dict)  # pool key -> wall time asked, then granted
-
-
-@dataclass(frozen=True)
-class Held:
-    """A lease a run holds, as it re-declares it to a new arbiter."""
-
-    key: str
-    client: str
-    worker: str
-    test: str
-    request: GpuRequest
-    gpus: tuple[str, ...]
-    memory: int
-    exclusive: bool
-
-
-@dataclass(frozen=True)
-class Asked:
-    """A request a run is waiting on, as it re-declares it to a new arbiter."""
-
-    key: str
-    client: str
-    worker: str
-    test: str
-    request: GpuRequest
-    gpus: tuple[str, ...]  # the GPUs the run can see
+    gpus: frozenset[str] = frozenset()  # the GPUs it brought: the only ones it may name
 
 
 class Arbiter:
@@ -94,8 +103,12 @@ class Arbiter:
         policy: Policy | None = None,
         foreign: ForeignSource | None = None,
         foreign_ttl: float = 0.25,
+        truth: Truth | None = None,
+        ports: PortAllocator | None = None,
     ) -> None:
         self.allocator = Allocator({}, policy)
+        self.truth = truth
+        self.ports = ports or PortAllocator()  # every run's ports: port -> "<run>|<owner>"
         self.allocator.group = lambda client: client.partition("|")[0]  # the run
         self.foreign = foreign
         self.foreign_ttl = foreign_ttl
@@ -258,20 +271,32 @@ class Arbiter:
         label: str,
         gpus: dict[str, int],
         sink: Sink,
+        uid: int | None = None,
         held: list[Held] = (),  # type: ignore[assignment]
         asked: list[Asked] = (),  # type: ignore[assignment]
         host: tuple[int, int] | None = None,
+        ports: dict[int, str] | None = None,
     ) -> None:
         """A run joins with its GPUs (UUID -> capacity) and its view of the machine's CPUs
         and RAM (``host``: the first run's view is kept); after a failover it brings the
-        leases it holds (taken over as they were) and the requests it waits on (queued
-        again, in their order)."""
+        leases it holds (taken over as they were), the requests it waits on (queued again,
+        in their order) and the ports it holds.
+
+        Raises :class:`ValueError` (nothing changed) for a run attached already, a GPU that
+        is not on this machine, or a lease that names a GPU the run did not bring or does
+        not fit where it says it is."""
         with self._locked() as out:
-            self.runs[run] = RunEntry(run, pid, user, label, sink)
-            entry = self.runs[run]
+            if run in self.runs:
+                raise ValueError(f"run {run} is attached already")
+            capacities = self._checked_gpus(gpus)
+            self._check_held(held, capacities)
+            if uid is None:  # in this process: the run's id says it, else it is this process's user's
+                uid = run_uid(run)
+                uid = os.getuid() if uid is None else uid
+            entry = self.runs[run] = RunEntry(run, pid, uid, user, label, sink, gpus=frozenset(capacities))
             if host is not None and self.allocator.host is None:
-                self.allocator.set_host(int(host[0]), int(host[1]))
-            for uuid, capacity in gpus.items():
+                self.allocator.set_host(*host)
+            for uuid, capacity in capacities.items():
                 self.allocator.add_gpu(self._mid(uuid), capacity)
             for lease in held:
                 pool_key, client = f"{run}|{lease.key}", f"{run}|{lease.client}"
@@ -285,16 +310,68 @@ class Arbiter:
                 entry.tests[pool_key] = ask.test
                 entry.workers[client] = ask.worker
                 entry.since[pool_key] = time.time()
-                allowed = frozenset(self._mid(u) for u in ask.gpus)
+                allowed = frozenset(self._mid(u) for u in ask.gpus if u in capacities)
                 try:
                     self.allocator.queue.append(self._waiting(pool_key, client, ask.request, allowed))
                 except Unsatisfiable as exc:
                     out[run].append(("rejected", ask.key, {"message": str(exc)}))
-            self.pending.discard(run)
+            for port, owner in (ports or {}).items():
+                self.ports.adopt(port, f"{run}|{owner}")
+            self.pending -= {run, roster_digest(run)}
             if not self.pending:
                 self.allocator.paused = False
                 self._sample_locked()
                 self._deliver_locked(self.allocator.serve(), out)
+
+    def _checked_gpus(self, gpus: dict[str, int]) -> dict[str, int]:
+        """A run's GPUs, each no larger than the arbiter measures it (or than the first run
+        that brought it said, where nothing is measured); ValueError for one not on this machine."""
+        measured = self.truth([u.partition(PART)[0] for u in gpus]) if self.truth is not None else {}
+        checked = {}
+        for uuid, capacity in gpus.items():
+            whole = uuid.partition(PART)[0]
+            if self.truth is not None and whole not in measured:
+                raise ValueError(f"GPU {whole} is not on this machine")
+            known = self.allocator.gpus.get(self._mids.get(uuid, -1))
+            bound = measured.get(whole, capacity) if known is None else known.capacity
+            checked[uuid] = min(capacity, bound)
+        return checked
+
+    def _check_held(self, held: list[Held], capacities: dict[str, int]) -> None:
+        """Leases a run re-declares must name its GPUs and fit beside what is promised
+        there (and beside each other): no byte is promised twice through a re-declaration."""
+        leased: dict[str, int] = {}
+        tenants: dict[str, int] = {}
+        whole: set[str] = set()
+        for lease in held:
+            where = f"the lease {lease.key!r} of test {lease.test!r}"
+            unknown = [u for u in lease.gpus if u not in capacities]
+            if unknown:
+                raise ValueError(f"{where} names GPUs the run did not bring: {', '.join(unknown)}")
+            if len(lease.gpus) != lease.request.count or len(set(lease.gpus)) != len(lease.gpus):
+                raise ValueError(f"{where} holds {len(lease.gpus)} GPUs for a request of {lease.request.count}")
+            for uuid in lease.gpus:
+                gpu = self.allocator.gpus.get(self._mids.get(uuid, -1))
+                if uuid not in leased:
+                    leased[uuid] = gpu.leased if gpu is not None else 0
+                    tenants[uuid] = gpu.tenants if gpu is not None else 0
+                    if gpu is not None and gpu.exclusive:
+                        whole.add(uuid)
+                capacity = capacities[uuid] if gpu is None else gpu.capacity
+                taken = uuid in whole or (lease.exclusive and tenants[uuid] > 0)
+                if taken or leased[uuid] + lease.memory > capacity:
+                    raise ValueError(f"{where} does not fit on GPU {uuid} beside what is promised there")
+                tenants[uuid] += 1
+                if lease.exclusive:
+                    whole.add(uuid)
+                else:
+                    leased[uuid] += lease.memory
+
+    def roster(self, viewer: int) -> list[list[Any]]:
+        """The runs attached, for a run of user ``viewer`` to keep: after a failover the new
+        arbiter waits for them. Its own user's runs by id and pid, other users' by a digest."""
+        with self._lock:
+            return [[e.run, e.pid] if e.uid == viewer else [roster_digest(e.run), 0] for e in self.runs.values()]
 
     def _waiting(self, pool_key: str, client: str, request: GpuRequest, allowed: frozenset[int]) -> Any:
         from ..leasing.placement import Waiting
@@ -308,7 +385,7 @@ class Arbiter:
         """After a failover: grant nothing until ``runs`` have re-attached (or ``within``
         seconds have passed), so that no lease they hold is promised again meanwhile."""
         with self._lock:
-            self.pending = set(runs) - set(self.runs)
+            self.pending = set(runs) - set(self.runs) - {roster_digest(r) for r in self.runs}
             if not self.pending:
                 return
             self.allocator.paused = True
@@ -338,6 +415,7 @@ class Arbiter:
                 leases, more = self.allocator.forget_client(client)
                 held.extend(self._named(lease) for lease in leases)
                 granted.extend(more)
+            self.ports.give_back_prefix(f"{run}|")
             if entry is not None:
                 self._sample_locked(force=True)  # its orphans, if any, are foreign from now on
                 self._deliver_locked(granted + self.allocator.serve(), out)
@@ -354,12 +432,24 @@ class Arbiter:
         with self._lock:  # by hand, not _locked(): this is the path every grant takes
             entry = self.runs[run]
             pool_key, pool_client = f"{run}|{key}", f"{run}|{client}"
+            if pool_key in self.allocator.leases or any(w.key == pool_key for w in self.allocator.queue):
+                return ("error", f"the key {key!r} is held or waited on already")
+            if len(entry.tests) >= MAX_KEYS_PER_RUN:
+                return ("error", f"a run may have {MAX_KEYS_PER_RUN} requests waiting or granted at once")
+            if pool_client not in entry.workers and len(entry.workers) >= MAX_CLIENTS_PER_RUN:
+                return ("error", f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
+            shape = tuple(gpus)
+            allowed = self._allowed.get(shape)
+            if allowed is None:
+                unknown = sorted(set(gpus) - entry.gpus)
+                if unknown:
+                    return ("error", f"GPUs the run did not bring: {', '.join(unknown[:4])}")
+                allowed = frozenset(self._mid(u) for u in gpus)
+                if len(self._allowed) < 1024:  # a run asks with one list: a few lists in all
+                    self._allowed[shape] = allowed
             entry.tests[pool_key] = test
             entry.workers[pool_client] = worker
             entry.since[pool_key] = time.time()
-            allowed = self._allowed.get(tuple(gpus))
-            if allowed is None:
-                allowed = self._allowed[tuple(gpus)] = frozenset(self._mid(u) for u in gpus)
             self._sample_locked()
             try:
                 granted = self.allocator.submit(pool_key, pool_client, request, allowed)
@@ -384,7 +474,8 @@ class Arbiter:
             if not self.allocator.cancel(pool_key):
                 return None
             self._forget_key_locked(pool_key)
-            holders = self._holders_locked()
+            entry = self.runs.get(run)
+            holders = self._holders_locked(entry.uid if entry is not None else None)
             self._deliver_locked(self.allocator.serve(), out)
             return holders
 
@@ -402,14 +493,28 @@ class Arbiter:
         with self._lock:
             pool_key = f"{run}|{key}"
             self._forget_key_locked(pool_key)
-            known = None if contexts is None else {self._mids[u] for u in contexts if u in self._mids}
+            known = None if contexts is None else self._own_mids(run, contexts)
             self._deliver_locked(self.allocator.release(pool_key, known), out)
             sinks = self._sinks_locked(out)
         self._dispatch(out, sinks)
 
+    def _own_mids(self, run: str, uuids: list[str]) -> set[int]:
+        """The allocator's numbers of ``uuids``, those ``run`` brought only."""
+        entry = self.runs.get(run)
+        brought = entry.gpus if entry is not None else frozenset()
+        return {self._mids[u] for u in uuids if u in brought and u in self._mids}
+
+    def _check_client(self, run: str, client: str) -> None:
+        entry = self.runs.get(run)
+        if entry is not None and f"{run}|{client}" not in entry.workers:
+            if len(entry.workers) >= MAX_CLIENTS_PER_RUN:
+                raise ValueError(f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
+            entry.workers[f"{run}|{client}"] = "?"
+
     def set_contexts(self, run: str, client: str, contexts: list[str]) -> None:
         with self._locked() as out:
-            self.allocator.set_contexts(f"{run}|{client}", {self._mids[u] for u in contexts if u in self._mids})
+            self._check_client(run, client)
+            self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, contexts))
             self._deliver_locked(self.allocator.serve(), out)
 
     def forget_client(self, run: str, client: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -428,8 +533,9 @@ class Arbiter:
     def exiting(self, run: str, client: str, contexts: list[str]) -> None:
         """A worker closed its connection but its process (and its contexts) still exist."""
         with self._lock:
+            self._check_client(run, client)
             stand_in = f"{run}|{client}~exiting"
-            self.allocator.set_contexts(stand_in, {self._mids[u] for u in contexts if u in self._mids})
+            self.allocator.set_contexts(stand_in, self._own_mids(run, contexts))
             self.allocator.exiting.add(stand_in)
 
     def exited(self, run: str, client: str) -> None:
@@ -437,6 +543,9 @@ class Arbiter:
             stand_in = f"{run}|{client}~exiting"
             self.allocator.set_contexts(stand_in, set())
             self.allocator.exiting.discard(stand_in)
+            entry = self.runs.get(run)
+            if entry is not None and entry.workers.get(f"{run}|{client}") == "?":
+                del entry.workers[f"{run}|{client}"]
             self._deliver_locked(self.allocator.serve(), out)
 
     # -- questions ----------------------------------------------------------------------
@@ -454,39 +563,52 @@ class Arbiter:
                 rows.append(max(gpu.capacity - gpu.foreign - overhead * max(1, len(gpu.contexts)), 0))
             return rows
 
-    def _holders_locked(self) -> list[dict[str, Any]]:
+    def _sees(self, viewer: int | None, entry: RunEntry | None) -> bool:
+        """Whether ``viewer`` (a uid; ``None``: no one in particular) may see a run's details:
+        its own user's runs, or every run for root."""
+        return viewer is None or viewer == 0 or (entry is not None and entry.uid == viewer)
+
+    def _holders_locked(self, viewer: int | None = None) -> list[dict[str, Any]]:
         rows = []
         for lease in self.allocator.leases.values():
             run, _ = self._split(lease.key)
             entry = self.runs.get(run)
-            rows.append(
-                {
-                    "run": run,
-                    "run_label": entry.label if entry else "?",
-                    "user": entry.user if entry else "?",
-                    "test": entry.tests.get(lease.key, "?") if entry else "?",
-                    "worker": entry.workers.get(lease.client, "?") if entry else "?",
-                    "gpus": [self._uuids[i] for i in lease.placement.indices],
-                    "memory": lease.placement.memory,
-                    "exclusive": lease.placement.exclusive,
-                    "cpus": lease.request.cpus,
-                    "host_memory": lease.request.host_memory,
-                    "since": entry.since.get(lease.key) if entry else None,
-                }
-            )
+            row = {
+                "run": run,
+                "run_label": entry.label if entry else "?",
+                "user": entry.user if entry else "?",
+                "test": entry.tests.get(lease.key, "?") if entry else "?",
+                "worker": entry.workers.get(lease.client, "?") if entry else "?",
+                "gpus": [self._uuids[i] for i in lease.placement.indices],
+                "memory": lease.placement.memory,
+                "exclusive": lease.placement.exclusive,
+                "cpus": lease.request.cpus,
+                "host_memory": lease.request.host_memory,
+                "since": entry.since.get(lease.key) if entry else None,
+            }
+            if not self._sees(viewer, entry):
+                user = row["user"]
+                row.update(run="", run_label="", test=f"a test of user {user}", worker="another run", since=None)
+            rows.append(row)
         return rows
 
-    def holders(self) -> list[dict[str, Any]]:
+    def holders(self, viewer: int | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            return self._holders_locked()
+            return self._holders_locked(viewer)
 
-    def status(self) -> dict[str, Any]:
-        """The machine now: runs, GPUs, leases and who waits for what (``pytest-gpu status``)."""
+    def status(self, viewer: int | None = None) -> dict[str, Any]:
+        """The machine now: runs, GPUs, leases and who waits for what (``pytest-gpu status``).
+
+        ``viewer``: the uid asking (``None``: everything). Of another user's runs a viewer
+        sees that they exist, their user, how many leases they hold and on which GPUs: no
+        run id, pid, command, directory, test, worker or request (root sees everything)."""
         with self._lock:
             waiting = []
             for w in self.allocator.queue:
                 run, key = self._split(w.key)
                 entry = self.runs.get(run)
+                if not self._sees(viewer, entry):
+                    continue
                 waiting.append(
                     {
                         "run": run,
@@ -499,12 +621,19 @@ class Arbiter:
                         "foreign": w.foreign_blocked,
                     }
                 )
+            held: dict[str, list[Lease]] = defaultdict(list)
+            for lease in self.allocator.leases.values():
+                held[self._split(lease.key)[0]].append(lease)
+            runs = []
+            for e in self.runs.values():
+                gpus = sorted({self._uuids[i] for lease in held[e.run] for i in lease.placement.indices})
+                row: dict[str, Any] = {"user": e.user, "leases": len(held[e.run]), "gpus": gpus}
+                if self._sees(viewer, e):
+                    row.update(run=e.run, pid=e.pid, label=e.label, attached=e.attached)
+                runs.append(row)
             return {
-                "runs": [
-                    {"run": e.run, "pid": e.pid, "user": e.user, "label": e.label, "attached": e.attached}
-                    for e in self.runs.values()
-                ],
-                "pending": sorted(self.pending),
+                "runs": runs,
+                "pending": sorted(r for r in self.pending if viewer in (None, 0) or run_uid(r) == viewer),
                 "gpus": [
                     {
                         "uuid": self._uuids[i],
@@ -512,7 +641,9 @@ class Arbiter:
                         "leased": self.allocator.used(i),
                         "foreign": g.foreign,
                         "contexts": len(g.contexts),
-                        "clients": sorted(g.contexts),  # "<run>|<client>"
+                        "clients": sorted(
+                            c for c in g.contexts if self._sees(viewer, self.runs.get(self._split(c)[0]))
+                        ),
                         "exclusive": g.exclusive,
                     }
                     for i, g in self.allocator.gpus.items()
@@ -525,7 +656,29 @@ class Arbiter:
                     "leased_cpus": self.allocator.host.leased_cpus,
                     "leased_memory": self.allocator.host.leased_memory,
                 },
-                "leases": self._holders_locked(),
+                "leases": [r for r in self._holders_locked(viewer) if r["run"]],
                 "waiting": waiting,
                 "grants": self.grants,
             }
+
+    # -- ports --------------------------------------------------------------------------
+
+    def take_ports(self, run: str, n: int, owner: str, port_range: tuple[int, int]) -> dict[str, Any]:
+        """``{"ports": [...]}``: ``n`` ports in ``port_range`` that no run of the machine
+        holds, now ``run``'s ``owner``'s; or ``{"refused": why}`` when too few are free."""
+        with self._lock:
+            if sum(o.startswith(f"{run}|") for o in self.ports.owners.values()) + n > MAX_KEYS_PER_RUN:
+                return {"refused": f"a run may hold {MAX_KEYS_PER_RUN} ports at once"}
+            try:
+                return {"ports": self.ports.take(n, f"{run}|{owner}", port_range)}
+            except RuntimeError as exc:
+                return {"refused": str(exc)}
+
+    def give_back_ports(self, run: str, owner: str) -> list[int]:
+        with self._lock:
+            return self.ports.give_back(f"{run}|{owner}")
+
+    def give_back_ports_prefix(self, run: str, prefix: str) -> list[int]:
+        """Every port of ``run`` whose owner starts with ``prefix`` (a client's)."""
+        with self._lock:
+            return self.ports.give_back_prefix(f"{run}|{prefix}")

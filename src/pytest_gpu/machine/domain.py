@@ -1,40 +1,58 @@
-"""Where the runs of one machine meet: a directory every user can reach, and its names.
+"""Where the runs of a machine meet, and who may meet there.
 
-A *domain* is a set of GPUs that runs must share: the machine's real GPUs (``gpus``),
-or one simulated machine (``sim-<name>``, see :func:`sim_machine_name`). Its directory
-holds the arbiter's lock, the runs' membership locks and, for a simulated machine, the
-simulated GPUs' ledger.
+A *domain* is a set of GPUs that runs must share: the machine's real GPUs (``gpus``), or
+one simulated machine (``sim-<name>``, see :func:`sim_machine_name`). Its runs elect one
+arbiter (:mod:`.link`) and reach it on a Unix socket. There are two kinds:
 
-The root is ``$PYTEST_GPU_MACHINE_DIR`` or ``/tmp/pytest-gpu-machines`` (not ``$TMPDIR``:
-users with different temp directories must still meet). It is made sticky and
-world-writable like ``/tmp`` itself, so each user's runs can add their own files and no
-one can remove another user's. Where it cannot be used that way (it belongs to another
-user and is not sticky and world-writable, or is a symbolic link) the runs of this user
-coordinate only among themselves, in a private directory, and say so once.
+- **machine-wide** (the real GPUs; a simulated machine shared with a group): every
+  user's runs meet at one abstract Unix socket, named after the machine directory and the
+  domain. Binding that name *is* the election: the kernel lets one process hold it and
+  frees it when that process dies, and there is no file anyone could plant, hold or swap.
+  Anyone may also bind it first (a squatter): a run checks who answers (``SO_PEERCRED``)
+  and that it speaks the protocol in time, and otherwise coordinates with its own user's
+  runs only, in its private domain, saying so once.
+- **private** (a user's simulated machines; the fallback of a machine-wide one): a
+  directory only this user can enter, holding the election's lock file and the socket.
+  Another user cannot reach it at all.
+
+The machine directory is ``$PYTEST_GPU_MACHINE_DIR`` or ``/tmp/pytest-gpu-machines`` (not
+``$TMPDIR``: users with different temp directories must still meet). It is sticky and
+world-writable like ``/tmp``; it holds each user's private root (``user-<uid>``, 0700) and
+the directories of simulated machines shared with a group (02770, that group's). Where a
+name there is taken by someone else (a link, another user's directory), this user's runs
+use ``$XDG_RUNTIME_DIR``, then their home's cache, and say so once; an administrator who
+makes the machine directory as root (``install -d -m 1777``) keeps every user's entries
+out of every other user's reach.
 """
 
 from __future__ import annotations
 
-import errno
+import grp
 import hashlib
 import os
 import re
-import stat
+import socket
 import sys
-import time
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..safefiles import group_dir, private_dir, shared_dir
+
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
+SIM_GROUP_ENV = "PYTEST_GPU_SIM_GROUP"
 DEFAULT_ROOT = "/tmp/pytest-gpu-machines"
 REAL = "gpus"
+LEDGER_DIR = "sim-ledger"
 
 _warned: set[str] = set()
+_private_roots: dict[tuple[str, int], Path] = {}
 
 
 class DomainError(OSError):
-    """The machine directory cannot be made at all; ``filename`` is where."""
+    """No directory for this user's runs can be made at all; ``filename`` is where."""
 
     def __str__(self) -> str:
         return (
@@ -45,6 +63,14 @@ class DomainError(OSError):
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "_"
+
+
+def warn_once(key: str, message: str) -> None:
+    """One line on stderr per process and ``key`` (not ``warnings.warn``: a
+    ``filterwarnings = error`` suite would make it an INTERNALERROR)."""
+    if key not in _warned:
+        _warned.add(key)
+        print(f"pytest-gpu: warning: {message}", file=sys.stderr, flush=True)
 
 
 def user_name(uid: int | None = None) -> str:
@@ -58,125 +84,166 @@ def user_name(uid: int | None = None) -> str:
         return str(uid)
 
 
+def sim_group() -> int | None:
+    """The group a simulated machine is shared with (``$PYTEST_GPU_SIM_GROUP``: a name or
+    gid this user belongs to), or ``None``: the machine is this user's alone.
+
+    Raises :class:`ValueError` naming the variable for a group that does not exist or that
+    this user is not in."""
+    value = os.environ.get(SIM_GROUP_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gid = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ValueError(f"{SIM_GROUP_ENV}={value}: no such group") from None
+    if gid != os.getegid() and gid not in os.getgroups() and os.geteuid() != 0:
+        raise ValueError(f"{SIM_GROUP_ENV}={value}: this user ({user_name()}) is not in that group")
+    return gid
+
+
 def sim_machine_name(spec: str) -> str:
     """The simulated machine a run on ``spec`` uses: ``$PYTEST_GPU_SIM_MACHINE``, or one per
-    user and spec (``<user>-<spec>``)."""
+    user (or shared group) and spec (``<user>-<spec>``)."""
     named = os.environ.get(SIM_MACHINE_ENV, "").strip()
-    return _safe(named) if named else _safe(f"{user_name()}-{spec}")
+    if named:
+        return _safe(named)
+    gid = sim_group()
+    owner = user_name() if gid is None else _group_name(gid)
+    return _safe(f"{owner}-{spec}")
 
 
-def shared_problem(path: Path, mode: int) -> tuple[int, str] | None:
-    """After ``path`` was made (``mkdir``): why it is not a directory every user can write
-    with ``mode`` (``0o1777``: sticky, like ``/tmp``), as (errno, why), or None.
-
-    Ours: given ``mode`` (``mkdir``'s went through the umask). Another user's: its creator
-    makes it shared right after its ``mkdir``, so one that is not shared yet is waited for,
-    briefly. OSError: it vanished meanwhile."""
-    sticky = bool(mode & stat.S_ISVTX)
-    deadline = time.monotonic() + 2.0
-    while True:
-        info = path.lstat()
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-            return errno.ENOTDIR, "is not a directory"
-        current = stat.S_IMODE(info.st_mode)
-        if current == mode:
-            return None
-        if info.st_uid == os.getuid():
-            try:
-                os.chmod(path, mode)
-            except OSError as exc:
-                return exc.errno or errno.EACCES, f"cannot be shared ({exc.strerror or exc})"
-            return None
-        if current & mode == mode:
-            return None  # another user's, and as open as asked (or more)
-        if time.monotonic() > deadline:
-            wanted = "sticky and world-writable" if sticky else "writable by every user"
-            return errno.EACCES, f"belongs to another user (uid {info.st_uid}) and is not {wanted}"
-        time.sleep(0.02)
-
-
-def _shared_ok(path: Path) -> str | None:
-    """Why ``path`` cannot be a shared (sticky, world-writable) directory, or None (made so)."""
+def _group_name(gid: int) -> str:
     try:
-        path.mkdir(mode=0o1777, exist_ok=True)
-        problem = shared_problem(path, 0o1777)
-    except FileExistsError:
-        return "is not a directory"
-    except OSError as exc:
-        return f"cannot be created ({exc.strerror or exc})"
-    return None if problem is None else problem[1]
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
-def make_shared(path: Path) -> None:
-    """Make ``path`` a shared (sticky, world-writable) directory, or raise :class:`DomainError`."""
-    why = _shared_ok(path)
-    if why is not None:
-        raise DomainError(0, why, str(path))
+def machine_dir() -> Path:
+    """The machine directory every user's runs share (not made here)."""
+    return Path(os.path.abspath(os.environ.get(ROOT_ENV) or DEFAULT_ROOT))
 
 
-def root() -> Path:
-    """The directory where every run of this machine meets (made on first use)."""
-    configured = os.environ.get(ROOT_ENV)
-    path = Path(configured) if configured else Path(DEFAULT_ROOT)
-    why = _shared_ok(path)
-    if why is None:
+def shared_machine_dir() -> Path:
+    """The machine directory, made sticky and world-writable if missing; :class:`OSError`
+    (:class:`~pytest_gpu.safefiles.Unsafe` among them) where it cannot be used so."""
+    return shared_dir(machine_dir())
+
+
+def private_root() -> Path:
+    """This user's own directory (0700) for its private domains and simulated machines.
+
+    ``user-<uid>`` in the machine directory; where that cannot be used safely,
+    ``$XDG_RUNTIME_DIR/pytest-gpu-machines``, then ``~/.cache/pytest-gpu/machines-<host>``
+    (one warning line); where none can, a new temporary directory for this process alone."""
+    key = (str(machine_dir()), os.geteuid())
+    found = _private_roots.get(key)
+    if found is not None and found.is_dir():
+        return found
+    problems = []
+    for candidate in _private_candidates():
+        try:
+            path = candidate()
+            private_dir(path)
+        except OSError as exc:
+            problems.append(str(exc) if exc.filename else f"{exc.strerror or exc}")
+            continue
+        if problems:
+            warn_once(f"private:{key}", f"{problems[0]}; this user's runs meet in {path} instead")
+        _private_roots[key] = path
         return path
-    private = Path(os.path.expanduser("~")) / ".cache" / "pytest-gpu" / "machines"
     try:
-        private.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = Path(tempfile.mkdtemp(prefix="pytest-gpu-machines-"))
     except OSError as exc:
-        raise DomainError(exc.errno, exc.strerror or str(exc), str(private)) from exc
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        # not warnings.warn: a "filterwarnings = error" suite would turn it into an INTERNALERROR
-        print(
-            f"pytest-gpu: warning: {path} {why}; this user's runs share GPUs only among themselves (through {private})",
-            file=sys.stderr,
-            flush=True,
-        )
-    return private
+        raise DomainError(exc.errno, exc.strerror or str(exc), str(machine_dir())) from exc
+    warn_once(f"private:{key}", f"{'; '.join(problems)}; this run shares GPUs with no other run ({path})")
+    _private_roots[key] = path
+    return path
+
+
+def _private_candidates() -> list[Callable[[], Path]]:
+    def in_machine_dir() -> Path:
+        return shared_machine_dir() / f"user-{os.geteuid()}"
+
+    def in_runtime_dir() -> Path:
+        runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+        if not runtime:
+            raise FileNotFoundError(2, "XDG_RUNTIME_DIR is not set", "XDG_RUNTIME_DIR")
+        return Path(runtime) / "pytest-gpu-machines"
+
+    def in_home() -> Path:
+        cache = Path(os.path.expanduser("~")) / ".cache" / "pytest-gpu"
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return cache / f"machines-{_safe(socket.gethostname())}"
+
+    return [in_machine_dir, in_runtime_dir, in_home]
 
 
 @dataclass(frozen=True)
 class Domain:
-    """One set of GPUs that runs share, and its directory."""
+    """One set of GPUs that runs share: its name, who meets there, and its directory.
+
+    ``path``: a private domain's directory (its lock and socket), a group-shared simulated
+    machine's directory, or (the real GPUs) only a name. ``ledger`` (simulated machines):
+    the ledger directory, the same whichever domain coordinates the machine's runs."""
 
     name: str
     path: Path
+    wide: bool = False
+    ledger: Path | None = None
 
     @classmethod
-    def named(cls, name: str) -> Domain:
-        path = root() / _safe(name)
-        make_shared(path)
-        return cls(name, path)
+    def private(cls, name: str, ledger: Path | None = None) -> Domain:
+        """This user's domain ``name``: only this user's runs meet there."""
+        path = private_root() / _safe(name)
+        private_dir(path)
+        return cls(name, path, wide=False, ledger=ledger if ledger is not None else path / LEDGER_DIR)
+
+    @classmethod
+    def machine_wide(cls, name: str, path: Path | None = None, ledger: Path | None = None) -> Domain:
+        """Domain ``name`` where every user's runs meet (at an abstract socket)."""
+        return cls(name, path if path is not None else machine_dir() / _safe(name), wide=True, ledger=ledger)
 
     @classmethod
     def real(cls) -> Domain:
-        return cls.named(REAL)
+        return cls.machine_wide(REAL)
 
     @classmethod
     def sim(cls, spec: str) -> Domain:
-        return cls.named(f"sim-{sim_machine_name(spec)}")
+        """The simulated machine a run on ``spec`` uses: this user's own, or, with
+        ``$PYTEST_GPU_SIM_GROUP``, the group's (a directory only its members can enter,
+        whose runs coordinate machine-wide).
+
+        :class:`OSError` (:class:`~pytest_gpu.safefiles.Unsafe` among them) where the group's
+        directory cannot be used; :class:`ValueError` for a bad group."""
+        name = f"sim-{sim_machine_name(spec)}"
+        gid = sim_group()
+        if gid is None:
+            return cls.private(name)
+        path = group_dir(shared_machine_dir() / _safe(name), gid)
+        ledger = group_dir(path / LEDGER_DIR, gid)
+        return cls.machine_wide(name, path, ledger)
+
+    def fallback(self) -> Domain:
+        """Where this user's runs meet when this machine-wide domain cannot be used safely."""
+        return Domain.private(self.name, ledger=self.ledger)
 
     @property
     def lock_path(self) -> Path:
-        """Held (``flock``) by the run that is the domain's arbiter."""
+        """Held (``flock``) by the run that is a private domain's arbiter."""
         return self.path / "arbiter.lock"
-
-    @property
-    def runs_path(self) -> Path:
-        """One file per attached run, each ``flock``-ed by its run while it lives."""
-        return self.path / "runs"
 
     @property
     def ledger_path(self) -> Path:
         """The simulated GPUs' ledger, for a simulated machine."""
-        return self.path / "sim-ledger"
+        return self.ledger if self.ledger is not None else self.path / LEDGER_DIR
 
     def address(self) -> str:
-        """The arbiter's socket: an abstract Unix socket named after this directory's lock
-        file (no file to leave behind or to be unable to replace: it vanishes with its
-        process, whoever the owner)."""
-        info = self.lock_path.stat()
-        digest = hashlib.sha1(f"{info.st_dev}:{info.st_ino}:{self.path}".encode()).hexdigest()[:20]
+        """The arbiter's socket: a machine-wide domain's abstract name (no file to leave
+        behind, plant or swap: it vanishes with its process), or a private domain's socket
+        file in its directory."""
+        if not self.wide:
+            return str(self.path / "arbiter.sock")
+        digest = hashlib.sha256(f"{machine_dir()}\0{self.name}".encode()).hexdigest()[:24]
         return f"\0pytest-gpu-{digest}"

@@ -1,23 +1,32 @@
 """A run's way to the machine's arbiter: be it, or attach to it; and take over when it goes.
 
-The first run to need a GPU takes the domain's lock (``flock`` on ``arbiter.lock``) and
-is the arbiter: it decides in-process, at no extra cost, and serves the other runs on an
-abstract Unix socket (:mod:`.server`). The others connect there. Whoever holds the lock
-is the arbiter, and the kernel releases the lock when its process exits, SIGKILL
-included, so there is never a second arbiter nor a lock left behind.
+The first run to need a GPU wins the domain's election and is the arbiter: it decides
+in-process, at no extra cost, and serves the other runs on a Unix socket (:mod:`.server`).
+The others connect there. The election is one the kernel settles and undoes when its
+winner's process exits, SIGKILL included (see :mod:`.domain`): binding the abstract
+socket of a machine-wide domain, or ``flock`` on the lock file of a private one. So
+there is never a second arbiter nor a lock left behind.
+
+Whom a run trusts: in a private domain only a peer of its own user (no one else can even
+reach it); in a machine-wide domain the process that holds the address, whoever's it is,
+as long as it speaks the protocol in time. Another user's arbiter is told nothing
+private (no command, directory, test or worker names). A peer that does not answer, or
+refuses this run, is a squatter: the run coordinates with its own user's runs only, in
+its private domain (one warning line), and never fails for it.
 
 When the arbiter's run ends (or dies), its socket closes and every other run elects
-again: one takes the lock, the rest connect to it, and each brings what it holds and
-waits for (the mirror of its own run it keeps, :mod:`.mirror`). The new arbiter grants
-nothing until every run that is still alive (its ``runs/<id>.lock`` is still locked)
-has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is promised twice.
-A run that is not the arbiter reaches it over :mod:`.remote`.
+again: one wins, the rest connect to it, and each brings what it holds and waits for
+(the mirror of its own run it keeps, :mod:`.mirror`). The new arbiter grants nothing
+until every run of the last roster it heard of (the arbiter tells every run who is
+attached) has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is
+promised twice. A run that is not the arbiter reaches it over :mod:`.remote`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import queue
 import secrets
@@ -28,60 +37,37 @@ from collections.abc import Callable
 from typing import Any
 
 from ..leasing.placement import Policy
+from ..leasing.ports import PortAllocator
 from ..leasing.requests import GpuRequest
-from .arbiter import Arbiter, Asked, Event, ForeignSource, Sink
-from .domain import Domain, make_shared, user_name
+from ..procs import owner_alive
+from ..safefiles import open_or_create
+from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth
+from .domain import Domain, user_name, warn_once
+from .messages import LABEL_MAX, TEST_MAX, Asked, request_to_wire
 from .mirror import Mirror, to_wire
 from .remote import Lost, MachineError, Remote
 from .server import ArbiterServer
-from .wire import request_to_wire
 
-ELECT_TIMEOUT_S = 10.0
-
-
-def _live_runs(domain: Domain, exclude: str) -> set[str]:
-    """Runs whose membership lock is held (they are alive), but ``exclude``."""
-    live: set[str] = set()
-    try:
-        entries = list(domain.runs_path.glob("*.lock"))
-    except OSError:
-        return live
-    for path in entries:
-        run = path.name[: -len(".lock")]
-        if run == exclude:
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            live.add(run)
-        except OSError:
-            pass
-        else:
-            if path.stat().st_uid == os.getuid():
-                with contextlib.suppress(OSError):
-                    path.unlink()  # left by a dead run of ours
-        finally:
-            os.close(fd)
-    return live
-
+ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
+HELLO_TIMEOUT_S = 5.0  # how long an arbiter may take to answer an attach before it counts as a squatter
 
 _links: weakref.WeakSet[MachineLink] = weakref.WeakSet()
 
 
 def _forget_in_child() -> None:
     """After ``fork()``: a child (a test's ``multiprocessing`` worker, say) must hold none of
-    the run's locks or sockets, or it would keep the run "alive" and the arbiter's lock and
-    address taken after the run is gone. Only the child's copies are closed."""
+    the run's locks or sockets, or it would keep the arbiter's lock and address taken after
+    the run is gone. Only the child's copies are closed."""
     for link in list(_links):
         link._forget_in_child()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class Squatter(MachineError):
+    """A machine-wide domain's address is held by a process this run cannot use."""
 
 
 class MachineLink:
@@ -98,16 +84,22 @@ class MachineLink:
         *,
         label: str = "",
         foreign: ForeignSource | None = None,
+        truth: Truth | None = None,
         run: str | None = None,
+        ports: PortAllocator | None = None,
     ) -> None:
         # a callable is asked on attach: a run that never needs a GPU never touches the machine dir
         self._domain = domain
         self.domain: Domain | None = domain if isinstance(domain, Domain) else None
         self.policy = policy or Policy()
-        self.label = label or f"pytest in {os.getcwd()}"
+        self.label = (label or f"pytest in {os.getcwd()}")[:LABEL_MAX]
         self.foreign = foreign
-        self.run = run or f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.truth = truth
+        self.ports = ports  # the port allocator of an arbiter this run makes (None: the default)
+        # the uid first: the arbiter checks it against the kernel's word
+        self.run = run or f"{os.getuid()}.{os.getpid()}-{secrets.token_hex(3)}"
         self.failovers = 0
+        self.fell_back: str | None = None  # why this run left its machine-wide domain, if it did
         # _lock: calls and failovers, one at a time (held across I/O); the mirror has its
         # own, never held across I/O (the reader thread takes it to file events)
         self._lock = threading.RLock()
@@ -118,20 +110,19 @@ class MachineLink:
         self._server: ArbiterServer | None = None
         self._remote: Remote | None = None
         self._lock_fd = -1
-        self._member_fd = -1
         self._attached = False
         self._closed = False
         self._mirror = Mirror()  # what this run holds and waits for, to bring to a new arbiter
+        self._roster: list[tuple[str, int]] = []  # the runs attached, as the arbiter last said
         self._events: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
         _links.add(self)
 
     def _forget_in_child(self) -> None:
-        for fd in (self._lock_fd, self._member_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._lock_fd = self._member_fd = -1
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+        self._lock_fd = -1
         if self._server is not None:
             self._server.forget_in_child()
         if self._remote is not None:
@@ -160,75 +151,108 @@ class MachineLink:
             if callable(self._domain) and self.domain is None:
                 self.domain = self._domain()
             if self.domain is None:  # a private pool: this run shares its GPUs with no one
-                self._arbiter = Arbiter(self.policy, self.foreign)
+                self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
                 self._attach_here(self._arbiter)
             else:
-                self._join_membership()
                 self._elect_and_attach(expect=False)
             self._attached = True
 
-    def _join_membership(self) -> None:
-        assert self.domain is not None
-        make_shared(self.domain.runs_path)  # every user's runs add their files there
-        fd = os.open(self.domain.runs_path / f"{self.run}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        self._member_fd = fd
-
     def _elect_and_attach(self, expect: bool) -> None:
         assert self.domain is not None
+        try:
+            self._elect_in(self.domain, expect)
+            return
+        except (OSError, MachineError) as exc:
+            why = str(exc)
+        if self.domain.wide:
+            self.fell_back = why
+            warn_once(
+                f"squat:{self.domain.name}",
+                f"{why}; this run coordinates its GPUs with its own user's runs only, and sees "
+                "the others as usage outside pytest-gpu",
+            )
+            try:
+                self.domain = self.domain.fallback()
+                self._elect_in(self.domain, expect)
+                return
+            except (OSError, MachineError) as exc:
+                why = str(exc)
+        # not even a private domain: this run alone
+        warn_once(f"alone:{self.domain.name}", f"{why}; this run shares its GPUs with no other run")
+        self.domain = None
+        self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
+        self._attach_here(self._arbiter)
+
+    def _elect_in(self, domain: Domain, expect: bool) -> None:
         deadline = time.monotonic() + ELECT_TIMEOUT_S
         while True:
-            if self._try_lead(expect):
+            if self._try_lead(domain, expect):
                 return
             try:
-                remote = Remote(self.domain.address(), self._file_events, self._remote_lost)
-            except OSError:
+                remote = Remote(domain.address(), self._file_events, self._remote_lost, self._heard_roster)
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise MachineError(
-                        f"pytest-gpu: no arbiter answers at {self.domain.path} and its lock is held; "
-                        "is a process stuck holding it?"
+                    raise Squatter(
+                        f"nothing answers at the machine's arbiter address of {domain.name!r} "
+                        f"though it is taken ({exc.strerror or exc})"
                     ) from None
-                time.sleep(0.005)  # the arbiter has the lock but is not listening yet, or is leaving
+                time.sleep(0.005)  # the arbiter has won but is not listening yet, or is leaving
                 continue
+            if not domain.wide and remote.peer_uid != os.getuid():
+                remote.close()  # only this user can bind there; never trust anyone else
+                raise Squatter(f"the arbiter of {domain.name!r} is not this user's (uid {remote.peer_uid})")
             try:
                 self._attach_remote(remote)
             except Lost:
                 remote.close()
                 continue
+            except MachineError as exc:  # silent, or refused this run: not an arbiter to use
+                remote.close()
+                who = f"pid {remote.peer_pid}, user {user_name(remote.peer_uid)}"
+                why = f"the process at the machine's arbiter address ({who}) is no usable arbiter: {exc}"
+                raise Squatter(why) from None
             self._remote = remote
             return
 
-    def _try_lead(self, expect: bool) -> bool:
-        assert self.domain is not None
-        fd = os.open(self.domain.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    def _try_lead(self, domain: Domain, expect: bool) -> bool:
+        fd = -1
+        if not domain.wide:  # the lock file decides; the socket file is then ours to replace
+            fd = open_or_create(domain.lock_path, 0o600, owner=os.getuid())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(domain.address())  # a dead arbiter's
+        arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
         try:
-            if os.fstat(fd).st_uid == os.getuid():
-                os.fchmod(fd, 0o666)  # other users' runs must be able to take it too
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        arbiter = Arbiter(self.policy, self.foreign)
-        try:
-            server = ArbiterServer(arbiter, self.domain.address())
-        except OSError:  # the old arbiter's socket is not gone yet
-            os.close(fd)
+            server = ArbiterServer(arbiter, domain.address(), self.run)
+        except OSError:  # machine-wide: another process holds the address
+            if fd >= 0:
+                os.close(fd)
+            arbiter.close()
             return False
         # this run's leases are in the allocator before any other run can reach it (the server
         # starts last): nothing it holds can be promised to another run meanwhile
         if expect:
-            arbiter.expect(_live_runs(self.domain, self.run))
+            arbiter.expect({run for run, pid in self._roster if run != self.run and self._maybe_alive(pid)})
         self._lock_fd, self._arbiter = fd, arbiter
         self._attach_here(arbiter)
         self._server = server.start()
         return True
 
+    @staticmethod
+    def _maybe_alive(pid: int) -> bool:
+        return pid <= 0 or owner_alive(pid, None)  # another user's run: its pid is not told
+
     def _attach_here(self, arbiter: Arbiter) -> None:
         """This run joins the arbiter in its own process, with what it holds and waits for."""
-        held, asked, contexts = self._mirror.snapshot()
+        held, asked, contexts, ports = self._mirror.snapshot()
         arbiter.attach(
             self.run,
             pid=os.getpid(),
+            uid=os.getuid(),
             user=user_name(),
             label=self.label,
             gpus=self._gpus,
@@ -236,22 +260,36 @@ class MachineLink:
             held=held,
             asked=asked,
             host=self._host,
+            ports=ports,
         )
         for client, gpus in contexts.items():
             arbiter.set_contexts(self.run, client, gpus)
 
+    def _private(self, remote: Remote | None = None) -> bool:
+        """Whether the arbiter is another user's: it is told no names."""
+        remote = remote or self._remote
+        return remote is not None and remote.peer_uid != os.getuid()
+
+    def _said(self, owner: str, remote: Remote | None = None) -> str:
+        """A port owner (``<client>/<test or fixture>@<tag>``) as the arbiter is told it: as it
+        is, or for another user's arbiter the client and a digest of the rest."""
+        if not self._private(remote):
+            return owner
+        client, _, rest = owner.partition("/")
+        return f"{client}/#{hashlib.sha256(rest.encode()).hexdigest()[:16]}"
+
     def _attach_remote(self, remote: Remote) -> None:
-        held, asked, contexts = self._mirror.snapshot()
+        held, asked, contexts, ports = self._mirror.snapshot()
+        private = self._private(remote)
         remote.call(
             "attach",
+            timeout=HELLO_TIMEOUT_S,
             run=self.run,
-            pid=os.getpid(),
-            user=user_name(),
-            label=self.label,
+            label="" if private else self.label,
             gpus=self._gpus,
-            held=[to_wire(h) for h in held],
-            asked=[to_wire(a) for a in asked],
-            **({} if self._host is None else {"host": list(self._host)}),
+            held=[to_wire(h, private) for h in held],
+            asked=[to_wire(a, private) for a in asked],
+            ports=[[port, self._said(owner, remote)] for port, owner in ports.items()],
         )
         for client, gpus in contexts.items():
             remote.call("set_contexts", client=client, contexts=gpus)
@@ -285,6 +323,9 @@ class MachineLink:
         passed = self._mirror.file(events)
         if passed:
             self._events.put(passed)
+
+    def _heard_roster(self, runs: list[tuple[str, int]]) -> None:
+        self._roster = runs
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -323,20 +364,22 @@ class MachineLink:
     def submit(
         self, key: str, client: str, worker: str, test: str, request: GpuRequest, gpus: list[str]
     ) -> tuple[str, Any]:
+        test = test if len(test) <= TEST_MAX else test[: TEST_MAX - 3] + "..."
         with self._lock:
             arbiter = self._arbiter
             if arbiter is not None:
                 # the fast path of a run that is the arbiter: no mirror (it never re-declares)
                 return arbiter.submit(self.run, key, client, worker, test, request, gpus)
             self._mirror.begin(key)
+            private = self._private()
             try:
                 kind, value = self._call(
                     "submit",
                     lambda a: a.submit(self.run, key, client, worker, test, request, gpus),
                     key=key,
                     client=client,
-                    worker=worker,
-                    test=test,
+                    worker="" if private else worker,
+                    test="" if private else test,
                     request=request_to_wire(request),
                     gpus=gpus,
                 )
@@ -346,7 +389,7 @@ class MachineLink:
                 kind, value = early[0], early[2] if early[0] == "granted" else early[2]["message"]
             if self._arbiter is None:  # still a follower: keep the mirror
                 self._mirror.answered(Asked(key, client, worker, test, request, tuple(gpus)), kind, value)
-            return kind, value
+            return str(kind), value
 
     def cancel(self, key: str) -> list[dict[str, Any]] | None:
         with self._lock:
@@ -391,10 +434,43 @@ class MachineLink:
         self._call("exited", lambda a: a.exited(self.run, client), client=client)
 
     def room(self, gpus: list[str]) -> list[int]:
-        return list(self._call("room", lambda a: a.room(gpus), gpus=gpus))
+        return [int(n) for n in self._call("room", lambda a: a.room(gpus), gpus=gpus)]
+
+    def take_ports(self, n: int, owner: str, port_range: tuple[int, int]) -> list[int]:
+        """``n`` ports no run of the machine holds, for ``owner``; MachineError when too few are free."""
+        with self._lock:
+            answer = self._call(
+                "take_ports",
+                lambda a: a.take_ports(self.run, n, owner, port_range),
+                n=n,
+                owner=self._said(owner),
+                range=list(port_range),
+            )
+            if not isinstance(answer, dict) or "refused" in answer:
+                raise MachineError(str(answer.get("refused") if isinstance(answer, dict) else answer))
+            ports = [int(p) for p in answer.get("ports", [])]
+            if len(ports) != n or not all(port_range[0] <= p <= port_range[1] for p in ports):
+                raise MachineError(f"the machine's arbiter handed out ports {ports[:8]} for {n} in {port_range}")
+            self._mirror.took_ports(ports, owner)
+            return ports
+
+    def give_back_ports(self, owner: str) -> None:
+        with self._lock:
+            self._mirror.gave_back_ports(owner)
+            self._tell("give_back_ports", lambda a: a.give_back_ports(self.run, owner), owner=self._said(owner))
+
+    def give_back_ports_prefix(self, prefix: str) -> None:
+        """Give back every port of an owner that starts with ``prefix`` (a client's)."""
+        with self._lock:
+            self._mirror.gave_back_ports(prefix, prefix=True)
+            self._tell(
+                "give_back_ports_prefix",
+                lambda a: a.give_back_ports_prefix(self.run, prefix),
+                prefix=prefix,
+            )
 
     def status(self) -> dict[str, Any]:
-        return dict(self._call("status", lambda a: a.status()))
+        return dict(self._call("status", lambda a: a.status(viewer=os.getuid())))
 
     # -- leaving ------------------------------------------------------------------------
 
@@ -405,13 +481,8 @@ class MachineLink:
             if self._closed:
                 return
             self._closed = True
-            # membership first: a new arbiter must not wait for this run to come back
-            if self._member_fd >= 0 and self.domain is not None:
-                with contextlib.suppress(OSError):
-                    (self.domain.runs_path / f"{self.run}.lock").unlink()
-                os.close(self._member_fd)
-                self._member_fd = -1
             if self._server is not None:
+                self._server.leave(self.run)
                 self._server.close()
             if self._arbiter is not None:
                 self._arbiter.close()
@@ -424,18 +495,18 @@ class MachineLink:
 
 
 def status(domain: Domain, timeout: float = 5.0) -> dict[str, Any] | None:
-    """The machine's state from its arbiter, or ``None`` when no run is attached (no arbiter)."""
-    if not domain.lock_path.exists():
-        return None
+    """The machine's state from its arbiter (as this user may see it), or ``None`` when no
+    run is attached (no arbiter) or what answers is not this user's arbiter where it must be."""
     try:
         remote = Remote(domain.address(), lambda events: None, lambda lost: None)
     except OSError:
         return None
     try:
-        remote.sock.settimeout(timeout)
-        return dict(remote.call("status"))
-    except Lost:
+        if not domain.wide and remote.peer_uid != os.getuid():
+            return None
+        found = remote.call("status", timeout=timeout)
+        return dict(found) if isinstance(found, dict) else None
+    except (Lost, MachineError):
         return None
     finally:
         remote.close()
-

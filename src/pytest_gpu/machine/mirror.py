@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .arbiter import Asked, Event, Held
-from .wire import request_to_wire
+from .arbiter import Event
+from .messages import Asked, Held, request_to_wire
 
 
 class Mirror:
@@ -28,13 +28,23 @@ class Mirror:
         self.held: dict[str, Held] = {}
         self.asked: dict[str, Asked] = {}
         self.contexts: dict[str, list[str]] = {}
+        self.ports: dict[int, str] = {}  # port -> owner
         self.inflight: set[str] = set()  # keys whose submit awaits its answer
         self.early: dict[str, Event] = {}  # their events, held back till then
 
-    def snapshot(self) -> tuple[list[Held], list[Asked], dict[str, list[str]]]:
+    def snapshot(self) -> tuple[list[Held], list[Asked], dict[str, list[str]], dict[int, str]]:
         """What to bring to a new arbiter."""
         with self._lock:
-            return list(self.held.values()), list(self.asked.values()), dict(self.contexts)
+            return list(self.held.values()), list(self.asked.values()), dict(self.contexts), dict(self.ports)
+
+    def took_ports(self, ports: list[int], owner: str) -> None:
+        with self._lock:
+            self.ports.update(dict.fromkeys(ports, owner))
+
+    def gave_back_ports(self, owner: str, prefix: bool = False) -> None:
+        with self._lock:
+            for port in [p for p, o in self.ports.items() if (o.startswith(owner) if prefix else o == owner)]:
+                del self.ports[port]
 
     def file(self, events: list[Event]) -> list[Event]:
         """Keep the mirror in step with events; hold back those of calls still in flight."""
@@ -114,6 +124,10 @@ def held_from(asked: Asked, body: dict[str, Any]) -> Held:
     )
 
 
-def to_wire(record: Held | Asked) -> dict[str, Any]:
-    """A lease held or a request waited on, as JSON for a new arbiter's ``attach``."""
-    return {**record.__dict__, "request": request_to_wire(record.request), "gpus": list(record.gpus)}
+def to_wire(record: Held | Asked, private: bool = False) -> dict[str, Any]:
+    """A lease held or a request waited on, as JSON for a new arbiter's ``attach``;
+    ``private``: without its test and worker (for another user's arbiter)."""
+    body = {**record.__dict__, "request": request_to_wire(record.request), "gpus": list(record.gpus)}
+    if private:
+        body.update(test="", worker="")
+    return body

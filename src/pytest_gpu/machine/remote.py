@@ -2,8 +2,12 @@
 
 The other end of :mod:`.server`. One reader thread per connection files each answer with
 the call that waits for it and hands events (``{"ev": ...}``) to the link; a call that gets
-no answer within ``CALL_TIMEOUT_S`` fails with :class:`MachineError`, one whose connection
+no answer within its timeout fails with :class:`MachineError`, one whose connection
 closes meanwhile raises :class:`Lost` (the link then elects again, see :mod:`.link`).
+
+The process that answers is who the kernel says it is (``SO_PEERCRED``, read at connect:
+:attr:`Remote.peer_uid`); the link decides whether to trust it. What it sends is checked
+before use: a frame that is not a well-formed answer or event ends the connection.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .arbiter import Event
-from .wire import FrameReader, WireError, encode
+from .messages import WireError
+from .wire import MAX_REPLY, FrameReader, encode, peer_credentials, reachable
 
 CALL_TIMEOUT_S = 60.0  # an arbiter that holds its lock but does not answer (SIGSTOP) fails the call
+CONNECT_TIMEOUT_S = 5.0
 
 
 class MachineError(RuntimeError):
@@ -29,20 +35,53 @@ class Lost(Exception):
     """The arbiter's connection closed while a call waited for its answer."""
 
 
+def _events(raw: Any) -> list[Event]:
+    if not isinstance(raw, list):
+        raise WireError("events must be a list")
+    events = []
+    for row in raw:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], str)):
+            raise WireError("an event must be [kind, key, body]")
+        if not isinstance(row[2], dict):
+            raise WireError("an event's body must be an object")
+        events.append((row[0], row[1], row[2]))
+    return events
+
+
+def _roster(raw: Any) -> list[tuple[str, int]]:
+    if not isinstance(raw, list):
+        raise WireError("a roster must be a list")
+    runs = []
+    for row in raw:
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], int)):
+            raise WireError("a roster's row must be [run, pid]")
+        runs.append((row[0], row[1]))
+    return runs
+
+
 class Remote:
     """A connection to the arbiter in another process."""
 
     def __init__(
-        self, address: str, on_frame_events: Callable[[list[Event]], None], on_lost: Callable[[Remote], None]
+        self,
+        address: str,
+        on_frame_events: Callable[[list[Event]], None],
+        on_lost: Callable[[Remote], None],
+        on_roster: Callable[[list[tuple[str, int]]], None] = lambda runs: None,
     ) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.sock.connect(address)
+            self.sock.settimeout(CONNECT_TIMEOUT_S)
+            with reachable(address) as where:
+                self.sock.connect(where)
+            self.sock.settimeout(None)
         except OSError:
             self.sock.close()
             raise
+        self.peer_pid, self.peer_uid = peer_credentials(self.sock)
         self._on_events = on_frame_events
         self._on_lost = on_lost
+        self._on_roster = on_roster
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._calls: dict[int, list[Any]] = {}  # id -> [threading.Event, reply]
@@ -53,7 +92,7 @@ class Remote:
         self._thread.start()
 
     def _read_loop(self) -> None:
-        reader = FrameReader()
+        reader = FrameReader(MAX_REPLY)
         try:
             while True:
                 data = self.sock.recv(65536)
@@ -61,10 +100,18 @@ class Remote:
                     break
                 for message in reader.feed(data):
                     if "ev" in message:
-                        self._on_events([(str(k), str(key), body) for k, key, body in message["ev"]])
+                        self._on_events(_events(message["ev"]))
                         continue
+                    if "roster" in message:
+                        # the arbiter's own run goes with its socket: it never comes back to a new one
+                        arbiter = message.get("arbiter")
+                        self._on_roster([(r, p) for r, p in _roster(message["roster"]) if r != arbiter])
+                        continue
+                    rid = message.get("re")
+                    if not isinstance(rid, int) or isinstance(rid, bool):
+                        raise WireError("an answer must name its call")
                     with self._calls_lock:
-                        waiter = self._calls.pop(int(message.get("re", -1)), None)
+                        waiter = self._calls.pop(rid, None)
                     if waiter is not None:
                         waiter[1] = message
                         waiter[0].set()
@@ -83,7 +130,9 @@ class Remote:
         with self._send_lock:
             self.sock.sendall(data)
 
-    def call(self, op: str, **fields: Any) -> Any:
+    def call(self, op: str, timeout: float | None = None, **fields: Any) -> Any:
+        """``op``'s answer; :class:`MachineError` when refused or not answered within
+        ``timeout`` (default ``CALL_TIMEOUT_S``), :class:`Lost` when the connection closed."""
         if self.lost:
             raise Lost()
         rid = next(self._ids)
@@ -96,25 +145,30 @@ class Remote:
             with self._calls_lock:
                 self._calls.pop(rid, None)
             raise Lost() from exc
-        if not waiter[0].wait(CALL_TIMEOUT_S):
+        except WireError as exc:
+            with self._calls_lock:
+                self._calls.pop(rid, None)
+            raise MachineError(f"pytest-gpu: {op!r} cannot be sent to the machine's arbiter: {exc}") from None
+        limit = CALL_TIMEOUT_S if timeout is None else timeout
+        if not waiter[0].wait(limit):
             with self._calls_lock:
                 self._calls.pop(rid, None)
             raise MachineError(
-                f"pytest-gpu: the machine's arbiter did not answer {op!r} within {CALL_TIMEOUT_S:g}s "
+                f"pytest-gpu: the machine's arbiter did not answer {op!r} within {limit:g}s "
                 "(its process is stopped or overloaded; `pytest-gpu status` names the runs)"
             )
         reply = waiter[1]
         if reply is None:
             raise Lost()
         if "error" in reply:
-            raise MachineError(f"the machine's arbiter refused {op!r}: {reply['error']}")
+            raise MachineError(f"the machine's arbiter refused {op!r}: {str(reply['error'])[:500]}")
         return reply.get("ok")
 
     def tell(self, op: str, **fields: Any) -> None:
         """One-way: no answer is awaited (a lost message is covered by the mirror)."""
         try:
             self._send({"op": op, **fields})
-        except OSError:
+        except (OSError, WireError):
             pass
 
     def close(self) -> None:

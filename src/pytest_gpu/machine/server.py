@@ -1,13 +1,26 @@
 """The arbiter's socket: other runs (and ``pytest-gpu status``) reach the arbiter here.
 
 One thread, non-blocking sockets, one epoll: a peer that sends half a frame, or nothing,
-or never reads its replies, only ever delays itself. A peer whose unread replies pile up
-beyond ``MAX_OUTBOX`` bytes is dropped. A run's connection closing (it finished, or it
-died and the kernel closed its socket) detaches the run: its leases go back at once.
+or never reads its replies, only ever delays itself. A run's connection closing (it
+finished, or it died and the kernel closed its socket) detaches the run: its leases go
+back at once.
+
+Every peer is a stranger (a machine-wide arbiter is reachable by every local user):
+
+- **identity** is the kernel's: uid and pid from ``SO_PEERCRED`` at connect. A run's id
+  must begin with that uid, a run is bound to the connection that attached it, and every
+  operation acts on that run alone (:mod:`.arbiter`);
+- **every field** of every request is checked (:mod:`.messages`) and a bad request is
+  answered with an error to its sender only; nothing a peer sends can raise out of the loop;
+- **resources are bounded**: a peer must send its first whole request within
+  ``HELLO_TIMEOUT_S`` and finish any frame it started within ``FRAME_TIMEOUT_S``; a uid may
+  hold ``MAX_PEERS_PER_UID`` connections and ``MAX_PENDING_PER_UID`` bytes of unfinished
+  frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped.
 
 Requests (``{"op": ..., "id": n, ...}``) are answered ``{"re": n, "ok": value}`` or
 ``{"re": n, "error": message}`` (a request without an ``id`` gets no answer); events
-for a run arrive as ``{"ev": [[kind, key, body], ...]}``.
+for a run arrive as ``{"ev": [[kind, key, body], ...]}``, and the runs attached (after a
+run attaches or detaches) as ``{"roster": [[run, pid], ...], "arbiter": run}``.
 """
 
 from __future__ import annotations
@@ -16,15 +29,25 @@ import functools
 import os
 import selectors
 import socket
+import sys
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arbiter import Arbiter, Asked, Event, Held
+from . import messages
+from .arbiter import Arbiter, Event, roster_digest, run_uid
 from .domain import user_name
-from .wire import FrameReader, WireError, encode, peer_credentials, request_from_wire
+from .messages import WireError, integer
+from .wire import MAX_REPLY, FrameReader, encode, peer_credentials, reachable
 
-MAX_OUTBOX = 16 << 20
+MAX_OUTBOX = 4 << 20
+MAX_PEERS = 512  # connections in all (the process's descriptors are the run's too)
+MAX_PEERS_PER_UID = 32  # a user's runs hold one each, `pytest-gpu status` one for a moment
+MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
+HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
+FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 
 
 @dataclass(eq=False)
@@ -36,25 +59,24 @@ class Peer:
     outbox: bytearray = field(default_factory=bytearray)
     run: str | None = None
     closed: bool = False
-
-
-def _host(value: Any) -> tuple[int, int] | None:
-    """A run's view of the machine's CPUs and RAM (absent from an older run's attach)."""
-    if value is None:
-        return None
-    cpus, memory = value
-    return int(cpus), int(memory)
+    hello_by: float | None = None  # monotonic deadline of its first request; None once it came
+    frame_by: float | None = None  # monotonic deadline of the frame under way
 
 
 class ArbiterServer:
-    """Serves ``arbiter`` on the abstract Unix socket ``address`` until :meth:`close`."""
+    """Serves ``arbiter`` on the Unix socket ``address`` until :meth:`close`.
 
-    def __init__(self, arbiter: Arbiter, address: str) -> None:
+    Binding an abstract ``address`` is a machine-wide domain's election: ``OSError``
+    (``EADDRINUSE``) means another process serves (or squats) it."""
+
+    def __init__(self, arbiter: Arbiter, address: str, run: str = "") -> None:
         self.arbiter = arbiter
         self.address = address
+        self.run = run  # the run in this process (rosters name it: its followers know its pid)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._listener.bind(address)
+            with reachable(address) as where:
+                self._listener.bind(where)
             self._listener.listen(128)
             self._listener.setblocking(False)
         except OSError:
@@ -66,6 +88,7 @@ class ArbiterServer:
         self._lock = threading.Lock()  # peers' outboxes (sinks run on other threads)
         self._peers: set[Peer] = set()
         self._closing = False
+        self.dropped: Counter[str] = Counter()  # why peers were shut out, for tests and the curious
         self._thread = threading.Thread(target=self._loop, name="pytest-gpu-arbiter", daemon=True)
 
     def forget_in_child(self) -> None:
@@ -91,6 +114,16 @@ class ArbiterServer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
+    def leave(self, run: str) -> None:
+        """The arbiter's own run leaves: the others hear it before the socket closes, so the
+        next arbiter does not wait for it to come back."""
+        self.arbiter.detach(run)
+        self._tell_rosters()
+
+    def alive(self) -> bool:
+        """Whether the serving thread still runs."""
+        return self._thread.is_alive()
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -102,36 +135,71 @@ class ArbiterServer:
     def _loop(self) -> None:
         try:
             while not self._closing:
-                for key, events in self._selector.select():
-                    if key.data is None:
-                        self._accept()
-                    elif key.data == "wake":
-                        os.read(self._wake_r, 4096)
-                    else:
-                        peer: Peer = key.data
-                        if events & selectors.EVENT_READ:
-                            self._read(peer)
-                        if events & selectors.EVENT_WRITE and not peer.closed:
-                            self._flush(peer)
-                self._update_interest()
+                try:
+                    self._turn()
+                except Exception as exc:  # a bug of ours: say it, and go on serving every other run
+                    print(f"pytest-gpu: arbiter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                    time.sleep(0.01)
         finally:
             for peer in list(self._peers):
-                self._drop(peer, detach=False)
+                self._flush(peer)  # what is said last (a roster without the leaving run) is small: it fits
+                self._drop(peer, "closing", detach=False)
             self._selector.close()
             self._listener.close()
+            if not self.address.startswith("\0"):
+                try:
+                    os.unlink(self.address)
+                except OSError:
+                    pass
             os.close(self._wake_r)
             os.close(self._wake_w)
 
+    def _turn(self) -> None:
+        for key, events in self._selector.select(self._timeout()):
+            if key.data is None:
+                self._accept()
+            elif key.data == "wake":
+                os.read(self._wake_r, 4096)
+            else:
+                peer: Peer = key.data
+                try:
+                    if events & selectors.EVENT_READ:
+                        self._read(peer)
+                    if events & selectors.EVENT_WRITE and not peer.closed:
+                        self._flush(peer)
+                except Exception as exc:  # whatever a peer made happen ends that peer alone
+                    self._drop(peer, f"error: {type(exc).__name__}")
+        self._expire()
+        self._update_interest()
+
+    def _timeout(self) -> float | None:
+        deadlines = [d for p in self._peers for d in (p.hello_by, p.frame_by) if d is not None]
+        return None if not deadlines else max(min(deadlines) - time.monotonic(), 0.0) + 0.001
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._peers):
+            if peer.hello_by is not None and now >= peer.hello_by:
+                self._drop(peer, "silent")
+            elif peer.frame_by is not None and now >= peer.frame_by:
+                self._drop(peer, "half frame")
+
     def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        sock.setblocking(False)
-        pid, uid = peer_credentials(sock)
-        peer = Peer(sock, pid, uid)
-        self._peers.add(peer)
-        self._selector.register(sock, selectors.EVENT_READ, peer)
+        for _ in range(64):  # a burst, then the others' turn
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            pid, uid = peer_credentials(sock)
+            mine = sum(p.uid == uid for p in self._peers)
+            if uid < 0 or len(self._peers) >= MAX_PEERS or mine >= MAX_PEERS_PER_UID:
+                self.dropped["too many"] += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            peer = Peer(sock, pid, uid, hello_by=time.monotonic() + HELLO_TIMEOUT_S)
+            self._peers.add(peer)
+            self._selector.register(sock, selectors.EVENT_READ, peer)
 
     def _read(self, peer: Peer) -> None:
         try:
@@ -141,26 +209,45 @@ class ArbiterServer:
         except OSError:
             data = b""
         if not data:
-            self._drop(peer)
+            self._drop(peer, "closed")
             return
         try:
-            messages = peer.reader.feed(data)
+            found = peer.reader.feed(data)
         except WireError:
-            self._drop(peer)
+            self._drop(peer, "bad frame")
             return
-        for message in messages:
+        if peer.reader.pending:
+            if peer.frame_by is None:
+                peer.frame_by = time.monotonic() + FRAME_TIMEOUT_S
+            held = sum(p.reader.pending for p in self._peers if p.uid == peer.uid)
+            if held > MAX_PENDING_PER_UID:
+                self._drop(peer, "too much unfinished")
+                return
+        else:
+            peer.frame_by = None
+        if found:
+            peer.hello_by = None
+        for message in found:
+            if peer.closed:
+                return
             reply = self._handle(peer, message)
             if reply is not None:
                 self._send(peer, reply)
 
     def _send(self, peer: Peer, message: dict[str, Any]) -> None:
+        try:
+            data = encode(message, MAX_REPLY)
+        except (WireError, ValueError, TypeError) as exc:
+            if "re" not in message:
+                return  # an event that cannot be said: the run notices nothing, as if it were lost
+            data = encode({"re": message["re"], "error": f"the answer cannot be sent: {exc}"})
         with self._lock:
             if peer.closed:
                 return
-            peer.outbox += encode(message)
+            peer.outbox += data
             too_much = len(peer.outbox) > MAX_OUTBOX
         if too_much:
-            self._drop(peer)
+            self._drop(peer, "not reading")
             return
         if threading.current_thread() is self._thread:
             self._flush(peer)
@@ -179,7 +266,7 @@ class ArbiterServer:
                 del peer.outbox[:sent]
             else:
                 return
-        self._drop(peer)
+        self._drop(peer, "closed")
 
     def _update_interest(self) -> None:
         with self._lock:
@@ -198,11 +285,12 @@ class ArbiterServer:
             except (KeyError, ValueError):
                 pass
 
-    def _drop(self, peer: Peer, detach: bool = True) -> None:
+    def _drop(self, peer: Peer, why: str, detach: bool = True) -> None:
         with self._lock:
             if peer.closed:
                 return
             peer.closed = True
+        self.dropped[why] += 1
         self._peers.discard(peer)
         try:
             self._selector.unregister(peer.sock)
@@ -211,81 +299,88 @@ class ArbiterServer:
         peer.sock.close()
         if detach and peer.run is not None:
             self.arbiter.detach(peer.run)
+            self._tell_rosters()
+
+    def _tell_rosters(self) -> None:
+        """Every attached run learns which runs are attached (see :meth:`Arbiter.roster`)."""
+        for peer in list(self._peers):
+            if peer.run is not None and not peer.closed:
+                ours = self.run if run_uid(self.run) == peer.uid else roster_digest(self.run)
+                self._send(peer, {"roster": self.arbiter.roster(peer.uid), "arbiter": ours})
 
     # -- requests -----------------------------------------------------------------------
 
     def _handle(self, peer: Peer, message: dict[str, Any]) -> dict[str, Any] | None:
         rid = message.get("id")  # none: one-way (release, abandon), no reply
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 53):
+            return {"re": None, "error": "id must be a non-negative integer"}
         try:
-            value = self._dispatch(peer, str(message.get("op")), message)
+            value = self._dispatch(peer, message.get("op"), message)
         except Exception as exc:  # a bad request is answered, never fatal to the arbiter
             return None if rid is None else {"re": rid, "error": f"{type(exc).__name__}: {exc}"}
         return None if rid is None else {"re": rid, "ok": value}
 
-    def _dispatch(self, peer: Peer, op: str, m: dict[str, Any]) -> Any:
+    def _dispatch(self, peer: Peer, op: Any, m: dict[str, Any]) -> Any:
         arbiter = self.arbiter
         if op == "status":
-            return arbiter.status()
+            return arbiter.status(viewer=peer.uid)
         if op == "attach":
-            if peer.run is not None:
-                raise ValueError("this connection has attached a run already")
-            attaching = str(m["run"])
-            peer.run = attaching
-            arbiter.attach(
-                attaching,
-                pid=peer.pid or int(m.get("pid", 0)),  # the kernel's word, not the message's
-                user=user_name(peer.uid) if peer.uid >= 0 else str(m.get("user", "?")),
-                label=str(m.get("label", "?")),
-                gpus={str(u): int(c) for u, c in m["gpus"].items()},
-                sink=functools.partial(self._events, peer),
-                held=[
-                    Held(
-                        h["key"],
-                        h["client"],
-                        h["worker"],
-                        h["test"],
-                        request_from_wire(h["request"]),
-                        tuple(h["gpus"]),
-                        int(h["memory"]),
-                        bool(h["exclusive"]),
-                    )
-                    for h in m.get("held", [])
-                ],
-                asked=[
-                    Asked(
-                        a["key"], a["client"], a["worker"], a["test"], request_from_wire(a["request"]), tuple(a["gpus"])
-                    )
-                    for a in m.get("asked", [])
-                ],
-                host=_host(m.get("host")),
-            )
-            return True
+            return self._attach(peer, m)
         run = peer.run
         if run is None:
-            raise ValueError(f"{op!r} before 'attach'")
+            raise ValueError(f"{str(op)[:40]!r} before 'attach'")
         if op == "submit":
-            return list(
-                arbiter.submit(
-                    run, m["key"], m["client"], m["worker"], m["test"], request_from_wire(m["request"]), m["gpus"]
-                )
-            )
+            ask = messages.submit(m)
+            return list(arbiter.submit(run, ask.key, ask.client, ask.worker, ask.test, ask.request, list(ask.gpus)))
         if op == "cancel":
-            return arbiter.cancel(run, m["key"])
+            return arbiter.cancel(run, messages.name(m.get("key"), "key"))
         if op == "abandon":
-            return arbiter.abandon(run, m["key"])
+            return arbiter.abandon(run, messages.name(m.get("key"), "key"))
         if op == "release":
-            return arbiter.release(run, m["key"], m.get("contexts"))
+            return arbiter.release(run, messages.name(m.get("key"), "key"), messages.contexts(m))
         if op == "set_contexts":
-            return arbiter.set_contexts(run, m["client"], m["contexts"])
+            return arbiter.set_contexts(run, messages.name(m.get("client"), "client"), messages.contexts(m) or [])
         if op == "forget_client":
-            return [[k, list(g)] for k, g in arbiter.forget_client(run, m["client"])]
+            rows = arbiter.forget_client(run, messages.name(m.get("client"), "client"))
+            return [[k, list(g)] for k, g in rows]
         if op == "exiting":
-            return arbiter.exiting(run, m["client"], m["contexts"])
+            return arbiter.exiting(run, messages.name(m.get("client"), "client"), messages.contexts(m) or [])
         if op == "exited":
-            return arbiter.exited(run, m["client"])
+            return arbiter.exited(run, messages.name(m.get("client"), "client"))
         if op == "room":
-            return arbiter.room(m["gpus"])
-        raise ValueError(f"unknown op {op!r}")
+            return arbiter.room(messages.uuids(m.get("gpus"), "gpus"))
+        if op == "take_ports":
+            owner = messages.text(m.get("owner"), "owner", messages.TEST_MAX)
+            return arbiter.take_ports(run, messages.port_count(m.get("n")), owner, messages.port_range(m.get("range")))
+        if op == "give_back_ports":
+            return arbiter.give_back_ports(run, messages.text(m.get("owner"), "owner", messages.TEST_MAX))
+        if op == "give_back_ports_prefix":
+            return arbiter.give_back_ports_prefix(run, messages.name(m.get("prefix"), "prefix"))
+        raise ValueError(f"unknown op {str(op)[:40]!r}")
+
+    def _attach(self, peer: Peer, m: dict[str, Any]) -> bool:
+        if peer.run is not None:
+            raise ValueError("this connection has attached a run already")
+        body = messages.attach(m)
+        if run_uid(body.run) != peer.uid:
+            raise ValueError(f"run {body.run} is not of this connection's user (uid {peer.uid})")
+        integer(peer.pid, "pid", 1, 1 << 31)
+        self.arbiter.attach(
+            body.run,
+            pid=peer.pid,  # the kernel's word, not the message's
+            uid=peer.uid,
+            user=user_name(peer.uid),
+            label=body.label,
+            gpus=body.gpus,
+            sink=functools.partial(self._events, peer),
+            held=body.held,
+            asked=body.asked,
+            host=None,  # the machine's CPUs and RAM are what the arbiter's own run sees
+            ports=body.ports,
+        )
+        peer.run = body.run
+        self._tell_rosters()
+        return True
 
     def _events(self, peer: Peer, events: list[Event]) -> None:
         self._send(peer, {"ev": [list(e) for e in events]})

@@ -1,88 +1,100 @@
-"""Frames between runs and the arbiter: a 4-byte length, then JSON.
+"""Frames between runs and the arbiter: a 4-byte length, then JSON; and the Unix sockets they travel on.
 
 JSON, not pickle: the arbiter may serve another user's runs, and nothing received from a
-socket may run code. Frames are at most ``MAX_FRAME`` bytes; a reader that is fed bytes
-as they arrive never blocks on a peer that stops half-way through a frame.
+socket may run code. A frame is at most ``MAX_FRAME`` bytes one way (to the arbiter) and
+``MAX_REPLY`` the other; its JSON is at most ``MAX_DEPTH`` deep (checked before it is
+parsed, so no nesting can exhaust the parser's stack), with no ``NaN`` or ``Infinity``.
+A reader that is fed bytes as they arrive never blocks on a peer that stops half-way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import socket
 import struct
+from collections.abc import Iterator
 from typing import Any
 
-from ..leasing.requests import GpuRequest
+from .messages import WireError
 
-MAX_FRAME = 1 << 20
+MAX_FRAME = 1 << 20  # a run's message to the arbiter (an attach with a thousand leases is ~300 KiB)
+MAX_REPLY = 16 << 20  # the arbiter's answer (a status of a busy machine)
+MAX_DEPTH = 8  # the deepest message is an attach: {held: [{request: [...]}]}
 _HEADER = struct.Struct(">I")
+# the escapes that matter for quotes gone first (left to right, as JSON reads them), strings
+# are quote to quote: every pass linear, whatever the bytes (no pattern retried at every quote)
+_STRINGS = re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
-class WireError(ValueError):
-    """A frame that is too large or not JSON: the peer is dropped."""
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    if len(data) > MAX_FRAME:
-        raise WireError(f"frame of {len(data)} bytes is over the {MAX_FRAME}-byte limit")
+def encode(message: dict[str, Any], limit: int = MAX_FRAME) -> bytes:
+    data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > limit:
+        raise WireError(f"frame of {len(data)} bytes is over the {limit}-byte limit")
     return _HEADER.pack(len(data)) + data
 
 
-class FrameReader:
-    """Turns bytes, as they come, into messages."""
+def _depth_ok(raw: bytes) -> bool:
+    """Whether ``raw``'s brackets nest at most ``MAX_DEPTH`` deep (strings aside); in C-speed passes."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRINGS.sub(b"", unescaped).translate(None, _NOT_BRACKETS)
+    for _ in range(MAX_DEPTH):
+        if not brackets:
+            return True
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+    return not brackets
 
-    def __init__(self) -> None:
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """One frame's JSON object; :class:`WireError` for anything else."""
+    if not _depth_ok(raw):
+        raise WireError(f"frame nests deeper than {MAX_DEPTH} levels")
+    try:
+        message = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"frame is not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise WireError("frame is not a JSON object")
+    return message
+
+
+class FrameReader:
+    """Turns bytes, as they come, into messages; ``limit``: the largest frame accepted."""
+
+    def __init__(self, limit: int = MAX_FRAME) -> None:
         self._buffer = bytearray()
+        self.limit = limit
+
+    @property
+    def pending(self) -> int:
+        """Bytes received of frames not yet whole."""
+        return len(self._buffer)
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self._buffer += data
         messages = []
         while len(self._buffer) >= _HEADER.size:
             (size,) = _HEADER.unpack_from(self._buffer)
-            if size > MAX_FRAME:
-                raise WireError(f"frame of {size} bytes is over the {MAX_FRAME}-byte limit")
+            if size > self.limit:
+                raise WireError(f"frame of {size} bytes is over the {self.limit}-byte limit")
             if len(self._buffer) < _HEADER.size + size:
                 break
             raw = bytes(self._buffer[_HEADER.size : _HEADER.size + size])
             del self._buffer[: _HEADER.size + size]
-            try:
-                message = json.loads(raw)
-            except ValueError as exc:
-                raise WireError(f"frame is not JSON: {exc}") from exc
-            if not isinstance(message, dict):
-                raise WireError("frame is not a JSON object")
-            messages.append(message)
+            messages.append(decode(raw))
         return messages
 
 
-def request_to_wire(request: GpuRequest) -> list[Any]:
-    """``[count, memory, exclusive, min_memory]``, then ``cpus, host_memory`` only when the
-    request leases host resources (what an older peer reads is unchanged otherwise)."""
-    shape = [request.count, request.memory, request.exclusive, request.min_memory]
-    if request.host:
-        shape += [request.cpus, request.host_memory]
-    return shape
-
-
-def request_from_wire(data: list[Any] | tuple[Any, ...]) -> GpuRequest:
-    """The inverse of :func:`request_to_wire`: 4 fields (no host part) or 6."""
-    if len(data) not in (4, 6):
-        raise WireError(f"a request has 4 or 6 fields, got {len(data)}")
-    count, memory, exclusive, min_memory = data[:4]
-    cpus, host_memory = data[4:] if len(data) == 6 else (0, 0)
-    return GpuRequest(
-        count=int(count),
-        memory=memory,
-        exclusive=bool(exclusive),
-        min_memory=min_memory,
-        cpus=int(cpus),
-        host_memory=int(host_memory),
-    )
-
-
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket (Linux); (0, -1) elsewhere."""
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel says
+    (Linux); (0, -1) where it cannot."""
     so_peercred = getattr(socket, "SO_PEERCRED", None)
     if so_peercred is None:
         return 0, -1
@@ -91,3 +103,19 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     except OSError:
         return 0, -1
     return pid, uid
+
+
+@contextlib.contextmanager
+def reachable(address: str) -> Iterator[str]:
+    """``address`` as ``bind``/``connect`` can take it: an abstract name as it is, a socket
+    file through its directory's descriptor when its path is longer than a socket address
+    may be (108 bytes; temporary directories of tests are deep)."""
+    if address.startswith("\0") or len(os.fsencode(address)) < 100:
+        yield address
+        return
+    directory, name = os.path.split(address)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)

@@ -25,6 +25,7 @@ from ..gpu.isolation import Confinement, GpuLease, confine, make_lease
 from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict, Verifier
 from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
+from ..machine.arbiter import PART
 from ..options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
@@ -101,7 +102,33 @@ def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
 
     command = " ".join(["pytest", *sys.argv[1:]])
     label = f"{command if len(command) <= 80 else command[:77] + '...'} in {os.getcwd()}"
-    return MachineLink(domain, policy, label=label, foreign=ForeignSource())
+    return MachineLink(domain, policy, label=label, foreign=ForeignSource(), truth=MachineTruth(inventory, spec))
+
+
+class MachineTruth:
+    """What this process measures of the machine's GPUs, by UUID: when this run is the
+    arbiter, every run's declared GPUs are checked against it (see :mod:`pytest_gpu.machine.arbiter`).
+
+    The run's own record of the machine first; a UUID it lacks is looked up once in the
+    simulated machine's spec (``spec``) or through NVML (a run that is the arbiter may
+    itself have asked for no GPU)."""
+
+    def __init__(self, inventory: Inventory, spec: str | None) -> None:
+        self._known = {d.uuid: d.capacity for d in (inventory.machine or inventory.devices)}
+        self._spec = spec
+        self._looked = False
+
+    def __call__(self, uuids: list[str]) -> dict[str, int]:
+        if not self._looked and any(u not in self._known for u in uuids):
+            self._looked = True
+            from ..gpu.devices import DeviceSpecError, NvmlUnavailable, nvml_devices, sim_machine
+
+            try:
+                found = sim_machine(self._spec)[0] if self._spec else nvml_devices()[0]
+            except (DeviceSpecError, NvmlUnavailable):
+                found = ()
+            self._known.update({d.uuid: d.capacity for d in found})
+        return {u: self._known[u] for u in uuids if u in self._known}
 
 
 def machine_names(inventory: Inventory, local_rank: int) -> dict[int, str]:
@@ -114,9 +141,6 @@ def machine_names(inventory: Inventory, local_rank: int) -> dict[int, str]:
         d.index: d.uuid if physical.get(d.uuid, d.capacity) == d.capacity else f"{d.uuid}{PART}{local_rank}"
         for d in inventory.devices
     }
-
-
-PART = "#part-of-rank-"
 
 
 class ForeignSource:

@@ -20,12 +20,15 @@ ledger of the *simulated machine* (:func:`machine_ledger`) for the spec in ``PYT
 
 A simulated machine is a machine: ``PYTEST_GPU_SIM_MACHINE=<name>`` names it (default: one
 per user and spec, :func:`pytest_gpu.machine.domain.sim_machine_name`), and every process
-that names it, whoever its user, shares its GPUs' memory, as the runs of one real machine
-share its GPUs. Its ledger is ``<machine dir>/sim-<name>/sim-ledger``: a directory every
-user may write (0777, not sticky: any user's process replaces the state files) with files
-every user may read and write (0666). A machine keeps its spec and context size while any
-process uses it (a process with memory or a context on it, or one that opened it with
-:func:`machine_ledger` and lives); an idle machine takes the spec of whoever opens it next.
+that names it shares its GPUs' memory, as the runs of one real machine share its GPUs. Its
+ledger directory is its device files: this user's alone (0700, in the user's private
+directory, see :mod:`pytest_gpu.machine.domain`), or, with ``PYTEST_GPU_SIM_GROUP``, the
+members' of a group (02770), as ``/dev/nvidia*`` belong to a group. No one else can read or
+write it; its members may, as users of a GPU may use it all. Files in it are replaced
+whole (written aside under an unpredictable name, then renamed) and opened without
+following links. A machine keeps its spec and context size while any process uses it (a
+process with memory or a context on it, or one that opened it with :func:`machine_ledger`
+and lives); an idle machine takes the spec of whoever opens it next.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import functools
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -88,27 +91,32 @@ class TagUsage:
 
 
 LOCK_FILE = "ledger.lock"
-SHARED_DIR_MODE = 0o777  # every user's processes replace the files (so: not sticky)
-SHARED_FILE_MODE = 0o666
+MAX_LEDGER = 64 << 20  # bytes of ledger.json read at most: a larger one is not ours
 
 
 def machine_ledger_dir(spec: str) -> Path:
     """The ledger directory of the simulated machine a process on ``spec`` uses (made on
-    first use, writable by every user): ``Domain.sim(spec).ledger_path``.
+    first use): ``Domain.sim(spec).ledger_path``, this user's or its group's.
 
-    Raises :class:`LedgerWriteError` when the machine's directory cannot be made or used.
+    Raises :class:`LedgerWriteError` when it cannot be made or used safely, and
+    :class:`SimMachineError` for a ``PYTEST_GPU_SIM_GROUP`` this user is not in.
     """
-    from ..machine.domain import Domain, DomainError
+    from ..machine.domain import Domain
+    from ..safefiles import private_dir
 
     try:
-        path = Domain.sim(spec).ledger_path
-    except DomainError as exc:
+        domain = Domain.sim(spec)
+        path = domain.ledger_path
+        if not domain.wide:  # a group's was made with its machine directory
+            private_dir(path)
+    except ValueError as exc:
+        raise SimMachineError(str(exc)) from None
+    except OSError as exc:
         raise LedgerWriteError(
             exc.errno or errno.EACCES,
-            f"{exc.strerror}; set PYTEST_GPU_MACHINE_DIR to a writable directory",
+            f"{exc.strerror or exc}; set PYTEST_GPU_MACHINE_DIR to a writable directory",
             exc.filename,
         ) from None
-    _shared_dir(path)
     return path
 
 
@@ -116,36 +124,6 @@ def default_ledger_dir(spec: str) -> Path:
     """The ledger a process on ``spec`` uses without ``PYTEST_GPU_SIM_LEDGER``: its
     simulated machine's (:func:`machine_ledger_dir`)."""
     return machine_ledger_dir(spec)
-
-
-def _shared_dir(path: Path) -> None:
-    """Make ``path`` a directory, and its lock file a file, that every user may write."""
-    from ..machine.domain import shared_problem
-
-    where = str(path)
-    try:
-        path.mkdir(mode=SHARED_DIR_MODE)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
-    try:
-        problem = shared_problem(path, SHARED_DIR_MODE)
-    except OSError as exc:
-        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
-    if problem is not None:
-        raise LedgerWriteError(*problem, where)
-    lock = path / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), SHARED_FILE_MODE)
-    except FileExistsError:
-        return  # its creator made it shared (filelock keeps an existing file's mode)
-    except OSError as exc:
-        raise LedgerWriteError(exc.errno, exc.strerror or str(exc), where) from None
-    try:
-        os.fchmod(fd, SHARED_FILE_MODE)
-    finally:
-        os.close(fd)
 
 
 def _ledger_dir() -> tuple[Path, str]:
@@ -190,17 +168,45 @@ class Ledger:
         self.path = Path(path)
         self.spec = spec
         self.overhead = overhead
-        from filelock import FileLock
+        self._file_mode: int | None = None  # 0660 in a group's directory, else 0600
 
-        self._lock = FileLock(str(self.path / LOCK_FILE))
-        self._file_mode: int | None = None  # SHARED_FILE_MODE in a directory every user writes
+    @property
+    def file_mode(self) -> int:
+        if self._file_mode is None:
+            self._file_mode = 0o660 if self.path.stat().st_mode & 0o020 else 0o600
+        return self._file_mode
+
+    @contextmanager
+    def _lock(self) -> Iterator[None]:
+        """The ledger's ``flock`` (a new descriptor each time: threads of a process exclude each other too)."""
+        from ..safefiles import locked
+
+        try:
+            with locked(self.path / LOCK_FILE, self.file_mode):
+                yield
+        except OSError as exc:
+            if isinstance(exc, LedgerWriteError):
+                raise
+            raise LedgerWriteError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
+
+    def _read(self) -> dict[str, Any] | None:
+        """``ledger.json``, or ``None`` where there is none (or none that is whole JSON: it is written anew)."""
+        from ..safefiles import read_bytes
+
+        try:
+            state = json.loads(read_bytes(self.path / "ledger.json", MAX_LEDGER))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) and "procs" in state and "spec" in state else None
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
         """Start a fresh ledger for ``spec`` (the plugin does this once per run)."""
         path.mkdir(parents=True, exist_ok=True)
         ledger = cls(path, spec, overhead)
-        with ledger._lock:
+        with ledger._lock():
             ledger._write(ledger._fresh())
         return ledger
 
@@ -217,19 +223,12 @@ class Ledger:
         self._replace(STATE_FILE, render_state(self.machine(state["spec"]), state))
 
     def _replace(self, name: str, text: str) -> None:
-        """Write ``name`` whole: aside, then renamed over it."""
-        tmp = self.path / f"{name}.{os.getpid()}.tmp"
+        """Write ``name`` whole: aside (a name no one can foresee), then renamed over it."""
+        from ..safefiles import replace_file
+
         try:
-            if self._file_mode is None:
-                shared = self.path.stat().st_mode & 0o002
-                self._file_mode = SHARED_FILE_MODE if shared else 0
-            tmp.write_text(text)
-            if self._file_mode:  # other users' processes read it (the umask may say otherwise)
-                os.chmod(tmp, self._file_mode)
-            os.replace(tmp, self.path / name)
+            replace_file(self.path / name, text.encode(), self.file_mode)
         except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
-            with suppress(OSError):
-                tmp.unlink()  # what was written of it takes space the user needs back
             raise LedgerWriteError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
     @contextmanager
@@ -237,11 +236,11 @@ class Ledger:
         """The ledger under its lock; ``write=False`` for a read-only look, ``prune=False``
         where what dead processes held cannot change the answer (it is pruned on the next write)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            file = self.path / "ledger.json"
+        with self._lock():
             fresh = False
-            if file.exists():
-                state = json.loads(file.read_text())
+            found = self._read()
+            if found is not None:
+                state = found
                 state.setdefault("users", {})  # a ledger written before machines had users
                 if self.spec and not _same_machine(state["spec"], self.spec) and not self._live(state):
                     state, fresh = self._fresh(), True
@@ -291,9 +290,8 @@ class Ledger:
         _parse(spec)  # a spec that cannot be read is refused before anything is written
         pid = os.getpid()
         self.path.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            file = self.path / "ledger.json"
-            state = json.loads(file.read_text()) if file.exists() else None
+        with self._lock():
+            state = self._read()
             if state is not None:
                 self._prune(state)
                 same = _same_machine(state["spec"], spec) and overhead in (None, state["overhead"])

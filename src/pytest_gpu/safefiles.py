@@ -1,0 +1,241 @@
+"""Files and directories in places other local users can write, handled so they cannot redirect us.
+
+In a sticky world-writable directory (``/tmp``) any user may create any name before we
+do: a symbolic link to one of our files, a FIFO that blocks an ``open``, a directory we
+then write into. The rules here, for every layer:
+
+- a name is never followed: every ``open`` has ``O_NOFOLLOW`` (and ``O_NONBLOCK``, so a
+  planted FIFO cannot block it), and what it opened is checked on the descriptor (a
+  regular file; owned by whom it must be) before it is used;
+- a file is created with ``O_CREAT | O_EXCL``, and its mode set with ``fchmod`` on the
+  descriptor, never by path;
+- a file is replaced whole by a temporary file of an unpredictable name, created so, then
+  renamed over it: inside a directory only its owner(s) can write;
+- a directory someone else owns, a symbolic link, or anything else where a directory of
+  ours belongs is refused with :class:`Unsafe`, which says why; callers fall back to a
+  place of their own.
+
+What the kernel vouches for (ownership read with ``fstat`` on an open descriptor) is
+identity; a name is only a claim.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class Unsafe(OSError):
+    """A path that another user could redirect or tamper with; ``filename`` is where, ``strerror`` why."""
+
+    def __str__(self) -> str:
+        return f"{self.filename} {self.strerror}"
+
+
+def _refuse(path: Path | str, why: str, code: int = errno.EPERM) -> Unsafe:
+    return Unsafe(code, why, str(path))
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory of this user's that no one else can enter (0700), made if missing.
+
+    Raises :class:`Unsafe` when it is a symbolic link, not a directory, or another user's;
+    :class:`OSError` when it cannot be made."""
+    with suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    fd = open_dir(path)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise _refuse(path, f"belongs to another user, {_owner_name(info.st_uid)}")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def shared_dir(path: Path, mode: int = 0o1777) -> Path:
+    """``path`` as a directory every user may add to, like ``/tmp`` (sticky: no one removes
+    another's entries), made if missing; whoever made it.
+
+    Ours: given ``mode`` (``mkdir``'s went through the umask). Another user's: it must be at
+    least as open and sticky already (its creator sets the mode right after ``mkdir``: one
+    that is not yet is refused; a later run finds it right). Raises :class:`Unsafe` otherwise."""
+    with suppress(FileExistsError):
+        os.mkdir(path, mode & 0o777)
+    fd = open_dir(path)
+    try:
+        info = os.fstat(fd)
+        current = stat.S_IMODE(info.st_mode)
+        if info.st_uid == os.geteuid():
+            if current != mode:
+                os.fchmod(fd, mode)
+        elif current & mode != mode:
+            wanted = "sticky and world-writable" if mode & stat.S_ISVTX else f"mode {mode:o}"
+            raise _refuse(path, f"belongs to {_owner_name(info.st_uid)} and is not {wanted}", errno.EACCES)
+    finally:
+        os.close(fd)
+    return path
+
+
+def group_dir(path: Path, gid: int) -> Path:
+    """``path`` as a directory that the members of group ``gid`` share and no one else
+    enters (02770, that group), made if missing.
+
+    Whoever of the group made it; one that others can write, or of another group, or not a
+    directory, is refused with :class:`Unsafe`."""
+    created = False
+    try:
+        os.mkdir(path, 0o700)
+        created = True
+    except FileExistsError:
+        pass
+    fd = open_dir(path)
+    try:
+        info = os.fstat(fd)
+        if created or info.st_uid == os.geteuid():
+            if info.st_gid != gid:
+                os.fchown(fd, -1, gid)
+            if stat.S_IMODE(info.st_mode) != 0o2770:
+                os.fchmod(fd, 0o2770)
+            info = os.fstat(fd)
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_gid != gid:
+            raise _refuse(path, f"belongs to group {info.st_gid}, not {gid}")
+        if mode & 0o007 or mode & 0o070 != 0o070:
+            raise _refuse(path, f"has mode {mode:o}: expected 2770 (the group's, no one else's)")
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_dir(path: Path | str) -> int:
+    """A descriptor of directory ``path``, which must not be a symbolic link (:class:`Unsafe`)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refuse(path, "is a symbolic link or not a directory", exc.errno) from None
+        raise
+
+
+def _checked(fd: int, path: Path | str, owner: int | None) -> int:
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif owner is not None and info.st_uid != owner:
+        problem = f"belongs to {_owner_name(info.st_uid)}"
+    if problem is not None:
+        os.close(fd)
+        raise _refuse(path, problem)
+    return fd
+
+
+def open_file(path: Path | str, flags: int = os.O_RDONLY, *, owner: int | None = None) -> int:
+    """Open an existing regular file without following a link; ``owner``: the uid it must have."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(path, "is a symbolic link", exc.errno) from None
+        raise
+    fd = _checked(fd, path, owner)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def create_file(path: Path | str, mode: int, flags: int = os.O_WRONLY) -> int:
+    """Create ``path`` (it must not exist: ``FileExistsError``) with exactly ``mode``, whatever the umask."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode & 0o777)
+    os.set_blocking(fd, True)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_or_create(path: Path | str, mode: int, flags: int = os.O_RDWR, *, owner: int | None = None) -> int:
+    """Open regular file ``path``, creating it with ``mode`` if missing; never through a link.
+
+    ``owner``: the uid an existing file must have (``None``: anyone's)."""
+    for _ in range(8):  # it may appear or vanish between the two tries
+        try:
+            return create_file(path, mode, flags)
+        except FileExistsError:
+            pass
+        try:
+            return open_file(path, flags, owner=owner)
+        except FileNotFoundError:
+            continue
+    raise _refuse(path, "keeps appearing and vanishing", errno.EAGAIN)
+
+
+def read_bytes(path: Path | str, limit: int, *, owner: int | None = None) -> bytes:
+    """The content of regular file ``path`` (at most ``limit`` bytes, else :class:`Unsafe`)."""
+    fd = open_file(path, owner=owner)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            data = stream.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise _refuse(path, f"is larger than {limit} bytes", errno.EFBIG)
+    return data
+
+
+def replace_file(path: Path, data: bytes, mode: int) -> None:
+    """Write ``path`` whole: to a temporary file of an unpredictable name, then renamed over it.
+
+    For directories only their owner(s) can write: in a sticky directory the rename fails
+    when ``path`` is someone else's (and is never followed if it is a link)."""
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = create_file(temp, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+@contextmanager
+def locked(path: Path, mode: int = 0o600, *, owner: int | None = None) -> Iterator[int]:
+    """An exclusive ``flock`` on regular file ``path`` (created with ``mode`` if missing) while
+    the block runs; the kernel drops it if the process dies. A file that cannot be opened for
+    writing (another user's) is locked through a read-only descriptor: ``flock`` needs none."""
+    try:
+        fd = open_or_create(path, mode, owner=owner)
+    except PermissionError:
+        fd = open_file(path, os.O_RDONLY, owner=owner)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
