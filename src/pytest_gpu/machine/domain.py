@@ -48,6 +48,8 @@ REAL = "gpus"
 LEDGER_DIR = "sim-ledger"
 
 _warned: set[str] = set()
+said: list[str] = []  # the warning lines of this process, in order
+_holding = False  # a pytest run shows them in its summary (a test's captured stderr would hide them)
 _private_roots: dict[tuple[str, int], Path] = {}
 
 
@@ -66,11 +68,24 @@ def _safe(text: str) -> str:
 
 
 def warn_once(key: str, message: str) -> None:
-    """One line on stderr per process and ``key`` (not ``warnings.warn``: a
-    ``filterwarnings = error`` suite would make it an INTERNALERROR)."""
-    if key not in _warned:
-        _warned.add(key)
-        print(f"pytest-gpu: warning: {message}", file=sys.stderr, flush=True)
+    """One warning line per process and ``key``: on stderr, or, while a pytest run holds them
+    (:func:`hold_warnings`), in :data:`said` for its summary. Not ``warnings.warn``: a
+    ``filterwarnings = error`` suite would make it an INTERNALERROR."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    line = f"pytest-gpu: warning: {message}"
+    said.append(line)
+    if not _holding:
+        print(line, file=sys.stderr, flush=True)
+
+
+def hold_warnings(holding: bool = True) -> None:
+    """Keep warning lines for the run's summary (``holding``), or print them as they come again."""
+    global _holding
+    _holding = holding
+    if not holding:
+        said.clear()
 
 
 def user_name(uid: int | None = None) -> str:
@@ -215,14 +230,19 @@ class Domain:
         ``$PYTEST_GPU_SIM_GROUP``, the group's (a directory only its members can enter,
         whose runs coordinate machine-wide).
 
-        :class:`OSError` (:class:`~pytest_gpu.safefiles.Unsafe` among them) where the group's
-        directory cannot be used; :class:`ValueError` for a bad group."""
+        Where the group's directory cannot be used safely, this user's own machine (one
+        warning line); :class:`ValueError` for a group that does not exist or that this user
+        is not in."""
         name = f"sim-{sim_machine_name(spec)}"
         gid = sim_group()
         if gid is None:
             return cls.private(name)
-        path = group_dir(shared_machine_dir() / _safe(name), gid)
-        ledger = group_dir(path / LEDGER_DIR, gid)
+        try:
+            path = group_dir(shared_machine_dir() / _safe(name), gid)
+            ledger = group_dir(path / LEDGER_DIR, gid)
+        except OSError as exc:  # its name taken by someone else (a link, a stranger's directory)
+            warn_once(f"group:{name}", f"{exc}; this run uses a simulated machine of its user's own instead")
+            return cls.private(name)
         return cls.machine_wide(name, path, ledger)
 
     def fallback(self) -> Domain:

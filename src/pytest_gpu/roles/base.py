@@ -7,6 +7,7 @@ from typing import ClassVar
 import pytest
 
 from ..launched.detect import LaunchContext
+from ..machine import domain
 from ..run.lifecycle import RUN_KEY
 from ..run.session import GpuRun
 from .keys import Role
@@ -27,6 +28,7 @@ class RoleBase:
         self.config = config
         self.launch = launch
         self._run: GpuRun | None = None
+        domain.hold_warnings()  # the owner's summary says them; a worker's would repeat the controller's
 
     @property
     def run(self) -> GpuRun:
@@ -54,6 +56,7 @@ class RoleBase:
         finally:
             self.run.close()
             self.config.stash.__delitem__(RUN_KEY)
+            domain.hold_warnings(False)
 
 
 def register(config: pytest.Config, plugin: object, name: str) -> None:

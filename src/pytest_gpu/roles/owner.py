@@ -12,6 +12,7 @@ import pytest
 
 from .. import raycluster
 from ..launched import selection
+from ..machine import domain
 from ..report.summary import Summary, foreign_lines
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
@@ -53,9 +54,9 @@ class RunOwner(RoleBase):
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         config, run, summary = self.config, self.run, self.summary
         assert run.broker is not None  # the owner's
-        from ..scheduling.autoworkers import summary_lines as auto_lines  # how -n auto chose
+        from ..scheduling.autoworkers import summary_lines as auto_lines
 
-        for line in auto_lines(config):
+        for line in auto_lines(config) + domain.said:  # how -n auto chose; how the machine is shared
             terminalreporter.write_line(line)
         if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
             for line in selection.summary_lines(config):

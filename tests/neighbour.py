@@ -1,0 +1,137 @@
+"""A hostile neighbour: another local user's process attacking a run's machine-wide coordination.
+
+Run as the attacking user by tests/test_hostile_neighbours.py:
+``python neighbour.py ATTACK DOMAIN [ARG ...]``; prints one JSON object (what it saw) and exits,
+or, for the attacks that hold something (``squat``, ``flood``), prints ``ready`` and holds it
+until killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+GiB = 2**30
+GPU = os.environ.get("NEIGHBOUR_GPU", "GPU-0")  # a GPU of the machine, as its runs name it
+
+
+def address(name: str) -> str:
+    from pytest_gpu.machine.domain import Domain
+
+    if hasattr(Domain, "machine_wide"):
+        return Domain.machine_wide(name).address()
+    return Domain.named(name).address()  # type: ignore[attr-defined]  # before machine-wide domains
+
+
+class Peer:
+    def __init__(self, where: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(where)
+        self.buffer = b""
+        self.rid = 0
+
+    def frame(self, raw: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(raw)) + raw)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.frame(json.dumps(message).encode())
+
+    def call(self, op: str, **fields: Any) -> Any:
+        self.rid += 1
+        self.send({"op": op, "id": self.rid, **fields})
+        while True:
+            while len(self.buffer) >= 4:
+                (size,) = struct.unpack(">I", self.buffer[:4])
+                if len(self.buffer) < 4 + size:
+                    break
+                message = json.loads(self.buffer[4 : 4 + size])
+                self.buffer = self.buffer[4 + size :]
+                if message.get("re") == self.rid:
+                    return message
+            data = self.sock.recv(65536)
+            if not data:
+                return {"closed": True}
+            self.buffer += data
+
+
+def attach(peer: Peer, run: str | None = None, **fields: Any) -> Any:
+    body = {"run": run or f"{os.getuid()}.neighbour-{os.getpid()}", "pid": 1, "user": "root", "label": "n"}
+    body["gpus"] = {GPU: 16 * GiB}
+    return peer.call("attach", **{**body, **fields})
+
+
+def main(attack: str, name: str, *args: str) -> Any:
+    where = address(name)
+    if attack == "status":
+        return Peer(where).call("status")
+    if attack == "hijack":  # attach as the victim's run, then hang up (the old arbiter detached the victim)
+        peer = Peer(where)
+        answers = [attach(peer, run=run) for run in args]
+        peer.sock.close()
+        return answers
+    if attack == "impersonate":  # as a run of its own, release and forget what the victim's run holds
+        peer = Peer(where)
+        answers = [attach(peer)]
+        for worker in range(4):
+            for n in range(4):
+                key = f"c{worker}/gw{worker}-{n}"
+                peer.send({"op": "release", "key": key})
+                peer.send({"op": "abandon", "key": key})
+            answers.append(peer.call("forget_client", client=f"c{worker}"))
+        peer.sock.close()
+        return answers
+    if attack == "overcommit":
+        peer = Peer(where)
+        answers = [attach(peer)]
+        gpu = [GPU]
+        for memory in (-16 * GiB, 1 << 60):
+            ask = {"key": f"k{memory}", "client": "c", "worker": "w", "test": "t", "gpus": gpu}
+            answers.append(peer.call("submit", request=[1, memory, False, None], **ask))
+        peer.rid += 1
+        peer.frame(b'{"op":"submit","id":%d,"key":"nan","client":"c","worker":"w","test":"t",' % peer.rid)
+        return answers
+    if attack == "crash":
+        for sender in (
+            lambda p: p.frame(b"[" * 200_000),
+            lambda p: [attach(p, label="x" * 700_000), attach(p, label="y" * 700_000), p.call("status")],
+            lambda p: [
+                attach(p),
+                p.send({"op": "submit", "key": "k", "client": "c", "request": [1, GiB, False, None], "gpus": ["X"]}),
+            ],
+        ):
+            try:
+                peer = Peer(where)
+                sender(peer)
+                peer.sock.close()
+            except OSError:
+                pass
+        return "sent"
+    if attack == "squat":  # bind the address before any run does, and never answer
+        squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        squatter.bind(where)
+        squatter.listen(64)
+        print("ready", flush=True)
+        time.sleep(3600)
+    if attack == "flood":  # unfinished 1 MiB frames and as many connections as it can open
+        held = []
+        for i in range(int(args[0])):
+            try:
+                peer = Peer(where)
+                if i < 300:
+                    peer.sock.sendall(struct.pack(">I", 1 << 20) + b"x" * ((1 << 20) - 1))
+                held.append(peer)
+            except OSError:
+                pass
+        print("ready", flush=True)
+        time.sleep(3600)
+    raise SystemExit(f"unknown attack {attack!r}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*sys.argv[1:])), flush=True)
