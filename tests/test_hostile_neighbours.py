@@ -52,7 +52,7 @@ class User:
     home: Path
 
     def env(self, machines: Path, **extra: str) -> dict[str, str]:
-        keep = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM")}
+        keep = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TERM")}
         return {
             **keep,
             "HOME": str(self.home),
@@ -294,6 +294,19 @@ def test_links_and_directories_planted_by_another_user_redirect_nothing(machine:
     assert warnings and all(str(machine.machines) in line for line in warnings), said
     assert len(warnings) == len(set(warnings))  # each said once, in the summary, not by every worker
     assert not [p for p in (shared, ledger, *ledger.iterdir()) if p.lstat().st_uid == a.uid]  # A wrote nothing there
+
+
+def test_another_user_cannot_plant_links_where_a_users_run_writes(machine: Machine) -> None:
+    go = machine.a.home / "go"
+    go.write_text("go")
+    os.chown(go, machine.a.uid, machine.a.gid)
+    _passed(machine.run_a("--timeout", "60"))  # A's machine exists now, as after any run
+    ledger = machine.machines / f"sim-{MACHINE}" / "sim-ledger"
+    before = machine.victims()
+    planted = machine.attack("plant", str(ledger), str(machine.a.home / "victim.txt"))
+    assert planted == {"planted": 0, "refused": "PermissionError: Permission denied"}
+    _passed(machine.run_a("--timeout", "60"))
+    assert machine.victims() == before
 
 
 # -- 2 to 4: the arbiter against another user ------------------------------------------------------
