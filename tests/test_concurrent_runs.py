@@ -182,3 +182,36 @@ def test_a_gpu_a_foreign_process_fills_is_avoided_and_the_summary_says_so(gpu_py
     assert re.search(
         r"pytest-gpu: GPU 0 was avoided by [1-4] tests?: processes outside pytest-gpu used 12.5GiB there", out
     ), out
+
+
+PORTS = """
+import os, socket, time, pytest
+
+@pytest.mark.parametrize("i", range(8))
+def test_binds_late(ports, i):
+    a, b = ports(2)
+    start = time.time()
+    time.sleep(0.3)  # what a server does between being told its port and listening on it
+    with socket.socket() as one, socket.socket() as two:
+        one.bind(("", a))  # EADDRINUSE here: another run was handed the same port
+        two.bind(("", b))
+        time.sleep(0.1)
+    with open(os.environ["TIMES"], "a") as out:
+        out.write(f"{os.environ['RUN']} {a} {b} {start} {time.time()}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_runs_are_never_handed_the_same_port(gpu_pytester):
+    """Two runs with one narrow --gpu-port-range whose tests bind late: the machine's arbiter
+    hands out ports for every run, so no port is held by two runs at once."""
+    gpu_pytester.makepyfile(test_ports=PORTS)
+    runs = [start_run(gpu_pytester.path, f"r{i}", "ports", 2, "--gpu-port-range=35100-35109") for i in range(2)]
+    outs = [finish(run) for run in runs]
+    for out in outs:
+        assert "8 passed" in out and "INTERNALERROR" not in out, out
+    held = [line.split() for line in (gpu_pytester.path / "times.txt").read_text().splitlines()]
+    assert len(held) == 16
+    for (run1, *ports1, s1, e1), (run2, *ports2, s2, e2) in itertools.combinations(held, 2):
+        if run1 != run2 and set(ports1) & set(ports2):
+            assert float(e1) <= float(s2) or float(e2) <= float(s1), f"{run1} and {run2} held {ports1} {ports2} at once"

@@ -546,3 +546,64 @@ def test_a_forked_child_keeps_neither_the_arbiters_lock_nor_its_address(domain, 
         assert b.submit("c0/k0", "c0", "gw0", "t", whole(), ["U"])[0] == "granted"
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_an_arbiter_that_stops_fails_the_waiting_request_never_the_run(gpu_pytester, monkeypatch):
+    """Another run is the arbiter and is stopped (SIGSTOP) while this run goes on: the test
+    that asks for a GPU then fails with a clear error after PYTEST_GPU_ARBITER_TIMEOUT; the
+    run's other tests pass and the run ends normally."""
+    import pwd
+
+    name = f"sim-{pwd.getpwuid(os.getuid()).pw_name}-sim_2x16GiB"  # the run's simulated machine
+    leader = start_leader(Domain.private(name))
+    gpu_pytester.makepyfile(
+        test_stall="""
+        import pathlib, time, pytest
+
+        HERE = pathlib.Path(__file__).parent
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_a_attached():
+            (HERE / "attached").write_text("")
+            while not (HERE / "stopped").exists():
+                time.sleep(0.02)
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_b_asks_a_stopped_arbiter():
+            pass
+
+        def test_c_needs_no_gpu():
+            pass
+        """
+    )
+    monkeypatch.setenv("PYTEST_GPU_ARBITER_TIMEOUT", "2")
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--gpus",
+        "sim:2x16GiB",
+        "-p",
+        "no:randomly",
+    ]
+    proc = subprocess.Popen(command, cwd=gpu_pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (gpu_pytester.path / "attached").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.02)
+        leader.send_signal(signal.SIGSTOP)
+        (gpu_pytester.path / "stopped").write_text("")
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        leader.send_signal(signal.SIGCONT)
+        leader.kill()
+        leader.wait()
+        proc.kill()
+    assert "INTERNALERROR" not in out, out
+    assert "1 failed, 2 passed" in out or "2 passed, 1 error" in out, out
+    assert "did not answer 'submit' within 2s" in out, out

@@ -346,7 +346,9 @@ class Broker(AuthServer[ClientInfo]):
         local = []
         for row in rows:
             gpus = [self._index.get(u, u) for u in row["gpus"]]
-            worker = row["worker"] if row["run"] == mine else f"{row['worker']} of run {row['run']} ({row['user']})"
+            worker = row["worker"]
+            if row["run"] and row["run"] != mine:  # another run of this user ('' for another user's)
+                worker = f"{worker} of run {row['run']} ({row['user']})"
             local.append({**row, "gpus": gpus, "worker": worker})
         return local
 
@@ -356,9 +358,13 @@ class Broker(AuthServer[ClientInfo]):
             attached = self._attached
             # The process keeps its CUDA contexts until it exits, which may be a while after
             # it closed its connection (a worker shutting down): keep counting them till then.
-            if attached and info.contexts and not self._closing:
-                self._hold_contexts_until_exit(info, set(info.contexts))
-            held = self.link.forget_client(info.client) if attached else []
+            held: list[tuple[str, tuple[str, ...]]] = []
+            try:  # an arbiter that stopped answering must not stop this service
+                if attached and info.contexts and not self._closing:
+                    self._hold_contexts_until_exit(info, set(info.contexts))
+                held = self.link.forget_client(info.client) if attached else []
+            except MachineError:
+                pass  # what the client held is out of this run's mirror: the next arbiter never hears of it
             prefix = scoped(info.client, "")
             mine = [unscoped(o)[1] for o in self.ports.values() if o.startswith(prefix)]
             port_tests = sorted({PortOwner.parse(o).holder for o in mine})  # a test's node id, a fixture, ...
@@ -402,7 +408,10 @@ class Broker(AuthServer[ClientInfo]):
         threading.Thread(target=wait, name=f"pytest-gpu-exit-{info.pid}", daemon=True).start()
 
     def status_locked(self) -> dict[str, Any]:
-        machine = self._machine().status()
+        try:
+            machine = self._machine().status()
+        except MachineError as exc:  # the arbiter stopped answering: this run's own part still says something
+            machine = {"runs": [], "gpus": [], "leases": [], "waiting": [], "grants": 0, "error": str(exc)}
         mine = self.link.run
         used = dict.fromkeys(self.capacities, 0)
         contexts: dict[int, list[str]] = {i: [] for i in self.capacities}
@@ -437,4 +446,7 @@ class Broker(AuthServer[ClientInfo]):
         """What each GPU can give leases now that CUDA contexts and foreign usage are counted."""
         if not self.capacities:
             return []  # a run without GPUs never joins the machine
-        return self._machine().room([self.uuids[i] for i in self.capacities])
+        try:
+            return self._machine().room([self.uuids[i] for i in self.capacities])
+        except MachineError:  # the arbiter stopped answering: plan with what the GPUs have (workers still wait)
+            return [max(c - self.policy.overhead, 0) for c in self.capacities.values()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -23,7 +24,19 @@ from .arbiter import Event
 from .messages import WireError
 from .wire import MAX_REPLY, FrameReader, encode, peer_credentials, reachable
 
-CALL_TIMEOUT_S = 60.0  # an arbiter that holds its lock but does not answer (SIGSTOP) fails the call
+TIMEOUT_ENV = "PYTEST_GPU_ARBITER_TIMEOUT"
+
+
+def _seconds(value: str | None, default: float) -> float:
+    try:
+        seconds = float(value) if value else default
+    except ValueError:
+        return default
+    return seconds if 0 < seconds < float("inf") else default
+
+
+# an arbiter that holds the address but does not answer (SIGSTOP) fails the call, not the run
+CALL_TIMEOUT_S = _seconds(os.environ.get(TIMEOUT_ENV), 60.0)
 CONNECT_TIMEOUT_S = 5.0
 
 
