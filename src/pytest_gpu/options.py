@@ -57,14 +57,14 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "gpu_host_cpus",
         "auto",
         "CPUs the machine has for tests' cpus= leases: 'auto' (this process's CPU affinity) or a positive "
-        "whole number; the first run attached to the machine's arbiter declares it for all.",
+        "whole number; the run that is the machine's arbiter declares it for all.",
     ),
     (
         "--gpu-host-memory",
         "gpu_host_memory",
         "auto",
         "RAM the machine has for tests' host_memory= leases: 'auto' (total RAM less 10%, at least 1GiB, "
-        "kept back) or a size such as 64GiB; the first run attached to the machine's arbiter declares it for all.",
+        "kept back) or a size such as 64GiB; the run that is the machine's arbiter declares it for all.",
     ),
     (
         "--gpu-port-range",

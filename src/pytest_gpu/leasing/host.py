@@ -13,8 +13,8 @@ The machine, as a run sees it (:func:`capacity`):
   (:data:`RESERVE_FRACTION` of it, at least :data:`RESERVE_MIN`); ``--gpu-host-memory SIZE``
   declares another amount.
 
-The arbiter takes the view of the first run that attaches to it (each election: the new
-arbiter's own run first); runs attaching later with another view get the first one's.
+The arbiter takes the view of its own run (each election: the new arbiter's run); the
+views of the runs attaching to it are not asked (another user's run could lie).
 
 While a test holds ``cpus=N``, its ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` are ``N``
 (restored afterwards), and so are torch's intra-op threads (``torch.set_num_threads``) if

@@ -14,8 +14,8 @@ Events (a grant or refusal of a request that waited) go to the run's ``sink``, c
 after the arbiter's lock is released, never under it: a sink may take its broker's lock.
 
 Host resources: the machine's CPUs and RAM (see :mod:`pytest_gpu.leasing.host`) are in the same
-pool, told by the first run that attaches (``host=(cpus, bytes)``); later runs' views are
-ignored, so every run leases from one account of them.
+pool, told by the run that attaches first (``host=(cpus, bytes)``: the arbiter's own run; the
+server never passes another run's view on), so every run leases from one account of them.
 
 Identity: a run's id begins with its user's uid (``<uid>.<pid>-<random>``), which the
 server checks against the kernel's word (``SO_PEERCRED``); every operation names no run,
