@@ -292,7 +292,7 @@ def run_scenario(
             machine = None
             if link != "private":
                 os.environ[ROOT_ENV] = str(Path(tmp) / "machines")
-                domain = Domain.named("bench")
+                domain = Domain.machine_wide("bench")
                 if link == "follower":  # another run is the arbiter, in another process
                     other = ctx.Process(target=_arbiter_main, args=(str(Path(tmp) / "machines"), ready), daemon=True)
                     other.start()
@@ -308,7 +308,7 @@ def run_scenario(
         if attack:
             if server == "broker" and link != "private":
                 broker._machine()  # joined: the arbiter's socket exists (a run attaches at its first lease)
-                attackers = _attack(address, Domain.named("bench").address())
+                attackers = _attack(address, Domain.machine_wide("bench").address())
             else:
                 attackers = _attack(address)
         window = ctx.Array("d", 2, lock=False)
@@ -375,7 +375,7 @@ def _attack(*addresses: str | None) -> list[socket.socket]:
 def _arbiter_main(root: str, ready: Any) -> None:
     """Another run on the same machine: it attaches first, so it is the arbiter; it asks for nothing."""
     os.environ[ROOT_ENV] = root
-    link = MachineLink(Domain.named("bench"), Policy())
+    link = MachineLink(Domain.machine_wide("bench"), Policy())
     link.attach({f"GPU-bench-{i}": 16 * GIB for i in range(8)}, lambda events: None)
     ready.put("arbiter")
     time.sleep(3600)

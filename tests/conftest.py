@@ -240,6 +240,10 @@ def private_machines(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
     path = tmp_path_factory.mktemp("machines")
     monkeypatch.setenv(MACHINE_DIR_ENV, str(path))
     monkeypatch.delenv("PYTEST_GPU_SIM_MACHINE", raising=False)
+    from pytest_gpu.machine import domain
+
+    domain._warned.clear()  # a new machine directory: its warnings are said anew
+    domain.hold_warnings(False)  # printed as they come, unless the test's own run holds them
     return path
 
 

@@ -25,6 +25,8 @@ MAX_LINES = 450
 LONG_MODULES = {
     "sim/torch_cuda.py": "torch.cuda's API surface for the CPU build: one stand-in per torch function, "
     "splitting it would scatter one contract over files",
+    "leasing/broker.py": "the run's lease service: every message of its protocol, and what a client leaves "
+    "behind when it goes (leases, ports, contexts until its process exits)",
     "machine/link.py": "a run's one object on the machine: election, fallback from a squatter, failover and "
     "every call to the arbiter, which its lock keeps in order",
     "sim/ledger.py": "the simulated machine's physics (memory, contexts, processes) under one file lock",

@@ -38,6 +38,7 @@ abandoned key (the broker handles it in order, after any push it sent for that k
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -359,12 +360,10 @@ class Broker(AuthServer[ClientInfo]):
             # The process keeps its CUDA contexts until it exits, which may be a while after
             # it closed its connection (a worker shutting down): keep counting them till then.
             held: list[tuple[str, tuple[str, ...]]] = []
-            try:  # an arbiter that stopped answering must not stop this service
+            with contextlib.suppress(MachineError):  # an arbiter that stopped answering must not stop this service
                 if attached and info.contexts and not self._closing:
                     self._hold_contexts_until_exit(info, set(info.contexts))
                 held = self.link.forget_client(info.client) if attached else []
-            except MachineError:
-                pass  # what the client held is out of this run's mirror: the next arbiter never hears of it
             prefix = scoped(info.client, "")
             mine = [unscoped(o)[1] for o in self.ports.values() if o.startswith(prefix)]
             port_tests = sorted({PortOwner.parse(o).holder for o in mine})  # a test's node id, a fixture, ...
