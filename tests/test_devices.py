@@ -95,12 +95,31 @@ def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
             "sim:4x16GiBs",
             f"--gpus 'sim:4x16GiBs': bad size in '4x16GiBs': unknown unit 'GiBs' in '16GiBs': expected {SIZE_FORM}",
         ),
+        # bounds: the machine is never built (sim:30000x1GiB took minutes)
+        ("sim:30000x1GiB", "--gpus 'sim:30000x1GiB': 30000 GPUs; a simulated machine has at most 64"),
+        ("sim:60x1GiB,5x1GiB", "--gpus 'sim:60x1GiB,5x1GiB': 65 GPUs; a simulated machine has at most 64"),
+        ("sim:2x2TiB", "--gpus 'sim:2x2TiB': '2x2TiB': a simulated GPU has at most 1TiB"),
+        (
+            "sim:1x80GiB;mig:0=4x1GiB,4x1GiB",
+            "--gpus 'sim:1x80GiB;mig:0=4x1GiB,4x1GiB': 8 MIG instances; GPU 0 has at most 7",
+        ),
+        pytest.param(
+            "sim:1x" + "9" * 400 + "GiB",
+            f"--gpus 'sim:1x{'9' * 400}GiB': bad size in '1x{'9' * 400}GiB': expected a finite size, "
+            f"got '{'9' * 400}GiB'",
+            id="400-digit-size",
+        ),
     ],
 )
 def test_sim_spec_errors(spec: str, message: str) -> None:
     with pytest.raises(DeviceSpecError) as info:
         parse_sim_spec(spec)
     assert str(info.value) == message
+
+
+def test_sim_spec_bounds_are_inclusive() -> None:
+    assert len(parse_sim_spec("sim:64x1TiB")) == 64
+    assert len(parse_sim_spec("sim:1x1TiB;mig:0=7x1GiB")) == 7  # the MIG instances are the devices
 
 
 def test_device_spec_error_is_a_value_error() -> None:

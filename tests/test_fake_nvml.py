@@ -572,6 +572,15 @@ def test_no_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
         nvml.library_dir()
 
 
+def test_spec_bounds_are_the_librarys_room() -> None:
+    """A spec within :mod:`pytest_gpu.sim.spec`'s bounds must fit the library's fixed arrays."""
+    from pytest_gpu.sim import spec
+
+    source = nvml.SOURCE.read_text()
+    assert f"#define MAX_GPUS {spec.MAX_GPUS}\n" in source
+    assert f"#define MAX_MIG {spec.MAX_MIG} " in source
+
+
 @pytest.mark.slow
 def test_source_compiles_without_warnings(tmp_path: Path) -> None:
     strict = ("-std=c11", "-Wall", "-Wextra", "-Werror")

@@ -147,6 +147,13 @@ def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, 
     assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
 
 
+def test_a_sim_machine_beyond_the_bounds_is_a_usage_error(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner("--gpus", "sim:30000x1GiB")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "ERROR: --gpus 'sim:30000x1GiB': 30000 GPUs; a simulated machine has at most 64" in result.errlines
+
+
 def test_a_trace_that_cannot_be_written_is_reported_and_the_outcome_stands(gpu_pytester, run_inner):
     gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
     (gpu_pytester.path / "blocker").write_text("a file, so blocker/ cannot be a directory")

@@ -106,6 +106,13 @@ def test_parse_size_wrong_types(value: object) -> None:
     assert str(info.value) == f"expected {SIZE_FORM}, got {value!r}"
 
 
+def test_parse_size_too_many_digits_is_a_size_error() -> None:
+    value = "9" * 400 + "GiB"  # float() of it is inf
+    with pytest.raises(SizeError) as info:
+        parse_size(value)
+    assert str(info.value) == f"expected a finite size, got {value!r}"
+
+
 def test_parse_size_negative_int() -> None:
     with pytest.raises(SizeError, match=r"^expected a non-negative size, got -1$"):
         parse_size(-1)

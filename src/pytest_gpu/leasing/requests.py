@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -57,7 +58,10 @@ def parse_size(value: object) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise SizeError(f"unknown unit {unit!r} in {value!r}: expected {SIZE_FORM}")
-    return int(float(number) * factor)
+    nbytes = float(number) * factor
+    if not math.isfinite(nbytes):  # hundreds of digits: float() says inf, int() would raise OverflowError
+        raise SizeError(f"expected a finite size, got {value!r}")
+    return int(nbytes)
 
 
 def format_size(nbytes: int) -> str:

@@ -14,6 +14,9 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
              no-v3                           the driver lacks
                                              nvmlDeviceGetComputeRunningProcesses_v3
 
+Limits: at most :data:`MAX_GPUS` GPUs, :data:`MAX_MIG` MIG instances per GPU, and
+:data:`MAX_SIZE` per GPU or instance.
+
 Units: CUDA addresses GPUs that are not in MIG mode and MIG instances. Unit ``i`` for
 ``i < len(gpus)`` is GPU ``i`` (NVML's index); MIG instances follow, numbered on from
 ``len(gpus)``, so a plain GPU's unit number is its NVML index.
@@ -27,6 +30,13 @@ from dataclasses import dataclass
 from ..leasing.requests import SizeError, format_size, parse_size
 
 PREFIX = "sim:"
+# The fake libnvidia-ml.so.1 has room for this many (fake_nvml.c's MAX_GPUS, MAX_MIG);
+# 7 is also what A100/H100 allow. Checked before expanding COUNTxSIZE: sim:30000x1GiB
+# would otherwise build a machine for minutes.
+MAX_GPUS = 64
+MAX_MIG = 7
+MAX_SIZE = 2**40  # 1 TiB: several times any GPU made; larger is a typo, not a machine
+MAX_SIZE_TEXT = "1TiB"
 FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
@@ -95,7 +105,8 @@ def mig_uuid(parent: int, slot: int) -> str:
     return f"MIG-51a00000-0000-4000-9000-{parent:06d}{slot:06d}"
 
 
-def _groups(spec: str, body: str, what: str) -> list[int]:
+def _groups(spec: str, body: str, what: str, device: str, holder: str, limit: int) -> list[int]:
+    """The sizes of ``body``'s COUNTxSIZE groups: at most ``limit`` ``device``s, which ``holder`` has."""
     sizes: list[int] = []
     if not body.strip():
         raise SpecError(f"{spec!r}: no {what} given; expected e.g. sim:4x16GiB")
@@ -117,6 +128,10 @@ def _groups(spec: str, body: str, what: str) -> list[int]:
             raise SpecError(f"{spec!r}: bad size in {part!r}: {exc}") from None
         if count <= 0 or size <= 0:
             raise SpecError(f"{spec!r}: count and size must be positive in {part!r}")
+        if size > MAX_SIZE:
+            raise SpecError(f"{spec!r}: {part.strip()!r}: a simulated {device} has at most {MAX_SIZE_TEXT}")
+        if len(sizes) + count > limit:
+            raise SpecError(f"{spec!r}: {len(sizes) + count} {device}s; {holder} has at most {limit}")
         sizes.extend([size] * count)
     return sizes
 
@@ -132,7 +147,7 @@ def parse(spec: str) -> Machine:
     text = spec.strip()
     body = text[len(PREFIX) :] if text.lower().startswith(PREFIX) else text
     groups, *options = body.split(";")
-    sizes = _groups(spec, groups, "simulated devices")
+    sizes = _groups(spec, groups, "simulated devices", "GPU", "a simulated machine", MAX_GPUS)
     mig: dict[int, list[int]] = {}
     faults: dict[int, str] = {}
     reserved_of: int | float = 0
@@ -146,7 +161,7 @@ def parse(spec: str) -> Machine:
         key = key.strip().lower()
         if key.startswith("mig:"):
             index = _gpu_index(spec, option, key[4:], len(sizes))
-            mig[index] = _groups(spec, value, f"MIG instances for GPU {index}")
+            mig[index] = _groups(spec, value, f"MIG instances for GPU {index}", "MIG instance", f"GPU {index}", MAX_MIG)
             if sum(mig[index]) > sizes[index]:
                 raise SpecError(f"{spec!r}: {option}: MIG instances add up to more than GPU {index}'s memory")
         elif key.startswith("fault:"):
