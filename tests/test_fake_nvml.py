@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -570,6 +574,85 @@ def test_no_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("CC", "no-such-cc -m64")
     with pytest.raises(RuntimeError, match=r"'no-such-cc' was not found.*install cc"):
         nvml.library_dir()
+
+
+@pytest.fixture
+def unwritable_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache root no one can create, root included (it lies under a regular file); a private
+    temporary directory; a stand-in compiler that only writes its output. Returns the temp dir."""
+    (tmp_path / "file").write_text("a file, so nothing can be made under it\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    cc = tmp_path / "touch-cc"
+    cc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    return temp
+
+
+def test_an_unwritable_cache_falls_back_to_a_private_temporary_directory(unwritable_cache: Path) -> None:
+    built = nvml.library_dir(no_v3=True)
+    private = unwritable_cache / f"pytest-gpu-{os.getuid()}"
+    assert built.parent == private / "fake-nvml" and built.name.endswith("-nov3")
+    assert (built / nvml.LIBRARY).is_file()
+    for path in (private, private / "fake-nvml"):
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o700
+    assert nvml.library_dir(no_v3=True) == built  # found there next time
+
+
+@pytest.mark.parametrize("where", ["pytest-gpu-{uid}", "pytest-gpu-{uid}/fake-nvml"])
+def test_the_temporary_fallback_never_follows_a_symbolic_link(unwritable_cache: Path, where: str) -> None:
+    elsewhere = unwritable_cache.parent / "elsewhere"  # another user's, say
+    elsewhere.mkdir()
+    link = unwritable_cache / where.format(uid=os.getuid())
+    link.parent.mkdir(mode=0o700, exist_ok=True)
+    link.symlink_to(elsewhere)
+    with pytest.raises(RuntimeError) as info:
+        nvml.library_dir()
+    assert str(info.value).startswith(f"cannot cache the fake NVML in {os.environ['XDG_CACHE_HOME']}/pytest-gpu/")
+    assert f"nor in the temporary directory ({link} is a symbolic link); point XDG_CACHE_HOME at" in str(info.value)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_the_temporary_fallback_refuses_another_users_directory(unwritable_cache: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user owns needs root")
+    theirs = unwritable_cache / f"pytest-gpu-{os.getuid()}"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, os.getuid() + 4242, -1)
+    with pytest.raises(RuntimeError, match=rf"\({re.escape(str(theirs))} belongs to another user \(uid "):
+        nvml.library_dir()
+    assert list(theirs.iterdir()) == []
+
+
+def test_a_sim_run_with_a_read_only_home_passes(
+    gpu_pytester: pytest.Pytester,
+    run_inner: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    """No ``~/.cache`` can be made (was: INTERNALERROR); the library is built in the temp dir."""
+    (tmp_path / "file").write_text("a file: HOME under it cannot be written, not even by root\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("CC", raising=False)
+    # short: the run's sockets live under TMPDIR, and tmp_path is too long for AF_UNIX
+    temp = Path(tempfile.mkdtemp(prefix="pg-home-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    gpu_pytester.makepyfile(
+        "import pynvml\n\n"
+        "def test_nvml_sees_the_fake(gpu):\n"
+        "    pynvml.nvmlInit()\n"
+        "    assert pynvml.nvmlDeviceGetCount() == 2\n"
+    )
+    result = run_inner("--gpus", "sim:2x16GiB", subprocess=True)
+    result.assert_outcomes(passed=1)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    assert list((temp / f"pytest-gpu-{os.getuid()}" / "fake-nvml").glob(f"*/{nvml.LIBRARY}"))
 
 
 def test_spec_bounds_are_the_librarys_room() -> None:

@@ -48,8 +48,12 @@ def shared_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
 
 
-def _unusable(root: Path) -> str | None:
-    """Why ``root`` cannot hold this user's run directories (after making it 0700), or None."""
+def unusable(root: Path) -> str | None:
+    """Why ``root`` cannot be a directory private to this user (after making it 0700), or None.
+
+    Safe where other users can create names (``/tmp``): a symbolic link or a directory of
+    theirs is refused, never followed or used.
+    """
     try:
         root.mkdir(mode=0o700, exist_ok=True)
         info = root.lstat()
@@ -78,7 +82,7 @@ def base_dir() -> Path:
         root = shared_dir()
     except OSError as exc:  # gettempdir: "No usable temporary directory found in [...]"
         raise RunDirError(exc.errno, exc.strerror or str(exc)) from exc
-    why = _unusable(root)
+    why = unusable(root)
     if why is None:
         return root
     try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import os
 import shlex
@@ -56,6 +57,27 @@ def _cache_root() -> Path:
     return Path(base) / "pytest-gpu" / "fake-nvml"
 
 
+class _NoFallback(Exception):
+    """The temporary directory cannot hold this user's cache (the message says why)."""
+
+
+def _fallback_root() -> Path:
+    """``$TMPDIR/pytest-gpu-<uid>/fake-nvml``, private to this user; :class:`_NoFallback` says why not."""
+    from ...run.rundir import shared_dir, unusable
+
+    try:
+        shared = shared_dir()
+    except OSError as exc:  # gettempdir: "No usable temporary directory found in [...]"
+        raise _NoFallback(str(exc)) from None
+    root = shared / "fake-nvml"
+    # both levels checked: another user may have made either name first, as a link or theirs
+    for path in (shared, root):
+        why = unusable(path)
+        if why is not None:
+            raise _NoFallback(f"{path} {why}")
+    return root
+
+
 def _compiler() -> list[str]:
     cc = shlex.split(os.environ.get("CC", "").strip()) or ["cc"]
     if shutil.which(cc[0]) is None:
@@ -70,18 +92,47 @@ def library_dir(*, no_v3: bool = False) -> Path:
     """The directory holding the compiled fake ``libnvidia-ml.so.1``, building it on first use.
 
     The build is cached under ``${XDG_CACHE_HOME:-~/.cache}/pytest-gpu/fake-nvml/<hash>[-nov3]``,
-    keyed by the source and the variant, and done once across concurrent processes.  ``no_v3``
-    selects the variant without ``nvmlDevice{Compute,Graphics}RunningProcesses_v3`` (an old
-    driver).  Raises :class:`RuntimeError` when no C compiler is available or compiling fails.
+    keyed by the source and the variant, and done once across concurrent processes; where that
+    cannot be written (a read-only home), under ``$TMPDIR/pytest-gpu-<uid>/fake-nvml`` (0700,
+    this user's).  ``no_v3`` selects the variant without
+    ``nvmlDevice{Compute,Graphics}RunningProcesses_v3`` (an old driver).  Raises
+    :class:`RuntimeError` when no C compiler is available, compiling fails, or neither cache
+    can be written.
     """
     source = SOURCE.read_bytes()
     defines = ("-DFAKE_NVML_NO_V3",) if no_v3 else ()
     key = hashlib.sha256(source + repr((_FLAGS, defines)).encode()).hexdigest()[:16]
-    directory = _cache_root() / (key + ("-nov3" if no_v3 else ""))
+    name = key + ("-nov3" if no_v3 else "")
+    primary = _cache_root() / name
+    if (primary / LIBRARY).is_file():
+        return primary
+    try:
+        return _build(primary, defines)
+    except OSError as exc:
+        first = f"{primary} ({exc.strerror or exc})"
+    try:
+        fallback = _fallback_root() / name
+    except _NoFallback as exc:
+        why = str(exc)
+    else:
+        try:
+            return _build(fallback, defines)
+        except OSError as exc:
+            why = f"{fallback}: {exc.strerror or exc}"
+    raise RuntimeError(
+        f"cannot cache the fake NVML in {first} nor in the temporary directory ({why}); "
+        "point XDG_CACHE_HOME at a writable directory"
+    )
+
+
+def _build(directory: Path, defines: tuple[str, ...]) -> Path:
+    """Compile the library into ``directory`` unless it is there; OSError: ``directory`` is not writable."""
     target = directory / LIBRARY
     if target.is_file():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
+    if not os.access(directory, os.W_OK | os.X_OK):  # else the compiler fails, saying less
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
     with FileLock(str(directory) + ".lock"):
         if target.is_file():  # another process built it while we waited
             return directory
@@ -123,11 +174,11 @@ def preload(*, no_v3: bool = False) -> Path:
             pynvml.nvmlLib = lib
             # function pointers pynvml cached point into the previous library
             getattr(pynvml, "_nvmlGetFunctionPointer_cache", {}).clear()
-    root = _cache_root()
+    roots = {_cache_root(), directory.parent}  # the cache's, or the temporary fallback's
     kept = [
         entry
         for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
-        if entry and Path(entry).parent != root  # drop other variants' directories
+        if entry and Path(entry).parent not in roots  # drop other variants' directories
     ]
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(directory), *kept])
     return path
