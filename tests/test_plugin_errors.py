@@ -119,6 +119,12 @@ BAD_OPTIONS = [
     ("--gpu-port-range", "5-1", "gpu_port_range", "expected 1024 <= LOW <= HIGH <= 65535, got '5-1'"),
     ("--gpu-port-range", "abc", "gpu_port_range", "expected a port range LOW-HIGH such as 20000-32767, got 'abc'"),
     ("--gpu-trace", ".", "gpu_trace", "expected the path of a file to write the trace to, got directory '.'"),
+    (
+        "--gpu-trace",
+        "nowhere/t.json",  # relative (to the inner run's directory): were it made, it is made there
+        "gpu_trace",
+        "'nowhere' does not exist; expected the path of a file in an existing directory, got 'nowhere/t.json'",
+    ),
 ]
 
 
@@ -154,9 +160,35 @@ def test_a_sim_machine_beyond_the_bounds_is_a_usage_error(gpu_pytester, run_inne
     assert "ERROR: --gpus 'sim:30000x1GiB': 30000 GPUs; a simulated machine has at most 64" in result.errlines
 
 
-def test_a_trace_that_cannot_be_written_is_reported_and_the_outcome_stands(gpu_pytester, run_inner):
+def test_a_trace_directory_that_is_missing_or_a_file_is_a_usage_error_and_never_made(gpu_pytester, run_inner):
     gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-trace=out/sub/run.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert (
+        "ERROR: --gpu-trace: 'out/sub' does not exist; expected the path of a file in an existing directory, "
+        "got 'out/sub/run.json'"
+    ) in result.errlines
+    assert not (gpu_pytester.path / "out").exists()
     (gpu_pytester.path / "blocker").write_text("a file, so blocker/ cannot be a directory")
+    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-trace=blocker/run.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert (
+        "ERROR: --gpu-trace: 'blocker' is not a directory; expected the path of a file in an existing directory, "
+        "got 'blocker/run.json'"
+    ) in result.errlines
+
+
+def test_a_trace_that_cannot_be_written_is_reported_and_the_outcome_stands(gpu_pytester, run_inner):
+    # the directory exists when the run starts (else a usage error) and is a file by its end
+    gpu_pytester.makeconftest(
+        "import os\n\n"
+        "def pytest_sessionstart(session):\n"
+        "    os.rmdir('blocker')\n"
+        "    with open('blocker', 'w') as f:\n"
+        "        f.write('a file, so blocker/ cannot be a directory')\n"
+    )
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    (gpu_pytester.path / "blocker").mkdir()
     result = run_inner("--gpus", "sim:1x16GiB", "--gpu-trace=blocker/run.json")
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.OK

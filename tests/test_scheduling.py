@@ -609,6 +609,7 @@ def test_gpu_trace_file(gpu_pytester: pytest.Pytester, run_inner: Run, tmp_path:
     require("matplotlib", module="matplotlib")
     gpu_pytester.makepyfile(test_traced=TRACED)
     trace = gpu_pytester.path / "out" / "trace.json"
+    trace.parent.mkdir()  # the run writes into it, and makes none (a missing one is a usage error)
     result = run_inner("--gpus", "sim:2x16GiB", "-n", "3", "--gpu-trace", str(trace), subprocess=True)
     result.assert_outcomes(passed=9)
     result.stdout.fnmatch_lines([f"pytest-gpu: trace written to {trace} (open in ui.perfetto.dev)"])

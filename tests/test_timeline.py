@@ -442,9 +442,13 @@ def test_trace_of_empty_timeline() -> None:
     assert data["otherData"]["pytest_gpu"]["workers"] == [] and data["otherData"]["pytest_gpu"]["makespan"] == 0.0
 
 
-def test_trace_write_is_atomic_to_a_nested_path(tmp_path: Path) -> None:
+def test_trace_write_is_atomic_and_makes_no_directory(tmp_path: Path) -> None:
     data = trace.build(sample_timeline(), GPUS, "inv", "sim")
     target = tmp_path / "deep" / "er" / "run.json"
+    with pytest.raises(FileNotFoundError):  # the run checked the directory at start-up; gone since
+        trace.write(target, data)
+    assert not (tmp_path / "deep").exists()
+    target.parent.mkdir(parents=True)
     assert trace.write(target, data) == target
     assert json.loads(target.read_text()) == data
     assert [p.name for p in target.parent.iterdir()] == ["run.json"]  # no temporary file left

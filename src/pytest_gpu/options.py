@@ -109,7 +109,8 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "--gpu-trace",
         "gpu_trace",
         "",
-        "write a Chrome/Perfetto trace (JSON) of the run to this path: a track per GPU and per worker.",
+        "write a Chrome/Perfetto trace (JSON) of the run to this path (in an existing directory): "
+        "a track per GPU and per worker.",
     ),
     (
         "--ray-start-timeout",
@@ -300,6 +301,13 @@ def _trace_path(config: pytest.Config) -> str:
     path = text.strip()
     if path and os.path.isdir(path):
         raise pytest.UsageError(f"{where}: expected the path of a file to write the trace to, got directory {path!r}")
+    # checked now, not when the run is over; and never created: a typo would hide the trace
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):
+        why = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise pytest.UsageError(
+            f"{where}: {parent!r} {why}; expected the path of a file in an existing directory, got {path!r}"
+        )
     return path
 
 

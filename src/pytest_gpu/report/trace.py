@@ -162,9 +162,8 @@ def short(nodeid: str) -> str:
 
 
 def write(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
-    """Write the trace atomically (a reader never sees half a file)."""
+    """Write the trace atomically (a reader never sees half a file) into an existing directory."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(data, separators=(",", ":")))
