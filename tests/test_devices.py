@@ -103,6 +103,14 @@ def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
             "sim:1x80GiB;mig:0=4x1GiB,4x1GiB",
             "--gpus 'sim:1x80GiB;mig:0=4x1GiB,4x1GiB': 8 MIG instances; GPU 0 has at most 7",
         ),
+        (
+            "sim:1x16GiB;reserved=-5%",
+            "--gpus 'sim:1x16GiB;reserved=-5%': reserved=-5%: expected a percentage from 0% to below 100%",
+        ),
+        (
+            "sim:1x16GiB;reserved=nan%",
+            "--gpus 'sim:1x16GiB;reserved=nan%': reserved=nan%: expected a percentage from 0% to below 100%",
+        ),
         pytest.param(
             "sim:1x" + "9" * 400 + "GiB",
             f"--gpus 'sim:1x{'9' * 400}GiB': bad size in '1x{'9' * 400}GiB': expected a finite size, "

@@ -175,6 +175,8 @@ def parse(spec: str) -> Machine:
                 reserved_of = float(value[:-1]) / 100 if value.endswith("%") else parse_size(value)
             except (ValueError, SizeError):
                 raise SpecError(f"{spec!r}: {option}: expected a size or a percentage such as 1%") from None
+            if isinstance(reserved_of, float) and not 0 <= reserved_of < 1:  # -5%, nan%, inf% read as floats
+                raise SpecError(f"{spec!r}: {option}: expected a percentage from 0% to below 100%")
         elif key == "pidns":
             if not value.strip().isdigit():
                 raise SpecError(f"{spec!r}: {option}: expected a non-negative integer pid offset")
