@@ -48,7 +48,7 @@ def shared_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
 
 
-def unusable(root: Path) -> str | None:
+def _unusable(root: Path) -> str | None:
     """Why ``root`` cannot be a directory private to this user (after making it 0700), or None.
 
     Safe where other users can create names (``/tmp``): a symbolic link or a directory of
@@ -82,7 +82,7 @@ def base_dir() -> Path:
         root = shared_dir()
     except OSError as exc:  # gettempdir: "No usable temporary directory found in [...]"
         raise RunDirError(exc.errno, exc.strerror or str(exc)) from exc
-    why = unusable(root)
+    why = _unusable(root)
     if why is None:
         return root
     try:

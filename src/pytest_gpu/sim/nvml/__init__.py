@@ -63,19 +63,16 @@ class _NoFallback(Exception):
 
 def _fallback_root() -> Path:
     """``$TMPDIR/pytest-gpu-<uid>/fake-nvml``, private to this user; :class:`_NoFallback` says why not."""
-    from ...run.rundir import shared_dir, unusable
+    import tempfile
+
+    from ...safefiles import private_dir
 
     try:
-        shared = shared_dir()
-    except OSError as exc:  # gettempdir: "No usable temporary directory found in [...]"
+        shared = Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
+        # both levels: another user may have made either name first, as a link or theirs
+        return private_dir(private_dir(shared) / "fake-nvml")
+    except OSError as exc:  # gettempdir's "No usable temporary directory", or a name taken
         raise _NoFallback(str(exc)) from None
-    root = shared / "fake-nvml"
-    # both levels checked: another user may have made either name first, as a link or theirs
-    for path in (shared, root):
-        why = unusable(path)
-        if why is not None:
-            raise _NoFallback(f"{path} {why}")
-    return root
 
 
 def _compiler() -> list[str]:
