@@ -50,6 +50,10 @@ from .server import ArbiterServer
 
 ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
 HELLO_TIMEOUT_S = 5.0  # how long an arbiter may take to answer an attach before it counts as a squatter
+MAX_FAILOVERS = 50  # a run's failovers in a machine-wide domain before it stops coming back there
+OWN_RUNS_ONLY = (
+    "this run coordinates its GPUs with its own user's runs only, and sees the others as usage outside pytest-gpu"
+)
 
 _links: weakref.WeakSet[MachineLink] = weakref.WeakSet()
 
@@ -166,11 +170,7 @@ class MachineLink:
             why = str(exc)
         if self.domain.wide:
             self.fell_back = why
-            warn_once(
-                f"squat:{self.domain.name}",
-                f"{why}; this run coordinates its GPUs with its own user's runs only, and sees "
-                "the others as usage outside pytest-gpu",
-            )
+            warn_once(f"squat:{self.domain.name}", f"{why}; {OWN_RUNS_ONLY}")
             try:
                 self.domain = self.domain.fallback()
                 self._elect_in(self.domain, expect)
@@ -203,8 +203,11 @@ class MachineLink:
                 raise Squatter(f"the arbiter of {domain.name!r} is not this user's (uid {remote.peer_uid})")
             try:
                 self._attach_remote(remote)
-            except Lost:
+            except Lost:  # the arbiter left meanwhile, or shut this run out (too many of its user's)
                 remote.close()
+                if time.monotonic() > deadline:
+                    raise Squatter(f"the machine's arbiter of {domain.name!r} keeps closing on this run") from None
+                time.sleep(0.005)
                 continue
             except MachineError as exc:  # silent, or refused this run: not an arbiter to use
                 remote.close()
@@ -309,6 +312,10 @@ class MachineLink:
             old.closing = True
             old.close()
         self.failovers += 1
+        if self.domain is not None and self.domain.wide and self.failovers > MAX_FAILOVERS:
+            # an arbiter that keeps breaking off (garbage, closing): not one to keep coming back to
+            self.domain = self.domain.fallback()
+            warn_once("failovers", f"the machine's arbiter went away {self.failovers} times; {OWN_RUNS_ONLY}")
         self._elect_and_attach(expect=True)
 
     # -- events -------------------------------------------------------------------------
