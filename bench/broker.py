@@ -26,12 +26,20 @@ takes the machine's lock and is the arbiter in-process, as every run now is when
 decision is a round trip to that other process. ``--link all`` measures the three in
 turn, row by row.
 
+``--attack`` measures each row also beside stalled connections on the sockets, and beside
+32 keyless clients (processes of this user without the key) that each hold handshakes on
+the broker's socket and reconnect as soon as they are dropped; it prints each attacked row
+against the row alone: a run (start-up, then the row's work), grants/s, start-up ("start
+s": from the clients' start to every one connected and warmed up; "conn ms": the slowest
+client's connection).
+
 Run from the repository root::
 
     python bench/broker.py            # 3 s per scenario and client count
     python bench/broker.py --link all --scenario immediate --clients 1,8,32
     python bench/broker.py --quick    # smoke run (a fraction of a second each)
     python bench/broker.py --profile  # also print where the broker's threads spend time
+    python bench/broker.py --attack --scenario immediate --clients 1,8,32 --duration 2 --repeat 3
 """
 
 from __future__ import annotations
@@ -45,13 +53,15 @@ import os
 import platform
 import pstats
 import secrets
+import selectors
 import socket
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
@@ -67,6 +77,8 @@ GIB = 2**30
 WARMUP_CYCLES = 20
 TARGET_GRANTS_PER_S = 5000
 TARGET_P99_MS = 5.0
+KEYLESS_CLIENTS = 32  # --attack: keyless same-user processes on the broker's socket
+KEYLESS_EACH = 4  # handshakes each of them holds open
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,8 @@ class Result:
     grants: int
     queued: int
     latencies: list[float]  # seconds, acquire -> granted
+    startup: float = 0.0  # seconds from the clients' start to the last one connected and warmed up
+    connects: list[float] = field(default_factory=list)  # seconds each client took to connect
 
     @property
     def rate(self) -> float:
@@ -120,14 +134,25 @@ def client_main(
     results: Any,
     interval: float = 0.0,
     phase: float = 0.0,
+    connect: Any = None,
 ) -> None:
-    """One client process: warm up, wait for the start, cycle acquire/release until the end.
+    """One client process: connect and warm up, wait for the start, cycle acquire/release
+    until the end.
+
+    It connects once ``connect`` is set (all clients spawned, so the time from there to the
+    last client warmed up is the row's start-up: every client's connection and first leases,
+    as at the start of a pytest run) and reports how long its own connection took.
 
     ``interval`` > 0 paces the client (open loop): cycle ``k`` starts at
     ``start + (k + phase) * interval`` (at once if it is late), so the offered load does not
     depend on the broker's speed; the clients' phases are spread so they do not fire together.
     """
+    ready.put(name)  # spawned and imported
+    if connect is not None:
+        connect.wait()
+    t0 = time.perf_counter()
     client = BrokerClient(address, authkey, name)
+    connected = time.perf_counter() - t0
     try:
         for _ in range(WARMUP_CYCLES):
             grant = client.acquire(request, f"{name}::warmup", None)
@@ -157,7 +182,7 @@ def client_main(
             latencies.append(t1 - t0)
             if grant.waited > 0:  # granted by a push after queueing, not by the reply
                 queued += 1
-        results.put((name, latencies, queued))
+        results.put((name, latencies, queued, connected))
     finally:
         client.close()
 
@@ -270,16 +295,20 @@ def run_scenario(
     server: str = "broker",
     offered: float = 0.0,
     link: str = "private",
-    attack: bool = False,
+    attack: str = "",
+    keyless_each: int = KEYLESS_EACH,
 ) -> Result:
     """One measurement: a fresh server, ``clients`` client processes, a ``duration`` window.
 
-    ``offered`` > 0 paces the clients to that many grants per second in total.
+    ``offered`` > 0 paces the clients to that many grants per second in total. ``attack``:
+    ``"stalled"``, connections that stall on the sockets (:func:`_attack`); ``"keyless"``,
+    :data:`KEYLESS_CLIENTS` keyless processes holding ``keyless_each`` handshakes each on the
+    broker's socket, reconnecting whenever they are dropped (:func:`_keyless_main`).
     """
     ctx = mp.get_context("spawn")
     interval = clients / offered if offered else 0.0
     ready, results = ctx.Queue(), ctx.Queue()
-    go = ctx.Event()
+    go, connect = ctx.Event(), ctx.Event()
     with tempfile.TemporaryDirectory(prefix="pytest-gpu-bench-") as tmp:
         os.chmod(tmp, 0o700)
         address = str(Path(tmp) / "broker.sock")
@@ -305,7 +334,14 @@ def run_scenario(
         else:
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
         attackers: list[socket.socket] = []
-        if attack:
+        keyless: mp.process.BaseProcess | None = None
+        if attack == "keyless":
+            keyless = ctx.Process(
+                target=_keyless_main, args=(address, KEYLESS_CLIENTS, keyless_each, ready), daemon=True
+            )
+            keyless.start()
+            ready.get(timeout=120)  # every keyless client has its connections in
+        elif attack:
             if server == "broker" and link != "private":
                 broker._machine()  # joined: the arbiter's socket exists (a run attaches at its first lease)
                 attackers = _attack(address, Domain.machine_wide("bench").address())
@@ -315,7 +351,19 @@ def run_scenario(
         procs = [
             ctx.Process(
                 target=client_main,
-                args=(address, authkey, f"c{i}", scenario.request, ready, go, window, results, interval, i / clients),
+                args=(
+                    address,
+                    authkey,
+                    f"c{i}",
+                    scenario.request,
+                    ready,
+                    go,
+                    window,
+                    results,
+                    interval,
+                    i / clients,
+                    connect,
+                ),
                 daemon=True,
             )
             for i in range(clients)
@@ -324,7 +372,12 @@ def run_scenario(
             for proc in procs:
                 proc.start()
             for _ in procs:
-                ready.get(timeout=120)
+                ready.get(timeout=120)  # spawned
+            began = time.monotonic()
+            connect.set()
+            for _ in procs:
+                ready.get(timeout=120)  # connected and warmed up
+            startup = time.monotonic() - began
             start = time.monotonic() + 0.05
             window[0], window[1] = start, start + duration
             go.set()
@@ -338,19 +391,24 @@ def run_scenario(
             service.close()
             for sock in attackers:
                 sock.close()
+            if keyless is not None:
+                keyless.kill()  # its clients see it gone and exit
+                keyless.join()
             if other is not None and other.is_alive():
                 other.kill()
                 other.join()
-    latencies = [x for _, lat, _ in collected for x in lat]
-    queued = sum(q for _, _, q in collected)
+    latencies = [x for _, lat, _, _ in collected for x in lat]
+    queued = sum(q for _, _, q, _ in collected)
     label = scenario.name if server == "broker" else server
     if server == "broker" and link != "private":
         label += f" ({link})"
-    if attack:
+    if attack == "stalled":
         label += " attacked"
+    elif attack:
+        label += f" {attack}"
     if offered:
         label += f" @{offered:g}/s"
-    return Result(label, clients, duration, len(latencies), queued, latencies)
+    return Result(label, clients, duration, len(latencies), queued, latencies, startup, [c for *_, c in collected])
 
 
 ATTACKERS = 16  # of each kind
@@ -372,6 +430,63 @@ def _attack(*addresses: str | None) -> list[socket.socket]:
     return socks
 
 
+def _keyless_main(address: str, clients: int, each: int, ready: Any) -> None:
+    """Keyless same-user clients: ``clients`` processes, forked from this one, each holding
+    ``each`` connections to the broker's socket in the middle of their handshake (the key's
+    challenge read, never answered) and connecting again as soon as the broker drops one,
+    so that they hold every handshake the broker lets them. Puts ``"keyless"`` on ``ready``
+    once all their connections are in; they exit when this process is gone."""
+    parent = os.getpid()
+    r, w = os.pipe()
+    for _ in range(clients):
+        if os.fork() == 0:  # no threads here yet: the queue's feeder starts at the put below
+            try:
+                os.close(r)
+                _keyless_client(address, each, w, parent)
+            finally:
+                os._exit(0)
+    os.close(w)
+    told = 0
+    while told < clients:  # a byte from each client once its connections are in
+        got = os.read(r, clients)
+        if not got:
+            raise RuntimeError("the keyless clients died")
+        told += len(got)
+    ready.put("keyless")
+    while True:
+        time.sleep(3600)
+
+
+def _keyless_client(address: str, each: int, ready_fd: int, parent: int) -> None:
+    selector = selectors.DefaultSelector()
+    owed = each  # connections to (re)make
+    told = False
+    while os.getppid() == parent:
+        while owed:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(address)
+            except OSError:  # the backlog is full (EAGAIN), or the broker is gone: again in a moment
+                sock.close()
+                break
+            selector.register(sock, selectors.EVENT_READ)
+            owed -= 1
+        if not owed and not told:
+            os.write(ready_fd, b"x")
+            told = True
+        for key, _ in selector.select(0.001 if owed else 0.1):
+            sock = cast(socket.socket, key.fileobj)
+            try:
+                data = sock.recv(4096)  # the challenge: read, never answered
+            except OSError:
+                data = b""
+            if not data:  # dropped: straight back in
+                selector.unregister(sock)
+                sock.close()
+                owed += 1
+
+
 def _arbiter_main(root: str, ready: Any) -> None:
     """Another run on the same machine: it attaches first, so it is the arbiter; it asks for nothing."""
     os.environ[ROOT_ENV] = root
@@ -385,7 +500,7 @@ def _arbiter_main(root: str, ready: Any) -> None:
 
 
 def table(results: Sequence[Result]) -> str:
-    head = ("scenario", "clients", "grants", "grants/s", "p50 ms", "p99 ms", "max ms", "queued")
+    head = ("scenario", "clients", "grants", "grants/s", "p50 ms", "p99 ms", "max ms", "queued", "start s", "conn ms")
     rows = [head]
     for r in results:
         rows.append(
@@ -398,6 +513,8 @@ def table(results: Sequence[Result]) -> str:
                 f"{r.percentile(0.99) * 1e3:.3f}",
                 f"{max(r.latencies, default=float('nan')) * 1e3:.3f}",
                 f"{100 * r.queued / r.grants if r.grants else 0:.0f}%",
+                f"{r.startup:.2f}",
+                f"{max(r.connects, default=float('nan')) * 1e3:.1f}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -409,6 +526,29 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+def ratios(rows: Sequence[Row], runs: dict[Row, list[Result]]) -> str:
+    """Each attacked row against the same row alone, medians, attacked over alone: a run
+    (start-up, then the work the row did alone in its window, at the row's grant rate),
+    grants/s, and start-up (every client connected and warmed up)."""
+    lines = ["attacked / alone (medians; run = start-up + the grants made alone, at this rate):"]
+    for row in rows:
+        if not row.attack:
+            continue
+        alone = runs[Row(row.scenario, row.clients, row.server, row.offered, row.link, "")]
+        hit = runs[row]
+        rate_alone, rate_hit = (statistics.median([r.rate for r in rs]) for rs in (alone, hit))
+        up_alone, up_hit = (statistics.median([r.startup for r in rs]) for rs in (alone, hit))
+        work = statistics.median([r.grants for r in alone])
+        run_alone, run_hit = up_alone + work / rate_alone, up_hit + work / rate_hit
+        lines.append(
+            f"  {hit[0].scenario} x{row.clients}: run x{run_hit / run_alone:.2f} ({run_alone:.2f} s -> "
+            f"{run_hit:.2f} s), grants/s x{rate_hit / rate_alone:.2f}, start-up {up_alone:.2f} s -> {up_hit:.2f} s "
+            f"(slowest connection {max(c for r in alone for c in r.connects) * 1e3:.0f} ms -> "
+            f"{max(c for r in hit for c in r.connects) * 1e3:.0f} ms)"
+        )
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Row:
     scenario: str
@@ -416,7 +556,7 @@ class Row:
     server: str = "broker"
     offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
     link: str = "private"
-    attack: bool = False
+    attack: str = ""  # "", "stalled" or "keyless" (see run_scenario)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -439,11 +579,11 @@ def plan(args: argparse.Namespace) -> list[Row]:
             rows = [row for row in rows if row.scenario == args.scenario]
     links = LINKS if args.link == "all" else (args.link,)
     rows = [Row(r.scenario, r.clients, r.server, r.offered, link) for r in rows for link in links]
-    if args.attack:  # each row twice in a row: as is, then with stalled connections on the sockets
+    if args.attack:  # each row three times in a row: as is, with stalled connections, with keyless clients
         rows = [
             Row(r.scenario, r.clients, r.server, r.offered, r.link, attacked)
             for r in rows
-            for attacked in (False, True)
+            for attacked in ("", "stalled", "keyless")
         ]
     if args.baseline:
         counts = sorted({row.clients for row in rows})
@@ -475,7 +615,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--attack",
         action="store_true",
-        help=f"measure each row also with {ATTACKERS} silent and {ATTACKERS} half-frame connections on the sockets",
+        help=f"measure each row also with {ATTACKERS} silent and {ATTACKERS} half-frame connections on the sockets, "
+        f"and beside {KEYLESS_CLIENTS} keyless clients that hold handshakes on the broker's socket and reconnect",
+    )
+    parser.add_argument(
+        "--keyless-each",
+        type=int,
+        default=KEYLESS_EACH,
+        help=f"handshakes each keyless client holds open (default {KEYLESS_EACH})",
     )
     args = parser.parse_args(argv)
 
@@ -489,20 +636,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for name, scenario in SCENARIOS.items():
         print(f"  {name}: {scenario.describe()}")
-    results = []
-    for row in rows:
-        runs = [
-            run_scenario(
-                SCENARIOS[row.scenario], row.clients, duration, profiles, row.server, row.offered, row.link, row.attack
+    runs: dict[Row, list[Result]] = {row: [] for row in rows}
+    for _ in range(max(1, args.repeat)):  # round by round, so that drift on the machine hits every row alike
+        for row in rows:
+            result = run_scenario(
+                SCENARIOS[row.scenario],
+                row.clients,
+                duration,
+                profiles,
+                row.server,
+                row.offered,
+                row.link,
+                row.attack,
+                args.keyless_each,
             )
-            for _ in range(max(1, args.repeat))
-        ]
-        result = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
-        results.append(result)
-        print(f"  ... {result.scenario} x{row.clients}: {result.rate:,.0f} grants/s", file=sys.stderr, flush=True)
+            runs[row].append(result)
+            print(
+                f"  ... {result.scenario} x{row.clients}: {result.rate:,.0f} grants/s, start-up {result.startup:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    results = [sorted(runs[row], key=lambda r: r.rate)[len(runs[row]) // 2] for row in rows]
     print()
     print(table(results))
     print()
+    if args.attack:
+        print(ratios(rows, runs))
+        print()
     for r in results:
         if r.scenario == "immediate" and r.clients == 32:
             p99 = r.percentile(0.99) * 1e3
