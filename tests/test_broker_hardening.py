@@ -1,16 +1,20 @@
 """The broker's handshake cannot be held up by a local process that connects and stalls.
 
-A connection authenticates (multiprocessing.connection's key challenge) off the accept
-and serving threads, within ``handshake_timeout``; one that sends nothing, half a frame
-or a wrong answer is dropped on its own. Every wait here is bounded: a regression fails,
-it never hangs the suite.
+A connection authenticates (multiprocessing.connection's key challenge) without blocking
+the accept thread and off the serving one, within ``handshake_timeout``; one that sends
+nothing, half a frame or a wrong answer is dropped on its own, and however many of them
+there are, a client with the key does not wait behind them. Every wait here is bounded: a
+regression fails, it never hangs the suite.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -222,15 +226,121 @@ def test_a_client_that_takes_a_little_time_is_still_accepted(run: Stalled) -> No
         conn.close()
 
 
-def test_handshakes_beyond_the_limit_wait_for_a_free_slot(run: Stalled, monkeypatch: pytest.MonkeyPatch) -> None:
+# -- (4) strangers holding every handshake they can ----------------------------------------
+
+KEYLESS = """
+import os, selectors, socket, sys
+address, n = sys.argv[1], int(sys.argv[2])
+parent = os.getppid()
+selector = selectors.DefaultSelector()
+owed, told = n, False
+while os.getppid() == parent:  # gone with the test
+    while owed:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(address)
+        except OSError:  # the backlog is full: again in a moment
+            sock.close()
+            break
+        selector.register(sock, selectors.EVENT_READ)
+        owed -= 1
+    if not owed and not told:
+        print("ready", flush=True)
+        told = True
+    for key, _ in selector.select(0.001 if owed else 0.1):
+        try:
+            data = key.fileobj.recv(4096)  # the challenge: read, never answered
+        except OSError:
+            data = b""
+        if not data:  # dropped: straight back in
+            selector.unregister(key.fileobj)
+            key.fileobj.close()
+            owed += 1
+"""
+STRANGERS_TIMEOUT = 60.0  # the handshake timeout in these tests: a slot held by a stranger frees only then
+SERVED_BESIDE_STRANGERS = 10.0  # seconds: generous for a loaded machine, and far below that timeout
+
+
+@pytest.fixture
+def keyless(run: Stalled) -> Iterator[Callable[[int], subprocess.Popen[str]]]:
+    """Start a process (not this one) that holds ``n`` connections to the broker, each
+    stalled in its handshake and made again as soon as the broker drops it."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(n: int) -> subprocess.Popen[str]:
+        assert run.broker is not None
+        proc = subprocess.Popen(
+            [sys.executable, "-c", KEYLESS, run.broker.address, str(n)], stdout=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and proc.stdout.readline() == "ready\n", "the keyless process did not connect"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_keyless_connections_holding_handshakes_do_not_delay_a_client(
+    run: Stalled, keyless: Callable[[int], subprocess.Popen[str]]
+) -> None:
+    """96 connections stalled in their handshake (more than the 64 the broker once had
+    slots for), made again whenever dropped: a client with the key connects and gets a
+    lease at once, not when a stranger's handshake times out."""
+    broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
+    keyless(96)
+    assert wait_for(lambda: len(broker._handshakes) >= 64), "the stalled handshakes did not start"
+    for worker in ("gw0", "gw1", "gw2"):
+        assert isinstance(in_time(run, worker, seconds=SERVED_BESIDE_STRANGERS), Grant)
+    assert sorted(c["worker"] for c in broker.status()["clients"].values()) == ["gw0", "gw1", "gw2"]
+
+
+def test_beyond_the_bound_a_stranger_is_shut_out_not_the_client(
+    run: Stalled, keyless: Callable[[int], subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More stalled connections than the bound, made again whenever dropped (so the broker
+    shuts one out for every one it accepts): the handshakes stay within the bound, and a
+    client with the key still connects and gets a lease at once."""
+    monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 8)
+    broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
+    keyless(32)
+    assert wait_for(lambda: len(broker._handshakes) >= 8), "the stalled handshakes did not start"
+    for worker in ("gw0", "gw1"):
+        assert isinstance(in_time(run, worker, seconds=SERVED_BESIDE_STRANGERS), Grant)
+        assert len(broker._handshakes) <= 8
+    assert sorted(c["worker"] for c in broker.status()["clients"].values()) == ["gw0", "gw1"]
+
+
+def test_room_is_made_from_handshakes_that_have_not_answered(run: Stalled, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the bound, the oldest connection still owing the answer to the broker's challenge
+    is shut out for a new one; one that answered it (it has the key) is not."""
     monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 3)
-    run.start(handshake_timeout=0.5)
-    for _ in range(3):
-        run.connect_raw()
-    # the client waits in the backlog until the stalled ones expire, then is served
-    started = time.monotonic()
-    assert isinstance(in_time(run, "gw0", seconds=3.0), Grant)
-    assert time.monotonic() - started >= 0.3, "a handshake beyond the limit was started"
+    broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
+    answered = run.connect_raw()
+    answer_then_nothing(answered, run.authkey)
+    silent = [run.connect_raw(), run.connect_raw()]
+    assert wait_for(lambda: len(broker._handshakes) == 3)
+    assert isinstance(in_time(run, "gw0"), Grant)
+    eof_within(silent[0], 5.0)  # the oldest that had not answered made room
+    assert len(broker._handshakes) == 2  # the one that answered and the younger silent one wait on
+    read_frame(silent[1])  # its challenge, and then
+    for sock in (answered, silent[1]):
+        sock.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            sock.recv(4096)  # no EOF: still under way
 
 
 def test_close_ends_pending_handshakes_and_removes_the_socket(run: Stalled) -> None:
@@ -253,7 +363,7 @@ def wait_no_auth_threads(timeout: float = 2.0) -> bool:
     return False
 
 
-# -- (4) a wrong key ---------------------------------------------------------------------
+# -- (5) a wrong key ---------------------------------------------------------------------
 
 
 def test_wrong_key_is_refused_promptly_and_disturbs_no_one(run: Stalled) -> None:
