@@ -311,12 +311,14 @@ def test_keyless_connections_holding_handshakes_do_not_delay_a_client(
 def test_beyond_the_bound_a_stranger_is_shut_out_not_the_client(
     run: Stalled, keyless: Callable[[int], subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """More stalled connections than the bound, made again whenever dropped (so the broker
-    shuts one out for every one it accepts): the handshakes stay within the bound, and a
-    client with the key still connects and gets a lease at once."""
+    """Stalled connections filling the bound and the backlog behind it (no longer than the
+    bound, as by default), each made again as soon as it is dropped, so that the broker
+    shuts one out for every one it accepts: the handshakes stay within the bound, and a
+    client with the key still connects and gets a lease, long before any timeout."""
     monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 8)
+    monkeypatch.setattr(broker_module, "BACKLOG", 8)
     broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
-    keyless(32)
+    keyless(16)
     assert wait_for(lambda: len(broker._handshakes) >= 8), "the stalled handshakes did not start"
     for worker in ("gw0", "gw1"):
         assert isinstance(in_time(run, worker, seconds=SERVED_BESIDE_STRANGERS), Grant)
@@ -325,15 +327,16 @@ def test_beyond_the_bound_a_stranger_is_shut_out_not_the_client(
 
 
 def test_room_is_made_from_handshakes_that_have_not_answered(run: Stalled, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At the bound, the oldest connection still owing the answer to the broker's challenge
-    is shut out for a new one; one that answered it (it has the key) is not."""
+    """At the bound, the oldest connection that has owed the answer to the broker's
+    challenge for a while is shut out for a new one; one that answered (it has the key) is
+    not."""
     monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 3)
     broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
     answered = run.connect_raw()
     answer_then_nothing(answered, run.authkey)
     silent = [run.connect_raw(), run.connect_raw()]
     assert wait_for(lambda: len(broker._handshakes) == 3)
-    assert isinstance(in_time(run, "gw0"), Grant)
+    assert isinstance(in_time(run, "gw0", seconds=SERVED_BESIDE_STRANGERS), Grant)
     eof_within(silent[0], 5.0)  # the oldest that had not answered made room
     assert len(broker._handshakes) == 2  # the one that answered and the younger silent one wait on
     read_frame(silent[1])  # its challenge, and then
@@ -341,6 +344,26 @@ def test_room_is_made_from_handshakes_that_have_not_answered(run: Stalled, monke
         sock.settimeout(0.2)
         with pytest.raises(TimeoutError):
             sock.recv(4096)  # no EOF: still under way
+
+
+def test_clients_beyond_the_bound_wait_their_turn_and_none_is_shut_out(
+    run: Stalled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients with the key, more at once than the bound: each answers within a round trip,
+    long before it could be shut out, and all of them are served."""
+    monkeypatch.setattr(broker_module, "MAX_HANDSHAKES", 2)
+    broker = run.start(handshake_timeout=STRANGERS_TIMEOUT)
+    got: list[object] = []
+    threads = [
+        threading.Thread(target=lambda i=i: got.append(in_time(run, f"gw{i}", seconds=SERVED_BESIDE_STRANGERS)))
+        for i in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SERVED_BESIDE_STRANGERS + 5)
+    assert len(got) == 8 and all(isinstance(g, Grant) for g in got), got
+    assert len(broker.status()["clients"]) == 8
 
 
 def test_close_ends_pending_handshakes_and_removes_the_socket(run: Stalled) -> None:

@@ -13,6 +13,7 @@ that this map names every module).
     procs               process trees and owner liveness, for every layer
     safefiles           files in directories other users can write, never following their links
     authserver          an authenticated Unix-socket service: handshakes apart, one serving thread
+    handshake           multiprocessing.connection's key challenge and answer, a frame at a time
     roles/              one plugin object per role a process plays
         base            what every role shares: its run, ending it
         keys            what the roles keep in config.stash and hand to workers

@@ -9,14 +9,18 @@ directory, authenticated with a random key. A subclass says what a message means
 One thread serves every authenticated connection as its messages arrive (one epoll over
 all sockets, no thread switch per message). The key's challenge and answer, both ways, are
 driven by the accept thread over non-blocking sockets, each handshake moving on as its
-frames arrive (:class:`Handshake`), within ``handshake_timeout`` seconds. A process that
-connects and then sends nothing, half a frame or a wrong answer costs a descriptor until its
-deadline and nothing else: no thread, and no slot anyone else waits for.
+frames arrive (:class:`~pytest_gpu.handshake.Handshake`), within ``handshake_timeout``
+seconds. A process that connects and then sends nothing, half a frame or a wrong answer
+costs a descriptor until its deadline and nothing else: no thread, and no slot anyone else
+waits for.
 
-Beyond :data:`MAX_HANDSHAKES` (descriptors) a connection is still accepted at once: room is
-made by shutting out one that has not answered the key's challenge, the oldest of the
-process with the most such (``SO_PEERCRED``). A client with the key answers within a round
-trip and cannot be shut out after, so strangers holding handshakes do not keep it waiting.
+:data:`MAX_HANDSHAKES` bounds the descriptors. At the bound a new connection is accepted
+once room is made: a handshake that has owed the answer to the key's challenge for
+:data:`SHUT_OUT_AFTER` seconds is shut out, the oldest of the process with the most such
+(``SO_PEERCRED``), one every :data:`ACCEPT_PAUSE` at most. A client with the key answers
+within a round trip, and then is never shut out; so strangers holding handshakes, however
+many, keep it waiting :data:`SHUT_OUT_AFTER` at most (the backlog is no longer than the
+bound), not a timeout, and cost this thread little CPU by reconnecting.
 
 A client process that dies, for any reason, has its end of the socket closed by the
 kernel: ``recv`` raises and :meth:`AuthServer._disconnect` is called at once, no polling.
@@ -24,132 +28,39 @@ kernel: ``recv`` raises and :meth:`AuthServer._disconnect` is called at once, no
 
 from __future__ import annotations
 
-import hmac
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
-from multiprocessing import connection as mp_connection
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any, Generic, TypeVar, cast
+from multiprocessing.connection import Connection
+from typing import Generic, TypeVar
+
+from .handshake import (
+    ANSWER,
+    CLIENT_CHALLENGE,
+    CLIENT_WELCOME,
+    FAILURE,
+    WELCOME,
+    Handshake,
+    answer,
+    frame,
+    new_challenge,
+    peer_pid,
+    verified,
+)
 
 ClientT = TypeVar("ClientT")  # what the subclass keeps per authenticated connection
 _S = TypeVar("_S", bound="AuthServer")  # type: ignore[type-arg]
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to answer the key's challenge
 MAX_HANDSHAKES = 256  # handshakes under way (descriptors) before one that has not answered yet is shut out
-BACKLOG = 128
+BACKLOG = 128  # no longer than MAX_HANDSHAKES: the backlog is taken in one round of shutting out
 ACCEPT_BURST = 64  # connections accepted per wake-up of the accept thread, before it reads the handshakes'
-MAX_FRAME = 256  # the longest handshake frame read, as multiprocessing.connection's recv_bytes(256)
-
-# The handshake's wire words, as multiprocessing.connection has them (unchanged since Python 2)
-CHALLENGE, WELCOME, FAILURE = b"#CHALLENGE#", b"#WELCOME#", b"#FAILURE#"
-
-# Python 3.12+ checks an answer whose digest the client may name; before, an HMAC-MD5 of the message
-_verify_challenge = cast(
-    "Callable[[bytes, bytes, bytes], None] | None", getattr(mp_connection, "_verify_challenge", None)
-)
-
-
-class _Stop(Exception):
-    """Raised by :class:`_Script` where the handshake would wait for the other side."""
-
-
-class _Script:
-    """A stand-in connection: what is sent is kept, what is received is ``given`` (one
-    frame at most), then :class:`_Stop`."""
-
-    def __init__(self, given: bytes | None) -> None:
-        self.given, self.sent = given, b""
-
-    def send_bytes(self, data: bytes) -> None:
-        self.sent = self.sent or bytes(data)
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        given, self.given = self.given, None
-        if given is None:
-            raise _Stop
-        return given
-
-
-def _first_sent(step: Callable[[Any, bytes], None], authkey: bytes, given: bytes | None = None) -> bytes:
-    """What ``step`` (the standard library's :func:`~multiprocessing.connection.deliver_challenge`
-    or :func:`~multiprocessing.connection.answer_challenge`) sends first, having received
-    ``given``: so the challenge and the answer are its own, whatever its version, and only
-    the waiting is done here."""
-    script = _Script(given)
-    with suppress(_Stop):
-        step(script, authkey)
-    return script.sent
-
-
-def new_challenge(authkey: bytes) -> bytes:
-    """The frame :func:`~multiprocessing.connection.deliver_challenge` sends first (the
-    prefix, then a random message: with its digest's name on Python 3.12+)."""
-    return _first_sent(deliver_challenge, authkey)
-
-
-def verified(authkey: bytes, challenge: bytes, response: bytes) -> bool:
-    """Whether ``response`` answers ``challenge`` (a frame from :func:`new_challenge`) with
-    ``authkey``, by the standard library's own rule."""
-    message = challenge[len(CHALLENGE) :]
-    if _verify_challenge is not None:
-        try:
-            _verify_challenge(authkey, message, response)
-        except AuthenticationError:
-            return False
-        return True
-    return hmac.compare_digest(hmac.new(authkey, message, "md5").digest(), response)
-
-
-def answer(authkey: bytes, challenge: bytes) -> bytes:
-    """What :func:`~multiprocessing.connection.answer_challenge` sends back to the client's
-    ``challenge``; raises :class:`~multiprocessing.AuthenticationError` (or, before Python
-    3.12, ``AssertionError``) for a malformed one."""
-    return _first_sent(answer_challenge, authkey, challenge)
-
-
-def frame(payload: bytes) -> bytes:
-    """``payload`` as :meth:`multiprocessing.connection.Connection.send_bytes` frames it."""
-    return struct.pack("!i", len(payload)) + payload
-
-
-def _peer_pid(sock: socket.socket) -> int:
-    """The process that connected ``sock`` (``SO_PEERCRED``); -1 where it cannot be told."""
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (AttributeError, OSError):  # no SO_PEERCRED on this platform
-        return -1
-    return int(pid)
-
-
-# the steps of a handshake, in order: the frame awaited at each
-ANSWER, CLIENT_CHALLENGE, CLIENT_WELCOME = "answer", "client-challenge", "client-welcome"
-
-
-@dataclass(eq=False)
-class Handshake:
-    """A connection whose authentication is under way, driven by the accept thread, as
-    :class:`multiprocessing.connection.Listener` with a key does it: this side's challenge
-    sent at once, its answer awaited (``ANSWER``), then the client's challenge
-    (``CLIENT_CHALLENGE``), answered, then the client's verdict (``CLIENT_WELCOME``). Frames
-    are read exactly: what the client sends after the last is for the serving thread."""
-
-    sock: socket.socket  # non-blocking
-    peer: int  # the connecting process, -1 if unknown
-    deadline: float
-    challenge: bytes  # the frame this side sent
-    step: str = ANSWER
-    header: bool = True  # reading a frame's 4-byte length (else its payload)
-    need: int = 4  # bytes still to read of the header or the payload
-    data: bytearray = field(default_factory=bytearray)
+SHUT_OUT_AFTER = 0.5  # seconds: at the bound, a handshake owing its answer this long may be shut out for a new one
+ACCEPT_PAUSE = 0.001  # seconds between accepts at the bound: strangers reconnecting cost this thread little CPU
 
 
 class AuthServer(Generic[ClientT]):
@@ -263,7 +174,7 @@ class AuthServer(Generic[ClientT]):
         listener = self._listener
         selector = selectors.DefaultSelector()
         selector.register(self._accept_wake_r, selectors.EVENT_READ, None)
-        selector.register(listener, selectors.EVENT_READ, listener)
+        listening, resume = False, 0.0  # resume: when to accept again after a pause at the bound
         try:
             while not self._closing:
                 now = time.monotonic()
@@ -272,15 +183,24 @@ class AuthServer(Generic[ClientT]):
                     if oldest.deadline > now:
                         break
                     self._end(selector, oldest)
-                deadline = next(iter(self._handshakes)).deadline if self._handshakes else None
-                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if len(self._handshakes) < MAX_HANDSHAKES:  # room again (a handshake ended): no pause
+                    resume = 0.0
+                if (now >= resume) != listening:  # paused, new connections wait in the kernel's backlog
+                    if listening:
+                        selector.unregister(listener)
+                    else:
+                        selector.register(listener, selectors.EVENT_READ, listener)
+                    listening = not listening
+                wake = [next(iter(self._handshakes)).deadline] if self._handshakes else []
+                wake += [] if listening else [resume]
+                timeout = max(min(wake) - time.monotonic(), 0.0) if wake else None
                 for key, _ in selector.select(timeout):
                     if self._closing:
                         break
                     if key.data is None:
                         os.read(self._accept_wake_r, 4096)
                     elif key.data is listener:
-                        self._accept_some(selector, listener)
+                        resume = self._accept_some(selector, listener)
                     elif key.data in self._handshakes:  # not shut out earlier in this batch
                         self._advance(selector, key.data)
         finally:
@@ -295,37 +215,53 @@ class AuthServer(Generic[ClientT]):
             self._handshakes.clear()
             self._close_pipe("_accept_wake")
 
-    def _accept_some(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
+    def _accept_some(self, selector: selectors.BaseSelector, listener: socket.socket) -> float:
         """Accept what waits in the backlog (up to :data:`ACCEPT_BURST`), send each its
-        challenge; beyond :data:`MAX_HANDSHAKES`, shut out one that has not answered yet."""
+        challenge; at :data:`MAX_HANDSHAKES`, one at a time, each after shutting out a
+        handshake that owes its answer (:meth:`_make_room`). Returns when to accept again
+        (0: at once)."""
         for _ in range(ACCEPT_BURST):
+            at_bound = len(self._handshakes) >= MAX_HANDSHAKES
+            if at_bound and (wait := self._make_room(selector)):
+                return time.monotonic() + wait
             try:
                 sock, _ = listener.accept()
             except BlockingIOError:
-                return  # the backlog is empty
-            except OSError:
-                time.sleep(0.01)  # e.g. out of file descriptors: do not spin, try again
-                return
-            if len(self._handshakes) >= MAX_HANDSHAKES:
-                self._make_room(selector)
-            handshake = Handshake(sock, _peer_pid(sock), time.monotonic() + self.handshake_timeout, b"")
+                return 0.0  # the backlog is empty
+            except OSError:  # e.g. out of file descriptors: do not spin, try again
+                return time.monotonic() + 0.01
+            handshake = Handshake(sock, peer_pid(sock), time.monotonic() + self.handshake_timeout, b"")
             try:
                 sock.setblocking(False)
                 handshake.challenge = new_challenge(self.authkey)
                 self._send(handshake, handshake.challenge)
                 selector.register(sock, selectors.EVENT_READ, handshake)
+                self._handshakes[handshake] = None
             except (OSError, ValueError):
                 sock.close()
-                continue
-            self._handshakes[handshake] = None
+            if at_bound:
+                return time.monotonic() + ACCEPT_PAUSE
+        return 0.0
 
-    def _make_room(self, selector: selectors.BaseSelector) -> None:
-        """Shut out the oldest handshake still owing the answer to this side's challenge of
-        the process with the most such; if all have answered (they have the key), none."""
+    def _make_room(self, selector: selectors.BaseSelector) -> float:
+        """At the bound: shut out, of the handshakes that have owed the answer to this
+        side's challenge for :data:`SHUT_OUT_AFTER` seconds, the oldest of the process with
+        the most such, and return 0; if none owes it that long, return how long until one
+        will (a client with the key answers within a round trip: it is not shut out). If
+        none owes an answer at all (all have the key), return 0: the new one comes in
+        beyond the bound."""
         waiting = [h for h in self._handshakes if h.step == ANSWER]
-        if waiting:
-            most = Counter(h.peer for h in waiting).most_common(1)[0][0]
-            self._end(selector, next(h for h in waiting if h.peer == most))
+        now = time.monotonic()
+        due = [h for h in waiting if h.deadline - self.handshake_timeout + SHUT_OUT_AFTER <= now]
+        if not due:
+            return (
+                max(waiting[0].deadline - self.handshake_timeout + SHUT_OUT_AFTER - now, ACCEPT_PAUSE)
+                if waiting
+                else 0.0
+            )
+        most = Counter(h.peer for h in due).most_common(1)[0][0]
+        self._end(selector, next(h for h in due if h.peer == most))
+        return 0.0
 
     def _send(self, handshake: Handshake, payload: bytes) -> None:
         """Send one frame at once or not at all: a handshake's few hundred bytes always fit
@@ -335,35 +271,14 @@ class AuthServer(Generic[ClientT]):
             raise OSError("short send in the handshake")
 
     def _advance(self, selector: selectors.BaseSelector, handshake: Handshake) -> None:
-        """Read what has arrived, exactly up to the end of a frame, and act on each whole
-        frame; a connection that closed, sent a frame too long or a wrong one, is shut out."""
-        sock = handshake.sock
-        while True:
-            try:
-                chunk = sock.recv(handshake.need)
-            except BlockingIOError:
-                return  # more later
-            except OSError:
-                chunk = b""
-            if not chunk:  # closed by the other side
-                self._end(selector, handshake)
-                return
-            handshake.data += chunk
-            handshake.need -= len(chunk)
-            if handshake.need:
-                continue
-            if handshake.header:
-                (size,) = struct.unpack("!i", handshake.data)
-                if not 0 <= size <= MAX_FRAME:  # as recv_bytes(256): no long frames (nor 8-byte lengths)
-                    self._end(selector, handshake)
+        """Act on each whole frame that has arrived; one that closed or sent a frame too
+        long is shut out."""
+        try:
+            while (payload := handshake.read_frame()) is not None:
+                if not self._step(selector, handshake, payload):
                     return
-                handshake.header, handshake.need, handshake.data = False, size, bytearray()
-                if size:
-                    continue
-            payload = bytes(handshake.data)
-            handshake.header, handshake.need, handshake.data = True, 4, bytearray()
-            if not self._step(selector, handshake, payload):
-                return
+        except EOFError:
+            self._end(selector, handshake)
 
     def _step(self, selector: selectors.BaseSelector, handshake: Handshake, payload: bytes) -> bool:
         """Act on one whole frame; ``False`` once the handshake is over (either way)."""
