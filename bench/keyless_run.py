@@ -43,7 +43,8 @@ def test_gpu(gpu, i):
 
 
 def _attack_when_up(pattern: str, clients: int, each: int, ready: Any) -> None:
-    """Wait for the run's broker socket, then hold handshakes on it (until killed)."""
+    """Say it is up, wait for the run's broker socket, then hold handshakes on it (until killed)."""
+    ready.put("armed")
     while not (found := glob.glob(pattern)):
         time.sleep(0.002)
     broker._keyless_main(found[0], clients, each, ready)
@@ -59,13 +60,14 @@ def one_run(suite: Path, attack: bool, each: int) -> float:
             "PYTEST_GPU_SIM_MACHINE": f"keyless-{os.getpid()}-{time.monotonic_ns()}",
         }
         attacker = None
-        if attack:  # started first and waiting, so that it is in before the first worker connects
+        if attack:  # started and waiting first (not timed), so that it is in before the first worker connects
             pattern = str(Path(tmp) / f"pytest-gpu-{os.getuid()}" / "*" / "broker.sock")
             ready = ctx.Queue()
             attacker = ctx.Process(
                 target=_attack_when_up, args=(pattern, broker.KEYLESS_CLIENTS, each, ready), daemon=True
             )
             attacker.start()
+            ready.get(timeout=120)  # armed: its own start-up is not the run's
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
         cmd += ["-n", "4", "--gpus", "sim:4x16GiB", str(suite)]
         started = time.monotonic()
