@@ -120,7 +120,7 @@ class Handshake:
     sock: socket.socket  # non-blocking
     peer: int  # the connecting process, -1 if unknown
     deadline: float
-    challenge: bytes  # the frame this side sent
+    challenge: bytes  # what this side sent as its challenge (the frame's payload)
     step: str = ANSWER
     header: bool = True  # reading a frame's 4-byte length (else its payload)
     need: int = 4  # bytes still to read of the header or the payload
