@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-import pytest_gpu.authserver as broker_module
+import pytest_gpu.service.authserver as broker_module
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant
 from pytest_gpu.leasing.placement import Policy

@@ -12,8 +12,9 @@ that this map names every module).
     importhook          run a callback right after a module is imported
     procs               process trees and owner liveness, for every layer
     safefiles           files in directories other users can write, never following their links
-    authserver          an authenticated Unix-socket service: handshakes apart, one serving thread
-    handshake           multiprocessing.connection's key challenge and answer, a frame at a time
+    service/            an authenticated Unix-socket service (the broker's transport)
+        authserver      the listener, handshakes apart, one serving thread
+        handshake       multiprocessing.connection's key challenge and answer, a frame at a time
     roles/              one plugin object per role a process plays
         base            what every role shares: its run, ending it
         keys            what the roles keep in config.stash and hand to workers

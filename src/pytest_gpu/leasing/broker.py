@@ -1,6 +1,6 @@
 """The lease service: one per run, hands out GPUs and ports to the test processes.
 
-Transport: :class:`pytest_gpu.authserver.AuthServer` (an authenticated Unix socket in the
+Transport: :class:`pytest_gpu.service.authserver.AuthServer` (an authenticated Unix socket in the
 run's private 0700 directory, one thread serving every client, handshakes apart); this
 module is what the messages mean. GPU decisions are made by the machine's arbiter
 (:mod:`pytest_gpu.machine`): in this process when this run is the arbiter or has the GPUs
@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-from ..authserver import HANDSHAKE_TIMEOUT, AuthServer
 from ..machine.arbiter import Event
 from ..machine.link import MachineLink
 from ..machine.messages import request_from_wire
 from ..machine.remote import MachineError
+from ..service.authserver import HANDSHAKE_TIMEOUT, AuthServer
 from .placement import Policy
 from .ports import DEFAULT_RANGE, PortOwner
 from .protocol import (
