@@ -48,6 +48,7 @@ import argparse
 import cProfile
 import functools
 import itertools
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -56,6 +57,7 @@ import secrets
 import selectors
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -303,7 +305,8 @@ def run_scenario(
     ``offered`` > 0 paces the clients to that many grants per second in total. ``attack``:
     ``"stalled"``, connections that stall on the sockets (:func:`_attack`); ``"keyless"``,
     :data:`KEYLESS_CLIENTS` keyless processes holding ``keyless_each`` handshakes each on the
-    broker's socket, reconnecting whenever they are dropped (:func:`_keyless_main`).
+    broker's socket, reconnecting whenever they are dropped (:func:`_keyless_main`);
+    ``"hostile"``, a process sending the arbiter bad messages as fast as it can (:func:`_hostile_main`).
     """
     ctx = mp.get_context("spawn")
     interval = clients / offered if offered else 0.0
@@ -335,7 +338,14 @@ def run_scenario(
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
         attackers: list[socket.socket] = []
         keyless: mp.process.BaseProcess | None = None
-        if attack == "keyless":
+        if attack == "hostile":  # a stranger at the machine's arbiter: bad messages, as fast as it can
+            broker._machine()  # joined: the arbiter's socket exists
+            keyless = ctx.Process(
+                target=_hostile_main, args=(Domain.machine_wide("bench").address(), ready), daemon=True
+            )
+            keyless.start()
+            ready.get(timeout=120)
+        elif attack == "keyless":
             keyless = ctx.Process(
                 target=_keyless_main, args=(address, KEYLESS_CLIENTS, keyless_each, ready), daemon=True
             )
@@ -428,6 +438,42 @@ def _attack(*addresses: str | None) -> list[socket.socket]:
                 sock.sendall(b"\x00\x00")  # half a length prefix, then nothing
             socks.append(sock)
     return socks
+
+
+HOSTILE_FRAMES = (
+    b"[" * 200_000,  # nesting no parser may follow
+    json.dumps({"op": "attach", "id": 1, "run": f"{os.getuid()}.x", "label": "x" * 700_000, "gpus": {}}).encode(),
+    b'{"op":"submit","id":2,"key":"k","client":"c","request":[1,NaN,false,null],"gpus":["GPU-bench-0"]}',
+    json.dumps({"op": "attach", "id": 3, "run": "0.not-mine", "gpus": {"GPU-bench-0": -1}}).encode(),
+    json.dumps({"op": "no such op", "id": 4}).encode(),
+)
+
+
+def _hostile_main(address: str, ready: Any) -> None:
+    """A hostile peer of the machine's arbiter, until killed: 16 connections that each hold
+    half of a 1 MiB frame, and a loop that connects, sends one of :data:`HOSTILE_FRAMES` (or
+    an announced 4 GiB frame), and hangs up, again and again. Run as root (CI), it is another
+    user (``nobody``), as the threat is; else this user (then it throttles this user's runs too)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    held = []
+    for _ in range(16):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        sock.sendall(struct.pack(">I", 1 << 20) + b"x" * (1 << 19))
+        held.append(sock)
+    ready.put("hostile")
+    for frame in itertools.cycle([*HOSTILE_FRAMES, None]):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1)
+                sock.connect(address)
+                sock.sendall(b"\xff\xff\xff\xff" if frame is None else struct.pack(">I", len(frame)) + frame)
+                sock.recv(4096)
+        except OSError:
+            time.sleep(0.001)
 
 
 def _keyless_main(address: str, clients: int, each: int, ready: Any) -> None:
@@ -556,7 +602,7 @@ class Row:
     server: str = "broker"
     offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
     link: str = "private"
-    attack: str = ""  # "", "stalled" or "keyless" (see run_scenario)
+    attack: str = ""  # "", "stalled", "keyless" or "hostile" (see run_scenario)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -579,11 +625,12 @@ def plan(args: argparse.Namespace) -> list[Row]:
             rows = [row for row in rows if row.scenario == args.scenario]
     links = LINKS if args.link == "all" else (args.link,)
     rows = [Row(r.scenario, r.clients, r.server, r.offered, link) for r in rows for link in links]
-    if args.attack:  # each row three times in a row: as is, with stalled connections, with keyless clients
+    if args.attack:  # each row in a row: as is, with stalled connections, keyless clients, a hostile peer
         rows = [
             Row(r.scenario, r.clients, r.server, r.offered, r.link, attacked)
             for r in rows
-            for attacked in ("", "stalled", "keyless")
+            for attacked in ("", "stalled", "keyless", "hostile")
+            if attacked != "hostile" or r.link != "private"  # the arbiter's attacker: where there is an arbiter
         ]
     if args.baseline:
         counts = sorted({row.clients for row in rows})

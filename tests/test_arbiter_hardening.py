@@ -575,3 +575,24 @@ def test_another_users_arbiter_is_told_no_names(domain: Domain, made: list[Any])
     assert "secret" not in text and "gw0" not in text and "/home/me" not in text, text
     assert [m["op"] for m in seen] == ["attach", "submit", "take_ports"]
     assert seen[1]["test"] == "" and seen[2]["owner"].startswith("c0/#")
+
+
+def test_a_user_who_floods_the_arbiter_waits_and_another_user_does_not(
+    domain: Domain, made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "BYTES_PER_UID_S", 32 << 10)
+    arbiter = _link(made, domain)
+    flooder = _raw(made, domain)
+    assert "ok" in flooder.call("status", pad="x" * (40 << 10))  # 40 KiB in one read: over this user's second
+    assert _server(arbiter)._throttled(os.getuid())
+
+    def ask() -> Any:
+        started = time.monotonic()
+        answer = Raw(domain.address()).call("status")
+        return [answer.get("ok") is not None, time.monotonic() - started]
+
+    answered, took = _as_other(ask)
+    assert answered and took < 0.5  # another user is read at once
+    started = time.monotonic()
+    assert "ok" in flooder.call("status")  # this user: once its next second has come
+    assert time.monotonic() - started > 0.05

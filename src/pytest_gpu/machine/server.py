@@ -15,7 +15,10 @@ Every peer is a stranger (a machine-wide arbiter is reachable by every local use
 - **resources are bounded**: a peer must send its first whole request within
   ``HELLO_TIMEOUT_S`` and finish any frame it started within ``FRAME_TIMEOUT_S``; a uid may
   hold ``MAX_PEERS_PER_UID`` connections and ``MAX_PENDING_PER_UID`` bytes of unfinished
-  frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped.
+  frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped; and a
+  uid's connections are read for at most ``BYTES_PER_UID_S`` bytes a second (messages
+  counted ``MESSAGE_COST`` more each), then wait for the next second: a user who floods the
+  arbiter with work slows itself, not another user's runs.
 
 Requests (``{"op": ..., "id": n, ...}``) are answered ``{"re": n, "ok": value}`` or
 ``{"re": n, "error": message}`` (a request without an ``id`` gets no answer); events
@@ -46,6 +49,8 @@ MAX_OUTBOX = 4 << 20
 MAX_PEERS = 512  # connections in all (the process's descriptors are the run's too)
 MAX_PEERS_PER_UID = 64  # a user's runs hold one each, `pytest-gpu status` one for a moment
 MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
+BYTES_PER_UID_S = 4 << 20  # what a user's connections may make the arbiter read and parse per second
+MESSAGE_COST = 1024  # a message counts this much besides its bytes (a flood of small ones costs too)
 HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
 FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 
@@ -87,6 +92,8 @@ class ArbiterServer:
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()  # peers' outboxes (sinks run on other threads)
         self._peers: set[Peer] = set()
+        self._spent: Counter[int] = Counter()  # bytes read per uid in this second
+        self._second = time.monotonic()
         self._closing = False
         self.dropped: Counter[str] = Counter()  # why peers were shut out, for tests and the curious
         self._thread = threading.Thread(target=self._loop, name="pytest-gpu-arbiter", daemon=True)
@@ -174,10 +181,17 @@ class ArbiterServer:
 
     def _timeout(self) -> float | None:
         deadlines = [d for p in self._peers for d in (p.hello_by, p.frame_by) if d is not None]
+        if self._spent:
+            deadlines.append(self._second + 1.0)  # a user waiting for its next second
         return None if not deadlines else max(min(deadlines) - time.monotonic(), 0.0) + 0.001
+
+    def _throttled(self, uid: int) -> bool:
+        return self._spent[uid] >= BYTES_PER_UID_S
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if now >= self._second + 1.0:
+            self._second, self._spent = now, Counter()
         for peer in list(self._peers):
             if peer.hello_by is not None and now >= peer.hello_by:
                 self._drop(peer, "silent")
@@ -216,6 +230,7 @@ class ArbiterServer:
         except WireError:
             self._drop(peer, "bad frame")
             return
+        self._spent[peer.uid] += len(data) + MESSAGE_COST * len(found)
         if peer.reader.pending:
             if peer.frame_by is None:
                 peer.frame_by = time.monotonic() + FRAME_TIMEOUT_S
@@ -278,11 +293,21 @@ class ArbiterServer:
                 pending = bool(peer.outbox) and not peer.closed
             if peer.closed:
                 continue
-            wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
+            reading = 0 if self._throttled(peer.uid) else selectors.EVENT_READ
+            wanted = reading | (selectors.EVENT_WRITE if pending else 0)
             try:
-                if self._selector.get_key(peer.sock).events != wanted:
-                    self._selector.modify(peer.sock, wanted, peer)
+                key = self._selector.get_key(peer.sock)
             except (KeyError, ValueError):
+                key = None
+            try:
+                if not wanted:  # a user over its second's budget, nothing to send: not listened to meanwhile
+                    if key is not None:
+                        self._selector.unregister(peer.sock)
+                elif key is None:
+                    self._selector.register(peer.sock, wanted, peer)
+                elif key.events != wanted:
+                    self._selector.modify(peer.sock, wanted, peer)
+            except (KeyError, ValueError, OSError):
                 pass
 
     def _drop(self, peer: Peer, why: str, detach: bool = True) -> None:
