@@ -325,7 +325,10 @@ def test_a_user_holds_at_most_so_many_connections(domain: Domain, made: list[Any
     _still_serves(made, domain, arbiter)
 
 
-def test_unfinished_frames_are_bounded_per_user(domain: Domain, made: list[Any]) -> None:
+def test_unfinished_frames_are_bounded_per_user(
+    domain: Domain, made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "BYTES_PER_UID_S", 1 << 30)  # the cap under test, not the reading budget
     arbiter = _link(made, domain)
     chunk = b"x" * (900 << 10)
     peers = []

@@ -394,6 +394,24 @@ def test_client_that_held_nothing_is_no_crash(run: Run) -> None:
     assert broker.crashes == []
 
 
+def test_this_process_keeps_its_contexts_counted_until_the_run_leaves_the_machine(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run without xdist workers tests in its own process, which keeps its contexts until it
+    exits, after the run: counted also when its client is still connected as the run ends."""
+    broker = run.broker()
+    client = run.client("gw0")
+    client.release(client.acquire(shared(GiB), "t::x", timeout=5).key, contexts={1})
+    client.status()  # release is one-way: a round trip on the same connection orders after it
+    at_leave: list[list[str]] = []
+    leave = broker.link.close
+    monkeypatch.setattr(broker.link, "close", lambda: at_leave.append(broker.link.status()["gpus"][1]["clients"]))
+    broker.close()
+    assert at_leave == [[f"{broker.link.run}|{client.client_id}~exiting"]]
+    monkeypatch.undo()
+    leave()
+
+
 CHILD = """
 import sys, time
 from pytest_gpu.leasing.client import BrokerClient

@@ -103,6 +103,66 @@ def test_exclusive_leases_never_overlap_across_runs(gpu_pytester):
             assert end <= start, f"GPU {gpu}: {run} and {other} held it at once"
 
 
+# Two 7.3 GiB leases and two 500 MiB contexts leave 0.42 GiB of a 16 GiB GPU: a single
+# context the arbiter does not count is an OOM.
+FIRST = """
+import os, time, pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(memory="7.3GiB")
+def test_first(gpu):
+    sim.allocate(int(7.3 * 2**30), gpu.device).free()
+
+def test_until_the_others_are_busy():
+    # this run (the arbiter: without xdist it leases first) ends while the others lease
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if os.path.exists(os.environ["TIMES"]) and len(open(os.environ["TIMES"]).readlines()) >= 6:
+            return
+        time.sleep(0.02)
+"""
+
+BUSY = """
+import os, time, pytest
+import pytest_gpu.sim as sim
+
+@pytest.mark.gpu(memory="7.3GiB")
+@pytest.mark.parametrize("i", range(8))
+def test_busy(gpu, i):
+    block = sim.allocate(int(7.3 * 2**30), gpu.device)  # an OOM here fails the test
+    time.sleep(0.1)
+    block.free()
+    with open(os.environ["TIMES"], "a") as out:
+        out.write(f"{os.environ['RUN']}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_a_new_arbiter_counts_every_context_of_the_runs_that_re_attach(gpu_pytester):
+    """The arbiter's run ends mid-way through three others: it counts its own process's
+    contexts until it has left, and the new arbiter learns from each run what it holds,
+    waits for and where its processes have contexts (exiting ones too) before it grants
+    anything. 20 times, four runs, not one simulated OOM."""
+    trials, at_once, failed, ooms = 20, 2, [], 0
+    for batch in range(0, trials, at_once):
+        running = []
+        for trial in range(batch, batch + at_once):  # on machines of their own
+            path = gpu_pytester.path / f"t{trial}"
+            path.mkdir()
+            (path / "test_first.py").write_text(FIRST)
+            (path / "test_busy.py").write_text(BUSY)
+            machine = f"failover-{trial}"
+            procs = [start_run(path, "first", machine, 0, "test_first.py")]
+            running.append(procs + [start_run(path, f"busy{i}", machine, 2, "test_busy.py") for i in range(3)])
+        for procs in running:
+            outputs = [finish(p) for p in procs]
+            bad = [out for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
+            if bad:
+                failed.append(bad[0])
+                ooms += any("OutOfMemoryError" in out for out in bad)
+    assert not failed, f"{len(failed)} of {trials} trials failed, {ooms} with an OOM; the first:\n{failed[0]}"
+
+
 HOLDS = """
 import time, pytest
 import pytest_gpu.sim as sim

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import shared, whole
+from helpers import shared, wait_for, whole
 from pytest_gpu.cli import format_status
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
@@ -136,6 +136,31 @@ def test_a_new_arbiter_grants_nothing_until_the_runs_that_held_leases_are_back()
     assert [w["run"] for w in arbiter.status()["waiting"]] == ["r2"]
 
 
+def test_a_new_arbiter_counts_the_contexts_a_run_brings_before_it_grants_anything():
+    """The last run a new arbiter waits for resumes its grants: the contexts its processes
+    have (an exiting one's too) must be counted by then, not declared after."""
+    arbiter = Arbiter(Policy(overhead=GiB))
+    arbiter.expect({"r1", "r2"}, within=5.0)
+    r1 = attach(arbiter, "r1", {"U": 16 * GiB})
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(int(13.5 * GiB)), ["U"]) == ("queued", None)
+    arbiter.attach(
+        "r2",
+        pid=os.getpid(),
+        user="u",
+        label="r2",
+        gpus={"U": 16 * GiB},
+        sink=Events(),
+        contexts={"c0": ["U"]},
+        exiting={"c1": ["U"]},
+    )
+    # 16 GiB less three contexts (r2's two and its own) leaves 13 GiB: it waits for the exiting one
+    state = arbiter.status()
+    assert state["pending"] == [] and [w["run"] for w in state["waiting"]] == ["r1"], r1.events
+    assert state["gpus"][0]["clients"] == ["r2|c0", "r2|c1~exiting"]
+    arbiter.exited("r2", "c1")
+    assert r1.wait("c0/k0")[0] == "granted"
+
+
 def test_a_new_arbiter_stops_waiting_for_a_run_that_never_comes_back():
     arbiter = Arbiter(Policy(overhead=0))
     arbiter.expect({"gone"}, within=0.2)
@@ -247,6 +272,23 @@ def test_when_the_arbiter_leaves_another_run_takes_over_with_what_everyone_holds
     assert [(w["run"], w["test"]) for w in state["waiting"]] == [(c.run, "t::c")]
     b.release("c0/k0")
     assert c_events.wait("c0/k0")[0] == "granted"
+
+
+def test_runs_bring_their_contexts_and_exiting_processes_to_a_new_arbiter(domain, links):
+    a, _ = new_link(links, domain, {"U": 16 * GiB})
+    b, _ = new_link(links, domain, {"U": 16 * GiB})
+    c, _ = new_link(links, domain, {"U": 16 * GiB})
+    for link in (b, c):
+        link.set_contexts("c0", ["U"])
+        link.exiting("c1", ["U"])  # c1 closed its connection; its process has not exited yet
+    a.close()
+    # one of them leads (declares in-process), the other re-attaches over the socket
+    wait_for(lambda: len((b.status())["runs"]) == 2, 5, "both re-attached")
+    clients = sorted(f"{link.run}|{client}" for link in (b, c) for client in ("c0", "c1~exiting"))
+    assert b.status()["gpus"][0]["clients"] == clients
+    b.exited("c1")
+    c.exited("c1")
+    assert b.status()["gpus"][0]["clients"] == sorted([f"{b.run}|c0", f"{c.run}|c0"])
 
 
 LEADER = """

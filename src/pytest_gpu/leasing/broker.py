@@ -74,6 +74,10 @@ from .protocol import (
 )
 from .requests import GpuRequest
 
+# at the run's end: how long it waits for processes of its clients that are still exiting,
+# whose contexts the machine forgets once the run has left it (xdist's workers are gone by then)
+EXIT_WAIT_S = 3.0
+
 
 @dataclass
 class ClientInfo:
@@ -161,9 +165,18 @@ class Broker(AuthServer[ClientInfo]):
         self._clients: dict[str, ClientInfo] = {}  # under self._lock, as all of this state
         self._queued_at: dict[str, float] = {}
         self._ids = itertools.count()
+        self._exit_waits: list[threading.Thread] = []  # see _hold_contexts_until_exit
+        self._left = False  # the run has left the machine
 
     def close(self) -> None:
-        super().close()
+        super().close()  # clients still connected are disconnected: their contexts are held too
+        deadline = time.monotonic() + EXIT_WAIT_S
+        with self._lock:
+            waits = list(self._exit_waits)
+        for wait in waits:
+            wait.join(max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            self._left = True
         self.link.close()
 
     # -- the machine ------------------------------------------------------------------
@@ -358,10 +371,11 @@ class Broker(AuthServer[ClientInfo]):
             self._clients.pop(info.client, None)
             attached = self._attached
             # The process keeps its CUDA contexts until it exits, which may be a while after
-            # it closed its connection (a worker shutting down): keep counting them till then.
+            # it closed its connection (a worker shutting down, or this run ending while it is
+            # still connected): keep counting them till then.
             held: list[tuple[str, tuple[str, ...]]] = []
             with contextlib.suppress(MachineError):  # an arbiter that stopped answering must not stop this service
-                if attached and info.contexts and not self._closing:
+                if attached and info.contexts:
                     self._hold_contexts_until_exit(info, set(info.contexts))
                 held = self.link.forget_client(info.client) if attached else []
             prefix = scoped(info.client, "")
@@ -380,31 +394,41 @@ class Broker(AuthServer[ClientInfo]):
                 self.crashes.append(CrashRecord(info.worker, info.pid, test, gpus, tuple(sorted(ports)), time.time()))
 
     def _hold_contexts_until_exit(self, info: ClientInfo, contexts: set[int]) -> None:
-        """Count ``info``'s contexts under a stand-in client until its process has exited.
+        """Count ``info``'s contexts under a stand-in client until its process has exited
+        (this process's own: until the run leaves the machine).
 
         Waits on a pidfd (readable once the process has terminated; it does not reap it),
-        so no polling. Without pidfds (not Linux) the contexts are dropped at once.
+        so no polling. Without pidfds (not Linux) another process's contexts are dropped at once.
         """
-        if info.pid <= 0 or info.pid == os.getpid() or not hasattr(os, "pidfd_open"):
+        link = self.link
+        uuids = [self.uuids[i] for i in contexts if i in self.uuids]
+        if info.pid == os.getpid():
+            # this process (a run without xdist workers) outlives its run: counted until the run
+            # leaves the machine, and from then on as usage outside every run (foreign)
+            link.exiting(info.client, uuids)
+            return
+        if info.pid <= 0 or not hasattr(os, "pidfd_open"):
             return
         try:
             fd = os.pidfd_open(info.pid)
         except OSError:
             return  # already gone
-        link = self.link
-        link.exiting(info.client, [self.uuids[i] for i in contexts if i in self.uuids])
+        link.exiting(info.client, uuids)
 
         def wait() -> None:
             try:
                 select.select([fd], [], [])
             finally:
                 os.close(fd)
-            try:
-                link.exited(info.client)
-            except Exception:  # the run ended meanwhile
-                pass
+            with self._lock:
+                if self._left:
+                    return  # the machine forgot them with the run
+                with contextlib.suppress(Exception):  # the arbiter is unreachable: it forgets them with the run
+                    link.exited(info.client)
 
-        threading.Thread(target=wait, name=f"pytest-gpu-exit-{info.pid}", daemon=True).start()
+        thread = threading.Thread(target=wait, name=f"pytest-gpu-exit-{info.pid}", daemon=True)
+        thread.start()
+        self._exit_waits = [t for t in self._exit_waits if t.is_alive()] + [thread]
 
     def status_locked(self) -> dict[str, Any]:
         try:

@@ -276,11 +276,15 @@ class Arbiter:
         asked: list[Asked] = (),  # type: ignore[assignment]
         host: tuple[int, int] | None = None,
         ports: dict[int, str] | None = None,
+        contexts: dict[str, list[str]] | None = None,
+        exiting: dict[str, list[str]] | None = None,
     ) -> None:
         """A run joins with its GPUs (UUID -> capacity) and its view of the machine's CPUs
         and RAM (``host``: the first run's view is kept); after a failover it brings the
         leases it holds (taken over as they were), the requests it waits on (queued again,
-        in their order) and the ports it holds.
+        in their order), the ports it holds, and where its clients' processes have CUDA
+        contexts (``contexts``; ``exiting``: of clients gone whose processes have not exited
+        yet, see :meth:`exiting`), all counted before any grant can resume.
 
         Raises :class:`ValueError` (nothing changed) for a run attached already, a GPU that
         is not on this machine, or a lease that names a GPU the run did not bring or does
@@ -290,6 +294,8 @@ class Arbiter:
                 raise ValueError(f"run {run} is attached already")
             capacities = self._checked_gpus(gpus)
             self._check_held(held, capacities)
+            if len((contexts or {}).keys() | (exiting or {}).keys()) > MAX_CLIENTS_PER_RUN:
+                raise ValueError(f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
             if uid is None:  # in this process: the run's id says it, else it is this process's user's
                 uid = run_uid(run)
                 uid = os.getuid() if uid is None else uid
@@ -317,6 +323,13 @@ class Arbiter:
                     out[run].append(("rejected", ask.key, {"message": str(exc)}))
             for port, owner in (ports or {}).items():
                 self.ports.adopt(port, f"{run}|{owner}")
+            # before the grants below: the last run a new arbiter waits for resumes granting
+            # here, and a context declared after it would be one a grant overlooks
+            for client, uuids in (contexts or {}).items():
+                entry.workers.setdefault(f"{run}|{client}", "?")
+                self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, uuids))
+            for client, uuids in (exiting or {}).items():
+                self._exiting_locked(run, client, uuids)
             self.pending -= {run, roster_digest(run)}
             if not self.pending:
                 self.allocator.paused = False
@@ -534,9 +547,12 @@ class Arbiter:
         """A worker closed its connection but its process (and its contexts) still exist."""
         with self._lock:
             self._check_client(run, client)
-            stand_in = f"{run}|{client}~exiting"
-            self.allocator.set_contexts(stand_in, self._own_mids(run, contexts))
-            self.allocator.exiting.add(stand_in)
+            self._exiting_locked(run, client, contexts)
+
+    def _exiting_locked(self, run: str, client: str, contexts: list[str]) -> None:
+        stand_in = f"{run}|{client}~exiting"
+        self.allocator.set_contexts(stand_in, self._own_mids(run, contexts))
+        self.allocator.exiting.add(stand_in)
 
     def exited(self, run: str, client: str) -> None:
         with self._locked() as out:

@@ -251,7 +251,7 @@ class MachineLink:
 
     def _attach_here(self, arbiter: Arbiter) -> None:
         """This run joins the arbiter in its own process, with what it holds and waits for."""
-        held, asked, contexts, ports = self._mirror.snapshot()
+        mine = self._mirror.snapshot()
         arbiter.attach(
             self.run,
             pid=os.getpid(),
@@ -260,13 +260,13 @@ class MachineLink:
             label=self.label,
             gpus=self._gpus,
             sink=self._file_events,
-            held=held,
-            asked=asked,
+            held=mine.held,
+            asked=mine.asked,
             host=self._host,
-            ports=ports,
+            ports=mine.ports,
+            contexts=mine.contexts,
+            exiting=mine.exiting,
         )
-        for client, gpus in contexts.items():
-            arbiter.set_contexts(self.run, client, gpus)
 
     def _private(self, remote: Remote | None = None) -> bool:
         """Whether the arbiter is another user's: it is told no names."""
@@ -282,20 +282,21 @@ class MachineLink:
         return f"{client}/#{hashlib.sha256(rest.encode()).hexdigest()[:16]}"
 
     def _attach_remote(self, remote: Remote) -> None:
-        held, asked, contexts, ports = self._mirror.snapshot()
+        mine = self._mirror.snapshot()
         private = self._private(remote)
+        # contexts in the attach itself: counted before the new arbiter can grant again
         remote.call(
             "attach",
             timeout=HELLO_TIMEOUT_S,
             run=self.run,
             label="" if private else self.label,
             gpus=self._gpus,
-            held=[to_wire(h, private) for h in held],
-            asked=[to_wire(a, private) for a in asked],
-            ports=[[port, self._said(owner, remote)] for port, owner in ports.items()],
+            held=[to_wire(h, private) for h in mine.held],
+            asked=[to_wire(a, private) for a in mine.asked],
+            ports=[[port, self._said(owner, remote)] for port, owner in mine.ports.items()],
+            contexts=mine.contexts,
+            exiting=mine.exiting,
         )
-        for client, gpus in contexts.items():
-            remote.call("set_contexts", client=client, contexts=gpus)
 
     def _remote_lost(self, remote: Remote) -> None:
         """The arbiter went away (its run ended or died): elect again, from the reader thread."""
@@ -351,6 +352,8 @@ class MachineLink:
         """``local(arbiter)`` when this run is the arbiter, else ``op`` over the socket;
         the arbiter lost on the way: elect again and ask the new one."""
         with self._lock:
+            if self._closed:  # a late call of a run that left: it must not join the machine again
+                raise MachineError(f"pytest-gpu: {op!r} after this run left the machine")
             for _ in range(3):
                 if self._arbiter is not None:
                     return local(self._arbiter)
@@ -435,10 +438,15 @@ class MachineLink:
             return [(str(k), tuple(g)) for k, g in rows]
 
     def exiting(self, client: str, contexts: list[str]) -> None:
-        self._call("exiting", lambda a: a.exiting(self.run, client, contexts), client=client, contexts=contexts)
+        """``client`` is gone but its process (and its contexts) still exist."""
+        with self._lock:
+            self._mirror.exiting(client, contexts)
+            self._call("exiting", lambda a: a.exiting(self.run, client, contexts), client=client, contexts=contexts)
 
     def exited(self, client: str) -> None:
-        self._call("exited", lambda a: a.exited(self.run, client), client=client)
+        with self._lock:
+            self._mirror.exited(client)
+            self._call("exited", lambda a: a.exited(self.run, client), client=client)
 
     def room(self, gpus: list[str]) -> list[int]:
         return [int(n) for n in self._call("room", lambda a: a.room(gpus), gpus=gpus)]

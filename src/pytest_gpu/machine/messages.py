@@ -165,6 +165,8 @@ class Attach:
     asked: list[Asked]
     host: tuple[int, int] | None
     ports: dict[int, str]
+    contexts: dict[str, list[str]]  # client -> GPUs where its process has contexts
+    exiting: dict[str, list[str]]  # the same, of clients gone whose processes have not exited yet
 
 
 def attach(m: dict[str, Any]) -> Attach:
@@ -194,7 +196,17 @@ def attach(m: dict[str, Any]) -> Attach:
         asked=[asked(a) for a in _list(m.get("asked", []), "asked")],
         host=host,
         ports=ports,
+        contexts=client_gpus(m.get("contexts", {}), "contexts"),
+        exiting=client_gpus(m.get("exiting", {}), "exiting"),
     )
+
+
+def client_gpus(value: Any, what: str) -> dict[str, list[str]]:
+    """Client -> GPU names (where its process has CUDA contexts)."""
+    found = _dict(value, what)
+    if len(found) > LIST_MAX:
+        raise WireError(f"{what} names more than {LIST_MAX} clients")
+    return {name(client, f"a client of {what}"): uuids(gpus, f"{what} of a client") for client, gpus in found.items()}
 
 
 def held(h: Any) -> Held:

@@ -12,10 +12,22 @@ An event for a request whose ``submit`` is still on its way (``inflight``) is he
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from .arbiter import Event
 from .messages import Asked, Held, request_to_wire
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a run brings to a new arbiter's ``attach``."""
+
+    held: list[Held]
+    asked: list[Asked]
+    contexts: dict[str, list[str]]  # client -> GPUs where its process has contexts
+    exiting: dict[str, list[str]]  # the same, of clients gone whose processes have not exited yet
+    ports: dict[int, str]  # port -> owner
 
 
 class Mirror:
@@ -28,14 +40,23 @@ class Mirror:
         self.held: dict[str, Held] = {}
         self.asked: dict[str, Asked] = {}
         self.contexts: dict[str, list[str]] = {}
+        # clients gone whose processes still have contexts (the arbiter's stand-ins): only
+        # their run knows when they exit, so only their run can tell a new arbiter of them
+        self.exiting_contexts: dict[str, list[str]] = {}
         self.ports: dict[int, str] = {}  # port -> owner
         self.inflight: set[str] = set()  # keys whose submit awaits its answer
         self.early: dict[str, Event] = {}  # their events, held back till then
 
-    def snapshot(self) -> tuple[list[Held], list[Asked], dict[str, list[str]], dict[int, str]]:
+    def snapshot(self) -> Snapshot:
         """What to bring to a new arbiter."""
         with self._lock:
-            return list(self.held.values()), list(self.asked.values()), dict(self.contexts), dict(self.ports)
+            return Snapshot(
+                list(self.held.values()),
+                list(self.asked.values()),
+                dict(self.contexts),
+                dict(self.exiting_contexts),
+                dict(self.ports),
+            )
 
     def took_ports(self, ports: list[int], owner: str) -> None:
         with self._lock:
@@ -101,6 +122,14 @@ class Mirror:
     def set_contexts(self, client: str, contexts: list[str]) -> None:
         with self._lock:
             self.contexts[client] = list(contexts)
+
+    def exiting(self, client: str, contexts: list[str]) -> None:
+        with self._lock:
+            self.exiting_contexts[client] = list(contexts)
+
+    def exited(self, client: str) -> None:
+        with self._lock:
+            self.exiting_contexts.pop(client, None)
 
     def forget_client(self, client: str) -> None:
         with self._lock:

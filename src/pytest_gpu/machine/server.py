@@ -402,6 +402,8 @@ class ArbiterServer:
             asked=body.asked,
             host=None,  # the machine's CPUs and RAM are what the arbiter's own run sees
             ports=body.ports,
+            contexts=body.contexts,
+            exiting=body.exiting,
         )
         peer.run = body.run
         self._tell_rosters()
