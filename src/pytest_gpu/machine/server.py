@@ -15,10 +15,10 @@ Every peer is a stranger (a machine-wide arbiter is reachable by every local use
 - **resources are bounded**: a peer must send its first whole request within
   ``HELLO_TIMEOUT_S`` and finish any frame it started within ``FRAME_TIMEOUT_S``; a uid may
   hold ``MAX_PEERS_PER_UID`` connections and ``MAX_PENDING_PER_UID`` bytes of unfinished
-  frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped; and a
-  uid's connections are read for at most ``BYTES_PER_UID_S`` bytes a second (messages
-  counted ``MESSAGE_COST`` more each), then wait for the next second: a user who floods the
-  arbiter with work slows itself, not another user's runs.
+  frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped; and in
+  each turn of the loop a uid's connections are read for ``TURN_BYTES_PER_UID`` bytes, the
+  rest waiting for the next turn: users take turns, so one who floods the arbiter with work
+  delays its own messages, and another user's wait at most a turn.
 
 Requests (``{"op": ..., "id": n, ...}``) are answered ``{"re": n, "ok": value}`` or
 ``{"re": n, "error": message}`` (a request without an ``id`` gets no answer); events
@@ -49,8 +49,7 @@ MAX_OUTBOX = 4 << 20
 MAX_PEERS = 512  # connections in all (the process's descriptors are the run's too)
 MAX_PEERS_PER_UID = 64  # a user's runs hold one each, `pytest-gpu status` one for a moment
 MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
-BYTES_PER_UID_S = 4 << 20  # what a user's connections may make the arbiter read and parse per second
-MESSAGE_COST = 1024  # a message counts this much besides its bytes (a flood of small ones costs too)
+TURN_BYTES_PER_UID = 256 << 10  # what one user's connections are read for in one turn of the loop
 HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
 FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 
@@ -92,8 +91,6 @@ class ArbiterServer:
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()  # peers' outboxes (sinks run on other threads)
         self._peers: set[Peer] = set()
-        self._spent: Counter[int] = Counter()  # bytes read per uid in this second
-        self._second = time.monotonic()
         self._closing = False
         self.dropped: Counter[str] = Counter()  # why peers were shut out, for tests and the curious
         self._thread = threading.Thread(target=self._loop, name="pytest-gpu-arbiter", daemon=True)
@@ -162,6 +159,7 @@ class ArbiterServer:
             os.close(self._wake_w)
 
     def _turn(self) -> None:
+        spent: Counter[int] = Counter()  # bytes read per uid in this turn
         for key, events in self._selector.select(self._timeout()):
             if key.data is None:
                 self._accept()
@@ -170,8 +168,8 @@ class ArbiterServer:
             else:
                 peer: Peer = key.data
                 try:
-                    if events & selectors.EVENT_READ:
-                        self._read(peer)
+                    if events & selectors.EVENT_READ and spent[peer.uid] < TURN_BYTES_PER_UID:
+                        spent[peer.uid] += self._read(peer)  # a user over its share: its turn comes again
                     if events & selectors.EVENT_WRITE and not peer.closed:
                         self._flush(peer)
                 except Exception as exc:  # whatever a peer made happen ends that peer alone
@@ -181,17 +179,10 @@ class ArbiterServer:
 
     def _timeout(self) -> float | None:
         deadlines = [d for p in self._peers for d in (p.hello_by, p.frame_by) if d is not None]
-        if self._spent:
-            deadlines.append(self._second + 1.0)  # a user waiting for its next second
         return None if not deadlines else max(min(deadlines) - time.monotonic(), 0.0) + 0.001
-
-    def _throttled(self, uid: int) -> bool:
-        return self._spent[uid] >= BYTES_PER_UID_S
 
     def _expire(self) -> None:
         now = time.monotonic()
-        if now >= self._second + 1.0:
-            self._second, self._spent = now, Counter()
         for peer in list(self._peers):
             if peer.hello_by is not None and now >= peer.hello_by:
                 self._drop(peer, "silent")
@@ -215,39 +206,40 @@ class ArbiterServer:
             self._peers.add(peer)
             self._selector.register(sock, selectors.EVENT_READ, peer)
 
-    def _read(self, peer: Peer) -> None:
+    def _read(self, peer: Peer) -> int:
+        """Read and handle what ``peer`` sent; the bytes read."""
         try:
             data = peer.sock.recv(65536)
         except BlockingIOError:
-            return
+            return 0
         except OSError:
             data = b""
         if not data:
             self._drop(peer, "closed")
-            return
+            return 0
         try:
             found = peer.reader.feed(data)
         except WireError:
             self._drop(peer, "bad frame")
-            return
-        self._spent[peer.uid] += len(data) + MESSAGE_COST * len(found)
+            return len(data)
         if peer.reader.pending:
             if peer.frame_by is None:
                 peer.frame_by = time.monotonic() + FRAME_TIMEOUT_S
             held = sum(p.reader.pending for p in self._peers if p.uid == peer.uid)
             if held > MAX_PENDING_PER_UID:
                 self._drop(peer, "too much unfinished")
-                return
+                return len(data)
         else:
             peer.frame_by = None
         if found:
             peer.hello_by = None
         for message in found:
             if peer.closed:
-                return
+                break
             reply = self._handle(peer, message)
             if reply is not None:
                 self._send(peer, reply)
+        return len(data)
 
     def _send(self, peer: Peer, message: dict[str, Any]) -> None:
         try:
@@ -293,21 +285,11 @@ class ArbiterServer:
                 pending = bool(peer.outbox) and not peer.closed
             if peer.closed:
                 continue
-            reading = 0 if self._throttled(peer.uid) else selectors.EVENT_READ
-            wanted = reading | (selectors.EVENT_WRITE if pending else 0)
+            wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
             try:
-                key = self._selector.get_key(peer.sock)
-            except (KeyError, ValueError):
-                key = None
-            try:
-                if not wanted:  # a user over its second's budget, nothing to send: not listened to meanwhile
-                    if key is not None:
-                        self._selector.unregister(peer.sock)
-                elif key is None:
-                    self._selector.register(peer.sock, wanted, peer)
-                elif key.events != wanted:
+                if self._selector.get_key(peer.sock).events != wanted:
                     self._selector.modify(peer.sock, wanted, peer)
-            except (KeyError, ValueError, OSError):
+            except (KeyError, ValueError):
                 pass
 
     def _drop(self, peer: Peer, why: str, detach: bool = True) -> None:
