@@ -306,7 +306,8 @@ def run_scenario(
     ``"stalled"``, connections that stall on the sockets (:func:`_attack`); ``"keyless"``,
     :data:`KEYLESS_CLIENTS` keyless processes holding ``keyless_each`` handshakes each on the
     broker's socket, reconnecting whenever they are dropped (:func:`_keyless_main`);
-    ``"hostile"``, a process sending the arbiter bad messages as fast as it can (:func:`_hostile_main`).
+    ``"hostile"``, a process sending the arbiter bad messages as fast as it can (:func:`_hostile_main`);
+    ``"busy"``, a process that burns as much CPU without sending anything (:func:`_busy_main`).
     """
     ctx = mp.get_context("spawn")
     interval = clients / offered if offered else 0.0
@@ -338,7 +339,11 @@ def run_scenario(
             service = EchoServer(address, authkey, threaded=server == "echo-threads")
         attackers: list[socket.socket] = []
         keyless: mp.process.BaseProcess | None = None
-        if attack == "hostile":  # a stranger at the machine's arbiter: bad messages, as fast as it can
+        if attack == "busy":  # the same stranger's CPU use without a message: what the machine's load costs
+            keyless = ctx.Process(target=_busy_main, args=(ready,), daemon=True)
+            keyless.start()
+            ready.get(timeout=120)
+        elif attack == "hostile":  # a stranger at the machine's arbiter: bad messages, as fast as it can
             broker._machine()  # joined: the arbiter's socket exists
             keyless = ctx.Process(
                 target=_hostile_main, args=(Domain.machine_wide("bench").address(), ready), daemon=True
@@ -449,15 +454,29 @@ HOSTILE_FRAMES = (
 )
 
 
-def _hostile_main(address: str, ready: Any) -> None:
-    """A hostile peer of the machine's arbiter, until killed: 16 connections that each hold
-    half of a 1 MiB frame, and a loop that connects, sends one of :data:`HOSTILE_FRAMES` (or
-    an announced 4 GiB frame), and hangs up, again and again. Run as root (CI), it is another
-    user (``nobody``), as the threat is; else this user (then it throttles this user's runs too)."""
+def _nobody() -> None:
+    """Run as root (CI), the attacker is another user (``nobody``), as the threat is."""
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
+
+
+def _busy_main(ready: Any) -> None:
+    """A process of another user that only burns one CPU, until killed: :func:`_hostile_main`'s
+    load without its messages, so that the two rows tell the machine's load from the arbiter's work."""
+    _nobody()
+    ready.put("busy")
+    while True:
+        pass
+
+
+def _hostile_main(address: str, ready: Any) -> None:
+    """A hostile peer of the machine's arbiter, until killed: 16 connections that each hold
+    half of a 1 MiB frame, and a loop that connects, sends one of :data:`HOSTILE_FRAMES` (or
+    an announced 4 GiB frame), and hangs up, again and again; as another user where it can
+    (:func:`_nobody`)."""
+    _nobody()
     held = []
     for _ in range(16):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -602,7 +621,7 @@ class Row:
     server: str = "broker"
     offered: float = 0.0  # grants/s offered in total; 0: closed loop (as fast as it goes)
     link: str = "private"
-    attack: str = ""  # "", "stalled", "keyless" or "hostile" (see run_scenario)
+    attack: str = ""  # "", "stalled", "keyless", "busy" or "hostile" (see run_scenario)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -629,8 +648,8 @@ def plan(args: argparse.Namespace) -> list[Row]:
         rows = [
             Row(r.scenario, r.clients, r.server, r.offered, r.link, attacked)
             for r in rows
-            for attacked in ("", "stalled", "keyless", "hostile")
-            if attacked != "hostile" or r.link != "private"  # the arbiter's attacker: where there is an arbiter
+            for attacked in ("", "stalled", "keyless", "busy", "hostile")
+            if attacked not in ("busy", "hostile") or r.link != "private"  # the arbiter's attacker: where there is one
         ]
     if args.baseline:
         counts = sorted({row.clients for row in rows})

@@ -49,7 +49,7 @@ MAX_OUTBOX = 4 << 20
 MAX_PEERS = 512  # connections in all (the process's descriptors are the run's too)
 MAX_PEERS_PER_UID = 64  # a user's runs hold one each, `pytest-gpu status` one for a moment
 MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
-TURN_BYTES_PER_UID = 256 << 10  # what one user's connections are read for in one turn of the loop
+TURN_BYTES_PER_UID = 64 << 10  # what one user's connections are read for in one turn of the loop
 HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
 FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 

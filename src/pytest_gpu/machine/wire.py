@@ -28,6 +28,8 @@ _HEADER = struct.Struct(">I")
 # are quote to quote: every pass linear, whatever the bytes (no pattern retried at every quote)
 _STRINGS = re.compile(rb'"[^"]*"')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_TOO_DEEP = re.compile(rb"[\[{]{%d}" % (MAX_DEPTH + 1))
+MAX_BRACKETS = 1 << 17  # a run's largest attach (4096 leases and as many requests) has fewer
 
 
 def encode(message: dict[str, Any], limit: int = MAX_FRAME) -> bytes:
@@ -38,13 +40,22 @@ def encode(message: dict[str, Any], limit: int = MAX_FRAME) -> bytes:
 
 
 def _depth_ok(raw: bytes) -> bool:
-    """Whether ``raw``'s brackets nest at most ``MAX_DEPTH`` deep (strings aside); in C-speed passes."""
+    """Whether ``raw``'s brackets nest at most ``MAX_DEPTH`` deep (strings aside), in a few
+    C-speed passes: each round drops the innermost pairs; a run of more openers than the
+    depth allows, a round that drops nothing, or too many brackets end it at once."""
     unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     brackets = _STRINGS.sub(b"", unescaped).translate(None, _NOT_BRACKETS)
-    for _ in range(MAX_DEPTH):
+    if len(brackets) > MAX_BRACKETS:
+        return False
+    for _ in range(MAX_DEPTH + 1):
         if not brackets:
             return True
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if _TOO_DEEP.search(brackets):
+            return False
+        fewer = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(fewer) == len(brackets):
+            return False  # unbalanced: no JSON
+        brackets = fewer
     return not brackets
 
 
