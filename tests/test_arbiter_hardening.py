@@ -612,3 +612,10 @@ def test_users_take_turns_so_a_flood_delays_only_its_sender(
     # no turn read more of one user than its share and one last read
     assert max(t[os.getuid()] for t in turns) <= (4 << 10) + 65536
     _still_serves(made, domain, arbiter)
+
+
+def test_an_arbiter_that_cannot_measure_the_gpus_takes_the_first_word_and_never_a_larger_one() -> None:
+    arbiter = Arbiter(Policy(overhead=0), truth=lambda uuids: None)  # no NVML in the arbiter's process
+    arbiter.attach("0.a", pid=1, user="u", label="a", gpus={"U": 16 * GiB, "V": 8 * GiB}, sink=_sink)
+    arbiter.attach("0.b", pid=2, user="u", label="b", gpus={"U": 1 << 45}, sink=_sink)
+    assert [g["capacity"] for g in arbiter.status()["gpus"]] == [16 * GiB, 8 * GiB]

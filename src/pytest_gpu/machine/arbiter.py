@@ -58,8 +58,9 @@ Sink = Callable[[list[Event]], None]
 # per UUID) -> bytes that processes outside every run use, per UUID
 ForeignSource = Callable[[list[str], set[int], dict[str, int]], dict[str, int]]
 
-# UUIDs -> the capacity the arbiter's own process measures of those it knows (others: absent)
-Truth = Callable[[list[str]], dict[str, int]]
+# UUIDs -> the capacity the arbiter's own process measures of those it knows (others: absent);
+# None where it cannot measure at all (no NVML in its process)
+Truth = Callable[[list[str]], "dict[str, int] | None"]
 
 MAX_KEYS_PER_RUN = 4096  # requests one run has waiting or granted at once
 MAX_CLIENTS_PER_RUN = 1024  # processes one run leases for
@@ -339,14 +340,14 @@ class Arbiter:
     def _checked_gpus(self, gpus: dict[str, int]) -> dict[str, int]:
         """A run's GPUs, each no larger than the arbiter measures it (or than the first run
         that brought it said, where nothing is measured); ValueError for one not on this machine."""
-        measured = self.truth([u.partition(PART)[0] for u in gpus]) if self.truth is not None else {}
+        measured = self.truth([u.partition(PART)[0] for u in gpus]) if self.truth is not None else None
         checked = {}
         for uuid, capacity in gpus.items():
             whole = uuid.partition(PART)[0]
-            if self.truth is not None and whole not in measured:
+            if measured is not None and whole not in measured:
                 raise ValueError(f"GPU {whole} is not on this machine")
             known = self.allocator.gpus.get(self._mids.get(uuid, -1))
-            bound = measured.get(whole, capacity) if known is None else known.capacity
+            bound = (measured or {}).get(whole, capacity) if known is None else known.capacity
             checked[uuid] = min(capacity, bound)
         return checked
 

@@ -116,9 +116,11 @@ class MachineTruth:
     def __init__(self, inventory: Inventory, spec: str | None) -> None:
         self._known = {d.uuid: d.capacity for d in (inventory.machine or inventory.devices)}
         self._spec = spec
-        self._looked = False
+        self._looked = False  # GPUs do not come and go: the machine is looked at once
+        self._blind = False  # neither the run's record nor NVML could say
 
-    def __call__(self, uuids: list[str]) -> dict[str, int]:
+    def __call__(self, uuids: list[str]) -> dict[str, int] | None:
+        """Capacities of the ``uuids`` this process knows; ``None`` where it cannot measure at all."""
         if not self._looked and any(u not in self._known for u in uuids):
             self._looked = True
             from ..gpu.devices import DeviceSpecError, NvmlUnavailable, nvml_devices, sim_machine
@@ -127,7 +129,10 @@ class MachineTruth:
                 found = sim_machine(self._spec)[0] if self._spec else nvml_devices()[0]
             except (DeviceSpecError, NvmlUnavailable):
                 found = ()
+                self._blind = not self._known
             self._known.update({d.uuid: d.capacity for d in found})
+        if self._blind:
+            return None
         return {u: self._known[u] for u in uuids if u in self._known}
 
 
