@@ -214,6 +214,52 @@ def test_a_request_waits_for_foreign_usage_to_go_without_any_other_event():
     assert kind == "granted" and body["foreign"]["waited"] is True
 
 
+def test_a_cycle_of_hold_and_wait_is_refused_at_once_naming_who_holds_what():
+    """The migration guide's deadlock: each worker's module-scoped model holds a GPU while a
+    test of its module waits for a whole one. The request that closes the cycle is refused
+    at once (not at --gpu-wait-timeout); the other is served once that worker's model goes."""
+    arbiter = Arbiter(Policy(overhead=0))
+    sink = attach(arbiter, "r1", {"A": 16 * GiB, "B": 16 * GiB})
+    model = "fixture 'model' (module scope, test_{}.py)"
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", model.format("a"), shared(6 * GiB), ["A", "B"])[0] == "granted"
+    assert arbiter.submit("r1", "c1/k0", "c1", "gw1", model.format("b"), shared(6 * GiB), ["A", "B"])[0] == "granted"
+    assert arbiter.submit("r1", "c0/k1", "c0", "gw0", "test_a.py::test_full", whole(), ["A", "B"]) == ("queued", None)
+    kind, message = arbiter.submit("r1", "c1/k1", "c1", "gw1", "test_b.py::test_full", whole(), ["A", "B"])
+    assert kind == "rejected"
+    assert message == (
+        "a deadlock (hold-and-wait): it could only be served with GPUs that workers hold while they wait "
+        "themselves, each for what another one holds:\n"
+        "  - gw1 holds B (6GiB, fixture 'model' (module scope, test_b.py)) and waits for 1 GPU (whole GPU) "
+        "for test_b.py::test_full\n"
+        "  - gw0 holds A (6GiB, fixture 'model' (module scope, test_a.py)) and waits for 1 GPU (whole GPU) "
+        "for test_a.py::test_full\n"
+        "refused now instead of at --gpu-wait-timeout. A fixture's lease is held until its worker leaves the "
+        "fixture's scope, also while that scope's tests that do not use it run or wait"
+    )
+    assert [w["key"] for w in arbiter.status()["waiting"]] == ["c0/k1"]  # the other one still waits
+    arbiter.release("r1", "c1/k0")  # gw1's test failed, its module ended: its model goes back
+    assert sink.wait("c0/k1")[0] == "granted"
+
+
+def test_a_deadlock_across_runs_names_another_users_tests_as_status_does():
+    arbiter = Arbiter(Policy(overhead=0))
+    gpus = {"A": 16 * GiB, "B": 16 * GiB}
+    attach(arbiter, "1000.1-a", gpus)
+    arbiter.attach("1001.2-b", pid=os.getpid(), user="bob", label="b", gpus=gpus, sink=Events())
+    ask = ["A", "B"]
+    assert arbiter.submit("1000.1-a", "c0/k0", "c0", "gw0", "fixture 'secret'", shared(4 * GiB), ask)[0] == "granted"
+    assert arbiter.submit("1001.2-b", "c0/k0", "c0", "gw3", "fixture 'engine'", shared(4 * GiB), ask)[0] == "granted"
+    assert arbiter.submit("1000.1-a", "c0/k1", "c0", "gw0", "test_x.py::test_x", whole(), ask)[0] == "queued"
+    kind, message = arbiter.submit("1001.2-b", "c0/k1", "c0", "gw3", "test_y.py::test_y", whole(), ask)
+    assert kind == "rejected"
+    assert "  - gw3 holds B (4GiB, fixture 'engine') and waits for 1 GPU (whole GPU) for test_y.py::test_y" in message
+    assert (
+        "  - a worker of user u holds A (4GiB, a test of user u) and waits for 1 GPU (whole GPU) for a test of user u"
+        in message
+    )
+    assert "secret" not in message and "test_x" not in message
+
+
 # -- links: runs in different processes, electing an arbiter ---------------------------------
 
 

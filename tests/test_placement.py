@@ -11,17 +11,19 @@ own bookkeeping rather than the pool's counters:
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from helpers import shared, whole
 from pytest_gpu.leasing.placement import (
     Allocator,
+    Deadlock,
     GpuState,
     Lease,
     Placement,
@@ -340,6 +342,99 @@ def test_set_contexts_then_serve_grants() -> None:
     pool.set_contexts("a", set())
     pool.set_contexts("b", set())
     assert granted_keys(pool.serve()) == ["d/1"]
+
+
+# -- hold-and-wait: deadlock() ----------------------------------------------------------
+
+
+def _fixtures_on_two_gpus() -> Allocator:
+    """The migration guide's cycle: two workers' module-scoped models (6GiB each) spread
+    over two 16GiB GPUs, both workers about to ask for a whole GPU for a test of the module."""
+    pool = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=500 * MiB))
+    assert [g.placement.indices for g in pool.submit("gw0/model", "gw0", shared(6 * GiB))] == [(0,)]
+    assert [g.placement.indices for g in pool.submit("gw1/model", "gw1", shared(6 * GiB))] == [(1,)]  # spread
+    return pool
+
+
+def test_deadlock_two_workers_each_holding_what_the_other_waits_for() -> None:
+    pool = _fixtures_on_two_gpus()
+    assert pool.submit("gw0/full", "gw0", whole()) == []
+    assert pool.deadlock() is None  # gw1 does not wait: its model goes back once it leaves its module
+    assert pool.submit("gw1/full", "gw1", whole()) == []
+    deadlock = pool.deadlock()
+    assert deadlock is not None
+    assert [w.key for w in deadlock.waiting] == ["gw0/full", "gw1/full"]
+    assert [lease.key for lease in deadlock.held] == ["gw0/model", "gw1/model"]
+    assert deadlock.victim.key == "gw1/full"  # the request that closed the cycle
+    # refused, gw1's test gives up and its module ends: gw0 gets gw1's GPU
+    assert pool.cancel("gw1/full")
+    assert pool.deadlock() is None
+    assert granted_keys(pool.release("gw1/model")) == ["gw0/full"]
+
+
+def test_deadlock_of_one_worker_with_itself() -> None:
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=500 * MiB))
+    pool.submit("gw0/model", "gw0", shared(6 * GiB))
+    pool.submit("gw0/full", "gw0", whole())  # its own model is in the way, and stays while it waits
+    deadlock = pool.deadlock()
+    assert deadlock is not None and deadlock.victim.key == "gw0/full"
+    assert pool.blocked_forever(deadlock.victim) is None  # not the contexts: the lease it holds itself
+
+
+def test_no_deadlock_while_a_holder_does_not_wait() -> None:
+    pool = _fixtures_on_two_gpus()
+    # gw2 runs beside gw0's model and waits for nothing
+    assert [g.placement.indices for g in pool.submit("gw2/x", "gw2", shared(8 * GiB))] == [(0,)]
+    pool.submit("gw0/full", "gw0", whole())
+    pool.submit("gw1/both", "gw1", shared(4 * GiB, count=2))  # GPU 0 has room once gw2 is done
+    assert pool.deadlock() is None
+    assert granted_keys(pool.release("gw2/x", contexts=set())) == ["gw1/both"]
+
+
+def test_a_request_waiting_behind_the_cycle_is_named_but_not_refused() -> None:
+    pool = _fixtures_on_two_gpus()
+    pool.submit("gw0/full", "gw0", whole())
+    pool.submit("gw1/full", "gw1", whole())
+    pool.submit("gw2/full", "gw2", whole())  # holds nothing: refusing it would free nothing
+    deadlock = pool.deadlock()
+    assert deadlock is not None
+    assert [w.key for w in deadlock.waiting] == ["gw0/full", "gw1/full", "gw2/full"]
+    assert deadlock.victim.key == "gw1/full"
+
+
+def test_no_deadlock_where_foreign_usage_or_exiting_contexts_are_in_the_way() -> None:
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=GiB))
+    pool.submit("gw0/model", "gw0", shared(4 * GiB))
+    pool.set_foreign({0: 10 * GiB})
+    pool.submit("gw0/more", "gw0", shared(4 * GiB))  # 4 + 4 + 10 + 1 > 16: waits for the foreign process
+    assert pool.deadlock() is None
+    pool.set_foreign({})
+    pool.set_contexts("gone~exiting", {0})
+    pool.exiting.add("gone~exiting")
+    assert pool.deadlock() is None
+
+
+def test_no_deadlock_while_paused_or_for_a_client_with_several_waits() -> None:
+    pool = _fixtures_on_two_gpus()
+    pool.submit("gw0/full", "gw0", whole())
+    pool.submit("gw1/full", "gw1", whole())
+    pool.paused = True  # a new arbiter waits for the runs that held leases: their leases may go
+    assert pool.deadlock() is None
+    pool.paused = False
+    pool.submit("gw1/again", "gw1", whole())  # not a worker that waits for one thing at a time
+    assert pool.deadlock() is None
+
+
+def test_deadlock_counts_the_host_resources_waiting_clients_hold() -> None:
+    pool = Allocator({0: 16 * GiB}, Policy(overhead=0))
+    pool.set_host(8, 64 * GiB)
+    cpus = GpuRequest(count=0, memory=None, exclusive=False, cpus=6)
+    pool.submit("gw0/cpus", "gw0", cpus)
+    pool.submit("gw1/cpus", "gw1", cpus)  # waits for gw0's CPUs
+    assert pool.deadlock() is None  # gw0 does not wait
+    pool.submit("gw0/more", "gw0", GpuRequest(count=0, memory=None, exclusive=False, cpus=4))
+    deadlock = pool.deadlock()
+    assert deadlock is not None and deadlock.victim.key == "gw0/more"
 
 
 # -- queue, release, cancel, forget ----------------------------------------------------
@@ -738,6 +833,127 @@ def test_property_never_fits_agrees_with_an_empty_pool(
     if fits_empty is not None:
         granted = pool.submit("x/1", "x", request)
         assert granted_keys(granted) == ["x/1"]  # a request that fits an empty pool is granted at once
+
+
+# -- hold-and-wait: deadlock() against clients that behave like workers ----------------------
+
+
+@dataclass
+class Workers:
+    """Drives a pool as the arbiter does, with clients that behave as workers do: one wait at
+    a time, nothing given back while waiting (a fixture's lease stays while its test waits)."""
+
+    pool: Allocator
+    rng: random.Random
+    refused: list[str] = field(default_factory=list)
+
+    def waits(self, client: str) -> bool:
+        return any(w.client == client for w in self.pool.queue)
+
+    def settle(self) -> None:
+        """After every change, as the arbiter does: refuse what can never be placed, then
+        the victim of a deadlock (after checking it is one), and serve again."""
+        while True:
+            hopeless = [w.key for w in self.pool.queue if self.pool.blocked_forever(w)]
+            for key in hopeless:
+                self.pool.cancel(key)
+            if not hopeless:
+                deadlock = self.pool.deadlock()
+                if deadlock is None:
+                    return
+                check_stuck(self.pool, deadlock, self.rng)
+                assert self.pool.cancel(deadlock.victim.key)
+                self.refused.append(deadlock.victim.key)
+            self.pool.serve()
+
+    def holding(self) -> list[str]:
+        """Clients that do not wait and hold a lease or a context: they may give it back."""
+        clients = {lease.client for lease in self.pool.leases.values()}
+        clients |= {c for gpu in self.pool.gpus.values() for c in gpu.contexts}
+        return sorted(c for c in clients if not self.waits(c))
+
+
+def check_stuck(pool: Allocator, deadlock: Deadlock, rng: random.Random) -> None:
+    """Whatever order the others give everything back in (every client that does not wait,
+    then every client served), the deadlock's requests are never served: on a copy."""
+    fork = copy.deepcopy(pool)
+    fork.set_foreign({})
+    granted = {lease.key for lease in fork.serve()}
+    while True:
+        movers = Workers(fork, rng).holding()
+        if not movers:
+            break
+        granted |= {lease.key for lease in fork.forget_client(rng.choice(movers))[1]}
+    assert not granted & {w.key for w in deadlock.waiting}, "a request named in a deadlock was served"
+    assert deadlock.victim in deadlock.waiting
+    victims = [w for w in deadlock.waiting if any(lease.client == w.client for lease in deadlock.held)]
+    assert deadlock.victim == (victims or list(deadlock.waiting))[-1]
+
+
+# few workers, mostly asking: they come to hold leases while they wait
+WORKERS = CLIENTS[:3]
+worker_operations = st.lists(
+    st.one_of(
+        *[st.tuples(st.just("submit"), st.sampled_from(WORKERS), gpu_requests)] * 4,
+        st.tuples(st.just("release"), st.integers(0, 1000), st.integers(-1, 15)),
+        st.tuples(st.just("forget"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("contexts"), st.sampled_from(WORKERS), st.integers(0, 15)),
+    ),
+    min_size=4,
+    max_size=40,
+)
+
+
+@PROPERTY
+@given(
+    caps=capacities,
+    policy=policies,
+    unbounded=st.booleans(),
+    ops=worker_operations,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_property_deadlocks_are_real_and_none_is_missed(
+    caps: dict[int, int], policy: Policy, unbounded: bool, ops: list[tuple], seed: int
+) -> None:
+    """Every deadlock named is one (no order of the others giving back serves its requests),
+    and, once every client that does not wait has given everything back, nothing waits: what
+    was stuck was refused, as a deadlock or as never fitting. (The bypass bound can keep a
+    request that would be served behind one that waits for its client: such a wait is not
+    named, so the drain is checked without the bound.)"""
+    if unbounded:
+        policy = Policy(policy.overhead, policy.context_fraction, max_bypass=10_000)
+    rng = random.Random(seed)
+    workers = Workers(Allocator(caps, policy), rng)
+    pool = workers.pool
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "submit" and not workers.waits(op[1]):
+            try:
+                pool.submit(f"{op[1]}/r{n}", op[1], op[2])
+            except Unsatisfiable:
+                continue
+        elif kind == "release":
+            keys = sorted(k for k, lease in pool.leases.items() if not workers.waits(lease.client))
+            if not keys:
+                continue
+            key = keys[op[1] % len(keys)]
+            client = pool.leases[key].client
+            mine = sorted(i for i, gpu in pool.gpus.items() if client in gpu.contexts)
+            pool.release(key, None if op[2] < 0 else subset(mine, op[2]))
+        elif kind == "forget":  # a crash: everything goes back, waiting or not
+            pool.forget_client(op[1])
+        elif kind == "contexts" and not workers.waits(op[1]):
+            mine = sorted(i for i, gpu in pool.gpus.items() if op[1] in gpu.contexts)
+            pool.set_contexts(op[1], subset(mine, op[2]))
+            pool.serve()
+        workers.settle()
+        check_never_overcommitted(pool)
+    while movers := workers.holding():
+        pool.forget_client(rng.choice(movers))  # a worker leaves: its leases and its contexts go
+        workers.settle()
+    event(f"deadlocks refused: {min(len(workers.refused), 3)}")
+    if unbounded:
+        assert pool.queue == [], [w.key for w in pool.queue]
 
 
 def test_waiting_dataclass_defaults() -> None:

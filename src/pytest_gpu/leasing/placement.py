@@ -26,12 +26,20 @@ before an earlier one (backfill) only while that earlier one has been overtaken 
 than ``max_bypass`` times. So **every request is overtaken by at most ``max_bypass``
 later requests**, and once that many have overtaken it, nothing is granted past it until
 it is served — it gets the next GPUs that free up enough.
+
+Hold-and-wait: a client waits for one request at a time and gives nothing back while it
+waits (a worker whose module-scoped fixture holds a lease while its test waits for its
+own). Requests that could never be served even if every client that does *not* wait gave
+back everything it holds and every request served meanwhile were given back in turn wait
+for one another: :meth:`Allocator.deadlock` names them (and the leases their clients hold),
+so that one can be refused at once rather than at the wait timeout.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .requests import GpuRequest, format_size
 
@@ -178,6 +186,24 @@ class Lease:
     avoided: tuple[int, ...] = ()  # GPUs it would have had if no foreign process used them
 
 
+@dataclass(frozen=True)
+class Deadlock:
+    """Requests that wait for one another (see :meth:`Allocator.deadlock`).
+
+    ``waiting``: every request that can never be served while the others wait, in queue
+    order; ``held``: the leases their clients hold meanwhile (what the others wait for);
+    ``victim``: the one to refuse, the latest arrival whose client holds a lease (refusing it
+    ends its client's wait, and what that client holds goes back once its test gives up)."""
+
+    waiting: tuple[Waiting, ...]
+    held: tuple[Lease, ...]
+
+    @property
+    def victim(self) -> Waiting:
+        holders = {lease.client for lease in self.held}
+        return next((w for w in reversed(self.waiting) if w.client in holders), self.waiting[-1])
+
+
 class Unsatisfiable(Exception):
     """A request that cannot be placed even if every lease were given back."""
 
@@ -284,6 +310,54 @@ class Allocator:
         """Whether a context can be counted on to stay while ``waiting`` waits: another
         group's (another run's, see ``group``) goes when that run ends."""
         return self.group is None or self.group(context) == self.group(waiting.client)
+
+    def deadlock(self) -> Deadlock | None:
+        """The requests that wait in a cycle of hold-and-wait, or ``None``.
+
+        A client waits for one request at a time and holds what it holds until that wait
+        ends; any other client may give everything back (its leases and its contexts: its
+        process may exit), and foreign usage may go away. (A client with several requests
+        waiting is not one that waits like that: it counts as one that may give back.) On a
+        copy of this pool, every client that does not wait gives everything back, the queue
+        is served as :meth:`serve` does (its context budget included; its bypass bound left
+        out: which order the future brings is not known, and a bound never makes room), and
+        every client served gives everything back in turn, until nothing changes: what still
+        waits then waits for what only the others that wait could give back."""
+        if self.paused or not self.queue:
+            return None
+        asks = Counter(w.client for w in self.queue)
+        waits = {client for client, n in asks.items() if n == 1}
+        if not any(lease.client in waits for lease in self.leases.values()):
+            return None  # a cycle needs a lease held through a wait (contexts alone: blocked_forever)
+        pool = self._what_if()
+        done = {c for g in pool.gpus.values() for c in g.contexts} | {lease.client for lease in pool.leases.values()}
+        done = (done | set(asks)) - waits
+        granted = pool.serve()  # what only foreign usage or the bypass bound kept waiting
+        while done:
+            for client in sorted(done):
+                granted.extend(pool.forget_client(client)[1])
+            waits = {w.client for w in pool.queue}
+            done = {lease.client for lease in granted} - waits
+            granted = []
+        if not pool.queue:
+            return None
+        stuck = {w.key for w in pool.queue}
+        waiting = tuple(w for w in self.queue if w.key in stuck)
+        clients = {w.client for w in waiting}
+        held = tuple(lease for lease in self.leases.values() if lease.client in clients)
+        return Deadlock(waiting, held)
+
+    def _what_if(self) -> Allocator:
+        """A copy to play the future on: no foreign usage, no bypass bound, no cache, no group."""
+        pool = Allocator({}, replace(self.policy, max_bypass=len(self.queue) + 1))
+        pool.gpus = {
+            i: GpuState(i, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts)) for i, g in self.gpus.items()
+        }
+        if self.host is not None:
+            pool.host = replace(self.host)
+        pool.leases = dict(self.leases)
+        pool.queue = [replace(w, bypassed=0) for w in self.queue]
+        return pool
 
     def holders(self, indices: Iterable[int] | None = None) -> list[Lease]:
         wanted = None if indices is None else set(indices)

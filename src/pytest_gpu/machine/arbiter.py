@@ -33,6 +33,13 @@ Foreign usage: ``foreign(uuids, roots, accounted)`` (see :mod:`pytest_gpu.gpu.fo
 says per GPU how many bytes processes outside every attached run use; it is asked before grants,
 at most every ``foreign_ttl`` seconds (NVML has no event for it), and again every
 ``foreign_ttl`` seconds while a request waits only because of it.
+
+Hold-and-wait: requests that wait for one another (each client holds leases while it
+waits, and what each waits for only the others could give back: two workers whose
+module-scoped fixtures hold a GPU each while their tests wait for a whole GPU) would wait
+until ``--gpu-wait-timeout``. The latest of them whose client holds a lease is refused at
+once instead, naming who holds what and waits for what
+(:meth:`~pytest_gpu.leasing.placement.Allocator.deadlock`).
 """
 
 from __future__ import annotations
@@ -47,9 +54,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.placement import Allocator, Lease, Placement, Policy, Unsatisfiable
+from ..leasing.placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable
 from ..leasing.ports import PortAllocator
-from ..leasing.requests import GpuRequest
+from ..leasing.requests import GpuRequest, format_size
 from .messages import Asked, Held
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
@@ -178,6 +185,10 @@ class Arbiter:
                 reason = self.allocator.blocked_forever(waiting)
                 if reason:
                     refused[waiting.key] = reason
+            if not refused:
+                deadlock = self.allocator.deadlock()
+                if deadlock is not None:
+                    refused[deadlock.victim.key] = self._deadlock_text(deadlock)
             for pool_key, reason in refused.items():
                 self.allocator.cancel(pool_key)
                 run, key = self._split(pool_key)
@@ -187,6 +198,53 @@ class Arbiter:
                 break
             granted = self.allocator.serve()
         self._schedule_retry_locked()
+
+    def _deadlock_text(self, deadlock: Deadlock) -> str:
+        """Why ``deadlock.victim`` is refused: each client of the cycle, what it holds and what
+        it waits for (another user's tests unnamed, as in :meth:`status`)."""
+        victim = deadlock.victim
+        viewer = self.runs.get(self._split(victim.key)[0])
+        uid = viewer.uid if viewer is not None else None
+
+        def test(key: str) -> str:
+            entry = self.runs.get(self._split(key)[0])
+            if entry is None:
+                return "?"
+            return entry.tests.get(key, "?") if self._sees(uid, entry) else f"a test of user {entry.user}"
+
+        def worker(client: str) -> str:
+            entry = self.runs.get(self._split(client)[0])
+            if entry is None:
+                return "?"
+            if not self._sees(uid, entry):
+                return f"a worker of user {entry.user}"
+            name = entry.workers.get(client, "?")
+            return name if entry is viewer else f"{name} of run {entry.run}"
+
+        lines = []
+        holders = {lease.client for lease in deadlock.held}
+        for waiting in sorted(deadlock.waiting, key=lambda w: w is not victim):
+            if waiting is not victim and waiting.client not in holders:
+                continue  # it waits behind the cycle, it is not part of it
+            held = [
+                f"{', '.join(self._uuids[i] for i in lease.placement.indices)} "
+                f"({'whole GPU' if lease.placement.exclusive else format_size(lease.placement.memory)}, "
+                f"{test(lease.key)})"
+                for lease in deadlock.held
+                if lease.client == waiting.client and lease.placement.indices
+            ]
+            holds = f"holds {'; '.join(held)}" if held else "holds no GPU"
+            lines.append(
+                f"  - {worker(waiting.client)} {holds} and waits for {waiting.request.describe()} "
+                f"for {test(waiting.key)}"
+            )
+        return (
+            "a deadlock (hold-and-wait): it could only be served with GPUs that workers hold while "
+            "they wait themselves, each for what another one holds:\n"
+            + "\n".join(lines)
+            + "\nrefused now instead of at --gpu-wait-timeout. A fixture's lease is held until its worker "
+            "leaves the fixture's scope, also while that scope's tests that do not use it run or wait"
+        )
 
     def _grant_body(self, lease: Lease) -> dict[str, Any]:
         placement = lease.placement
