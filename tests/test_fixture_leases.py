@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from conftest import require
-from pytest_gpu.scheduling.catalog import HeldNeeds, _groups
+from pytest_gpu.scheduling.catalog import HeldNeeds, _groups, firsts
+from pytest_gpu.scheduling.catalog import entries as catalog_entries
+from pytest_gpu.scheduling.catalog import jobs as catalog_jobs
 from pytest_gpu.scheduling.planner import Job, Need, Planner
 
 GiB = 2**30
@@ -797,6 +800,47 @@ def test_groups_from_leasing_fixtures_at_collection(gpu_pytester: pytest.Pyteste
     assert groups[ids["TestOther::test_c"]] == "fixture:test_groups.py::TestOther"  # the class's own instance
     # a session-scoped fixture is set up once per worker: it groups nothing; nor does a plain one
     assert ids["test_session_only"] not in groups and ids["test_plain"] not in groups
+
+
+LARGE = """
+
+
+@pytest.mark.gpu
+def test_large():  # a whole GPU of its own, no leasing fixture: while the module's model
+    pass           # holds a GPU on its worker, it would wait for another
+
+
+class TestOther2(TestOther):
+    @pytest.mark.gpu(memory="1GiB")
+    def test_small(self):
+        pass
+"""
+
+
+def test_a_modules_gpu_tests_that_use_no_leasing_fixture_go_before_its_group(gpu_pytester: pytest.Pytester) -> None:
+    """They are in the fixture's module (or class): on the group's worker after its tests, they
+    would run (and wait for their GPUs) while the fixture still holds its lease."""
+    gpu_pytester.makepyfile(test_groups=GROUPS + LARGE)
+    items, _ = gpu_pytester.inline_genitems("--gpus", "sim:1x16GiB", "-p", "no:cacheprovider")
+    groups = _groups(items, {})
+    ids = {item.nodeid.split("::", 1)[1]: item.nodeid for item in items}
+    module, other2 = groups[ids["test_direct"]], groups[ids["TestOther2::test_c"]]
+    assert firsts(items, groups) == {
+        ids["test_session_only"]: [module],
+        ids["test_plain"]: [module],
+        ids["test_large"]: [module],
+        ids["TestOther2::test_small"]: [module, other2],
+    }
+    # the catalog says so of the GPU tests only: the others wait for no GPU at the broker
+    run = SimpleNamespace(settings=None, never_fits=lambda request: None)  # what entries() asks of the run
+    entries = catalog_entries(items, run)  # type: ignore[arg-type]
+    assert {nodeid: entry["b"] for nodeid, entry in entries.items() if "b" in entry} == {
+        ids["test_large"]: [module],
+        ids["TestOther2::test_small"]: [module, other2],
+    }
+    jobs = {job.index: job for job in catalog_jobs([item.nodeid for item in items], entries, {})}
+    large = [item.nodeid for item in items].index(ids["test_large"])
+    assert jobs[large].before == (module,) and jobs[large].need == Need(1, None)
 
 
 def test_plugin_documents_the_factories(gpu_pytester: pytest.Pytester, run_inner: Run) -> None:

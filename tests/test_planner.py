@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -402,7 +403,17 @@ class Sim:
 
     A worker runs its oldest held test once it holds a successor or is shut down (xdist).
     A started test that does not fit the GPUs now waits at the broker (arrival order,
-    later ones may pass) and then runs for its ``actual`` duration."""
+    later ones may pass) and then runs for its ``actual`` duration.
+
+    ``fixtures``: group -> the need of its module-scoped leasing fixture. The first test of
+    the group that a worker starts sets it up (waiting at the broker for it, and only then
+    for the test's own need); it lives, holding its GPUs, until the worker starts a test
+    that is neither the group's nor one that goes before it (``Job.before``: a test of the
+    module that does not use the fixture) or leaves; the planner learns it at its setup, as
+    the scheduler does from ``held:`` entries. ``scopes``: test -> the group whose module it
+    is in without being in the group (default: ``Job.before``). ``spread``: a shared need
+    goes to the GPU with the fewest tenants first, as the broker places a worker's first
+    context."""
 
     def __init__(
         self,
@@ -412,9 +423,21 @@ class Sim:
         actual: Mapping[int, float] | None = None,
         removals: Sequence[tuple[float, int]] = (),
         order: Order | None = None,
+        fixtures: Mapping[str, Need] | None = None,
+        scopes: Mapping[int, str] | None = None,
+        spread: bool = False,
     ) -> None:
         self.jobs = {j.index: j for j in jobs}
         self.planner = Planner(jobs, capacities, order)
+        self.fixtures = dict(fixtures or {})
+        self.learned: dict[str, tuple[Need, ...]] = {}
+        self.planner.held = self.learned
+        self.alive: dict[str, tuple[str, list[int]]] = {}  # worker -> its live fixture's group, GPUs
+        self.scopes = {j.index: set(j.before) for j in jobs}
+        for index, group in (scopes or {}).items():
+            self.scopes[index] = {group}
+        self.spread = spread
+        self.tenants = [0] * len(capacities)
         self.capacities = list(capacities)
         self.free = list(capacities)
         self.whole = [False] * len(capacities)
@@ -472,17 +495,34 @@ class Sim:
             if w in self.shut and not self.planner.queue(w):  # it finished: xdist removes it
                 assert self.planner.remove_worker(w) == []
                 self.gone.add(w)
+                self._teardown(w)
 
     def _start(self) -> None:
         for w in self.planner.workers:
             queue = self.planner.queue(w)
             if w not in self.running and w not in self.waiting and queue and (len(queue) > 1 or w in self.shut):
                 self.waiting[w] = queue[0]
+                job = self.jobs[queue[0]]
+                if w in self.alive and self.alive[w][0] != job.group and self.alive[w][0] not in self.scopes[job.index]:
+                    self._teardown(w)  # the test before was the last in the fixture's module
         for w, index in list(self.waiting.items()):
-            gpus = self._acquire(self.jobs[index].need)
+            job = self.jobs[index]
+            if job.group in self.fixtures and w not in self.alive:  # the test's setup sets the fixture up
+                need = self.fixtures[job.group]
+                held = self._acquire(need)
+                if held is None:
+                    continue
+                self.alive[w] = (job.group, held)
+                self.learned[job.group] = (need,)
+            gpus = self._acquire(job.need)
             if gpus is not None:
                 del self.waiting[w]
                 self.running[w] = (index, self.now, self.now + self.actual[index], gpus)
+
+    def _teardown(self, worker: str) -> None:
+        if worker in self.alive:
+            group, gpus = self.alive.pop(worker)
+            self._release(self.fixtures[group], gpus)
 
     def _finish(self, worker: str) -> None:
         index, start, end, gpus = self.running.pop(worker)
@@ -505,6 +545,7 @@ class Sim:
             assert held[0] == self.waiting.pop(worker)
         if held:
             self.crashed.append(held[0])  # xdist reports it; the rest went back to pending
+        self._teardown(worker)
         self.shut.discard(worker)
         self.gone.add(worker)
         self.planner.add_worker(f"gw{next(self._names)}")  # xdist starts a replacement
@@ -519,12 +560,17 @@ class Sim:
             for i in empty[: need.count]:
                 self.whole[i], self.free[i] = True, 0
             return empty[: need.count]
-        usable = sorted((free, i) for i, free in enumerate(self.free) if not self.whole[i] and free >= need.memory)
+        usable = sorted(
+            (self.tenants[i] if self.spread else 0, free, i)
+            for i, free in enumerate(self.free)
+            if not self.whole[i] and free >= need.memory
+        )
         if len(usable) < need.count:
             return None
-        chosen = [i for _, i in usable[: need.count]]
+        chosen = [i for _, _, i in usable[: need.count]]
         for i in chosen:
             self.free[i] -= need.memory
+            self.tenants[i] += 1
         return chosen
 
     def _release(self, need: Need | None, gpus: list[int]) -> None:
@@ -534,6 +580,7 @@ class Sim:
                 self.whole[i], self.free[i] = False, self.capacities[i]
             else:
                 self.free[i] += need.memory
+                self.tenants[i] -= 1
             assert 0 <= self.free[i] <= self.capacities[i]
 
 
@@ -679,3 +726,92 @@ def test_a_second_group_is_not_bound_to_a_worker_with_a_group_pending() -> None:
     first = ran.index(3)
     assert ran[first : first + 3] == [3, 4, 7], f"y interleaved on {y_worker}: {ran}"
     assert makespan <= 20.0
+
+
+# -- a module's fixture lives through the module's other tests (rule 1) --------------------------
+
+
+def guide_suite(before: bool) -> list[Job]:
+    """The README migration guide's suite, twice (test_llm.py and a copy): per module a
+    6-unit model fixture used by two tests (group "A"/"B"), and a test that uses no fixture
+    but needs a whole GPU; ``before``: the catalog names the module's group it goes before."""
+    jobs = []
+    for base, group in ((0, "A"), (3, "B")):
+        jobs += [cpu(base, 1.0, group=group), cpu(base + 1, 1.0, group=group)]
+        jobs.append(Job(base + 2, 1.0, Need(1, EXCLUSIVE), before=(group,) if before else ()))
+    return jobs
+
+
+def test_the_guides_suite_deadlocked_and_no_longer_does() -> None:
+    fixtures = {"A": Need(1, 6), "B": Need(1, 6)}
+    scopes = {2: "A", 5: "B"}
+    # before: the worker that finishes first is handed its own module's whole-GPU test, and
+    # the other one its own: each model (placed apart from the other) lives on while that waits
+    sim = Sim(guide_suite(before=False), [GPU_MEMORY] * 2, 2, fixtures=fixtures, scopes=scopes, spread=True)
+    with pytest.raises(AssertionError, match="a test waits for GPUs while nothing runs"):
+        sim.run()
+    assert sorted(sim.waiting.items()) == [("gw0", 2), ("gw1", 5)]
+    assert sorted((w, g) for w, (g, _) in sim.alive.items()) == [("gw0", "A"), ("gw1", "B")]
+    # now: each is handed out before its module's model tests, so before its model is set up
+    sim = Sim(guide_suite(before=True), [GPU_MEMORY] * 2, 2, fixtures=fixtures, scopes=scopes, spread=True)
+    makespan = sim.run()
+    check_run(sim)
+    order = [index for index, _, _ in sim.assigned]
+    assert order.index(2) < order.index(0) and order.index(5) < order.index(3), order
+    assert order[:2] == [2, 5]  # ahead of a group as heavy as the one each holds back: the models load in parallel
+    assert makespan == 3.0  # as the luckiest order before (a module's model tests, then the other's large test)
+
+
+def test_tests_that_go_before_a_group_hold_it_back_and_take_its_rank() -> None:
+    # 0-1: group "m" (8 s in all); 2-3: 1 s GPU tests of m's module that go before it; 4: a
+    # 5 s GPU test elsewhere: by their own rank 2 and 3 would go last, by m's they go first
+    before = [Job(i, 1.0, Need(1, 4), before=("m",)) for i in (2, 3)]
+    jobs = [cpu(0, 4.0, group="m"), cpu(1, 4.0, group="m"), *before, gpu(4, 5.0, 4)]
+    planner = Planner(jobs, [GPU_MEMORY])
+    planner.add_worker("A")
+    planner.add_worker("B")
+    assert [planner.pick("A", 0.0), planner.pick("A", 0.0)] == [2, 3]
+    planner.remove_worker("A")  # it crashed running 2: 3 goes back to pending, and holds m back again
+    assert planner.pick("B", 0.0) == 3
+    assert planner.pick("B", 0.0) == 0  # all handed out: m may start
+    planner.add_worker("C")
+    assert planner.pick("C", 0.0) == 4  # m is B's
+
+
+@st.composite
+def module_suites(draw: st.DrawFn) -> tuple[list[Job], dict[str, Need], int, int]:
+    """Modules with a leasing fixture whose tests compute on its lease, GPU tests of those
+    modules that do not use it (they go before its group), and tests of other modules."""
+    n_gpus = draw(st.integers(1, 3))
+    workers = draw(st.integers(1, 4))
+    fixtures: dict[str, Need] = {}
+    jobs: list[Job] = []
+    for m in range(draw(st.integers(1, 4))):
+        group = f"m{m}"
+        fixtures[group] = Need(1, draw(st.sampled_from([4, 8, 12, EXCLUSIVE])))
+        tests = [("user", None)] * draw(st.integers(1, 3))
+        tests += [("other", draw(st.sampled_from([4, 10, EXCLUSIVE]))) for _ in range(draw(st.integers(0, 2)))]
+        for kind, memory in draw(st.permutations(tests)):
+            duration = draw(st.integers(1, 12)) / 4
+            if kind == "user":
+                jobs.append(cpu(len(jobs), duration, group=group))
+            else:
+                jobs.append(Job(len(jobs), duration, Need(1, memory), before=(group,)))
+    for _ in range(draw(st.integers(0, 4))):
+        need = draw(st.sampled_from([None, Need(1, 6), Need(1, EXCLUSIVE)]))
+        jobs.append(Job(len(jobs), draw(st.integers(1, 12)) / 4, need))
+    return jobs, fixtures, n_gpus, workers
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(module_suites(), st.lists(st.integers(1, 12).map(lambda q: q / 4), min_size=24, max_size=24))
+def test_simulated_runs_with_module_fixtures_never_wait_in_a_cycle(
+    suite: tuple[list[Job], dict[str, Need], int, int], actual: list[float]
+) -> None:
+    """No worker waits for GPUs while its fixture holds some: the runs always end (the Sim
+    asserts that nothing waits while nothing runs), however long the tests really take."""
+    jobs, fixtures, n_gpus, workers = suite
+    durations = {j.index: actual[j.index % len(actual)] for j in jobs}
+    sim = Sim(jobs, [GPU_MEMORY] * n_gpus, workers, durations, fixtures=fixtures, spread=True)
+    sim.run()
+    check_run(sim)

@@ -8,6 +8,12 @@ GPU need, its rank-pool key, its group. The call returns before xdist's own
 Later, when a module- or class-scoped fixture of a group leases GPUs, the worker adds
 ``held:<group>`` (``{"h": [[GPUs, bytes per GPU or None], ...]}``): what the group's
 tests hold besides their own needs while they run (:class:`HeldNeeds`).
+
+A GPU test of that module (or class) that is in no group, because it uses none of its
+leasing fixtures, is still under the fixture's scope: run on the group's worker after the
+group's tests, it would run (and wait for its own GPUs) while the fixture holds its
+lease, which pytest ends only when the worker leaves the module. Its entry names the
+groups it must be handed out before (``"b"``, :func:`firsts`; the planner's rule 1).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ UNKNOWN_DURATION = 1.0
 
 def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
     """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group,
-    "s": 1 for a test that runs alone (``gpu_serial``)}``."""
+    "s": 1 for a test that runs alone (``gpu_serial``), "b": groups it goes before}``."""
     from ..distributed.runner import SPEC_KEY
     from ..run import fixture_leases
     from ..run.lifecycle import ALONE_KEY, REQUEST_KEY
@@ -37,6 +43,7 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
 
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
     fixture_leases.remember_groups(items[0].config, groups)
+    before = firsts(items, groups)
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         entry: dict[str, Any] = {}
@@ -53,6 +60,8 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
             entry["g"] = groups[item.nodeid]
         if item.stash.get(ALONE_KEY, False):
             entry["s"] = 1
+        elif "n" in entry and item.nodeid in before:  # a GPU test waits at the broker; one that runs alone goes first
+            entry["b"] = before[item.nodeid]
         if entry:
             out[item.nodeid] = entry
     return out
@@ -85,6 +94,36 @@ def _groups(items: Sequence[pytest.Item], dependency: Mapping[str, str]) -> dict
     return {nodeid: find(mine[0]) for nodeid, mine in tags.items()}
 
 
+def firsts(items: Sequence[pytest.Item], groups: Mapping[str, str]) -> dict[str, list[str]]:
+    """Node id -> the groups a test in none goes before: those of the leasing fixtures of the
+    modules and classes it is in (their instances live until the worker leaves that module
+    or class, also while its tests that do not use them run).
+
+    A package's are left out: handing out a whole package's other tests before its fixture's
+    tests would hold those back for most of the run."""
+    scoped: dict[str, str] = {}  # fixture instance tag -> its group
+    for item in items:
+        if item.nodeid in groups:
+            for tag in group_tags(item):
+                scoped.setdefault(tag, groups[item.nodeid])
+    if not scoped:
+        return {}
+    from ..run.fixture_leases import GROUP_PREFIX
+
+    out: dict[str, list[str]] = {}
+    for item in items:
+        if item.nodeid in groups:
+            continue
+        mine = [
+            scoped[tag]
+            for node in item.listchain()
+            if isinstance(node, (pytest.Module, pytest.Class)) and (tag := f"{GROUP_PREFIX}{node.nodeid}") in scoped
+        ]
+        if mine:
+            out[item.nodeid] = list(dict.fromkeys(mine))
+    return out
+
+
 def jobs(
     collection: Sequence[str], catalog: Mapping[str, Mapping[str, Any]], durations: Mapping[str, float]
 ) -> list[Job]:
@@ -98,7 +137,8 @@ def jobs(
         entry = catalog.get(nodeid, {})
         need = Need(int(entry["n"]), entry["m"]) if entry.get("n") else None
         duration = float(durations.get(nodeid, default))
-        out.append(Job(index, duration, need, entry.get("g"), entry.get("p"), bool(entry.get("s"))))
+        before = tuple(entry.get("b", ()))
+        out.append(Job(index, duration, need, entry.get("g"), entry.get("p"), bool(entry.get("s")), before))
     return out
 
 

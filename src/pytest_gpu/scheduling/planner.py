@@ -21,7 +21,14 @@ Rules, in order:
    tests back to back while they fit, so module- and class-scoped fixtures are set
    up once and not torn down in between by other modules' tests. What a group's
    fixtures hold besides its tests' own needs (:attr:`Planner.held`, e.g. a
-   module-scoped model's lease) is counted with each of its tests.
+   module-scoped model's lease) is counted with each of its tests. Such a fixture lives
+   until its worker leaves the module (or class), also through that module's tests that
+   are in no group (they use none of its leasing fixtures): a GPU test among those
+   (``Job.before``) is handed out before the group's first test, ranked as if it were
+   the group's first test (or by its own rank, if that is ahead), so it never runs, nor
+   waits for its own GPUs, while the fixture holds a lease on the group's worker. Else two workers, each holding
+   its module's model on a GPU, could each wait for a whole GPU for a test of its module:
+   a cycle no prediction undoes (the broker places leases, not the planner).
 2. A worker that last ran a distributed test of pool key K takes the first pending
    test of K (by the priority of rule 3) that fits, so its warm rank pool is reused;
    other workers leave K's tests to it unless they have nothing else that fits.
@@ -78,6 +85,7 @@ class Job:
     group: str | None = None
     pool: str | None = None
     alone: bool = False  # gpu_serial: no other test of the run runs meanwhile (rule 0)
+    before: tuple[str, ...] = ()  # groups not started while this (ungrouped) test is pending (rule 1)
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,21 @@ class Planner:
                 self._group_lists(job.group).setdefault(job.group, deque()).append(job.index)
         # every test of the alone phase, to know whether a worker holds one
         self.alone = frozenset(i for i, j in self.jobs.items() if j.alone or j.group in self._alone_group_names)
+        # rule 1: groups that no worker starts while a test that goes before them is pending,
+        # and those tests' ranks: as if they were the group's first test (where that is ahead
+        # of their own rank), so they go out ahead of an open group as heavy as theirs
+        self._gates: Counter[str] = Counter()
+        self._lead: dict[int, tuple[int, float, int]] = {}
+        for job in self.jobs.values():
+            if job.before and job.group is None and not job.alone:
+                gated = [g for g in job.before if g in self._groups]
+                self._gates.update(gated)
+                own = self._rank(job.index)
+                ranks = [own]
+                for g in gated:
+                    ahead, weight, _ = self._group_rank(self._groups[g])
+                    ranks.append((min(own[0], ahead), weight + self._sign * job.duration, job.index))
+                self._lead[job.index] = min(ranks)
         for index in sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank):
             self._add_single(index)
         # how many pending tests are moved ahead, by how far: a warm pool waits for them
@@ -157,7 +180,14 @@ class Planner:
             bisect.insort(target, index, key=self._rank)
 
     def _rank(self, index: int) -> tuple[int, float, int]:
+        lead = self._lead.get(index)
+        if lead is not None:
+            return lead
         return (-self.order.ahead.get(index, 0), self._sign * self.jobs[index].duration, index)
+
+    def _gating(self, index: int) -> list[str]:
+        """The groups a pending ``index`` holds back (rule 1)."""
+        return [g for g in self.jobs[index].before if g in self._gates] if index in self._lead else []
 
     def _group_rank(self, members: deque[int]) -> tuple[int, float, int]:
         ahead = max(self.order.ahead.get(i, 0) for i in members)
@@ -200,6 +230,7 @@ class Planner:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] += 1
+        self._gates.update(self._gating(index))
         if job.group is not None:
             members = self._group_lists(job.group).setdefault(job.group, deque())
             members.appendleft(index)  # callers give a worker's queue back in reverse
@@ -318,7 +349,8 @@ class Planner:
         groups = sorted(
             (self._group_rank(members), members[0])
             for g, members in self._groups.items()
-            if members and (self._bound.get(g) == worker or (g not in self._bound and not busy_with_group))
+            if members
+            and (self._bound.get(g) == worker or (g not in self._bound and not busy_with_group and not self._gates[g]))
         )
         streams: list[Iterator[tuple[tuple[int, float, int], int]]] = [
             iter(groups),
@@ -340,6 +372,7 @@ class Planner:
     def _assign(self, worker: str, index: int, now: float) -> None:
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] -= 1
+        self._gates.subtract(self._gating(index))
         if job.group is not None:
             groups = self._group_lists(job.group)
             groups[job.group].popleft()
