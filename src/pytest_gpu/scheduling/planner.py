@@ -22,13 +22,11 @@ Rules, in order:
    up once and not torn down in between by other modules' tests. What a group's
    fixtures hold besides its tests' own needs (:attr:`Planner.held`, e.g. a
    module-scoped model's lease) is counted with each of its tests. Such a fixture lives
-   until its worker leaves the module (or class), also through that module's tests that
-   are in no group (they use none of its leasing fixtures): a GPU test among those
-   (``Job.before``) is handed out before the group's first test, ranked as if it were
-   the group's first test (or by its own rank, if that is ahead), so it never runs, nor
-   waits for its own GPUs, while the fixture holds a lease on the group's worker. Else two workers, each holding
-   its module's model on a GPU, could each wait for a whole GPU for a test of its module:
-   a cycle no prediction undoes (the broker places leases, not the planner).
+   until its worker leaves the module (or class), also through the module's tests in no
+   group: a GPU test among those (``Job.before``) is handed out before the group's first
+   test, ranked as that test would be (or by its own rank, if ahead), never after the
+   group on its worker, where it would wait for GPUs while the fixture holds a lease
+   (two such workers, each waiting for what the other's fixture holds, would deadlock).
 2. A worker that last ran a distributed test of pool key K takes the first pending
    test of K (by the priority of rule 3) that fits, so its warm rank pool is reused;
    other workers leave K's tests to it unless they have nothing else that fits.
@@ -145,21 +143,16 @@ class Planner:
                 self._group_lists(job.group).setdefault(job.group, deque()).append(job.index)
         # every test of the alone phase, to know whether a worker holds one
         self.alone = frozenset(i for i, j in self.jobs.items() if j.alone or j.group in self._alone_group_names)
-        # rule 1: groups that no worker starts while a test that goes before them is pending,
-        # and those tests' ranks: as if they were the group's first test (where that is ahead
-        # of their own rank), so they go out ahead of an open group as heavy as theirs
-        self._gates: Counter[str] = Counter()
+        # rule 1: pending tests that hold groups back (by group), those groups, and the tests'
+        # ranks: as the group's first test's (if ahead), so they go before an open group as heavy
+        firsts = [j for j in self.jobs.values() if j.before and j.group is None and not j.alone]
+        self._gated = {j.index: [g for g in j.before if g in self._groups] for j in firsts}
+        self._gates: Counter[str] = Counter(g for groups in self._gated.values() for g in groups)
         self._lead: dict[int, tuple[int, float, int]] = {}
-        for job in self.jobs.values():
-            if job.before and job.group is None and not job.alone:
-                gated = [g for g in job.before if g in self._groups]
-                self._gates.update(gated)
-                own = self._rank(job.index)
-                ranks = [own]
-                for g in gated:
-                    ahead, weight, _ = self._group_rank(self._groups[g])
-                    ranks.append((min(own[0], ahead), weight + self._sign * job.duration, job.index))
-                self._lead[job.index] = min(ranks)
+        for index, gated in self._gated.items():
+            own, weight = self._rank(index), self._sign * self.jobs[index].duration
+            ranks = [self._group_rank(self._groups[g]) for g in gated]
+            self._lead[index] = min([own, *((min(own[0], a), w + weight, index) for a, w, _ in ranks)])
         for index in sorted((j.index for j in self.jobs.values() if j.group is None), key=self._rank):
             self._add_single(index)
         # how many pending tests are moved ahead, by how far: a warm pool waits for them
@@ -180,14 +173,9 @@ class Planner:
             bisect.insort(target, index, key=self._rank)
 
     def _rank(self, index: int) -> tuple[int, float, int]:
-        lead = self._lead.get(index)
-        if lead is not None:
-            return lead
+        if index in self._lead:
+            return self._lead[index]
         return (-self.order.ahead.get(index, 0), self._sign * self.jobs[index].duration, index)
-
-    def _gating(self, index: int) -> list[str]:
-        """The groups a pending ``index`` holds back (rule 1)."""
-        return [g for g in self.jobs[index].before if g in self._gates] if index in self._lead else []
 
     def _group_rank(self, members: deque[int]) -> tuple[int, float, int]:
         ahead = max(self.order.ahead.get(i, 0) for i in members)
@@ -230,7 +218,7 @@ class Planner:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] += 1
-        self._gates.update(self._gating(index))
+        self._gates.update(self._gated.get(index, ()))
         if job.group is not None:
             members = self._group_lists(job.group).setdefault(job.group, deque())
             members.appendleft(index)  # callers give a worker's queue back in reverse
@@ -372,7 +360,7 @@ class Planner:
     def _assign(self, worker: str, index: int, now: float) -> None:
         job = self.jobs[index]
         self._ahead_pending[self.order.ahead.get(index, 0)] -= 1
-        self._gates.subtract(self._gating(index))
+        self._gates.subtract(self._gated.get(index, ()))
         if job.group is not None:
             groups = self._group_lists(job.group)
             groups[job.group].popleft()
