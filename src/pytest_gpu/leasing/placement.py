@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .requests import GpuRequest, format_size
 
@@ -317,47 +317,52 @@ class Allocator:
         A client waits for one request at a time and holds what it holds until that wait
         ends; any other client may give everything back (its leases and its contexts: its
         process may exit), and foreign usage may go away. (A client with several requests
-        waiting is not one that waits like that: it counts as one that may give back.) On a
-        copy of this pool, every client that does not wait gives everything back, the queue
-        is served as :meth:`serve` does (its context budget included; its bypass bound left
-        out: which order the future brings is not known, and a bound never makes room), and
-        every client served gives everything back in turn, until nothing changes: what still
-        waits then waits for what only the others that wait could give back."""
+        waiting is not one that waits like that: it counts as one that may give back.) So
+        the pool is played forward on a copy that keeps only what the waiting clients hold:
+        a waiting request that :meth:`serve` would place there (its context budget included;
+        its bypass bound left out: it never makes room) is served, and its client then gives
+        everything back, until no more is served: what still waits then waits for what only
+        the others that wait could give back."""
         if self.paused or not self.queue:
             return None
         asks = Counter(w.client for w in self.queue)
-        waits = {client for client, n in asks.items() if n == 1}
-        if not any(lease.client in waits for lease in self.leases.values()):
+        stuck = {client for client, n in asks.items() if n == 1}
+        if not any(lease.client in stuck for lease in self.leases.values()):
             return None  # a cycle needs a lease held through a wait (contexts alone: blocked_forever)
-        pool = self._what_if()
-        done = {c for g in pool.gpus.values() for c in g.contexts} | {lease.client for lease in pool.leases.values()}
-        done = (done | set(asks)) - waits
-        granted = pool.serve()  # what only foreign usage or the bypass bound kept waiting
-        while done:
-            for client in sorted(done):
-                granted.extend(pool.forget_client(client)[1])
-            waits = {w.client for w in pool.queue}
-            done = {lease.client for lease in granted} - waits
-            granted = []
+        pool = self._what_if(stuck)
+        served = True
+        while served:
+            served = False
+            for waiting in list(pool.queue):
+                if pool._placement(waiting) is not None:
+                    pool._give_back(waiting.client)
+                    stuck.discard(waiting.client)
+                    served = True
         if not pool.queue:
             return None
-        stuck = {w.key for w in pool.queue}
-        waiting = tuple(w for w in self.queue if w.key in stuck)
-        clients = {w.client for w in waiting}
-        held = tuple(lease for lease in self.leases.values() if lease.client in clients)
-        return Deadlock(waiting, held)
+        held = tuple(lease for lease in self.leases.values() if lease.client in stuck)
+        return Deadlock(tuple(w for w in self.queue if w.client in stuck), held)
 
-    def _what_if(self) -> Allocator:
-        """A copy to play the future on: no foreign usage, no bypass bound, no cache, no group."""
-        pool = Allocator({}, replace(self.policy, max_bypass=len(self.queue) + 1))
-        pool.gpus = {
-            i: GpuState(i, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts)) for i, g in self.gpus.items()
-        }
+    def _what_if(self, clients: set[str]) -> Allocator:
+        """A copy with only what ``clients`` hold and ask for, and no foreign usage."""
+        pool = Allocator({i: g.capacity for i, g in self.gpus.items()}, self.policy)
+        for index, gpu in self.gpus.items():
+            pool.gpus[index].contexts = gpu.contexts & clients
         if self.host is not None:
-            pool.host = replace(self.host)
-        pool.leases = dict(self.leases)
-        pool.queue = [replace(w, bypassed=0) for w in self.queue]
+            pool.host = HostState(self.host.cpus, self.host.memory)
+        for lease in self.leases.values():
+            if lease.client in clients:
+                pool.adopt(lease.key, lease.client, lease.request, lease.placement)
+        pool.queue = [w for w in self.queue if w.client in clients]
         return pool
+
+    def _give_back(self, client: str) -> None:
+        """Everything ``client`` holds or asks for goes, and nothing is served meanwhile."""
+        self.queue = [w for w in self.queue if w.client != client]
+        for gpu in self.gpus.values():
+            gpu.contexts.discard(client)
+        for key in [key for key, lease in self.leases.items() if lease.client == client]:
+            self._unlease(key)
 
     def holders(self, indices: Iterable[int] | None = None) -> list[Lease]:
         wanted = None if indices is None else set(indices)
@@ -389,9 +394,17 @@ class Allocator:
 
     def release(self, key: str, contexts: set[int] | None = None) -> list[Lease]:
         """Return a lease; ``contexts`` is where its client really has contexts now, if known."""
-        lease = self.leases.pop(key, None)
+        lease = self._unlease(key)
         if lease is None:
             return []
+        if contexts is not None:
+            self.set_contexts(lease.client, contexts)
+        return self.serve()
+
+    def _unlease(self, key: str) -> Lease | None:
+        lease = self.leases.pop(key, None)
+        if lease is None:
+            return None
         if self.host is not None:
             self.host.leased_cpus -= lease.request.cpus
             self.host.leased_memory -= lease.request.host_memory
@@ -402,9 +415,7 @@ class Allocator:
                 gpu.exclusive = False
             else:
                 gpu.leased -= lease.placement.memory
-        if contexts is not None:
-            self.set_contexts(lease.client, contexts)
-        return self.serve()
+        return lease
 
     def set_contexts(self, client: str, contexts: set[int]) -> None:
         """Record where ``client`` has contexts; GPUs it holds a lease on keep theirs."""
@@ -439,21 +450,7 @@ class Allocator:
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
-            host = self.host
-            placement = place(
-                self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed, host=host
-            )
-            host_fits = host is None or host.fits(waiting.request)
-            if placement is None and host_fits and self.blocked_within_budget(waiting):
-                placement = place(
-                    self.gpus.values(),
-                    waiting.request,
-                    waiting.client,
-                    self.policy,
-                    within_budget=False,
-                    allowed=waiting.allowed,
-                    host=host,
-                )
+            placement = self._placement(waiting)
             if placement is None:
                 if not waiting.foreign_blocked and self._fits_without_foreign(waiting):
                     waiting.foreign_blocked = True
@@ -472,6 +469,26 @@ class Allocator:
             if any(w.bypassed >= self.policy.max_bypass for w in overtaken):
                 break  # one ahead has been overtaken often enough: it is served next
         return granted
+
+    def _placement(self, waiting: Waiting) -> Placement | None:
+        """Where ``waiting`` goes now: within the context budget, or by capacity alone where
+        the budget keeps it out even on drained GPUs; ``None``: it waits."""
+        host = self.host
+        placement = place(
+            self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed, host=host
+        )
+        host_fits = host is None or host.fits(waiting.request)
+        if placement is None and host_fits and self.blocked_within_budget(waiting):
+            placement = place(
+                self.gpus.values(),
+                waiting.request,
+                waiting.client,
+                self.policy,
+                within_budget=False,
+                allowed=waiting.allowed,
+                host=host,
+            )
+        return placement
 
     def _without_foreign(self) -> list[GpuState] | None:
         """The GPUs as they are, but with no foreign usage; None when there is none anyway."""
