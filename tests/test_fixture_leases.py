@@ -681,6 +681,47 @@ def test_a_scoped_fixture_still_cannot_ask_for_the_tests_own_fixtures(gpu_pytest
     result.stdout.fnmatch_lines(["*ScopeMismatch*gpu_request*"])
 
 
+SELF_DEADLOCK = """
+import pytest
+
+
+@pytest.fixture(scope="module")
+def model(gpu_lease_factory):
+    return gpu_lease_factory(memory="6GiB")
+
+
+def test_generate(model):
+    pass
+
+
+@pytest.mark.gpu  # a whole GPU, and the only one holds the module's model until the module ends
+def test_full_size():
+    pass
+
+
+def test_after(model):
+    pass
+"""
+
+
+def test_a_test_waiting_for_what_its_modules_fixture_holds_fails_at_once(
+    gpu_pytester: pytest.Pytester, run_inner: Run
+) -> None:
+    """No scheduling helps on one GPU: the worker waits for a whole GPU while its own fixture
+    holds a lease there. It fails at once, naming the cycle, not at --gpu-wait-timeout."""
+    gpu_pytester.makepyfile(test_self=SELF_DEADLOCK)
+    args = ("--gpus", "sim:1x16GiB", "-p", "no:xdist", "--gpu-wait-timeout", "600")
+    result = run_inner(*args, subprocess=True, timeout=60)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: test_self.py::test_full_size could not get 1 GPU (whole GPU): a deadlock (hold-and-wait): *",
+            "  - main holds GPU-* (6GiB, fixture 'model' (module scope, test_self.py)) and waits for 1 GPU "
+            "(whole GPU) for test_self.py::test_full_size",
+        ]
+    )
+
+
 # -- the planner and the catalog (pure) -----------------------------------------------------------
 
 
