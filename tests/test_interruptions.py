@@ -329,12 +329,14 @@ def test_a_test_waiting_for_a_pools_gpus_is_told_which_test_started_the_pool(
             pass
         """
     )
-    # the warm pool keeps its GPU after test_a: test_b, in the same process, waits for it
-    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-wait-timeout", "1", subprocess=True)
+    # the warm pool keeps its GPU after test_a: test_b, in the same process, would wait for it
+    # for ever; it is refused at once (a cycle of hold-and-wait), naming the pool
+    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-wait-timeout", "600", subprocess=True, timeout=60)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [
-            "*(--gpu-wait-timeout); held by the rank pool of 1 rank (none via spawn, 1 GPU/rank) "
-            "started by test_held.py::test_a (main: GPU 0, whole GPU)"
+            "pytest-gpu: test_held.py::test_b could not get 1 GPU (whole GPU): a deadlock (hold-and-wait): *",
+            "  - main holds GPU-* (whole GPU, the rank pool of 1 rank (none via spawn, 1 GPU/rank) "
+            "started by test_held.py::test_a) and waits for 1 GPU (whole GPU) for test_held.py::test_b",
         ]
     )

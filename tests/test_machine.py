@@ -233,8 +233,9 @@ def test_a_cycle_of_hold_and_wait_is_refused_at_once_naming_who_holds_what():
         "for test_b.py::test_full\n"
         "  - gw0 holds A (6GiB, fixture 'model' (module scope, test_a.py)) and waits for 1 GPU (whole GPU) "
         "for test_a.py::test_full\n"
-        "refused now instead of at --gpu-wait-timeout. A fixture's lease is held until its worker leaves the "
-        "fixture's scope, also while that scope's tests that do not use it run or wait"
+        "refused now instead of at --gpu-wait-timeout. What a worker's fixtures hold (until it leaves their "
+        "scope, also through that scope's tests that do not use them) and its warm rank pools stays held while "
+        "its tests wait"
     )
     assert [w["key"] for w in arbiter.status()["waiting"]] == ["c0/k1"]  # the other one still waits
     arbiter.release("r1", "c1/k0")  # gw1's test failed, its module ended: its model goes back

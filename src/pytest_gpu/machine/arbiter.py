@@ -242,8 +242,9 @@ class Arbiter:
             "a deadlock (hold-and-wait): it could only be served with GPUs that workers hold while "
             "they wait themselves, each for what another one holds:\n"
             + "\n".join(lines)
-            + "\nrefused now instead of at --gpu-wait-timeout. A fixture's lease is held until its worker "
-            "leaves the fixture's scope, also while that scope's tests that do not use it run or wait"
+            + "\nrefused now instead of at --gpu-wait-timeout. What a worker's fixtures hold (until it leaves "
+            "their scope, also through that scope's tests that do not use them) and its warm rank pools stays "
+            "held while its tests wait"
         )
 
     def _grant_body(self, lease: Lease) -> dict[str, Any]:
