@@ -227,15 +227,15 @@ def test_a_cycle_of_hold_and_wait_is_refused_at_once_naming_who_holds_what():
     kind, message = arbiter.submit("r1", "c1/k1", "c1", "gw1", "test_b.py::test_full", whole(), ["A", "B"])
     assert kind == "rejected"
     assert message == (
-        "a deadlock (hold-and-wait): it could only be served with GPUs that workers hold while they wait "
-        "themselves, each for what another one holds:\n"
+        "a deadlock (hold-and-wait): only what waiting workers hold could serve it, and a worker gives nothing "
+        "back while it waits:\n"
         "  - gw1 holds B (6GiB, fixture 'model' (module scope, test_b.py)) and waits for 1 GPU (whole GPU) "
         "for test_b.py::test_full\n"
         "  - gw0 holds A (6GiB, fixture 'model' (module scope, test_a.py)) and waits for 1 GPU (whole GPU) "
         "for test_a.py::test_full\n"
-        "refused now instead of at --gpu-wait-timeout. What a worker's fixtures hold (until it leaves their "
-        "scope, also through that scope's tests that do not use them) and its warm rank pools stays held while "
-        "its tests wait"
+        "refused now, not at --gpu-wait-timeout. While a test waits, its worker keeps its other leases: the "
+        "test's own, its fixtures' (until the worker leaves their scope, also through that scope's tests that do "
+        "not use them) and its warm rank pools'"
     )
     assert [w["key"] for w in arbiter.status()["waiting"]] == ["c0/k1"]  # the other one still waits
     arbiter.release("r1", "c1/k0")  # gw1's test failed, its module ended: its model goes back

@@ -158,7 +158,7 @@ def test_wait_timeout_names_request_and_holder(gpu_pytester, run_inner):
     assert "died while running" not in result.stdout.str()
 
 
-def test_wait_timeout_in_a_section_names_the_holding_test(gpu_pytester, run_inner):
+def test_a_section_waiting_for_its_own_tests_lease_fails_at_once_naming_it(gpu_pytester, run_inner):
     gpu_pytester.makepyfile(
         test_self="""
         import pytest
@@ -169,12 +169,14 @@ def test_wait_timeout_in_a_section_names_the_holding_test(gpu_pytester, run_inne
                 pass
         """
     )
-    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-wait-timeout", "0.3")
+    # the test's own lease is in the way and stays while it waits: refused at once, not after 600 s
+    result = run_inner("--gpus", "sim:1x16GiB", "--gpu-wait-timeout", "600")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "pytest-gpu: test_self.py::test_greedy could not get 1 GPU (10GiB): waited 0.3s for 1 GPU (10GiB) "
-            "(--gpu-wait-timeout); held by test_self.py::test_greedy (main: GPU 0, 10GiB)"
+            "pytest-gpu: test_self.py::test_greedy could not get 1 GPU (10GiB): a deadlock (hold-and-wait): *",
+            "  - main holds GPU-* (10GiB, test_self.py::test_greedy) and waits for 1 GPU (10GiB) "
+            "for test_self.py::test_greedy",
         ]
     )
 

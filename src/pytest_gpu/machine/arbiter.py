@@ -239,12 +239,12 @@ class Arbiter:
                 f"for {test(waiting.key)}"
             )
         return (
-            "a deadlock (hold-and-wait): it could only be served with GPUs that workers hold while "
-            "they wait themselves, each for what another one holds:\n"
+            "a deadlock (hold-and-wait): only what waiting workers hold could serve it, and a worker gives "
+            "nothing back while it waits:\n"
             + "\n".join(lines)
-            + "\nrefused now instead of at --gpu-wait-timeout. What a worker's fixtures hold (until it leaves "
-            "their scope, also through that scope's tests that do not use them) and its warm rank pools stays "
-            "held while its tests wait"
+            + "\nrefused now, not at --gpu-wait-timeout. While a test waits, its worker keeps its other leases: "
+            "the test's own, its fixtures' (until the worker leaves their scope, also through that scope's tests "
+            "that do not use them) and its warm rank pools'"
         )
 
     def _grant_body(self, lease: Lease) -> dict[str, Any]:

@@ -33,6 +33,9 @@ While the fixture is alive:
   that fixture (:func:`group_tags`), so the scheduler runs those tests on one worker, back
   to back; when the fixture leases, the worker tells the scheduler what the group holds
   (``held:<group>`` catalog entries), and the planner counts it for the group's tests.
+  The module's (class's) GPU tests that use none of its leasing fixtures are handed out
+  before the group (``catalog.firsts``): after it, on its worker, they would wait for
+  their GPUs while the fixture, alive until the worker leaves the module, holds its lease.
 """
 
 from __future__ import annotations
