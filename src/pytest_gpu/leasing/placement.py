@@ -28,11 +28,11 @@ later requests**, and once that many have overtaken it, nothing is granted past 
 it is served — it gets the next GPUs that free up enough.
 
 Hold-and-wait: a client waits for one request at a time and gives nothing back while it
-waits (a worker whose module-scoped fixture holds a lease while its test waits for its
-own). Requests that could never be served even if every client that does *not* wait gave
-back everything it holds and every request served meanwhile were given back in turn wait
-for one another: :meth:`Allocator.deadlock` names them (and the leases their clients hold),
-so that one can be refused at once rather than at the wait timeout.
+waits (a worker keeps its module-scoped fixture's lease while its next test waits for its
+own). A request that would not be served even once every client that does not wait has
+given everything back, and every client served meanwhile has too, waits for what only
+other waiting clients (or its own) hold: :meth:`Allocator.deadlock` names such requests and
+the leases their clients hold, so that one can be refused at once, not at the wait timeout.
 """
 
 from __future__ import annotations
