@@ -619,3 +619,24 @@ def test_an_arbiter_that_cannot_measure_the_gpus_takes_the_first_word_and_never_
     arbiter.attach("0.a", pid=1, user="u", label="a", gpus={"U": 16 * GiB, "V": 8 * GiB}, sink=_sink)
     arbiter.attach("0.b", pid=2, user="u", label="b", gpus={"U": 1 << 45}, sink=_sink)
     assert [g["capacity"] for g in arbiter.status()["gpus"]] == [16 * GiB, 8 * GiB]
+
+
+def test_a_user_whose_messages_took_its_share_of_the_arbiter_waits_for_the_next_second(
+    domain: Domain, made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "SECONDS_PER_UID_S", 1e-4)
+    arbiter = _link(made, domain)
+    flooder = _raw(made, domain)
+    assert "ok" in flooder.call("status", pad="x" * (20 << 10))  # its share of this second, used up
+    assert _server(arbiter)._throttled(os.getuid())
+
+    def ask() -> Any:
+        started = time.monotonic()
+        answer = Raw(domain.address()).call("status")
+        return [answer.get("ok") is not None, time.monotonic() - started]
+
+    answered, took = _as_other(ask)
+    assert answered and took < 0.5  # another user is read at once
+    started = time.monotonic()
+    assert "ok" in flooder.call("status")  # this user: once its next second has come
+    assert time.monotonic() - started > 0.02

@@ -17,8 +17,10 @@ Every peer is a stranger (a machine-wide arbiter is reachable by every local use
   hold ``MAX_PEERS_PER_UID`` connections and ``MAX_PENDING_PER_UID`` bytes of unfinished
   frames; a peer whose unread replies pile up beyond ``MAX_OUTBOX`` bytes is dropped; and in
   each turn of the loop a uid's connections are read for ``TURN_BYTES_PER_UID`` bytes, the
-  rest waiting for the next turn: users take turns, so one who floods the arbiter with work
-  delays its own messages, and another user's wait at most a turn.
+  rest waiting for the next turn (users take turns: another user's message waits at most a
+  turn), and a uid whose messages took ``SECONDS_PER_UID_S`` of the thread's time in the
+  current second is not read until the next (a flood costs the arbiter's run, in whose
+  process the arbiter lives, at most that share).
 
 Requests (``{"op": ..., "id": n, ...}``) are answered ``{"re": n, "ok": value}`` or
 ``{"re": n, "error": message}`` (a request without an ``id`` gets no answer); events
@@ -35,7 +37,7 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ MAX_PEERS = 512  # connections in all (the process's descriptors are the run's t
 MAX_PEERS_PER_UID = 64  # a user's runs hold one each, `pytest-gpu status` one for a moment
 MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
 TURN_BYTES_PER_UID = 64 << 10  # what one user's connections are read for in one turn of the loop
+SECONDS_PER_UID_S = 0.25  # of each second, what one user's messages may take of the arbiter's thread
 HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
 FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 
@@ -91,6 +94,8 @@ class ArbiterServer:
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()  # peers' outboxes (sinks run on other threads)
         self._peers: set[Peer] = set()
+        self._used: dict[int, float] = defaultdict(float)  # seconds of this thread per uid in this second
+        self._second = time.monotonic()
         self._closing = False
         self.dropped: Counter[str] = Counter()  # why peers were shut out, for tests and the curious
         self._thread = threading.Thread(target=self._loop, name="pytest-gpu-arbiter", daemon=True)
@@ -169,7 +174,10 @@ class ArbiterServer:
                 peer: Peer = key.data
                 try:
                     if events & selectors.EVENT_READ and spent[peer.uid] < TURN_BYTES_PER_UID:
-                        spent[peer.uid] += self._read(peer)  # a user over its share: its turn comes again
+                        if not self._throttled(peer.uid):  # a user over its share: its turn comes again
+                            started = time.perf_counter()
+                            spent[peer.uid] += self._read(peer)
+                            self._used[peer.uid] += time.perf_counter() - started
                     if events & selectors.EVENT_WRITE and not peer.closed:
                         self._flush(peer)
                 except Exception as exc:  # whatever a peer made happen ends that peer alone
@@ -179,10 +187,17 @@ class ArbiterServer:
 
     def _timeout(self) -> float | None:
         deadlines = [d for p in self._peers for d in (p.hello_by, p.frame_by) if d is not None]
+        if any(self._throttled(uid) for uid in self._used):
+            deadlines.append(self._second + 1.0)  # a user waiting for its next second
         return None if not deadlines else max(min(deadlines) - time.monotonic(), 0.0) + 0.001
+
+    def _throttled(self, uid: int) -> bool:
+        return self._used[uid] >= SECONDS_PER_UID_S
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if now >= self._second + 1.0:
+            self._second, self._used = now, defaultdict(float)
         for peer in list(self._peers):
             if peer.hello_by is not None and now >= peer.hello_by:
                 self._drop(peer, "silent")
@@ -285,11 +300,21 @@ class ArbiterServer:
                 pending = bool(peer.outbox) and not peer.closed
             if peer.closed:
                 continue
-            wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
+            reading = 0 if self._throttled(peer.uid) else selectors.EVENT_READ
+            wanted = reading | (selectors.EVENT_WRITE if pending else 0)
             try:
-                if self._selector.get_key(peer.sock).events != wanted:
-                    self._selector.modify(peer.sock, wanted, peer)
+                key = self._selector.get_key(peer.sock)
             except (KeyError, ValueError):
+                key = None
+            try:
+                if not wanted:  # a user over its share with nothing to be sent: not listened to meanwhile
+                    if key is not None:
+                        self._selector.unregister(peer.sock)
+                elif key is None:
+                    self._selector.register(peer.sock, wanted, peer)
+                elif key.events != wanted:
+                    self._selector.modify(peer.sock, wanted, peer)
+            except (KeyError, ValueError, OSError):
                 pass
 
     def _drop(self, peer: Peer, why: str, detach: bool = True) -> None:
