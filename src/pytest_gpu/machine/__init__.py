@@ -1,8 +1,14 @@
 """Machine-wide leasing: every pytest-gpu run of a machine shares one view of its GPUs.
 
-- :mod:`.domain`: where the runs of a machine (or of one simulated machine) meet;
-- :mod:`.arbiter`: the one allocator that decides for all of them;
-- :mod:`.wire`: JSON frames between runs and the arbiter;
-- :mod:`.server`: the arbiter's socket, served by the run that holds the lock;
-- :mod:`.link`: a run's side: lead or attach, mirror what it holds, take over on failover.
+- :mod:`.domain`: where the runs of a machine (or of one simulated machine) meet, and who may;
+- :mod:`.arbiter`: the one allocator that decides for all of them (GPUs, host resources, ports);
+- :mod:`.messages`: every field of a run's requests, checked (pure);
+- :mod:`.wire`: JSON frames between runs and the arbiter, and the Unix sockets they travel on;
+- :mod:`.server`: the arbiter's socket, served by the run that won the election;
+- :mod:`.remote`: a run's connection to the arbiter in another process;
+- :mod:`.mirror`: what a run holds and waits for, brought to a new arbiter;
+- :mod:`.link`: a run's side: lead or attach, fall back from a squatter, take over on failover.
+
+Everything another local user can reach is checked: see the README's "Sharing a machine"
+for the threat model.
 """
