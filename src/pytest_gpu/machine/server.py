@@ -52,7 +52,7 @@ MAX_PEERS = 512  # connections in all (the process's descriptors are the run's t
 MAX_PEERS_PER_UID = 64  # a user's runs hold one each, `pytest-gpu status` one for a moment
 MAX_PENDING_PER_UID = 8 << 20  # bytes of unfinished frames a user's connections may hold
 TURN_BYTES_PER_UID = 64 << 10  # what one user's connections are read for in one turn of the loop
-SECONDS_PER_UID_S = 0.25  # of each second, what one user's messages may take of the arbiter's thread
+SECONDS_PER_UID_S = 0.1  # of each second, what one user's messages may take of the arbiter's thread
 HELLO_TIMEOUT_S = 5.0  # a new connection's first whole request
 FRAME_TIMEOUT_S = 10.0  # a frame begun must be whole by then
 
