@@ -6,10 +6,14 @@ needs stays in that file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
+import secrets
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -100,3 +104,26 @@ def rank_processes(var: str, mark: str) -> list[str]:
         except psutil.Error:
             continue
     return found
+
+
+@contextlib.contextmanager
+def throwaway_user(prefix: str) -> Iterator[pwd.struct_passwd]:
+    """A Unix user made for a test (root only) and removed after it, its processes first."""
+    name = f"{prefix}{secrets.token_hex(3)}"
+    subprocess.run(
+        ["useradd", "--no-create-home", "--user-group", "--shell", "/bin/false", name], check=True, capture_output=True
+    )
+    entry = pwd.getpwnam(name)
+    try:
+        yield entry
+    finally:
+        subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+        wait_for(
+            lambda: (
+                not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == entry.pw_uid]
+            ),
+            timeout=10,
+            what=f"the processes of {name} gone",
+        )
+        subprocess.run(["userdel", name], check=True, capture_output=True)
+        subprocess.run(["groupdel", name], capture_output=True)  # gone with the user where USERGROUPS_ENAB

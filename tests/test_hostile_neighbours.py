@@ -15,9 +15,9 @@ and tests/neighbour.py (B, the attacker). Needs root (CI runs as root), useradd 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import pwd
 import secrets
 import shutil
 import signal
@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from conftest import MISSING
-from helpers import wait_for
+from helpers import throwaway_user, wait_for
 from pytest_gpu.sim.spec import gpu_uuid
 
 pytestmark = pytest.mark.slow
@@ -135,40 +135,27 @@ def _reachable_dirs() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def users(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[User, User, Path]]:
+def users() -> Iterator[tuple[User, User, Path]]:
     if os.geteuid() != 0:
         pytest.skip(f"{MISSING}: root (the two-user tests make throwaway users; CI runs as root)")
     for tool in ("useradd", "userdel", "setfacl"):
         _need(tool)
-    tag = secrets.token_hex(3)
-    base = Path(f"/tmp/pytest-gpu-2u-{tag}")
+    base = Path(f"/tmp/pytest-gpu-2u-{secrets.token_hex(3)}")
     base.mkdir(mode=0o755)
-    made: list[User] = []
     closed = _reachable_dirs()
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, base, True)
+        made = []
         for letter in "ab":
-            name = f"pgt{letter}{tag}"
-            subprocess.run(
-                ["useradd", "--no-create-home", "--user-group", "--shell", "/bin/false", name],
-                check=True,
-                capture_output=True,
-            )
-            entry = pwd.getpwnam(name)
+            entry = stack.enter_context(throwaway_user(f"pgt{letter}"))
             home = base / f"home-{letter}"
             home.mkdir(mode=0o700)
             os.chown(home, entry.pw_uid, entry.pw_gid)
-            made.append(User(name, entry.pw_uid, entry.pw_gid, home))
+            made.append(User(entry.pw_name, entry.pw_uid, entry.pw_gid, home))
             for path in closed:  # traverse only: the interpreter and the package, nothing else
-                subprocess.run(["setfacl", "-m", f"u:{name}:x", str(path)], check=True, capture_output=True)
+                subprocess.run(["setfacl", "-m", f"u:{entry.pw_name}:x", str(path)], check=True, capture_output=True)
+                stack.callback(subprocess.run, ["setfacl", "-x", f"u:{entry.pw_name}", str(path)], capture_output=True)
         yield made[0], made[1], base
-    finally:
-        for user in made:
-            subprocess.run(["pkill", "-KILL", "-u", user.name], capture_output=True)
-            for path in closed:
-                subprocess.run(["setfacl", "-x", f"u:{user.name}", str(path)], capture_output=True)
-            subprocess.run(["userdel", user.name], capture_output=True)
-            subprocess.run(["groupdel", user.name], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 VICTIM_SUITE = """

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import shared, wait_for, whole
+from conftest import MISSING
+from helpers import shared, throwaway_user, wait_for, whole
 from pytest_gpu.cli import format_status
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
@@ -508,15 +509,13 @@ def test_format_status_names_foreign_usage_and_overtaking():
 
 
 @pytest.fixture
-def other_user() -> str:
+def other_user() -> Iterator[str]:
     if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as a second user (two-user test)")
+        pytest.skip(f"{MISSING}: root (the two-user tests make a throwaway user; CI runs as root)")
     if shutil.which("useradd") is None:
-        pytest.skip("useradd is not installed (two-user test)")
-    name = "pytestgpu2"
-    if subprocess.run(["id", name], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True, capture_output=True)
-    return name
+        pytest.skip(f"{MISSING}: useradd (two-user tests; apt-get install passwd)")
+    with throwaway_user("pgtm") as entry:
+        yield entry.pw_name
 
 
 def test_two_users_runs_share_the_machine(other_user, monkeypatch):
@@ -551,10 +550,13 @@ def test_machine_dir_of_another_user_that_is_not_shared_falls_back(other_user, t
     root.mkdir(mode=0o755)
     os.chown(root, int(subprocess.run(["id", "-u", other_user], capture_output=True, text=True).stdout), -1)
     monkeypatch.setenv(ROOT_ENV, str(root))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where the fallback goes: not the real home
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     from pytest_gpu.machine import domain as domains
 
     domains._warned.clear()
     found = domains.private_root()
+    assert found == tmp_path / "home" / ".cache" / "pytest-gpu" / f"machines-{socket.gethostname()}"
     assert root not in found.parents
     err = capsys.readouterr().err
     assert f"{root} belongs to {other_user}" in err and "is not sticky and world-writable" in err
