@@ -111,7 +111,8 @@ class MachineTruth:
 
     The run's own record of the machine first; a UUID it lacks is looked up once in the
     simulated machine's spec (``spec``) or through NVML (a run that is the arbiter may
-    itself have asked for no GPU)."""
+    itself have asked for no GPU). The NVML path runs against the fake NVML in CI; it was
+    not run on a real GPU machine (none was lent to the session that wrote it)."""
 
     def __init__(self, inventory: Inventory, spec: str | None) -> None:
         self._known = {d.uuid: d.capacity for d in (inventory.machine or inventory.devices)}
