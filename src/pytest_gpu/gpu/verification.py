@@ -85,6 +85,29 @@ def judge(
     return verdict
 
 
+# Long-lived processes this process started for a holder other than the running test (a
+# warm rank pool, the run's Ray head): their GPU usage is their holder's, never the test's.
+_CLAIMED: dict[int, str] = {}
+
+
+def claim_processes(pids: Iterable[int], holder: str) -> None:
+    """Say that ``pids`` (and their descendants) answer to ``holder``, not to the test that
+    happens to run while they live; :func:`release_processes` when they end."""
+    for pid in pids:
+        _CLAIMED[int(pid)] = holder
+
+
+def release_processes(pids: Iterable[int]) -> None:
+    """``pids`` ended (or were handed back): forget their holder."""
+    for pid in pids:
+        _CLAIMED.pop(int(pid), None)
+
+
+def claimed() -> dict[int, str]:
+    """pid -> holder of the long-lived processes another holding answers for."""
+    return dict(_CLAIMED)
+
+
 @functools.cache
 def _version_problem() -> str:
     """Why the installed nvidia-ml-py's process lists cannot be trusted ("": they can); read once."""
