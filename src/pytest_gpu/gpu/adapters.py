@@ -93,23 +93,33 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
 
 
 def _confine_cupy(cupy: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
+    """Cap CuPy's default pool on each leased GPU, finishing on the lease's first ordinal.
+
+    ``set_limit`` and ``free_all_blocks`` act on the current device's pool, so each leased
+    GPU is made current with ``Device(k).use()`` (its context is the lease's). Never ``with
+    cupy.cuda.Device(k)``: its ``__exit__`` calls ``setDevice`` on the device it found,
+    unconditionally (cupy/cuda/device.pyx), and CUDA 12's ``cudaSetDevice`` opens the primary
+    context there: ~500 MiB on a GPU outside the lease (often GPU 0). CuPy cannot ask whether a
+    device has a context, so the process is left on the lease's first ordinal, as torch's
+    adapter leaves it.
+    """
     pool = cupy.get_default_memory_pool()
     previous: dict[int, int] = {}
-    # set_limit and free_all_blocks act on the current device's pool only: visit each GPU
     for ordinal in ordinals:
-        with cupy.cuda.Device(ordinal):
-            pool.free_all_blocks()
-            previous[ordinal] = pool.get_limit()
-            budget, _ = hold("cupy", ordinal, lease.memory)
-            pool.set_limit(size=budget)
+        cupy.cuda.Device(ordinal).use()
+        pool.free_all_blocks()
+        previous[ordinal] = pool.get_limit()
+        budget, _ = hold("cupy", ordinal, lease.memory)
+        pool.set_limit(size=budget)
     cupy.cuda.Device(ordinals[0]).use()
 
     def undo() -> None:
         for ordinal in ordinals:
-            with cupy.cuda.Device(ordinal):
-                pool.free_all_blocks()
-                left = drop("cupy", ordinal, lease.memory)
-                pool.set_limit(size=left or previous[ordinal])
+            cupy.cuda.Device(ordinal).use()
+            pool.free_all_blocks()
+            left = drop("cupy", ordinal, lease.memory)
+            pool.set_limit(size=left or previous[ordinal])
+        cupy.cuda.Device(ordinals[0]).use()
 
     done.on_undo(undo)
 
