@@ -426,6 +426,32 @@ out["contexts"] = sorted(simcuda.contexts())
     assert out["contexts"] == [1, 3]  # and never a context on GPU 0, where the process started
 
 
+@pytest.mark.slow
+def test_a_torch_that_caches_device_count_at_first_call_still_gets_its_cap(tmp_path):
+    """Issue 19 (6) on torch 2.0-2.3: device_count is lru_cache'd at its first call; when CUDA
+    starts inside a lease that count is the lease's (1 GPU), and get_device_properties(2) asserts
+    2 < 1. The adapter reads the total without that check, so the cap still holds."""
+    out = run_torch(
+        tmp_path,
+        """
+torch_cuda.install(torch, legacy_device_count=True)
+done = confine(lease("a", [2], 2 * GiB), inv)  # torch loaded, CUDA not started: applied at lazy init
+torch_cuda.empty(GiB, device=2).free()  # CUDA starts inside the lease
+out["cached_count"] = torch.cuda.device_count()  # the lease's narrowed view, kept for good
+try:
+    torch_cuda.empty(3 * GiB, device=2)
+    out["over_budget"] = "allowed"
+except torch.OutOfMemoryError:
+    out["over_budget"] = "refused"
+out["notes"] = done.notes
+done.undo()
+""",
+    )
+    assert out["cached_count"] == 1  # the double is as strict as that torch
+    assert out["over_budget"] == "refused"
+    assert out["notes"] == []
+
+
 def test_real_ordinals_come_from_what_the_driver_enumerates(clean_env, monkeypatch):
     """After cuInit the driver's own device UUIDs decide the ordinals (a GPU NVML refused still counts)."""
     inventory = real_inventory(indices=(0, 2))  # NVML gave GPUs 0 and 2 to the run; the machine has 4

@@ -111,6 +111,31 @@ def test_device_list_is_fixed_at_first_cuda_call_and_device_count_follows_torch(
 
 
 @pytest.mark.slow
+def test_legacy_device_count_is_cached_at_its_first_call(tmp_path: Path) -> None:
+    """torch 2.0-2.3: device_count is lru_cache'd at its first call, CUDA started or not."""
+    out = run_script(
+        tmp_path,
+        """
+        torch_cuda.install(torch, legacy_device_count=True)
+        torch.cuda.is_available()  # cudaGetDeviceCount: fixes the driver's list (4 GPUs)
+        os.environ["CUDA_VISIBLE_DEVICES"] = "2"  # as a lease narrows it
+        out["first"] = torch.cuda.device_count()
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+        torch.cuda.init()
+        out["after_init"] = torch.cuda.device_count()
+        out["checked"] = error(lambda: torch.cuda.get_device_properties(2))
+        out["unchecked"] = torch.cuda._get_device_properties(2).total_memory > 0
+        out["driver"] = torch._C._cuda_getDeviceCount()
+        """,
+    )
+    assert out["first"] == 1
+    assert out["after_init"] == 1  # kept: the lru_cache never forgets
+    assert out["checked"] == "AssertionError: Invalid device id"
+    assert out["unchecked"] is True
+    assert out["driver"] == 4
+
+
+@pytest.mark.slow
 def test_current_device_guards_and_contexts_follow_cuda_12(tmp_path: Path) -> None:
     out = run_script(
         tmp_path,

@@ -45,8 +45,15 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
     state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
 
     def total_of(ordinal: int, index: int) -> int:
-        # torch caps a fraction of the total *it* sees (cudaMemGetInfo), a little less than NVML's
-        return int(cuda.get_device_properties(ordinal).total_memory) or _capacity(done, index)
+        # torch caps a fraction of the total *it* sees (totalGlobalMem, = cudaMemGetInfo's total), a
+        # little less than NVML's. Not through get_device_properties: it asserts ordinal <
+        # device_count(), and torch < 2.4 (before pytorch#122815) cached device_count at its first
+        # call (lru_cache) from the CUDA_VISIBLE_DEVICES of that moment, the lease's when CUDA
+        # starts inside one. The accessor torch's lazy init defines checks the driver's count.
+        unchecked = getattr(cuda, "_get_device_properties", None)
+        if unchecked is not None:
+            return int(unchecked(ordinal).total_memory) or _capacity(done, index)
+        return _capacity(done, index)
 
     def apply() -> None:
         if not state["active"] or state["applied"]:

@@ -426,6 +426,7 @@ class _Process:
     address: int = 0x7F0000000000  # next segment's (fake) device address
     blocks: dict[int, tuple[_DeviceAllocator, _CacheBlock]] = field(default_factory=dict)  # live Blocks
     keys: Iterator[int] = field(default_factory=itertools.count)
+    cached_count: int | None = None  # torch < 2.4's lru_cache'd device_count
 
     def next_address(self, size: int) -> int:
         base = self.address
@@ -440,6 +441,7 @@ class _Process:
 class _Settings:
     torch: ModuleType | None = None
     legacy_memory_fraction: bool = False
+    device_count: Callable[[], int] | None = None  # torch.cuda.device_count as this torch defines it
     fork_handler: bool = False
 
 
@@ -701,6 +703,19 @@ class _Cudart:
             return sim_cuda.mem_get_info(_raw_get_device())
 
 
+def _legacy_device_count() -> int:
+    """torch 2.0-2.3's ``torch.cuda.device_count``, ``@lru_cache(maxsize=1)``::
+
+    nvml_count = _device_count_nvml()
+    return torch._C._cuda_getDeviceCount() if nvml_count < 0 else nvml_count
+    """
+    if _proc.cached_count is None:
+        cuda = _require_torch().cuda
+        nvml_count = int(cuda._device_count_nvml())
+        _proc.cached_count = _c_get_device_count() if nvml_count < 0 else nvml_count
+    return _proc.cached_count
+
+
 def _nvml_device_count() -> int:
     """``nvmlDeviceGetCount_v2``: every physical GPU, MIG-mode and faulted ones included."""
     return len(ledger().machine().gpus)
@@ -740,18 +755,30 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
 # -- public API ---------------------------------------------------------------------------------
 
 
-def install(torch: ModuleType, *, legacy_memory_fraction: bool = False) -> None:
+def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_device_count: bool = False) -> None:
     """Give ``torch.cuda`` of torch's CPU build the simulated GPUs (idempotent).
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its
-    context) and never switched back. Refuses a torch built with CUDA.
+    context) and never switched back.
+
+    ``legacy_device_count=True`` models torch 2.0 to 2.3, whose ``device_count`` was
+    ``@lru_cache(maxsize=1)``: NVML's count through the ``CUDA_VISIBLE_DEVICES`` of its
+    *first* call (torch's own ``_device_count_nvml``; ``cudaGetDeviceCount`` when NVML fails),
+    kept for the life of the process whether or not CUDA had started (pytorch/pytorch#122815,
+    in torch 2.4, caches it only once CUDA is initialised). ``get_device_properties``,
+    ``get_device_name`` and ``can_device_access_peer`` assert ``device < device_count()``
+    against it; ``torch.cuda._get_device_properties`` (defined by lazy init) checks the
+    driver's count. Refuses a torch built with CUDA.
     """
     binding = getattr(torch._C, "_cuda_getDeviceCount", None)
     if binding is not None and binding is not _c_get_device_count:
         raise RuntimeError("pytest_gpu.sim.torch_cuda.install: this torch has real CUDA support; it needs no double")
     _settings.torch = torch
     _settings.legacy_memory_fraction = legacy_memory_fraction
+    if _settings.device_count is None:
+        _settings.device_count = torch.cuda.device_count  # this torch's own
+    torch.cuda.device_count = _legacy_device_count if legacy_device_count else _settings.device_count
     for name, function in _C_BINDINGS.items():
         setattr(torch._C, name, function)
     cuda = torch.cuda
