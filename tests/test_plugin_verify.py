@@ -266,3 +266,52 @@ def test_summary_counts_wait_time(gpu_pytester, run_inner):
     # the timeline's line prints the same figure, from the same per-test waits
     timeline = float(re.search(r"· waited (\d+\.\d)s for GPUs", result.stdout.str()).group(1))
     assert timeline == total
+
+
+THREADED = """
+import threading
+
+import pytest
+from pytest_gpu import sim
+
+
+@pytest.mark.gpu(memory="4GiB")
+def test_thread_on_its_default_device(gpu):
+    assert sim.current_device() == 1  # the lease confined this thread to GPU 1
+    seen = []
+
+    def load():
+        seen.append(sim.current_device())  # a new thread's current device is its own: 0
+        sim.allocate("256MiB").free()
+
+    worker = threading.Thread(target=load, name="loader")
+    worker.start()
+    worker.join()
+    assert seen == [0]
+
+
+@pytest.mark.gpu(memory="4GiB")
+def test_thread_that_chooses_the_lease(gpu):
+    def load():
+        sim.set_device(gpu.device)
+        sim.allocate("256MiB").free()
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    worker.join()
+"""
+
+
+def test_a_thread_left_on_cuda0_is_named(gpu_pytester, run_inner):
+    """Issue 19 (6): the current device is per thread, so a thread the test starts works on
+    cuda:0, outside a lease on GPU 1; verification names it and says what the thread must do."""
+    gpu_pytester.makepyfile(test_t=THREADED)
+    result = run_inner("--gpus", "sim:2GiB,16GiB")  # only GPU 1 fits a 4GiB lease
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*used memory on GPU 0 (256MiB at peak; cuda:0 from another thread (loader)) outside its lease (GPU 1): "
+            "a thread's current device is its own*torch.cuda.set_device(lease.device)*"
+        ]
+    )
+    assert "test_thread_that_chooses_the_lease broke" not in result.stdout.str()

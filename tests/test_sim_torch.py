@@ -136,6 +136,41 @@ def test_legacy_device_count_is_cached_at_its_first_call(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_current_device_is_per_thread(tmp_path: Path) -> None:
+    """CUDA's current device (and c10's recorded target) belong to the host thread: a thread
+    starts on cuda:0, and its first allocation opens GPU 0's context."""
+    out = run_script(
+        tmp_path,
+        """
+        import threading
+        torch.cuda.set_device(2)
+        seen = {}
+
+        def work():
+            seen["start"] = torch.cuda.current_device()
+            with torch.cuda.device(3):
+                seen["guarded"] = torch.cuda.current_device()
+            seen["after_guard"] = torch.cuda.current_device()
+            seen["block_device"] = empty(MiB_).device
+
+        MiB_ = 2**20
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        out.update(seen)
+        out["main"] = torch.cuda.current_device()
+        out["contexts"] = contexts()
+        """,
+    )
+    assert out["start"] == 0
+    assert out["guarded"] == 3
+    assert out["after_guard"] == 0
+    assert out["block_device"] == 0
+    assert out["main"] == 2  # the thread's choices are its own
+    assert out["contexts"] == [0, 2, 3]
+
+
+@pytest.mark.slow
 def test_current_device_guards_and_contexts_follow_cuda_12(tmp_path: Path) -> None:
     out = run_script(
         tmp_path,

@@ -19,7 +19,9 @@ torch/csrc/cuda/Module.cpp):
 - Lazy init sizes the caching allocator's per-device table to the driver's count
   ("Allocator not initialized for device N: did you call init?" beyond it) and fails
   with "No CUDA GPUs are available" when the list is empty.
-- Current device as c10 keeps it under CUDA 12: ``set_device`` always calls
+- Current device as c10 keeps it under CUDA 12, per host thread (CUDA's current device and
+  c10's ``thread_local targetDeviceIndex``, c10/cuda/CUDAFunctions.cpp): a thread a test
+  starts is on ordinal 0 until it calls ``set_device``. ``set_device`` always calls
   ``cudaSetDevice`` (opens the primary context); device guards (``torch.cuda.device``,
   :func:`empty` with a device) switch with ``cudaSetDevice`` on entry and on exit only
   *record* the previous device when it has no context, so none is opened there.
@@ -43,8 +45,7 @@ The CPU build cannot make CUDA tensors: :func:`empty` stands for
 memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected.
 State is per process; :func:`reset` forgets it (tests of the double only).
 
-Left out: streams, events and CUDA graphs (one stream per device), the current device
-per thread (it is per process here), ``PYTORCH_CUDA_ALLOC_CONF`` (max_split_size,
+Left out: streams, events and CUDA graphs (one stream per device), ``PYTORCH_CUDA_ALLOC_CONF`` (max_split_size,
 expandable segments, rounding divisions, garbage collection), ``memory_snapshot``,
 memory pools, ``caching_allocator_alloc``, peer access, and real CUDA tensors or
 kernels (``torch.cuda.is_available()`` is True, so library code that then launches CUDA
@@ -57,6 +58,7 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -420,7 +422,7 @@ def _process_memory_info(ordinal: int) -> str:
 @dataclass
 class _Process:
     allocators: list[_DeviceAllocator] = field(default_factory=list)  # sized at lazy init
-    target: int = -1  # c10's targetDeviceIndex: a device guard's exit recorded, not set
+    local: threading.local = field(default_factory=threading.local)  # .target, per thread
     poisoned: bool = False  # the driver was touched: a forked child cannot use CUDA
     bad_fork: bool = False
     address: int = 0x7F0000000000  # next segment's (fake) device address
@@ -501,14 +503,22 @@ def _has_primary_context(ordinal: int) -> bool:
     return sim_cuda.unit_of(ordinal) in sim_cuda.contexts()
 
 
+def _target() -> int:
+    """c10's ``thread_local targetDeviceIndex`` (CUDA >= 12): a device a guard's exit recorded
+    instead of setting it, this thread's; -1 when none."""
+    target: int = getattr(_proc.local, "target", -1)
+    return target
+
+
 def _get_device() -> int:
-    return _proc.target if _proc.target >= 0 else _raw_get_device()
+    target = _target()
+    return target if target >= 0 else _raw_get_device()
 
 
 def _set_device(ordinal: int, *, force: bool) -> None:
     if ordinal < 0:
         raise RuntimeError(f"device id must be non-negative!{ordinal}")
-    _proc.target = -1
+    _proc.local.target = -1
     if force or ordinal != _raw_get_device():
         _raw_set_device(ordinal)
 
@@ -518,11 +528,11 @@ def _maybe_set_device(ordinal: int) -> None:
     if _has_primary_context(ordinal):
         _set_device(ordinal, force=False)
     else:
-        _proc.target = ordinal
+        _proc.local.target = ordinal
 
 
 def _exchange_device(to: int) -> int:
-    current, _proc.target = _proc.target, -1
+    current, _proc.local.target = _target(), -1
     if current < 0:
         current = _raw_get_device()
         if to == current:
@@ -538,7 +548,7 @@ def _maybe_exchange_device(to: int) -> int:
     if _has_primary_context(to):
         _raw_set_device(to)
     else:
-        _proc.target = to
+        _proc.local.target = to
     return current
 
 
