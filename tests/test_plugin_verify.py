@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
+
 GiB = 2**30
 
 VIOLATORS = """
@@ -17,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pytest_gpu import sim
 
 LEAK = []
@@ -141,6 +144,7 @@ def test_in_process_allocation_is_capped_at_the_lease(gpu_pytester, run_inner):
 
 REPORTED = """
 import pytest
+
 from pytest_gpu import sim
 
 @pytest.mark.gpu(memory="2GiB")
@@ -315,3 +319,21 @@ def test_a_thread_left_on_cuda0_is_named(gpu_pytester, run_inner):
         ]
     )
     assert "test_thread_that_chooses_the_lease broke" not in result.stdout.str()
+
+
+def test_a_thread_left_on_cuda0_under_fake_gpus(gpu_pytester, run_inner, monkeypatch, tmp_path):
+    """The NVML path cannot see threads: it names the process's cuda:0 and says a thread may have used it."""
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2GiB,16GiB")
+    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+    gpu_pytester.makepyfile(test_t=THREADED)
+    result = gpu_pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", timeout=180
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*used memory on GPU 0 (*; this process's cuda:0: perhaps from another thread, which NVML cannot "
+            "tell apart) outside its lease (GPU 1): a thread's current device is its own*"
+        ]
+    )

@@ -300,25 +300,22 @@ class NvmlVerifier:
                 left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)
                 if left > 0:
                     current[index] = left
-        verdict = judge(lease, peak, current, touched, others)
+        grew = [i for i in touched if i in usage[0]] if usage is not None else []
+        whence = _cuda0_whence(self.inventory, lease, grew)
+        verdict = judge(lease, peak, current, touched, others, whence=whence)
         verdict.notes.extend(self._notes)
-        if usage is not None:
-            verdict.notes.extend(_thread_hint(self.inventory, lease, [i for i in touched if i in usage[0]]))
         verdict.measured = torch is not None or not (self._unmeasured & set(lease.indices))
         return verdict
 
 
-def _thread_hint(inventory: Inventory, lease: GpuLease, grew: list[int]) -> list[str]:
+def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dict[int, str]:
     """Real GPUs: NVML reports per process, not per thread. Where this process grew on its own
-    cuda:0 outside the lease, say what that may be (a thread on its default device) and what
-    cannot be told. Not run on a real GPU here."""
+    cuda:0 outside the lease, say what that may be (a thread left on its default device) and
+    that it cannot be told. Runs against the fake NVML; not run on a real GPU here."""
     view = runtime.view(inventory)
     if not view or view[0] in lease.indices or view[0] not in grew:
-        return []
-    return [
-        f"GPU {view[0]} is this process's cuda:0: perhaps cuda:0 from another thread (every thread starts on "
-        "cuda:0); NVML counts per process and cannot tell which thread used it. " + THREAD_ADVICE
-    ]
+        return {}
+    return {view[0]: "this process's cuda:0: perhaps from another thread, which NVML cannot tell apart"}
 
 
 class SharedVerifier:
