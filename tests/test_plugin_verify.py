@@ -337,3 +337,54 @@ def test_a_thread_left_on_cuda0_under_fake_gpus(gpu_pytester, run_inner, monkeyp
             "tell apart) outside its lease (GPU 1): a thread's current device is its own*"
         ]
     )
+
+
+BACKENDS = """
+import pytest
+import torch
+from pytest_gpu.sim import torch_cuda
+
+MiB = 2**20
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_pool_keeps_what_was_freed(gpu):
+    torch_cuda.empty(600 * MiB, device=gpu.device).free()  # stays reserved in the pool
+    block = torch_cuda.empty(700 * MiB, device=gpu.device)  # does not fit the freed chunk: a new one
+    assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    assert torch.cuda.max_memory_reserved(gpu.device) == 1300 * MiB  # above the lease, no allocation refused
+    assert torch.cuda.max_memory_allocated(gpu.device) == 700 * MiB
+    with pytest.raises(torch.OutOfMemoryError, match="would exceed allowed memory"):
+        torch_cuda.empty(400 * MiB, device=gpu.device)  # 700 + 400 in use: the cap holds
+    block.free()
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_pages_round_past_the_cap(gpu):
+    block = torch_cuda.empty(1022 * MiB, device=gpu.device)  # allowed: 0 + 1022MiB <= 1GiB
+    assert torch.cuda.max_memory_reserved(gpu.device) == 1040 * MiB  # 52 pages of 20MiB
+    block.free()
+"""
+
+
+@pytest.mark.parametrize(
+    ("conf", "test"),
+    [
+        ("backend:cudaMallocAsync", "test_pool_keeps_what_was_freed"),
+        ("expandable_segments:True", "test_pages_round_past_the_cap"),
+    ],
+)
+def test_allocator_backends_peak_as_the_cap_counts(gpu_pytester, monkeypatch, tmp_path, conf, test):
+    """Issue 19 (6): under cudaMallocAsync and expandable segments torch's cap holds while
+    max_memory_reserved passes it; the peak is read as the cap counts it (no false violation)."""
+    require("torch", module="torch")
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2x16GiB")
+    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    gpu_pytester.makepyfile(test_b=BACKENDS)
+    result = gpu_pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", "-k", test, timeout=180
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: 2 GPUs (2x16GiB) [[]nvml[]] · 1 GPU test · * · 0 violations"])

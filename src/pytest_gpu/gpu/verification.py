@@ -155,6 +155,38 @@ def _mismatch(pynvml: ModuleType) -> type[Exception]:
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
 
 
+def torch_peak(cuda: ModuleType, ordinal: int) -> int:
+    """torch's peak on ``ordinal``, read as the lease's cap counts it.
+
+    - Native caching allocator (the default): ``max_memory_reserved``. The fraction cap
+      counts reserved segments (``total_allocated_memory + alloc_size <= allowed``), and a
+      cached block is memory the lease holds.
+    - ``backend:cudaMallocAsync``: ``max_memory_allocated`` (the pool's ``UsedMemHigh``).
+      The fraction caps ``pytorch_used_bytes`` only, and the pool keeps freed memory
+      reserved (release threshold ``UINT64_MAX``) until ``empty_cache``:
+      ``max_memory_reserved`` (``ReservedMemHigh``) can pass the cap with no allocation ever
+      refused (c10/cuda/CUDAMallocAsyncAllocator.cpp: ``mallocAsync``, ``setMemoryFraction``,
+      ``getDeviceStats``).
+    - ``expandable_segments:True``: ``max_memory_allocated``. ``alloc_block`` checks the
+      fraction against the reserve plus the request *before* ``map_block`` maps whole pages
+      (20 MiB in the large pool), so the reserve can end up to a page above the cap while
+      every allocation fitted (c10/cuda/CUDACachingAllocator.cpp: ``alloc_block``,
+      ``try_allocate_expandable_block``, ``ExpandableSegment::map``).
+
+    In the last two cases the peak is what the test's tensors held, not the physical memory
+    the allocator reserved (NVML's figure, which can be higher). The allocator's
+    configuration is read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF`` as torch
+    reads it at start (a later ``torch.cuda.memory._set_allocator_settings`` is not seen).
+    Checked against the torch double (:mod:`pytest_gpu.sim.torch_cuda`), not on a real GPU.
+    """
+    backend = getattr(cuda, "get_allocator_backend", lambda: "native")()
+    raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = dict(item.strip().partition(":")[::2] for item in raw.split(",") if item.strip())
+    if backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true":
+        return int(cuda.max_memory_allocated(ordinal))
+    return int(cuda.max_memory_reserved(ordinal))
+
+
 class Verifier(Protocol):
     """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
 
@@ -296,7 +328,7 @@ class NvmlVerifier:
         current: dict[int, int] = {}
         if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                peak[index] = max(peak[index], int(torch.cuda.max_memory_reserved(ordinal)))
+                peak[index] = max(peak[index], torch_peak(torch.cuda, ordinal))
                 left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)
                 if left > 0:
                     current[index] = left

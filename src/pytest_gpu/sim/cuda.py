@@ -231,11 +231,14 @@ class Allocation:
         return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
 
 
-def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
+def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool = True) -> Allocation:
     """Allocate simulated memory on ``device`` (an ordinal or ``"cuda:N"``; default: the current device).
 
     Raises :class:`OutOfMemoryError` when the device or this process's cap is exceeded,
-    :class:`SimDeviceError` for an ordinal this process cannot see.
+    :class:`SimDeviceError` for an ordinal this process cannot see. ``capped=False``: a
+    framework's own reservation that its own cap already judged (torch's fraction under
+    ``cudaMallocAsync`` or expandable segments, which may reserve past it): the lease's
+    cap here stands in for a framework's, and the hardware has no other.
     """
     size = parse_size(nbytes)
     if size <= 0:
@@ -243,7 +246,8 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
     unit = unit_of(device)
     ordinal = init().index(unit)
     led = ledger()
-    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), _rt.caps.get(unit), thread=thread_label())
+    cap = _rt.caps.get(unit) if capped else None
+    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
     _known_contexts().add(unit)
     return Allocation(led, handle, size, ordinal, unit)
 
