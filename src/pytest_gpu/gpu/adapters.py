@@ -7,9 +7,10 @@ runs when its framework is imported (:meth:`Confinement.when_imported`).
 They follow torch's and CuPy's own sources (``c10/cuda``'s ``setMemoryFraction`` calls
 ``SetDevice`` and leaves it; the caching allocator keeps freed blocks until
 ``empty_cache``; ``reset_peak_memory_stats`` sets the peak to the current reserve; CuPy's
-``set_limit`` and ``free_all_blocks`` act on the current device's pool). Exercised in CI
-against :mod:`pytest_gpu.sim.torch_cuda` and a CuPy stand-in; on a real GPU only where a
-device machine ran ``tests/gpu/``.
+``set_limit`` and ``free_all_blocks`` act on the current device's pool; ``Device.__exit__``
+sets the device it found, unconditionally). Exercised in CI against
+:mod:`pytest_gpu.sim.torch_cuda` and :mod:`pytest_gpu.sim.cupy_cuda`; on a real GPU only
+where a device machine ran ``tests/gpu/``.
 """
 
 from __future__ import annotations
