@@ -4,8 +4,8 @@ torch's adapter runs against torch's CPU build given simulated CUDA
 (:mod:`pytest_gpu.sim.torch_cuda`) in a fresh process per scenario, on GPUs the fake
 ``libnvidia-ml.so.1`` reports (``PYTEST_GPU_FAKE_GPUS``): the device list is fixed at
 first use, ``set_device`` opens contexts, freed memory stays cached until
-``empty_cache``. CuPy's runs against a stand-in whose pool acts on the current device
-only, as CuPy's does.
+``empty_cache``. CuPy's runs against :mod:`pytest_gpu.sim.cupy_cuda`, whose pool acts on the current device
+only and whose ``Device`` restores devices (opening contexts) as CuPy's does.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pytest_gpu import sim
 from pytest_gpu.gpu import runtime
 from pytest_gpu.gpu.devices import Device, Inventory, parse_sim_spec
 from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, confine, make_lease
+from pytest_gpu.sim import cupy_cuda
 
 GiB, MiB = 2**30, 2**20
 
@@ -226,50 +227,62 @@ def test_simulated_lease_sets_the_tag_and_the_current_device(clean_env, tmp_path
     sim.cuda.forget()
 
 
-def test_cupy_limits_every_leased_gpu(clean_env):
-    """Item 13: CuPy's set_limit and free_all_blocks act on the current device's pool only."""
-    current = [0]
-    limits = {i: 0 for i in range(4)}
-    freed: list[int] = []
+def cupy_on_sim(monkeypatch, tmp_path):
+    """The CuPy stand-in (:mod:`pytest_gpu.sim.cupy_cuda`) on a private simulated machine, as ``cupy``."""
+    monkeypatch.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
+    monkeypatch.setenv(sim.SPEC_ENV, "sim:4x16GiB")
+    sim.cuda.forget()
+    cupy = cupy_cuda.module()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return cupy
 
-    class Device:
-        def __init__(self, ordinal: int) -> None:
-            self.ordinal = ordinal
-            self.saved: list[int] = []
 
-        def use(self) -> None:
-            current[0] = self.ordinal
+def test_cupy_stand_in_restores_devices_as_cupy_does(clean_env, tmp_path):
+    """CuPy's ``Device.__exit__`` calls setDevice on the device it found, unconditionally: a
+    context opens there (CUDA 12); ``set_limit`` acts on the current device's pool only."""
+    cupy = cupy_on_sim(clean_env, tmp_path)
+    with cupy.cuda.Device(1):
+        cupy.get_default_memory_pool().set_limit(size=GiB)
+    assert sim.cuda.current_device() == 0
+    assert sim.cuda.contexts() == {0, 1}  # the way back opened GPU 0's context
+    pool = cupy.get_default_memory_pool()
+    assert pool.get_limit() == 0
+    cupy.cuda.Device(1).use()
+    assert pool.get_limit() == GiB
+    block = pool.malloc("768MiB")
+    with pytest.raises(cupy_cuda.OutOfMemoryError, match="limit set to"):
+        pool.malloc("512MiB")
+    block.free()
+    assert pool.total_bytes() == 768 * MiB  # cached until free_all_blocks
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0
+    sim.cuda.forget()
 
-        def __enter__(self) -> Device:
-            self.saved.append(current[0])
-            current[0] = self.ordinal
-            return self
 
-        def __exit__(self, *exc: object) -> None:
-            current[0] = self.saved.pop()
-
-    class Pool:
-        def get_limit(self) -> int:
-            return limits[current[0]]
-
-        def set_limit(self, size: int) -> None:
-            limits[current[0]] = size
-
-        def free_all_blocks(self) -> None:
-            freed.append(current[0])
-
-    pool = Pool()
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(Device=Device)
-    cupy.get_default_memory_pool = lambda: pool
-    clean_env.setitem(sys.modules, "cupy", cupy)
-    inventory = real_inventory()
+def test_cupy_limits_every_leased_gpu_and_opens_no_context_outside(clean_env, tmp_path):
+    """Item 13 and issue 19 (6): the adapter caps each leased GPU's pool, never sets a device
+    outside the lease (a `with Device(k)` would go back to GPU 0 and open its context) and
+    finishes on the lease's first ordinal; its undo lifts the caps, again inside the lease."""
+    cupy = cupy_on_sim(clean_env, tmp_path)
+    pool = cupy.get_default_memory_pool()
+    inventory = real_inventory()  # real GPUs: no simulated confinement moves the device first
     lease = make_lease("k", [2, 3], 3 * GiB, False, 0.0, inventory, "t")
     done = confine(lease, inventory)
+    assert sim.cuda.current_device() == 2
+    assert sim.cuda.contexts() == {2, 3}  # none on GPU 0, where the process started
+    limits = {}
+    for ordinal in (2, 3):  # they have contexts: making them current opens none
+        cupy.cuda.Device(ordinal).use()
+        limits[ordinal] = pool.get_limit()
+    limits.update({i: pool._pools[i].limit for i in (0, 1)})  # the stand-in's own table: no device switch
     assert limits == {0: 0, 1: 0, 2: 3 * GiB, 3: 3 * GiB}
-    assert current[0] == 2 and sorted(set(freed)) == [2, 3]
     done.undo()
-    assert limits == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert sim.cuda.current_device() == 2
+    assert sim.cuda.contexts() == {2, 3}
+    for ordinal in (2, 3):
+        cupy.cuda.Device(ordinal).use()
+        assert pool.get_limit() == 0
+    sim.cuda.forget()
 
 
 def test_plugin_never_imports_torch(gpu_pytester, run_inner):
@@ -335,6 +348,9 @@ def test_a_failing_adapter_undoes_what_was_applied(clean_env, tmp_path):
     class Device:
         def __init__(self, ordinal: int) -> None:
             pass
+
+        def use(self) -> Device:
+            return self
 
         def __enter__(self) -> Device:
             return self
@@ -408,6 +424,32 @@ out["contexts"] = sorted(simcuda.contexts())
     assert out["during"] == 1
     assert out["after"] == 1  # not left on GPU 3, where the last fraction reset switched it
     assert out["contexts"] == [1, 3]  # and never a context on GPU 0, where the process started
+
+
+@pytest.mark.slow
+def test_a_torch_that_caches_device_count_at_first_call_still_gets_its_cap(tmp_path):
+    """Issue 19 (6) on torch 2.0-2.3: device_count is lru_cache'd at its first call; when CUDA
+    starts inside a lease that count is the lease's (1 GPU), and get_device_properties(2) asserts
+    2 < 1. The adapter reads the total without that check, so the cap still holds."""
+    out = run_torch(
+        tmp_path,
+        """
+torch_cuda.install(torch, legacy_device_count=True)
+done = confine(lease("a", [2], 2 * GiB), inv)  # torch loaded, CUDA not started: applied at lazy init
+torch_cuda.empty(GiB, device=2).free()  # CUDA starts inside the lease
+out["cached_count"] = torch.cuda.device_count()  # the lease's narrowed view, kept for good
+try:
+    torch_cuda.empty(3 * GiB, device=2)
+    out["over_budget"] = "allowed"
+except torch.OutOfMemoryError:
+    out["over_budget"] = "refused"
+out["notes"] = done.notes
+done.undo()
+""",
+    )
+    assert out["cached_count"] == 1  # the double is as strict as that torch
+    assert out["over_budget"] == "refused"
+    assert out["notes"] == []
 
 
 def test_real_ordinals_come_from_what_the_driver_enumerates(clean_env, monkeypatch):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
+
 GiB = 2**30
 
 VIOLATORS = """
@@ -17,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pytest_gpu import sim
 
 LEAK = []
@@ -141,6 +144,7 @@ def test_in_process_allocation_is_capped_at_the_lease(gpu_pytester, run_inner):
 
 REPORTED = """
 import pytest
+
 from pytest_gpu import sim
 
 @pytest.mark.gpu(memory="2GiB")
@@ -266,3 +270,121 @@ def test_summary_counts_wait_time(gpu_pytester, run_inner):
     # the timeline's line prints the same figure, from the same per-test waits
     timeline = float(re.search(r"· waited (\d+\.\d)s for GPUs", result.stdout.str()).group(1))
     assert timeline == total
+
+
+THREADED = """
+import threading
+
+import pytest
+from pytest_gpu import sim
+
+
+@pytest.mark.gpu(memory="4GiB")
+def test_thread_on_its_default_device(gpu):
+    assert sim.current_device() == 1  # the lease confined this thread to GPU 1
+    seen = []
+
+    def load():
+        seen.append(sim.current_device())  # a new thread's current device is its own: 0
+        sim.allocate("256MiB").free()
+
+    worker = threading.Thread(target=load, name="loader")
+    worker.start()
+    worker.join()
+    assert seen == [0]
+
+
+@pytest.mark.gpu(memory="4GiB")
+def test_thread_that_chooses_the_lease(gpu):
+    def load():
+        sim.set_device(gpu.device)
+        sim.allocate("256MiB").free()
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    worker.join()
+"""
+
+
+def test_a_thread_left_on_cuda0_is_named(gpu_pytester, run_inner):
+    """Issue 19 (6): the current device is per thread, so a thread the test starts works on
+    cuda:0, outside a lease on GPU 1; verification names it and says what the thread must do."""
+    gpu_pytester.makepyfile(test_t=THREADED)
+    result = run_inner("--gpus", "sim:2GiB,16GiB")  # only GPU 1 fits a 4GiB lease
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*used memory on GPU 0 (256MiB at peak; cuda:0 from another thread (loader)) outside its lease (GPU 1): "
+            "a thread's current device is its own*torch.cuda.set_device(lease.device)*"
+        ]
+    )
+    assert "test_thread_that_chooses_the_lease broke" not in result.stdout.str()
+
+
+def test_a_thread_left_on_cuda0_under_fake_gpus(gpu_pytester, run_inner, monkeypatch, tmp_path):
+    """The NVML path cannot see threads: it names the process's cuda:0 and says a thread may have used it."""
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2GiB,16GiB")
+    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+    gpu_pytester.makepyfile(test_t=THREADED)
+    result = gpu_pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", timeout=180
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*used memory on GPU 0 (*; this process's cuda:0: perhaps from another thread, which NVML cannot "
+            "tell apart) outside its lease (GPU 1): a thread's current device is its own*"
+        ]
+    )
+
+
+BACKENDS = """
+import pytest
+import torch
+from pytest_gpu.sim import torch_cuda
+
+MiB = 2**20
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_pool_keeps_what_was_freed(gpu):
+    torch_cuda.empty(600 * MiB, device=gpu.device).free()  # stays reserved in the pool
+    block = torch_cuda.empty(700 * MiB, device=gpu.device)  # does not fit the freed chunk: a new one
+    assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    assert torch.cuda.max_memory_reserved(gpu.device) == 1300 * MiB  # above the lease, no allocation refused
+    assert torch.cuda.max_memory_allocated(gpu.device) == 700 * MiB
+    with pytest.raises(torch.OutOfMemoryError, match="would exceed allowed memory"):
+        torch_cuda.empty(400 * MiB, device=gpu.device)  # 700 + 400 in use: the cap holds
+    block.free()
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_pages_round_past_the_cap(gpu):
+    block = torch_cuda.empty(1022 * MiB, device=gpu.device)  # allowed: 0 + 1022MiB <= 1GiB
+    assert torch.cuda.max_memory_reserved(gpu.device) == 1040 * MiB  # 52 pages of 20MiB
+    block.free()
+"""
+
+
+@pytest.mark.parametrize(
+    ("conf", "test"),
+    [
+        ("backend:cudaMallocAsync", "test_pool_keeps_what_was_freed"),
+        ("expandable_segments:True", "test_pages_round_past_the_cap"),
+    ],
+)
+def test_allocator_backends_peak_as_the_cap_counts(gpu_pytester, monkeypatch, tmp_path, conf, test):
+    """Issue 19 (6): under cudaMallocAsync and expandable segments torch's cap holds while
+    max_memory_reserved passes it; the peak is read as the cap counts it (no false violation)."""
+    require("torch", module="torch")
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2x16GiB")
+    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    gpu_pytester.makepyfile(test_b=BACKENDS)
+    result = gpu_pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", "-k", test, timeout=180
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: 2 GPUs (2x16GiB) [[]nvml[]] · 1 GPU test · * · 0 violations"])

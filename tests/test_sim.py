@@ -351,6 +351,26 @@ def test_current_device_and_set_device_opens_a_context() -> None:
     assert sim.current_device() == 1
 
 
+def test_current_device_is_per_thread() -> None:
+    """CUDA's current device belongs to the host thread: a new thread starts on ordinal 0."""
+    sim.set_device(1)
+    seen: list[int] = []
+
+    def work() -> None:
+        seen.append(sim.current_device())
+        with sim.allocate("1GiB") as alloc:  # its default device: ordinal 0, whose context it opens
+            seen.append(alloc.physical)
+        sim.set_device(1)
+        seen.append(sim.current_device())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [0, 0, 1]
+    assert sim.current_device() == 1
+    assert sim.cuda.contexts() == {0, 1}
+
+
 def test_mem_get_info_opens_a_context_and_excludes_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SPEC_ENV, "sim:2x4GiB;reserved=64MiB")
     sim.cuda.forget()

@@ -47,7 +47,9 @@ def contexts():
 """
 
 
-def run_script(tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visible: str | None = None) -> Any:
+def run_script(
+    tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visible: str | None = None, **extra: str
+) -> Any:
     """Run ``body`` after PRELUDE in a fresh interpreter on a private ledger; return its ``out``."""
     require("torch", module="torch")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
@@ -59,6 +61,7 @@ def run_script(tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visi
     )
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
+    env.update(extra)
     script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
@@ -108,6 +111,66 @@ def test_device_list_is_fixed_at_first_cuda_call_and_device_count_follows_torch(
     assert out["set_device_1"].startswith("AcceleratorError: CUDA error: invalid device ordinal")
     assert out["properties_1"] == "AssertionError: Invalid device id"
     assert out["contexts_after_set_device"] == [2]
+
+
+@pytest.mark.slow
+def test_legacy_device_count_is_cached_at_its_first_call(tmp_path: Path) -> None:
+    """torch 2.0-2.3: device_count is lru_cache'd at its first call, CUDA started or not."""
+    out = run_script(
+        tmp_path,
+        """
+        torch_cuda.install(torch, legacy_device_count=True)
+        torch.cuda.is_available()  # cudaGetDeviceCount: fixes the driver's list (4 GPUs)
+        os.environ["CUDA_VISIBLE_DEVICES"] = "2"  # as a lease narrows it
+        out["first"] = torch.cuda.device_count()
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+        torch.cuda.init()
+        out["after_init"] = torch.cuda.device_count()
+        out["checked"] = error(lambda: torch.cuda.get_device_properties(2))
+        out["unchecked"] = torch.cuda._get_device_properties(2).total_memory > 0
+        out["driver"] = torch._C._cuda_getDeviceCount()
+        """,
+    )
+    assert out["first"] == 1
+    assert out["after_init"] == 1  # kept: the lru_cache never forgets
+    assert out["checked"] == "AssertionError: Invalid device id"
+    assert out["unchecked"] is True
+    assert out["driver"] == 4
+
+
+@pytest.mark.slow
+def test_current_device_is_per_thread(tmp_path: Path) -> None:
+    """CUDA's current device (and c10's recorded target) belong to the host thread: a thread
+    starts on cuda:0, and its first allocation opens GPU 0's context."""
+    out = run_script(
+        tmp_path,
+        """
+        import threading
+        torch.cuda.set_device(2)
+        seen = {}
+
+        def work():
+            seen["start"] = torch.cuda.current_device()
+            with torch.cuda.device(3):
+                seen["guarded"] = torch.cuda.current_device()
+            seen["after_guard"] = torch.cuda.current_device()
+            seen["block_device"] = empty(MiB_).device
+
+        MiB_ = 2**20
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        out.update(seen)
+        out["main"] = torch.cuda.current_device()
+        out["contexts"] = contexts()
+        """,
+    )
+    assert out["start"] == 0
+    assert out["guarded"] == 3
+    assert out["after_guard"] == 0
+    assert out["block_device"] == 0
+    assert out["main"] == 2  # the thread's choices are its own
+    assert out["contexts"] == [0, 2, 3]
 
 
 @pytest.mark.slow
@@ -265,6 +328,76 @@ def test_out_of_memory_retries_once_then_raises_torchs_error(tmp_path: Path) -> 
     assert "pytest-gpu lease" in out["lease"][1]
     assert out["current"] == 0
     assert out["ledger_used"] == {"0": OVERHEAD + 7 * GiB, "1": OVERHEAD, "2": OVERHEAD, "3": OVERHEAD}
+
+
+@pytest.mark.slow
+def test_cuda_malloc_async_caps_what_is_used_and_keeps_what_is_freed(tmp_path: Path) -> None:
+    """backend:cudaMallocAsync: the fraction caps the bytes in use; the pool keeps freed memory
+    reserved (release threshold UINT64_MAX) until empty_cache trims it."""
+    out = run_script(
+        tmp_path,
+        """
+        MiB, GiB = 2**20, 2**30
+        out["backend"] = torch.cuda.get_allocator_backend()
+        torch.cuda.set_per_process_memory_fraction(GiB / torch.cuda.get_device_properties(1).total_memory, 1)
+        out["contexts_after_fraction"] = contexts()  # CUDAGuard + cudaMemGetInfo
+        empty(600 * MiB, device=1).free()
+        b = empty(700 * MiB, device=1)
+        out["reserved"] = torch.cuda.memory_reserved(1) // MiB
+        out["max_reserved"] = torch.cuda.max_memory_reserved(1) // MiB
+        out["max_allocated"] = torch.cuda.max_memory_allocated(1) // MiB
+        out["ledger"] = (ledger().used()[1] - 512 * MiB) // MiB
+        out["oom"] = error(lambda: empty(400 * MiB, device=1)).splitlines()[0]
+        b.free()
+        torch.cuda.empty_cache()
+        out["after_empty"] = torch.cuda.memory_reserved(1)
+        torch.cuda.reset_peak_memory_stats(1)
+        out["peak_after_reset"] = torch.cuda.max_memory_reserved(1)
+        """,
+        PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync",
+    )
+    assert out["backend"] == "cudaMallocAsync"
+    assert out["contexts_after_fraction"] == [1]
+    assert (out["reserved"], out["max_reserved"], out["max_allocated"], out["ledger"]) == (1300, 1300, 700, 1300)
+    assert out["oom"] == "OutOfMemoryError: Allocation on device 1 would exceed allowed memory. (out of memory)"
+    assert out["after_empty"] == 0
+    assert out["peak_after_reset"] == 0
+
+
+@pytest.mark.slow
+def test_expandable_segments_map_pages_past_the_cap(tmp_path: Path) -> None:
+    """expandable_segments:True: the fraction is checked before whole 20 MiB pages are mapped;
+    freed space is reused in place; empty_cache unmaps the pages nothing uses."""
+    out = run_script(
+        tmp_path,
+        """
+        MiB, GiB = 2**20, 2**30
+        torch.cuda.set_per_process_memory_fraction(GiB / torch.cuda.get_device_properties(1).total_memory, 1)
+        a = empty(1022 * MiB, device=1)
+        out["reserved"] = torch.cuda.memory_reserved(1) // MiB
+        out["allocated"] = torch.cuda.memory_allocated(1) // MiB
+        out["ledger"] = (ledger().used()[1] - 512 * MiB) // MiB
+        out["oom"] = error(lambda: empty(30 * MiB, device=1))[:40]
+        a.free()
+        b = empty(300 * MiB, device=1)
+        out["reused"] = torch.cuda.memory_reserved(1) // MiB
+        torch.cuda.empty_cache()
+        out["trimmed"] = torch.cuda.memory_reserved(1) // MiB
+        out["ledger_trimmed"] = (ledger().used()[1] - 512 * MiB) // MiB
+        b.free()
+        torch.cuda.empty_cache()
+        out["empty"] = torch.cuda.memory_reserved(1)
+        c = empty(50 * MiB, device=1)
+        out["pages"] = torch.cuda.memory_reserved(1) // MiB
+        """,
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+    )
+    assert (out["reserved"], out["allocated"], out["ledger"]) == (1040, 1022, 1040)
+    assert out["oom"] == "OutOfMemoryError: CUDA out of memory. Tr"
+    assert out["reused"] == 1040
+    assert (out["trimmed"], out["ledger_trimmed"]) == (300, 300)
+    assert out["empty"] == 0
+    assert out["pages"] == 60
 
 
 def test_install_refuses_a_torch_built_with_cuda() -> None:

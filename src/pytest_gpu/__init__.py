@@ -52,6 +52,7 @@ that this map names every module).
         cuda            a process's simulated CUDA runtime
         nvml            a fake libnvidia-ml.so.1, built from C
         torch_cuda      torch.cuda for the CPU build of torch
+        cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch
     run/                one run in each of its processes
         session         the run's state in one process (GpuRun)

@@ -7,9 +7,10 @@ runs when its framework is imported (:meth:`Confinement.when_imported`).
 They follow torch's and CuPy's own sources (``c10/cuda``'s ``setMemoryFraction`` calls
 ``SetDevice`` and leaves it; the caching allocator keeps freed blocks until
 ``empty_cache``; ``reset_peak_memory_stats`` sets the peak to the current reserve; CuPy's
-``set_limit`` and ``free_all_blocks`` act on the current device's pool). Exercised in CI
-against :mod:`pytest_gpu.sim.torch_cuda` and a CuPy stand-in; on a real GPU only where a
-device machine ran ``tests/gpu/``.
+``set_limit`` and ``free_all_blocks`` act on the current device's pool; ``Device.__exit__``
+sets the device it found, unconditionally). Exercised in CI against
+:mod:`pytest_gpu.sim.torch_cuda` and :mod:`pytest_gpu.sim.cupy_cuda`; on a real GPU only
+where a device machine ran ``tests/gpu/``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,15 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
     state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
 
     def total_of(ordinal: int, index: int) -> int:
-        # torch caps a fraction of the total *it* sees (cudaMemGetInfo), a little less than NVML's
-        return int(cuda.get_device_properties(ordinal).total_memory) or _capacity(done, index)
+        # torch caps a fraction of the total *it* sees (totalGlobalMem, = cudaMemGetInfo's total), a
+        # little less than NVML's. Not through get_device_properties: it asserts ordinal <
+        # device_count(), and torch < 2.4 (before pytorch#122815) cached device_count at its first
+        # call (lru_cache) from the CUDA_VISIBLE_DEVICES of that moment, the lease's when CUDA
+        # starts inside one. The accessor torch's lazy init defines checks the driver's count.
+        unchecked = getattr(cuda, "_get_device_properties", None)
+        if unchecked is not None:
+            return int(unchecked(ordinal).total_memory) or _capacity(done, index)
+        return _capacity(done, index)
 
     def apply() -> None:
         if not state["active"] or state["applied"]:
@@ -93,23 +101,33 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
 
 
 def _confine_cupy(cupy: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
+    """Cap CuPy's default pool on each leased GPU, finishing on the lease's first ordinal.
+
+    ``set_limit`` and ``free_all_blocks`` act on the current device's pool, so each leased
+    GPU is made current with ``Device(k).use()`` (its context is the lease's). Never ``with
+    cupy.cuda.Device(k)``: its ``__exit__`` calls ``setDevice`` on the device it found,
+    unconditionally (cupy/cuda/device.pyx), and CUDA 12's ``cudaSetDevice`` opens the primary
+    context there: ~500 MiB on a GPU outside the lease (often GPU 0). CuPy cannot ask whether a
+    device has a context, so the process is left on the lease's first ordinal, as torch's
+    adapter leaves it.
+    """
     pool = cupy.get_default_memory_pool()
     previous: dict[int, int] = {}
-    # set_limit and free_all_blocks act on the current device's pool only: visit each GPU
     for ordinal in ordinals:
-        with cupy.cuda.Device(ordinal):
-            pool.free_all_blocks()
-            previous[ordinal] = pool.get_limit()
-            budget, _ = hold("cupy", ordinal, lease.memory)
-            pool.set_limit(size=budget)
+        cupy.cuda.Device(ordinal).use()
+        pool.free_all_blocks()
+        previous[ordinal] = pool.get_limit()
+        budget, _ = hold("cupy", ordinal, lease.memory)
+        pool.set_limit(size=budget)
     cupy.cuda.Device(ordinals[0]).use()
 
     def undo() -> None:
         for ordinal in ordinals:
-            with cupy.cuda.Device(ordinal):
-                pool.free_all_blocks()
-                left = drop("cupy", ordinal, lease.memory)
-                pool.set_limit(size=left or previous[ordinal])
+            cupy.cuda.Device(ordinal).use()
+            pool.free_all_blocks()
+            left = drop("cupy", ordinal, lease.memory)
+            pool.set_limit(size=left or previous[ordinal])
+        cupy.cuda.Device(ordinals[0]).use()
 
     done.on_undo(undo)
 

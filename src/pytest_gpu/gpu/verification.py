@@ -22,7 +22,9 @@ was measured.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import ModuleType
@@ -59,18 +61,26 @@ def judge(
     current: dict[int, int],
     touched: Iterable[int],
     others: Iterable[int] = (),
+    *,
+    whence: dict[int, str] | None = None,
 ) -> Verdict:
     """Pure rule: turn measured usage into a verdict for ``lease``; ``others``: GPUs other
-    leases of the same test held (theirs to judge)."""
+    leases of the same test held (theirs to judge); ``whence``: how a GPU outside the lease
+    was reached, where it is known (``"cuda:0 from another thread"``)."""
     verdict = Verdict(peak={i: peak.get(i, 0) for i in lease.indices})
     leased = set(lease.indices)
     shared = set(others) - leased
     outside = sorted(set(touched) - leased - shared)
     if outside:
+        how = whence or {}
         used = ", ".join(
-            f"GPU {i} ({format_size(peak[i])} at peak)" if peak.get(i) else f"GPU {i} (a CUDA context)" for i in outside
+            f"GPU {i} ({format_size(peak[i]) + ' at peak' if peak.get(i) else 'a CUDA context'}"
+            + (f"; {how[i]})" if i in how else ")")
+            for i in outside
         )
         verdict.violations.append(f"used memory on {used} outside its lease (GPU {','.join(map(str, lease.indices))})")
+        if any(i in how for i in outside):
+            verdict.violations[-1] += f": {THREAD_ADVICE}"
     for index in lease.indices:
         if peak.get(index, 0) > lease.memory:
             verdict.violations.append(
@@ -83,6 +93,30 @@ def judge(
                 "(a leaked allocation, or a subprocess still running)"
             )
     return verdict
+
+
+THREAD_ADVICE = (
+    "a thread's current device is its own (cuda:0 until it chooses one); a thread that uses the GPU "
+    "must call torch.cuda.set_device(lease.device) first, or work inside `with torch.cuda.device(lease.device):`"
+)
+
+
+def threads_outside(usage: sim.TagUsage, lease: GpuLease, confined: int) -> dict[int, str]:
+    """GPUs outside ``lease`` that a thread of this process other than ``confined`` (the thread
+    the lease confined) touched, named as that thread's CUDA saw them: ``"cuda:0 from another
+    thread (Thread-1)"``. The ledger records the thread of each call; real NVML cannot."""
+    from ..sim import cuda as sim_cuda
+
+    me, found = os.getpid(), {}
+    for unit, who in usage.threads.items():
+        if unit in lease.indices:
+            continue
+        names = sorted({name for pid, ident, name in who if pid == me and ident != confined})
+        if names:
+            ordinal = sim_cuda.ordinal_of(unit)
+            where = f"cuda:{ordinal}" if ordinal is not None else f"GPU {unit}"
+            found[unit] = f"{where} from another thread ({', '.join(names)})"
+    return found
 
 
 # Long-lived processes this process started for a holder other than the running test (a
@@ -121,6 +155,38 @@ def _mismatch(pynvml: ModuleType) -> type[Exception]:
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
 
 
+def torch_peak(cuda: ModuleType, ordinal: int) -> int:
+    """torch's peak on ``ordinal``, read as the lease's cap counts it.
+
+    - Native caching allocator (the default): ``max_memory_reserved``. The fraction cap
+      counts reserved segments (``total_allocated_memory + alloc_size <= allowed``), and a
+      cached block is memory the lease holds.
+    - ``backend:cudaMallocAsync``: ``max_memory_allocated`` (the pool's ``UsedMemHigh``).
+      The fraction caps ``pytorch_used_bytes`` only, and the pool keeps freed memory
+      reserved (release threshold ``UINT64_MAX``) until ``empty_cache``:
+      ``max_memory_reserved`` (``ReservedMemHigh``) can pass the cap with no allocation ever
+      refused (c10/cuda/CUDAMallocAsyncAllocator.cpp: ``mallocAsync``, ``setMemoryFraction``,
+      ``getDeviceStats``).
+    - ``expandable_segments:True``: ``max_memory_allocated``. ``alloc_block`` checks the
+      fraction against the reserve plus the request *before* ``map_block`` maps whole pages
+      (20 MiB in the large pool), so the reserve can end up to a page above the cap while
+      every allocation fitted (c10/cuda/CUDACachingAllocator.cpp: ``alloc_block``,
+      ``try_allocate_expandable_block``, ``ExpandableSegment::map``).
+
+    In the last two cases the peak is what the test's tensors held, not the physical memory
+    the allocator reserved (NVML's figure, which can be higher). The allocator's
+    configuration is read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF`` as torch
+    reads it at start (a later ``torch.cuda.memory._set_allocator_settings`` is not seen).
+    Checked against the torch double (:mod:`pytest_gpu.sim.torch_cuda`), not on a real GPU.
+    """
+    backend = getattr(cuda, "get_allocator_backend", lambda: "native")()
+    raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = dict(item.strip().partition(":")[::2] for item in raw.split(",") if item.strip())
+    if backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true":
+        return int(cuda.max_memory_allocated(ordinal))
+    return int(cuda.max_memory_reserved(ordinal))
+
+
 class Verifier(Protocol):
     """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
 
@@ -130,14 +196,22 @@ class Verifier(Protocol):
 
 
 class SimVerifier:
-    """Reads the simulated ledger; the tag is set in the environment by the lease."""
+    """Reads the simulated ledger; the tag is set in the environment by the lease.
+
+    The ledger records which thread made each call: a GPU outside the lease reached from a
+    thread other than the one that began the lease (the test's) is named as such."""
+
+    def __init__(self) -> None:
+        self._thread = threading.get_ident()
 
     def begin(self, lease: GpuLease, owner: int) -> None:
+        self._thread = threading.get_ident()  # the test's thread, which the lease confined
         sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
 
     def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
         usage = sim.ledger().tag_usage(lease.env[sim.TAG_ENV], drop=True)
-        return judge(lease, usage.peak, usage.current, usage.touched, others)
+        whence = threads_outside(usage, lease, self._thread)
+        return judge(lease, usage.peak, usage.current, usage.touched, others, whence=whence)
 
 
 class NvmlVerifier:
@@ -254,14 +328,26 @@ class NvmlVerifier:
         current: dict[int, int] = {}
         if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                peak[index] = max(peak[index], int(torch.cuda.max_memory_reserved(ordinal)))
+                peak[index] = max(peak[index], torch_peak(torch.cuda, ordinal))
                 left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)
                 if left > 0:
                     current[index] = left
-        verdict = judge(lease, peak, current, touched, others)
+        grew = [i for i in touched if i in usage[0]] if usage is not None else []
+        whence = _cuda0_whence(self.inventory, lease, grew)
+        verdict = judge(lease, peak, current, touched, others, whence=whence)
         verdict.notes.extend(self._notes)
         verdict.measured = torch is not None or not (self._unmeasured & set(lease.indices))
         return verdict
+
+
+def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dict[int, str]:
+    """Real GPUs: NVML reports per process, not per thread. Where this process grew on its own
+    cuda:0 outside the lease, say what that may be (a thread left on its default device) and
+    that it cannot be told. Runs against the fake NVML; not run on a real GPU here."""
+    view = runtime.view(inventory)
+    if not view or view[0] in lease.indices or view[0] not in grew:
+        return {}
+    return {view[0]: "this process's cuda:0: perhaps from another thread, which NVML cannot tell apart"}
 
 
 class SharedVerifier:

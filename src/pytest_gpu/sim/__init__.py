@@ -3,10 +3,11 @@
 - :mod:`.spec`: the fake machine a spec such as ``sim:4x16GiB;mig:0=2x8GiB`` describes;
 - :mod:`.ledger`: device memory shared by every process (the "physics"), rendered for NVML;
   one ledger per simulated machine (:func:`machine_ledger`), shared by every run that names it;
-- :mod:`.cuda`: a process's CUDA runtime (device list fixed at first use, current device,
+- :mod:`.cuda`: a process's CUDA runtime (device list fixed at first use, current device per thread,
   contexts, allocations) — the public API below comes from here;
 - :mod:`.nvml`: a fake ``libnvidia-ml.so.1`` built from C and loaded by nvidia-ml-py;
 - :mod:`.torch_cuda`: ``torch.cuda`` of torch's CPU build given these semantics;
+- :mod:`.cupy_cuda`: a CuPy stand-in (``Device``, the default memory pool) on the same runtime;
 - :mod:`.fake`: the one switch, ``PYTEST_GPU_FAKE_GPUS=<spec>``, that turns them all on;
 - ``python -m pytest_gpu.sim hold``: a process outside any run holding simulated memory.
 """

@@ -4,7 +4,9 @@
   of ``cuInit``, which every other call implies), from ``CUDA_VISIBLE_DEVICES`` as CUDA
   parses it (:func:`pytest_gpu.gpu.devices.cuda_view`). Changing the variable later
   changes nothing in this process, only in its future subprocesses.
-- There is a current device per process (ordinal 0 until :func:`set_device`).
+- There is a current device per host thread, as in CUDA: ordinal 0 in every thread until
+  that thread calls :func:`set_device` (a thread a test starts is on ordinal 0, whatever
+  the thread that started it chose). Contexts are per process (the primary context).
 - The first touch of a device opens a context there (charged in the ledger):
   :func:`set_device` (CUDA 12's ``cudaSetDevice`` creates the primary context), an
   allocation, :func:`mem_get_info`. :func:`init` alone opens none.
@@ -18,6 +20,7 @@ numbers (a plain GPU's unit is its NVML index, see :mod:`pytest_gpu.sim.spec`).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +48,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     view: list[int] | None = None  # units, in ordinal order; None until first use
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
-    current: int = 0
+    local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
     pid: int = 0  # whose contexts ``ctx`` knows
     ctx: set[int] = field(default_factory=set)  # units where this process surely has a context
@@ -91,15 +94,21 @@ def device_count() -> int:
     return len(init())
 
 
+def _current() -> int:
+    """The calling thread's current ordinal (0 until it sets one, as ``cudaGetDevice`` says)."""
+    current: int = getattr(_rt.local, "current", 0)
+    return current
+
+
 def current_device() -> int:
     init()
-    return _rt.current
+    return _current()
 
 
 def unit_of(ordinal: int | str | None = None) -> int:
     """The ledger unit behind ``ordinal`` (default: the current device)."""
     view = init()
-    chosen = _rt.current if ordinal is None else _ordinal(ordinal)
+    chosen = _current() if ordinal is None else _ordinal(ordinal)
     if isinstance(chosen, bool) or not isinstance(chosen, int):
         raise SimDeviceError(f"device must be an int ordinal, got {ordinal!r}")
     if not 0 <= chosen < len(view):
@@ -115,7 +124,7 @@ def _ordinal(device: object) -> object:
     if isinstance(device, str):
         name, _, number = device.partition(":")
         if name == "cuda" and (number.isdigit() or not number):
-            return int(number) if number else _rt.current
+            return int(number) if number else _current()
     return device
 
 
@@ -135,15 +144,21 @@ def _known_contexts() -> set[int]:
 def _open_context(unit: int) -> None:
     known = _known_contexts()
     if unit not in known:
-        ledger().allocate(0, unit, os.environ.get(TAG_ENV), None)
+        ledger().allocate(0, unit, os.environ.get(TAG_ENV), None, thread=thread_label())
         known.add(unit)
+
+
+def thread_label() -> list[int | str]:
+    """What the ledger records of the calling thread: [thread id, thread name]."""
+    me = threading.current_thread()
+    return [threading.get_ident(), me.name]
 
 
 def set_device(ordinal: int | str) -> None:
     """Make ``ordinal`` (or ``"cuda:N"``) current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
     unit = unit_of(ordinal)
     _open_context(unit)
-    _rt.current = init().index(unit)
+    _rt.local.current = init().index(unit)
 
 
 def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
@@ -216,11 +231,14 @@ class Allocation:
         return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
 
 
-def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
+def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool = True) -> Allocation:
     """Allocate simulated memory on ``device`` (an ordinal or ``"cuda:N"``; default: the current device).
 
     Raises :class:`OutOfMemoryError` when the device or this process's cap is exceeded,
-    :class:`SimDeviceError` for an ordinal this process cannot see.
+    :class:`SimDeviceError` for an ordinal this process cannot see. ``capped=False``: a
+    framework's own reservation that its own cap already judged (torch's fraction under
+    ``cudaMallocAsync`` or expandable segments, which may reserve past it): the lease's
+    cap here stands in for a framework's, and the hardware has no other.
     """
     size = parse_size(nbytes)
     if size <= 0:
@@ -228,7 +246,8 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> Allocation:
     unit = unit_of(device)
     ordinal = init().index(unit)
     led = ledger()
-    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), _rt.caps.get(unit))
+    cap = _rt.caps.get(unit) if capped else None
+    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
     _known_contexts().add(unit)
     return Allocation(led, handle, size, ordinal, unit)
 

@@ -88,6 +88,9 @@ class TagUsage:
     peak: dict[int, int] = field(default_factory=dict)
     current: dict[int, int] = field(default_factory=dict)
     touched: set[int] = field(default_factory=set)
+    # unit -> the (pid, thread id, thread name) of each thread that touched it under the tag;
+    # not part of equality: who touched a device, not how much it used
+    threads: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict, compare=False)
 
 
 LOCK_FILE = "ledger.lock"
@@ -341,6 +344,7 @@ class Ledger:
             if rec is not None:
                 result.peak = {int(k): v for k, v in rec["peak"].items()}
                 result.touched = {int(k) for k in rec["touched"]}
+                result.threads = {int(k): [(p, t, n) for p, t, n in v] for k, v in rec.get("threads", {}).items()}
                 result.current = {u.index: used for u in units if (used := _tag_used(state, tag, u.index))}
             if drop:
                 state["tags"].pop(tag, None)
@@ -368,8 +372,13 @@ class Ledger:
             raise SimDeviceError(f"simulated GPU {unit} is in MIG mode: only its MIG instances can be used")
         return units[unit]
 
-    def allocate(self, nbytes: int, unit: int, tag: str | None, cap: int | None) -> str:
-        """Charge ``nbytes`` (0: just open a context) on ``unit`` to this process; returns a handle."""
+    def allocate(
+        self, nbytes: int, unit: int, tag: str | None, cap: int | None, *, thread: list[int | str] | None = None
+    ) -> str:
+        """Charge ``nbytes`` (0: just open a context) on ``unit`` to this process; returns a handle.
+
+        ``thread``: [id, name] of the calling thread, recorded per touched unit under ``tag``
+        (the driver knows which thread made a call; NVML does not report it)."""
         pid = os.getpid()
         with self._state() as state:
             info = self._unit(unit, state["spec"])
@@ -405,6 +414,11 @@ class Ledger:
                 rec = state["tags"][tag]
                 if unit not in rec["touched"]:
                     rec["touched"].append(unit)
+                if thread is not None:
+                    seen = rec.setdefault("threads", {}).setdefault(str(unit), [])
+                    who = [pid, *thread]
+                    if who not in seen:
+                        seen.append(who)
                 # a context the worker itself opens counts as a touch, not as the test's memory:
                 # the broker counts the worker's contexts
                 now = _tag_used(state, tag, unit)

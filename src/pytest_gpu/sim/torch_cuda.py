@@ -19,7 +19,9 @@ torch/csrc/cuda/Module.cpp):
 - Lazy init sizes the caching allocator's per-device table to the driver's count
   ("Allocator not initialized for device N: did you call init?" beyond it) and fails
   with "No CUDA GPUs are available" when the list is empty.
-- Current device as c10 keeps it under CUDA 12: ``set_device`` always calls
+- Current device as c10 keeps it under CUDA 12, per host thread (CUDA's current device and
+  c10's ``thread_local targetDeviceIndex``, c10/cuda/CUDAFunctions.cpp): a thread a test
+  starts is on ordinal 0 until it calls ``set_device``. ``set_device`` always calls
   ``cudaSetDevice`` (opens the primary context); device guards (``torch.cuda.device``,
   :func:`empty` with a device) switch with ``cudaSetDevice`` on entry and on exit only
   *record* the previous device when it has no context, so none is opened there.
@@ -35,6 +37,16 @@ torch/csrc/cuda/Module.cpp):
   not fit in the device (or in this process's pytest-gpu lease cap) makes torch free every
   unused cached segment and retry once, then raise ``torch.OutOfMemoryError`` with
   torch's message. ``reset_peak_memory_stats`` sets every peak to its current value.
+- ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF`` (read as torch reads them:
+  ``backend`` when torch is installed, the rest at lazy init): ``expandable_segments:True``
+  grows one segment per pool in 2 MiB (small) or 20 MiB (large) pages; the fraction is
+  checked against the reserve plus the request *before* the pages are mapped, so the
+  reserve can end up to a page above the cap (c10/cuda/CUDACachingAllocator.cpp:
+  ``alloc_block``, ``map_block``, ``ExpandableSegment::map``, ``release_blocks``).
+  ``backend:cudaMallocAsync`` is :class:`_AsyncAllocator`: the cap counts bytes in use,
+  the pool keeps what was freed (c10/cuda/CUDAMallocAsyncAllocator.cpp). The pytest-gpu
+  lease cap of :mod:`pytest_gpu.sim.cuda` does not apply to these reservations (torch's
+  cap judged them; the hardware has no other). Other keys are ignored.
 - Everything reaches the ledger (segments as allocations, contexts), so NVML sees it.
 - A fork after the driver was touched poisons the child, as torch's fork handler does.
 
@@ -43,9 +55,9 @@ The CPU build cannot make CUDA tensors: :func:`empty` stands for
 memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected.
 State is per process; :func:`reset` forgets it (tests of the double only).
 
-Left out: streams, events and CUDA graphs (one stream per device), the current device
-per thread (it is per process here), ``PYTORCH_CUDA_ALLOC_CONF`` (max_split_size,
-expandable segments, rounding divisions, garbage collection), ``memory_snapshot``,
+Left out: streams, events and CUDA graphs (one stream per device), the other allocator
+settings (max_split_size, rounding divisions, garbage collection,
+``_set_allocator_settings`` at run time), ``memory_snapshot``,
 memory pools, ``caching_allocator_alloc``, peer access, and real CUDA tensors or
 kernels (``torch.cuda.is_available()`` is True, so library code that then launches CUDA
 work fails as the CPU build does).
@@ -57,6 +69,7 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -223,16 +236,19 @@ class _DeviceAllocator:
         self.reserved = 0  # total_allocated_memory: bytes of live segments
         self.allowed: int | None = None  # allowed_memory_maximum, from the memory fraction
         self.alive = True  # False once reset() dropped it: its blocks are gone
+        self.segments: dict[bool, _Expandable] = {}  # small? -> its expandable segment (expandable_segments:True)
 
     def total_global_mem(self) -> int:
         """``cudaDeviceProp.totalGlobalMem`` (read without a context)."""
         unit = ledger().units()[sim_cuda.unit_of(self.ordinal)]
         return unit.total - unit.reserved
 
-    def malloc(self, orig_size: int) -> _CacheBlock:
+    def malloc(self, orig_size: int) -> Any:
         size = _round_size(orig_size)
         small = size <= SMALL_SIZE
         alloc_size = _allocation_size(size)
+        if _proc.expandable:
+            return self._malloc_expandable(size, orig_size, small, alloc_size)
         block = self._get_free_block(size, small)
         cause: OutOfMemoryError | None = None
         if block is None:
@@ -246,6 +262,36 @@ class _DeviceAllocator:
         remaining = block.size - size
         split = remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
         return self._alloc_found_block(block, size, orig_size, split)
+
+    def _malloc_expandable(self, size: int, orig_size: int, small: bool, alloc_size: int) -> _XBlock:
+        """``expandable_segments:True``: one growing segment per pool. ``alloc_block`` checks the
+        fraction against ``total_allocated_memory + alloc_size`` *before* mapping, then maps
+        whole pages (20 MiB in the large pool) at the lowest free address: the reserve can end
+        up to a page past the cap while every allocation the cap judged fitted."""
+        segment = self.segments.get(small)
+        if segment is None:
+            segment = self.segments[small] = _Expandable(self, small)
+        block = segment.free_fit(size)
+        for retry in (False, True):
+            if block is not None:
+                break
+            if retry:  # mapping failed: unmap every free page, then try once more
+                self.release_cached_blocks()
+                self.stats.counters["num_alloc_retries"] += 1
+            if self.allowed is None or self.reserved + alloc_size <= self.allowed:
+                block = segment.find_and_map(size)
+        if block is None:
+            self._out_of_memory(alloc_size, None)
+        block = segment.take(block, size, orig_size)
+        for name, amount in (
+            ("allocation", 1),
+            ("allocated_bytes", block.size),
+            ("active", 1),
+            ("active_bytes", block.size),
+            ("requested_bytes", orig_size),
+        ):
+            self.stats.change(name, small, amount)
+        return block
 
     def _get_free_block(self, size: int, small: bool) -> _CacheBlock | None:
         fits = [b for b in self.pools[small] if b.size >= size]
@@ -306,8 +352,19 @@ class _DeviceAllocator:
             self.stats.change(name, block.small, amount)
         return block
 
-    def free(self, block: _CacheBlock) -> None:
+    def free(self, block: Any) -> None:
         """A tensor died: its block goes back to the cache (the segment stays reserved)."""
+        if isinstance(block, _XBlock):
+            for name, amount in (
+                ("allocation", -1),
+                ("allocated_bytes", -block.size),
+                ("active", -1),
+                ("active_bytes", -block.size),
+                ("requested_bytes", -block.requested),
+            ):
+                self.stats.change(name, block.small, amount)
+            self.segments[block.small].give_back(block)
+            return
         block.allocated = False
         self.stats.change("allocation", block.small, -1)
         self.stats.change("allocated_bytes", block.small, -block.size)
@@ -355,10 +412,14 @@ class _DeviceAllocator:
                 self.stats.change("segment", small, -1)
                 self.stats.change("reserved_bytes", small, -block.size)
                 self.stats.counters["num_device_free"] += 1
+        for segment in self.segments.values():
+            segment.unmap_free_pages()
 
     def release_all(self) -> None:
         """Free every segment, in use or not (:func:`reset`)."""
         self.alive = False
+        for expandable in self.segments.values():
+            expandable.release_all()
         cached = [b for pool in self.pools.values() for b in pool]
         for segment in {b.segment for b in cached + _proc.live_blocks(self)}:
             segment.free()
@@ -395,6 +456,280 @@ class _DeviceAllocator:
         raise _require_torch().OutOfMemoryError(message) from cause
 
 
+# -- PYTORCH_CUDA_ALLOC_CONF: expandable segments and the cudaMallocAsync backend ------------
+
+
+def _alloc_conf() -> dict[str, str]:
+    """``PYTORCH_ALLOC_CONF`` (torch >= 2.9), else ``PYTORCH_CUDA_ALLOC_CONF``: ``key:value,...``."""
+    raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    conf = {}
+    for item in raw.split(","):
+        key, _, value = item.strip().partition(":")
+        if key:
+            conf[key.strip()] = value.strip()
+    return conf
+
+
+class _XBlock:
+    """A block of an expandable segment: ``[offset, offset + size)`` of its address space, all mapped."""
+
+    def __init__(self, offset: int, size: int, small: bool) -> None:
+        self.offset = offset
+        self.size = size
+        self.small = small
+        self.allocated = False
+        self.requested = 0
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+class _Expandable:
+    """One expandable segment (c10's ``ExpandableSegment``, one stream): address space for
+    1 1/8 of the device's memory, backed page by page (2 MiB pages for the small pool, 20 MiB
+    for the large) as allocations need them. Each ``map`` is one ledger allocation; unmapping
+    part of one gives it back and re-charges the pages kept."""
+
+    def __init__(self, owner: _DeviceAllocator, small: bool) -> None:
+        self.owner = owner
+        self.small = small
+        self.page = SMALL_BUFFER if small else LARGE_BUFFER
+        total = owner.total_global_mem()
+        self.max_pages = -(-(total + total // 8) // self.page)
+        self.blocks: list[_XBlock] = []  # sorted by offset; they tile the mapped pages exactly
+        self.runs: dict[int, tuple[sim_cuda.Allocation, set[int]]] = {}  # one per map: ledger charge, pages
+        self.page_run: dict[int, int] = {}  # mapped page -> its run
+        self.next_run = itertools.count()
+
+    def free_fit(self, size: int) -> _XBlock | None:
+        fits = [b for b in self.blocks if not b.allocated and b.size >= size]
+        return min(fits, key=lambda b: (b.size, b.offset)) if fits else None
+
+    def _room_at(self, start: int, size: int) -> bool:
+        """Whether ``[start, start + size)`` holds only free blocks and unmapped pages."""
+        if start + size > self.max_pages * self.page:
+            return False
+        return all(not b.allocated for b in self.blocks if b.offset < start + size and b.end > start)
+
+    def find_and_map(self, size: int) -> _XBlock | None:
+        """``try_allocate_expandable_block``: the lowest address where ``size`` fits in free and
+        unmapped space; map its unmapped pages (rounded up to whole pages). ``None``: the
+        device cannot back them (the ledger refused)."""
+        mapped = self.page_run
+        candidates = [p * self.page for p in range(self.max_pages) if p not in mapped and (p == 0 or p - 1 in mapped)]
+        for start in candidates:
+            before = next((b for b in self.blocks if b.end == start and not b.allocated), None)
+            if before is not None:
+                start = before.offset
+            if self._room_at(start, size):
+                break
+        else:
+            return None
+        first, last = start // self.page, -(-(start + size) // self.page)
+        pages = [p for p in range(first, last) if p not in self.page_run]
+        if pages:
+            try:
+                charge = sim_cuda.allocate(len(pages) * self.page, device=self.owner.ordinal, capped=False)
+            except OutOfMemoryError:
+                return None
+            run = next(self.next_run)
+            self.runs[run] = (charge, set(pages))
+            for p in pages:
+                self.page_run[p] = run
+                self.blocks.append(_XBlock(p * self.page, self.page, self.small))
+            self.owner.reserved += len(pages) * self.page
+            self.owner.stats.change("reserved_bytes", self.small, len(pages) * self.page)
+            self.owner.stats.counters["num_device_alloc"] += 1
+            self._merge_all()
+        return next(b for b in self.blocks if b.offset <= start < b.end)
+
+    def _merge_all(self) -> None:
+        self.blocks.sort(key=lambda b: b.offset)
+        merged: list[_XBlock] = []
+        for block in self.blocks:
+            last = merged[-1] if merged else None
+            if last is not None and not last.allocated and not block.allocated and last.end == block.offset:
+                last.size += block.size
+            else:
+                merged.append(block)
+        self.blocks = merged
+
+    def take(self, block: _XBlock, size: int, requested: int) -> _XBlock:
+        """Hand out ``size`` bytes from the start of free ``block`` (the rest stays free)."""
+        if block.size - size >= MIN_BLOCK:  # should_split: expandable segments split down to 512 bytes
+            rest = _XBlock(block.offset + size, block.size - size, block.small)
+            block.size = size
+            self.blocks.insert(self.blocks.index(block) + 1, rest)
+        block.allocated, block.requested = True, requested
+        return block
+
+    def give_back(self, block: _XBlock) -> None:
+        block.allocated, block.requested = False, 0
+        self._merge_all()
+
+    def unmap_free_pages(self) -> None:
+        """``release_blocks``/``unmap_block``: unmap every page no allocated block touches."""
+        gone: set[int] = set()
+        for block in [b for b in self.blocks if not b.allocated]:
+            first, last = -(-block.offset // self.page), block.end // self.page
+            gone.update(range(first, last))
+        if not gone:
+            return
+        kept: list[_XBlock] = []
+        for block in self.blocks:
+            start, end = block.offset, block.end
+            pieces = []
+            cursor = start
+            for p in sorted(q for q in gone if start <= q * self.page < end):
+                if p * self.page > cursor:
+                    pieces.append((cursor, p * self.page))
+                cursor = (p + 1) * self.page
+            if cursor < end:
+                pieces.append((cursor, end))
+            if len(pieces) == 1 and pieces[0] == (start, end):
+                kept.append(block)
+                continue
+            for a, b in pieces:
+                kept.append(_XBlock(a, b - a, self.small))
+        self.blocks = kept
+        for run, (charge, pages) in list(self.runs.items()):
+            if pages & gone:
+                charge.free()
+                left = pages - gone
+                del self.runs[run]
+                if left:  # the pages kept stay charged (no new memory: this cannot fail for want of it)
+                    again = sim_cuda.allocate(len(left) * self.page, device=self.owner.ordinal, capped=False)
+                    self.runs[run] = (again, left)
+        for p in gone:
+            del self.page_run[p]
+        self.owner.reserved -= len(gone) * self.page
+        self.owner.stats.change("reserved_bytes", self.small, -len(gone) * self.page)
+        self.owner.stats.counters["num_device_free"] += 1
+
+    def release_all(self) -> None:
+        for charge, _ in self.runs.values():
+            charge.free()
+        self.runs.clear()
+
+
+class _AsyncBlock:
+    """An allocation from the cudaMallocAsync pool: ``size`` bytes in ``chunk``."""
+
+    def __init__(self, size: int, chunk: _PoolChunk) -> None:
+        self.size = size
+        self.chunk = chunk
+
+
+@dataclass
+class _PoolChunk:
+    """Physical memory the driver's pool reserved (one ledger allocation) and what is live in it."""
+
+    size: int
+    charge: sim_cuda.Allocation
+    live: int = 0
+
+
+class _AsyncAllocator(_DeviceAllocator):
+    """``backend:cudaMallocAsync`` (c10/cuda/CUDAMallocAsyncAllocator.cpp) on one device.
+
+    - The device's default ``cudaMemPool_t`` has its release threshold at ``UINT64_MAX``: a
+      freed allocation's memory stays reserved in the pool until ``empty_cache``
+      (``cudaMemPoolTrimTo(pool, 0)``, here: every chunk nothing lives in).
+    - ``set_per_process_memory_fraction`` makes the device current under a guard (its context
+      opens), reads ``cudaMemGetInfo`` and sets ``pytorch_memory_limits[device] = fraction x
+      total``; ``mallocAsync`` refuses ``pytorch_used_bytes + size`` above it with "Allocation
+      on device N would exceed allowed memory". The limit counts the bytes asked for, not
+      what the pool reserves: the pool may hold more than the limit.
+    - Stats are the pool's attributes: ``allocated_bytes`` = ``UsedMemCurrent``/``UsedMemHigh``,
+      ``reserved_bytes`` = ``ReservedMemCurrent``/``ReservedMemHigh``, in "all" only (every
+      other stat stays 0); ``reset_peak_memory_stats`` resets both highs to the current values.
+
+    The driver's pool itself is modelled simply: an allocation is served from a chunk with
+    room enough for it (fragmentation inside a chunk is ignored), else the pool reserves a new
+    chunk of the size rounded up to 2 MiB. A chunk the device cannot back raises at once (the
+    driver's own trimming on failure is not modelled).
+    """
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__(ordinal)
+        self.chunks: list[_PoolChunk] = []
+        self.used = 0  # pytorch_used_bytes
+        self.limit: int | None = None  # pytorch_memory_limits (UINT64_MAX: None)
+
+    def _stat(self, name: str, amount: int) -> None:
+        stat = self.stats.arrays[name]["all"]
+        if amount >= 0:
+            stat.increase(amount)
+        else:
+            stat.decrease(-amount)
+
+    def malloc(self, orig_size: int) -> Any:
+        if self.limit is not None and self.used + orig_size > self.limit:
+            free, total = sim_cuda.mem_get_info(self.ordinal)
+            raise _require_torch().OutOfMemoryError(
+                f"Allocation on device {self.ordinal} would exceed allowed memory. (out of memory)"
+                f"\nCurrently allocated     : {_torch_size(self.used)}"
+                f"\nRequested               : {_torch_size(orig_size)}"
+                f"\nDevice limit            : {_torch_size(total)}"
+                f"\nFree (according to CUDA): {_torch_size(free)}"
+                "\nPyTorch limit (set by user-supplied memory fraction)"
+                f"\n                        : {_torch_size(self.limit)}"
+            )
+        chunk = next((c for c in self.chunks if c.size - c.live >= orig_size), None)
+        if chunk is None:
+            size = ROUND_LARGE * -(-orig_size // ROUND_LARGE)
+            try:
+                charge = sim_cuda.allocate(size, device=self.ordinal, capped=False)
+            except OutOfMemoryError as exc:
+                self.stats.counters["num_ooms"] += 1
+                free, total = sim_cuda.mem_get_info(self.ordinal)
+                raise _require_torch().OutOfMemoryError(
+                    f"Allocation on device {self.ordinal} would exceed allowed memory. (out of memory)"
+                    f"\nCurrently allocated     : {_torch_size(self.used)}"
+                    f"\nRequested               : {_torch_size(orig_size)}"
+                    f"\nDevice limit            : {_torch_size(total)}"
+                    f"\nFree (according to CUDA): {_torch_size(free)}"
+                ) from exc
+            chunk = _PoolChunk(size, charge)
+            self.chunks.append(chunk)
+            self.reserved += size
+            self._stat("reserved_bytes", size)
+        chunk.live += orig_size
+        self.used += orig_size
+        self._stat("allocated_bytes", orig_size)
+        self._stat("active_bytes", orig_size)
+        return _AsyncBlock(orig_size, chunk)
+
+    def free(self, block: Any) -> None:
+        block.chunk.live -= block.size
+        self.used -= block.size
+        self._stat("allocated_bytes", -block.size)
+        self._stat("active_bytes", -block.size)
+
+    def release_cached_blocks(self) -> None:
+        for chunk in [c for c in self.chunks if c.live == 0]:
+            self.chunks.remove(chunk)
+            chunk.charge.free()
+            self.reserved -= chunk.size
+            self._stat("reserved_bytes", -chunk.size)
+
+    def release_all(self) -> None:
+        self.alive = False
+        for chunk in self.chunks:
+            chunk.charge.free()
+
+    def set_fraction(self, fraction: float) -> None:
+        if not 0 <= fraction <= 1:
+            raise RuntimeError(f"invalid fraction:{fraction}. Please set within (0, 1).")
+        with _device_guard(self.ordinal):  # CUDAGuard + lazy_init_device: the context opens here
+            total = sim_cuda.mem_get_info(self.ordinal)[1]
+        self.limit = int(fraction * total)
+
+    def fraction(self) -> float:
+        return 1.0 if self.limit is None else self.limit / self.total_global_mem()
+
+
 def _process_memory_info(ordinal: int) -> str:
     """``reportProcessMemoryInfo``: each process on the device as NVML lists it (the ledger's state file)."""
     try:
@@ -420,12 +755,14 @@ def _process_memory_info(ordinal: int) -> str:
 @dataclass
 class _Process:
     allocators: list[_DeviceAllocator] = field(default_factory=list)  # sized at lazy init
-    target: int = -1  # c10's targetDeviceIndex: a device guard's exit recorded, not set
+    local: threading.local = field(default_factory=threading.local)  # .target, per thread
     poisoned: bool = False  # the driver was touched: a forked child cannot use CUDA
     bad_fork: bool = False
     address: int = 0x7F0000000000  # next segment's (fake) device address
     blocks: dict[int, tuple[_DeviceAllocator, _CacheBlock]] = field(default_factory=dict)  # live Blocks
     keys: Iterator[int] = field(default_factory=itertools.count)
+    cached_count: int | None = None  # torch < 2.4's lru_cache'd device_count
+    expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF's expandable_segments:True, read at lazy init
 
     def next_address(self, size: int) -> int:
         base = self.address
@@ -440,6 +777,8 @@ class _Process:
 class _Settings:
     torch: ModuleType | None = None
     legacy_memory_fraction: bool = False
+    device_count: Callable[[], int] | None = None  # torch.cuda.device_count as this torch defines it
+    backend: str = "native"  # PYTORCH_CUDA_ALLOC_CONF's backend, read when torch's CUDA library loads
     fork_handler: bool = False
 
 
@@ -499,14 +838,22 @@ def _has_primary_context(ordinal: int) -> bool:
     return sim_cuda.unit_of(ordinal) in sim_cuda.contexts()
 
 
+def _target() -> int:
+    """c10's ``thread_local targetDeviceIndex`` (CUDA >= 12): a device a guard's exit recorded
+    instead of setting it, this thread's; -1 when none."""
+    target: int = getattr(_proc.local, "target", -1)
+    return target
+
+
 def _get_device() -> int:
-    return _proc.target if _proc.target >= 0 else _raw_get_device()
+    target = _target()
+    return target if target >= 0 else _raw_get_device()
 
 
 def _set_device(ordinal: int, *, force: bool) -> None:
     if ordinal < 0:
         raise RuntimeError(f"device id must be non-negative!{ordinal}")
-    _proc.target = -1
+    _proc.local.target = -1
     if force or ordinal != _raw_get_device():
         _raw_set_device(ordinal)
 
@@ -516,11 +863,11 @@ def _maybe_set_device(ordinal: int) -> None:
     if _has_primary_context(ordinal):
         _set_device(ordinal, force=False)
     else:
-        _proc.target = ordinal
+        _proc.local.target = ordinal
 
 
 def _exchange_device(to: int) -> int:
-    current, _proc.target = _proc.target, -1
+    current, _proc.local.target = _target(), -1
     if current < 0:
         current = _raw_get_device()
         if to == current:
@@ -536,7 +883,7 @@ def _maybe_exchange_device(to: int) -> int:
     if _has_primary_context(to):
         _raw_set_device(to)
     else:
-        _proc.target = to
+        _proc.local.target = to
     return current
 
 
@@ -564,8 +911,10 @@ def _c_init() -> None:
     count = sim_cuda.device_count()
     if count == 0:
         raise RuntimeError("No CUDA GPUs are available")
+    _proc.expandable = _alloc_conf().get("expandable_segments", "").lower() == "true"
+    kind = _AsyncAllocator if _settings.backend == "cudaMallocAsync" else _DeviceAllocator
     while len(_proc.allocators) < count:
-        _proc.allocators.append(_DeviceAllocator(len(_proc.allocators)))
+        _proc.allocators.append(kind(len(_proc.allocators)))
     # CPU generators stand in for the per-device CUDA ones (seeds queued before init land here)
     torch.cuda.default_generators = tuple(torch.Generator() for _ in range(count))
     torch.cuda._get_device_properties = _get_device_properties
@@ -701,6 +1050,19 @@ class _Cudart:
             return sim_cuda.mem_get_info(_raw_get_device())
 
 
+def _legacy_device_count() -> int:
+    """torch 2.0-2.3's ``torch.cuda.device_count``, ``@lru_cache(maxsize=1)``::
+
+    nvml_count = _device_count_nvml()
+    return torch._C._cuda_getDeviceCount() if nvml_count < 0 else nvml_count
+    """
+    if _proc.cached_count is None:
+        cuda = _require_torch().cuda
+        nvml_count = int(cuda._device_count_nvml())
+        _proc.cached_count = _c_get_device_count() if nvml_count < 0 else nvml_count
+    return _proc.cached_count
+
+
 def _nvml_device_count() -> int:
     """``nvmlDeviceGetCount_v2``: every physical GPU, MIG-mode and faulted ones included."""
     return len(ledger().machine().gpus)
@@ -732,7 +1094,7 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
     "_cuda_resetAccumulatedMemoryStats": _c_reset_accumulated_memory_stats,
     "_cuda_setMemoryFraction": _c_set_memory_fraction,
     "_cuda_getMemoryFraction": _c_get_memory_fraction,
-    "_cuda_getAllocatorBackend": lambda: "native",
+    "_cuda_getAllocatorBackend": lambda: _settings.backend,
     "_cuda_ipc_collect": lambda: None,
 }
 
@@ -740,18 +1102,31 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
 # -- public API ---------------------------------------------------------------------------------
 
 
-def install(torch: ModuleType, *, legacy_memory_fraction: bool = False) -> None:
+def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_device_count: bool = False) -> None:
     """Give ``torch.cuda`` of torch's CPU build the simulated GPUs (idempotent).
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its
-    context) and never switched back. Refuses a torch built with CUDA.
+    context) and never switched back.
+
+    ``legacy_device_count=True`` models torch 2.0 to 2.3, whose ``device_count`` was
+    ``@lru_cache(maxsize=1)``: NVML's count through the ``CUDA_VISIBLE_DEVICES`` of its
+    *first* call (torch's own ``_device_count_nvml``; ``cudaGetDeviceCount`` when NVML fails),
+    kept for the life of the process whether or not CUDA had started (pytorch/pytorch#122815,
+    in torch 2.4, caches it only once CUDA is initialised). ``get_device_properties``,
+    ``get_device_name`` and ``can_device_access_peer`` assert ``device < device_count()``
+    against it; ``torch.cuda._get_device_properties`` (defined by lazy init) checks the
+    driver's count. Refuses a torch built with CUDA.
     """
     binding = getattr(torch._C, "_cuda_getDeviceCount", None)
     if binding is not None and binding is not _c_get_device_count:
         raise RuntimeError("pytest_gpu.sim.torch_cuda.install: this torch has real CUDA support; it needs no double")
     _settings.torch = torch
     _settings.legacy_memory_fraction = legacy_memory_fraction
+    _settings.backend = "cudaMallocAsync" if _alloc_conf().get("backend") == "cudaMallocAsync" else "native"
+    if _settings.device_count is None:
+        _settings.device_count = torch.cuda.device_count  # this torch's own
+    torch.cuda.device_count = _legacy_device_count if legacy_device_count else _settings.device_count
     for name, function in _C_BINDINGS.items():
         setattr(torch._C, name, function)
     cuda = torch.cuda
