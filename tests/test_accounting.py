@@ -277,3 +277,19 @@ def test_processes_started_inside_claiming_are_the_holders() -> None:
     finally:
         before.kill()
         before.wait()
+
+
+def test_usage_nvml_does_not_give_is_said_not_guessed(gpu_pytester, monkeypatch):
+    """A driver that lists processes without their memory (WDDM: ``usedGpuMemory`` None): no
+    leak is claimed or denied, no peak is recorded, and the summary says why."""
+    gpu_pytester.makepyfile(test_leaks=LEAKS)
+    xml = gpu_pytester.path / "junit.xml"
+    result = fake_run(gpu_pytester, monkeypatch, "sim:1x16GiB;no-usage", f"--junitxml={xml}")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: 1 GPU (1x16GiB) [[]nvml[]] · 2 GPU tests · * · 0 violations",
+            "pytest-gpu: not verified: NVML does not say how much memory processes use on GPU 0 (2 tests)",
+        ]
+    )
+    assert 'name="gpu_peak_bytes" value=""' in xml.read_text()
