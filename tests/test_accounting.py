@@ -183,7 +183,7 @@ def test_processes_alive_before_the_test_are_not_charged_to_it(gpu_pytester, mon
     notes = [line for line in text.splitlines() if "started before the test" in line]
     assert len(notes) == 1, text
     assert re.match(
-        r"pytest-gpu: not verified: pid \d+ \(python[\d.]*\), started before the test, uses 1.5GiB on GPU 0: "
+        r"pytest-gpu: not verified: pid \d+ \(python[\d.]*\), started before the test, uses GPU 0: "
         r"not charged to the test .* \(2 tests\)$",
         notes[0],
     ), notes

@@ -184,7 +184,8 @@ _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as t
 
 @dataclass
 class _Sample:
-    """What NVML says the process tree uses: bytes per pid per GPU (``None``: not known)."""
+    """What NVML says this process and its descendants use (a process whose usage NVML does
+    not give is left out, and its GPU marked unmeasured)."""
 
     usage: dict[int, dict[int, int]] = field(default_factory=dict)  # pid -> GPU index -> bytes
     tree: dict[int, float] = field(default_factory=dict)  # live descendants: pid -> create time
@@ -314,8 +315,8 @@ class NvmlVerifier:
             if holder is not None:
                 continue  # a warm pool's rank, the Ray head: verified as its holder's
             if abs(self._before.get(pid, -math.inf) - sample.tree.get(pid, math.inf)) <= CTIME_TOLERANCE_S:
-                where = ", ".join(f"{format_size(n)} on GPU {i}" for i, n in sorted(used.items()) if n)
-                self._note(
+                where = numbered("GPU", sorted(i for i, n in used.items() if n))
+                self._note(  # no bytes in it: the summary counts the tests a note was made for
                     f"pid {pid} ({process_name(pid)}), started before the test, uses {where}: not charged to the "
                     "test (a process of a fixture, a pool or an earlier test)"
                 )
