@@ -676,3 +676,45 @@ def test_source_compiles_without_warnings(tmp_path: Path) -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
+
+
+def test_usage_not_available_reads_as_none(tmp_path: Path, cache_dir: Path) -> None:
+    """``option no_usage``: NVML lists processes without their memory (Windows WDDM): the
+    field holds NVML_VALUE_NOT_AVAILABLE, which pynvml turns into ``None``, in every struct."""
+    me = os.getpid()
+    write_state(tmp_path, "option no_usage 1", *PLAIN, f"proc GPU-00000000-aaaa {me} {3 * GiB}")
+    out = run_py(
+        cache_dir,
+        tmp_path,
+        """
+        pynvml.nvmlInit()
+        h0 = pynvml.nvmlDeviceGetHandleByIndex(0)
+        out["v3"] = [[p.pid, p.usedGpuMemory] for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h0)]
+        out["v2"] = [[p.pid, p.usedGpuMemory] for p in pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h0)]
+        out["used"] = pynvml.nvmlDeviceGetMemoryInfo(h0).used  # the device's own figure stays
+        """,
+    )
+    assert out["v3"] == out["v2"] == [[me, None]]
+    assert out["used"] >= 5 * GiB
+
+
+def test_a_process_is_charged_every_allocation_it_holds_whatever_its_tag(tmp_path: Path) -> None:
+    """The ledger renders NVML's view: per pid, the context plus every allocation, tagged by a
+    test, by another test, or by none (a rank pool drops the tag) -- as the driver counts."""
+    from pytest_gpu.sim.ledger import Ledger
+
+    led = Ledger.create(tmp_path / "ledger", "sim:2x16GiB", 500 * 2**20)
+    led.begin_tag("t1", os.getpid())
+    led.allocate(GiB, 0, "t1", None)
+    led.allocate(2 * GiB, 0, None, None)
+    led.allocate(GiB, 0, "t2", None)
+    led.allocate(GiB, 1, None, None)
+    procs = [
+        line.split() for line in (tmp_path / "ledger" / "nvml.state").read_text().splitlines() if line[:5] == "proc "
+    ]
+    me = str(os.getpid())
+    assert sorted((uuid[-1], pid, int(used)) for _, uuid, pid, used in procs) == [
+        ("0", me, 4 * GiB + 500 * 2**20),
+        ("1", me, GiB + 500 * 2**20),
+    ]
+    assert led.tag_usage("t1").current == {0: GiB}  # the simulation's own bookkeeping is per tag

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpu.leasing.requests import format_size
 from pytest_gpu.report import trace
 from pytest_gpu.report.timeline import SUGGEST_FLOOR, LeaseSpan, Timeline, suggest
 
@@ -227,37 +226,59 @@ def test_summary_requests_above_and_far_below_their_peak() -> None:
     _peaked(tl, "t.py::below", 8 * GIB, 800 * MIB)
     _peaked(tl, "t.py::fine", 4 * GIB, 3 * GIB)
     _peaked(tl, "t.py::quarter", 4 * GIB, GIB)  # exactly a quarter: not "far below"
-    _peaked(tl, "t.py::whole", 16 * GIB, 20 * GIB, exclusive=True)
+    _peaked(tl, "t.py::whole", 16 * GIB, 2 * GIB, exclusive=True)  # not sized by its test: no suggestion
     # over its budget and failed for it (--gpu-verify=fail): the suggestion is what it needs
-    _peaked(tl, "t.py::failed", 2 * GIB, 4 * GIB, outcomes={"teardown": "failed"})
+    _peaked(tl, "t.py::failed", 2 * GIB, 3 * GIB, outcomes={"teardown": "failed"})
     _peaked(tl, "t.py::stopped", 8 * GIB, 0, outcomes={"call": "failed"})  # stopped early: its low peak says little
     run_test(tl, "t.py::noask", "gw0", 0.0, 1.0, properties=props([lease_row([0], GIB, 0, 0, 1)], peak="0=99"))
     lines = tl.summary_lines([0], with_peaks=True)
     at = lines.index("pytest-gpu: requests that do not match the measured peak:")
     assert lines[at + 1 :] == [
+        '  t.py::failed: asked 2GiB, peaked at 3GiB (above): suggest memory="3.8GiB"',
         '  t.py::above: asked 2GiB, peaked at 4GiB (above): suggest memory="5GiB"',
         '  t.py::below: asked 8GiB, peaked at 800MiB (far below): suggest memory="1GiB"',
-        '  t.py::failed: asked 2GiB, peaked at 4GiB (above): suggest memory="5GiB"',
-        f'  t.py::whole: asked a whole GPU, peaked at 20GiB (above): suggest memory="{format_size(suggest(20 * GIB))}"',
     ]
     assert not any("requests that do not match" in line for line in tl.summary_lines([0], with_peaks=False))
+    # --gpu-learn sizes exclusive tests from their peaks: then they get one too
+    learned = tl.summary_lines([0], with_peaks=True, learn=True)
+    assert '  t.py::whole: asked a whole GPU, peaked at 2GiB (far below): suggest memory="2.5GiB"' in learned
 
 
-def test_summary_requests_beyond_ten_are_counted() -> None:
+def test_summary_requests_are_grouped_by_the_size_to_ask() -> None:
     tl = Timeline()
-    for n in range(12):
-        _peaked(tl, f"t.py::over{n:02d}", GIB, 2 * GIB)
+    for n in range(500):  # a suite of small tests that all ask too much
+        _peaked(tl, f"t.py::small{n:03d}", 4 * GIB, 100 * MIB + n)
+    for n in range(2):
+        _peaked(tl, f"t.py::over{n}", GIB, 2 * GIB)
+    lines = tl.summary_lines([0], with_peaks=True)
+    at = lines.index("pytest-gpu: requests that do not match the measured peak:")
+    assert lines[at + 1 :] == [
+        '  suggest memory="2.5GiB" for 2 tests that peaked above their request (at most 2GiB): '
+        "t.py::over0, t.py::over1",
+        '  suggest memory="256MiB" for 500 tests that peaked far below their request (at most 100MiB): '
+        "t.py::small000, t.py::small001, t.py::small002 and 497 more (-v lists them)",
+    ]
+    every = tl.summary_lines([0], with_peaks=True, verbose=True)  # -v: one line per test
+    at = every.index("pytest-gpu: requests that do not match the measured peak:")
+    assert len(every[at + 1 :]) == 502
+    assert every[at + 1] == '  t.py::over0: asked 1GiB, peaked at 2GiB (above): suggest memory="2.5GiB"'
+
+
+def test_summary_request_groups_beyond_ten_are_counted() -> None:
+    tl = Timeline()
+    for n in range(12):  # twelve sizes: twelve suggestions
+        _peaked(tl, f"t.py::over{n:02d}", GIB, (2 + n) * GIB)
     lines = tl.summary_lines([0], with_peaks=True)
     at = lines.index("pytest-gpu: requests that do not match the measured peak:")
     assert len(lines[at + 1 :]) == 11
     assert all(line.startswith("  t.py::over") for line in lines[at + 1 : at + 11])
-    assert lines[-1] == "  ... and 2 more"
+    assert lines[-1] == "  ... and 2 more suggestions (-v lists every test)"
 
 
 def test_summary_exactly_ten_requests_has_no_more_line() -> None:
     tl = Timeline()
     for n in range(10):
-        _peaked(tl, f"t.py::over{n}", GIB, 2 * GIB)
+        _peaked(tl, f"t.py::over{n}", GIB, (2 + n) * GIB)
     assert not any("more" in line for line in tl.summary_lines([0], with_peaks=True))
 
 

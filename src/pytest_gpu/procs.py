@@ -61,3 +61,26 @@ def kill_and_wait(procs: Sequence[psutil.Process], timeout: float = 5.0) -> None
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=timeout)
+
+
+def descendants() -> dict[int, float]:
+    """This process's live descendants: pid -> create time."""
+    import psutil
+
+    found: dict[int, float] = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            found[child.pid] = child.create_time()
+        except psutil.Error:  # gone since it was listed
+            continue
+    return found
+
+
+def process_name(pid: int) -> str:
+    """``pid``'s name as ``ps`` shows it ("gone" when it cannot be read)."""
+    import psutil
+
+    try:
+        return str(psutil.Process(pid).name())
+    except psutil.Error:
+        return "gone"

@@ -22,16 +22,19 @@ was measured.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Protocol
 
 from .. import sim
 from ..leasing.requests import format_size
+from ..procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
 from ..report.wording import numbered
 from . import runtime
 from .devices import Inventory, addressable
@@ -61,11 +64,13 @@ def judge(
     current: dict[int, int],
     touched: Iterable[int],
     others: Iterable[int] = (),
+    why: Mapping[int, str] | None = None,
     *,
     whence: dict[int, str] | None = None,
 ) -> Verdict:
     """Pure rule: turn measured usage into a verdict for ``lease``; ``others``: GPUs other
-    leases of the same test held (theirs to judge); ``whence``: how a GPU outside the lease
+    leases of the same test held (theirs to judge); ``why``: per GPU, what still holds its
+    ``current`` memory, where the verifier knows; ``whence``: how a GPU outside the lease
     was reached, where it is known (``"cuda:0 from another thread"``)."""
     verdict = Verdict(peak={i: peak.get(i, 0) for i in lease.indices})
     leased = set(lease.indices)
@@ -88,9 +93,9 @@ def judge(
             )
     for index in sorted(current):
         if current[index] > 0 and (index in leased or index not in shared):
+            held = (why or {}).get(index) or "a leaked allocation, or a subprocess still running"
             verdict.violations.append(
-                f"still holds {format_size(current[index])} on GPU {index} after the test "
-                "(a leaked allocation, or a subprocess still running)"
+                f"still holds {format_size(current[index])} on GPU {index} after the test ({held})"
             )
     return verdict
 
@@ -120,15 +125,17 @@ def threads_outside(usage: sim.TagUsage, lease: GpuLease, confined: int) -> dict
 
 
 # Long-lived processes this process started for a holder other than the running test (a
-# warm rank pool, the run's Ray head): their GPU usage is their holder's, never the test's.
-_CLAIMED: dict[int, str] = {}
+# warm rank pool, the run's Ray head, a session fixture's server): their GPU usage is their
+# holder's, never the test's. pid -> (holder, create time: a recycled pid is not claimed).
+_CLAIMED: dict[int, tuple[str, float | None]] = {}
 
 
 def claim_processes(pids: Iterable[int], holder: str) -> None:
     """Say that ``pids`` (and their descendants) answer to ``holder``, not to the test that
-    happens to run while they live; :func:`release_processes` when they end."""
+    happens to run while they live; :func:`release_processes` when they end (a claim on a
+    process that ended lapses by itself)."""
     for pid in pids:
-        _CLAIMED[int(pid)] = holder
+        _CLAIMED[int(pid)] = (holder, _create_time(int(pid)))
 
 
 def release_processes(pids: Iterable[int]) -> None:
@@ -138,8 +145,34 @@ def release_processes(pids: Iterable[int]) -> None:
 
 
 def claimed() -> dict[int, str]:
-    """pid -> holder of the long-lived processes another holding answers for."""
-    return dict(_CLAIMED)
+    """pid -> holder of the live long-lived processes another holding answers for."""
+    for pid, (_, ctime) in list(_CLAIMED.items()):
+        if not owner_alive(pid, ctime, unsure=False):
+            del _CLAIMED[pid]  # it ended (its pid may be another process's now)
+    return {pid: holder for pid, (holder, _) in _CLAIMED.items()}
+
+
+def _create_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+@contextmanager
+def claiming(holder: str) -> Iterator[None]:
+    """Claim for ``holder`` the processes this process starts inside the block and that are
+    still alive at its end: a session or module fixture's server, set up during the setup of
+    the first test that needs it, is the fixture's, not that test's."""
+    before = set(descendants())
+    try:
+        yield
+    finally:
+        started = set(descendants()) - before
+        if started:
+            claim_processes(started, holder)
 
 
 @functools.cache
@@ -214,26 +247,60 @@ class SimVerifier:
         return judge(lease, usage.peak, usage.current, usage.touched, others, whence=whence)
 
 
+# A process's CUDA context grows after it opens: kernels load lazily, cuBLAS, cuDNN, NCCL and
+# Triton load their modules on first use. NVML cannot tell that growth from an allocation held,
+# so up to this much growth per GPU over a process's life is taken as its context's, not as the
+# memory of the test during which it happened; beyond it, growth that outlives the test is held.
+CONTEXT_GROWTH = 256 * 2**20
+_grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
+
+
+@dataclass
+class _Sample:
+    """What NVML says this process and its descendants use (a process whose usage NVML does
+    not give is left out, and its GPU marked unmeasured)."""
+
+    usage: dict[int, dict[int, int]] = field(default_factory=dict)  # pid -> GPU index -> bytes
+    tree: dict[int, float] = field(default_factory=dict)  # live descendants: pid -> create time
+
+
 class NvmlVerifier:
-    """Real GPUs: NVML per-process usage of this process tree, torch counters if loaded.
+    """Real GPUs: NVML per-process usage, torch's counters where torch is the allocator.
+
+    What a test is charged (the README's accounting table says the same):
+
+    - this process's NVML usage (every allocator: torch, CuPy, JAX, raw ``cudaMalloc``,
+      NCCL), above what it used when the lease began (its context and what earlier tests
+      left are the baseline);
+    - the processes the test started: descendants of this process born while the lease was
+      held, with theirs. A descendant alive before it began (a warm rank pool, the Ray head,
+      torch.compile's workers) is not the test's: one :func:`claimed` answers to its holder,
+      any other is named in a note and left out.
+
+    A leak is memory this process still holds at the end (after the adapters' ``empty_cache``)
+    above its baseline, or a process the test started still on a GPU. The peak is torch's
+    (:func:`torch_peak`) where torch allocated, else NVML's sample at the end: NVML has
+    no per-process peak, so memory a test allocated and freed outside torch is not seen, and
+    such a peak is not a measurement (no ``memory=`` suggestion is made from it).
 
     Runs in CI against the fake ``libnvidia-ml.so.1`` and the torch double; not run on a
-    real GPU by the author. The worker's own CUDA context is accounted by the broker, so
-    usage on a GPU is compared with what the process tree had there at setup.
+    real GPU by the author.
     """
 
     def __init__(self, inventory: Inventory, overhead: int) -> None:
         self.inventory = inventory
         self.overhead = overhead
         self._baseline: dict[int, int] = {}
+        self._before: dict[int, float] = {}  # descendants alive when the lease began
         self._torch_base: dict[int, int] = {}
+        self._torch_reserved: dict[int, int] = {}
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
         self._untrusted = _version_problem()  # its process lists are scrambled: measure nothing from them
 
-    def _usage(self) -> tuple[dict[int, int], dict[int, int]] | None:
-        """Bytes NVML reports per GPU for this process and for its children; ``None`` (and a
-        note) when it cannot tell."""
+    def _usage(self) -> _Sample | None:
+        """Bytes NVML reports per GPU for this process and each live descendant; ``None``
+        (and a note) when it cannot tell."""
         import psutil
         import pynvml
 
@@ -241,9 +308,8 @@ class NvmlVerifier:
             self._give_up(self._untrusted)
             return None
         me = psutil.Process()
-        children = {child.pid for child in me.children(recursive=True)}
-        mine: dict[int, int] = {}
-        theirs: dict[int, int] = {}
+        sample = _Sample()
+        sample.tree = descendants()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -262,16 +328,17 @@ class NvmlVerifier:
                     self._unmeasured.add(device.index)
                     continue
                 for proc in procs:
-                    if proc.pid == me.pid or proc.pid in children:
+                    if proc.pid == me.pid or proc.pid in sample.tree:
                         if proc.usedGpuMemory is None:  # "not available": unknown, not zero
                             self._note(f"NVML does not say how much memory processes use on GPU {device.index}")
                             self._unmeasured.add(device.index)
                             continue
-                        into = mine if proc.pid == me.pid else theirs
+                        into = sample.usage.setdefault(proc.pid, {})
+                        # a process in the compute and graphics lists, or on two MIG units of a GPU
                         into[device.index] = into.get(device.index, 0) + int(proc.usedGpuMemory)
                     elif not psutil.pid_exists(proc.pid):
                         foreign.add(proc.pid)
-            if foreign and not mine and not theirs:
+            if foreign and not sample.usage:
                 # NVML reports host pids; in a container's pid namespace none of them is ours
                 self._give_up(
                     f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
@@ -280,7 +347,7 @@ class NvmlVerifier:
                 return None
         finally:
             pynvml.nvmlShutdown()
-        return mine, theirs
+        return sample
 
     def _give_up(self, why: str) -> None:
         """Nothing NVML says can be attributed to this test: note why, mark every GPU unmeasured."""
@@ -298,45 +365,93 @@ class NvmlVerifier:
         return None
 
     def begin(self, lease: GpuLease, owner: int) -> None:
-        usage = self._usage()
-        self._baseline = usage[0] if usage is not None else {}
+        sample = self._usage()
+        self._baseline = sample.usage.get(os.getpid(), {}) if sample is not None else {}
+        self._before = sample.tree if sample is not None else descendants()
         torch = self._torch()
         ordinals = runtime.in_process(self.inventory, lease.indices)
-        if torch is not None and ordinals is not None:
-            self._torch_base = {i: torch.cuda.memory_allocated(o) for i, o in zip(lease.indices, ordinals, strict=True)}
-
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
-        usage = self._usage()
-        touched: list[int] = []
-        peak = {i: 0 for i in lease.indices}
-        torch = self._torch()
-        ordinals = runtime.in_process(self.inventory, lease.indices)
-        if usage is not None:
-            mine, theirs = usage
-            # (a) this process on a GPU outside the lease: any growth, a new context included
-            touched = [i for i in mine if mine[i] > self._baseline.get(i, 0)]
-            touched += [i for i in theirs if theirs[i] > 0 and i not in touched]
-            for i in lease.indices:
-                # subprocesses still alive count whole (their contexts too); this process's
-                # growth counts where torch cannot say (its context grows as CUDA loads modules)
-                own = 0
-                if torch is None:
-                    own = mine.get(i, 0) - self._baseline.get(i, 0)
-                    if self._baseline.get(i, 0) == 0:
-                        own -= self.overhead  # the process opened its context here during the test
-                peak[i] = max(own, 0) + theirs.get(i, 0)
-        current: dict[int, int] = {}
         if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                peak[index] = max(peak[index], torch_peak(torch.cuda, ordinal))
-                left = torch.cuda.memory_allocated(ordinal) - self._torch_base.get(index, 0)
+                self._torch_base[index] = int(torch.cuda.memory_allocated(ordinal))
+                self._torch_reserved[index] = int(torch.cuda.memory_reserved(ordinal))
+
+    def _split(self, sample: _Sample) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+        """This process's usage, and that of the processes the test started (pid -> GPU -> bytes);
+        the others of the tree are their holders' (named in a note when no holder claimed them)."""
+        holders = claimed()
+        mine = sample.usage.get(os.getpid(), {})
+        started: dict[int, dict[int, int]] = {}
+        for pid, used in sample.usage.items():
+            if pid == os.getpid() or not any(used.values()):
+                continue
+            holder = _claimant(pid, holders)
+            if holder is not None:
+                continue  # a warm pool's rank, the Ray head: verified as its holder's
+            if abs(self._before.get(pid, -math.inf) - sample.tree.get(pid, math.inf)) <= CTIME_TOLERANCE_S:
+                where = numbered("GPU", sorted(i for i, n in used.items() if n))
+                self._note(  # no bytes in it: the summary counts the tests a note was made for
+                    f"pid {pid} ({process_name(pid)}), started before the test, uses {where}: not charged to the "
+                    "test (a process of a fixture, a pool or an earlier test)"
+                )
+                continue
+            started[pid] = used
+        return mine, started
+
+    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        sample = self._usage()
+        touched: list[int] = []
+        peak = {i: 0 for i in lease.indices}
+        current: dict[int, int] = {}
+        why: dict[int, list[str]] = {}
+        whence: dict[int, str] = {}
+        seen = False
+        torch = self._torch()
+        ordinals = runtime.in_process(self.inventory, lease.indices)
+        pid = os.getpid()
+        if torch is not None and ordinals is not None:
+            for index, ordinal in zip(lease.indices, ordinals, strict=True):
+                peak[index] = torch_peak(torch.cuda, ordinal)
+                seen = seen or peak[index] > 0
+                left = int(torch.cuda.memory_allocated(ordinal)) - self._torch_base.get(index, 0)
                 if left > 0:
                     current[index] = left
-        grew = [i for i in touched if i in usage[0]] if usage is not None else []
-        whence = _cuda0_whence(self.inventory, lease, grew)
-        verdict = judge(lease, peak, current, touched, others, whence=whence)
+                    why.setdefault(index, []).append("torch still allocates it: a tensor kept after the test")
+        if sample is not None:
+            mine, started = self._split(sample)
+            # (a) this process on a GPU outside the lease (any growth, a new context included),
+            # or a process the test started anywhere outside it
+            touched = [i for i in mine if mine[i] > self._baseline.get(i, 0)]
+            whence = _cuda0_whence(self.inventory, lease, touched)
+            touched += [i for used in started.values() for i, n in used.items() if n > 0 and i not in touched]
+            for index in lease.indices:
+                if index in self._unmeasured:
+                    continue
+                growth = mine.get(index, 0) - self._baseline.get(index, 0)
+                if self._baseline.get(index, 0) == 0 and growth > 0:
+                    growth -= self.overhead  # the process opened its context here during the test
+                if torch is not None and ordinals is not None:
+                    # torch's cache is counted by torch; what NVML adds beyond it is another allocator's
+                    reserved = int(torch.cuda.memory_reserved(ordinals[lease.indices.index(index)]))
+                    growth -= max(reserved - self._torch_reserved.get(index, 0), 0)
+                growth = max(growth, 0)
+                held = _beyond_context(pid, index, growth)
+                children = {p: used[index] for p, used in started.items() if used.get(index)}
+                peak[index] += growth + sum(children.values())
+                seen = seen or peak[index] > 0
+                if held:
+                    current[index] = current.get(index, 0) + held
+                    outside = ", outside torch's cache" if torch is not None else ""
+                    why.setdefault(index, []).append(f"memory this process still holds after the test{outside}")
+                if children:
+                    current[index] = current.get(index, 0) + sum(children.values())
+                    names = ", ".join(f"pid {p} ({process_name(p)})" for p in sorted(children))
+                    why.setdefault(index, []).append(
+                        f"{_plural_proc(len(children))} the test started still running: {names}"
+                    )
+        verdict = judge(lease, peak, current, touched, others, {i: "; ".join(w) for i, w in why.items()}, whence=whence)
         verdict.notes.extend(self._notes)
-        verdict.measured = torch is not None or not (self._unmeasured & set(lease.indices))
+        unmeasured = self._unmeasured & set(lease.indices)
+        verdict.measured = seen and (torch is not None or not unmeasured)
         return verdict
 
 
@@ -348,6 +463,39 @@ def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dic
     if not view or view[0] in lease.indices or view[0] not in grew:
         return {}
     return {view[0]: "this process's cuda:0: perhaps from another thread, which NVML cannot tell apart"}
+
+
+def _claimant(pid: int, holders: dict[int, str]) -> str | None:
+    """The holder that claimed ``pid`` or one of its ancestors (``None``: no one)."""
+    if not holders:
+        return None
+    if pid in holders:
+        return holders[pid]
+    import psutil
+
+    try:
+        for parent in psutil.Process(pid).parents():
+            if parent.pid in holders:
+                return holders[parent.pid]
+    except psutil.Error:
+        return None
+    return None
+
+
+def _plural_proc(count: int) -> str:
+    return "a process" if count == 1 else f"{count} processes"
+
+
+def _beyond_context(pid: int, index: int, growth: int) -> int:
+    """What of this process's ``growth`` on GPU ``index`` is held memory: all of it when it is
+    more than what is left of the context's allowance (:data:`CONTEXT_GROWTH` over the
+    process's life), else none (it is taken from the allowance)."""
+    key = (pid, index)
+    left = CONTEXT_GROWTH - _grown.get(key, 0)
+    if growth > left:
+        return growth
+    _grown[key] = _grown.get(key, 0) + growth
+    return 0
 
 
 class SharedVerifier:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..leasing.requests import format_size
 from ..leasing.spans import LeaseSpan, gpu_properties, parse_peaks, parse_spans
+from .wording import plural
 
 MIB = 2**20
 SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less
@@ -135,7 +136,9 @@ class Timeline:
             out[gpu] = _union(spans) / makespan if makespan > 0 else 0.0
         return out
 
-    def summary_lines(self, gpus: Sequence[int], with_peaks: bool) -> list[str]:
+    def summary_lines(
+        self, gpus: Sequence[int], with_peaks: bool, *, learn: bool = False, verbose: bool = False
+    ) -> list[str]:
         tests = self.tests()
         if not tests:
             return []
@@ -155,15 +158,22 @@ class Timeline:
             lines.append("pytest-gpu: largest GPU-second users:")
             lines += [f"  {r.gpu_seconds:7.1f} GPU-s  {r.nodeid}" for r in heavy]
         if with_peaks:
-            lines += _request_lines(tests)
+            lines += _request_lines(tests, learn, verbose)
         return lines
 
 
-def _request_lines(tests: Sequence[TestRecord], limit: int = 10) -> list[str]:
-    """Tests whose measured peak is above their request, or below a quarter of it."""
-    found = []
+def _request_lines(
+    tests: Sequence[TestRecord], learn: bool = False, verbose: bool = False, limit: int = 10
+) -> list[str]:
+    """Tests whose measured peak is above their request, or below a quarter of it, grouped by
+    the request they should make (one line per size: a suite of 500 tests gets a few lines);
+    ``verbose`` lists every test. An exclusive lease was not sized by its test: no suggestion
+    for it unless ``learn`` (``--gpu-learn`` sizes such tests from their peaks)."""
+    groups: dict[tuple[int, str], list[TestRecord]] = {}
     for rec in tests:
         if rec.peak is None or not rec.requested or rec.outcome in ("skipped", "crashed"):
+            continue  # a peak that was not measured (None) is not zero: nothing to suggest from it
+        if rec.exclusive and not learn:
             continue
         if rec.peak > rec.requested:  # also when verification failed the test for it
             why = "above"
@@ -171,15 +181,38 @@ def _request_lines(tests: Sequence[TestRecord], limit: int = 10) -> list[str]:
             why = "far below"
         else:
             continue
-        asked = "a whole GPU" if rec.exclusive else format_size(rec.requested)
-        found.append(
-            f"  {rec.nodeid}: asked {asked}, peaked at {format_size(rec.peak)} ({why}): "
-            f'suggest memory="{format_size(suggest(rec.peak))}"'
-        )
-    if not found:
+        groups.setdefault((suggest(rec.peak), why), []).append(rec)
+    if not groups:
         return []
-    more = [f"  ... and {len(found) - limit} more"] if len(found) > limit else []
-    return ["pytest-gpu: requests that do not match the measured peak:", *found[:limit], *more]
+    # above first (those would run out of memory), then the largest groups
+    order = sorted(groups.items(), key=lambda kv: (kv[0][1] != "above", -len(kv[1]), kv[0][0]))
+    if verbose:
+        return ["pytest-gpu: requests that do not match the measured peak:"] + [
+            _one(rec, why, size) for (size, why), recs in order for rec in recs
+        ]
+    lines = [_one(recs[0], why, size) if len(recs) == 1 else _group(recs, why, size) for (size, why), recs in order]
+    more = (
+        [f"  ... and {plural(len(lines) - limit, 'more suggestion')} (-v lists every test)"]
+        if len(lines) > limit
+        else []
+    )
+    return ["pytest-gpu: requests that do not match the measured peak:", *lines[:limit], *more]
+
+
+def _one(rec: TestRecord, why: str, size: int) -> str:
+    asked = "a whole GPU" if rec.exclusive else format_size(rec.requested)
+    peak = format_size(rec.peak or 0)
+    return f'  {rec.nodeid}: asked {asked}, peaked at {peak} ({why}): suggest memory="{format_size(size)}"'
+
+
+def _group(recs: Sequence[TestRecord], why: str, size: int, shown: int = 3) -> str:
+    top = max(rec.peak or 0 for rec in recs)
+    names = ", ".join(rec.nodeid for rec in recs[:shown])
+    rest = f" and {len(recs) - shown} more (-v lists them)" if len(recs) > shown else ""
+    return (
+        f'  suggest memory="{format_size(size)}" for {len(recs)} tests that peaked {why} their request '
+        f"(at most {format_size(top)}): {names}{rest}"
+    )
 
 
 def suggest(peak: int) -> int:

@@ -64,7 +64,10 @@ class RunOwner(RoleBase):
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
         lines += summary.timeline.summary_lines(
-            [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"
+            [d.index for d in run.inventory.devices],
+            with_peaks=run.settings.verify != "off",
+            learn=run.settings.learn,
+            verbose=config.option.verbose > 0,
         )
         if summary.trace_path:
             lines.append(f"pytest-gpu: trace written to {summary.trace_path} (open in ui.perfetto.dev)")

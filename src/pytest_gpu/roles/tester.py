@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ..distributed import runner
+from ..gpu import verification
 from ..launched import selection
 from ..launched.session import select_share
 from ..run import fixture_leases, lifecycle
@@ -57,7 +58,11 @@ class TestProcess(RoleBase):
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
         with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
-            return (yield)
+            if fixturedef.scope == "function":
+                return (yield)
+            # processes a longer-lived fixture starts are its own, not the test's it was set up for
+            with verification.claiming(f"fixture {fixturedef.argname}"):
+                return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(

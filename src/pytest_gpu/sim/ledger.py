@@ -479,6 +479,8 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
         lines.append(f"option pidns {machine.pidns}")
     if machine.no_v3:
         lines.append("option no_v3 1")
+    if machine.no_usage:
+        lines.append("option no_usage 1")
     for gpu in machine.gpus:
         units = [u.index for u in gpu.mig] or [gpu.index]
         used = sum(_device_used(state, u) for u in units)
@@ -488,6 +490,8 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
             used = _device_used(state, inst.index)
             lines.append(f"mig {gpu.index} {inst.slot} {inst.uuid} {inst.total} {used} {inst.name}")
     uuids = {u.index: u.uuid for u in machine.units()}
+    # as the driver: a process's usage is everything it holds on a device, its context included,
+    # whatever test, pool or tag it works for (tags are the simulation's own bookkeeping)
     for pid, proc in state["procs"].items():
         for unit in sorted({int(k) for k in proc["ctx"]} | {d for d, _, _ in proc["allocs"].values()}):
             lines.append(f"proc {uuids[unit]} {pid} {_proc_used(state, proc, unit)}")

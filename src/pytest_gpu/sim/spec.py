@@ -13,6 +13,9 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
                                              container's pid namespace)
              no-v3                           the driver lacks
                                              nvmlDeviceGetComputeRunningProcesses_v3
+             no-usage                        NVML lists processes without their memory
+                                             (``usedGpuMemory`` not available, as under
+                                             Windows WDDM)
 
 Limits: at most :data:`MAX_GPUS` GPUs, :data:`MAX_MIG` MIG instances per GPU, and
 :data:`MAX_SIZE` per GPU or instance.
@@ -41,7 +44,7 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3"
+    "pidns=OFFSET, no-v3, no-usage"
 )
 
 
@@ -83,6 +86,7 @@ class Machine:
     gpus: tuple[Gpu, ...]
     pidns: int = 0
     no_v3: bool = False
+    no_usage: bool = False
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -153,6 +157,7 @@ def parse(spec: str) -> Machine:
     reserved_of: int | float = 0
     pidns = 0
     no_v3 = False
+    no_usage = False
     for raw in options:
         option = raw.strip()
         if not option:
@@ -183,6 +188,8 @@ def parse(spec: str) -> Machine:
             pidns = int(value)
         elif key == "no-v3" and not value:
             no_v3 = True
+        elif key == "no-usage" and not value:
+            no_usage = True
         else:
             raise SpecError(f"{spec!r}: unknown option {option!r}; expected {FORM}")
     gpus = []
@@ -217,4 +224,4 @@ def parse(spec: str) -> Machine:
                 faults.get(index, "none"),
             )
         )
-    return Machine(text, tuple(gpus), pidns, no_v3)
+    return Machine(text, tuple(gpus), pidns, no_v3, no_usage)

@@ -56,6 +56,7 @@ enum {
 #define STR_LEN 96 /* NVML_DEVICE_UUID_V2_BUFFER_SIZE == NVML_DEVICE_NAME_V2_BUFFER_SIZE */
 #define LINE_LEN 512
 #define NA_UINT 0xFFFFFFFFu /* NVML_VALUE_NOT_AVAILABLE as unsigned int */
+#define NA_ULL 0xFFFFFFFFFFFFFFFFull /* ... as unsigned long long (pynvml reads it as None) */
 
 /* ---- public structs (layouts as in nvml.h) ------------------------------ */
 
@@ -124,6 +125,7 @@ struct proc {
 struct state {
     unsigned int ngpus;
     long long pidns;
+    long long no_usage; /* process lists give usedGpuMemory as not available (Windows WDDM) */
     struct nvmlDevice_st gpus[MAX_GPUS];
     struct nvmlDevice_st migs[MAX_GPUS][MAX_MIG];
     unsigned int nprocs;
@@ -211,6 +213,8 @@ static int parse_state(void) {
             char *key = token(&rest), *value = token(&rest);
             if (key && !strcmp(key, "pidns") && parse_ll(value, &s->pidns))
                 rc = parse_fail(path, lineno, "bad pidns offset");
+            else if (key && !strcmp(key, "no_usage") && parse_ll(value, &s->no_usage))
+                rc = parse_fail(path, lineno, "bad no_usage flag");
         } else if (!strcmp(kind, "gpu")) {
             unsigned long long idx, total, reserved, used, mig;
             char *uuid;
@@ -685,7 +689,9 @@ static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *
         const struct proc *p = &g_state.procs[i];
         if (strcmp(p->uuid, d->uuid) || !alive(p->pid)) continue;
         char *slot = (char *)infos + out++ * stride;
-        nvmlProcessInfo_t info = {(unsigned int)(p->pid + g_state.pidns), p->used, NA_UINT, NA_UINT};
+        /* a process's usage is all it holds on the device, its context included, whoever it works for */
+        unsigned long long used = g_state.no_usage ? NA_ULL : p->used;
+        nvmlProcessInfo_t info = {(unsigned int)(p->pid + g_state.pidns), used, NA_UINT, NA_UINT};
         if (stride == sizeof(nvmlProcessInfo_t)) {
             memcpy(slot, &info, sizeof info);
         } else {
