@@ -64,3 +64,29 @@ def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(tmp_path: Path, mo
     finally:
         manager.close()
     assert StubPool.started == [300.0, 900.0]  # shorter tests reuse the pool they find
+
+
+class _Launched:
+    """A launcher stand-in: what it 'started' is a process that already ended."""
+
+    def __init__(self, pid: int) -> None:
+        self.procs = [type("P", (), {"pid": pid})()]
+
+    def kill(self, pids: Any) -> None:
+        pass
+
+
+def test_a_closed_pool_gives_up_its_claim_on_its_processes(tmp_path: Path) -> None:
+    from pytest_gpu.gpu.verification import claim_processes, claimed
+
+    pool = RankPool(GLOO2, None, DistSettings(), tmp_path, 60.0, "t.py::test_x")  # type: ignore[arg-type]
+    pool.launcher = _Launched(999_991)  # type: ignore[assignment]
+    pool.pids = {0: 999_992, 1: 999_993}
+    pool.lease_key = pool.port = None
+    claim_processes(pool._processes(), pool.holder)
+    assert {p: claimed()[p] for p in (999_991, 999_992, 999_993)} == dict.fromkeys(
+        (999_991, 999_992, 999_993), "the rank pool of 2 ranks (gloo via spawn) started by t.py::test_x"
+    )
+    pool.run = type("R", (), {"client": None})()  # type: ignore[assignment]
+    pool.close(graceful=False)
+    assert not {999_991, 999_992, 999_993} & set(claimed())

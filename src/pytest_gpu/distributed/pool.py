@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
 
+from ..gpu.verification import claim_processes, release_processes
 from ..report.wording import numbered
 from ..run.session import GpuRun
 from . import cover, protocol
@@ -131,7 +132,10 @@ class RankPool:
         arrivals: queue.Queue[tuple[Message, Connection]] = queue.Queue()
         threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
         self.launcher.start(self._env(address, authkey, slices), port, self.dir / protocol.LAUNCHER_LOG)
+        # the pool's processes outlive the test that starts them: their GPU use is the pool's
+        claim_processes(self._processes(), self.holder)
         self._gather(arrivals)
+        claim_processes(self._processes(), self.holder)  # the ranks, as they said hello
         self._set_up(config_args)
 
     def _set_up(self, config_args: list[str]) -> None:
@@ -394,6 +398,10 @@ class RankPool:
                     pass
         time.sleep(1.0)  # faulthandler writes from a signal handler: give it a moment
 
+    def _processes(self) -> list[int]:
+        """The pids of the pool's processes: what its launcher started, and the ranks."""
+        return [*(p.pid for p in self.launcher.procs), *self.pids.values()]
+
     def _exit_of(self, rank: int) -> str:
         return self.launcher.exit_of(rank, self.pids.get(rank))
 
@@ -420,6 +428,7 @@ class RankPool:
             self._collect(set(self.conns), time.monotonic() + 5)  # CLOSED, or DIED: either way, the kill follows
         self._stopped = True
         self.launcher.kill(self.pids.values())
+        release_processes(self._processes())
         for conn in [*self.conns.values(), *self.lifelines]:
             try:
                 conn.close()
