@@ -28,7 +28,7 @@ that this map names every module).
         broker          a run's lease service (its protocol: protocol)
         protocol        the bodies of the broker's messages
         client          the broker's test-process side
-        spans           a test's leases as its report carries them
+        spans           a test's leases, and other holders' it judged, as its report carries them
     machine/            every run of a machine shares one view of its GPUs
         domain          where the runs of a machine meet, and who may meet there
         arbiter         the one allocator of the machine: GPUs, host resources, ports
@@ -54,7 +54,9 @@ that this map names every module).
         torch_cuda      torch.cuda for the CPU build of torch
         fake            the PYTEST_GPU_FAKE_GPUS switch
     run/                one run in each of its processes
-        session         the run's state in one process (GpuRun)
+        session         the run's state in one process (GpuRun); ``GpuRun.hold``: every lease
+        record          a test's own record, built once at collection (TestNeeds)
+        holding         who holds leases (Owner) and how: Holding, a test's state, the verdicts' wording
         lifecycle       one test's life with a lease
         conventions     requests from a suite's own markers and the item-request hook
         fixture_leases  leases held by fixtures of any scope
