@@ -99,6 +99,24 @@ that this map names every module).
         startonce       the run's own head, started once
         stop            stopping a head and its processes
         watchdog        ``-m pytest_gpu.raycluster.watchdog``: runs the head, stops it if the run dies
+
+Layers, lowest first. A module imports from its own layer and the layers below it, never
+from one above, at module level and inside functions alike (``TYPE_CHECKING`` imports
+aside: types only); tests/test_layout.py checks it, and that no modules import each other
+in a circle. A name is a folder (its modules) or one module, which then leaves its
+folder's layer for this one:
+
+    1. words: hookspecs procs safefiles importhook service leasing.requests leasing.placement
+       leasing.ports leasing.host leasing.spans leasing.protocol report.wording launched.detect
+       scheduling.history
+    2. machine: machine
+    3. devices: sim gpu
+    4. leasing: leasing
+    5. settings: options run.conventions roles.keys
+    6. run: run launched distributed raycluster
+    7. planning: scheduling report
+    8. roles: roles
+    9. entry: plugin cli
 """
 
 from typing import TYPE_CHECKING, Any
