@@ -445,11 +445,11 @@ def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):
 
 def test_stopping_a_head_forgets_its_processes_claim():
     from pytest_gpu.gpu.verification import claim_processes, claimed
-    from pytest_gpu.raycluster.stop import RAY_HEAD_HOLDER, stop
+    from pytest_gpu.raycluster.stop import RAY_HEAD, stop
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    claim_processes([gone.pid], RAY_HEAD_HOLDER)
+    claim_processes([gone.pid], RAY_HEAD.name)
     stop({"watchdog": gone.pid, "ctime": 0.0})
     assert gone.pid not in claimed()
 

@@ -40,7 +40,7 @@ from .head import (
     temp_dir_for,
 )
 from .readiness import disconnect, gcs_address, init_and_wait, wait_tcp
-from .stop import RAY_HEAD_HOLDER, STOP_GRACE, WATCHDOGS, process_name, session_processes, stop
+from .stop import RAY_HEAD, STOP_GRACE, WATCHDOGS, process_name, session_processes, stop
 
 if TYPE_CHECKING:
     from ..run.session import GpuRun
@@ -85,7 +85,7 @@ def _start_head(run: GpuRun) -> dict[str, Any]:
     """Start the head under its watchdog and wait for it; the record (or an error record)."""
     from ..leasing.client import BrokerError
 
-    owner = f"ray-head@{os.getpid()}"
+    owner = f"{RAY_HEAD.name}@{os.getpid()}"  # port owners read "<who>@<unique>"
     try:
         ports = run.client.ports(4, owner)
     except BrokerError as exc:
@@ -136,7 +136,7 @@ def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
         )
     WATCHDOGS[proc.pid] = proc
     # the head (its watchdog's session) outlives the test that asked for it: its GPU use is the head's
-    claim_processes([proc.pid], RAY_HEAD_HOLDER)
+    claim_processes([proc.pid], RAY_HEAD.name)
     record: dict[str, Any] = {
         "address": spec.address,
         "log": str(log),

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
 
 OwnerKind = Literal["test", "fixture", "pool", "ray"]
+# real GPUs: NVML counts per process, not per lease; the ranks are the pool's by claim (excluded from the test's)
+UNMEASURED_RANKS = "on real GPUs its ranks' memory is not measured per test (NVML counts per process)"
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,10 @@ class Holding:
         start = max(self.active.granted, self.checked_at)
         now = time.time()
         self.checked_at = now
-        if verifier is None or run.settings.verify == "off":
+        if run.settings.verify == "off" or not self.lease.indices:
             return Verdict(), self.spans_since(start, now)
+        if verifier is None:  # said, never silent: the summary counts it
+            return Verdict(measured=False, notes=[UNMEASURED_RANKS]), self.spans_since(start, now)
         verdict = verifier.end(self.lease)
         verifier.begin(self.lease, self.active.owner_pid)
         return verdict, self.spans_since(start, now)
@@ -153,7 +157,8 @@ class TestState:
     fixture_gpus: set[int] = field(default_factory=set)
     view_saved: dict[str, str | None] | None = None  # the environment before the fixtures' GPUs were added
     violations: list[str] = field(default_factory=list)  # other holders' (fixtures, pools), named, judged now
-    notes: list[str] = field(default_factory=list)  # theirs too: what could not be checked
+    notes: list[str] = field(default_factory=list)  # theirs too: what could not be checked (the report's text)
+    held_notes: list[str] = field(default_factory=list)  # the same, short, for the summary
     held: list[HeldRow] = field(default_factory=list)  # other holders' holdings judged during this test
 
     def finish(self, run: GpuRun, holding: Holding) -> None:
@@ -171,6 +176,9 @@ class TestState:
         if verdict.violations:
             self.violations.append(broke(owner, verdict.violations, during))
         self.notes += [f"pytest-gpu: {owner.name}: not verified: {note}" for note in verdict.notes]
+        for note in verdict.notes:
+            if f"{owner.name}: {note}" not in self.held_notes:
+                self.held_notes.append(f"{owner.name}: {note}")
         if spans or verdict.violations:
             self.held.append(row(owner, spans, verdict))
 

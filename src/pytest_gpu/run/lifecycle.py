@@ -268,8 +268,9 @@ def report_properties(state: TestState, alone: bool) -> GpuProperties:
         gpu_request_bytes=0 if alone else _requested_bytes(state),
         gpu_leases=format_spans(state.leases),
     )
-    if state.verdict.notes:  # what could not be checked: said in the summary, never silent
-        props["gpu_notes"] = "\n".join(state.verdict.notes)
+    notes = state.verdict.notes + state.held_notes
+    if notes:  # what could not be checked (its own leases', other holders'): said in the summary, never silent
+        props["gpu_notes"] = "\n".join(notes)
     if state.held:  # other holders' leases judged now (fixtures', pools'): the summary and trace show them
         props["gpu_held"] = format_held(state.held)
     return props
