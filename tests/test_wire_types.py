@@ -277,3 +277,49 @@ def test_a_bad_catalog_entry_is_refused(wire: dict[str, Any]) -> None:
 
     with pytest.raises(ValueError, match="a catalog entry"):
         Entry.from_wire(wire)
+
+
+# -- a test's record, built once at collection -------------------------------------------------
+
+RECORDED = """
+import pytest
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_gpu(gpu):
+    pass
+
+
+@pytest.mark.gpu_serial
+def test_alone(gpu):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+def test_ranks(rank):
+    pass
+
+
+@pytest.mark.gpu(3)
+def test_too_big(gpu):
+    pass
+
+
+def test_cpu():
+    pass
+"""
+
+
+def test_collection_builds_each_tests_record_once_for_every_reader(gpu_pytester: pytest.Pytester) -> None:
+    from pytest_gpu.run.record import needs
+
+    gpu_pytester.makepyfile(test_recorded=RECORDED)
+    items, _ = gpu_pytester.inline_genitems("--gpus", "sim:2x16GiB", "--gpu-oversize=fail", "-p", "no:cacheprovider")
+    by_name = {item.name: needs(item) for item in items}
+    assert by_name["test_gpu"].request == GpuRequest(count=1, memory=2 * GIB, exclusive=False)
+    assert by_name["test_alone"].serial and by_name["test_alone"].request == GpuRequest(count=2, exclusive=True)
+    ranks = by_name["test_ranks"]
+    assert ranks.request is None and ranks.dist is not None and ranks.dist.world_size == 2
+    assert ranks.scheduled_request(DefaultMemory.parse("1GiB")) == GpuRequest(count=2, memory=GIB, exclusive=False)
+    assert by_name["test_too_big"].oversize is not None and "3 GPUs" in by_name["test_too_big"].oversize
+    assert (by_name["test_cpu"].request, by_name["test_cpu"].dist, by_name["test_cpu"].serial) == (None, None, False)
