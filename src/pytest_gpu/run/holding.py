@@ -117,8 +117,9 @@ class RankVerifier:
     """A rank pool's lease on simulated GPUs: its ranks' allocations carry the lease's tag.
 
     Each rank keeps its CUDA context for the pool's life, as the test process keeps its own:
-    the contexts are the pool's standing cost (the broker accounts them), not a test's peak
-    nor a leak. ``pids``: the ranks' processes, asked when the check runs.
+    the contexts are the pool's standing cost (placement counts a context on each leased
+    GPU, beside the lease's budget), neither a test's peak nor a leak. ``pids``: the ranks'
+    processes (set once they have said hello), asked when the check runs.
     """
 
     def __init__(self, overhead: int, pids: Iterable[int] = ()) -> None:
