@@ -293,12 +293,12 @@ def test_the_map_and_the_hook_give_the_same_leases_as_explicit_markers(gpu_pytes
 PROBE = """
 import dataclasses, json
 import pytest
-from pytest_gpu.run.lifecycle import REQUEST_KEY
+from pytest_gpu.run.record import needs
 
 def pytest_collection_finish(session):
     rows = {{}}
     for item in session.items:
-        request = item.stash.get(REQUEST_KEY, None)
+        request = needs(item).request
         rows[item.nodeid] = None if request is None else dataclasses.asdict(request)
     with open({out!r}, "w") as f:
         json.dump(rows, f)

@@ -890,3 +890,72 @@ def test_ranks_without_gpus_see_none_and_outlast_the_test_timeout(tmp_path: Path
     assert result.outcome("test_no_gpus.py::test_gloo_rank") == "passed"
     assert result.outcome("test_no_gpus.py::test_none_rank") == "passed"
     assert result.leftovers == []
+
+
+# -- a pool's GPUs: one holder among the others --------------------------------------------------
+
+POOL_GPUS = """
+G2 = pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+KEPT = []
+
+
+@G2
+def test_within_its_budget(rank):
+    from pytest_gpu import sim
+
+    with sim.allocate("1GiB"):
+        pass
+
+
+@G2
+def test_over_the_cap(rank):
+    from pytest_gpu import sim
+
+    if rank.rank == 1:
+        sim.allocate("3GiB")  # its pool's lease gives each rank 2GiB per GPU
+
+
+@G2
+def test_keeps_memory(rank):
+    from pytest_gpu import sim
+
+    if rank.rank == 0:
+        KEPT.append(sim.allocate("512MiB"))  # still held once the test is over
+
+
+def test_plain_after_the_pool():
+    from pytest_gpu.gpu.verification import claimed
+
+    note("claimed-plain", json.dumps({str(k): v for k, v in claimed().items()}))
+"""
+
+
+def test_a_pools_lease_is_capped_verified_traced_and_counted(tmp_path: Path) -> None:
+    require("torch", module="torch")
+    suite = make_suite(tmp_path, {"test_pool_gpus.py": "import json\n" + textwrap.dedent(COMMON) + POOL_GPUS})
+    trace = tmp_path / "trace.json"
+    result = suite.run("--gpus", "sim:2x8GiB", "--gpu-default-memory=2GiB", "--gpu-verify=fail", f"--gpu-trace={trace}")
+    name = "test_pool_gpus.py::"
+    assert result.outcome(name + "test_within_its_budget") == "passed", result.output[-3000:]
+    # confined: a rank is capped at the pool's lease, as a test process at its own
+    over = result.report(name + "test_over_the_cap")
+    assert over["outcome"] == "failed" and "out of memory" in over["longrepr"].lower(), over["longrepr"]
+    # verified after each test it ran: the pool is named, during the test that broke it
+    reports = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    teardown = next(r for r in reports if r["nodeid"] == name + "test_keeps_memory" and r["when"] == "teardown")
+    text = teardown["longrepr"]
+    assert teardown["outcome"] == "failed", teardown
+    assert "the rank pool of 2 ranks" in text and "broke its GPU lease while it ran" in text, text
+    assert "still holds 512MiB" in text, text
+    # counted in the summary, and named there
+    assert re.search(r"pytest-gpu: .* · 1 violation\b", result.output), result.output[-3000:]
+    assert "lease broken by the rank pool of 2 ranks" in result.output
+    # drawn in the trace, on the GPUs the ranks used, under the pool's name
+    events = json.loads(trace.read_text())["traceEvents"]
+    pool = [e for e in events if e.get("cat") == "lease" and e["args"].get("holder") == "pool"]
+    assert {e["args"]["gpu"] for e in pool} == {0, 1}, pool
+    assert all(e["name"].startswith("the rank pool of 2 ranks") for e in pool)
+    assert {e["args"]["nodeid"] for e in pool} >= {name + "test_within_its_budget", name + "test_keeps_memory"}
+    # the ranks are the pool's while it lives, in this process: never the plain test's
+    claimed = json.loads((suite.data / "claimed-plain").read_text())
+    assert claimed and all(holder.startswith("the rank pool of 2 ranks") for holder in claimed.values())

@@ -64,3 +64,54 @@ def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(tmp_path: Path, mo
     finally:
         manager.close()
     assert StubPool.started == [300.0, 900.0]  # shorter tests reuse the pool they find
+
+
+class _Launched:
+    """A launcher stand-in: what it 'started' is a process that already ended."""
+
+    def __init__(self, pid: int) -> None:
+        self.procs = [type("P", (), {"pid": pid})()]
+
+    def kill(self, pids: Any) -> None:
+        pass
+
+
+def test_a_closed_pool_gives_up_its_claim_on_its_processes(tmp_path: Path) -> None:
+    from pytest_gpu.gpu.verification import claim_processes, claimed
+
+    pool = RankPool(GLOO2, None, DistSettings(), tmp_path, 60.0, "t.py::test_x")  # type: ignore[arg-type]
+    pool.launcher = _Launched(999_991)  # type: ignore[assignment]
+    pool.pids = {0: 999_992, 1: 999_993}
+    pool.lease_key = pool.port = None
+    claim_processes(pool._processes(), pool.holder)
+    assert {p: claimed()[p] for p in (999_991, 999_992, 999_993)} == dict.fromkeys(
+        (999_991, 999_992, 999_993), "the rank pool of 2 ranks (gloo via spawn) started by t.py::test_x"
+    )
+    pool.run = type("R", (), {"client": None})()  # type: ignore[assignment]
+    pool.close(graceful=False)
+    assert not {999_991, 999_992, 999_993} & set(claimed())
+
+
+def test_a_pools_lease_it_cannot_measure_says_so_in_the_summary() -> None:
+    """Real GPUs: NVML counts per process, so a pool's ranks are not measured per test; said, not silent."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from pytest_gpu.gpu.isolation import Confinement
+    from pytest_gpu.leasing.spans import gpu_properties
+    from pytest_gpu.run.holding import UNMEASURED_RANKS, Holding, Owner, TestState
+    from pytest_gpu.run.lifecycle import report_properties
+    from pytest_gpu.run.session import ActiveLease, host_lease
+
+    lease = replace(host_lease("k", 0.0, False), indices=(0,), memory=2**30)
+    held = Holding(Owner("pool", "the rank pool"), ActiveLease(lease, Confinement(), None, 1.0, 2.0, confined=False))
+    verdict, span = held.check(SimpleNamespace(settings=SimpleNamespace(verify="warn")))  # type: ignore[arg-type]
+    assert verdict.notes == [UNMEASURED_RANKS] and not verdict.measured
+    assert (span.gpus, span.asked, span.granted) == ((0,), 1.0, 2.0)
+    _, later = held.check(SimpleNamespace(settings=SimpleNamespace(verify="warn")))  # type: ignore[arg-type]
+    assert later.granted == later.asked == span.released  # the next window starts where this one ended
+    state = TestState()
+    state.judged(held.owner, verdict, [span], during=" while it ran t.py::test_x")
+    props = gpu_properties(report_properties(state, alone=False).items())
+    assert props["gpu_notes"] == f"the rank pool: {UNMEASURED_RANKS}"
+    assert state.violations == [] and len(state.held) == 1

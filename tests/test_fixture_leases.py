@@ -275,7 +275,8 @@ def test_a_fixtures_leak_is_the_fixtures_never_the_first_tests(gpu_pytester: pyt
     # with gpu_lease_factory, both tests pass; the fixture's own leak (never freed) fails the
     # teardown of the test that ended the fixture, naming the fixture
     gpu_pytester.makepyfile(test_nolease="", test_leaky=LEAKY)
-    result = run_inner("--gpus", "sim:1x16GiB")
+    trace = gpu_pytester.path / "trace.json"
+    result = run_inner("--gpus", "sim:1x16GiB", f"--gpu-trace={trace}")
     result.assert_outcomes(passed=2, errors=1)
     out = result.stdout.str()
     assert "ERROR at teardown of test_last" in out
@@ -286,6 +287,17 @@ def test_a_fixtures_leak_is_the_fixtures_never_the_first_tests(gpu_pytester: pyt
         ]
     )
     assert "test_first broke" not in out and "test_last broke" not in out
+    # the fixture's violation counts in the summary, named, and its lease is drawn in the trace
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: 1 simulated GPU * · 2 GPU tests · * · 1 violation",
+            "pytest-gpu: lease broken by fixture 'model' (module scope, test_leaky.py) (judged during *test_last)",
+        ]
+    )
+    events = json.loads(trace.read_text())["traceEvents"]
+    (held,) = [e for e in events if e.get("cat") == "lease" and e["args"].get("holder") == "fixture"]
+    assert held["name"] == "fixture 'model' (module scope, test_leaky.py)" and held["args"]["gpu"] == 0
+    assert held["args"]["memory"] == 4 * 2**30 and held["args"]["violations"] == 1
 
 
 TORCH = """
@@ -756,10 +768,10 @@ def test_planner_predicts_a_group_test_fits_only_with_its_fixtures_memory() -> N
 
 
 def test_held_needs_read_the_brokers_catalog_live() -> None:
-    catalog: dict[str, Any] = {"test_a.py::test_x": {"g": "fixture:test_a.py"}}
+    catalog: dict[str, Any] = {"test_a.py::test_x": {"group": "fixture:test_a.py"}}
     held = HeldNeeds(catalog)
     assert held.get("fixture:test_a.py", ()) == () and len(held) == 0
-    catalog["held:fixture:test_a.py"] = {"h": [[1, 6 * GiB], [2, None]]}  # a worker set the fixture up
+    catalog["held:fixture:test_a.py"] = {"held": [[1, 6 * GiB], [2, None]]}  # a worker set the fixture up
     assert held["fixture:test_a.py"] == (Need(1, 6 * GiB), Need(2, None))
     assert list(held) == ["fixture:test_a.py"]
 
@@ -875,7 +887,7 @@ def test_a_modules_gpu_tests_that_use_no_leasing_fixture_go_before_its_group(gpu
     # the catalog says so of the GPU tests only: the others wait for no GPU at the broker
     run = SimpleNamespace(settings=None, never_fits=lambda request: None)  # what entries() asks of the run
     entries = catalog_entries(items, run)  # type: ignore[arg-type]
-    assert {nodeid: entry["b"] for nodeid, entry in entries.items() if "b" in entry} == {
+    assert {nodeid: entry["before"] for nodeid, entry in entries.items() if "before" in entry} == {
         ids["test_large"]: [module],
         ids["TestOther2::test_small"]: [module, other2],
     }

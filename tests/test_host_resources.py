@@ -388,12 +388,12 @@ def test_a_request_larger_than_the_machine_is_refused_at_collection(gpu_pytester
 
 PROBE = """
 import dataclasses, json
-from pytest_gpu.run.lifecycle import REQUEST_KEY
+from pytest_gpu.run.record import needs
 
 def pytest_collection_finish(session):
     rows = {{}}
     for item in session.items:
-        request = item.stash.get(REQUEST_KEY, None)
+        request = needs(item).request
         rows[item.name] = None if request is None else dataclasses.asdict(request)
     with open({out!r}, "w") as f:
         json.dump(rows, f)

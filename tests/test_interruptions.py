@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +26,7 @@ from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.report.timeline import Timeline
 from pytest_gpu.report.wording import join, numbered, plural, verb
+from pytest_gpu.run.session import GpuRun
 
 T0 = 1_700_000_000.0
 
@@ -191,7 +193,9 @@ class RecordingClient:
 
 def test_a_rank_pool_holds_its_port_and_gpus_in_its_tests_name(tmp_path: Path) -> None:
     client = RecordingClient()
-    run = SimpleNamespace(client=client, settings=SimpleNamespace(default_memory=DefaultMemory.parse("exclusive")))
+    settings = SimpleNamespace(default_memory=DefaultMemory.parse("exclusive"), wait_timeout=None)
+    run = SimpleNamespace(client=client, settings=settings)
+    run.hold = partial(GpuRun.hold, run)  # the run's one way to hold a lease, on the recording client
     spec = DistSpec(world_size=2, backend="none", gpus_per_rank=1, launcher="spawn")
     pool = RankPool(spec, run, DistSettings(), tmp_path, 60.0, "t.py::test_first")  # type: ignore[arg-type]
     with pytest.raises(Stop):

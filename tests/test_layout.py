@@ -1,5 +1,6 @@
 """The package's shape: the map in ``pytest_gpu/__init__.py`` is true, pure modules are pure,
-folders and modules stay small enough to read (issue: "A house that shows its architecture")."""
+and imports run one way between the layers it states, with no circle between modules
+(issue 19: "imports run one way between layers", instead of caps on sizes)."""
 
 from __future__ import annotations
 
@@ -19,22 +20,6 @@ IMPURE = {
     "asyncio", "ctypes", "urllib", "http", "psutil", "pynvml", "filelock", "torch", "cupy", "ray", "mpi4py",
     "matplotlib", "importlib", "random", "secrets",
 }  # fmt: skip
-MAX_MODULES_PER_FOLDER = 8
-MAX_LINES = 450
-# modules allowed over MAX_LINES, and why
-LONG_MODULES = {
-    "sim/torch_cuda.py": "torch.cuda's API surface for the CPU build: one stand-in per torch function, "
-    "splitting it would scatter one contract over files",
-    "leasing/broker.py": "the run's lease service: every message of its protocol, and what a client leaves "
-    "behind when it goes (leases, ports, contexts until its process exits)",
-    "machine/link.py": "a run's one object on the machine: election, fallback from a squatter, failover and "
-    "every call to the arbiter, which its lock keeps in order",
-    "sim/ledger.py": "the simulated machine's physics (memory, contexts, processes) under one file lock",
-    "machine/arbiter.py": "every method works on the one pool of the machine under one lock: a split would be "
-    "mixins over shared private state",
-    "leasing/placement.py": "pure policy, property-tested as one unit; its only seam (placing one request vs the "
-    "queue's fairness) would cut the fairness bound's proof in two",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -56,6 +41,8 @@ def _map() -> tuple[dict[str, str], set[str]]:
     names: dict[str, str] = {}
     folder = ""
     for line in doc.splitlines():
+        if line.startswith("Layers"):
+            break  # the layers follow the map
         top = re.match(r"^ {4}(\w+)(/?)\s+(.*)$", line)
         child = re.match(r"^ {8}(\w+)\s+(.*)$", line)
         if top:
@@ -75,9 +62,10 @@ def test_the_package_map_names_every_module_and_only_those() -> None:
     assert sorted(set(names) - set(modules)) == [], "the map names modules that do not exist"
 
 
-def _imports(path: Path, module: str) -> tuple[set[str], set[str]]:
-    """(outside top-level modules, package modules) ``path`` imports at run time (not under TYPE_CHECKING)."""
-    tree = ast.parse(path.read_text())
+def _imports(path: Path, module: str, source: str | None = None) -> tuple[set[str], set[str]]:
+    """(outside top-level modules, package modules) ``path`` (or ``source``) imports at run time,
+    at module level or in a function (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text() if source is None else source)
     package_parts = module.split(".")[:-1]
     outside: set[str] = set()
     inside: set[str] = set()
@@ -151,23 +139,132 @@ def test_the_purity_check_sees_a_transitive_import() -> None:
     assert "os" in _reach("launched.share", _modules())  # share imports devices
 
 
-def test_folders_hold_at_most_eight_modules() -> None:
-    by_folder: dict[str, list[str]] = {}
-    for name in _modules():
-        folder = name.rsplit(".", 1)[0] if "." in name else "(top)"
-        by_folder.setdefault(folder, []).append(name)
-    crowded = {f: sorted(m) for f, m in by_folder.items() if len(m) > MAX_MODULES_PER_FOLDER}
-    assert crowded == {}
+def _layers() -> dict[str, int]:
+    """The package docstring's layers: a folder or module name -> its layer (1: lowest)."""
+    doc = pytest_gpu.__doc__ or ""
+    text = doc[doc.index("Layers") :]
+    layers: dict[str, int] = {}
+    for number, names in re.findall(r"^ {4}(\d+)\. \w+:((?:.|\n {7}\S)*)", text, flags=re.MULTILINE):
+        for name in names.split():
+            layers[name] = int(number)
+    return layers
 
 
-def test_no_module_is_longer_than_450_lines_without_a_reason() -> None:
-    long = {
-        str(path.relative_to(PACKAGE)): n
-        for path in PACKAGE.rglob("*.py")
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert set(long) - set(LONG_MODULES) == set(), long
-    assert set(LONG_MODULES) - set(long) == set(), "LONG_MODULES names a module that is short now: drop it"
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    """The layer of a dotted module: its own entry, else its folder's."""
+    if module in layers:
+        return layers[module]
+    return layers.get(module.split(".")[0])
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The package module (or folder) an imported dotted name is in (``""``: the package itself)."""
+    parts = name.split(".")
+    while parts:
+        dotted = ".".join(parts)
+        if dotted in modules or (PACKAGE / dotted.replace(".", "/")).is_dir():
+            return dotted
+        parts.pop()
+    return None
+
+
+def upward_imports(module: str, path: Path, layers: dict[str, int], source: str | None = None) -> list[str]:
+    """``module``'s imports of modules in layers above its own, as "module (layer) -> target (layer)"."""
+    modules = _modules()
+    mine = _layer_of(module, layers)
+    assert mine is not None, f"{module} is in no layer of pytest_gpu/__init__.py"
+    _, inside = _imports(path, module if path.name != "__init__.py" else f"{module}.__init__", source)
+    targets = {t for name in inside if (t := _resolve(name, modules)) not in (None, module)}
+    # ``from ..scheduling import history`` names the folder too: its module is what is imported
+    targets = {t for t in targets if not any(other.startswith(f"{t}.") for other in targets)}
+    found = []
+    for target in sorted(targets):
+        theirs = _layer_of(target, layers)
+        if theirs is not None and theirs > mine:
+            found.append(f"{module} ({mine}) -> {target} ({theirs})")
+    return found
+
+
+def test_every_module_is_in_a_layer() -> None:
+    layers = _layers()
+    assert len(set(layers.values())) >= 5, layers
+    assert [m for m in _modules() if _layer_of(m, layers) is None] == []
+    assert [n for n in layers if _resolve(n, _modules()) != n] == [], "the layers name what does not exist"
+
+
+def test_imports_run_one_way_between_layers() -> None:
+    layers = _layers()
+    upward = [line for module, path in _modules().items() for line in upward_imports(module, path, layers)]
+    assert upward == [], "imports from a higher layer (move the code down, or the module to another layer)"
+
+
+def test_the_layer_check_catches_an_upward_import() -> None:
+    """The check itself: a low module importing a high one, at module level or in a function."""
+    layers = _layers()
+    path = PACKAGE / "leasing" / "requests.py"
+    assert upward_imports("leasing.requests", path, layers) == []
+    top = "from ..run.session import GpuRun\n"
+    assert upward_imports("leasing.requests", path, layers, top) == ["leasing.requests (1) -> run.session (6)"]
+    local = "def f():\n    from ..plugin import gpu\n    return gpu\n"
+    assert upward_imports("leasing.requests", path, layers, local) == ["leasing.requests (1) -> plugin (9)"]
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n"
+    assert upward_imports("leasing.requests", path, layers, typing_only) == []
+    absolute = "import pytest_gpu.roles.owner\n"
+    assert upward_imports("leasing.requests", path, layers, absolute) == ["leasing.requests (1) -> roles.owner (8)"]
+
+
+# Modules that import each other, and why they may (none may hide it in a function-local import).
+CIRCLES = {
+    frozenset({"gpu.adapters", "gpu.isolation"}): "the built-in pytest_gpu_confine implementations and the "
+    "confinement they implement (not this change's to untangle: gpu/adapters.py is being reworked)",
+}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected parts of ``graph`` with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            part = set()
+            while True:
+                other = stack.pop()
+                part.add(other)
+                if other == node:
+                    break
+            if len(part) > 1:
+                found.append(part)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        _, inside = _imports(path, module if path.name != "__init__.py" else f"{module}.__init__")
+        graph[module] = {t for n in inside if (t := _resolve(n, modules)) in modules and t != module}
+    circles = [c for c in import_circles(graph) if frozenset(c) not in CIRCLES]
+    assert circles == []
+
+
+def test_the_circle_check_catches_a_circle() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_public_import_paths_keep_working() -> None:

@@ -44,6 +44,7 @@ import pytest
 import ray
 
 from pytest_gpu.raycluster.head import STATE_FILE
+from pytest_gpu.gpu.verification import claimed
 from pytest_gpu.raycluster.stop import session_processes
 
 OUT = Path({out!r})
@@ -60,6 +61,7 @@ def one_gpu():
 
 def record(ray_cluster, name):
     data = {{"address": ray_cluster.address, "started_by_plugin": ray_cluster.started_by_plugin}}
+    data["claimed"] = {{str(pid): holder for pid, holder in claimed().items()}}
     if ray_cluster.log is not None:
         state = json.loads((ray_cluster.log.parent / STATE_FILE).read_text())
         procs = session_processes(state["watchdog"], state["ctime"])
@@ -145,6 +147,8 @@ def test_plugin_head_has_the_runs_gpus_and_is_gone_after_the_session(gpu_pyteste
     assert record["started_by_plugin"]
     assert record["state"]["gpus"] == [0, 1, 2, 3]
     assert record["address"] == record["state"]["address"]
+    # the head's processes are the head's: never charged to the test that runs beside them
+    assert record["claimed"] == {str(record["state"]["watchdog"]): "the run's Ray head"}
     _assert_head_gone(record)
 
 
@@ -437,6 +441,17 @@ def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):
         assert separate and len(str(path)) <= 40 and path.is_dir()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_stopping_a_head_forgets_its_processes_claim():
+    from pytest_gpu.gpu.verification import claim_processes, claimed
+    from pytest_gpu.raycluster.stop import RAY_HEAD, stop
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    claim_processes([gone.pid], RAY_HEAD.name)
+    stop({"watchdog": gone.pid, "ctime": 0.0})
+    assert gone.pid not in claimed()
 
 
 def test_watchdog_stops_its_command_when_the_owner_dies(tmp_path):

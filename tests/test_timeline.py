@@ -492,3 +492,21 @@ def test_summary_leaves_out_a_parallel_factor_below_one() -> None:
     first = tl.summary_lines([0], with_peaks=False)[0]
     assert "· test time 0.2s · waited" in first
     assert "in parallel" not in first
+
+
+def test_other_holders_leases_are_drawn_and_busy_under_their_own_name() -> None:
+    """A pool's (or fixture's) lease judged during a test: on its GPU's track, named after the
+    holder, with the test it was judged during; it makes the GPU busy too."""
+    from pytest_gpu.leasing.spans import HeldRow, format_held
+
+    pool = HeldRow("pool", "the rank pool of 2 ranks", (LeaseSpan((1,), GIB, False, T0, T0, T0 + 2.0),), 1)
+    tl = Timeline()
+    held = {"gpu_indices": "", "gpu_leases": "[]", "gpu_held": format_held([pool])}
+    tl.phase("t.py::dist", "gw0", "teardown", "passed", T0, T0 + 2.0, 2.0, held)
+    tl.phase("t.py::plain", "gw1", "teardown", "passed", T0, T0 + 2.0, 2.0, {})
+    assert tl.busy([0, 1]) == {0: 0.0, 1: 1.0}
+    data = trace.build(tl, [(0, 8 * GIB), (1, 8 * GIB)], "2 GPUs", "sim:2x8GiB")
+    (event,) = [e for e in data["traceEvents"] if e.get("cat") == "lease"]
+    assert event["pid"] == trace.GPU_PID + 1 and event["name"] == "the rank pool of 2 ranks"
+    assert event["args"]["holder"] == "pool" and event["args"]["nodeid"] == "t.py::dist"
+    assert event["args"]["violations"] == 1 and event["args"]["memory"] == GIB

@@ -21,10 +21,13 @@ from pytest_gpu.leasing.protocol import LeaseMessage
 from pytest_gpu.leasing.requests import DefaultMemory, GpuRequest
 from pytest_gpu.leasing.spans import (
     GpuProperties,
+    HeldRow,
     LeaseSpan,
+    format_held,
     format_peaks,
     format_spans,
     gpu_properties,
+    parse_held,
     parse_peaks,
     parse_spans,
 )
@@ -32,6 +35,7 @@ from pytest_gpu.options import Settings
 from pytest_gpu.report.timeline import Timeline
 from pytest_gpu.run.lifecycle import TestState, report_properties
 from pytest_gpu.run.session import WIRE_KEY, GpuRun, RunWire
+from pytest_gpu.scheduling.planner import Need
 
 GIB = 2**30
 T0 = 1_700_000_000.0
@@ -78,13 +82,23 @@ def test_spans_and_peaks_round_trip() -> None:
     assert parse_peaks("") == {}
 
 
+def test_held_rows_round_trip_and_refuse_unknown_keys() -> None:
+    row = HeldRow("pool", "the rank pool of 2 ranks", (SPAN,), 1)
+    assert parse_held(format_held([row])) == [row]
+    assert HeldRow.from_wire(json_trip(row.to_wire())) == row
+    with pytest.raises(ValueError, match="a held row has the keys"):
+        HeldRow.from_wire({**row.to_wire(), "extra": 1})
+
+
 def test_the_writers_properties_are_the_typed_ones() -> None:
     state = TestState(indices={0, 2}, waited=0.25, leases=[SPAN], request=GpuRequest(count=2, exclusive=True))
     state.verdict = Verdict(peak={0: GIB, 2: 2 * GIB}, notes=["no NVML"])
+    state.held = [HeldRow("fixture", "fixture 'model' (module scope, t.py)", (SPAN,), 0)]
     props = report_properties(state, alone=False)
-    assert set(props) == set(GpuProperties.__annotations__)  # gpu_notes included: there is a note
+    assert set(props) == set(GpuProperties.__annotations__)  # gpu_notes and gpu_held included: there are some
     assert all(isinstance(value, (str, int, float)) for value in props.values())  # junitxml, execnet
     assert "gpu_notes" not in report_properties(replace(state, verdict=Verdict(peak={0: 1})), alone=False)
+    assert "gpu_held" not in report_properties(replace(state, held=[]), alone=False)
 
 
 def test_what_the_test_writes_the_timeline_reads() -> None:
@@ -237,3 +251,75 @@ def test_the_run_a_worker_joins_is_the_controllers(tmp_path: Path, monkeypatch: 
         assert wire["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     finally:
         joined.close()
+
+
+# -- the catalog: what a worker tells the scheduler of each test ---------------------------------
+
+
+def test_catalog_entries_round_trip_with_full_word_keys() -> None:
+    from pytest_gpu.scheduling.catalog import Entry
+
+    entry = Entry(gpus=2, memory=GIB, pool="('gloo', 2)", group="fixture:t.py", serial=False, before=("g",))
+    wire = json_trip(entry.to_wire())
+    assert wire == {"gpus": 2, "memory": GIB, "pool": "('gloo', 2)", "group": "fixture:t.py", "before": ["g"]}
+    assert Entry.from_wire(wire) == entry
+    assert Entry(gpus=1).to_wire() == {"gpus": 1, "memory": None}  # None: an exclusive lease, said
+    assert Entry.from_wire({}) == Entry() and Entry().need is None
+    assert Entry(gpus=1, memory=GIB).need == Need(1, GIB)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [{"n": 1, "m": None}, {"gpus": "1"}, {"gpus": True}, {"gpus": 1, "memory": -1}, {"serial": 1}, {"before": [1]}],
+)
+def test_a_bad_catalog_entry_is_refused(wire: dict[str, Any]) -> None:
+    from pytest_gpu.scheduling.catalog import Entry
+
+    with pytest.raises(ValueError, match="a catalog entry"):
+        Entry.from_wire(wire)
+
+
+# -- a test's record, built once at collection -------------------------------------------------
+
+RECORDED = """
+import pytest
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_gpu(gpu):
+    pass
+
+
+@pytest.mark.gpu_serial
+def test_alone(gpu):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+def test_ranks(rank):
+    pass
+
+
+@pytest.mark.gpu(3)
+def test_too_big(gpu):
+    pass
+
+
+def test_cpu():
+    pass
+"""
+
+
+def test_collection_builds_each_tests_record_once_for_every_reader(gpu_pytester: pytest.Pytester) -> None:
+    from pytest_gpu.run.record import needs
+
+    gpu_pytester.makepyfile(test_recorded=RECORDED)
+    items, _ = gpu_pytester.inline_genitems("--gpus", "sim:2x16GiB", "--gpu-oversize=fail", "-p", "no:cacheprovider")
+    by_name = {item.name: needs(item) for item in items}
+    assert by_name["test_gpu"].request == GpuRequest(count=1, memory=2 * GIB, exclusive=False)
+    assert by_name["test_alone"].serial and by_name["test_alone"].request == GpuRequest(count=2, exclusive=True)
+    ranks = by_name["test_ranks"]
+    assert ranks.request is None and ranks.dist is not None and ranks.dist.world_size == 2
+    assert ranks.scheduled_request(DefaultMemory.parse("1GiB")) == GpuRequest(count=2, memory=GIB, exclusive=False)
+    assert by_name["test_too_big"].oversize is not None and "3 GPUs" in by_name["test_too_big"].oversize
+    assert (by_name["test_cpu"].request, by_name["test_cpu"].dist, by_name["test_cpu"].serial) == (None, None, False)

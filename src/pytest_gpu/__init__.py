@@ -28,7 +28,7 @@ that this map names every module).
         broker          a run's lease service (its protocol: protocol)
         protocol        the bodies of the broker's messages
         client          the broker's test-process side
-        spans           a test's leases as its report carries them
+        spans           a test's leases, and other holders' it judged, as its report carries them
     machine/            every run of a machine shares one view of its GPUs
         domain          where the runs of a machine meet, and who may meet there
         arbiter         the one allocator of the machine: GPUs, host resources, ports
@@ -55,7 +55,9 @@ that this map names every module).
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch
     run/                one run in each of its processes
-        session         the run's state in one process (GpuRun)
+        session         the run's state in one process (GpuRun); ``GpuRun.hold``: every lease
+        record          a test's own record, built once at collection (TestNeeds)
+        holding         who holds leases (Owner) and how: Holding, a test's state, the verdicts' wording
         lifecycle       one test's life with a lease
         conventions     requests from a suite's own markers and the item-request hook
         fixture_leases  leases held by fixtures of any scope
@@ -98,6 +100,24 @@ that this map names every module).
         startonce       the run's own head, started once
         stop            stopping a head and its processes
         watchdog        ``-m pytest_gpu.raycluster.watchdog``: runs the head, stops it if the run dies
+
+Layers, lowest first. A module imports from its own layer and the layers below it, never
+from one above, at module level and inside functions alike (``TYPE_CHECKING`` imports
+aside: types only); tests/test_layout.py checks it, and that no modules import each other
+in a circle. A name is a folder (its modules) or one module, which then leaves its
+folder's layer for this one:
+
+    1. words: hookspecs procs safefiles importhook service leasing.requests leasing.placement
+       leasing.ports leasing.host leasing.spans leasing.protocol report.wording launched.detect
+       scheduling.history
+    2. machine: machine
+    3. devices: sim gpu
+    4. leasing: leasing
+    5. settings: options run.conventions roles.keys
+    6. run: run launched distributed raycluster
+    7. planning: scheduling report
+    8. roles: roles
+    9. entry: plugin cli
 """
 
 from typing import TYPE_CHECKING, Any

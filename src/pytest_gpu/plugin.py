@@ -23,7 +23,7 @@ from .launched.detect import detect
 from .launched.session import log_dir, redirect_output
 from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY
 from .run import fixture_leases, lifecycle
-from .run.lifecycle import RUN_KEY
+from .run.record import RUN_KEY
 from .run.session import WIRE_KEY, GpuRun
 from .scheduling import history
 

@@ -25,7 +25,11 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
 
+from .. import sim
+from ..gpu.verification import Verdict, claim_processes, release_processes
+from ..leasing.spans import LeaseSpan
 from ..report.wording import numbered
+from ..run.holding import Holding, Owner, RankVerifier
 from ..run.session import GpuRun
 from . import cover, protocol
 from .launchers import launcher_for
@@ -52,6 +56,8 @@ class RankRun:
     problems: list[str] = field(default_factory=list)  # timeouts, crashes, poisoned world
     broken: bool = False  # the pool must not be reused
     seconds: float = 0.0  # wall time of the run on the pool
+    # the pool's GPU lease, checked once the test ran (None: the pool holds no GPU)
+    checked: tuple[Owner, Verdict, LeaseSpan] | None = None
 
     @property
     def outcome(self) -> str:
@@ -88,7 +94,8 @@ class RankPool:
         self.lifelines: list[Connection] = []
         self.pids: dict[int, int] = {}
         self.launcher = launcher_for(spec)  # starts (and ends) the rank processes
-        self.lease_key: str | None = None
+        self.owner = Owner("pool", self.holder, test)
+        self.holding: Holding | None = None  # its GPUs, for every rank
         self.port: int | None = None
         self.listener: Listener | None = None
         self.last_used = time.monotonic()
@@ -118,10 +125,11 @@ class RankPool:
         slices = None
         request = self.spec.gpu_request(self.run.settings.default_memory)
         if request is not None:
-            grant = client.acquire(request, self.holder, self.settings.wait_timeout)
-            self.lease_key = grant.key
+            # held for the ranks: this process is not confined to it; verified after each test
+            self.holding = self.run.hold(self.owner, request, confine=False)
             names = [
-                str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid for i in grant.indices
+                str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid
+                for i in self.holding.lease.indices
             ]
             g = self.spec.gpus_per_rank
             slices = ";".join(",".join(names[r * g : (r + 1) * g]) for r in range(self.spec.world_size))
@@ -131,7 +139,12 @@ class RankPool:
         arrivals: queue.Queue[tuple[Message, Connection]] = queue.Queue()
         threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
         self.launcher.start(self._env(address, authkey, slices), port, self.dir / protocol.LAUNCHER_LOG)
+        # the pool's processes outlive the test that starts them: their GPU use is the pool's
+        claim_processes(self._processes(), self.holder)
         self._gather(arrivals)
+        claim_processes(self._processes(), self.holder)  # the ranks, as they said hello
+        if self.holding is not None and isinstance(self.holding.active.verifier, RankVerifier):
+            self.holding.active.verifier.pids = list(self.pids.values())  # their contexts are the pool's
         self._set_up(config_args)
 
     def _set_up(self, config_args: list[str]) -> None:
@@ -184,6 +197,11 @@ class RankPool:
         }
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
+        if self.holding is not None:
+            lease = self.holding.lease
+            env[protocol.RANK_MEMORY_ENV] = str(lease.memory)  # each rank's cap on each of its GPUs
+            if sim.TAG_ENV in lease.env:  # simulated GPUs: the ranks' allocations are the pool's lease's
+                env[sim.TAG_ENV] = lease.env[sim.TAG_ENV]
         measured = cover.rank_config()  # pytest --cov: the ranks measure too
         if measured is not None:
             env[cover.ENV] = measured
@@ -291,6 +309,9 @@ class RankPool:
                 self.close(graceful=False)
             raise
         outcome.seconds = time.monotonic() - started
+        if self.holding is not None:  # what the ranks used during the test: judged as the test's run
+            verdict, span = self.holding.check(self.run)
+            outcome.checked = (self.owner, verdict, span)
         self.tests_run += 1
         self.last_used = time.monotonic()
         return outcome
@@ -394,6 +415,10 @@ class RankPool:
                     pass
         time.sleep(1.0)  # faulthandler writes from a signal handler: give it a moment
 
+    def _processes(self) -> list[int]:
+        """The pids of the pool's processes: what its launcher started, and the ranks."""
+        return [*(p.pid for p in self.launcher.procs), *self.pids.values()]
+
     def _exit_of(self, rank: int) -> str:
         return self.launcher.exit_of(rank, self.pids.get(rank))
 
@@ -420,6 +445,7 @@ class RankPool:
             self._collect(set(self.conns), time.monotonic() + 5)  # CLOSED, or DIED: either way, the kill follows
         self._stopped = True
         self.launcher.kill(self.pids.values())
+        release_processes(self._processes())
         for conn in [*self.conns.values(), *self.lifelines]:
             try:
                 conn.close()
@@ -431,9 +457,10 @@ class RankPool:
             except OSError:
                 pass
         client = self.run.client
-        if self.lease_key is not None:
-            client.release(self.lease_key)
-            self.lease_key = None
+        if self.holding is not None:
+            # what the ranks used since the last test's check is nobody's: they were killed above
+            holding, self.holding = self.holding, None
+            holding.release(self.run)
         if self.port is not None:
             client.release_ports(self.ports_owner)
             self.port = None

@@ -37,6 +37,9 @@ from typing import Any, TypedDict
 
 Message = tuple[str, dict[str, Any]]  # (kind, body)
 
+# a rank's budget on each of its GPUs (bytes): the pool's lease's per-GPU memory, set by the pool
+RANK_MEMORY_ENV = "PYTEST_GPU_RANK_MEMORY"
+
 HELLO = "hello"
 """rank -> pool, first message on its control connection: which rank this connection is."""
 LIFELINE = "lifeline"

@@ -47,6 +47,17 @@ def _first_int(names: tuple[str, ...], default: int | None = None) -> int:
     return default
 
 
+def _cap_torch(torch: Any, cap: int) -> None:
+    """Cap torch's allocator at ``cap`` bytes on each GPU this rank sees, once CUDA has started
+    (a rank that starts CUDA only in a test body runs under its pool's lease uncapped: a fraction
+    set here would open a context on every GPU of a rank that may never use them)."""
+    if not cap or not torch.cuda.is_initialized():
+        return
+    for ordinal in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(ordinal).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
+
+
 class Rank:
     def __init__(self) -> None:
         self.rank = _first_int(RANK_VARS)
@@ -62,10 +73,14 @@ class Rank:
         for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
             os.environ[name] = mine
         self.device = "cuda:0" if mine else "cpu"
+        self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
-            from ..sim import fake
+            from ..sim import cuda, fake
 
             fake.activate()
+            for unit in filter(None, mine.split(",")):  # simulated GPUs are named by index
+                if self.cap:
+                    cuda.set_memory_cap(int(unit), self.cap)  # as a test's lease caps the test process
         self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]
@@ -108,6 +123,7 @@ class Rank:
                 import torch
 
                 torch.cuda.set_device(0)
+                _cap_torch(torch, self.cap)
             dist.init_process_group(
                 self.backend,
                 init_method="env://",

@@ -18,6 +18,8 @@ from _pytest._code.code import ReprFileLocation
 
 from ..leasing.requests import GpuRequestError
 from ..report.wording import plural
+from ..run.holding import STATE_KEY
+from ..run.record import needs, record
 from .rankinfo import RankPlaceholder
 from .spec import DistSettings, DistSpec, build_spec
 
@@ -25,9 +27,7 @@ if TYPE_CHECKING:  # the pool machinery is imported when the first distributed t
     from ..run.session import GpuRun
     from .pool import RankPool, RankRun
 
-SPEC_KEY = pytest.StashKey[DistSpec]()
 MANAGER_KEY = pytest.StashKey["PoolManager"]()
-RUN_RESULT_KEY = pytest.StashKey["RankRun"]()
 # what the ranks of an interrupted test left (stacks, output): for the failure's full text
 ABANDONED_KEY = pytest.StashKey[list[tuple[str, str]]]()
 STDERR_TAIL_LINES = 20  # of each failing rank's stderr, in the failure's full text
@@ -74,7 +74,7 @@ def stash_spec(item: pytest.Item, run: GpuRun) -> None:
     """Collection check: validate the ``distributed`` marker and remember the spec."""
     spec = item_spec(item, run)
     if spec is not None:
-        item.stash[SPEC_KEY] = spec
+        record(item).dist = spec
         if not item.config.pluginmanager.has_plugin(PoolsEnd.NAME):
             item.config.pluginmanager.register(PoolsEnd(), PoolsEnd.NAME)
 
@@ -187,7 +187,8 @@ def _dumps(value: Any) -> bytes:
 def run_item(item: pytest.Function, run: GpuRun) -> None:
     """Run a distributed test's body on its pool; raise the outcome as pytest expects."""
     started = time.perf_counter()
-    spec = item.stash[SPEC_KEY]
+    spec = needs(item).dist
+    assert spec is not None, "run_item is called for distributed tests only"
     body = _payload(item)
     timeout = spec.timeout or run.settings.dist_timeout
     pools = manager(item.config, run)
@@ -204,7 +205,11 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
             item.add_report_section("call", name, content)
         item.stash[ABANDONED_KEY] = list(pools.abandoned)
         raise
-    item.stash[RUN_RESULT_KEY] = result
+    if result.checked is not None:  # the pool's GPUs: judged with this test, named as the pool's
+        state = item.stash.get(STATE_KEY, None)
+        if state is not None:
+            owner, verdict, span = result.checked
+            state.judged(owner, verdict, [span], during=f" while it ran {item.nodeid}")
     body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
     item.user_properties.extend(
         [

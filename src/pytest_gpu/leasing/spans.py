@@ -42,11 +42,40 @@ class LeaseSpan:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class HeldRow:
+    """Another holder's holding (a fixture's, a rank pool's) as the report of the test during
+    which it was judged carries it: who, its lease spans, and its violations then."""
+
+    kind: str  # fixture, pool
+    name: str
+    spans: tuple[LeaseSpan, ...]
+    violations: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "spans": [span.to_wire() for span in self.spans],
+            "violations": self.violations,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> HeldRow:
+        """The inverse of :meth:`to_wire`; raises ValueError for missing or unknown keys."""
+        names = {"kind", "name", "spans", "violations"}
+        if set(data) != names:
+            raise ValueError(f"a held row has the keys {sorted(names)}, got {sorted(data)}")
+        spans = tuple(LeaseSpan.from_wire(row) for row in data["spans"])
+        return cls(str(data["kind"]), str(data["name"]), spans, int(data["violations"]))
+
+
 class GpuProperties(TypedDict, total=False):
     """The ``user_properties`` of a test that held a lease (or whose fixtures' leases it
     judged), as ``(key, value)`` pairs of its teardown report; the keys are the wire form.
 
-    ``gpu_notes`` is there only when something could not be checked; the others always.
+    ``gpu_notes`` is there only when something could not be checked, ``gpu_held`` only when
+    other holders' leases (fixtures', rank pools') were judged during the test; the others always.
     """
 
     gpu_indices: str  # "0,1": the GPUs it used
@@ -57,6 +86,7 @@ class GpuProperties(TypedDict, total=False):
     gpu_request_bytes: int  # bytes per GPU it asked for (0: none to suggest from)
     gpu_leases: str  # JSON: one LeaseSpan.to_wire() row per lease (see format_spans)
     gpu_notes: str  # what could not be verified, one line each
+    gpu_held: str  # JSON: one HeldRow.to_wire() per other holder judged during the test (see format_held)
 
 
 def gpu_properties(user_properties: Iterable[tuple[str, object]]) -> GpuProperties:
@@ -71,6 +101,14 @@ def format_spans(spans: Iterable[LeaseSpan]) -> str:
 
 def parse_spans(text: str) -> list[LeaseSpan]:
     return [LeaseSpan.from_wire(row) for row in json.loads(text)]
+
+
+def format_held(rows: Iterable[HeldRow]) -> str:
+    return json.dumps([row.to_wire() for row in rows])
+
+
+def parse_held(text: str) -> list[HeldRow]:
+    return [HeldRow.from_wire(row) for row in json.loads(text)]
 
 
 def format_peaks(peaks: Mapping[int, int]) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..gpu.verification import claim_processes
 from ..run import rundir
 from .head import (
     LOCK_FILE,
@@ -39,7 +40,7 @@ from .head import (
     temp_dir_for,
 )
 from .readiness import disconnect, gcs_address, init_and_wait, wait_tcp
-from .stop import STOP_GRACE, WATCHDOGS, process_name, session_processes, stop
+from .stop import RAY_HEAD, STOP_GRACE, WATCHDOGS, process_name, session_processes, stop
 
 if TYPE_CHECKING:
     from ..run.session import GpuRun
@@ -84,7 +85,7 @@ def _start_head(run: GpuRun) -> dict[str, Any]:
     """Start the head under its watchdog and wait for it; the record (or an error record)."""
     from ..leasing.client import BrokerError
 
-    owner = f"ray-head@{os.getpid()}"
+    owner = f"{RAY_HEAD.name}@{os.getpid()}"  # port owners read "<who>@<unique>"
     try:
         ports = run.client.ports(4, owner)
     except BrokerError as exc:
@@ -134,6 +135,8 @@ def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
             start_new_session=True,  # its own session: found and stopped by session id
         )
     WATCHDOGS[proc.pid] = proc
+    # the head (its watchdog's session) outlives the test that asked for it: its GPU use is the head's
+    claim_processes([proc.pid], RAY_HEAD.name)
     record: dict[str, Any] = {
         "address": spec.address,
         "log": str(log),

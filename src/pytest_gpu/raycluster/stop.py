@@ -21,7 +21,9 @@ from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+from ..gpu.verification import release_processes
 from ..procs import kill_and_wait, owner_alive
+from ..run.holding import Owner
 from .head import STATE_FILE
 from .readiness import disconnect
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:  # psutil, like Ray, is imported where it is used: the plugin 
 
     from ..run.session import GpuRun
 
+# who holds the head's ports while it starts, and answers for its processes (gpu.verification.claimed)
+RAY_HEAD = Owner("ray", "the run's Ray head")
 STOP_GRACE = 15.0  # seconds the head may take to drain after SIGTERM before it is killed
 # watchdogs this process started: reaped when stopped, so no "still running" ResourceWarning
 WATCHDOGS: dict[int, subprocess.Popen[bytes]] = {}
@@ -70,6 +74,7 @@ def stop(record: Mapping[str, Any]) -> None:
             watchdog.terminate()  # it drains the head, then kills what is left of its session
             watchdog.wait(STOP_GRACE + 5)
     kill_session(pid, ctime)
+    release_processes([pid])  # claimed by startonce when it started the watchdog
     child = WATCHDOGS.pop(pid, None)
     if child is not None:
         child.poll()  # reaped; no "still running" ResourceWarning later

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from ..leasing.spans import gpu_properties
+from ..leasing.spans import gpu_properties, parse_held
 from .timeline import Timeline
 from .wording import numbered, plural, verb
 
@@ -89,11 +89,17 @@ class Summary:
         props = gpu_properties(report.user_properties)
         if "gpu_indices" not in props:
             return
-        self.gpu_tests += 1
+        held_rows = parse_held(str(props.get("gpu_held", "[]")))  # fixtures' and pools' holdings judged then
+        if props["gpu_indices"] or any(h.kind == "pool" for h in held_rows):  # a test on a pool's GPUs is one
+            self.gpu_tests += 1
         count = int(props.get("gpu_violations", 0))
         if count:
             self.violations += count
             self.violating.append(report.nodeid)
+        for held in held_rows:
+            if held.violations:
+                self.violations += held.violations
+                self.violating.append(f"{held.name} (judged during {report.nodeid})")
         for note in str(props.get("gpu_notes", "")).splitlines():
             if note:
                 self.notes[note] = self.notes.get(note, 0) + 1

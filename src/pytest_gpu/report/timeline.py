@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..leasing.requests import format_size
-from ..leasing.spans import LeaseSpan, gpu_properties, parse_peaks, parse_spans
+from ..leasing.spans import HeldRow, LeaseSpan, gpu_properties, parse_held, parse_peaks, parse_spans
 from .wording import plural
 
 MIB = 2**20
@@ -35,6 +35,7 @@ class TestRecord:
     peak: int | None = None  # highest bytes measured on one of its GPUs
     leases: list[LeaseSpan] = field(default_factory=list)
     reported_wait: float | None = None  # seconds it waited for GPUs, as the test reported it
+    held: list[HeldRow] = field(default_factory=list)  # other holders' leases judged during it (fixtures, pools)
 
     __test__ = False
 
@@ -104,6 +105,8 @@ class Timeline:
             rec.requested = int(props.get("gpu_request_bytes", 0) or 0)
             peaks = parse_peaks(str(props.get("gpu_peak_bytes", ""))).values()
             rec.peak = max(peaks) if peaks else None
+        if "gpu_held" in props:
+            rec.held = parse_held(str(props["gpu_held"]))
         if "gpu_wait_seconds" in props:
             rec.reported_wait = float(props["gpu_wait_seconds"])
 
@@ -127,9 +130,10 @@ class Timeline:
         return sum(r.waited for r in self.records.values())
 
     def busy(self, gpus: Iterable[int]) -> dict[int, float]:
-        """Per GPU: the fraction of the makespan during which some test held a lease on it."""
+        """Per GPU: the fraction of the makespan during which some test, fixture or rank pool held a lease on it."""
         makespan = self.makespan()
-        leases = [s for r in self.tests() for s in r.leases]
+        tests = self.tests()
+        leases = [s for r in tests for s in r.leases] + [s for r in tests for h in r.held for s in h.spans]
         out = {}
         for gpu in gpus:
             spans = sorted((s.granted, s.released) for s in leases if gpu in s.gpus)

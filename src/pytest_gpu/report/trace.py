@@ -5,9 +5,11 @@ Open it in https://ui.perfetto.dev or chrome://tracing. Layout:
 * process 1 "workers": one thread per worker; a span per test (category ``test``, its
   request, GPUs and outcome in ``args``) with its waits for GPUs nested inside
   (category ``wait``).
-* process 100+i "GPU i": a span per lease on that GPU (category ``lease``). Tests that
-  share a GPU run side by side, so each GPU has lanes (threads): a lease takes the
-  first lane free at its start. A counter ``leased memory`` shows the GiB promised.
+* process 100+i "GPU i": a span per lease on that GPU (category ``lease``): a test's, or
+  another holder's (a fixture's, a rank pool's: ``args.holder`` says which, ``args.nodeid``
+  the test during which it was judged). Leases that share a GPU run side by side, so each
+  GPU has lanes (threads): a lease takes the first lane free at its start. A counter
+  ``leased memory`` shows the GiB promised.
 
 Times are microseconds from the first test's start; ``otherData.pytest_gpu`` holds the
 inventory and the wall-clock start, for ``pytest-gpu report``.
@@ -102,37 +104,34 @@ def _gpu_events(tests: Sequence[TestRecord], gpus: Sequence[int], us: Any) -> li
     for gpu in gpus:
         pid = GPU_PID + gpu
         leases = sorted(
-            ((span, rec) for rec in tests for span in rec.leases if gpu in span.gpus),
-            key=lambda pair: (pair[0].granted, pair[1].nodeid),
+            [(span, rec, None) for rec in tests for span in rec.leases if gpu in span.gpus]
+            + [(span, rec, held) for rec in tests for held in rec.held for span in held.spans if gpu in span.gpus],
+            key=lambda row: (row[0].granted, row[1].nodeid),
         )
         lanes: list[int] = []  # end time (us) of the last lease in each lane
         changes: list[tuple[int, int]] = []
-        for span, rec in leases:
+        for span, rec, held in leases:
             start, end = us(span.granted), max(us(span.released), us(span.granted) + 1)
             lane = next((n for n, free_at in enumerate(lanes) if free_at <= start), len(lanes))
             if lane == len(lanes):
                 lanes.append(end)
                 events.append(_meta("thread_name", pid, lane, f"GPU {gpu} / {lane}"))
             lanes[lane] = end
+            args: dict[str, Any] = {
+                "nodeid": rec.nodeid,
+                "worker": rec.worker,
+                "gpu": gpu,
+                "memory": span.memory,
+                "exclusive": span.exclusive,
+                "peak": rec.peak,
+                "outcome": rec.outcome,
+            }
+            if held is not None:  # a fixture's or pool's lease: its own name, no test's peak or outcome
+                args.update(holder=held.kind, peak=None, outcome=None, violations=held.violations)
+            name = short(rec.nodeid) if held is None else held.name
             events.append(
-                {
-                    "ph": "X",
-                    "cat": "lease",
-                    "name": short(rec.nodeid),
-                    "pid": pid,
-                    "tid": lane,
-                    "ts": start,
-                    "dur": end - start,
-                    "args": {
-                        "nodeid": rec.nodeid,
-                        "worker": rec.worker,
-                        "gpu": gpu,
-                        "memory": span.memory,
-                        "exclusive": span.exclusive,
-                        "peak": rec.peak,
-                        "outcome": rec.outcome,
-                    },
-                }
+                {"ph": "X", "cat": "lease", "name": name, "pid": pid, "tid": lane, "ts": start, "dur": end - start}
+                | {"args": args}
             )
             changes += [(start, span.memory), (end, -span.memory)]
         level = 0

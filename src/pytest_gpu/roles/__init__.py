@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from ..run.lifecycle import RUN_KEY
+from ..run.record import RUN_KEY
 from ..run.session import GpuRun
 from .base import RoleBase, register
 from .keys import LAUNCH_KEY, Role

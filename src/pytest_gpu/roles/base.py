@@ -8,7 +8,7 @@ import pytest
 
 from ..launched.detect import LaunchContext
 from ..machine import domain
-from ..run.lifecycle import RUN_KEY
+from ..run.record import RUN_KEY
 from ..run.session import GpuRun
 from .keys import Role
 

@@ -17,6 +17,7 @@ from ..gpu import verification
 from ..launched import selection
 from ..launched.session import select_share
 from ..run import fixture_leases, lifecycle
+from ..run.record import needs
 from .base import RoleBase
 from .keys import SCHEDULE_KEY, Role
 from .owner import RunOwner
@@ -75,7 +76,7 @@ class TestProcess(RoleBase):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
-        if runner.SPEC_KEY not in pyfuncitem.stash:
+        if needs(pyfuncitem).dist is None:
             return None
         runner.run_item(pyfuncitem, self.run)
         return True

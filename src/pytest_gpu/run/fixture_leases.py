@@ -53,12 +53,17 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..gpu.isolation import VISIBLE_VARS, GpuLease
-from ..gpu.verification import SharedVerifier, Verdict
+from ..gpu.verification import Verdict
 from ..leasing.ports import PortOwner
 from ..leasing.requests import GpuRequestError, build_request
+from ..leasing.spans import LeaseSpan
+from .holding import STATE_KEY, Holding, Owner, broke, separate
+from .record import RUN_KEY
 
 if TYPE_CHECKING:
-    from .session import ActiveLease, GpuRun
+    from .session import GpuRun
+
+Ended = tuple[Owner, Verdict, list[LeaseSpan]]  # a holder's verdict and its leases' spans
 
 FACTORY = "gpu_lease_factory"
 PORTS_FACTORY = "ports_factory"
@@ -74,28 +79,32 @@ GROUPED: dict[str, type[pytest.Collector]] = {
 
 
 @dataclass(eq=False)
-class Holding:
-    """What one instance of a fixture holds: its GPU leases and its ports."""
+class FixtureLeases:
+    """What one instance of a fixture holds: its GPU leases (each a :class:`Holding` of its
+    :class:`Owner`) and its ports."""
 
     fixture: str
     scope: str
-    label: str
-    for_item: str  # the test whose setup set the fixture up
-    leases: list[ActiveLease] = field(default_factory=list)
+    owner: Owner  # kind "fixture": its label names it; node: the test whose setup set it up
+    leases: list[Holding] = field(default_factory=list)
     ports_owner: str | None = None
     others: set[int] = field(default_factory=set)  # GPUs other leases used while this one was held
     test_gpus: set[int] = field(default_factory=set)  # GPUs of the tests that ran meanwhile
 
     @property
+    def label(self) -> str:
+        return self.owner.name
+
+    @property
     def indices(self) -> list[int]:
-        return [i for active in self.leases for i in active.lease.indices]
+        return [i for held in self.leases for i in held.lease.indices]
 
 
 @dataclass(eq=False)
 class _Frame:
     fixturedef: Any
     request: Any
-    holding: Holding | None = None
+    holding: FixtureLeases | None = None
     saved_env: dict[str, str | None] = field(default_factory=dict)  # before this fixture's first lease
 
 
@@ -104,8 +113,8 @@ class Registry:
     """This process's fixture leases (one per pytest config)."""
 
     frames: list[_Frame] = field(default_factory=list)  # fixtures being set up, innermost last
-    held: list[Holding] = field(default_factory=list)
-    ending: list[Holding] = field(default_factory=list)  # torn down during the current test's teardown
+    held: list[FixtureLeases] = field(default_factory=list)
+    ending: list[FixtureLeases] = field(default_factory=list)  # torn down during the current test's teardown
     item: pytest.Item | None = None  # the test being set up or run
     tearing: pytest.Item | None = None  # the test whose teardown is under way
     groups: dict[str, str] = field(default_factory=dict)  # node id -> scheduler group (xdist workers)
@@ -124,8 +133,6 @@ def registry(config: pytest.Config) -> Registry:
 
 
 def _run(config: pytest.Config) -> GpuRun:
-    from .lifecycle import RUN_KEY
-
     return config.stash[RUN_KEY]
 
 
@@ -177,16 +184,15 @@ def _who(frame: _Frame) -> str:
     return f"fixture '{frame.fixturedef.argname}' ({frame.fixturedef.scope} scope{', ' + where if where else ''})"
 
 
-def _holding(config: pytest.Config, frame: _Frame) -> Holding:
+def _holding(config: pytest.Config, frame: _Frame) -> FixtureLeases:
     """The fixture instance's holding, made (and tied to the fixture's teardown) on first use."""
     if frame.holding is not None:
         return frame.holding
     reg = registry(config)
-    holding = Holding(
+    holding = FixtureLeases(
         fixture=frame.fixturedef.argname,
         scope=frame.fixturedef.scope,
-        label=_who(frame),
-        for_item=reg.item.nodeid if reg.item is not None else "",
+        owner=Owner("fixture", _who(frame), reg.item.nodeid if reg.item is not None else ""),
     )
     frame.holding = holding
     reg.held.append(holding)
@@ -218,7 +224,7 @@ def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     holding = _holding(config, frame)
     problem = ""
     try:
-        active = run.acquire(request, holding.label)
+        held = run.hold(holding.owner, request)
     except BrokerError as exc:
         problem = f"could not get {request.describe()}: {exc}"
     except LeaseUnreachable as exc:
@@ -227,19 +233,20 @@ def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         pytest.fail(f"pytest-gpu: {who} {problem}", pytrace=False)
     # The environment is this module's to manage from now on: the fixture's own while it is
     # set up (its allocations carry its tag), the test's view once its setup returns.
-    for name, value in active.confinement.saved_env.items():
+    confinement = held.active.confinement
+    for name, value in confinement.saved_env.items():
         frame.saved_env.setdefault(name, value)
-    active.confinement.saved_env.clear()
+    confinement.saved_env.clear()
     reg = registry(config)
-    new = set(active.lease.indices)
+    new = set(held.lease.indices)
     for other in reg.held:
         if other is not holding:
             other.others |= new
             holding.others |= set(other.indices)
     holding.others |= set(holding.indices)  # the fixture's earlier leases, for this one
-    holding.leases.append(active)
-    _tell_scheduler(reg, run, holding, active)
-    return active.lease
+    holding.leases.append(held)
+    _tell_scheduler(reg, run, holding, held)
+    return held.lease
 
 
 def ports(config: pytest.Config, n: int) -> list[int]:
@@ -289,15 +296,13 @@ def begin(item: pytest.Item) -> None:
     reg.tearing = None
 
 
-def _used(reg: Registry, item: pytest.Item) -> list[Holding]:
+def _used(reg: Registry, item: pytest.Item) -> list[FixtureLeases]:
     names = set(getattr(item, "fixturenames", ()))
-    return [h for h in reg.held if h.leases and (h.fixture in names or h.for_item == item.nodeid)]
+    return [h for h in reg.held if h.leases and (h.fixture in names or h.owner.node == item.nodeid)]
 
 
 def apply_view(item: pytest.Item, run: GpuRun) -> None:
     """Let the test see the GPUs of the leasing fixtures it uses, next to its own lease."""
-    from .lifecycle import STATE_KEY
-
     reg = registry(item.config)
     state = item.stash.get(STATE_KEY, None)
     if state is None:
@@ -305,7 +310,7 @@ def apply_view(item: pytest.Item, run: GpuRun) -> None:
     used = _used(reg, item)
     if not used:
         return
-    leases = [a.lease for h in used for a in h.leases]
+    leases = [held.lease for h in used for held in h.leases]
     state.fixture_gpus.update(i for lease_ in leases for i in lease_.indices)
     own = state.main.lease if state.main is not None else None
     env = dict(own.env if own is not None else leases[0].env)
@@ -347,8 +352,6 @@ def _use_device(run: GpuRun, lease_: GpuLease) -> None:
 
 def leave(item: pytest.Item) -> None:
     """A test's teardown starts: its view ends; fixtures torn down now are released after it."""
-    from .lifecycle import STATE_KEY
-
     reg = registry(item.config)
     reg.tearing = item
     state = item.stash.get(STATE_KEY, None)
@@ -364,7 +367,7 @@ def leave(item: pytest.Item) -> None:
 # -- a fixture's end ----------------------------------------------------------------------
 
 
-def _ended(config: pytest.Config, holding: Holding) -> None:
+def _ended(config: pytest.Config, holding: FixtureLeases) -> None:
     """The fixture was torn down: release now, or once the test whose teardown this is is verified."""
     reg = registry(config)
     if holding in reg.held:
@@ -372,61 +375,55 @@ def _ended(config: pytest.Config, holding: Holding) -> None:
     if reg.tearing is not None:
         reg.ending.append(holding)
         return
-    texts, notes = _finish(_run(config), [holding], None)  # outside any test (the session's end)
-    for text in texts + notes:
-        warnings.warn(pytest.PytestWarning(text), stacklevel=2)
+    for owner, verdict, _ in _finish(_run(config), [holding], None):  # outside any test (the session's end)
+        texts = [broke(owner, verdict.violations)] if verdict.violations else []
+        texts += [f"pytest-gpu: {owner.name}: not verified: {note}" for note in verdict.notes]
+        for text in texts:
+            warnings.warn(pytest.PytestWarning(text), stacklevel=2)
 
 
-def end(item: pytest.Item, run: GpuRun) -> tuple[list[str], list[str]]:
+def end(item: pytest.Item, run: GpuRun) -> list[Ended]:
     """After the test's teardown: give back what fixtures torn down during it held.
 
-    Returns the violation reports and the notes, both naming the fixture."""
+    Returns each fixture's owner, verdict and lease spans, for the test's report."""
     reg = registry(item.config)
     reg.item = reg.tearing = None
     ending, reg.ending = reg.ending, []
     if not ending:
-        return [], []
+        return []
     return _finish(run, ending, item)
 
 
-def _finish(run: GpuRun, ending: list[Holding], item: pytest.Item | None) -> tuple[list[str], list[str]]:
+def _finish(run: GpuRun, ending: list[FixtureLeases], item: pytest.Item | None) -> list[Ended]:
     funcargs = getattr(item, "funcargs", None)
     if isinstance(funcargs, dict):  # the test's reference to a fixture value ended with it
         for holding in ending:
             funcargs.pop(holding.fixture, None)
     if any(h.leases for h in ending):
         gc.collect()  # a value only a reference cycle still holds
-    texts: list[str] = []
-    notes: list[str] = []
+    out: list[Ended] = []
     for holding in reversed(ending):
         verdict = Verdict()
+        spans: list[LeaseSpan] = []
         try:
-            for active in reversed(holding.leases):
-                own = set(active.lease.indices)
+            for held in reversed(holding.leases):
+                own = set(held.lease.indices)
                 others = holding.others - own
                 if not run.inventory.simulated:
                     others |= holding.test_gpus - own  # NVML counts per process: the tests' GPUs are theirs
-                    separate(active, holding.test_gpus, "tests that ran meanwhile", run)
-                verdict.merge(run.finish(active, others))
+                    separate(held.active, holding.test_gpus, "tests that ran meanwhile", run)
+                try:
+                    verdict.merge(held.release(run, others))
+                finally:
+                    if held.span is not None:
+                        spans.insert(0, held.span)
         finally:
             holding.leases.clear()
             if holding.ports_owner is not None:
                 run.client.release_ports(holding.ports_owner)
                 holding.ports_owner = None
-        if verdict.violations:
-            lines = [v.replace("after the test", "after the fixture's teardown") for v in verdict.violations]
-            texts.append(f"pytest-gpu: {holding.label} broke its GPU lease:\n" + "\n".join(f"  - {v}" for v in lines))
-        notes += [f"pytest-gpu: {holding.label}: not verified: {note}" for note in verdict.notes]
-    return texts, notes
-
-
-def separate(active: ActiveLease, gpus: set[int], whose: str, run: GpuRun) -> None:
-    """On real GPUs, make ``active``'s verification leave the GPUs it shares with ``gpus`` unjudged."""
-    if run.inventory.simulated:
-        return
-    shared = set(active.lease.indices) & gpus
-    if shared and active.verifier is not None and not isinstance(active.verifier, SharedVerifier):
-        active.verifier = SharedVerifier(active.verifier, shared, whose)
+        out.append((holding.owner, verdict, spans))
+    return out
 
 
 def remember_groups(config: pytest.Config, groups: dict[str, str]) -> None:
@@ -434,17 +431,17 @@ def remember_groups(config: pytest.Config, groups: dict[str, str]) -> None:
     registry(config).groups = dict(groups)
 
 
-def _tell_scheduler(reg: Registry, run: GpuRun, holding: Holding, active: ActiveLease) -> None:
+def _tell_scheduler(reg: Registry, run: GpuRun, holding: FixtureLeases, held: Holding) -> None:
     """Tell the scheduler what the group of the test being set up holds while it runs."""
     if holding.scope not in GROUPED or not reg.groups or reg.item is None:
         return
     group = reg.groups.get(reg.item.nodeid)
     if group is None:
         return
-    lease_ = active.lease
+    lease_ = held.lease
     needs = reg.group_needs.setdefault(group, {})
     needs[f"{holding.label}#{len(holding.leases) - 1}"] = [
         len(lease_.indices),
         None if lease_.exclusive else lease_.memory,
     ]
-    run.client.catalog({f"{HELD_PREFIX}{group}": {"h": list(needs.values())}})
+    run.client.catalog({f"{HELD_PREFIX}{group}": {"held": list(needs.values())}})

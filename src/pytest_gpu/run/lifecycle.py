@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..gpu.verification import Verdict
 from ..leasing.ports import PortOwner
 from ..leasing.requests import (
     GpuRequest,
@@ -21,61 +18,21 @@ from ..leasing.requests import (
     learned,
     with_host,
 )
-from ..leasing.spans import GpuProperties, LeaseSpan, format_peaks, format_spans
+from ..leasing.spans import GpuProperties, format_held, format_peaks, format_spans
+from ..roles.keys import SCHEDULE_KEY
+from . import fixture_leases
+from .conventions import convention_request, item_kwargs
+from .holding import STATE_KEY, Holding, Owner, TestState, broke
+from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
+from .record import effective, needs, record
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
-    from .session import ActiveLease, GpuRun
+    from .session import GpuRun
 
-REQUEST_KEY = pytest.StashKey[GpuRequest | None]()
-STATE_KEY = pytest.StashKey["TestState"]()
-RUN_KEY = pytest.StashKey["GpuRun"]()
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
 HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.leasing.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
-ALONE_KEY = pytest.StashKey[bool]()  # the test has a gpu_serial marker (set at collection)
-
-
-@dataclass
-class TestState:
-    """What pytest-gpu did for one test."""
-
-    main: ActiveLease | None = None
-    sections: list[ActiveLease] = field(default_factory=list)
-    verdict: Verdict = field(default_factory=Verdict)
-    indices: set[int] = field(default_factory=set)
-    waited: float = 0.0
-    ports_owner: str | None = None
-    request: GpuRequest | None = None
-    leases: list[LeaseSpan] = field(default_factory=list)  # each lease held, for the report's timeline
-    # leases of fixtures (any scope) this test used: their GPUs are theirs to judge (fixture_leases)
-    fixture_gpus: set[int] = field(default_factory=set)
-    view_saved: dict[str, str | None] | None = None  # the environment before the fixtures' GPUs were added
-    fixture_violations: list[str] = field(default_factory=list)  # of fixtures torn down in this teardown
-    fixture_notes: list[str] = field(default_factory=list)
-
-    def finish(self, run: GpuRun, active: ActiveLease) -> None:
-        """Give ``active`` back, keeping its verdict and its place on the timeline."""
-        try:
-            if self.fixture_gpus:
-                from .fixture_leases import separate
-
-                separate(active, self.fixture_gpus, "a fixture's lease", run)
-            self.verdict.merge(run.finish(active, self.indices | self.fixture_gpus))
-        finally:
-            lease = active.lease
-            self.leases.append(
-                LeaseSpan(
-                    tuple(lease.indices),
-                    lease.memory,
-                    lease.exclusive,
-                    active.asked,
-                    active.granted,
-                    active.released or time.time(),
-                )
-            )
-
-    __test__ = False  # not a test class, whatever pytest's collection thinks
 
 
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
@@ -99,8 +56,6 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
 
 
 def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    from .conventions import convention_request, item_kwargs
-
     if item.get_closest_marker(SERIAL_MARKER) is not None:
         return alone_request(item, run)
     marker = item.get_closest_marker("gpu")
@@ -141,9 +96,6 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     Raises :class:`GpuRequestError` for what cannot be combined with it: arguments, a ``gpu``
     or ``distributed`` marker, leases of its own besides (a ``gpu_request`` section, a fixture
     calling ``gpu_lease_factory``: they would wait for the GPUs the test itself holds)."""
-    from ..scheduling.catalog import effective
-    from .fixture_leases import FACTORY
-
     form = f"@pytest.mark.{SERIAL_MARKER} (no arguments)"
     for mark in item.iter_markers(SERIAL_MARKER):
         if mark.args or mark.kwargs:
@@ -164,7 +116,7 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
     leasing = ["gpu_request"] if "gpu_request" in getattr(item, "fixturenames", ()) else []
     if info is not None:
         for name in info.names_closure:
-            if any(FACTORY in fd.argnames for fd in effective(info.name2fixturedefs.get(name), name)):
+            if any(fixture_leases.FACTORY in fd.argnames for fd in effective(info.name2fixturedefs.get(name), name)):
                 leasing.append(name)
     if leasing:
         raise GpuRequestError(
@@ -188,9 +140,9 @@ def collect_report(
         if not isinstance(node, pytest.Item):
             continue
         try:
-            node.stash[REQUEST_KEY] = item_request(node, run)
-            if node.get_closest_marker(SERIAL_MARKER) is not None:
-                node.stash[ALONE_KEY] = True
+            needs_ = record(node)
+            needs_.request = item_request(node, run)
+            needs_.serial = node.get_closest_marker(SERIAL_MARKER) is not None
             for check in checks:
                 check(node, run)
         except GpuRequestError as exc:
@@ -204,7 +156,7 @@ def collect_report(
 def mark_oversize(items: list[pytest.Item], run: GpuRun) -> None:
     """Skip (or flag to fail) tests whose request this machine can never satisfy."""
     for item in items:
-        request = item.stash.get(REQUEST_KEY, None)
+        request = needs(item).request
         if request is None:
             continue
         reason = run.never_fits(request)
@@ -213,29 +165,24 @@ def mark_oversize(items: list[pytest.Item], run: GpuRun) -> None:
         if run.settings.oversize == "skip":
             item.add_marker(pytest.mark.skip(reason=f"pytest-gpu: {reason}"))
         else:
-            item.stash[OVERSIZE_KEY] = reason
-
-
-OVERSIZE_KEY = pytest.StashKey[str]()
+            record(item).oversize = reason
 
 
 def setup(item: pytest.Item, run: GpuRun) -> None:
     """Before fixtures: acquire the test's lease and confine the process to it."""
-    from . import fixture_leases
-
     state = TestState()
     item.stash[STATE_KEY] = state
     fixture_leases.begin(item)
-    reason = item.stash.get(OVERSIZE_KEY, None)
+    reason = needs(item).oversize
     if reason is not None:
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
     alone = _cannot_run_alone(item, run)
     if alone is not None:
         pytest.fail(alone, pytrace=False)
-    request = item.stash.get(REQUEST_KEY, None)
+    request = needs(item).request
     if request is not None:
         state.request = request
-        state.main = _acquire(run, request, item)
+        state.main = _hold(run, request, item)
         state.waited += state.main.lease.waited
         state.indices.update(state.main.lease.indices)
     fixture_leases.apply_view(item, run)  # wider-scoped fixtures it uses that hold leases already
@@ -244,10 +191,8 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
 def _cannot_run_alone(item: pytest.Item, run: GpuRun) -> str | None:
     """Why this ``gpu_serial`` test cannot run alone: an xdist worker among several, where
     xdist's own scheduling hands out the tests (``--dist``, ``--gpu-schedule=off``)."""
-    if not item.stash.get(ALONE_KEY, False):
+    if not needs(item).serial:
         return None
-    from ..roles.keys import SCHEDULE_KEY
-
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None or workerinput.get(SCHEDULE_KEY):
         return None  # one process, or pytest-gpu's scheduler: it runs alone
@@ -272,12 +217,12 @@ def _dist_chosen(argv: Sequence[str]) -> str:
     return "--dist"  # from addopts, say
 
 
-def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease:
-    from ..gpu.runtime import LeaseUnreachable
+def _hold(run: GpuRun, request: GpuRequest, item: pytest.Item) -> Holding:
+    from ..gpu.runtime import LeaseUnreachable  # (with the broker's client: loaded for the first lease)
     from ..leasing.client import BrokerError
 
     try:
-        return run.acquire(request, item.nodeid)
+        return run.hold(Owner("test", item.nodeid, item.nodeid), request)
     except BrokerError as exc:
         message = f"pytest-gpu: {item.nodeid} could not get {request.describe()}: {exc}"
     except LeaseUnreachable as exc:
@@ -287,16 +232,14 @@ def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease
 
 def teardown(item: pytest.Item, run: GpuRun) -> None:
     """After fixtures are torn down: verify, give everything back, record properties."""
-    from . import fixture_leases
-
     state = item.stash.get(STATE_KEY, None)
-    violations, notes = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
-    if state is None and (violations or notes):
+    ended = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
+    if state is None and ended:
         state = item.stash[STATE_KEY] = TestState()
     if state is None:
         return
-    state.fixture_violations += violations
-    state.fixture_notes += notes
+    for owner, verdict, spans in ended:
+        state.judged(owner, verdict, spans)
     while state.sections:  # a gpu_request block left open (e.g. a generator not closed)
         state.finish(run, state.sections.pop())
     if state.main is not None:
@@ -305,8 +248,8 @@ def teardown(item: pytest.Item, run: GpuRun) -> None:
     if state.ports_owner is not None:
         run.client.release_ports(state.ports_owner)
         state.ports_owner = None
-    if state.indices:
-        item.user_properties.extend(report_properties(state, item.stash.get(ALONE_KEY, False)).items())
+    if state.indices or state.held:
+        item.user_properties.extend(report_properties(state, needs(item).serial).items())
 
 
 def report_properties(state: TestState, alone: bool) -> GpuProperties:
@@ -325,8 +268,11 @@ def report_properties(state: TestState, alone: bool) -> GpuProperties:
         gpu_request_bytes=0 if alone else _requested_bytes(state),
         gpu_leases=format_spans(state.leases),
     )
-    if state.verdict.notes:  # what could not be checked: said in the summary, never silent
-        props["gpu_notes"] = "\n".join(state.verdict.notes)
+    notes = state.verdict.notes + state.held_notes
+    if notes:  # what could not be checked (its own leases', other holders'): said in the summary, never silent
+        props["gpu_notes"] = "\n".join(notes)
+    if state.held:  # other holders' leases judged now (fixtures', pools'): the summary and trace show them
+        props["gpu_held"] = format_held(state.held)
     return props
 
 
@@ -344,12 +290,11 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> No
     state = item.stash.get(STATE_KEY, None)
     if state is None:
         return
-    if state.fixture_notes:
-        report.sections.append(("pytest-gpu verification", "\n".join(state.fixture_notes)))
-    texts = list(state.fixture_violations)  # a fixture's, named: not this test's
+    if state.notes:
+        report.sections.append(("pytest-gpu verification", "\n".join(state.notes)))
+    texts = list(state.violations)  # other holders', named: not this test's
     if state.verdict.violations:
-        lines = "\n".join(f"  - {v}" for v in state.verdict.violations)
-        texts.insert(0, f"pytest-gpu: {item.nodeid} broke its GPU lease:\n{lines}")
+        texts.insert(0, broke(Owner("test", item.nodeid, item.nodeid), state.verdict.violations))
     if not texts:
         return
     text = "\n".join(texts)
@@ -384,16 +329,16 @@ def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict
             raise pytest.skip.Exception(f"pytest-gpu: {reason}", _use_item_location=True)
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
     state = node.stash[STATE_KEY]
-    active = _acquire(run, request, node)
-    state.sections.append(active)
-    state.waited += active.lease.waited
-    state.indices.update(active.lease.indices)
+    holding = _hold(run, request, node)
+    state.sections.append(holding)
+    state.waited += holding.lease.waited
+    state.indices.update(holding.lease.indices)
     try:
-        yield active.lease
+        yield holding.lease
     finally:
-        if active in state.sections:
-            state.sections.remove(active)
-            state.finish(run, active)
+        if holding in state.sections:
+            state.sections.remove(holding)
+            state.finish(run, holding)
 
 
 def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[..., AbstractContextManager[GpuLease]]:

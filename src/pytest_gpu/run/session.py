@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from .. import sim
 from ..gpu import runtime
 from ..gpu.devices import Inventory
-from ..gpu.isolation import Confinement, GpuLease, confine, make_lease
+from ..gpu.isolation import Confinement, GpuLease, make_lease
+from ..gpu.isolation import confine as confine_lease
 from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict, Verifier
 from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
 from ..options import Settings
+from .holding import Holding, Owner, RankVerifier
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from ..launched.detect import LaunchContext
@@ -70,6 +72,8 @@ class ActiveLease:
     asked: float = 0.0  # wall-clock times, for the run's timeline
     granted: float = 0.0
     released: float = 0.0  # stamped before the release is sent: a waiter may be granted at once
+    owner_pid: int = 0  # whose own CUDA contexts the verifier leaves out (this process's)
+    confined: bool = True  # False: held for other processes (a rank pool's), this one is not confined
 
 
 def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
@@ -353,30 +357,29 @@ class GpuRun:
                 )
         return None
 
-    def acquire(self, request: GpuRequest, test: str) -> ActiveLease:
-        """Wait for ``request``, then confine this process to it and start verifying."""
+    def hold(self, owner: Owner, request: GpuRequest, *, confine: bool = True) -> Holding:
+        """Wait for ``request`` on behalf of ``owner``, confine this process to it (or, with
+        ``confine=False``, leave this process as it is: a lease for the processes it starts)
+        and start verifying; :meth:`Holding.release` is the one way it ends."""
         asked = time.time()
-        grant = self.client.acquire(request, test, self.settings.wait_timeout)
+        grant = self.client.acquire(request, owner.name, self.settings.wait_timeout)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
             verifier: Verifier | None = None
+            confinement = Confinement()
             if grant.indices:
-                verifier = (
-                    SimVerifier()
-                    if self.inventory.simulated
-                    else NvmlVerifier(self.inventory, self.settings.context_overhead)
-                )
                 lease = make_lease(
                     grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
                 )
-                if self.settings.verify != "off":
+                verifier = self._verifier(confine)
+                if verifier is not None and self.settings.verify != "off":
                     verifier.begin(lease, os.getpid())
-                confinement = confine(lease, self.inventory, self.frameworks)
+                if confine:
+                    confinement = confine_lease(lease, self.inventory, self.frameworks)
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
-                confinement = Confinement()
-            if request.cpus:
+            if request.cpus and confine:
                 try:
                     confine_threads(request.cpus, confinement)
                 except BaseException:
@@ -385,11 +388,19 @@ class GpuRun:
         except BaseException:
             self.client.release(grant.key)
             raise
-        return ActiveLease(lease, confinement, verifier, asked, granted)
+        return Holding(owner, ActiveLease(lease, confinement, verifier, asked, granted, 0.0, os.getpid(), confine))
+
+    def _verifier(self, confined: bool) -> Verifier | None:
+        """What checks a lease: this process's (confined), or that of the processes it starts;
+        ``None`` where they cannot be told apart (a pool's ranks on real GPUs: NVML's usage of
+        the ranks is told from the test's by their claim, :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
+        if self.inventory.simulated:
+            return SimVerifier() if confined else RankVerifier(self.settings.context_overhead)
+        return NvmlVerifier(self.inventory, self.settings.context_overhead) if confined else None
 
     def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset()) -> Verdict:
         """Undo the confinement, measure, and give the lease back; ``others``: GPUs other
-        leases of the same test held (their usage is theirs)."""
+        leases of the same process held (their usage is theirs). Called by :meth:`Holding.release`."""
         try:
             active.confinement.undo()
             if self.settings.verify == "off" or active.verifier is None:
@@ -398,7 +409,8 @@ class GpuRun:
                 verdict = active.verifier.end(active.lease, others)
             verdict.notes.extend(active.confinement.notes)
         finally:
-            contexts = sim.cuda.contexts() if runtime.simulated(self.inventory) else None
+            # this process's contexts stay charged until it exits; a pool's ranks were killed first
+            contexts = sim.cuda.contexts() if active.confined and runtime.simulated(self.inventory) else None
             active.released = time.time()
             self.client.release(active.lease.key, contexts)
         return verdict

@@ -5,25 +5,32 @@ broker (in the controller process) one entry per test that is not plain CPU work
 GPU need, its rank-pool key, its group. The call returns before xdist's own
 ``collectionfinish`` event is sent, so the scheduler finds every entry in place.
 
-Later, when a module- or class-scoped fixture of a group leases GPUs, the worker adds
-``held:<group>`` (``{"h": [[GPUs, bytes per GPU or None], ...]}``): what the group's
-tests hold besides their own needs while they run (:class:`HeldNeeds`).
+Each entry is an :class:`Entry` on the wire (:meth:`Entry.to_wire`: execnet and the
+broker carry plain values, with full-word keys, checked when read back). Later, when a
+module- or class-scoped fixture of a group leases GPUs, the worker adds ``held:<group>``
+(``{"held": [[GPUs, bytes per GPU or None], ...]}``): what the group's tests hold besides
+their own needs while they run (:class:`HeldNeeds`).
 
 A GPU test of that module (or class) that is in no group, because it uses none of its
 leasing fixtures, is still under the fixture's scope: run on the group's worker after the
 group's tests, it would run (and wait for its own GPUs) while the fixture holds its
 lease, which pytest ends only when the worker leaves the module. Its entry names the
-groups it must be handed out before (``"b"``, :func:`firsts`; the planner's rule 1).
+groups it must be handed out before (``before``, :func:`firsts`; the planner's rule 1).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..run import fixture_leases
+from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED, HELD_PREFIX
+from ..run.record import effective, needs
+from . import dependencies
 from .planner import Job, Need
 
 if TYPE_CHECKING:
@@ -33,37 +40,90 @@ if TYPE_CHECKING:
 UNKNOWN_DURATION = 1.0
 
 
-def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
-    """The wire entries for ``items``: ``{"n": GPUs, "m": bytes per GPU or None, "p": pool, "g": group,
-    "s": 1 for a test that runs alone (``gpu_serial``), "b": groups it goes before}``."""
-    from ..distributed.runner import SPEC_KEY
-    from ..run import fixture_leases
-    from ..run.lifecycle import ALONE_KEY, REQUEST_KEY
-    from . import dependencies
+@dataclass(frozen=True)
+class Entry:
+    """What the scheduler knows of one test: ``gpus`` and ``memory`` (bytes per GPU, ``None``:
+    exclusive) of its lease or its rank pool's, ``pool`` (the pool's key), ``group`` (run on one
+    worker, back to back), ``serial`` (run alone: ``gpu_serial``), ``before`` (groups it is handed
+    out before). A test with none of these (plain CPU work) has no entry."""
 
+    gpus: int = 0
+    memory: int | None = None
+    pool: str | None = None
+    group: str | None = None
+    serial: bool = False
+    before: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields that differ from the default, by name; ``before`` as a list."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        if self.gpus:
+            out["memory"] = self.memory  # None is a value here: an exclusive lease
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Entry:
+        """The inverse of :meth:`to_wire`; raises ValueError naming an unknown key or a bad value."""
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"a catalog entry has no field {', '.join(map(repr, unknown))}: {dict(data)!r}")
+        entry = cls(
+            gpus=data.get("gpus", 0),
+            memory=data.get("memory"),
+            pool=data.get("pool"),
+            group=data.get("group"),
+            serial=data.get("serial", False),
+            before=tuple(data.get("before", ())),
+        )
+        if (
+            not isinstance(entry.gpus, int)
+            or isinstance(entry.gpus, bool)
+            or entry.gpus < 0
+            or not (entry.memory is None or (isinstance(entry.memory, int) and entry.memory > 0))
+            or not all(v is None or isinstance(v, str) for v in (entry.pool, entry.group))
+            or not isinstance(entry.serial, bool)
+            or not all(isinstance(g, str) for g in entry.before)
+        ):
+            raise ValueError(f"a catalog entry with a bad value: {dict(data)!r}")
+        return entry
+
+    @property
+    def need(self) -> Need | None:
+        return Need(self.gpus, self.memory) if self.gpus else None
+
+
+def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
+    """The wire entries (:meth:`Entry.to_wire`) of the tests of ``items`` that are not plain CPU work."""
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
     fixture_leases.remember_groups(items[0].config, groups)
     before = firsts(items, groups)
     out: dict[str, dict[str, Any]] = {}
     for item in items:
-        entry: dict[str, Any] = {}
-        request = item.stash.get(REQUEST_KEY, None)
-        spec = item.stash.get(SPEC_KEY, None)
-        if spec is not None:
-            entry["p"] = repr(spec.pool_key)
-            request = spec.gpu_request(run.settings.default_memory) or request  # the pool's GPUs, if any
+        record = needs(item)
+        request = record.request
+        pool = None
+        if record.dist is not None:
+            pool = repr(record.dist.pool_key)
+            request = record.scheduled_request(run.settings.default_memory)  # the pool's GPUs, if any
+        gpus, memory = 0, None
         # one that never fits is skipped; one of host resources only is CPU work to the scheduler
         if request is not None and request.count and run.never_fits(request) is None:
-            entry["n"] = request.count
-            entry["m"] = request.memory
-        if item.nodeid in groups:
-            entry["g"] = groups[item.nodeid]
-        if item.stash.get(ALONE_KEY, False):
-            entry["s"] = 1
-        elif "n" in entry and item.nodeid in before:  # a GPU test waits at the broker; one that runs alone goes first
-            entry["b"] = before[item.nodeid]
-        if entry:
-            out[item.nodeid] = entry
+            gpus, memory = request.count, request.memory
+        entry = Entry(
+            gpus=gpus,
+            memory=memory,
+            pool=pool,
+            group=groups.get(item.nodeid),
+            serial=record.serial,
+            # a GPU test waits at the broker; one that runs alone goes first
+            before=tuple(before.get(item.nodeid, ())) if gpus and not record.serial else (),
+        )
+        if entry != Entry():
+            out[item.nodeid] = entry.to_wire()
     return out
 
 
@@ -108,8 +168,6 @@ def firsts(items: Sequence[pytest.Item], groups: Mapping[str, str]) -> dict[str,
                 scoped.setdefault(tag, groups[item.nodeid])
     if not scoped:
         return {}
-    from ..run.fixture_leases import GROUP_PREFIX
-
     out: dict[str, list[str]] = {}
     for item in items:
         if item.nodeid in groups:
@@ -134,11 +192,9 @@ def jobs(
     default = statistics.median(known) if known else UNKNOWN_DURATION
     out = []
     for index, nodeid in enumerate(collection):
-        entry = catalog.get(nodeid, {})
-        need = Need(int(entry["n"]), entry["m"]) if entry.get("n") else None
+        entry = Entry.from_wire(catalog.get(nodeid, {}))
         duration = float(durations.get(nodeid, default))
-        before = tuple(entry.get("b", ()))
-        out.append(Job(index, duration, need, entry.get("g"), entry.get("p"), bool(entry.get("s")), before))
+        out.append(Job(index, duration, entry.need, entry.group, entry.pool, entry.serial, entry.before))
     return out
 
 
@@ -147,14 +203,12 @@ class HeldNeeds(Mapping[str, tuple[Need, ...]]):
     catalog (the planner's :attr:`~pytest_gpu.scheduling.planner.Planner.held`)."""
 
     def __init__(self, catalog: Mapping[str, Any]) -> None:
-        from ..run.fixture_leases import HELD_PREFIX
-
         self._catalog = catalog
         self._prefix = HELD_PREFIX
 
     def __getitem__(self, group: str) -> tuple[Need, ...]:
         entry = self._catalog[self._prefix + group]
-        return tuple(Need(int(n), None if m is None else int(m)) for n, m in entry["h"])
+        return tuple(Need(int(n), None if m is None else int(m)) for n, m in entry["held"])
 
     def get(self, group: str, default: Any = None) -> Any:  # the planner's hot path: no KeyError
         return self[group] if self._prefix + group in self._catalog else default
@@ -166,21 +220,9 @@ class HeldNeeds(Mapping[str, tuple[Need, ...]]):
         return sum(1 for _ in self)
 
 
-def effective(defs: Any, name: str) -> list[Any]:
-    """The definitions of ``name`` a test runs: the closest, and those it overrides by requesting its own name."""
-    out: list[Any] = []
-    for fixturedef in reversed(list(defs or ())):
-        out.append(fixturedef)
-        if name not in getattr(fixturedef, "argnames", ()):
-            break
-    return out
-
-
 def group_tags(item: pytest.Item) -> list[str]:
     """Group tags of ``item``: one per module-, class- or package-scoped fixture instance it
     uses that requests ``gpu_lease_factory`` (known at collection: the factory is an argument)."""
-    from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED
-
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return []

@@ -1,0 +1,73 @@
+"""A test's own record, built once at collection: what it asks for and how it must run.
+
+The lifecycle (setup, teardown, report), the scheduler's catalog, the rank-pool runner
+and fixture leases all read it from here (:func:`needs`), instead of each keeping a
+stash key of its own. The run of the process is under :data:`RUN_KEY` of the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ..distributed.spec import DistSpec
+from ..leasing.requests import GpuRequest
+
+if TYPE_CHECKING:
+    from .session import GpuRun
+
+RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()
+
+
+@dataclass
+class TestNeeds:
+    """What a collected test needs, set once by the collection checks.
+
+    ``request``: its own lease (its ``gpu`` marker, conventions, ``host_resources``), or
+    ``None``; ``dist``: its ``distributed`` marker (the rank pool's GPUs are the pool's);
+    ``serial``: a ``gpu_serial`` test, run alone; ``oversize``: why it can never run here,
+    when ``--gpu-oversize=fail`` makes that a failure at setup.
+    """
+
+    request: GpuRequest | None = None
+    dist: DistSpec | None = None
+    serial: bool = False
+    oversize: str | None = None
+
+    __test__ = False  # not a test class, whatever pytest's collection thinks
+
+    def scheduled_request(self, default_memory: Any) -> GpuRequest | None:
+        """What the scheduler plans the test with: its pool's GPUs when it runs on one, else its own."""
+        if self.dist is not None:
+            return self.dist.gpu_request(default_memory) or self.request
+        return self.request
+
+
+_NEEDS_KEY = pytest.StashKey[TestNeeds]()
+_NONE = TestNeeds()  # what a test nobody recorded needs (collected by another plugin's hook, say)
+
+
+def needs(item: pytest.Item) -> TestNeeds:
+    """The record of ``item`` (read-only for a test collected before the checks ran)."""
+    return item.stash.get(_NEEDS_KEY, _NONE)
+
+
+def record(item: pytest.Item) -> TestNeeds:
+    """The record of ``item``, made on first use: for the collection checks to fill in."""
+    found = item.stash.get(_NEEDS_KEY, None)
+    if found is None:
+        found = item.stash[_NEEDS_KEY] = TestNeeds()
+    return found
+
+
+def effective(defs: Any, name: str) -> list[Any]:
+    """The definitions of fixture ``name`` a test runs: the closest, and those it overrides by
+    requesting its own name."""
+    out: list[Any] = []
+    for fixturedef in reversed(list(defs or ())):
+        out.append(fixturedef)
+        if name not in getattr(fixturedef, "argnames", ()):
+            break
+    return out
