@@ -16,6 +16,7 @@ from .wording import numbered, plural, verb
 if TYPE_CHECKING:
     from ..gpu.devices import Inventory
     from ..leasing.broker import CrashRecord
+    from ..run.quarantine import Quarantine
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable
@@ -31,6 +32,7 @@ class Summary:
     interrupted: bool = False  # the run was cut short (Ctrl-C, pytest.exit, xdist's -x shutdown)
     down: dict[str, str] = field(default_factory=dict)  # xdist worker -> why it went down while the run went on
     cut_short: dict[str, list[str]] = field(default_factory=dict)  # xdist worker -> tests it left unfinished
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)  # worker -> the sticky CUDA error it had
 
     @property
     def waited(self) -> float:
@@ -102,7 +104,13 @@ class Summary:
         """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing.
         ``grants``: leases the run's broker granted (fixtures' too, which no test reports)."""
         return not (
-            self.gpu_tests or self.gpu_skipped or crashes or grants or self.trace_path or self.trace_error
+            self.gpu_tests
+            or self.gpu_skipped
+            or crashes
+            or grants
+            or self.trace_path
+            or self.trace_error
+            or self.quarantined
         )
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
@@ -116,8 +124,18 @@ class Summary:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
             out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
-        out += [self.crash_line(crash) for crash in crashes]
+        out += [self.quarantine_line(found) for found in self.quarantined.values()]
+        out += [self.crash_line(crash) for crash in crashes if crash.worker not in self.quarantined]
         return out
+
+    @staticmethod
+    def quarantine_line(found: Quarantine) -> str:
+        """A process whose CUDA a test broke for good (see :mod:`pytest_gpu.run.quarantine`)."""
+        if found.worker == "main":
+            then = "the GPU tests after it in this process were not run (run with -n to give them a fresh worker)"
+        else:
+            then = f"worker {found.worker} held its GPU memory until it ended itself, and xdist replaced it"
+        return f"pytest-gpu: quarantined: {found.test} left CUDA unusable ({found.error}); {then}"
 
     def was_interrupted(self, crash: CrashRecord) -> bool:
         """Whether ``crash``'s worker went away because the run was interrupted, not by dying.

@@ -58,6 +58,9 @@ class RunOwner(RoleBase):
 
         for line in auto_lines(config) + domain.said:  # how -n auto chose; how the machine is shared
             terminalreporter.write_line(line)
+        from ..run import quarantine
+
+        summary.quarantined = quarantine.records(run.run_dir)  # workers (or this process) a sticky CUDA error ended
         if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
             for line in selection.summary_lines(config):
                 terminalreporter.write_line(line)

@@ -287,9 +287,10 @@ def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease
 
 def teardown(item: pytest.Item, run: GpuRun) -> None:
     """After fixtures are torn down: verify, give everything back, record properties."""
-    from . import fixture_leases
+    from . import fixture_leases, quarantine
 
     state = item.stash.get(STATE_KEY, None)
+    quarantine.check(item, run, state)  # before anything is given back: broken CUDA keeps its memory
     violations, notes = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
     if state is None and (violations or notes):
         state = item.stash[STATE_KEY] = TestState()

@@ -27,6 +27,7 @@ from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
 from ..options import Settings
+from . import quarantine as quarantine_
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from ..launched.detect import LaunchContext
@@ -188,6 +189,8 @@ class GpuRun:
     # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
     frameworks: Callable[..., object] | None = None
     _host: HostCapacity | None = None
+    # set once a test left this process's CUDA unusable: no lease is given back or granted since
+    quarantine: quarantine_.Quarantine | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -356,6 +359,7 @@ class GpuRun:
     def acquire(self, request: GpuRequest, test: str) -> ActiveLease:
         """Wait for ``request``, then confine this process to it and start verifying."""
         asked = time.time()
+        quarantine_.refuse(self, test)  # a sticky CUDA error: no lease would be usable here
         grant = self.client.acquire(request, test, self.settings.wait_timeout)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
@@ -397,10 +401,13 @@ class GpuRun:
             else:
                 verdict = active.verifier.end(active.lease, others)
             verdict.notes.extend(active.confinement.notes)
+            if self.quarantine is not None:  # what broken CUDA still holds is the quarantine's to report
+                verdict = Verdict()
         finally:
             contexts = sim.cuda.contexts() if runtime.simulated(self.inventory) else None
             active.released = time.time()
-            self.client.release(active.lease.key, contexts)
+            if self.quarantine is None:  # quarantined: the memory is held until the process exits, and so is the lease
+                self.client.release(active.lease.key, contexts)
         return verdict
 
     def new_key(self) -> str:
