@@ -59,9 +59,7 @@ def test_poison_fails_every_cuda_call_and_keeps_the_memory(ledger_dir):
 
 
 def test_sticky_message_reads_torch_and_cupy_errors():
-    torch_text = (
-        "CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress' in ..."
-    )
+    torch_text = "CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress' in ..."
     assert sticky_message(torch_text) == "CUDA error: an illegal memory access was encountered"
     assert sticky_message("cudaErrorAssert: device-side assert triggered") is not None
     assert sticky_message("CUDA out of memory. Tried to allocate 2.00 GiB") is None

@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
@@ -79,7 +79,8 @@ class BrokerClient:
     def __init__(self, address: str, authkey: bytes, worker: str) -> None:
         self._address = address
         self._authkey = authkey
-        self._lock = threading.Lock()
+        # re-entrant: an acquire's on_wait may give leases back through this client while it waits
+        self._lock = threading.RLock()
         self._keys = itertools.count()
         self._pushed: dict[str, Message] = {}  # acquire key -> its push-granted or push-error
         self._abandoned: set[str] = set()  # acquire keys given up on: a push for them is dropped
@@ -187,9 +188,13 @@ class BrokerClient:
 
     # -- public API -----------------------------------------------------------------
 
-    def acquire(self, request: GpuRequest, test: str, timeout: float | None) -> Grant:
+    def acquire(
+        self, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None = None
+    ) -> Grant:
         """Block until the broker grants ``request``; raise :class:`WaitTimeout` after ``timeout``.
 
+        ``on_wait`` is called once if the broker says the request must wait, before the wait
+        (it may give leases back through this client: what it releases can then be granted).
         Abandoned by any other exception (pytest-timeout, KeyboardInterrupt), the request
         is withdrawn at the broker, and a grant that comes after all is given back at once.
         """
@@ -197,14 +202,16 @@ class BrokerClient:
             self._connection()
             key = f"k{next(self._keys)}"
             try:
-                return self._acquire(key, request, test, timeout)
+                return self._acquire(key, request, test, timeout, on_wait)
             except BrokerError:
                 raise  # refused, timed out (and cancelled) or disconnected: nothing left at the broker
             except BaseException:
                 self._abandon(key)
                 raise
 
-    def _acquire(self, key: str, request: GpuRequest, test: str, timeout: float | None) -> Grant:
+    def _acquire(
+        self, key: str, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None
+    ) -> Grant:
         started = time.monotonic()
         kind, body = self._call(
             "acquire",
@@ -214,6 +221,8 @@ class BrokerClient:
             return Grant.from_wire(body, 0.0)
         if kind == "error":
             raise BrokerError(str(body))
+        if on_wait is not None:
+            on_wait()  # queued: what it gives back is granted in order, while this request waits
         deadline = None if timeout is None else started + timeout
         while key not in self._pushed:
             left = None if deadline is None else deadline - time.monotonic()

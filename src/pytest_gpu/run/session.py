@@ -32,7 +32,7 @@ from . import quarantine as quarantine_
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from ..launched.detect import LaunchContext
     from ..leasing.broker import Broker
-    from ..leasing.client import BrokerClient
+    from ..leasing.client import BrokerClient, Grant
     from ..machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
@@ -191,6 +191,8 @@ class GpuRun:
     _host: HostCapacity | None = None
     # set once a test left this process's CUDA unusable: no lease is given back or granted since
     quarantine: quarantine_.Quarantine | None = None
+    # what this process gives up when one of its own requests must wait (its idle warm rank pools)
+    on_wait: list[Callable[[], bool]] = field(default_factory=list)
 
     # -- construction ---------------------------------------------------------------
 
@@ -360,7 +362,7 @@ class GpuRun:
         """Wait for ``request``, then confine this process to it and start verifying."""
         asked = time.time()
         quarantine_.refuse(self, test)  # a sticky CUDA error: no lease would be usable here
-        grant = self.client.acquire(request, test, self.settings.wait_timeout)
+        grant = self._ask(request, test)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
@@ -390,6 +392,30 @@ class GpuRun:
             self.client.release(grant.key)
             raise
         return ActiveLease(lease, confinement, verifier, asked, granted)
+
+    def _ask(self, request: GpuRequest, test: str) -> Grant:
+        """The broker's grant of ``request``. Should it have to wait (queued, or refused as a
+        hold-and-wait deadlock), what this process holds idle goes first (:meth:`waiting`),
+        and a refused request is asked once more."""
+        from ..leasing.client import BrokerError, WaitTimeout
+
+        try:
+            return self.client.acquire(request, test, self.settings.wait_timeout, on_wait=self.waiting)
+        except WaitTimeout:
+            raise
+        except BrokerError:
+            if not self.waiting():
+                raise
+        return self.client.acquire(request, test, self.settings.wait_timeout)
+
+    def waiting(self) -> bool:
+        """A request of this process must wait: give up what the process holds idle (its warm
+        pools' leases), which may be what it waits for, instead of waiting out their idle
+        timeout. Whether anything was given up."""
+        gave = False
+        for give_up in list(self.on_wait):
+            gave = give_up() or gave
+        return gave
 
     def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset()) -> Verdict:
         """Undo the confinement, measure, and give the lease back; ``others``: GPUs other
