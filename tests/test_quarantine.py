@@ -19,7 +19,7 @@ import pytest
 
 from conftest import require
 from pytest_gpu import sim
-from pytest_gpu.gpu.sticky import sticky_message
+from pytest_gpu.run.quarantine import sticky_message
 
 GiB, MiB = 2**30, 2**20
 
@@ -91,7 +91,7 @@ for name, call in [
     else:
         raise AssertionError(name + " did not raise")
 assert torch.cuda.memory_allocated(1) == 64 * 2**20  # host-side statistics still answer
-from pytest_gpu.gpu.sticky import probe
+from pytest_gpu.run.quarantine import probe
 # the plugin's probe, through torch as on a real GPU: synchronize where torch has a context
 assert probe(["cuda:1"], simulated=False) == "CUDA error: device-side assert triggered"
 assert probe(["cuda:0"], simulated=False) is None  # no context there: none is opened to ask

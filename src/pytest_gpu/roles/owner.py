@@ -13,7 +13,7 @@ import pytest
 from .. import raycluster
 from ..launched import selection
 from ..machine import domain
-from ..report.summary import Summary, foreign_lines
+from ..report.summary import Summary, context_lines, foreign_lines
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
 from .base import RoleBase, register
@@ -66,6 +66,7 @@ class RunOwner(RoleBase):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        lines += context_lines(run.broker.measured, run.settings.context_overhead, run.settings.context_overhead_given)
         lines += summary.timeline.summary_lines(
             [d.index for d in run.inventory.devices], with_peaks=run.settings.verify != "off"
         )

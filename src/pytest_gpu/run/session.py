@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import sim
 from ..gpu import runtime
+from ..gpu.calibration import Calibration
 from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, confine, make_lease
 from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict, Verifier
@@ -32,7 +33,7 @@ from . import quarantine as quarantine_
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from ..launched.detect import LaunchContext
     from ..leasing.broker import Broker
-    from ..leasing.client import BrokerClient, Grant
+    from ..leasing.client import BrokerClient
     from ..machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
@@ -193,6 +194,7 @@ class GpuRun:
     quarantine: quarantine_.Quarantine | None = None
     # what this process gives up when one of its own requests must wait (its idle warm rank pools)
     on_wait: list[Callable[[], bool]] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)  # the CUDA contexts this process measured
 
     # -- construction ---------------------------------------------------------------
 
@@ -214,7 +216,7 @@ class GpuRun:
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
-        policy = Policy(overhead=settings.context_overhead)
+        policy = Policy(overhead=settings.context_overhead, fixed=settings.context_overhead_given)
         broker = Broker(
             {d.index: d.capacity for d in inventory.devices},
             address,
@@ -362,7 +364,7 @@ class GpuRun:
         """Wait for ``request``, then confine this process to it and start verifying."""
         asked = time.time()
         quarantine_.refuse(self, test)  # a sticky CUDA error: no lease would be usable here
-        grant = self._ask(request, test)
+        grant = self.client.acquire(request, test, self.settings.wait_timeout, on_wait=self.waiting)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
@@ -379,6 +381,8 @@ class GpuRun:
                 if self.settings.verify != "off":
                     verifier.begin(lease, os.getpid())
                 confinement = confine(lease, self.inventory, self.frameworks)
+                if not self.settings.context_overhead_given:  # given, it wins: nothing is measured
+                    self.calibration.report(lease, self.inventory, self.client.context_size)
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
                 confinement = Confinement()
@@ -392,21 +396,6 @@ class GpuRun:
             self.client.release(grant.key)
             raise
         return ActiveLease(lease, confinement, verifier, asked, granted)
-
-    def _ask(self, request: GpuRequest, test: str) -> Grant:
-        """The broker's grant of ``request``. Should it have to wait (queued, or refused as a
-        hold-and-wait deadlock), what this process holds idle goes first (:meth:`waiting`),
-        and a refused request is asked once more."""
-        from ..leasing.client import BrokerError, WaitTimeout
-
-        try:
-            return self.client.acquire(request, test, self.settings.wait_timeout, on_wait=self.waiting)
-        except WaitTimeout:
-            raise
-        except BrokerError:
-            if not self.waiting():
-                raise
-        return self.client.acquire(request, test, self.settings.wait_timeout)
 
     def waiting(self) -> bool:
         """A request of this process must wait: give up what the process holds idle (its warm
