@@ -124,3 +124,41 @@ def test_a_measured_size_is_checked_at_every_boundary(tmp_path: Path):
     finally:
         client.close()
         broker.close()
+
+
+@pytest.mark.slow
+def test_a_context_torch_opens_inside_the_test_is_measured_at_the_lease_end(tmp_path: Path):
+    """torch starts CUDA lazily: the context of a lease's GPU may open only in the test body.
+    At the lease's end it is measured then: NVML's usage of the process less torch's reserve."""
+    import subprocess
+    import sys
+
+    from conftest import require
+
+    require("torch", module="torch")
+    code = """
+import torch
+from pytest_gpu.sim import fake, torch_cuda
+assert fake.activate()
+from pytest_gpu.gpu.calibration import Calibration
+from pytest_gpu.gpu.devices import discover
+from pytest_gpu.gpu.isolation import make_lease
+inv = discover("auto")
+lease = make_lease("a", [1], 2 * 2**30, False, 0.0, inv, "tag-a")
+told = []
+cal = Calibration()
+cal.report(lease, inv, lambda i, n: told.append((i, n)))
+assert told == [], told  # no context on GPU 1 yet: nothing to measure
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+assert told == [], told  # torch has not started CUDA either
+block = torch_cuda.empty(64 * 2**20, device=1)  # the test body: torch opens the context
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+assert told == [(1, 700 * 2**20)], told  # its cache (64 MiB reserved) is not the context
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+assert len(told) == 1  # once per GPU
+print("OK")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTEST_GPU_FAKE_GPUS="sim:2x16GiB;context=700MiB", PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr

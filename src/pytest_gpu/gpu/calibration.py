@@ -65,6 +65,28 @@ class Calibration:
                 self.measured.pop(index, None)
 
 
+    def report_opened(self, lease: GpuLease, inventory: Inventory, tell: Callable[[int, int], None]) -> None:
+        """At a lease's end, after the adapters gave torch's cache back: :meth:`report` for
+        the lease's GPUs where the test itself opened this process's context (torch starts
+        CUDA lazily, inside the test). Nothing is asked of NVML unless torch has a context
+        on a GPU not measured yet, so a test that never started CUDA pays nothing."""
+        pending = [d for i, d in zip(lease.indices, lease.devices, strict=False) if i not in self._tried]
+        if pending and _torch_has_context(pending):
+            self.report(lease, inventory, tell)
+
+
+def _torch_has_context(devices: list[str]) -> bool:
+    torch = sys.modules.get("torch")
+    check = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if check is None or cuda is None or not cuda.is_initialized():
+            return False
+        return any(check(int(device.partition(":")[2] or 0)) for device in devices)
+    except Exception:  # a broken CUDA: it is the quarantine's to say
+        return False
+
+
 def process_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
     """NVML's usage of this process on each of ``indices`` that it has a context on;
     ``None`` where NVML cannot say."""

@@ -418,6 +418,8 @@ class GpuRun:
             verdict.notes.extend(active.confinement.notes)
             if self.quarantine is not None:  # what broken CUDA still holds is the quarantine's to report
                 verdict = Verdict()
+            elif not verdict.violations and not self.settings.context_overhead_given:
+                self.calibration.report_opened(active.lease, self.inventory, self.client.context_size)
         finally:
             contexts = sim.cuda.contexts() if runtime.simulated(self.inventory) else None
             active.released = time.time()
