@@ -170,6 +170,35 @@ def test_worker_ends_itself_and_xdist_replaces_it(gpu_pytester, run_inner):
     assert "crashed while running" not in out and "died while running" not in out
 
 
+def test_under_dist_the_worker_stays_and_refuses_its_later_gpu_tests(gpu_pytester, run_inner):
+    """With --dist, xdist's own scheduler would report the test the worker holds as crashed
+    if it ended: the worker stays quarantined and refuses its GPU tests, naming the cause."""
+    gpu_pytester.makepyfile(test_sticky=SUITE)
+    result = run_inner(
+        "--gpus",
+        "sim:1x16GiB",
+        "-n",
+        "1",
+        "--dist",
+        "load",
+        "-p",
+        "no:randomly",
+        "--gpu-wait-timeout=20",
+        subprocess=True,
+    )
+    result.assert_outcomes(passed=1, failed=1, errors=2)
+    out = result.stdout.str()
+    assert "replacing crashed worker" not in out and "crashed while running" not in out
+    result.stdout.fnmatch_lines(
+        [
+            "*test_b_needs_the_gpu could not get 1 GPU*: not run: test_sticky.py::test_a_breaks_cuda left this "
+            "process's CUDA unusable (CUDA error: device-side assert triggered)*",
+            "pytest-gpu: quarantined: test_sticky.py::test_a_breaks_cuda left CUDA unusable (CUDA error: "
+            "device-side assert triggered); the GPU tests after it in worker gw0 (--dist chosen) were not run*",
+        ]
+    )
+
+
 TORCH_SUITE = """
 import pytest
 import torch

@@ -131,10 +131,11 @@ class Summary:
     @staticmethod
     def quarantine_line(found: Quarantine) -> str:
         """A process whose CUDA a test broke for good (see :mod:`pytest_gpu.run.quarantine`)."""
-        if found.worker == "main":
-            then = "the GPU tests after it in this process were not run (run with -n to give them a fresh worker)"
-        else:
+        if found.ends:
             then = f"worker {found.worker} held its GPU memory until it ended itself, and xdist replaced it"
+        else:
+            where = "this process" if found.worker == "main" else f"worker {found.worker} (--dist chosen)"
+            then = f"the GPU tests after it in {where} were not run (-n without --dist gives them a fresh worker)"
         return f"pytest-gpu: quarantined: {found.test} left CUDA unusable ({found.error}); {then}"
 
     def was_interrupted(self, crash: CrashRecord) -> bool:

@@ -51,6 +51,7 @@ class Quarantine:
     test: str
     error: str
     worker: str
+    ends: bool = False  # the process ends itself after the test (an xdist worker under pytest-gpu's scheduler)
 
     def describe(self) -> str:
         return f"{self.test} left this process's CUDA unusable ({self.error})"
@@ -83,7 +84,7 @@ def check(item: pytest.Item, run: GpuRun, state: TestState | None) -> None:
         error = probe(devices, run.inventory.simulated) or error
     if error is None:
         return
-    run.quarantine = Quarantine(item.nodeid, error, run.worker)
+    run.quarantine = Quarantine(item.nodeid, error, run.worker, _ends_itself(item.config))
     _write_record(run)
 
 
@@ -93,8 +94,8 @@ def refuse(run: GpuRun, test: str) -> None:
     if found is not None:
         raise Quarantined(
             f"not run: {found.describe()}, and a sticky CUDA error lasts until the process exits "
-            "(its GPU memory is held till then); run under pytest-xdist (-n) so that a fresh worker "
-            "takes the GPU tests after it"
+            "(its GPU memory is held till then); under pytest-xdist (-n) with pytest-gpu's scheduler "
+            "(no --dist) the worker ends itself and a fresh one takes the GPU tests after it"
         )
 
 
@@ -218,7 +219,7 @@ def _write_record(run: GpuRun) -> None:
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
         (folder / f"{_safe(run.worker)}.json").write_text(
-            json.dumps({"test": found.test, "error": found.error, "worker": found.worker})
+            json.dumps({"test": found.test, "error": found.error, "worker": found.worker, "ends": found.ends})
         )
     except OSError:
         pass  # the worker still ends itself; the summary then says it died
@@ -241,8 +242,9 @@ def records(run_dir: Path) -> dict[str, Quarantine]:
 
 
 def ended(run_dir: Path, worker: str) -> bool:
-    """Whether ``worker`` was quarantined (and so ended itself, not crashed)."""
-    return _read_record(run_dir / RECORDS / f"{_safe(worker)}.json") is not None
+    """Whether ``worker`` was quarantined and ended itself (it did not crash)."""
+    found = _read_record(run_dir / RECORDS / f"{_safe(worker)}.json")
+    return found is not None and found.ends
 
 
 def _read_record(path: Path) -> Quarantine | None:
@@ -258,7 +260,7 @@ def _read_record(path: Path) -> Quarantine | None:
     if not all(isinstance(f, str) and f for f in fields):
         return None
     test, error, worker = (str(f)[:1000] for f in fields)
-    return Quarantine(test, error, worker)
+    return Quarantine(test, error, worker, data.get("ends") is True)
 
 
 def _safe(worker: str) -> str:
