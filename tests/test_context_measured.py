@@ -147,15 +147,19 @@ inv = discover("auto")
 lease = make_lease("a", [1], 2 * 2**30, False, 0.0, inv, "tag-a")
 told = []
 cal = Calibration()
-cal.report(lease, inv, lambda i, n: told.append((i, n)))
+cal.report(lease, inv, lambda i, n: told.append((i, n)), 500 * 2**20)
 assert told == [], told  # no context on GPU 1 yet: nothing to measure
-cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)), 500 * 2**20)
 assert told == [], told  # torch has not started CUDA either
 block = torch_cuda.empty(64 * 2**20, device=1)  # the test body: torch opens the context
-cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)), 500 * 2**20)
 assert told == [(1, 700 * 2**20)], told  # its cache (64 MiB reserved) is not the context
-cal.report_opened(lease, inv, lambda i, n: told.append((i, n)))
+cal.report_opened(lease, inv, lambda i, n: told.append((i, n)), 500 * 2**20)
 assert len(told) == 1  # once per GPU
+from pytest_gpu import sim
+junk = sim.allocate(3 * 2**30, device=0)  # memory outside any lease, and a context: more than one
+cal.report(make_lease("b", [0], 2**30, False, 0.0, inv, "tag-b"), inv, lambda i, n: told.append((i, n)), 500 * 2**20)
+assert len(told) == 1, told  # not a plausible context (over 4x the assumption): dropped
 print("OK")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}

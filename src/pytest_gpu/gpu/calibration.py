@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .isolation import GpuLease
 
 
+PLAUSIBLE = 4  # a figure above this many times the assumed context is more than a context: dropped
+
+
 @dataclass
 class Calibration:
     """What this process measured: GPU index -> bytes of its context there."""
@@ -34,9 +37,11 @@ class Calibration:
     measured: dict[int, int] = field(default_factory=dict)
     _tried: set[int] = field(default_factory=set)
 
-    def measure(self, lease: GpuLease, inventory: Inventory) -> dict[int, int]:
+    def measure(self, lease: GpuLease, inventory: Inventory, assumed: int) -> dict[int, int]:
         """Figures for the lease's GPUs measured now for the first time (GPUs where this
-        process has no context yet are tried again with a later lease)."""
+        process has no context yet are tried again with a later lease). ``assumed``: the
+        configured size; a figure above :data:`PLAUSIBLE` times it holds more than a context
+        (memory the process allocated outside any lease) and is dropped."""
         todo = [i for i in lease.indices if i not in self._tried]
         if not todo:
             return {}
@@ -49,30 +54,30 @@ class Calibration:
         for index, used in usage.items():
             self._tried.add(index)
             context = used - held.get(index, 0)
-            if context > 0:
+            if 0 < context <= PLAUSIBLE * assumed:
                 found[index] = self.measured[index] = context
         return found
 
-
-    def report(self, lease: GpuLease, inventory: Inventory, tell: Callable[[int, int], None]) -> None:
+    def report(self, lease: GpuLease, inventory: Inventory, tell: Callable[[int, int], None], assumed: int) -> None:
         """Measure (:meth:`measure`) and ``tell`` the broker each new figure (GPU index,
         bytes); one it refuses (``RuntimeError``: not a size that GPU can have) is dropped,
         and placement keeps the assumption there."""
-        for index, nbytes in self.measure(lease, inventory).items():
+        for index, nbytes in self.measure(lease, inventory, assumed).items():
             try:
                 tell(index, nbytes)
             except RuntimeError:
                 self.measured.pop(index, None)
 
-
-    def report_opened(self, lease: GpuLease, inventory: Inventory, tell: Callable[[int, int], None]) -> None:
+    def report_opened(
+        self, lease: GpuLease, inventory: Inventory, tell: Callable[[int, int], None], assumed: int
+    ) -> None:
         """At a lease's end, after the adapters gave torch's cache back: :meth:`report` for
         the lease's GPUs where the test itself opened this process's context (torch starts
         CUDA lazily, inside the test). Nothing is asked of NVML unless torch has a context
         on a GPU not measured yet, so a test that never started CUDA pays nothing."""
         pending = [d for i, d in zip(lease.indices, lease.devices, strict=False) if i not in self._tried]
         if pending and _torch_has_context(pending):
-            self.report(lease, inventory, tell)
+            self.report(lease, inventory, tell, assumed)
 
 
 def _torch_has_context(devices: list[str]) -> bool:

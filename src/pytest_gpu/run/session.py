@@ -382,7 +382,8 @@ class GpuRun:
                     verifier.begin(lease, os.getpid())
                 confinement = confine(lease, self.inventory, self.frameworks)
                 if not self.settings.context_overhead_given:  # given, it wins: nothing is measured
-                    self.calibration.report(lease, self.inventory, self.client.context_size)
+                    tell, assumed = self.client.context_size, self.settings.context_overhead
+                    self.calibration.report(lease, self.inventory, tell, assumed)
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
                 confinement = Confinement()
@@ -419,7 +420,9 @@ class GpuRun:
             if self.quarantine is not None:  # what broken CUDA still holds is the quarantine's to report
                 verdict = Verdict()
             elif not verdict.violations and not self.settings.context_overhead_given:
-                self.calibration.report_opened(active.lease, self.inventory, self.client.context_size)
+                self.calibration.report_opened(
+                    active.lease, self.inventory, self.client.context_size, self.settings.context_overhead
+                )
         finally:
             contexts = sim.cuda.contexts() if runtime.simulated(self.inventory) else None
             active.released = time.time()
