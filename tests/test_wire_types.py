@@ -208,6 +208,7 @@ def every_field_set() -> Settings:
         workers_per_gpu=3,
         host_cpus=6,
         host_memory=8 * GIB,
+        context_overhead_given=True,
     )
 
 

@@ -44,6 +44,7 @@ that this map names every module).
         isolation       applying a lease in the test process
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
         verification    did the test stay within its lease
+        calibration     one CUDA context's size, measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML
         nvmlversion     which NVML the driver has
     sim/                simulated GPUs as strict as CUDA and NVML
@@ -63,6 +64,7 @@ that this map names every module).
         fixture_leases  leases held by fixtures of any scope
         rundir          the run directory and its owner
         artifacts       data built once per run (shared_artifact)
+        quarantine      a process a sticky CUDA error broke, until it exits; the probe
     scheduling/         which worker runs which test when
         planner         the plan (pure)
         scheduler       xdist's scheduler, driven by the planner

@@ -194,6 +194,8 @@ class Settings:
     workers_per_gpu: int | None = field(default=None, metadata=CONTROLLER_ONLY)  # -n auto's cap
     host_cpus: int | None = None  # the machine's CPUs for cpus= leases (None: measured, see pytest_gpu.leasing.host)
     host_memory: int | None = None  # the machine's RAM for host_memory= leases (None: measured)
+    # --gpu-context-overhead was given (command line or ini): it wins over the measured context size
+    context_overhead_given: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -257,6 +259,8 @@ def read(config: pytest.Config) -> Settings:
         verify=_choice(config, "gpu_verify", ("fail", "warn", "off")),
         wait_timeout=wait_timeout,
         context_overhead=overhead,
+        context_overhead_given=config.getoption("gpu_context_overhead") is not None
+        or "gpu_context_overhead" in config.inicfg,
         port_range=port_range,
         dist_timeout=_seconds(config, "dist_timeout"),
         dist_pool=_choice(config, "dist_pool", ("on", "off")) == "on",

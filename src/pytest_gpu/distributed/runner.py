@@ -134,12 +134,15 @@ def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
         args += [f"--import-mode={config.getoption('importmode')}"]
         found = PoolManager(run, settings, args, run.run_dir / "pools")
         config.stash[MANAGER_KEY] = found
+        run.on_wait.append(found.close_idle)  # a request of this process that must wait: not for an idle pool
     return found
 
 
 def close(config: pytest.Config) -> None:
     found = config.stash.get(MANAGER_KEY, None)
     if found is not None:
+        if found.close_idle in found.run.on_wait:
+            found.run.on_wait.remove(found.close_idle)
         found.close()
         del config.stash[MANAGER_KEY]
 
@@ -340,6 +343,23 @@ class PoolManager:
         self._timer: threading.Timer | None = None
         self._running: RankPool | None = None  # the pool a test is running on, while it runs
         self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
+
+    def close_idle(self) -> bool:
+        """Close the warm pool if it is idle and holds GPUs: a request of this process waits,
+        and it may wait for what the pool holds (pools hold exclusive leases by default).
+        Whether one was closed."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a test runs on it (or one is starting it): not idle
+        try:
+            if self.pool is None or self.pool.holding is None:
+                return False
+            if self._timer is not None:
+                self._timer.cancel()
+            self.pool.close()
+            self.pool = None
+            return True
+        finally:
+            self._lock.release()
 
     def _fresh(self, spec: DistSpec, timeout: float, test: str = "") -> RankPool:
         from . import pool as module  # RankPool looked up at each start: a test can substitute its own

@@ -24,6 +24,7 @@ and that ``abandon`` and ``release`` get none):
     ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
+    ("context_size", {"index", "bytes"})         -> ("ok", {}) | ("error", message)   (a context measured)
     ("test", {"nodeid"})                         -> ("ok", {})   (the test running now, None: none; for crash reports)
     ("status", {})                               -> ("status", dict)
     ("catalog", {"tests"})                       -> ("ok", {})   (an xdist worker's collection, for the scheduler)
@@ -162,6 +163,7 @@ class Broker(AuthServer[ClientInfo]):
         self.crashes: list[CrashRecord] = []
         self.grants = 0
         self.catalog: dict[str, Any] = {}  # node id -> what the scheduler needs (see catalog.py)
+        self.measured: dict[int, int] = {}  # GPU index -> one CUDA context as the run's processes measured it
         self._clients: dict[str, ClientInfo] = {}  # under self._lock, as all of this state
         self._queued_at: dict[str, float] = {}
         self._ids = itertools.count()
@@ -321,6 +323,8 @@ class Broker(AuthServer[ClientInfo]):
                 info.contexts = set(indices)
                 self._machine().set_contexts(info.client, [self.uuids[i] for i in indices if i in self.uuids])
             return ("ok", {})
+        if kind == "context_size":
+            return self._context_size(info, body)
         if kind == "test":
             info.current_test = cast(CurrentTest, body).get("nodeid")
             return ("ok", {})
@@ -332,6 +336,28 @@ class Broker(AuthServer[ClientInfo]):
                 self.catalog.update(cast(Catalog, body)["tests"])
             return ("ok", {})
         return ("error", f"unknown request {kind!r}")
+
+    def _context_size(self, info: ClientInfo, body: Any) -> Message:
+        """A process measured one CUDA context on a GPU of the run: checked (a client is a
+        stranger's claim until then), kept for the summary, and used by the arbiter for that
+        GPU's placement. The largest measured on a GPU counts (contexts grow)."""
+        if not isinstance(body, dict):
+            return ("error", "context_size: expected {'index': int, 'bytes': int}")
+        index, nbytes = body.get("index"), body.get("bytes")
+        if isinstance(index, bool) or not isinstance(index, int) or index not in self.capacities:
+            return ("error", f"context_size: {index!r:.40} is not a GPU of this run")
+        capacity = self.capacities[index]
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes < capacity:
+            return ("error", f"context_size: expected bytes in (0, {capacity}) for GPU {index}, got {nbytes!r:.40}")
+        with self._lock:
+            if nbytes <= self.measured.get(index, 0):
+                return ("ok", {})
+            self.measured[index] = nbytes
+            try:
+                self._machine().measure_context(self.uuids[index], nbytes)
+            except (MachineError, ValueError) as exc:
+                return ("error", f"context_size: {exc}")
+        return ("ok", {})
 
     def _acquire(self, info: ClientInfo, body: Acquire) -> Message:
         shape = tuple(body["request"])

@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
@@ -18,6 +18,7 @@ from .protocol import (
     Cancelled,
     Catalog,
     Contexts,
+    ContextSize,
     CurrentTest,
     Hello,
     KeyBody,
@@ -34,6 +35,10 @@ from .requests import GpuRequest, format_size
 
 class BrokerError(RuntimeError):
     """The broker refused a request or went away."""
+
+
+class _GaveBack(Exception):
+    """A refused request's ``on_wait`` gave leases back: ask again (internal to acquire)."""
 
 
 class WaitTimeout(BrokerError):
@@ -79,7 +84,8 @@ class BrokerClient:
     def __init__(self, address: str, authkey: bytes, worker: str) -> None:
         self._address = address
         self._authkey = authkey
-        self._lock = threading.Lock()
+        # re-entrant: an acquire's on_wait may give leases back through this client while it waits
+        self._lock = threading.RLock()
         self._keys = itertools.count()
         self._pushed: dict[str, Message] = {}  # acquire key -> its push-granted or push-error
         self._abandoned: set[str] = set()  # acquire keys given up on: a push for them is dropped
@@ -187,24 +193,35 @@ class BrokerClient:
 
     # -- public API -----------------------------------------------------------------
 
-    def acquire(self, request: GpuRequest, test: str, timeout: float | None) -> Grant:
+    def acquire(
+        self, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None = None
+    ) -> Grant:
         """Block until the broker grants ``request``; raise :class:`WaitTimeout` after ``timeout``.
 
+        ``on_wait`` is called once if the broker says the request must wait, before the wait
+        (it may give leases back through this client: what it releases can then be granted),
+        or refuses it (a hold-and-wait deadlock: it waits for what this process holds): if it
+        then returns true (it gave something back), the request is asked once more.
         Abandoned by any other exception (pytest-timeout, KeyboardInterrupt), the request
         is withdrawn at the broker, and a grant that comes after all is given back at once.
         """
         with self._lock:
             self._connection()
-            key = f"k{next(self._keys)}"
-            try:
-                return self._acquire(key, request, test, timeout)
-            except BrokerError:
-                raise  # refused, timed out (and cancelled) or disconnected: nothing left at the broker
-            except BaseException:
-                self._abandon(key)
-                raise
+            while True:
+                key = f"k{next(self._keys)}"
+                try:
+                    return self._acquire(key, request, test, timeout, on_wait)
+                except _GaveBack:
+                    on_wait = None  # refused, then on_wait gave leases back: asked once more
+                except BrokerError:
+                    raise  # refused, timed out (and cancelled) or disconnected: nothing left at the broker
+                except BaseException:
+                    self._abandon(key)
+                    raise
 
-    def _acquire(self, key: str, request: GpuRequest, test: str, timeout: float | None) -> Grant:
+    def _acquire(
+        self, key: str, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None
+    ) -> Grant:
         started = time.monotonic()
         kind, body = self._call(
             "acquire",
@@ -213,7 +230,11 @@ class BrokerClient:
         if kind == "granted":
             return Grant.from_wire(body, 0.0)
         if kind == "error":
+            if on_wait is not None and on_wait():  # refused (waiting for what this process holds)
+                raise _GaveBack
             raise BrokerError(str(body))
+        if on_wait is not None:
+            on_wait()  # queued: what it gives back is granted in order, while this request waits
         deadline = None if timeout is None else started + timeout
         while key not in self._pushed:
             left = None if deadline is None else deadline - time.monotonic()
@@ -258,6 +279,14 @@ class BrokerClient:
                 return  # the connection was dropped: the broker took this lease back then
             held = None if contexts is None else sorted(contexts)
             self._send("release", Release(key=key, contexts=held), reply=False)
+
+    def context_size(self, index: int, nbytes: int) -> None:
+        """Tell the broker one CUDA context on GPU ``index`` takes ``nbytes`` (measured);
+        :class:`BrokerError` when it refuses the figure."""
+        with self._lock:
+            kind, body = self._call("context_size", ContextSize(index=index, bytes=nbytes))
+            if kind == "error":
+                raise BrokerError(str(body))
 
     def report_contexts(self, indices: set[int]) -> None:
         with self._lock:

@@ -100,9 +100,16 @@ class Placement:
 
 @dataclass(frozen=True)
 class Policy:
-    overhead: int = 500 * 2**20
+    overhead: int = 500 * 2**20  # one CUDA context, as assumed (--gpu-context-overhead)
     context_fraction: float = 0.25
     max_bypass: int = 16
+    # one CUDA context as measured on a GPU (index -> bytes, see Allocator.measure_context); unused when fixed
+    measured: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
+    fixed: bool = False  # the user gave --gpu-context-overhead: it wins over measurements
+
+    def context(self, index: int) -> int:
+        """Bytes one CUDA context takes on GPU ``index``: measured there, else the assumption."""
+        return self.overhead if self.fixed else self.measured.get(index, self.overhead)
 
     def context_limit(self, capacity: int) -> int:
         if self.overhead <= 0:
@@ -138,14 +145,14 @@ def place(
         if request.exclusive:
             if gpu.tenants:
                 continue
-            grant = gpu.capacity - gpu.foreign - contexts * policy.overhead
+            grant = gpu.capacity - gpu.foreign - contexts * policy.context(gpu.index)
             if grant <= 0 or grant < (request.min_memory or 0):  # a minimum counts what the lease would get
                 continue
             # affinity first, then a GPU no foreign process uses, then the one with the most to give
             key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, 0, -grant, gpu.index)
         else:
             assert request.memory is not None
-            room = gpu.free_for(client, policy.overhead)
+            room = gpu.free_for(client, policy.context(gpu.index))
             if room < request.memory:
                 continue
             grant = request.memory
@@ -268,6 +275,20 @@ class Allocator:
         leased = (self.host.leased_cpus, self.host.leased_memory) if self.host is not None else (0, 0)
         self.host = HostState(cpus, memory, *leased)
         self._never_fits_cache.clear()
+
+    def measure_context(self, index: int, nbytes: int) -> bool:
+        """A process measured one CUDA context on GPU ``index``: ``nbytes`` (contexts grow as
+        libraries load: the largest measured counts). Whether placement changes (never while
+        the policy is ``fixed``)."""
+        if self.policy.fixed or index not in self.gpus or not 0 < nbytes < self.gpus[index].capacity:
+            return False
+        if nbytes <= self.policy.measured.get(index, 0):
+            return False
+        self.policy.measured[index] = nbytes
+        self._never_fits_cache.clear()
+        self._forever_cache.clear()
+        self._budget_cache.clear()
+        return True
 
     def set_foreign(self, usage: dict[int, int]) -> None:
         """What processes outside pytest-gpu use on each GPU now (missing GPUs: nothing)."""
@@ -555,7 +576,7 @@ class Allocator:
     def used(self, index: int) -> int:
         """Bytes committed on a GPU: shared leases, exclusive grants, contexts."""
         gpu = self.gpus[index]
-        committed = gpu.leased + len(gpu.contexts) * self.policy.overhead
+        committed = gpu.leased + len(gpu.contexts) * self.policy.context(index)
         for lease in self.leases.values():
             if lease.placement.exclusive and index in lease.placement.indices:
                 committed += lease.placement.memory

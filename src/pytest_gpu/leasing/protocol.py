@@ -50,6 +50,11 @@ class Contexts(TypedDict):
     indices: list[int]
 
 
+class ContextSize(TypedDict):
+    index: int  # the run's GPU index
+    bytes: int  # one CUDA context there, as the process measured it (NVML) right after it opened
+
+
 class CurrentTest(TypedDict):
     nodeid: str | None
 

@@ -75,6 +75,9 @@ RESUME_AFTER_S = 2.0  # after a failover: how long grants wait for the runs that
 PART = "#part-of-rank-"  # a launched rank's part of a GPU: the GPU's UUID, this, the rank
 
 
+UUID_SHOWN = 80  # characters of a GPU name an error repeats
+
+
 def roster_digest(run: str) -> str:
     """How a roster names another user's run: enough to recognise it when it re-attaches."""
     return "#" + hashlib.sha256(run.encode()).hexdigest()[:20]
@@ -590,6 +593,23 @@ class Arbiter:
             self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, contexts))
             self._deliver_locked(self.allocator.serve(), out)
 
+    def measure_context(self, run: str, uuid: str, nbytes: int) -> bool:
+        """A process of ``run`` measured one CUDA context on GPU ``uuid``: ``nbytes``, used for
+        that GPU's placement from now on (see :meth:`Allocator.measure_context`). A GPU the run
+        did not bring, or a size not within (0, the GPU's capacity), is refused (ValueError)."""
+        with self._locked() as out:
+            mids = self._own_mids(run, [uuid])
+            if not mids:
+                raise ValueError(f"GPU {uuid[:UUID_SHOWN]!r} is not one this run brought")
+            mid = mids.pop()
+            capacity = self.allocator.gpus[mid].capacity
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes < capacity:
+                raise ValueError(f"a context's size must be an integer in (0, {capacity}), got {nbytes!r:.40}")
+            changed = self.allocator.measure_context(mid, nbytes)
+            if changed:
+                self._deliver_locked(self.allocator.serve(), out)
+            return changed
+
     def forget_client(self, run: str, client: str) -> list[tuple[str, tuple[str, ...]]]:
         """A worker of ``run`` is gone: what it held goes back; returns (key, GPU UUIDs) of its leases."""
         with self._locked() as out:
@@ -628,7 +648,7 @@ class Arbiter:
 
     def room(self, gpus: list[str]) -> list[int]:
         """What each of ``gpus`` can give leases now, contexts and foreign usage counted."""
-        overhead = self.allocator.policy.overhead
+        policy = self.allocator.policy
         with self._lock:
             rows = []
             for uuid in gpus:
@@ -636,6 +656,7 @@ class Arbiter:
                 if gpu is None:
                     rows.append(0)
                     continue
+                overhead = policy.context(gpu.index)
                 rows.append(max(gpu.capacity - gpu.foreign - overhead * max(1, len(gpu.contexts)), 0))
             return rows
 

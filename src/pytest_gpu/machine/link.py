@@ -448,6 +448,16 @@ class MachineLink:
             self._mirror.exited(client)
             self._call("exited", lambda a: a.exited(self.run, client), client=client)
 
+    def measure_context(self, uuid: str, nbytes: int) -> bool:
+        """One CUDA context measured on GPU ``uuid`` (a new arbiter does not learn it: it
+        goes by the assumed size until a process measures again)."""
+        with self._lock:
+            return bool(
+                self._call(
+                    "measure_context", lambda a: a.measure_context(self.run, uuid, nbytes), uuid=uuid, bytes=nbytes
+                )
+            )
+
     def room(self, gpus: list[str]) -> list[int]:
         return [int(n) for n in self._call("room", lambda a: a.room(gpus), gpus=gpus)]
 

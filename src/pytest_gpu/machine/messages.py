@@ -44,6 +44,12 @@ def integer(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
     return value
 
 
+def context_size(value: Any) -> int:
+    """A measured CUDA context's size: an integer above 0 within what any GPU has (the
+    arbiter checks it against the GPU's own capacity)."""
+    return integer(value, "a context's size", 1, MAX_BYTES)
+
+
 def request_to_wire(request: GpuRequest) -> list[Any]:
     """``[count, memory, exclusive, min_memory]``, then ``cpus, host_memory`` only when the
     request leases host resources (what an older peer reads is unchanged otherwise)."""

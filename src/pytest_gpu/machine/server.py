@@ -380,6 +380,9 @@ class ArbiterServer:
             return arbiter.exiting(run, messages.name(m.get("client"), "client"), messages.contexts(m) or [])
         if op == "exited":
             return arbiter.exited(run, messages.name(m.get("client"), "client"))
+        if op == "measure_context":
+            size = messages.context_size(m.get("bytes"))
+            return arbiter.measure_context(run, messages.gpu(m.get("uuid"), "uuid"), size)
         if op == "room":
             return arbiter.room(messages.uuids(m.get("gpus"), "gpus"))
         if op == "take_ports":

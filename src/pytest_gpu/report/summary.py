@@ -16,6 +16,7 @@ from .wording import numbered, plural, verb
 if TYPE_CHECKING:
     from ..gpu.devices import Inventory
     from ..leasing.broker import CrashRecord
+    from ..run.quarantine import Quarantine
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable
@@ -31,6 +32,7 @@ class Summary:
     interrupted: bool = False  # the run was cut short (Ctrl-C, pytest.exit, xdist's -x shutdown)
     down: dict[str, str] = field(default_factory=dict)  # xdist worker -> why it went down while the run went on
     cut_short: dict[str, list[str]] = field(default_factory=dict)  # xdist worker -> tests it left unfinished
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)  # worker -> the sticky CUDA error it had
 
     @property
     def waited(self) -> float:
@@ -108,7 +110,13 @@ class Summary:
         """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing.
         ``grants``: leases the run's broker granted (fixtures' too, which no test reports)."""
         return not (
-            self.gpu_tests or self.gpu_skipped or crashes or grants or self.trace_path or self.trace_error
+            self.gpu_tests
+            or self.gpu_skipped
+            or crashes
+            or grants
+            or self.trace_path
+            or self.trace_error
+            or self.quarantined
         )
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
@@ -122,8 +130,19 @@ class Summary:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
             out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
-        out += [self.crash_line(crash) for crash in crashes]
+        out += [self.quarantine_line(found) for found in self.quarantined.values()]
+        out += [self.crash_line(crash) for crash in crashes if crash.worker not in self.quarantined]
         return out
+
+    @staticmethod
+    def quarantine_line(found: Quarantine) -> str:
+        """A process whose CUDA a test broke for good (see :mod:`pytest_gpu.run.quarantine`)."""
+        if found.ends:
+            then = f"worker {found.worker} held its GPU memory until it ended itself, and xdist replaced it"
+        else:
+            where = "this process" if found.worker == "main" else f"worker {found.worker} (--dist chosen)"
+            then = f"the GPU tests after it in {where} were not run (-n without --dist gives them a fresh worker)"
+        return f"pytest-gpu: quarantined: {found.test} left CUDA unusable ({found.error}); {then}"
 
     def was_interrupted(self, crash: CrashRecord) -> bool:
         """Whether ``crash``'s worker went away because the run was interrupted, not by dying.
@@ -152,6 +171,19 @@ class Summary:
         if self.was_interrupted(crash):
             return f"pytest-gpu: interrupted while {crash.worker} ran {test}; {what} given back"
         return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"
+
+
+def context_lines(measured: Mapping[int, int], assumed: int, given: bool) -> list[str]:
+    """What one CUDA context took on each GPU, as the run's processes measured it (NVML,
+    right after it opened), beside the size assumed until then; or that the size was given."""
+    from ..leasing.requests import format_size
+
+    if given:
+        return [f"pytest-gpu: CUDA context: {format_size(assumed)} per process, as --gpu-context-overhead gives it"]
+    if not measured:
+        return []
+    sizes = ", ".join(f"GPU {index}: {format_size(n)}" for index, n in sorted(measured.items()))
+    return [f"pytest-gpu: CUDA context measured: {sizes} (assumed {format_size(assumed)} until measured)"]
 
 
 def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:

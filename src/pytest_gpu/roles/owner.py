@@ -13,7 +13,7 @@ import pytest
 from .. import raycluster
 from ..launched import selection
 from ..machine import domain
-from ..report.summary import Summary, foreign_lines
+from ..report.summary import Summary, context_lines, foreign_lines
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
 from .base import RoleBase, register
@@ -58,11 +58,15 @@ class RunOwner(RoleBase):
 
         for line in auto_lines(config) + domain.said:  # how -n auto chose; how the machine is shared
             terminalreporter.write_line(line)
+        from ..run import quarantine
+
+        summary.quarantined = quarantine.records(run.run_dir)  # workers (or this process) a sticky CUDA error ended
         if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
             for line in selection.summary_lines(config):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        lines += context_lines(run.broker.measured, run.settings.context_overhead, run.settings.context_overhead_given)
         lines += summary.timeline.summary_lines(
             [d.index for d in run.inventory.devices],
             with_peaks=run.settings.verify != "off",

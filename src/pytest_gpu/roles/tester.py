@@ -16,7 +16,7 @@ from ..distributed import runner
 from ..gpu import verification
 from ..launched import selection
 from ..launched.session import select_share
-from ..run import fixture_leases, lifecycle
+from ..run import fixture_leases, lifecycle, quarantine
 from ..run.record import needs
 from .base import RoleBase
 from .keys import SCHEDULE_KEY, Role
@@ -70,7 +70,9 @@ class TestProcess(RoleBase):
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
+        quarantine.note_call(item, call)
         lifecycle.make_report(item, report, self.run)
+        quarantine.make_report(item, report, self.run)
         runner.make_report(item, call, report)
         return report
 
@@ -98,6 +100,11 @@ class Worker(TestProcess):
     def select(self, items: list[pytest.Item]) -> None:
         if self.launch is not None and self.config.getoption("shard"):
             select_share(self.config, self.launch, items)  # xdist workers collect: each takes the rank's share
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        # xdist heard the last test complete: a worker whose CUDA it broke ends before this one
+        quarantine.end_worker(self.config, self.run, lambda: runner.close(self.config))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

@@ -20,7 +20,7 @@ from ..leasing.requests import (
 )
 from ..leasing.spans import GpuProperties, format_held, format_peaks, format_spans
 from ..roles.keys import SCHEDULE_KEY
-from . import fixture_leases
+from . import fixture_leases, quarantine
 from .conventions import convention_request, item_kwargs
 from .holding import STATE_KEY, Holding, Owner, TestState, broke
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
@@ -233,6 +233,7 @@ def _hold(run: GpuRun, request: GpuRequest, item: pytest.Item) -> Holding:
 def teardown(item: pytest.Item, run: GpuRun) -> None:
     """After fixtures are torn down: verify, give everything back, record properties."""
     state = item.stash.get(STATE_KEY, None)
+    quarantine.check(item, run, state)  # before anything is given back: broken CUDA keeps its memory
     ended = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
     if state is None and ended:
         state = item.stash[STATE_KEY] = TestState()

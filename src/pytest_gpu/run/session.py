@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import sim
 from ..gpu import runtime
+from ..gpu.calibration import Calibration
 from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, make_lease
 from ..gpu.isolation import confine as confine_lease
@@ -28,6 +29,7 @@ from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
 from ..options import Settings
+from . import quarantine as quarantine_
 from .holding import Holding, Owner, RankVerifier
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
@@ -192,6 +194,11 @@ class GpuRun:
     # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
     frameworks: Callable[..., object] | None = None
     _host: HostCapacity | None = None
+    # set once a test left this process's CUDA unusable: no lease is given back or granted since
+    quarantine: quarantine_.Quarantine | None = None
+    # what this process gives up when one of its own requests must wait (its idle warm rank pools)
+    on_wait: list[Callable[[], bool]] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)  # the CUDA contexts this process measured
 
     # -- construction ---------------------------------------------------------------
 
@@ -213,7 +220,7 @@ class GpuRun:
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
-        policy = Policy(overhead=settings.context_overhead)
+        policy = Policy(overhead=settings.context_overhead, fixed=settings.context_overhead_given)
         broker = Broker(
             {d.index: d.capacity for d in inventory.devices},
             address,
@@ -362,7 +369,8 @@ class GpuRun:
         ``confine=False``, leave this process as it is: a lease for the processes it starts)
         and start verifying; :meth:`Holding.release` is the one way it ends."""
         asked = time.time()
-        grant = self.client.acquire(request, owner.name, self.settings.wait_timeout)
+        quarantine_.refuse(self, owner.name)  # a sticky CUDA error: no lease would be usable here
+        grant = self.client.acquire(request, owner.name, self.settings.wait_timeout, on_wait=self.waiting)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
@@ -377,6 +385,9 @@ class GpuRun:
                     verifier.begin(lease, os.getpid())
                 if confine:
                     confinement = confine_lease(lease, self.inventory, self.frameworks)
+                    if not self.settings.context_overhead_given:  # given, it wins: nothing is measured
+                        tell, assumed = self.client.context_size, self.settings.context_overhead
+                        self.calibration.report(lease, self.inventory, tell, assumed)
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
             if request.cpus and confine:
@@ -398,6 +409,15 @@ class GpuRun:
             return SimVerifier() if confined else RankVerifier(self.settings.context_overhead)
         return NvmlVerifier(self.inventory, self.settings.context_overhead) if confined else None
 
+    def waiting(self) -> bool:
+        """A request of this process must wait: give up what the process holds idle (its warm
+        pools' leases), which may be what it waits for, instead of waiting out their idle
+        timeout. Whether anything was given up."""
+        gave = False
+        for give_up in list(self.on_wait):
+            gave = give_up() or gave
+        return gave
+
     def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset()) -> Verdict:
         """Undo the confinement, measure, and give the lease back; ``others``: GPUs other
         leases of the same process held (their usage is theirs). Called by :meth:`Holding.release`."""
@@ -408,11 +428,18 @@ class GpuRun:
             else:
                 verdict = active.verifier.end(active.lease, others)
             verdict.notes.extend(active.confinement.notes)
+            if self.quarantine is not None:  # what broken CUDA still holds is the quarantine's to report
+                verdict = Verdict()
+            elif active.confined and not verdict.violations and not self.settings.context_overhead_given:
+                self.calibration.report_opened(
+                    active.lease, self.inventory, self.client.context_size, self.settings.context_overhead
+                )
         finally:
             # this process's contexts stay charged until it exits; a pool's ranks were killed first
             contexts = sim.cuda.contexts() if active.confined and runtime.simulated(self.inventory) else None
             active.released = time.time()
-            self.client.release(active.lease.key, contexts)
+            if self.quarantine is None:  # quarantined: the memory is held until the process exits, and so is the lease
+                self.client.release(active.lease.key, contexts)
         return verdict
 
     def new_key(self) -> str:

@@ -115,6 +115,14 @@ class GpuScheduling:
         if not held:
             return None
         assert self.collection is not None
+        from ..run import quarantine
+
+        if quarantine.ended(self.run.run_dir, name):
+            # it ended itself between two tests (a sticky CUDA error): the one it held never started
+            self.log(f"{name} ended itself (quarantined); its {len(held)} test(s) go back to pending")
+            self.planner.requeue(held[0])
+            self._fill_all()
+            return None
         self.log(f"{name} went away holding {len(held)} test(s); {len(held) - 1} go back to pending")
         self._fill_all()
         return self.collection[held[0]]

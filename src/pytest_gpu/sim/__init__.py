@@ -15,15 +15,20 @@
 from __future__ import annotations
 
 from .cuda import (
+    STICKY_ERRORS,
     Allocation,
+    CudaError,
     allocate,
     current_device,
     device_count,
     hold,
     init,
     mem_get_info,
+    poison,
     set_device,
     set_memory_cap,
+    sticky_error,
+    synchronize,
     usage,
 )
 from .ledger import (
@@ -51,8 +56,10 @@ __all__ = [
     "LEDGER_ENV",
     "OVERHEAD_ENV",
     "SPEC_ENV",
+    "STICKY_ERRORS",
     "TAG_ENV",
     "Allocation",
+    "CudaError",
     "Ledger",
     "LedgerWriteError",
     "OutOfMemoryError",
@@ -69,7 +76,10 @@ __all__ = [
     "machine_ledger",
     "machine_ledger_dir",
     "mem_get_info",
+    "poison",
     "set_device",
     "set_memory_cap",
+    "sticky_error",
+    "synchronize",
     "usage",
 ]

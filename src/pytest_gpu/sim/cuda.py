@@ -12,6 +12,11 @@
   allocation, :func:`mem_get_info`. :func:`init` alone opens none.
 - An ordinal outside the process's list raises :class:`SimDeviceError` ("invalid
   device ordinal").
+- A sticky error (:func:`poison`: a device-side assert, an illegal address) leaves the
+  process's CUDA unusable until it exits, as the real driver does: from then on every call
+  that reaches the driver (an allocation, a free, :func:`set_device`, :func:`mem_get_info`,
+  :func:`synchronize`) raises :class:`CudaError` with CUDA's message, and the memory the
+  process holds stays charged in the ledger until the process exits.
 
 Ordinals are relative to the process's fixed list; *units* are the ledger's device
 numbers (a plain GPU's unit is its NVML index, see :mod:`pytest_gpu.sim.spec`).
@@ -28,7 +33,9 @@ from ..leasing.requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = [
+    "STICKY_ERRORS",
     "Allocation",
+    "CudaError",
     "OutOfMemoryError",
     "SimDeviceError",
     "allocate",
@@ -38,9 +45,65 @@ __all__ = [
     "init",
     "initialized",
     "mem_get_info",
+    "poison",
     "set_device",
+    "sticky_error",
+    "synchronize",
     "usage",
 ]
+
+# cudaGetErrorString of the errors that corrupt a context for good, and their cudaGetErrorName
+STICKY_ERRORS = {
+    "device-side assert triggered": "cudaErrorAssert",
+    "an illegal memory access was encountered": "cudaErrorIllegalAddress",
+    "an illegal instruction was encountered": "cudaErrorIllegalInstruction",
+    "misaligned address": "cudaErrorMisalignedAddress",
+    "unspecified launch failure": "cudaErrorLaunchFailure",
+}
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed with ``error`` (``cudaGetErrorString``'s text): since a
+    sticky error (:func:`poison`), every call that reaches the driver."""
+
+    __module__ = "pytest_gpu.sim"
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"CUDA error: {error}")
+        self.error = error
+
+
+_sticky: dict[int, str] = {}  # pid -> the sticky error its CUDA is in (a forked child has its own CUDA)
+
+
+def poison(error: str = "device-side assert triggered") -> None:
+    """Inject a sticky CUDA error into this process (a kernel's device-side assert, an
+    illegal address): every later CUDA call of the process raises :class:`CudaError`, and
+    what it holds stays charged until it exits. ``error``: one of :data:`STICKY_ERRORS`."""
+    if error not in STICKY_ERRORS:
+        raise ValueError(f"poison: {error!r} is not a sticky CUDA error; expected one of {sorted(STICKY_ERRORS)}")
+    _runtime()  # the machine it happens on: another ledger is another process
+    _sticky[os.getpid()] = error
+
+
+def sticky_error() -> str | None:
+    """The sticky error this process's CUDA is in (``cudaGetErrorString``'s text), or ``None``."""
+    if not _sticky:
+        return None
+    _runtime()  # another ledger is another machine, where this process starts anew
+    return _sticky.get(os.getpid())
+
+
+def clear_sticky() -> None:
+    """Forget this process's sticky error, as a new process would start (tests of the double only)."""
+    _sticky.pop(os.getpid(), None)
+
+
+def _check_sticky() -> None:
+    """Raise the process's sticky error, as every runtime call after one does."""
+    error = sticky_error()
+    if error is not None:
+        raise CudaError(error)
 
 
 @dataclass
@@ -156,6 +219,7 @@ def thread_label() -> list[int | str]:
 
 def set_device(ordinal: int | str) -> None:
     """Make ``ordinal`` (or ``"cuda:N"``) current, opening its context (as ``cudaSetDevice`` does in CUDA 12)."""
+    _check_sticky()
     unit = unit_of(ordinal)
     _open_context(unit)
     _rt.local.current = init().index(unit)
@@ -163,12 +227,19 @@ def set_device(ordinal: int | str) -> None:
 
 def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
     """``cudaMemGetInfo``: (free, total) bytes on ``ordinal``; total excludes the driver's reserve."""
+    _check_sticky()
     unit = unit_of(ordinal)
     led = ledger()
     _open_context(unit)
     info = led.units()[unit]
     total = info.total - info.reserved
     return max(total - led.used()[unit], 0), total
+
+
+def synchronize() -> None:
+    """``cudaDeviceSynchronize`` on the current device: where a kernel's sticky error surfaces."""
+    _check_sticky()
+    set_device(current_device())  # needs (and opens) the current device's context
 
 
 def contexts() -> set[int]:
@@ -196,6 +267,7 @@ def forget() -> None:
     """Forget this process's runtime state, as if it were a new process (tests of the double only)."""
     global _rt
     _rt = _Runtime()
+    _sticky.clear()
 
 
 class Allocation:
@@ -212,7 +284,9 @@ class Allocation:
         self.physical = unit  # the ledger unit (a plain GPU's NVML index)
 
     def free(self) -> None:
+        """``cudaFree``; after a sticky error it fails and the memory stays charged until the process exits."""
         if self._handle is not None:
+            _check_sticky()
             self._ledger.free(self._handle)
             self._handle = None
 
@@ -243,6 +317,7 @@ def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool
     size = parse_size(nbytes)
     if size <= 0:
         raise ValueError(f"allocate: expected a positive size, got {nbytes!r}")
+    _check_sticky()
     unit = unit_of(device)
     ordinal = init().index(unit)
     led = ledger()

@@ -215,7 +215,7 @@ class Ledger:
 
     def _fresh(self) -> dict[str, Any]:
         spec = self.spec or DEFAULT_SPEC
-        overhead = self.overhead
+        overhead = _context_of(spec) or self.overhead
         if overhead is None:
             raw = os.environ.get(OVERHEAD_ENV)
             overhead = parse_size(raw) if raw else DEFAULT_OVERHEAD
@@ -291,6 +291,7 @@ class Ledger:
         one of its users. Raises :class:`SimMachineError` when it is in use with another spec
         or context size."""
         _parse(spec)  # a spec that cannot be read is refused before anything is written
+        overhead = _context_of(spec) or overhead  # the machine's own context size (context=) wins
         pid = os.getpid()
         self.path.mkdir(parents=True, exist_ok=True)
         with self._lock():
@@ -436,6 +437,14 @@ class Ledger:
 
 # a spec names one machine for good: parsed once per process
 _parse = functools.lru_cache(maxsize=16)(specs.parse)
+
+
+def _context_of(spec: str) -> int | None:
+    """The context size a spec's machine has (its ``context=`` option), or ``None``."""
+    try:
+        return _parse(spec).context
+    except specs.SpecError:
+        return None
 
 
 def _device_used(state: dict[str, Any], unit: int) -> int:

@@ -16,6 +16,10 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
              no-usage                        NVML lists processes without their memory
                                              (``usedGpuMemory`` not available, as under
                                              Windows WDDM)
+             context=SIZE                    what one CUDA context takes on a GPU here
+                                             (default: the run's --gpu-context-overhead,
+                                             which then is an assumption the machine may
+                                             contradict, as real contexts do)
 
 Limits: at most :data:`MAX_GPUS` GPUs, :data:`MAX_MIG` MIG instances per GPU, and
 :data:`MAX_SIZE` per GPU or instance.
@@ -44,7 +48,7 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3, no-usage"
+    "pidns=OFFSET, no-v3, no-usage, context=SIZE"
 )
 
 
@@ -87,6 +91,7 @@ class Machine:
     pidns: int = 0
     no_v3: bool = False
     no_usage: bool = False
+    context: int | None = None  # bytes of one CUDA context here (None: the ledger's configured overhead)
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -158,6 +163,7 @@ def parse(spec: str) -> Machine:
     pidns = 0
     no_v3 = False
     no_usage = False
+    context: int | None = None
     for raw in options:
         option = raw.strip()
         if not option:
@@ -190,6 +196,13 @@ def parse(spec: str) -> Machine:
             no_v3 = True
         elif key == "no-usage" and not value:
             no_usage = True
+        elif key == "context":
+            try:
+                context = parse_size(value.strip())
+            except SizeError:
+                raise SpecError(f"{spec!r}: {option}: expected a size such as 700MiB") from None
+            if not 0 < context <= MAX_SIZE:
+                raise SpecError(f"{spec!r}: {option}: a context takes more than 0 bytes and at most {MAX_SIZE_TEXT}")
         else:
             raise SpecError(f"{spec!r}: unknown option {option!r}; expected {FORM}")
     gpus = []
@@ -224,4 +237,4 @@ def parse(spec: str) -> Machine:
                 faults.get(index, "none"),
             )
         )
-    return Machine(text, tuple(gpus), pidns, no_v3, no_usage)
+    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context)

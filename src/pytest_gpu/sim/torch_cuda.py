@@ -49,6 +49,11 @@ torch/csrc/cuda/Module.cpp):
   cap judged them; the hardware has no other). Other keys are ignored.
 - Everything reaches the ledger (segments as allocations, contexts), so NVML sees it.
 - A fork after the driver was touched poisons the child, as torch's fork handler does.
+- After a sticky CUDA error (:func:`pytest_gpu.sim.poison`: a device-side assert, an
+  illegal address) every binding that reaches the driver (``synchronize``,
+  ``empty_cache``, ``set_device``, device switches, allocations, ``mem_get_info``) raises
+  ``torch.AcceleratorError`` with ``C10_CUDA_CHECK``'s message, as torch 2.13 does
+  (c10/cuda/CUDAException.cpp); the statistics, which are host-side, still answer.
 
 The CPU build cannot make CUDA tensors: :func:`empty` stands for
 ``torch.empty(nbytes, dtype=torch.uint8, device=...)`` and returns a :class:`Block` whose
@@ -804,6 +809,19 @@ def _cuda_error(what: str, help_line: str) -> Exception:
     return error
 
 
+_ERROR_HELP = (
+    "Search for `{name}' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html "
+    "for more information."
+)
+
+
+def _check_sticky() -> None:
+    """``C10_CUDA_CHECK`` of a runtime call made after a sticky error (every call fails with it)."""
+    error = sim_cuda.sticky_error()
+    if error is not None:
+        raise _cuda_error(error, _ERROR_HELP.format(name=sim_cuda.STICKY_ERRORS[error]))
+
+
 def _unpack_index(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RuntimeError(f"invalid argument to {what}")
@@ -828,6 +846,7 @@ def _raw_get_device() -> int:
 
 def _raw_set_device(ordinal: int) -> None:
     """``cudaSetDevice``: since CUDA 12 it opens the device's primary context."""
+    _check_sticky()
     try:
         sim_cuda.set_device(ordinal)
     except SimDeviceError as exc:
@@ -955,10 +974,12 @@ def _c_has_primary_context(device: object) -> bool:
 
 
 def _c_synchronize() -> None:
+    _check_sticky()
     _raw_set_device(_raw_get_device())  # cudaDeviceSynchronize needs (and opens) the current context
 
 
 def _c_empty_cache(*_mempool: object) -> None:
+    _check_sticky()  # emptyCache synchronizes and cudaFrees: the memory stays held
     for allocator in _proc.allocators:
         allocator.release_cached_blocks()
 
@@ -1046,6 +1067,7 @@ class _Cudart:
     """The ``torch.cuda.cudart()`` binding the double provides: ``cudaMemGetInfo``."""
 
     def cudaMemGetInfo(self, device: int) -> tuple[int, int]:  # the binding's name
+        _check_sticky()
         with _device_guard(device):
             return sim_cuda.mem_get_info(_raw_get_device())
 
@@ -1152,6 +1174,7 @@ def reset() -> None:
     uninitialised again. Contexts already opened stay in the ledger until the process exits.
     """
     global _proc
+    sim_cuda.clear_sticky()  # a new process starts without the old one's sticky error
     for allocator in _proc.allocators:
         allocator.release_all()
     _proc = _Process()
@@ -1239,6 +1262,7 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
             return Block(0, ordinal, None, 0)  # no allocation, so no context
         if not 0 <= ordinal < len(_proc.allocators):
             raise RuntimeError(f"Allocator not initialized for device {ordinal}: did you call init?")
+        _check_sticky()  # the allocator's event queries and cudaMalloc fail with it
         allocator = _proc.allocators[ordinal]
         block = allocator.malloc(size)
         key = next(_proc.keys)
