@@ -40,7 +40,6 @@ While the fixture is alive:
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import sys
@@ -394,8 +393,8 @@ def _finish(run: GpuRun, ending: list[Holding], item: pytest.Item | None) -> tup
     if isinstance(funcargs, dict):  # the test's reference to a fixture value ended with it
         for holding in ending:
             funcargs.pop(holding.fixture, None)
-    if any(h.leases for h in ending):
-        gc.collect()  # a value only a reference cycle still holds
+    # no gc.collect() here: a value only a reference cycle still holds is collected by each
+    # lease's undo, and only when torch still counts memory there (adapters.collect_while)
     texts: list[str] = []
     notes: list[str] = []
     for holding in reversed(ending):
