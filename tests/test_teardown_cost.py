@@ -1,21 +1,31 @@
-"""A GPU test's teardown: what it costs.
+"""A GPU test's teardown: what it costs, and a verdict that a failure's frames cannot spoil.
 
 Cost (issue 19, "A teardown that costs nothing"): the torch adapter collects garbage only
 when torch still counts memory the lease's start did not have, youngest generation first;
 a test that never starts CUDA costs torch nothing (one call queued with torch for every
 lease, not one per lease). Counted, not timed: an inner run's conftest replaces
 ``gc.collect`` during each test's teardown and logs the calls (timings: bench/lease_cost.py).
+
+Failures (issue 19, "No false leak for a failing test"): pytest keeps a failed call's
+frames (``sys.last_traceback``) until the next test's call; the teardown clears their
+locals before the lease is verified, after the report and any post-mortem have seen them.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import require
+from pytest_gpu.run import lifecycle
+from pytest_gpu.run.lifecycle import STATE_KEY, TestState
 
 Run = Callable[..., pytest.RunResult]
 
@@ -132,3 +142,178 @@ def test_teardown_collects_only_memory_still_held_and_never_costs_a_test_without
     assert calls["test_cycle"] == [0], calls  # the youngest generation freed it: no full collection
     assert calls["test_leak"] == [0, 1, 2], calls
     assert calls["test_with_a_model"] == [], calls  # the fixture's end: nothing was held, nothing collected
+
+
+# -- a failing test's frames -----------------------------------------------------------------
+
+FAILING_SIM = """
+import pytest
+from pytest_gpu import sim
+
+KEPT = []
+
+
+class Tensor:
+    '''Device memory freed when the object is, as a framework's array is.'''
+
+    def __init__(self, size, device):
+        self.memory = sim.allocate(size, device)
+
+    def __del__(self):
+        self.memory.free()
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_fails_holding_memory(gpu):
+    x = Tensor("1GiB", gpu.device)
+    assert x.memory.nbytes == 0  # (not x itself: an in-process pytester records what assert compares)
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_raises_from_a_helper(gpu):
+    def load():
+        weights = Tensor("1GiB", gpu.device)
+        raise RuntimeError(f"bad weights {weights.memory.nbytes}")
+
+    try:
+        load()
+    except RuntimeError as exc:
+        kept = Tensor("512MiB", gpu.device)
+        raise ValueError(f"could not load, kept {kept.memory.nbytes}") from exc
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_leaks(gpu):
+    KEPT.append(Tensor("1GiB", gpu.device))
+"""
+
+# what a post-mortem (--pdb: pytest_exception_interact) sees of the failing frame
+SEE_LOCALS = """
+import json
+
+
+def pytest_exception_interact(node, call, report):
+    if call.when == "call":
+        with open({log!r}, "a") as fh:
+            fh.write(json.dumps([node.name, sorted(call.excinfo.traceback[-1].frame.f_locals)]) + "\\n")
+"""
+
+
+def test_a_failing_tests_frames_are_no_leak_and_a_true_leak_still_is(
+    gpu_pytester: pytest.Pytester, run_inner: Run, tmp_path: Path
+) -> None:
+    log = tmp_path / "locals.jsonl"
+    gpu_pytester.makeconftest(SEE_LOCALS.format(log=str(log)))
+    gpu_pytester.makepyfile(test_f=FAILING_SIM)
+    result = run_inner("--gpus", "sim:2x16GiB", "-l")  # -l: the report shows the failing frame's locals
+    result.assert_outcomes(failed=2, passed=1, errors=1)
+    out = result.stdout.str()
+    assert "test_fails_holding_memory broke" not in out and "test_raises_from_a_helper broke" not in out
+    result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_leaks _*", "*still holds 1GiB on GPU * after the test*"])
+    result.stdout.fnmatch_lines(["*_ test_fails_holding_memory _*", "x * = <test_f.Tensor object at *>"])
+    seen = dict(map(json.loads, log.read_text().splitlines()))
+    assert "x" in seen["test_fails_holding_memory"]  # the post-mortem came first: the locals were there
+    result.stdout.fnmatch_lines(["pytest-gpu: * · 3 GPU tests · * · 1 violation*"])
+
+
+FAILING_TORCH = """
+import pytest
+import torch  # given the simulated torch.cuda as it is imported
+from pytest_gpu.sim import torch_cuda
+
+GiB = 2**30
+KEPT = []
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_fails_holding_a_tensor(gpu):
+    x = torch_cuda.empty(GiB, device=gpu.device)
+    assert x.nbytes == 0
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_leaks(gpu):
+    KEPT.append(torch_cuda.empty(GiB, device=gpu.device))
+"""
+
+
+@pytest.mark.parametrize("gpus", ["simulated", "fake"])
+def test_a_failing_test_holding_a_tensor_gets_its_failure_only(
+    gpu_pytester: pytest.Pytester, run_inner: Run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gpus: str
+) -> None:
+    """The torch double, on simulated GPUs (the ledger judges) and on fake ones (NVML and
+    torch's counters judge, as on a real machine)."""
+    require("torch", module="torch")
+    if gpus == "fake":
+        require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+        monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2x16GiB")
+        monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+    gpu_pytester.makepyfile(test_t=FAILING_TORCH)
+    result = run_inner("--gpus", "sim:2x16GiB" if gpus == "simulated" else "auto", subprocess=True, timeout=240)
+    result.assert_outcomes(failed=1, passed=1, errors=1)
+    assert "test_fails_holding_a_tensor broke" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_leaks _*", "*still holds 1GiB on GPU * after the test*"])
+
+
+# -- release_failure itself --------------------------------------------------------------------
+
+
+class _Held:
+    pass
+
+
+def _fail_with_chained_locals() -> tuple[BaseException, list[weakref.ref[_Held]]]:
+    refs: list[weakref.ref[_Held]] = []
+
+    def load() -> None:
+        weights = _Held()
+        refs.append(weakref.ref(weights))
+        raise KeyError("weights")
+
+    try:
+        try:
+            load()
+        except KeyError:
+            kept = _Held()
+            refs.append(weakref.ref(kept))
+            raise ValueError("could not load") from None  # __context__ stays, __cause__ is None
+    except ValueError as exc:
+        return exc, refs
+    raise AssertionError("unreachable")
+
+
+def _item(state: TestState) -> SimpleNamespace:
+    return SimpleNamespace(stash={STATE_KEY: state}, config=None)
+
+
+def test_release_failure_clears_the_frames_of_the_failure_and_of_what_it_was_raised_during(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exc, refs = _fail_with_chained_locals()
+    monkeypatch.setattr(sys, "last_value", exc, raising=False)
+    monkeypatch.setattr(sys, "last_traceback", exc.__traceback__, raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    for failure in (exc, exc.__context__):
+        assert failure is not None
+        tb = failure.__traceback__
+        while tb is not None:  # as -l and debuggers do: each frame's f_locals snapshot holds the values too
+            assert isinstance(tb.tb_frame.f_locals, object)
+            tb = tb.tb_next
+    del exc, failure
+    gc.collect()
+    assert all(ref() is not None for ref in refs)  # the traceback holds them, as pytest's does
+    lifecycle.release_failure(_item(TestState(indices={0})))  # type: ignore[arg-type]
+    assert [ref() for ref in refs] == [None, None]  # freed by reference counting: no collection
+    assert sys.last_traceback is not None  # the traceback itself stays (post-mortem after the session)
+
+
+def test_release_failure_leaves_a_cpu_tests_failure_as_pytest_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    exc, refs = _fail_with_chained_locals()
+    monkeypatch.setattr(sys, "last_value", exc, raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    monkeypatch.delattr(sys, "last_traceback", raising=False)
+    del exc
+    registry = SimpleNamespace(held=[])
+    monkeypatch.setattr("pytest_gpu.run.fixture_leases.registry", lambda config: registry)
+    lifecycle.release_failure(_item(TestState()))  # type: ignore[arg-type]
+    assert all(ref() is not None for ref in refs)

@@ -49,6 +49,7 @@ class TestProcess(RoleBase):
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
+        lifecycle.release_failure(item)  # a failed call's frames no longer hold the test's memory
         try:
             return (yield)
         finally:
