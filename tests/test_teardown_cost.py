@@ -283,7 +283,7 @@ def _fail_with_chained_locals() -> tuple[BaseException, list[weakref.ref[_Held]]
 
 
 def _item(state: TestState) -> SimpleNamespace:
-    return SimpleNamespace(stash={STATE_KEY: state}, config=None)
+    return SimpleNamespace(stash={STATE_KEY: state})
 
 
 def test_release_failure_clears_the_frames_of_the_failure_and_of_what_it_was_raised_during(
@@ -313,7 +313,31 @@ def test_release_failure_leaves_a_cpu_tests_failure_as_pytest_keeps_it(monkeypat
     monkeypatch.delattr(sys, "last_exc", raising=False)
     monkeypatch.delattr(sys, "last_traceback", raising=False)
     del exc
-    registry = SimpleNamespace(held=[])
-    monkeypatch.setattr("pytest_gpu.run.fixture_leases.registry", lambda config: registry)
     lifecycle.release_failure(_item(TestState()))  # type: ignore[arg-type]
     assert all(ref() is not None for ref in refs)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is Python 3.11's")
+def test_release_failure_clears_the_frames_of_an_exception_groups_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    refs: list[weakref.ref[_Held]] = []
+
+    def part() -> None:
+        held = _Held()
+        refs.append(weakref.ref(held))
+        raise KeyError("part")
+
+    errors: list[Exception] = []
+    for _ in range(2):
+        try:
+            part()
+        except KeyError as exc:
+            errors.append(exc)
+    group = ExceptionGroup("parts", errors)  # noqa: F821 (3.11's builtin)
+    del errors
+    monkeypatch.setattr(sys, "last_value", group, raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    monkeypatch.delattr(sys, "last_traceback", raising=False)
+    del group
+    assert all(ref() is not None for ref in refs)
+    lifecycle.release_failure(_item(TestState(indices={0})))  # type: ignore[arg-type]
+    assert [ref() for ref in refs] == [None, None]

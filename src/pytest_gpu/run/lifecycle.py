@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -288,52 +288,32 @@ def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease
 
 
 def release_failure(item: pytest.Item) -> None:
-    """A test's teardown starts: let go of what the frames of a failed call still hold.
-
-    pytest keeps a failed call's exception in ``sys.last_value`` (``sys.last_exc``) and
-    ``sys.last_traceback`` for post-mortem debugging until the next test's call, and that
-    traceback keeps every frame of the test alive: a tensor in a local would still be held
-    when the lease is verified, a second, false error ("still holds ... a leaked
-    allocation"). By the teardown the failure has been reported (its text is already made)
-    and a ``--pdb`` session on it is over, so the frames' locals are cleared, as
-    ``unittest`` clears the frames of a failure it has recorded (``traceback.clear_frames``);
-    the exception and its traceback stay. Only while this process holds a lease the
-    verdict is about: a CPU test's failure is left as pytest keeps it."""
+    """Teardown starts: clear the locals of a failed call's frames, which pytest keeps in
+    ``sys.last_traceback`` until the next call, so that a tensor in them is no "leak"; the
+    report and any ``--pdb`` session are done (``unittest`` clears frames likewise). Only for
+    a test with a lease (its own or a fixture's): a CPU test's failure stays as pytest keeps it."""
     state = item.stash.get(STATE_KEY, None)
-    if state is None or not (state.indices or state.fixture_gpus or _fixtures_hold(item)):
+    if state is None or not (state.indices or state.fixture_gpus):
         return
     failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    seen: set[int] = set()
-    pending = [failed] if isinstance(failed, BaseException) else []
-    while pending:  # the exception, what it was raised from or during, an exception group's members
+    pending, seen = ([failed] if isinstance(failed, BaseException) else []), set()
+    while pending:  # the exception, its cause and context, an exception group's members
         exc = pending.pop()
-        if id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        _clear_frames(exc.__traceback__)
-        pending += [e for e in (exc.__cause__, exc.__context__) if e is not None]
-        pending += [e for e in getattr(exc, "exceptions", ()) if isinstance(e, BaseException)]
+        if id(exc) not in seen:
+            seen.add(id(exc))
+            _clear_frames(exc.__traceback__)
+            group = exc.exceptions if isinstance(getattr(exc, "exceptions", None), tuple) else ()  # type: ignore[attr-defined]
+            pending += [e for e in (exc.__cause__, exc.__context__, *group) if isinstance(e, BaseException)]
     _clear_frames(getattr(sys, "last_traceback", None))
 
 
 def _clear_frames(tb: TracebackType | None) -> None:
-    """``traceback.clear_frames``, and the frames' ``f_locals`` snapshots too: before Python
-    3.13 ``frame.clear()`` leaves the dict a reader of ``f_locals`` (``-l``, a debugger) made
-    holding the old values until ``f_locals`` is read again."""
+    # traceback.clear_frames, and the f_locals snapshot (-l, debuggers) frame.clear() leaves before 3.13
     while tb is not None:
-        try:
+        with suppress(RuntimeError):  # a frame still running (none of a finished call's is)
             tb.tb_frame.clear()
-        except RuntimeError:  # a frame still running (not one of a finished call's)
-            pass
-        else:
-            _ = tb.tb_frame.f_locals  # re-read from the cleared frame: the snapshot lets go
+            _ = tb.tb_frame.f_locals
         tb = tb.tb_next
-
-
-def _fixtures_hold(item: pytest.Item) -> bool:
-    from .fixture_leases import registry
-
-    return any(holding.leases for holding in registry(item.config).held)
 
 
 def teardown(item: pytest.Item, run: GpuRun) -> None:
