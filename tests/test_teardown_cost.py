@@ -183,6 +183,29 @@ def test_raises_from_a_helper(gpu):
 
 
 @pytest.mark.gpu(memory="2GiB")
+def test_fails_through_pytest_fail(gpu):
+    x = Tensor("1GiB", gpu.device)
+    pytest.fail(f"wrong size {x.memory.nbytes}")  # a BaseException: not in sys.last_value
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_xfails_holding_memory(gpu):
+    x = Tensor("1GiB", gpu.device)
+    pytest.xfail(f"known bug {x.memory.nbytes}")
+
+
+@pytest.fixture
+def weights(gpu):
+    loaded = Tensor("1GiB", gpu.device)
+    raise RuntimeError(f"cannot load {loaded.memory.nbytes}")
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_setup_fails_holding_memory(weights):
+    pass
+
+
+@pytest.mark.gpu(memory="2GiB")
 def test_leaks(gpu):
     KEPT.append(Tensor("1GiB", gpu.device))
 """
@@ -206,14 +229,15 @@ def test_a_failing_tests_frames_are_no_leak_and_a_true_leak_still_is(
     gpu_pytester.makeconftest(SEE_LOCALS.format(log=str(log)))
     gpu_pytester.makepyfile(test_f=FAILING_SIM)
     result = run_inner("--gpus", "sim:2x16GiB", "-l")  # -l: the report shows the failing frame's locals
-    result.assert_outcomes(failed=2, passed=1, errors=1)
+    result.assert_outcomes(failed=3, passed=1, xfailed=1, errors=2)  # errors: the fixture's, the leak
     out = result.stdout.str()
-    assert "test_fails_holding_memory broke" not in out and "test_raises_from_a_helper broke" not in out
+    assert out.count("broke its GPU lease") == 1 and "test_leaks broke its GPU lease" in out
+    result.stdout.fnmatch_lines(["*_ ERROR at setup of test_setup_fails_holding_memory _*", "*cannot load*"])
     result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_leaks _*", "*still holds 1GiB on GPU * after the test*"])
     result.stdout.fnmatch_lines(["*_ test_fails_holding_memory _*", "x * = <test_f.Tensor object at *>"])
     seen = dict(map(json.loads, log.read_text().splitlines()))
     assert "x" in seen["test_fails_holding_memory"]  # the post-mortem came first: the locals were there
-    result.stdout.fnmatch_lines(["pytest-gpu: * · 3 GPU tests · * · 1 violation*"])
+    result.stdout.fnmatch_lines(["pytest-gpu: * · 6 GPU tests · * · 1 violation*"])
 
 
 FAILING_TORCH = """
@@ -290,9 +314,9 @@ def test_release_failure_clears_the_frames_of_the_failure_and_of_what_it_was_rai
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     exc, refs = _fail_with_chained_locals()
-    monkeypatch.setattr(sys, "last_value", exc, raising=False)
+    monkeypatch.setattr(sys, "last_value", exc, raising=False)  # as pytest keeps it
     monkeypatch.setattr(sys, "last_traceback", exc.__traceback__, raising=False)
-    monkeypatch.delattr(sys, "last_exc", raising=False)
+    state = TestState(indices={0}, failures=[exc])  # as make_report keeps it
     for failure in (exc, exc.__context__):
         assert failure is not None
         tb = failure.__traceback__
@@ -302,23 +326,24 @@ def test_release_failure_clears_the_frames_of_the_failure_and_of_what_it_was_rai
     del exc, failure
     gc.collect()
     assert all(ref() is not None for ref in refs)  # the traceback holds them, as pytest's does
-    lifecycle.release_failure(_item(TestState(indices={0})))  # type: ignore[arg-type]
+    lifecycle.release_failure(_item(state))  # type: ignore[arg-type]
     assert [ref() for ref in refs] == [None, None]  # freed by reference counting: no collection
     assert sys.last_traceback is not None  # the traceback itself stays (post-mortem after the session)
+    assert state.failures == []
 
 
 def test_release_failure_leaves_a_cpu_tests_failure_as_pytest_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
     exc, refs = _fail_with_chained_locals()
     monkeypatch.setattr(sys, "last_value", exc, raising=False)
-    monkeypatch.delattr(sys, "last_exc", raising=False)
-    monkeypatch.delattr(sys, "last_traceback", raising=False)
+    state = TestState(failures=[exc])
     del exc
-    lifecycle.release_failure(_item(TestState()))  # type: ignore[arg-type]
-    assert all(ref() is not None for ref in refs)
+    lifecycle.release_failure(_item(state))  # type: ignore[arg-type]
+    assert all(ref() is not None for ref in refs)  # pytest's sys.last_value still holds them
+    assert state.failures == []  # but the test's record does not
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is Python 3.11's")
-def test_release_failure_clears_the_frames_of_an_exception_groups_members(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_release_failure_clears_the_frames_of_an_exception_groups_members() -> None:
     refs: list[weakref.ref[_Held]] = []
 
     def part() -> None:
@@ -334,10 +359,8 @@ def test_release_failure_clears_the_frames_of_an_exception_groups_members(monkey
             errors.append(exc)
     group = ExceptionGroup("parts", errors)  # noqa: F821 (3.11's builtin)
     del errors
-    monkeypatch.setattr(sys, "last_value", group, raising=False)
-    monkeypatch.delattr(sys, "last_exc", raising=False)
-    monkeypatch.delattr(sys, "last_traceback", raising=False)
+    state = TestState(indices={0}, failures=[group])
     del group
     assert all(ref() is not None for ref in refs)
-    lifecycle.release_failure(_item(TestState(indices={0})))  # type: ignore[arg-type]
+    lifecycle.release_failure(_item(state))  # type: ignore[arg-type]
     assert [ref() for ref in refs] == [None, None]

@@ -65,7 +65,7 @@ class TestProcess(RoleBase):
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        lifecycle.make_report(item, report, self.run)
+        lifecycle.make_report(item, report, self.run, call.excinfo.value if call.excinfo is not None else None)
         runner.make_report(item, call, report)
         return report
 

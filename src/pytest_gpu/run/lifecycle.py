@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -55,6 +54,7 @@ class TestState:
     view_saved: dict[str, str | None] | None = None  # the environment before the fixtures' GPUs were added
     fixture_violations: list[str] = field(default_factory=list)  # of fixtures torn down in this teardown
     fixture_notes: list[str] = field(default_factory=list)
+    failures: list[BaseException] = field(default_factory=list)  # of setup and call: see release_failure
 
     def finish(self, run: GpuRun, active: ActiveLease) -> None:
         """Give ``active`` back, keeping its verdict and its place on the timeline."""
@@ -288,15 +288,16 @@ def _acquire(run: GpuRun, request: GpuRequest, item: pytest.Item) -> ActiveLease
 
 
 def release_failure(item: pytest.Item) -> None:
-    """Teardown starts: clear the locals of a failed call's frames, which pytest keeps in
-    ``sys.last_traceback`` until the next call, so that a tensor in them is no "leak"; the
-    report and any ``--pdb`` session are done (``unittest`` clears frames likewise). Only for
-    a test with a lease (its own or a fixture's): a CPU test's failure stays as pytest keeps it."""
+    """Teardown starts: clear the locals of the frames of the setup's or call's exception, which
+    pytest keeps (``sys.last_traceback``, a cycle through ``CallInfo.from_call``'s frame) past
+    the verdict, so a tensor in them is no "leak"; the report and any ``--pdb`` session are done
+    (``unittest`` clears frames likewise). A CPU test's failure stays as pytest keeps it."""
     state = item.stash.get(STATE_KEY, None)
-    if state is None or not (state.indices or state.fixture_gpus):
+    if state is None:
         return
-    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    pending, seen = ([failed] if isinstance(failed, BaseException) else []), set()
+    pending, state.failures, seen = state.failures, [], set[int]()
+    if not (state.indices or state.fixture_gpus):  # no lease of its own or a fixture's
+        return
     while pending:  # the exception, its cause and context, an exception group's members
         exc = pending.pop()
         if id(exc) not in seen:
@@ -304,7 +305,6 @@ def release_failure(item: pytest.Item) -> None:
             _clear_frames(exc.__traceback__)
             group = exc.exceptions if isinstance(getattr(exc, "exceptions", None), tuple) else ()  # type: ignore[attr-defined]
             pending += [e for e in (exc.__cause__, exc.__context__, *group) if isinstance(e, BaseException)]
-    _clear_frames(getattr(sys, "last_traceback", None))
 
 
 def _clear_frames(tb: TracebackType | None) -> None:
@@ -368,12 +368,12 @@ def _requested_bytes(state: TestState) -> int:
     return max((span.memory for span in state.leases), default=0)
 
 
-def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
-    """Put the verification verdict into the teardown report."""
-    if report.when != "teardown":
-        return
+def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun, failed: BaseException | None) -> None:
+    """Put the verdict into the teardown report; keep ``failed`` (setup, call) for release_failure."""
     state = item.stash.get(STATE_KEY, None)
-    if state is None:
+    if state is None or report.when != "teardown":
+        if state is not None and failed is not None:
+            state.failures.append(failed)
         return
     if state.fixture_notes:
         report.sections.append(("pytest-gpu verification", "\n".join(state.fixture_notes)))
