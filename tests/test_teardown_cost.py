@@ -6,8 +6,9 @@ a test that never starts CUDA costs torch nothing (one call queued with torch fo
 lease, not one per lease). Counted, not timed: an inner run's conftest replaces
 ``gc.collect`` during each test's teardown and logs the calls (timings: bench/lease_cost.py).
 
-Failures (issue 19, "No false leak for a failing test"): pytest keeps a failed call's
-frames (``sys.last_traceback``) until the next test's call; the teardown clears their
+Failures (issue 19, "No false leak for a failing test"): pytest keeps the frames of a failed
+setup or call past the verdict (``sys.last_traceback``; a reference cycle through
+``CallInfo.from_call``'s frame, also for ``pytest.fail``/``xfail``); the teardown clears their
 locals before the lease is verified, after the report and any post-mortem have seen them.
 """
 
