@@ -11,10 +11,23 @@ With ``--baseline-src DIR`` (the ``src`` folder of another checkout, e.g. a
 ``git worktree`` of an older commit) the same two suites also run on that code, in the
 same rotation, and the lease costs of both are printed side by side.
 
+``--scenario torch`` (issue 19, "A teardown that costs nothing"): torch imported, on fake
+GPUs (``PYTEST_GPU_FAKE_GPUS=sim:4x16GiB``: the fake NVML, torch's CPU build given the
+simulated ``torch.cuda``), N tests marked ``gpu(memory="1GiB")`` that each allocate 256 MiB
+through ``pytest_gpu.sim.torch_cuda.empty`` and drop it, in one pytest process (no ``-n``),
+five arms alternating: with the plugin (``--gpus auto``: lease, confinement of torch,
+verification through NVML and torch's counters, release), with ``--gpu-verify=off``, with
+``-p no:gpu_adapters`` (torch not confined), with both (the lease alone) and with
+``-p no:gpu`` (no plugin: the conftest turns the fake GPUs on itself). A GPU test's cost
+is (median of an arm - median of ``-p no:gpu``) / N, in wall time and in CPU time (user +
+system of the pytest process: steadier on a loaded machine); each run gets a private
+ledger and machine directory, and the bytecode cache is warmed first.
+
 Run from the repository root::
 
     python bench/lease_cost.py            # 200 tests, 5 runs a side
     python bench/lease_cost.py --quick    # 40 tests, 1 run a side
+    python bench/lease_cost.py --scenario torch --runs 7
     git worktree add /tmp/old b49dd27 && python bench/lease_cost.py --baseline-src /tmp/old/src
 """
 
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +56,97 @@ def test_tiny(n):
 """
 
 
+TORCH_CONFTEST = """
+from pytest_gpu.sim import fake
+
+fake.activate()  # PYTEST_GPU_FAKE_GPUS: the plugin has done it already; under -p no:gpu, nobody has
+import torch  # noqa: E402  (given the simulated torch.cuda as it is imported)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: a GPU test (the plugin's marker, for -p no:gpu)")
+"""
+TORCH_TEST = """
+import pytest
+from pytest_gpu.sim import torch_cuda
+
+@pytest.mark.parametrize("n", range({n}))
+@pytest.mark.gpu(memory="1GiB")
+def test_tiny(n):
+    x = torch_cuda.empty(256 * 2**20)  # the current device: the lease's (cuda:0 without the plugin)
+    del x
+"""
+TORCH_ARMS = {  # name -> pytest arguments
+    "plugin": ["--gpus", "auto"],
+    "verify off": ["--gpus", "auto", "--gpu-verify=off"],
+    "no adapters": ["--gpus", "auto", "-p", "no:gpu_adapters"],
+    "lease only": ["--gpus", "auto", "-p", "no:gpu_adapters", "--gpu-verify=off"],
+    "-p no:gpu": ["-p", "no:gpu"],
+}
+
+
+def run_torch(directory: Path, args: list[str], src: str | None, root: Path, n: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system of the pytest process and its children)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"]
+    command += ["-p", "no:randomly", "-p", "no:xdist", *args, str(directory)]
+    env = dict(os.environ)
+    for name in [k for k in env if k.startswith("PYTEST_GPU_") or k in ("CUDA_VISIBLE_DEVICES", "PYTEST_ADDOPTS")]:
+        del env[name]
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # every run would recompile torch's and pytest's imports otherwise
+    env.update(
+        PYTEST_GPU_FAKE_GPUS="sim:4x16GiB",
+        PYTEST_GPU_SIM_LEDGER=str(root / f"ledger-{n}"),  # a machine of its own: no other run's GPUs
+        PYTEST_GPU_MACHINE_DIR=str(root / f"machines-{n}"),
+        PYTHONPYCACHEPREFIX=str(root / "pycache"),
+    )
+    if src:
+        env["PYTHONPATH"] = src
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        directory = root / "suite"
+        directory.mkdir()
+        (directory / "conftest.py").write_text(TORCH_CONFTEST)
+        (directory / "test_tiny.py").write_text(TORCH_TEST.format(n=tests))
+        arms = [(code, src, name, args) for code, src in codes for name, args in TORCH_ARMS.items()]
+        count = 0
+        for _, src, _, args in arms:  # warm the bytecode cache (not counted)
+            count += 1
+            run_torch(directory, args, src, root, count)
+        walls: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name, _ in arms}
+        cpus: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name, _ in arms}
+        print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+        for i in range(runs):  # ABCDE EDCBA: a drift in machine load hits every arm alike
+            for code, src, name, args in arms if i % 2 == 0 else arms[::-1]:
+                count += 1
+                wall, cpu = run_torch(directory, args, src, root, count)
+                walls[code, name].append(wall)
+                cpus[code, name].append(cpu)
+                print(f"run {i + 1}: {code:8s} {name:12s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+        print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for code, _ in codes:
+        for what, figures in (("wall", walls), ("cpu", cpus)):
+            medians = {name: statistics.median(figures[code, name]) for name in TORCH_ARMS}
+            bare = medians["-p no:gpu"]
+            costs = ", ".join(
+                f"{name} {medians[name]:.2f} s ({(medians[name] - bare) / tests * 1000:+.1f} ms a test)"
+                for name in TORCH_ARMS
+                if name != "-p no:gpu"
+            )
+            head = f"{code}: torch, {tests} GPU tests, one process, {what} median of {runs}"
+            print(f"{head}: -p no:gpu {bare:.2f} s; {costs}")
+
+
 def run(directory: Path, src: str | None) -> float:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"]
     command += ["-p", "no:randomly", "-n", str(WORKERS), "--gpus", "sim:4x16GiB", str(directory)]
@@ -60,11 +165,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="40 tests, 1 run a side")
     parser.add_argument("--baseline-src", help="the src folder of another checkout, measured in the same rotation")
+    parser.add_argument(
+        "--scenario",
+        choices=("sim", "torch"),
+        default="sim",
+        help="sim: simulated GPUs, -n 2, with and without a marker (default); torch: torch imported, fake GPUs, "
+        "with the plugin, without its adapters and with -p no:gpu",
+    )
     args = parser.parse_args()
     tests, runs = (40, 1) if args.quick else (args.tests, args.runs)
     codes: list[tuple[str, str | None]] = [("this", None)]
     if args.baseline_src:
         codes.append(("baseline", str(Path(args.baseline_src).resolve())))
+    if args.scenario == "torch":
+        codes[0] = ("this", str(Path(__file__).resolve().parents[1] / "src"))  # this checkout, not the installed one
+        torch_scenario(tests, runs, codes)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         leased, plain = Path(tmp, "leased"), Path(tmp, "plain")
         for directory, mark in ((leased, '@pytest.mark.gpu(memory="1GiB")'), (plain, "")):

@@ -16,6 +16,7 @@ where a device machine ran ``tests/gpu/``.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -39,11 +40,46 @@ def _has_context(torch: ModuleType, ordinal: int) -> bool:
     return bool(torch.cuda.memory_reserved(ordinal) > 0)
 
 
+def collect_while(held: Callable[[], bool]) -> None:
+    """Collect garbage while ``held()`` says memory is still held: the youngest generation
+    first, a full collection (0.1-0.2 s in a process that imported torch) only if the
+    younger ones did not free it. Nothing at all when nothing is held."""
+    for generation in (0, 1, 2):
+        if not held():
+            return
+        gc.collect(generation)
+
+
+# applies waiting for torch to start CUDA (leases held now, oldest first), run by one call
+# queued with torch.cuda._lazy_call per torch module: torch never empties its queue, and each
+# queued call formats the stack, so one per lease would cost every test that never starts CUDA
+_deferred: dict[Callable[[], None], None] = {}
+_queued: set[int] = set()  # id() of the torch.cuda modules that have the call queued
+
+
+def _run_deferred() -> None:
+    for apply in list(_deferred):
+        _deferred.pop(apply, None)
+        apply()
+
+
+def _defer(cuda: ModuleType, apply: Callable[[], None]) -> bool:
+    """Run ``apply`` when torch starts CUDA; ``False``: this torch cannot say (run it now)."""
+    lazy_call = getattr(cuda, "_lazy_call", None)
+    if lazy_call is None:
+        return False
+    _deferred[apply] = None
+    if id(cuda) not in _queued:
+        _queued.add(id(cuda))
+        lazy_call(_run_deferred)
+    return True
+
+
 def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_available():
         return
-    state: dict[str, Any] = {"active": True, "applied": False, "previous": None}
+    state: dict[str, Any] = {"active": True, "applied": False, "previous": None, "base": {}}
 
     def total_of(ordinal: int, index: int) -> int:
         # torch caps a fraction of the total *it* sees (totalGlobalMem, = cudaMemGetInfo's total), a
@@ -70,16 +106,21 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
             cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
             if first:  # a section on the main lease's GPU must not erase the main lease's peak
                 cuda.reset_peak_memory_stats(ordinal)
+            state["base"][ordinal] = int(cuda.memory_allocated(ordinal))  # what undo's check compares with
         cuda.set_device(ordinals[0])
 
     def undo() -> None:
         state["active"] = False
+        _deferred.pop(apply, None)
         if not state["applied"]:
-            return
-        gc.collect()  # tensors only a reference cycle still holds
+            return  # torch never started CUDA during the lease: nothing to put back
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()  # cuBLAS keeps workspaces in torch's allocator: not the test's leak
+        base: dict[int, int] = state["base"]
+        # tensors only a reference cycle still holds: collected only when torch still counts
+        # memory the lease's start did not have (a full collection costs 0.1 s with torch loaded)
+        collect_while(lambda: any(cuda.memory_allocated(o) > base.get(o, 0) for o in ordinals))
         cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
         for ordinal, index in zip(ordinals, lease.indices, strict=True):
             left = drop("torch", ordinal, lease.memory)
@@ -93,11 +134,8 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
             cuda.set_device(ordinals[0])
 
     done.on_undo(undo)
-    lazy_call = getattr(cuda, "_lazy_call", None)
-    if cuda.is_initialized() or lazy_call is None:
+    if cuda.is_initialized() or not _defer(cuda, apply):
         apply()
-    else:  # torch runs it when it starts CUDA: a test that never does keeps torch's CUDA unstarted
-        lazy_call(apply)
 
 
 def _confine_cupy(cupy: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:

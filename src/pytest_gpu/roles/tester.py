@@ -51,6 +51,7 @@ class TestProcess(RoleBase):
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
+        lifecycle.release_failure(item)  # a failed call's frames no longer hold the test's memory
         try:
             return (yield)
         finally:
@@ -71,7 +72,7 @@ class TestProcess(RoleBase):
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
         quarantine.note_call(item, call)
-        lifecycle.make_report(item, report, self.run)
+        lifecycle.make_report(item, report, self.run, call.excinfo.value if call.excinfo is not None else None)
         quarantine.make_report(item, report, self.run)
         runner.make_report(item, call, report)
         return report

@@ -40,7 +40,6 @@ While the fixture is alive:
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import sys
@@ -399,8 +398,8 @@ def _finish(run: GpuRun, ending: list[FixtureLeases], item: pytest.Item | None) 
     if isinstance(funcargs, dict):  # the test's reference to a fixture value ended with it
         for holding in ending:
             funcargs.pop(holding.fixture, None)
-    if any(h.leases for h in ending):
-        gc.collect()  # a value only a reference cycle still holds
+    # no gc.collect() here: a value only a reference cycle still holds is collected by each
+    # lease's undo, and only when torch still counts memory there (adapters.collect_while)
     out: list[Ended] = []
     for holding in reversed(ending):
         verdict = Verdict()

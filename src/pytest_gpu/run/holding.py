@@ -161,6 +161,7 @@ class TestState:
     notes: list[str] = field(default_factory=list)  # theirs too: what could not be checked (the report's text)
     held_notes: list[str] = field(default_factory=list)  # the same, short, for the summary
     held: list[HeldRow] = field(default_factory=list)  # other holders' holdings judged during this test
+    failures: list[BaseException] = field(default_factory=list)  # of setup and call: see lifecycle.release_failure
 
     def finish(self, run: GpuRun, holding: Holding) -> None:
         """Give ``holding`` (the test's own) back, keeping its verdict and its place on the timeline."""

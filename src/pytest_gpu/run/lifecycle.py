@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -230,6 +231,35 @@ def _hold(run: GpuRun, request: GpuRequest, item: pytest.Item) -> Holding:
     pytest.fail(message, pytrace=False)
 
 
+def release_failure(item: pytest.Item) -> None:
+    """Teardown starts: clear the locals of the frames of the setup's or call's exception, which
+    pytest keeps (``sys.last_traceback``, a cycle through ``CallInfo.from_call``'s frame) past
+    the verdict, so a tensor in them is no "leak"; the report and any ``--pdb`` session are done
+    (``unittest`` clears frames likewise). A CPU test's failure stays as pytest keeps it."""
+    state = item.stash.get(STATE_KEY, None)
+    if state is None:
+        return
+    pending, state.failures, seen = state.failures, [], set[int]()
+    if not (state.indices or state.fixture_gpus):  # no lease of its own or a fixture's
+        return
+    while pending:  # the exception, its cause and context, an exception group's members
+        exc = pending.pop()
+        if id(exc) not in seen:
+            seen.add(id(exc))
+            _clear_frames(exc.__traceback__)
+            group = exc.exceptions if isinstance(getattr(exc, "exceptions", None), tuple) else ()  # type: ignore[attr-defined]
+            pending += [e for e in (exc.__cause__, exc.__context__, *group) if isinstance(e, BaseException)]
+
+
+def _clear_frames(tb: TracebackType | None) -> None:
+    # traceback.clear_frames, and the f_locals snapshot (-l, debuggers) frame.clear() leaves before 3.13
+    while tb is not None:
+        with suppress(RuntimeError):  # a frame still running (none of a finished call's is)
+            tb.tb_frame.clear()
+            _ = tb.tb_frame.f_locals
+        tb = tb.tb_next
+
+
 def teardown(item: pytest.Item, run: GpuRun) -> None:
     """After fixtures are torn down: verify, give everything back, record properties."""
     state = item.stash.get(STATE_KEY, None)
@@ -284,12 +314,12 @@ def _requested_bytes(state: TestState) -> int:
     return max((span.memory for span in state.leases), default=0)
 
 
-def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
-    """Put the verification verdict into the teardown report."""
-    if report.when != "teardown":
-        return
+def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun, failed: BaseException | None) -> None:
+    """Put the verdict into the teardown report; keep ``failed`` (setup, call) for release_failure."""
     state = item.stash.get(STATE_KEY, None)
-    if state is None:
+    if state is None or report.when != "teardown":
+        if state is not None and failed is not None:
+            state.failures.append(failed)
         return
     if state.notes:
         report.sections.append(("pytest-gpu verification", "\n".join(state.notes)))
