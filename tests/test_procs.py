@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from pytest_gpu import procs
 from pytest_gpu.procs import CTIME_TOLERANCE_S, kill_and_wait, owner_alive
 
 ME = os.getpid()
@@ -94,3 +95,31 @@ def test_foreign_usage_knows_its_own_run_through_a_second_of_clock_step() -> Non
     start = psutil.Process(me).create_time()
     assert descends_from(me, {me: start + 1.0})
     assert not descends_from(me, {me: start + 100.0})  # another process that had the pid
+
+
+@pytest.mark.parametrize("kernel_lists", [True, False], ids=["proc-children", "psutil"])
+def test_descendants_are_the_whole_tree_with_create_times(monkeypatch: pytest.MonkeyPatch, kernel_lists: bool) -> None:
+    """Children, grandchildren and a child started from another thread are all found, by
+    the kernel's per-thread lists or (where the kernel has none) psutil's scan of /proc."""
+    import threading
+
+    if not kernel_lists:
+        monkeypatch.setattr(procs, "_tree_from_proc", lambda root: None)
+    nested = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"])
+    from_thread: list[subprocess.Popen[bytes]] = []
+    thread = threading.Thread(target=lambda: from_thread.append(subprocess.Popen(["sleep", "30"])))
+    thread.start()
+    thread.join()
+    try:
+        deadline = time.monotonic() + 10
+        while len(psutil.Process().children(recursive=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        expected = {p.pid: p.create_time() for p in psutil.Process().children(recursive=True)}
+        assert len(expected) >= 4
+        assert procs.descendants() == expected
+    finally:
+        for grandchild in psutil.Process(nested.pid).children():  # first: bash's wait reaps them
+            grandchild.kill()
+        nested.wait(timeout=10)
+        from_thread[0].kill()
+        from_thread[0].wait()

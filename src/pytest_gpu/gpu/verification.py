@@ -212,12 +212,32 @@ def torch_peak(cuda: ModuleType, ordinal: int) -> int:
     reads it at start (a later ``torch.cuda.memory._set_allocator_settings`` is not seen).
     Checked against the torch double (:mod:`pytest_gpu.sim.torch_cuda`), not on a real GPU.
     """
+    return torch_counters(cuda, ordinal).peak
+
+
+@dataclass(frozen=True)
+class TorchCounters:
+    """torch's allocator counters on one device, read at once."""
+
+    allocated: int  # memory_allocated
+    reserved: int  # memory_reserved
+    peak: int  # as the lease's cap counts it: see torch_peak
+
+
+def torch_counters(cuda: ModuleType, ordinal: int) -> TorchCounters:
+    """One ``memory_stats`` call (each of torch's ``memory_allocated``, ``max_memory_reserved``
+    ... builds the whole statistics dict anew: a fraction of a millisecond apiece, several
+    per GPU test) read as those functions read it (torch/cuda/memory.py)."""
+    stats = cuda.memory_stats(ordinal)
     backend = getattr(cuda, "get_allocator_backend", lambda: "native")()
     raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     settings = dict(item.strip().partition(":")[::2] for item in raw.split(",") if item.strip())
-    if backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true":
-        return int(cuda.max_memory_allocated(ordinal))
-    return int(cuda.max_memory_reserved(ordinal))
+    used = backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true"
+    return TorchCounters(
+        allocated=int(stats.get("allocated_bytes.all.current", 0)),
+        reserved=int(stats.get("reserved_bytes.all.current", 0)),
+        peak=int(stats.get("allocated_bytes.all.peak" if used else "reserved_bytes.all.peak", 0)),
+    )
 
 
 class Verifier(Protocol):
@@ -372,8 +392,9 @@ class NvmlVerifier:
         ordinals = runtime.in_process(self.inventory, lease.indices)
         if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                self._torch_base[index] = int(torch.cuda.memory_allocated(ordinal))
-                self._torch_reserved[index] = int(torch.cuda.memory_reserved(ordinal))
+                counters = torch_counters(torch.cuda, ordinal)
+                self._torch_base[index] = counters.allocated
+                self._torch_reserved[index] = counters.reserved
 
     def _split(self, sample: _Sample) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
         """This process's usage, and that of the processes the test started (pid -> GPU -> bytes);
@@ -408,11 +429,13 @@ class NvmlVerifier:
         torch = self._torch()
         ordinals = runtime.in_process(self.inventory, lease.indices)
         pid = os.getpid()
+        counted: dict[int, TorchCounters] = {}
         if torch is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                peak[index] = torch_peak(torch.cuda, ordinal)
+                counted[index] = counters = torch_counters(torch.cuda, ordinal)
+                peak[index] = counters.peak
                 seen = seen or peak[index] > 0
-                left = int(torch.cuda.memory_allocated(ordinal)) - self._torch_base.get(index, 0)
+                left = counters.allocated - self._torch_base.get(index, 0)
                 if left > 0:
                     current[index] = left
                     why.setdefault(index, []).append("torch still allocates it: a tensor kept after the test")
@@ -429,10 +452,9 @@ class NvmlVerifier:
                 growth = mine.get(index, 0) - self._baseline.get(index, 0)
                 if self._baseline.get(index, 0) == 0 and growth > 0:
                     growth -= self.overhead  # the process opened its context here during the test
-                if torch is not None and ordinals is not None:
+                if index in counted:
                     # torch's cache is counted by torch; what NVML adds beyond it is another allocator's
-                    reserved = int(torch.cuda.memory_reserved(ordinals[lease.indices.index(index)]))
-                    growth -= max(reserved - self._torch_reserved.get(index, 0), 0)
+                    growth -= max(counted[index].reserved - self._torch_reserved.get(index, 0), 0)
                 growth = max(growth, 0)
                 held = _beyond_context(pid, index, growth)
                 children = {p: used[index] for p, used in started.items() if used.get(index)}
