@@ -980,7 +980,7 @@ def test_plain_after_the_pool(gpu):
     pass
 """
 
-POOL_NVML_BROKEN = """
+POOL_NVML_KEEPS = """
 G2 = pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
 KEPT = []
 
@@ -991,7 +991,11 @@ def test_keeps_memory(rank):
 
     if rank.rank == 0:
         KEPT.append(sim.allocate("512MiB"))  # still held once the test is over
+"""
 
+POOL_NVML_BROKEN = (
+    POOL_NVML_KEEPS
+    + """
 
 @G2
 def test_over_the_budget(rank):
@@ -1047,6 +1051,7 @@ def test_after_them(rank):
         with sim.allocate("256MiB"):
             pass
 """
+)
 
 
 def fake_suite(tmp_path: Path, source: str, gpus: str = "sim:2x8GiB") -> Suite:
@@ -1114,3 +1119,17 @@ def test_a_pool_that_breaks_its_lease_on_real_gpus_is_named(tmp_path: Path) -> N
     )
     assert "not verified" not in result.output, result.output[-3000:]
     assert result.leftovers == []
+
+
+def test_a_pool_nvml_cannot_measure_is_said_not_guessed(tmp_path: Path) -> None:
+    """A driver that lists processes without their memory (``usedGpuMemory`` None): the pool's
+    check claims no leak and says why, named as the pool's."""
+    suite = fake_suite(tmp_path, POOL_NVML_KEEPS, "sim:2x8GiB;no-usage")
+    result = suite.run("--gpus", "auto", "--gpu-default-memory=2GiB", "--gpu-verify=fail")
+    assert result.outcome("test_pool_nvml.py::test_keeps_memory") == "passed", result.output[-3000:]
+    assert re.search(r"· 1 GPU test · .* · 0 violations", result.output), result.output[-3000:]
+    assert re.search(
+        r"pytest-gpu: not verified: the rank pool of 2 ranks .*: NVML does not say how much memory processes use "
+        r"on GPU \d",
+        result.output,
+    ), result.output[-3000:]
