@@ -309,7 +309,7 @@ class NvmlVerifier:
             return None
         me = psutil.Process()
         sample = _Sample()
-        sample.tree = descendants()
+        sample.tree = self._tree()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -348,6 +348,10 @@ class NvmlVerifier:
         finally:
             pynvml.nvmlShutdown()
         return sample
+
+    def _tree(self) -> dict[int, float]:
+        """The processes whose usage is sampled besides this one: its live descendants (pid -> create time)."""
+        return descendants()
 
     def _give_up(self, why: str) -> None:
         """Nothing NVML says can be attributed to this test: note why, mark every GPU unmeasured."""
@@ -488,6 +492,24 @@ class NvmlRankVerifier(NvmlVerifier):
         self.pids: list[int] = list(pids)
         self._usage_before: dict[int, dict[int, int]] = {}  # pool process -> GPU index -> bytes
         self._pool_before: dict[int, float] = {}  # the pool's processes when the window began
+
+    def _tree(self) -> dict[int, float]:
+        """This process's descendants, and the ranks that are not among them (an ``srun`` step's
+        tasks are the children of Slurm's step daemon, on this node) with their own."""
+        import psutil
+
+        tree = descendants()
+        for pid in self.pids:
+            if pid in tree:
+                continue
+            try:
+                rank = psutil.Process(pid)
+                tree[pid] = rank.create_time()
+                for child in rank.children(recursive=True):
+                    tree[child.pid] = child.create_time()
+            except psutil.Error:  # it ended (the pool died): nothing of it to sample
+                continue
+        return tree
 
     def _pool(self, sample: _Sample) -> tuple[dict[int, float], dict[int, dict[int, int]]]:
         """The live processes of the pool (pid -> create time) and their usage, from ``sample``."""
