@@ -8,7 +8,9 @@ nvidia-ml-py on the fake ``libnvidia-ml.so.1``, which reports what each pid hold
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -293,3 +295,19 @@ def test_usage_nvml_does_not_give_is_said_not_guessed(gpu_pytester, monkeypatch)
         ]
     )
     assert 'name="gpu_peak_bytes" value=""' in xml.read_text()
+
+
+def test_a_pools_ranks_outside_this_process_tree_are_sampled_too() -> None:
+    """An ``srun`` step's tasks are children of Slurm's step daemon, not of pytest: a rank
+    that is not a descendant is sampled with its own descendants all the same."""
+    from pytest_gpu.gpu.devices import Inventory
+
+    shell = subprocess.run(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+    orphan = int(shell.stdout)  # re-parented once its shell ended
+    try:
+        verifier = verification.NvmlRankVerifier(Inventory((), "none"), 0, pids=[orphan, 999_999_999])
+        assert orphan not in verification.descendants()
+        tree = verifier._tree()
+        assert orphan in tree and 999_999_999 not in tree  # a rank that ended is nothing to sample
+    finally:
+        os.kill(orphan, signal.SIGKILL)

@@ -959,3 +959,177 @@ def test_a_pools_lease_is_capped_verified_traced_and_counted(tmp_path: Path) -> 
     # the ranks are the pool's while it lives, in this process: never the plain test's
     claimed = json.loads((suite.data / "claimed-plain").read_text())
     assert claimed and all(holder.startswith("the rank pool of 2 ranks") for holder in claimed.values())
+
+
+# -- a pool's GPUs on the NVML path (fake GPUs: the code path of a real machine) ----------------
+
+POOL_NVML_CLEAN = """
+G2 = pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+
+
+@G2
+def test_within_its_budget(rank):
+    from pytest_gpu import sim
+
+    with sim.allocate("1GiB"):  # opens the rank's context on its GPU, frees the rest
+        pass
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_plain_after_the_pool(gpu):
+    pass
+"""
+
+POOL_NVML_KEEPS = """
+G2 = pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+KEPT = []
+
+
+@G2
+def test_keeps_memory(rank):
+    from pytest_gpu import sim
+
+    if rank.rank == 0:
+        KEPT.append(sim.allocate("512MiB"))  # still held once the test is over
+"""
+
+POOL_NVML_BROKEN = (
+    POOL_NVML_KEEPS
+    + """
+
+@G2
+def test_over_the_budget(rank):
+    from pytest_gpu import sim
+
+    if rank.rank == 1:
+        # another allocator than torch's (CuPy, raw cudaMalloc): torch's fraction does not cap it
+        KEPT.append(sim.allocate("3GiB", capped=False))
+
+
+HOLD = "from pytest_gpu import sim; import sys; a = sim.allocate('1GiB'); print('up', flush=True); sys.stdin.read()"
+CHILDREN = []
+
+
+def start_child(env=None):
+    import subprocess
+
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], stdin=pipe, stdout=pipe, text=True, env=env)
+    assert proc.stdout.readline() == "up\\n"
+    CHILDREN.append(proc)
+
+
+@G2
+def test_leaves_a_child(rank):
+    if rank.rank == 0:
+        start_child()  # on the rank's GPU, still running when the test is over
+
+
+@G2
+def test_child_outside_the_lease(rank):
+    for proc in CHILDREN:
+        proc.communicate()  # the first child ends
+    CHILDREN.clear()
+    if rank.rank == 1:
+        from pytest_gpu import sim
+
+        leased = set(os.environ["PYTEST_GPU_RANK_GPUS"].replace(";", ",").split(","))
+        other = next(u.uuid for u in sim.ledger().units() if u.uuid not in leased)
+        start_child(dict(os.environ, CUDA_VISIBLE_DEVICES=other))
+        note("outside", other)
+
+
+@G2
+def test_after_them(rank):
+    for proc in CHILDREN:
+        proc.communicate()
+    CHILDREN.clear()
+
+    from pytest_gpu import sim
+
+    if rank.rank == 0:  # rank 1 is at its cap: what it holds counts against it
+        with sim.allocate("256MiB"):
+            pass
+"""
+)
+
+
+def fake_suite(tmp_path: Path, source: str, gpus: str = "sim:2x8GiB") -> Suite:
+    require("torch", module="torch")
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    suite = make_suite(tmp_path, {"test_pool_nvml.py": textwrap.dedent(COMMON) + source})
+    suite.env.update(PYTEST_GPU_FAKE_GPUS=gpus, PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"))
+    return suite
+
+
+def teardowns(suite: Suite) -> dict[str, dict]:
+    reports = [json.loads(line) for line in (suite.path / "reports.jsonl").read_text().splitlines()]
+    return {r["nodeid"].split("::")[-1]: r for r in reports if r["when"] == "teardown"}
+
+
+def test_a_clean_pool_test_on_real_gpus_is_verified_not_noted(tmp_path: Path) -> None:
+    suite = fake_suite(tmp_path, POOL_NVML_CLEAN)
+    result = suite.run("--gpus", "auto", "--gpu-default-memory=2GiB", "--gpu-verify=fail")
+    name = "test_pool_nvml.py::"
+    assert result.outcome(name + "test_within_its_budget") == "passed", result.output[-3000:]
+    assert result.outcome(name + "test_plain_after_the_pool") == "passed", result.output[-3000:]
+    assert teardowns(suite) == {}, result.output[-3000:]  # no teardown failed
+    assert re.search(r"pytest-gpu: 2 GPUs \(2x8GiB\) \[nvml\] · 2 GPU tests · .* · 0 violations", result.output), (
+        result.output[-3000:]
+    )
+    assert "not verified" not in result.output, result.output[-3000:]  # the ranks' memory was measured
+    assert result.leftovers == []
+
+
+def test_a_pool_that_breaks_its_lease_on_real_gpus_is_named(tmp_path: Path) -> None:
+    suite = fake_suite(tmp_path, POOL_NVML_BROKEN, "sim:3x8GiB")  # one GPU outside the pool's lease
+    result = suite.run("--gpus", "auto", "--gpu-default-memory=2GiB", "--gpu-verify=fail")
+    name = "test_pool_nvml.py::"
+    assert "5 passed, 4 errors" in result.output, result.output[-3000:]  # the bodies passed; the pool broke
+    assert result.outcome(name + "test_after_them") == "passed", result.output[-3000:]  # not charged again
+    broken = teardowns(suite)
+    assert set(broken) == {
+        "test_keeps_memory",
+        "test_over_the_budget",
+        "test_leaves_a_child",
+        "test_child_outside_the_lease",
+    }, result.output[-3000:]
+    # a rank keeps memory in a global: held after the test, named as the pool's
+    kept = broken["test_keeps_memory"]["longrepr"]
+    assert "the rank pool of 2 ranks" in kept and "broke its GPU lease while it ran" in kept, kept
+    assert re.search(r"still holds 512MiB on GPU \d after the test \(a rank of the pool still holds it\)", kept), kept
+    assert "above its budget" not in kept, kept
+    # a rank over the pool's budget (per rank, per GPU): its peak, and what it still holds
+    over = broken["test_over_the_budget"]["longrepr"]
+    assert "the rank pool of 2 ranks" in over, over
+    assert re.search(r"peak 3GiB on GPU \d is above its budget of 2GiB", over), over
+    assert "512MiB" not in over, over  # the first leak is the first test's: not charged again
+    # a process a rank started during the test, still running: the pool's leak, named
+    child = broken["test_leaves_a_child"]["longrepr"]
+    assert re.search(
+        r"still holds 1\.5GiB on GPU \d after the test \(a process a rank of the pool started still running: "
+        r"pid \d+ \(python",
+        child,
+    ), child  # its context and its allocation
+    # ... and one on a GPU outside the pool's lease
+    outside = broken["test_child_outside_the_lease"]["longrepr"]
+    assert re.search(r"used memory on GPU \d \(1\.5GiB at peak\) outside its lease \(GPU \d,\d\)", outside), outside
+    assert re.search(r"pytest-gpu: 3 GPUs \(3x8GiB\) \[nvml\] · 5 GPU tests · .* · 5 violations", result.output), (
+        result.output[-3000:]
+    )
+    assert "not verified" not in result.output, result.output[-3000:]
+    assert result.leftovers == []
+
+
+def test_a_pool_nvml_cannot_measure_is_said_not_guessed(tmp_path: Path) -> None:
+    """A driver that lists processes without their memory (``usedGpuMemory`` None): the pool's
+    check claims no leak and says why, named as the pool's."""
+    suite = fake_suite(tmp_path, POOL_NVML_KEEPS, "sim:2x8GiB;no-usage")
+    result = suite.run("--gpus", "auto", "--gpu-default-memory=2GiB", "--gpu-verify=fail")
+    assert result.outcome("test_pool_nvml.py::test_keeps_memory") == "passed", result.output[-3000:]
+    assert re.search(r"· 1 GPU test · .* · 0 violations", result.output), result.output[-3000:]
+    assert re.search(
+        r"pytest-gpu: not verified: the rank pool of 2 ranks .*: NVML does not say how much memory processes use "
+        r"on GPU \d",
+        result.output,
+    ), result.output[-3000:]

@@ -67,7 +67,7 @@ def test_a_test_longer_than_the_pool_allows_gets_a_fresh_pool(tmp_path: Path, mo
 
 
 class _Launched:
-    """A launcher stand-in: what it 'started' is a process that already ended."""
+    """A launcher stand-in: what it 'started' is a process it was given (it kills nothing)."""
 
     def __init__(self, pid: int) -> None:
         self.procs = [type("P", (), {"pid": pid})()]
@@ -77,41 +77,65 @@ class _Launched:
 
 
 def test_a_closed_pool_gives_up_its_claim_on_its_processes(tmp_path: Path) -> None:
+    import subprocess
+
     from pytest_gpu.gpu.verification import claim_processes, claimed
 
-    pool = RankPool(GLOO2, None, DistSettings(), tmp_path, 60.0, "t.py::test_x")  # type: ignore[arg-type]
-    pool.launcher = _Launched(999_991)  # type: ignore[assignment]
-    pool.pids = {0: 999_992, 1: 999_993}
-    pool.lease_key = pool.port = None
-    claim_processes(pool._processes(), pool.holder)
-    assert {p: claimed()[p] for p in (999_991, 999_992, 999_993)} == dict.fromkeys(
-        (999_991, 999_992, 999_993), "the rank pool of 2 ranks (gloo via spawn) started by t.py::test_x"
-    )
-    pool.run = type("R", (), {"client": None})()  # type: ignore[assignment]
-    pool.close(graceful=False)
-    assert not {999_991, 999_992, 999_993} & set(claimed())
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]  # live: a claim on an ended process lapses
+    try:
+        launcher, rank0, rank1 = (p.pid for p in procs)
+        pool = RankPool(GLOO2, None, DistSettings(), tmp_path, 60.0, "t.py::test_x")  # type: ignore[arg-type]
+        pool.launcher = _Launched(launcher)  # type: ignore[assignment]
+        pool.pids = {0: rank0, 1: rank1}
+        pool.lease_key = pool.port = None
+        claim_processes(pool._processes(), pool.holder)
+        assert {p: claimed().get(p) for p in (launcher, rank0, rank1)} == dict.fromkeys(
+            (launcher, rank0, rank1), "the rank pool of 2 ranks (gloo via spawn) started by t.py::test_x"
+        )
+        pool.run = type("R", (), {"client": None})()  # type: ignore[assignment]
+        pool.close(graceful=False)
+        assert not {launcher, rank0, rank1} & set(claimed())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
-def test_a_pools_lease_it_cannot_measure_says_so_in_the_summary() -> None:
-    """Real GPUs: NVML counts per process, so a pool's ranks are not measured per test; said, not silent."""
+def test_a_pools_lease_is_checked_window_by_window() -> None:
+    """After each test a pool ran: what its ranks used since the last check (the verifier's
+    end), then the next window's baseline (its begin); the verdict is the pool's, named."""
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from pytest_gpu.gpu.isolation import Confinement
-    from pytest_gpu.leasing.spans import gpu_properties
-    from pytest_gpu.run.holding import UNMEASURED_RANKS, Holding, Owner, TestState
-    from pytest_gpu.run.lifecycle import report_properties
+    from pytest_gpu.gpu.isolation import Confinement, GpuLease
+    from pytest_gpu.gpu.verification import Verdict
+    from pytest_gpu.run.holding import Holding, Owner, TestState
     from pytest_gpu.run.session import ActiveLease, host_lease
 
+    calls: list[str] = []
+    leak = "still holds 1GiB on GPU 0 after the test (a rank of the pool still holds it)"
+
+    class Ranks:
+        def begin(self, lease: GpuLease, owner: int) -> None:
+            calls.append(f"begin {owner}")
+
+        def end(self, lease: GpuLease, others: Any = ()) -> Verdict:
+            calls.append("end")
+            return Verdict(violations=[leak] if len(calls) == 1 else [])
+
     lease = replace(host_lease("k", 0.0, False), indices=(0,), memory=2**30)
-    held = Holding(Owner("pool", "the rank pool"), ActiveLease(lease, Confinement(), None, 1.0, 2.0, confined=False))
-    verdict, span = held.check(SimpleNamespace(settings=SimpleNamespace(verify="warn")))  # type: ignore[arg-type]
-    assert verdict.notes == [UNMEASURED_RANKS] and not verdict.measured
+    active = ActiveLease(lease, Confinement(), Ranks(), 1.0, 2.0, owner_pid=7, confined=False)
+    held = Holding(Owner("pool", "the rank pool"), active)
+    run = SimpleNamespace(settings=SimpleNamespace(verify="warn"))
+    verdict, span = held.check(run)  # type: ignore[arg-type]
+    assert verdict.violations == [leak] and calls == ["end", "begin 7"]
     assert (span.gpus, span.asked, span.granted) == ((0,), 1.0, 2.0)
-    _, later = held.check(SimpleNamespace(settings=SimpleNamespace(verify="warn")))  # type: ignore[arg-type]
+    again, later = held.check(run)  # type: ignore[arg-type]
+    assert again.violations == [] and calls == ["end", "begin 7", "end", "begin 7"]
     assert later.granted == later.asked == span.released  # the next window starts where this one ended
     state = TestState()
     state.judged(held.owner, verdict, [span], during=" while it ran t.py::test_x")
-    props = gpu_properties(report_properties(state, alone=False).items())
-    assert props["gpu_notes"] == f"the rank pool: {UNMEASURED_RANKS}"
-    assert state.violations == [] and len(state.held) == 1
+    assert state.violations == [f"pytest-gpu: the rank pool broke its GPU lease while it ran t.py::test_x:\n  - {leak}"]
+    assert state.notes == [] and len(state.held) == 1
+    off, _ = held.check(SimpleNamespace(settings=SimpleNamespace(verify="off")))  # type: ignore[arg-type]
+    assert off.violations == [] and len(calls) == 4  # --gpu-verify=off: not measured at all

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import sim
-from ..gpu.verification import Verdict, claim_processes, release_processes
+from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.spans import LeaseSpan
 from ..report.wording import numbered
 from ..run.holding import Holding, Owner, RankVerifier
@@ -143,9 +143,13 @@ class RankPool:
         claim_processes(self._processes(), self.holder)
         self._gather(arrivals)
         claim_processes(self._processes(), self.holder)  # the ranks, as they said hello
-        if self.holding is not None and isinstance(self.holding.active.verifier, RankVerifier):
-            self.holding.active.verifier.pids = list(self.pids.values())  # their contexts are the pool's
+        verifier = self.holding.active.verifier if self.holding is not None else None
+        if isinstance(verifier, (RankVerifier, NvmlRankVerifier)):
+            verifier.pids = list(self.pids.values())  # their contexts are the pool's
         self._set_up(config_args)
+        if isinstance(verifier, NvmlRankVerifier) and self.holding is not None and self.run.settings.verify != "off":
+            # real GPUs: what the ranks hold once set up (contexts, NCCL's buffers) is the pool's standing cost
+            verifier.begin(self.holding.lease, os.getpid())
 
     def _set_up(self, config_args: list[str]) -> None:
         """Every rank joins the process group: one that could not (or not in time) fails the start."""

@@ -78,9 +78,10 @@ class Rank:
             from ..sim import cuda, fake
 
             fake.activate()
-            for unit in filter(None, mine.split(",")):  # simulated GPUs are named by index
-                if self.cap:
-                    cuda.set_memory_cap(int(unit), self.cap)  # as a test's lease caps the test process
+            if mine and self.cap:
+                # its GPUs as CUDA enumerates CUDA_VISIBLE_DEVICES (indices or, as on a real machine, UUIDs)
+                for unit in cuda.init():
+                    cuda.set_memory_cap(unit, self.cap)  # as a test's lease caps the test process
         self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]

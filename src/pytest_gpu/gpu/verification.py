@@ -329,7 +329,7 @@ class NvmlVerifier:
             return None
         me = psutil.Process()
         sample = _Sample()
-        sample.tree = descendants()
+        sample.tree = self._tree()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -368,6 +368,10 @@ class NvmlVerifier:
         finally:
             pynvml.nvmlShutdown()
         return sample
+
+    def _tree(self) -> dict[int, float]:
+        """The processes whose usage is sampled besides this one: its live descendants (pid -> create time)."""
+        return descendants()
 
     def _give_up(self, why: str) -> None:
         """Nothing NVML says can be attributed to this test: note why, mark every GPU unmeasured."""
@@ -474,6 +478,121 @@ class NvmlVerifier:
         verdict.notes.extend(self._notes)
         unmeasured = self._unmeasured & set(lease.indices)
         verdict.measured = seen and (torch is not None or not unmeasured)
+        return verdict
+
+
+class NvmlRankVerifier(NvmlVerifier):
+    """A rank pool's lease on real GPUs: NVML's per-process usage of its ranks.
+
+    The pool's processes are its ranks (``pids``, set once they have said hello) and their
+    descendants; they are claimed by the pool (:func:`claim_processes`), so the test
+    process's own :class:`NvmlVerifier` never charges them. Each check (:meth:`end`, after
+    every test the pool ran) judges the window since :meth:`begin`:
+
+    - baseline: what each process of the pool used per GPU when the window began (its
+      CUDA context, NCCL's buffers, what earlier tests grew into its context): the pool's
+      standing cost, as the test process's context is the test's;
+    - the test's use of a leased GPU is the pool's growth over that baseline, sampled once
+      the ranks have run the test and cleaned up (``gc.collect`` and ``empty_cache`` in
+      :mod:`~pytest_gpu.distributed.rankmain`): NVML has no per-process peak, so memory a
+      rank allocated and freed during the test is not seen, and the peak is what was still
+      there at the end (not a measurement: no ``memory=`` suggestion is made from it);
+    - a rank that opened its first context on a GPU during the test (nothing there at the
+      baseline) is not charged for the context (``overhead``); growth up to
+      :data:`CONTEXT_GROWTH` over a process's life is its context's; beyond it, growth that
+      remains after the test is held: a leak of the rank;
+    - a process a rank started during the test is charged in full, and is a leak while it runs;
+    - a process of the pool on a GPU outside the pool's lease is a violation.
+
+    What NVML cannot tell (no usage given, no permission, a container's pid namespace) is a
+    note, as for :class:`NvmlVerifier`. Runs in CI against the fake ``libnvidia-ml.so.1``;
+    not run on a real GPU by the author.
+    """
+
+    def __init__(self, inventory: Inventory, overhead: int, pids: Iterable[int] = ()) -> None:
+        super().__init__(inventory, overhead)
+        self.pids: list[int] = list(pids)
+        self._usage_before: dict[int, dict[int, int]] = {}  # pool process -> GPU index -> bytes
+        self._pool_before: dict[int, float] = {}  # the pool's processes when the window began
+
+    def _tree(self) -> dict[int, float]:
+        """This process's descendants, and the ranks that are not among them (an ``srun`` step's
+        tasks are the children of Slurm's step daemon, on this node) with their own."""
+        import psutil
+
+        tree = descendants()
+        for pid in self.pids:
+            if pid in tree:
+                continue
+            try:
+                rank = psutil.Process(pid)
+                tree[pid] = rank.create_time()
+                for child in rank.children(recursive=True):
+                    tree[child.pid] = child.create_time()
+            except psutil.Error:  # it ended (the pool died): nothing of it to sample
+                continue
+        return tree
+
+    def _pool(self, sample: _Sample) -> tuple[dict[int, float], dict[int, dict[int, int]]]:
+        """The live processes of the pool (pid -> create time) and their usage, from ``sample``."""
+        ranks = dict.fromkeys(self.pids, "the pool")
+        inside = {pid: ctime for pid, ctime in sample.tree.items() if _claimant(pid, ranks) is not None}
+        return inside, {pid: used for pid, used in sample.usage.items() if pid in inside}
+
+    def begin(self, lease: GpuLease, owner: int) -> None:
+        self._notes, self._unmeasured = [], set()  # the last window's were said with its verdict
+        sample = self._usage()
+        self._pool_before, self._usage_before = self._pool(sample) if sample is not None else ({}, {})
+
+    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        sample = self._usage()
+        leased = set(lease.indices)
+        peak = {i: 0 for i in lease.indices}
+        current: dict[int, int] = {}
+        touched: set[int] = set()
+        why: dict[int, list[str]] = {}
+        if sample is not None:
+            alive, usage = self._pool(sample)
+            for pid, used in sorted(usage.items()):
+                standing = pid in self.pids or (
+                    abs(self._pool_before.get(pid, -math.inf) - alive[pid]) <= CTIME_TOLERANCE_S
+                )
+                for index, now in used.items():
+                    if index in self._unmeasured:
+                        continue
+                    if not standing:  # a process a rank started during the test: all of it is the test's
+                        if now > 0:
+                            touched.add(index)
+                            peak[index] = peak.get(index, 0) + now
+                            if index in leased:
+                                current[index] = current.get(index, 0) + now
+                                why.setdefault(index, []).append(
+                                    f"a process a rank of the pool started still running: pid {pid} "
+                                    f"({process_name(pid)})"
+                                )
+                        continue
+                    before = self._usage_before.get(pid, {}).get(index, 0)
+                    growth = now - before
+                    if growth <= 0:
+                        continue
+                    touched.add(index)  # outside the lease, a new context is already a violation
+                    if before == 0:
+                        growth = max(growth - self.overhead, 0)  # the rank opened its context here
+                    if index not in leased:
+                        peak[index] = peak.get(index, 0) + growth
+                        continue
+                    peak[index] += growth
+                    held = _beyond_context(pid, index, growth)
+                    if held:
+                        current[index] = current.get(index, 0) + held
+                        reason = "a rank of the pool still holds it"
+                        if pid not in self.pids:
+                            reason = f"pid {pid} ({process_name(pid)}), started by a rank of the pool, still holds it"
+                        if reason not in why.get(index, []):
+                            why.setdefault(index, []).append(reason)
+        verdict = judge(lease, peak, current, touched, others, {i: "; ".join(w) for i, w in why.items()})
+        verdict.notes.extend(self._notes)
+        verdict.measured = False  # NVML's sample at the end, not a peak
         return verdict
 
 

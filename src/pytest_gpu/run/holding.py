@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
 
 OwnerKind = Literal["test", "fixture", "pool", "ray"]
-# real GPUs: NVML counts per process, not per lease; the ranks are the pool's by claim (excluded from the test's)
-UNMEASURED_RANKS = "on real GPUs its ranks' memory is not measured per test (NVML counts per process)"
 
 
 @dataclass(frozen=True)
@@ -77,10 +75,8 @@ class Holding:
         start = max(self.active.granted, self.checked_at)
         now = time.time()
         self.checked_at = now
-        if run.settings.verify == "off" or not self.lease.indices:
+        if run.settings.verify == "off" or verifier is None:  # None: host resources only, no GPU
             return Verdict(), self.spans_since(start, now)
-        if verifier is None:  # said, never silent: the summary counts it
-            return Verdict(measured=False, notes=[UNMEASURED_RANKS]), self.spans_since(start, now)
         verdict = verifier.end(self.lease)
         verifier.begin(self.lease, self.active.owner_pid)
         return verdict, self.spans_since(start, now)

@@ -24,7 +24,7 @@ from ..gpu.calibration import Calibration
 from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, make_lease
 from ..gpu.isolation import confine as confine_lease
-from ..gpu.verification import NvmlVerifier, SimVerifier, Verdict, Verifier
+from ..gpu.verification import NvmlRankVerifier, NvmlVerifier, SimVerifier, Verdict, Verifier
 from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
@@ -401,13 +401,14 @@ class GpuRun:
             raise
         return Holding(owner, ActiveLease(lease, confinement, verifier, asked, granted, 0.0, os.getpid(), confine))
 
-    def _verifier(self, confined: bool) -> Verifier | None:
-        """What checks a lease: this process's (confined), or that of the processes it starts;
-        ``None`` where they cannot be told apart (a pool's ranks on real GPUs: NVML's usage of
-        the ranks is told from the test's by their claim, :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
+    def _verifier(self, confined: bool) -> Verifier:
+        """What checks a lease: this process's (confined), or that of the processes it starts (a
+        rank pool's ranks, whose NVML usage is told from the test's by their claim,
+        :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
+        overhead = self.settings.context_overhead
         if self.inventory.simulated:
-            return SimVerifier() if confined else RankVerifier(self.settings.context_overhead)
-        return NvmlVerifier(self.inventory, self.settings.context_overhead) if confined else None
+            return SimVerifier() if confined else RankVerifier(overhead)
+        return NvmlVerifier(self.inventory, overhead) if confined else NvmlRankVerifier(self.inventory, overhead)
 
     def waiting(self) -> bool:
         """A request of this process must wait: give up what the process holds idle (its warm
