@@ -669,18 +669,26 @@ class _AsyncAllocator(_DeviceAllocator):
         else:
             stat.decrease(-amount)
 
+    def _async_out_of_memory(self, orig_size: int, limit: int | None) -> BaseException:
+        """torch's out-of-memory error as the async allocator words it; ``limit``: the fraction's
+        cap, when that is what refused."""
+        free, total = sim_cuda.mem_get_info(self.ordinal)
+        text = (
+            f"Allocation on device {self.ordinal} would exceed allowed memory. (out of memory)"
+            f"\nCurrently allocated     : {_torch_size(self.used)}"
+            f"\nRequested               : {_torch_size(orig_size)}"
+            f"\nDevice limit            : {_torch_size(total)}"
+            f"\nFree (according to CUDA): {_torch_size(free)}"
+        )
+        if limit is not None:
+            text += "\nPyTorch limit (set by user-supplied memory fraction)"
+            text += f"\n                        : {_torch_size(limit)}"
+        error: BaseException = _require_torch().OutOfMemoryError(text)
+        return error
+
     def malloc(self, orig_size: int) -> Any:
         if self.limit is not None and self.used + orig_size > self.limit:
-            free, total = sim_cuda.mem_get_info(self.ordinal)
-            raise _require_torch().OutOfMemoryError(
-                f"Allocation on device {self.ordinal} would exceed allowed memory. (out of memory)"
-                f"\nCurrently allocated     : {_torch_size(self.used)}"
-                f"\nRequested               : {_torch_size(orig_size)}"
-                f"\nDevice limit            : {_torch_size(total)}"
-                f"\nFree (according to CUDA): {_torch_size(free)}"
-                "\nPyTorch limit (set by user-supplied memory fraction)"
-                f"\n                        : {_torch_size(self.limit)}"
-            )
+            raise self._async_out_of_memory(orig_size, self.limit)
         chunk = next((c for c in self.chunks if c.size - c.live >= orig_size), None)
         if chunk is None:
             size = ROUND_LARGE * -(-orig_size // ROUND_LARGE)
@@ -688,14 +696,7 @@ class _AsyncAllocator(_DeviceAllocator):
                 charge = sim_cuda.allocate(size, device=self.ordinal, capped=False)
             except OutOfMemoryError as exc:
                 self.stats.counters["num_ooms"] += 1
-                free, total = sim_cuda.mem_get_info(self.ordinal)
-                raise _require_torch().OutOfMemoryError(
-                    f"Allocation on device {self.ordinal} would exceed allowed memory. (out of memory)"
-                    f"\nCurrently allocated     : {_torch_size(self.used)}"
-                    f"\nRequested               : {_torch_size(orig_size)}"
-                    f"\nDevice limit            : {_torch_size(total)}"
-                    f"\nFree (according to CUDA): {_torch_size(free)}"
-                ) from exc
+                raise self._async_out_of_memory(orig_size, None) from exc
             chunk = _PoolChunk(size, charge)
             self.chunks.append(chunk)
             self.reserved += size
