@@ -107,15 +107,24 @@ def test_the_guides_after_passes_on_simulated_gpus(gpu_pytester, run_inner, monk
     assert sorted(size for size, _, _ in records) == ["full", "full", "small", "small"], records  # once per module
 
     requests = {}
+    held = {}
     for case in ET.parse(junit).iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         requests[f"{case.get('classname')}::{case.get('name')}"] = props.get("gpu_request")
+        held[f"{case.get('classname')}::{case.get('name')}"] = "model" in (props.get("gpu_held") or "")
     assert requests == {
         f"{module}::{name}": request
         for module in ("test_llm", "test_llm_copy")
         for name, request in [
             ("test_generate", None),  # no lease of its own: on the model's GPU, within the model's lease
-            ("test_batch", None),
+            # none of its own either; the model's lease, judged in its teardown (where the module's
+            # fixture ends), is reported through it: the report's only GPU properties are that holding's
+            ("test_batch", ""),
             ("test_full_size", "1 GPU (whole GPU)"),  # large: exclusive
         ]
+    }
+    assert held == {
+        f"{m}::{n}": n == "test_batch"
+        for m in ("test_llm", "test_llm_copy")
+        for n in ("test_generate", "test_batch", "test_full_size")
     }

@@ -171,6 +171,10 @@ def claiming(holder: str) -> Iterator[None]:
         yield
     finally:
         started = set(descendants()) - before
+        holders = claimed()
+        # a process claimed inside the block by a holder of its own (the run's Ray head a
+        # fixture starts) stays that holder's, and so do its descendants
+        started = {pid for pid in started if _claimant(pid, holders) is None}
         if started:
             claim_processes(started, holder)
 
