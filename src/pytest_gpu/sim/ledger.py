@@ -547,12 +547,19 @@ def machine_ledger(spec: str, overhead: int | None = None) -> Ledger:
 
 def ledger() -> Ledger:
     """The ledger this process uses (from the environment, as the plugin set it)."""
-    path, spec = _ledger_dir()
-    key = (str(path), spec)
-    found = _ledgers.get(key)
-    if found is None:  # one per ledger and process: its lock and device list are reused
-        found = _ledgers[key] = Ledger(path, spec)
+    # asked on every simulated CUDA call: found by the variables themselves, without making paths
+    named = (os.environ.get(LEDGER_ENV), os.environ.get(SPEC_ENV))
+    found = _by_env.get(named)
+    if found is None:
+        path, spec = _ledger_dir()
+        key = (str(path), spec)
+        found = _ledgers.get(key)
+        if found is None:  # one per ledger and process: its lock and device list are reused
+            found = _ledgers[key] = Ledger(path, spec)
+        if named[0] is not None:  # without PYTEST_GPU_SIM_LEDGER the path depends on more than these
+            _by_env[named] = found
     return found
 
 
 _ledgers: dict[tuple[str, str | None], Ledger] = {}
+_by_env: dict[tuple[str | None, str | None], Ledger] = {}

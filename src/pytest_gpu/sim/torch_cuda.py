@@ -855,7 +855,7 @@ def _raw_set_device(ordinal: int) -> None:
 
 
 def _has_primary_context(ordinal: int) -> bool:
-    return sim_cuda.unit_of(ordinal) in sim_cuda.contexts()
+    return sim_cuda.has_context(sim_cuda.unit_of(ordinal))  # contexts live until the process exits
 
 
 def _target() -> int:
