@@ -44,6 +44,7 @@ that this map names every module).
         isolation       applying a lease in the test process
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
         verification    did the test stay within its lease
+        torchstats      torch's allocator counters, read once per device
         calibration     one CUDA context's size, measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML
         nvmlversion     which NVML the driver has

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from .isolation import Confinement, GpuLease, drop, hold
+from .torchstats import torch_counters
 
 
 @pytest.hookimpl
@@ -106,7 +107,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
             cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
             if first:  # a section on the main lease's GPU must not erase the main lease's peak
                 cuda.reset_peak_memory_stats(ordinal)
-            state["base"][ordinal] = int(cuda.memory_allocated(ordinal))  # what undo's check compares with
+            state["base"][ordinal] = torch_counters(cuda, ordinal).allocated  # what undo's check compares with
         cuda.set_device(ordinals[0])
 
     def undo() -> None:
@@ -120,7 +121,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
         base: dict[int, int] = state["base"]
         # tensors only a reference cycle still holds: collected only when torch still counts
         # memory the lease's start did not have (a full collection costs 0.1 s with torch loaded)
-        collect_while(lambda: any(cuda.memory_allocated(o) > base.get(o, 0) for o in ordinals))
+        collect_while(lambda: any(torch_counters(cuda, o).allocated > base.get(o, 0) for o in ordinals))
         cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
         for ordinal, index in zip(ordinals, lease.indices, strict=True):
             left = drop("torch", ordinal, lease.memory)

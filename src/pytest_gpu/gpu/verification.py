@@ -39,6 +39,7 @@ from ..report.wording import numbered
 from . import runtime
 from .devices import Inventory, addressable
 from .isolation import GpuLease
+from .torchstats import TorchCounters, torch_counters
 
 
 @dataclass
@@ -192,58 +193,6 @@ def _mismatch(pynvml: ModuleType) -> type[Exception]:
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
 
 
-def torch_peak(cuda: ModuleType, ordinal: int) -> int:
-    """torch's peak on ``ordinal``, read as the lease's cap counts it.
-
-    - Native caching allocator (the default): ``max_memory_reserved``. The fraction cap
-      counts reserved segments (``total_allocated_memory + alloc_size <= allowed``), and a
-      cached block is memory the lease holds.
-    - ``backend:cudaMallocAsync``: ``max_memory_allocated`` (the pool's ``UsedMemHigh``).
-      The fraction caps ``pytorch_used_bytes`` only, and the pool keeps freed memory
-      reserved (release threshold ``UINT64_MAX``) until ``empty_cache``:
-      ``max_memory_reserved`` (``ReservedMemHigh``) can pass the cap with no allocation ever
-      refused (c10/cuda/CUDAMallocAsyncAllocator.cpp: ``mallocAsync``, ``setMemoryFraction``,
-      ``getDeviceStats``).
-    - ``expandable_segments:True``: ``max_memory_allocated``. ``alloc_block`` checks the
-      fraction against the reserve plus the request *before* ``map_block`` maps whole pages
-      (20 MiB in the large pool), so the reserve can end up to a page above the cap while
-      every allocation fitted (c10/cuda/CUDACachingAllocator.cpp: ``alloc_block``,
-      ``try_allocate_expandable_block``, ``ExpandableSegment::map``).
-
-    In the last two cases the peak is what the test's tensors held, not the physical memory
-    the allocator reserved (NVML's figure, which can be higher). The allocator's
-    configuration is read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF`` as torch
-    reads it at start (a later ``torch.cuda.memory._set_allocator_settings`` is not seen).
-    Checked against the torch double (:mod:`pytest_gpu.sim.torch_cuda`), not on a real GPU.
-    """
-    return torch_counters(cuda, ordinal).peak
-
-
-@dataclass(frozen=True)
-class TorchCounters:
-    """torch's allocator counters on one device, read at once."""
-
-    allocated: int  # memory_allocated
-    reserved: int  # memory_reserved
-    peak: int  # as the lease's cap counts it: see torch_peak
-
-
-def torch_counters(cuda: ModuleType, ordinal: int) -> TorchCounters:
-    """One ``memory_stats`` call (each of torch's ``memory_allocated``, ``max_memory_reserved``
-    ... builds the whole statistics dict anew: a fraction of a millisecond apiece, several
-    per GPU test) read as those functions read it (torch/cuda/memory.py)."""
-    stats = cuda.memory_stats(ordinal)
-    backend = getattr(cuda, "get_allocator_backend", lambda: "native")()
-    raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    settings = dict(item.strip().partition(":")[::2] for item in raw.split(",") if item.strip())
-    used = backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true"
-    return TorchCounters(
-        allocated=int(stats.get("allocated_bytes.all.current", 0)),
-        reserved=int(stats.get("reserved_bytes.all.current", 0)),
-        peak=int(stats.get("allocated_bytes.all.peak" if used else "reserved_bytes.all.peak", 0)),
-    )
-
-
 class Verifier(Protocol):
     """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
 
@@ -303,7 +252,7 @@ class NvmlVerifier:
 
     A leak is memory this process still holds at the end (after the adapters' ``empty_cache``)
     above its baseline, or a process the test started still on a GPU. The peak is torch's
-    (:func:`torch_peak`) where torch allocated, else NVML's sample at the end: NVML has
+    (:func:`~pytest_gpu.gpu.torchstats.torch_peak`) where torch allocated, else NVML's sample at the end: NVML has
     no per-process peak, so memory a test allocated and freed outside torch is not seen, and
     such a peak is not a measurement (no ``memory=`` suggestion is made from it).
 
