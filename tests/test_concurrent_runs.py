@@ -147,8 +147,8 @@ def test_a_new_arbiter_counts_every_context_of_the_runs_that_re_attach(gpu_pytes
     Before the fix 11 of 20 trials ran out of memory, so 8 trials miss that bug once in
     about 600 runs. A rarer race remains, on the tree before issue 19 as after it (measured
     2026-11-26: 2 of 80 trials on this tree, 1 of 60 on the one before issue 19; an exiting
-    arbiter run's context apparently not counted); 8 trials keep the suite's chance of meeting it near 1 in 8, not 1 in 3,
-    until it is found (see the closing note of issue 19)."""
+    arbiter run's context apparently not counted); 8 trials keep the suite's chance of
+    meeting it near 1 in 8, not 1 in 3, until it is found (see the closing note of issue 19)."""
     trials, at_once, failed, ooms = 8, 2, [], 0
     for batch in range(0, trials, at_once):
         running = []
