@@ -288,14 +288,7 @@ class _DeviceAllocator:
         if block is None:
             self._out_of_memory(alloc_size, None)
         block = segment.take(block, size, orig_size)
-        for name, amount in (
-            ("allocation", 1),
-            ("allocated_bytes", block.size),
-            ("active", 1),
-            ("active_bytes", block.size),
-            ("requested_bytes", orig_size),
-        ):
-            self.stats.change(name, small, amount)
+        self._count_allocated(block.size, orig_size, small)
         return block
 
     def _get_free_block(self, size: int, small: bool) -> _CacheBlock | None:
@@ -305,6 +298,17 @@ class _DeviceAllocator:
         best = min(fits, key=lambda b: (b.size, b.ptr))  # best fit, as the size-ordered std::set gives
         self.pools[small].remove(best)
         return best
+
+    def _count_allocated(self, size: int, orig_size: int, small: bool) -> None:
+        """The statistics of one block handed out (c10's ``malloc``: allocation, active, requested)."""
+        for name, amount in (
+            ("allocation", 1),
+            ("allocated_bytes", size),
+            ("active", 1),
+            ("active_bytes", size),
+            ("requested_bytes", orig_size),
+        ):
+            self.stats.change(name, small, amount)
 
     def _alloc_block(
         self, alloc_size: int, small: bool, *, retry: bool
@@ -347,14 +351,7 @@ class _DeviceAllocator:
             self.stats.change("inactive_split", block.small, -1)
         block.allocated = True
         block.requested = orig_size
-        for name, amount in (
-            ("allocation", 1),
-            ("allocated_bytes", block.size),
-            ("active", 1),
-            ("active_bytes", block.size),
-            ("requested_bytes", orig_size),
-        ):
-            self.stats.change(name, block.small, amount)
+        self._count_allocated(block.size, orig_size, block.small)
         return block
 
     def free(self, block: Any) -> None:
