@@ -279,6 +279,24 @@ def run_inner(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
     return run
 
 
+@pytest.fixture
+def fake_run(
+    gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Callable[..., pytest.RunResult]:
+    """``fake_run(spec, *args, visible=None)``: an inner pytest run (own process) on the fake
+    GPU machine ``spec`` (``PYTEST_GPU_FAKE_GPUS``: the real-GPU code path against the fake NVML)."""
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+
+    def run(spec: str, *args: str, visible: str | None = None) -> pytest.RunResult:
+        monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", spec)
+        monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
+        if visible is not None:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=180)
+
+    return run
+
+
 # -- foreign processes on simulated GPUs -------------------------------------------------
 
 

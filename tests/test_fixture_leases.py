@@ -379,17 +379,12 @@ def test_second(model, gpu):
 
 
 def test_real_gpus_say_what_per_process_counters_cannot_tell_apart(
-    gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    gpu_pytester: pytest.Pytester, fake_run: Callable[..., pytest.RunResult]
 ) -> None:
     """Fake GPUs (the NVML verifier's path): NVML counts per process, so on a GPU a test's lease
     shares with a fixture's the test's peak is not told from the model's: a note, not a violation."""
-    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
-    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:1x16GiB")
-    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
     gpu_pytester.makepyfile(test_real=REAL_GPUS)
-    result = gpu_pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", timeout=180
-    )
+    result = fake_run("sim:1x16GiB", "-p", "no:xdist", "--gpus", "auto")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,23 +17,7 @@ from conftest import require
 from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
 
 
-@pytest.fixture
-def fake(gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """``fake(spec, *args)``: an inner pytest run (own process) on the fake machine ``spec``."""
-
-    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
-
-    def run(spec: str, *args: str, visible: str | None = None) -> pytest.RunResult:
-        monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", spec)
-        monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
-        if visible is not None:
-            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=180)
-
-    return run
-
-
-def test_index_list_leases_land_on_the_physical_gpu_and_outside_use_is_seen(gpu_pytester, fake):
+def test_index_list_leases_land_on_the_physical_gpu_and_outside_use_is_seen(gpu_pytester, fake_run):
     """Item 1: --gpus 0,2,3 without an outer CUDA_VISIBLE_DEVICES; CUDA still numbers all 4 GPUs."""
     gpu_pytester.makepyfile(
         test_idx="""
@@ -53,13 +36,13 @@ def test_index_list_leases_land_on_the_physical_gpu_and_outside_use_is_seen(gpu_
             sim.allocate("256MiB", device=1).free()  # physical GPU 1, which --gpus left out
         """
     )
-    result = fake("sim:4x16GiB", "--gpus", "0,2,3", "-p", "no:xdist")
+    result = fake_run("sim:4x16GiB", "--gpus", "0,2,3", "-p", "no:xdist")
     result.assert_outcomes(passed=4, errors=1)
     result.stdout.fnmatch_lines(["*used memory on GPU 1 (*) outside its lease*"])
     result.stdout.fnmatch_lines(["pytest-gpu: 3 GPUs (3x16GiB) [[]nvml[]]*"])
 
 
-def test_cuda_first_used_inside_a_test_does_not_strand_the_worker(gpu_pytester, fake):
+def test_cuda_first_used_inside_a_test_does_not_strand_the_worker(gpu_pytester, fake_run):
     """Item 4: the first test starts CUDA (sim and torch); later tests on other GPUs land right."""
     require("torch", module="torch")
     gpu_pytester.makepyfile(
@@ -97,12 +80,12 @@ def test_cuda_first_used_inside_a_test_does_not_strand_the_worker(gpu_pytester, 
                 assert block.physical == gpu.indices[0]
         """
     )
-    result = fake("sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist")
+    result = fake_run("sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist")
     result.assert_outcomes(passed=5)
     assert "violation" not in result.stdout.str().split("short test summary")[0].replace("0 violations", "")
 
 
-def test_a_gpu_nvml_refuses_is_left_out_with_a_note(gpu_pytester, fake):
+def test_a_gpu_nvml_refuses_is_left_out_with_a_note(gpu_pytester, fake_run):
     """Item 5: NO_PERMISSION / GPU_IS_LOST on one GPU must not stop a run (CPU-only ones included)."""
     gpu_pytester.makepyfile(
         test_f="""
@@ -116,7 +99,7 @@ def test_a_gpu_nvml_refuses_is_left_out_with_a_note(gpu_pytester, fake):
             assert gpu.indices[0] in (0, 1, 3)
         """
     )
-    result = fake("sim:4x16GiB;fault:2=no_permission", "--gpus", "auto")
+    result = fake_run("sim:4x16GiB;fault:2=no_permission", "--gpus", "auto")
     result.assert_outcomes(passed=2)
     assert result.ret == 0
     result.stdout.fnmatch_lines(
@@ -125,12 +108,12 @@ def test_a_gpu_nvml_refuses_is_left_out_with_a_note(gpu_pytester, fake):
             "pytest-gpu: note: GPU 2 skipped: NVML: Insufficient Permissions",
         ]
     )
-    lost = fake("sim:2x16GiB;fault:0=gpu_is_lost", "--gpus", "auto", "-k", "cpu")
+    lost = fake_run("sim:2x16GiB;fault:0=gpu_is_lost", "--gpus", "auto", "-k", "cpu")
     lost.assert_outcomes(passed=1, deselected=1)
     assert "INTERNALERROR" not in lost.stdout.str()
 
 
-def test_verification_says_what_nvml_cannot_tell(gpu_pytester, fake):
+def test_verification_says_what_nvml_cannot_tell(gpu_pytester, fake_run):
     """Item 6: NVML refusing process lists (MIG, unprivileged) or reporting host pids (a
     container) is a note on the report, never an error and never silent."""
     gpu_pytester.makepyfile(
@@ -143,21 +126,21 @@ def test_verification_says_what_nvml_cannot_tell(gpu_pytester, fake):
             sim.allocate("256MiB").free()
         """
     )
-    mig = fake("sim:1x80GiB;mig:0=2x40GiB", "--gpus", "auto")
+    mig = fake_run("sim:1x80GiB;mig:0=2x40GiB", "--gpus", "auto")
     mig.assert_outcomes(passed=1)
     mig.stdout.fnmatch_lines(
         ["pytest-gpu: not verified: NVML cannot list processes on GPU 1 (Insufficient Permissions): not checked there*"]
     )
     assert "on GPU 0 (" not in mig.stdout.str()  # the MIG-mode GPU itself is not a device to check
-    container = fake("sim:2x16GiB;pidns=100000", "--gpus", "auto")
+    container = fake_run("sim:2x16GiB;pidns=100000", "--gpus", "auto")
     container.assert_outcomes(passed=1)
     container.stdout.fnmatch_lines(["pytest-gpu: not verified: *do not exist in this pid namespace (a container?)*"])
-    old = fake("sim:2x16GiB;no-v3", "--gpus", "auto")
+    old = fake_run("sim:2x16GiB;no-v3", "--gpus", "auto")
     old.assert_outcomes(passed=1)
     old.stdout.fnmatch_lines(["pytest-gpu: not verified: NVML cannot list processes on GPU 0*(1 test)"])
 
 
-def test_mig_instances_are_the_inventory(gpu_pytester, fake):
+def test_mig_instances_are_the_inventory(gpu_pytester, fake_run):
     """Item 7: a MIG-mode GPU contributes its instances; an outer MIG UUID selects one."""
     gpu_pytester.makepyfile(
         test_m=f"""
@@ -172,7 +155,7 @@ def test_mig_instances_are_the_inventory(gpu_pytester, fake):
                 assert block.physical == gpu.indices[0]
         """
     )
-    result = fake("sim:1x80GiB;mig:0=2x20GiB", "--gpus", "auto", visible=mig_uuid(0, 1))
+    result = fake_run("sim:1x80GiB;mig:0=2x20GiB", "--gpus", "auto", visible=mig_uuid(0, 1))
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: 1 MIG instance (1x20GiB) [[]nvml[]]*"])
     assert "peaked at 0B" not in result.stdout.str()  # NVML could not measure it: no made-up suggestion
@@ -207,7 +190,7 @@ def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
 
 
 @pytest.mark.parametrize("gpus", ["auto", "sim:2x16GiB"])
-def test_a_sections_gpu_is_not_the_main_leases_violation(gpu_pytester, fake, gpus):
+def test_a_sections_gpu_is_not_the_main_leases_violation(gpu_pytester, fake_run, gpus):
     """Item 8: NVML usage is per process; a gpu_request section's context and memory are its own."""
     gpu_pytester.makepyfile(
         test_s="""
@@ -222,14 +205,14 @@ def test_a_sections_gpu_is_not_the_main_leases_violation(gpu_pytester, fake, gpu
                 sim.allocate("1GiB", device=section.device).free()
         """
     )
-    result = fake("sim:2x16GiB", "--gpus", gpus, "-p", "no:xdist")
+    result = fake_run("sim:2x16GiB", "--gpus", gpus, "-p", "no:xdist")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*· 0 violations"])
 
 
-def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake):
+def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake_run):
     gpu_pytester.makepyfile("def test_a():\n    pass\n")
-    result = fake("sim:4x16GiB;fault:9=gpu_is_lost", "--gpus", "auto")
+    result = fake_run("sim:4x16GiB;fault:9=gpu_is_lost", "--gpus", "auto")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*PYTEST_GPU_FAKE_GPUS: *fault:9=gpu_is_lost: '9' is not a GPU index (0..3)*"])
 

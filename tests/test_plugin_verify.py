@@ -321,15 +321,10 @@ def test_a_thread_left_on_cuda0_is_named(gpu_pytester, run_inner):
     assert "test_thread_that_chooses_the_lease broke" not in result.stdout.str()
 
 
-def test_a_thread_left_on_cuda0_under_fake_gpus(gpu_pytester, run_inner, monkeypatch, tmp_path):
+def test_a_thread_left_on_cuda0_under_fake_gpus(gpu_pytester, fake_run):
     """The NVML path cannot see threads: it names the process's cuda:0 and says a thread may have used it."""
-    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
-    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2GiB,16GiB")
-    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
     gpu_pytester.makepyfile(test_t=THREADED)
-    result = gpu_pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", timeout=180
-    )
+    result = fake_run("sim:2GiB,16GiB", "-p", "no:xdist", "--gpus", "auto")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
         [
@@ -374,17 +369,12 @@ def test_pages_round_past_the_cap(gpu):
         ("expandable_segments:True", "test_pages_round_past_the_cap"),
     ],
 )
-def test_allocator_backends_peak_as_the_cap_counts(gpu_pytester, monkeypatch, tmp_path, conf, test):
+def test_allocator_backends_peak_as_the_cap_counts(gpu_pytester, fake_run, monkeypatch, conf, test):
     """Issue 19 (6): under cudaMallocAsync and expandable segments torch's cap holds while
     max_memory_reserved passes it; the peak is read as the cap counts it (no false violation)."""
     require("torch", module="torch")
-    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
-    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:2x16GiB")
-    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     gpu_pytester.makepyfile(test_b=BACKENDS)
-    result = gpu_pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto", "-k", test, timeout=180
-    )
+    result = fake_run("sim:2x16GiB", "-p", "no:xdist", "--gpus", "auto", "-k", test)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: 2 GPUs (2x16GiB) [[]nvml[]] · 1 GPU test · * · 0 violations"])
