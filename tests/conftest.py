@@ -219,7 +219,16 @@ INNER_ARGS = (
     "-p",
     "no:randomly",
 )
-_OUTER_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "PYTEST_ADDOPTS")
+# CI and BUILD_NUMBER: pytest stops cutting short-summary lines to the terminal width on a
+# CI machine, so an inner run's output would differ between CI and a laptop
+_OUTER_VARS = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "PYTEST_ADDOPTS",
+    "CI",
+    "BUILD_NUMBER",
+)
 # pytester points HOME at each test's directory; the fake libnvidia-ml.so.1 is built once
 # per cache directory, so inner runs share the user's (as real runs would)
 _CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
