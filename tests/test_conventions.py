@@ -554,7 +554,7 @@ gpu_marker_map =
 
 
 def test_the_readme_example(gpu_pytester, run_inner):
-    """The README's ini and conftest, verbatim: a decorator, a parametrization, a naming rule."""
+    """The docs' ini and conftest (docs/requests.md), verbatim: a decorator, a parametrization, a naming rule."""
     out = gpu_pytester.path / "requests.json"
     gpu_pytester.makeini(README_INI)
     gpu_pytester.makeconftest(PROBE.format(out=str(out)) + README_HOOK)
@@ -570,9 +570,9 @@ def test_the_readme_example(gpu_pytester, run_inner):
         t + "test_both_mapped": _req(),  # large's line comes first: one whole GPU
         t + "test_cpu": None,
     }
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert README_HOOK.strip() in readme
-    assert "\n".join(README_INI.strip().splitlines()[1:]) in readme
+    page = (Path(__file__).parent.parent / "docs" / "requests.md").read_text()
+    assert README_HOOK.strip() in page
+    assert "\n".join(README_INI.strip().splitlines()[1:]) in page
 
 
 # -- the hook: conftest scope, first result, bad results ---------------------------------

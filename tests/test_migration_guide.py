@@ -1,5 +1,5 @@
-"""The README's migration guide ("Adopting pytest-gpu in an existing suite") is real: its
-"after" code blocks, taken from the README verbatim, pass as an inner run on simulated GPUs.
+"""The migration guide (docs/migration.md, "Adopting pytest-gpu in an existing suite") is real:
+its "after" code blocks, taken from the page verbatim, pass as an inner run on simulated GPUs.
 
 The guide's ``mylib.load_model`` is the suite's own code; here it is a stand-in whose
 models are simulated GPU memory (``pytest_gpu.sim``), freed when the model is.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parent.parent / "README.md"
-SECTION = "## Adopting pytest-gpu in an existing suite"
+GUIDE = Path(__file__).parent.parent / "docs" / "migration.md"
+TITLE = "# Adopting pytest-gpu in an existing suite"
 
 MYLIB = '''
 """A stand-in for the suite's own model code: models are simulated GPU memory."""
@@ -52,15 +52,13 @@ def load_model(size, device):
 
 def guide_files(text: str) -> dict[str, dict[str, str]]:
     """The guide's code blocks that name a file in their first line (``# conftest.py``),
-    by subsection (``### Before``, ``### After``, ...) and file name."""
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    section = text[start : end if end != -1 else len(text)]
+    by subsection (``## Before``, ``## After``, ...) and file name."""
+    assert text.startswith(TITLE + "\n"), text[:200]
     files: dict[str, dict[str, str]] = {}
     heading = ""
-    for part in re.split(r"^(### .*)$", section, flags=re.MULTILINE):
-        if part.startswith("### "):
-            heading = part[4:].strip()
+    for part in re.split(r"^(## .*)$", text, flags=re.MULTILINE):
+        if part.startswith("## "):
+            heading = part[3:].strip()
             continue
         for body in re.findall(r"^```(?:python|ini)\n(.*?)^```$", part, flags=re.MULTILINE | re.DOTALL):
             first = body.splitlines()[0]
@@ -70,7 +68,7 @@ def guide_files(text: str) -> dict[str, dict[str, str]]:
 
 
 def test_the_guide_has_the_blocks_this_test_runs() -> None:
-    files = guide_files(README.read_text())
+    files = guide_files(GUIDE.read_text())
     assert set(files) == {"The suite", "Before", "After"}, files.keys()
     assert set(files["The suite"]) == {"test_llm.py"}
     assert set(files["Before"]) == {"conftest.py", "pytest.ini"}
@@ -85,7 +83,7 @@ def test_the_guides_after_passes_on_simulated_gpus(gpu_pytester, run_inner, monk
     """Two modules (the guide's test file and a copy) on 2 simulated GPUs and 2 workers: every
     test passes, no lease is broken, each module loads its model once, and the ``large`` tests
     get a whole GPU through the marker map."""
-    files = guide_files(README.read_text())
+    files = guide_files(GUIDE.read_text())
     after = {**files["The suite"], **files["After"]}
     for name, body in after.items():
         (gpu_pytester.path / name).write_text(body)

@@ -1,0 +1,266 @@
+"""The documentation is true: the README and the site under docs/ (MkDocs, mkdocs.yml).
+
+- The options reference is generated from the options table in code (docs/hooks.py runs
+  ``pytest_gpu.options.register`` against a recorder); these tests hold the generator to
+  pytest's own parser and keep the hand-written text around it (the README's short table,
+  the notes) to options that exist, with the defaults the code gives.
+- A code block whose first line names a file (``# test_tour.py``, ``# conftest.py``) is part
+  of a suite, and every such block is run by a test: the README's tour here, the migration
+  guide in tests/test_migration_guide.py, the ``gpu_marker_map`` example in
+  tests/test_conventions.py. A new one fails :func:`test_every_suite_in_the_docs_is_run`
+  until it is given a test.
+- ``mkdocs build --strict`` (in .ci/run) checks every link and anchor of the site, the
+  README's included (it is the site's home page).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import require
+from pytest_gpu import options
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 300
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pytest_gpu_docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pages() -> dict[str, str]:
+    """README.md and every page of the site, by path relative to the repository."""
+    pages = {"README.md": README.read_text(encoding="utf-8")}
+    for path in sorted(DOCS.rglob("*.md")):
+        pages[path.relative_to(ROOT).as_posix()] = path.read_text(encoding="utf-8")
+    return pages
+
+
+# -- the options reference ----------------------------------------------------------------
+
+
+def _real_parser() -> tuple[set[str], set[str]]:
+    """The option strings and ini keys ``register`` gives pytest's own parser."""
+    from _pytest.config.argparsing import Parser
+
+    parser = Parser(_ispytest=True)
+    options.register(parser)
+    names = {name for group in parser._groups for opt in group.options for name in opt.names()}
+    names |= {name for opt in parser._anonymous.options for name in opt.names()}
+    return names, set(parser._inidict)
+
+
+def test_the_options_reference_is_the_code_s_table() -> None:
+    hooks = _hooks()
+    entries = hooks.option_entries()
+    option_names, ini_keys = _real_parser()
+    assert {e.option for e in entries if e.option} == option_names
+    assert {e.ini for e in entries if e.ini} == ini_keys
+    by_ini = {e.ini: e for e in entries if e.ini}
+    for option, ini, default, help_text in options.OPTIONS:
+        entry = by_ini[ini]
+        assert (entry.option, entry.default, entry.help) == (option, default, help_text), entry
+    table = hooks.options_table()
+    rows = [line for line in table.splitlines() if line.startswith("| `") or line.startswith("| —")]
+    assert len(rows) == len(entries)
+    for e in entries:
+        name = e.option or e.ini
+        (row,) = [r for r in rows if r.startswith(f"| `{name}` ") or r.startswith(f"| — | `{name}` ")]
+        assert e.help.replace("|", "\\|") in row, row
+    # the launcher markers' built-in table is the code's, not "empty"
+    (launchers,) = [r for r in rows if "`launcher_markers`" in r]
+    assert "`torch_dist: torchrun srun mpirun`" in launchers, launchers
+
+
+def test_the_options_page_is_generated_not_written() -> None:
+    hooks = _hooks()
+    page = (DOCS / "reference" / "options.md").read_text(encoding="utf-8")
+    assert page.count(hooks.PLACEHOLDER) == 1
+    assert not re.search(r"^\| `--", page, flags=re.MULTILINE), "an option row written by hand"
+    rendered = hooks.on_page_markdown(page, None, {"config_file_path": str(ROOT / "mkdocs.yml")}, None)
+    assert "| `--gpus` | `gpus` | `auto` |" in rendered
+    # the notes name only options and ini keys that exist
+    known = {e.option for e in hooks.option_entries()} | {e.ini for e in hooks.option_entries()}
+    named = set(re.findall(r"`(--[a-z][a-z-]*)", page)) | set(re.findall(r"^- `([a-z_]+)`", page, flags=re.M))
+    assert named and named <= known, named - known
+
+
+def test_the_readme_options_table_has_the_code_s_defaults() -> None:
+    readme = README.read_text(encoding="utf-8")
+    section = readme[readme.index("### Options") :]
+    section = section[: section.index("\n## ")]
+    rows = re.findall(r"^\| `(--[a-z-]+)` \| ([^|]+) \|", section, flags=re.MULTILINE)
+    assert len(rows) >= 5, rows
+    defaults = {option: default for option, _, default, _ in options.OPTIONS}
+    for option, shown in rows:
+        expected = f"`{defaults[option]}`" if defaults[option] else "empty"
+        assert shown.strip() == expected, (option, shown)
+
+
+# -- the README and the site ----------------------------------------------------------------
+
+
+def test_the_readme_is_short() -> None:
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to a page under docs/"
+
+
+def test_the_readme_links_resolve() -> None:
+    """GitHub renders the README from the root: its relative links must name files there
+    (the site checks them again, anchors included, as its home page)."""
+    readme = README.read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(((?!https?:|#)[^)#]+)(?:#[^)]*)?\)", readme)
+    assert targets
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, missing
+
+
+def test_the_site_home_page_is_the_readme() -> None:
+    hooks = _hooks()
+    home = (DOCS / "index.md").read_text(encoding="utf-8")
+    rendered = hooks.on_page_markdown(home, None, {"config_file_path": str(ROOT / "mkdocs.yml")}, None)
+    assert rendered.startswith("# pytest-gpu\n")
+    assert "](docs/" not in rendered and "](reference/options.md)" in rendered
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")]
+    assert pages
+    assert [p for p in pages if f": {p}\n" not in nav] == []
+
+
+# -- code blocks that are suites ------------------------------------------------------------
+
+FILE_BLOCK = re.compile(r"^```(?:python|ini)\n# ([\w.]+\.(?:py|ini))\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+# (page, file) -> the test that runs it
+SUITES = {
+    ("README.md", "test_tour.py"): "tests/test_docs.py::test_the_readme_tour_passes_on_simulated_gpus",
+    ("docs/migration.md", "test_llm.py"): "tests/test_migration_guide.py",
+    ("docs/migration.md", "conftest.py"): "tests/test_migration_guide.py",
+    ("docs/migration.md", "pytest.ini"): "tests/test_migration_guide.py",
+    ("docs/requests.md", "conftest.py"): "tests/test_conventions.py::test_the_readme_example",
+    ("docs/real-gpus.md", "conftest.py"): "tests/test_docs.py::test_the_confine_hook_example_confines_a_framework",
+}
+
+
+def file_blocks(text: str) -> dict[str, str]:
+    """The code blocks of a page that name a file in their first line, by file name (the
+    last one wins: a page's "after" follows its "before")."""
+    return {name: f"# {name}\n{body}" for name, body in FILE_BLOCK.findall(text)}
+
+
+def test_every_suite_in_the_docs_is_run() -> None:
+    found = {(page, name) for page, text in _pages().items() for name in file_blocks(text)}
+    assert found == set(SUITES), f"new: {found - set(SUITES)}, gone: {set(SUITES) - found}"
+
+
+# torch's CPU build cannot make CUDA tensors: in the inner run a tensor put on a GPU is a CPU
+# tensor that also holds its bytes of simulated memory on that GPU (the current device for
+# "cuda"), given back when the tensor is freed, so leases, caps and verification see it.
+TORCH_ON_SIM = '''
+import os
+
+import torch
+
+from pytest_gpu.sim import torch_cuda
+
+_ones = torch.ones
+
+
+def _ones_on(*size, device=None, **kwargs):
+    tensor = _ones(*size, **kwargs)
+    if device is not None and str(device) != "cpu":
+        tensor.sim_block = torch_cuda.empty(tensor.numel() * tensor.element_size(), device=device)
+        test = os.environ["PYTEST_CURRENT_TEST"].split("::")[1].split()[0]
+        with open(SEEN, "a") as fh:
+            fh.write(f"{test} {device} {tensor.sim_block.device}\\n")
+    return tensor
+
+
+torch.ones = _ones_on
+'''
+
+
+def test_the_readme_tour_passes_on_simulated_gpus(gpu_pytester: pytest.Pytester, run_inner) -> None:
+    require("torch", module="torch")
+    tour = file_blocks(README.read_text(encoding="utf-8"))["test_tour.py"]
+    gpu_pytester.makepyfile(test_tour=tour)
+    seen = gpu_pytester.path / "seen.txt"
+    gpu_pytester.makeconftest(f"SEEN = {str(seen)!r}\n" + TORCH_ON_SIM)
+    result = run_inner("--gpus", "sim:4x16GiB", "-n", "2", "-rA", subprocess=True, timeout=240)
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.OK, out
+    result.assert_outcomes(passed=6)
+    assert re.search(r"^pytest-gpu: 4 simulated GPUs .* · 0 violations$", out, flags=re.MULTILINE), out
+    # the tensors the tour puts on "cuda" and on gpu.device / lease.device went to a GPU
+    seen_by = {}
+    for line in seen.read_text().splitlines():
+        test, device, ordinal = line.split()
+        seen_by.setdefault(test, []).append((device, int(ordinal)))
+    assert sorted(seen_by) == ["test_compile_then_run", "test_kernel"], seen_by
+    (cuda, named) = seen_by["test_kernel"]  # "cuda" is the current device: the lease's GPU
+    assert cuda[0] == "cuda" and named[0].startswith("cuda:") and cuda[1] == named[1], seen_by
+
+
+CONFINE_TEST = '''
+import pytest
+
+
+def test_imports_myfw_during_the_test(gpu):
+    import myfw
+
+    assert myfw.limit == (gpu.memory, [int(d.split(":")[1]) for d in gpu.devices])
+
+
+@pytest.mark.gpu(memory="2GiB")
+def test_myfw_already_imported(gpu):
+    import myfw
+
+    assert myfw.limit == (2 * 2**30, [int(gpu.device.split(":")[1])])
+
+
+def test_and_restored_after_each_lease():
+    import myfw
+
+    assert myfw.limit == ("unlimited", None)
+'''
+
+MYFW = '''
+limit = ("unlimited", None)
+
+
+def memory_limit():
+    return limit[0]
+
+
+def set_memory_limit(value, devices):
+    global limit
+    limit = (value, None if value == "unlimited" else list(devices))
+'''
+
+
+def test_the_confine_hook_example_confines_a_framework(gpu_pytester: pytest.Pytester, run_inner) -> None:
+    """docs/real-gpus.md's ``pytest_gpu_confine`` conftest, verbatim, on a stand-in framework:
+    applied when the test imports it and when it was imported before, undone after the lease."""
+    conftest = file_blocks((DOCS / "real-gpus.md").read_text(encoding="utf-8"))["conftest.py"]
+    gpu_pytester.makeconftest(conftest)
+    gpu_pytester.makepyfile(myfw=MYFW, test_confine=textwrap.dedent(CONFINE_TEST))
+    result = run_inner("--gpus", "sim:2x16GiB", "-p", "no:randomly")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.assert_outcomes(passed=3)
