@@ -337,7 +337,7 @@ def test_failed_dependency_skips_as_serially(tester: pytest.Pytester) -> None:
 
 def test_schedule_off_keeps_chains_with_loadfile(tester: pytest.Pytester) -> None:
     # --gpu-schedule=off is xdist's own load scheduling, which knows nothing of chains; the
-    # README's advice: --dist loadfile keeps each file (and so each in-file chain) on one worker.
+    # the docs' advice (docs/scheduling.md): --dist loadfile keeps each file (and so each in-file chain) on one worker.
     write(tester, conftest=RECORDER, test_chain=CHAIN, test_filler=FILLER)
     result, _, order = run(tester, *XDIST, "--gpu-schedule=off", "--dist", "loadfile")
     result.assert_outcomes(passed=28)

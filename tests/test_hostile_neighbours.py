@@ -1,6 +1,6 @@
 """Two users on one machine: B attacks A's runs; A's runs pass and A's files stay A's.
 
-The promise (README, "Sharing a machine"): a local user without root who shares the
+The promise (docs/sharing.md, "Sharing a machine"): a local user without root who shares the
 machine sees of another user's runs only that they exist (user, number of leases, GPUs
 held); can never write or change the mode of another user's files; never release, change,
 receive or impersonate another run's leases; never make the arbiter promise memory

@@ -570,7 +570,7 @@ def test_shard_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_shard_with_xdist_workers_under_srun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """The README's recipe: each rank runs its share with its own xdist workers."""
+    """The docs' recipe (docs/launchers.md): each rank runs its share with its own xdist workers."""
     launcher = Launcher("srun", request)
     source = SHARDED.replace("range(60)", "range(12)").replace("time.sleep(seconds(i))", "time.sleep(0.02)")
     cwd = suite(tmp_path, test_sharded=source)

@@ -732,7 +732,7 @@ def test_a_second_group_is_not_bound_to_a_worker_with_a_group_pending() -> None:
 
 
 def guide_suite(before: bool) -> list[Job]:
-    """The README migration guide's suite, twice (test_llm.py and a copy): per module a
+    """The migration guide's suite (docs/migration.md), twice (test_llm.py and a copy): per module a
     6-unit model fixture used by two tests (group "A"/"B"), and a test that uses no fixture
     but needs a whole GPU; ``before``: the catalog names the module's group it goes before."""
     jobs = []

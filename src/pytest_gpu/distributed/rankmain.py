@@ -188,7 +188,7 @@ class Rank:
         return getattr(module, body["func"])
 
     def _clean(self, env: dict[str, str], cwd: str, groups: set[Any]) -> None:
-        """Put the process back as the test found it (see the README's list)."""
+        """Put the process back as the test found it (see docs/distributed.md's list)."""
         if self.backend in ("gloo", "nccl"):
             import torch.distributed as dist
 

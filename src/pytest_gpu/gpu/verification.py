@@ -240,7 +240,7 @@ class _Sample:
 class NvmlVerifier:
     """Real GPUs: NVML per-process usage, torch's counters where torch is the allocator.
 
-    What a test is charged (the README's accounting table says the same):
+    What a test is charged (docs/how-it-works.md's accounting table says the same):
 
     - this process's NVML usage (every allocator: torch, CuPy, JAX, raw ``cudaMalloc``,
       NCCL), above what it used when the lease began (its context and what earlier tests

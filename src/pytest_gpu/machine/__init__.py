@@ -9,6 +9,6 @@
 - :mod:`.mirror`: what a run holds and waits for, brought to a new arbiter;
 - :mod:`.link`: a run's side: lead or attach, fall back from a squatter, take over on failover.
 
-Everything another local user can reach is checked: see the README's "Sharing a machine"
+Everything another local user can reach is checked: see docs/sharing.md, "Sharing a machine"
 for the threat model.
 """

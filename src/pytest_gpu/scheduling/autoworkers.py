@@ -5,7 +5,7 @@ logical``), first result wins, and its own answer is the CPU count. With GPUs in
 run's inventory pytest-gpu answers ``-n auto`` with :func:`choose`; ``-n logical``,
 ``PYTEST_XDIST_AUTO_NUM_WORKERS`` and a machine without GPUs are left to xdist (``None``).
 
-The formula (README, "How many workers?")::
+The formula (docs/scheduling.md, "How many workers?")::
 
     m      one test's memory per GPU: --gpu-default-memory, or with --gpu-learn and
            recorded peaks the median of the requests --gpu-learn makes of them
