@@ -21,7 +21,7 @@ import pytest
 
 from conftest import require
 from pytest_gpu.distributed import backends
-from pytest_gpu.distributed.backends import AutoChoice, auto_backend, build_nccl_missing, nccl_missing
+from pytest_gpu.distributed.backends import AutoChoice, auto_backend, build_nccl_missing, fit_ranks, nccl_missing
 from pytest_gpu.gpu.devices import Device, Inventory, discover
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.sim import fake
@@ -291,6 +291,58 @@ def test_auto_picks_nccl_only_on_real_gpus_with_a_torch_that_has_it(monkeypatch)
     assert auto_backend(real) == AutoChoice("gloo", "torch 2.3.0+cpu has no NCCL (a CPU build)")
     assert auto_backend(Inventory((), "auto", "NVML unavailable: NVML Shared Library Not Found")) == AutoChoice(
         "gloo", "this run has no GPUs (NVML unavailable: NVML Shared Library Not Found)"
+    )
+
+
+def test_auto_takes_gloo_for_more_ranks_than_gpus():
+    two = Inventory((Device(0, "GPU-a", 80 * GiB), Device(1, "GPU-b", 80 * GiB)), "nvml")
+    nccl = AutoChoice("nccl", "2 GPUs (2x80GiB) and a torch with NCCL")
+    assert fit_ranks(nccl, 2, two) is nccl
+    assert fit_ranks(nccl, 3, two) == AutoChoice(
+        "gloo", "3 ranks would need 3 GPUs for nccl and this run has 2 GPUs (2x80GiB)"
+    )
+    gloo = AutoChoice("gloo", "torch 2.3.0+cpu has no NCCL (a CPU build)")
+    assert fit_ranks(gloo, 3, two) is gloo
+
+
+AUTO_SUITE = """
+import pytest
+
+@pytest.mark.skip(reason="the auto choice is read off its report; no pool is started")
+@pytest.mark.distributed(world_size=2)
+def test_two(rank):
+    pass
+
+@pytest.mark.skip(reason="the auto choice is read off its report; no pool is started")
+@pytest.mark.distributed(world_size=3)
+def test_three(rank):
+    pass
+
+@pytest.mark.distributed(world_size=3, gpus_per_rank=1)
+def test_three_with_a_gpu_each(rank):
+    raise AssertionError("must not run")
+"""
+
+
+def test_where_nccl_can_run_auto_takes_it_for_the_ranks_that_fit(gpu_pytester, run_inner, monkeypatch):
+    monkeypatch.setattr(backends, "nccl_missing", lambda inventory: None)  # as on real GPUs with CUDA torch
+    gpu_pytester.makepyfile(test_auto=AUTO_SUITE)
+    result = run_inner("--gpus", "sim:2x16GiB", "-rs")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(
+        [
+            f"pytest-gpu: 1 GPU test skipped: larger than this run's {SIM} (-rs lists them)",
+            f"pytest-gpu: backend='auto' chose gloo for 1 distributed test: 3 ranks would need 3 GPUs for nccl and "
+            f"this run has {SIM}",
+            f"pytest-gpu: backend='auto' chose nccl for 2 distributed tests: {SIM} and a torch with NCCL",
+        ]
+    )
+    # an explicit gpus_per_rank keeps its GPUs: the pool of 3 cannot be placed, and says so
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [[]1[]] test_auto.py:13: pytest-gpu: its pool of 3 ranks (nccl via spawn, 1 GPU/rank) needs 3 "
+            f"GPUs (whole GPU each) but this run has {SIM}"
+        ]
     )
 
 

@@ -51,6 +51,17 @@ def auto_backend(inventory: Inventory) -> AutoChoice:
     return AutoChoice("gloo", missing)
 
 
+def fit_ranks(choice: AutoChoice, world_size: int, inventory: Inventory) -> AutoChoice:
+    """``auto``'s choice for ``world_size`` ranks that ask for no ``gpus_per_rank``: nccl gives
+    each rank a GPU of its own, so with more ranks than the run has GPUs ``auto`` takes gloo
+    (the test runs, on CPU ranks, instead of being skipped)."""
+    if choice.backend == "nccl" and world_size > len(inventory.devices):
+        return AutoChoice(
+            "gloo", f"{world_size} ranks would need {world_size} GPUs for nccl and this run has {inventory.describe()}"
+        )
+    return choice
+
+
 def nccl_missing(inventory: Inventory) -> str | None:
     """The piece NCCL lacks here (GPUs, real GPUs, NCCL in torch), in words; ``None``: none."""
     from ..sim import fake
