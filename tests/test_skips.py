@@ -384,7 +384,7 @@ def _skip_report(nodeid: str, reason: str, why: str | None) -> pytest.TestReport
     )
 
 
-def test_skipped_line_groups_by_why_and_counts_run_time_skips_without_gpus():
+def test_skipped_line_groups_by_why_and_counts_run_time_skips():
     summary = Summary()
     summary.add(_skip_report("t.py::a", "pytest-gpu: needs 1 GPU", "no GPUs — --gpus none"))
     summary.add(_skip_report("t.py::b", "pytest-gpu: needs 5 GPUs (1GiB each) ...", None))  # a gpu_request block
@@ -392,3 +392,11 @@ def test_skipped_line_groups_by_why_and_counts_run_time_skips_without_gpus():
     none = Inventory((), "none", "--gpus none")
     assert summary.skipped_lines(none) == ["pytest-gpu: 2 GPU tests skipped: no GPUs — --gpus none (-rs lists them)"]
     assert Summary().skipped_lines(none) == []
+    two = Inventory((Device(0, "GPU-a", 16 * GiB), Device(1, "GPU-b", 16 * GiB)), "nvml")
+    summary.add(
+        _skip_report("t.py::d", "pytest-gpu: backend='nccl' ...", "nccl unavailable — torch 2.3.0+cpu has no NCCL")
+    )
+    assert summary.skipped_lines(two) == [
+        "pytest-gpu: 3 GPU tests skipped: 1 larger than this run's 2 GPUs (2x16GiB); 1 nccl unavailable — torch "
+        "2.3.0+cpu has no NCCL; 1 no GPUs — --gpus none (-rs lists them)"
+    ]

@@ -153,8 +153,12 @@ class Summary:
             return []
         counts: dict[str, int] = {}
         for why, tests in self.skipped_why.items():
-            if why is None:  # a skip at run time: without GPUs it can only be for want of them
-                why = f"no GPUs — {inventory.note or inventory.source}" if not inventory.devices else "other reasons"
+            if why is None:  # a skip at run time (a gpu_request block, a fixture's lease): a request too large
+                why = (
+                    f"larger than this run's {inventory.describe()}"
+                    if inventory.devices
+                    else f"no GPUs — {inventory.note or inventory.source}"
+                )
             counts[why] = counts.get(why, 0) + tests
         if len(counts) == 1:
             reasons = next(iter(counts))
