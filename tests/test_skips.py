@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +24,9 @@ from conftest import require
 from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import AutoChoice, auto_backend, build_nccl_missing, fit_ranks, nccl_missing
 from pytest_gpu.gpu.devices import Device, Inventory, discover
+from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.report.summary import Summary
+from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.sim import fake
 
 GiB = 2**30
@@ -132,6 +135,25 @@ def test_unplaceable_distributed_tests_fail_under_oversize_fail(gpu_pytester, ru
     )
     assert "GPU tests skipped" not in result.stdout.str()  # they failed: nothing was skipped silently
     _no_traceback(result)
+
+
+def test_the_scheduler_plans_what_cannot_run_here_as_cpu_work(gpu_pytester):
+    """A skipped test waits for no GPU: the catalog gives it none (nccl_two's pool would fit)."""
+    gpu_pytester.makepyfile(test_suite=SUITE)
+    items, _ = gpu_pytester.inline_genitems("--gpus", "sim:2x16GiB", "-p", "no:cacheprovider")
+    run = SimpleNamespace(  # what entries() asks of the run
+        settings=SimpleNamespace(default_memory=DefaultMemory(exclusive=True)),
+        inventory=discover("sim:2x16GiB", environ={}),
+        never_fits=lambda request: None if request.count <= 2 else "too many",
+    )
+    entries = catalog_entries(items, run)  # type: ignore[arg-type]
+    gpus = {item.name: entries.get(item.nodeid, {}).get("gpus", 0) for item in items}
+    assert gpus == dict.fromkeys(
+        ["test_nccl_four", "test_nccl_two", "test_gloo_two_gpus_each", "test_gpu_three", "test_auto", "test_cpu"], 0
+    )
+    run.never_fits = lambda request: None  # as on a machine where they all fit: the GPU tests ask for theirs
+    fitting = catalog_entries(items, run)  # type: ignore[arg-type]
+    assert fitting[items[2].nodeid]["gpus"] == 4  # test_gloo_two_gpus_each: 2 ranks x 2 GPUs
 
 
 # The README's GPU-less CI recipe: PYTEST_GPU_FAKE_GPUS=sim:2x16GiB pytest -n 2 --gpus auto
