@@ -179,10 +179,11 @@ def test_three_ranks_a_gpu_each(rank):
 """
 
 
-def test_readme_recipe_on_fake_gpus_runs_auto_on_gloo_and_skips_nccl(gpu_pytester, fake_run):
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_readme_recipe_on_fake_gpus_runs_auto_on_gloo_and_skips_nccl(gpu_pytester, fake_run, workers):
     require("torch", module="torch")
     gpu_pytester.makepyfile(test_recipe=RECIPE)
-    result = fake_run("sim:2x16GiB", "-n", "2", "--gpus", "auto", "-rs")
+    result = fake_run("sim:2x16GiB", "-n", workers, "--gpus", "auto", "-rs")
     result.assert_outcomes(passed=1, skipped=2)
     faked = "the GPUs are fake (PYTEST_GPU_FAKE_GPUS=sim:2x16GiB) and NCCL needs real ones"
     result.stdout.fnmatch_lines_random(
