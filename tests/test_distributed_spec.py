@@ -13,13 +13,13 @@ WHAT = "distributed marker"
 QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 
-def spec(*args: object, have_gpus: bool = False, **kwargs: object) -> DistSpec:
-    return build_spec(args, kwargs, have_gpus=have_gpus)
+def spec(*args: object, auto: str = "gloo", **kwargs: object) -> DistSpec:
+    return build_spec(args, kwargs, auto_backend=auto)
 
 
-def error(*args: object, have_gpus: bool = False, **kwargs: object) -> str:
+def error(*args: object, auto: str = "gloo", **kwargs: object) -> str:
     with pytest.raises(GpuRequestError) as info:
-        build_spec(args, kwargs, have_gpus=have_gpus)
+        build_spec(args, kwargs, auto_backend=auto)
     return str(info.value)
 
 
@@ -38,12 +38,12 @@ def test_world_size_by_keyword() -> None:
     assert spec(world_size=3) == DistSpec(3, "gloo", 0, "spawn")
 
 
-def test_auto_backend_is_nccl_with_one_gpu_per_rank_when_there_are_gpus() -> None:
-    assert spec(4, have_gpus=True) == DistSpec(4, "nccl", 1, "spawn")
+def test_auto_backend_is_nccl_with_one_gpu_per_rank_where_nccl_is_chosen() -> None:
+    assert spec(4, auto="nccl") == DistSpec(4, "nccl", 1, "spawn")
 
 
 def test_explicit_gloo_with_gpus_needs_no_gpu() -> None:
-    assert spec(2, backend="gloo", have_gpus=True) == DistSpec(2, "gloo", 0, "spawn")
+    assert spec(2, backend="gloo", auto="nccl") == DistSpec(2, "gloo", 0, "spawn")
 
 
 def test_nccl_gpus_per_rank_default_and_explicit() -> None:
@@ -143,7 +143,7 @@ def test_bad_gpus_per_rank(value: object, shown: str) -> None:
 
 def test_nccl_without_gpus_per_rank() -> None:
     assert error(2, backend="nccl", gpus_per_rank=0) == f"{WHAT}: backend='nccl' needs gpus_per_rank >= 1"
-    assert error(2, gpus_per_rank=0, have_gpus=True) == f"{WHAT}: backend='nccl' needs gpus_per_rank >= 1"
+    assert error(2, gpus_per_rank=0, auto="nccl") == f"{WHAT}: backend='nccl' needs gpus_per_rank >= 1"
 
 
 @pytest.mark.parametrize(("value", "shown"), [(0, "0"), (-5, "-5"), (True, "True"), ("5", "'5'"), ([5], "[5]")])

@@ -209,6 +209,7 @@ def every_field_set() -> Settings:
         host_cpus=6,
         host_memory=8 * GIB,
         context_overhead_given=True,
+        required=True,
     )
 
 

@@ -60,7 +60,8 @@ that this map names every module).
         session         the run's state in one process (GpuRun); ``GpuRun.hold``: every lease
         record          a test's own record, built once at collection (TestNeeds)
         holding         who holds leases (Owner) and how: Holding, a test's state, the verdicts' wording
-        lifecycle       one test's life with a lease
+        lifecycle       one test's life with a lease; tests this run can never run, skipped
+        required        --gpu-required: GPU tests and no GPUs stop the run at start
         conventions     requests from a suite's own markers and the item-request hook
         fixture_leases  leases held by fixtures of any scope
         rundir          the run directory and its owner
@@ -81,6 +82,7 @@ that this map names every module).
         gantt           the Gantt chart of a trace
     distributed/        distributed test bodies on a warm pool of ranks
         spec            the ``distributed`` marker, the run's settings for it (pure)
+        backends        what backend="auto" picks here; what nccl lacks where it cannot run
         protocol        what a pool and its ranks send each other, and the files they write
         launchers       spawn, torchrun, mpirun, srun: commands, environments, ending them
         pool            the warm pool of rank processes

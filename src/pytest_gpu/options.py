@@ -29,6 +29,13 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "a request this machine can never satisfy: 'skip' (with a reason) or 'fail'.",
     ),
     (
+        "--gpu-required",
+        "gpu_required",
+        "false",
+        "fail the run at start (after collection) when it has GPU tests and no GPUs, instead of skipping "
+        "them: for a GPU CI job. A flag on the command line; 'true' or 'false' as an ini key.",
+    ),
+    (
         "--gpu-verify",
         "gpu_verify",
         "fail",
@@ -120,6 +127,9 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
 )
 
+# ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
+FLAGS = frozenset({"gpu_required"})
+
 
 def _help_order(row: tuple[str, str, str, str]) -> tuple[bool, bool]:
     ini = row[1]
@@ -134,7 +144,11 @@ def register(parser: pytest.Parser) -> None:
     for option, ini, default, help_text in ordered:
         target = ray if ini.startswith("ray_") else group
         # argparse %-formats help texts: a literal "%" must be doubled there
-        target.addoption(option, dest=ini, default=None, help=f"{help_text.replace('%', '%%')} (ini: {ini})")
+        shown = f"{help_text.replace('%', '%%')} (ini: {ini})"
+        if ini in FLAGS:
+            target.addoption(option, dest=ini, default=None, action="store_const", const="true", help=shown)
+        else:
+            target.addoption(option, dest=ini, default=None, help=shown)
         parser.addini(ini, help_text, default=default)
     group.addoption(
         "--gpu-learn",
@@ -196,6 +210,7 @@ class Settings:
     host_memory: int | None = None  # the machine's RAM for host_memory= leases (None: measured)
     # --gpu-context-overhead was given (command line or ini): it wins over the measured context size
     context_overhead_given: bool = False
+    required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -229,6 +244,17 @@ def _choice(config: pytest.Config, ini: str, choices: tuple[str, ...]) -> str:
     return value.strip().lower()
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _flag(config: pytest.Config, ini: str) -> bool:
+    value, where = _value(config, ini)
+    word = value.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise pytest.UsageError(f"{where}: expected true or false, got {value!r}")
+    return word in _TRUE
+
+
 def read(config: pytest.Config) -> Settings:
     """Validate every option; a bad value is a UsageError naming the option."""
     gpus, _ = _value(config, "gpus")
@@ -256,6 +282,7 @@ def read(config: pytest.Config) -> Settings:
         gpus=gpus,
         default_memory=default_memory,
         oversize=_choice(config, "gpu_oversize", ("skip", "fail")),
+        required=_flag(config, "gpu_required"),
         verify=_choice(config, "gpu_verify", ("fail", "warn", "off")),
         wait_timeout=wait_timeout,
         context_overhead=overhead,

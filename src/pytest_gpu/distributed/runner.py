@@ -20,6 +20,7 @@ from ..leasing.requests import GpuRequestError
 from ..report.wording import plural
 from ..run.holding import STATE_KEY
 from ..run.record import needs, record
+from .backends import AUTO_PROPERTY, auto_backend, fit_ranks
 from .rankinfo import RankPlaceholder
 from .spec import DistSettings, DistSpec, build_spec
 
@@ -105,11 +106,16 @@ def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
     marker = item.get_closest_marker("distributed")
     if marker is None:
         return None
-    have_gpus = bool(run.inventory.devices) and not run.inventory.simulated
+    auto = auto_backend(run.inventory)  # nccl only on real GPUs with a torch that has it
     try:
-        spec = build_spec(marker.args, marker.kwargs, have_gpus=have_gpus)
+        spec = build_spec(marker.args, marker.kwargs, auto_backend=auto.backend)
+        if auto.backend == "nccl" and "gpus_per_rank" not in marker.kwargs:  # a GPU a rank: do they fit?
+            auto = fit_ranks(auto, spec.world_size, run.inventory)
+            spec = build_spec(marker.args, marker.kwargs, auto_backend=auto.backend)
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
+    if marker.kwargs.get("backend", "auto") == "auto" and AUTO_PROPERTY not in dict(item.user_properties):
+        item.user_properties.append((AUTO_PROPERTY, auto.describe()))  # the summary says what auto chose
     if item.get_closest_marker("gpu") is not None:
         raise GpuRequestError(
             f"{item.nodeid}: a distributed test gets its GPUs through distributed(gpus_per_rank=...), not a gpu marker"

@@ -42,8 +42,10 @@ class DistSpec:
         return f"{plural(self.world_size, 'rank')} ({self.backend} via {self.launcher}{gpus})"
 
 
-def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, have_gpus: bool) -> DistSpec:
-    """Validate ``distributed`` marker arguments; raise :class:`GpuRequestError` with the expected form."""
+def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, auto_backend: str = "gloo") -> DistSpec:
+    """Validate ``distributed`` marker arguments; raise :class:`GpuRequestError` with the expected form.
+
+    ``auto_backend``: what ``backend="auto"`` is here (see :mod:`pytest_gpu.distributed.backends`)."""
     what = "distributed marker"
     unknown = sorted(set(kwargs) - set(_KWARGS))
     if unknown:
@@ -66,7 +68,7 @@ def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, have_gpus: boo
     if backend == "mpi" and launcher not in ("mpirun", "srun"):
         raise GpuRequestError(f"{what}: backend='mpi' needs launcher='mpirun' or 'srun', got {launcher!r}")
     if backend == "auto":
-        backend = "nccl" if have_gpus else "gloo"
+        backend = auto_backend
     gpus_per_rank = kwargs.get("gpus_per_rank")
     if gpus_per_rank is None:
         gpus_per_rank = 1 if backend == "nccl" else 0

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from ..distributed.backends import AUTO_PROPERTY
 from ..leasing.spans import gpu_properties, parse_held
+from ..run.record import SKIP_PROPERTY
 from .timeline import Timeline
 from .wording import numbered, plural, verb
 
@@ -26,6 +28,8 @@ class Summary:
     violating: list[str] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)  # what verification could not check -> tests
     gpu_skipped: int = 0
+    skipped_why: dict[str | None, int] = field(default_factory=dict)  # why, in a few words -> tests (None: unsaid)
+    auto_backends: dict[str, set[str]] = field(default_factory=dict)  # "gloo: why" -> distributed tests
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
@@ -84,8 +88,15 @@ class Summary:
         return {r.nodeid: r.duration for r in self.timeline.records.values() if r.outcome != "crashed"}
 
     def add(self, report: pytest.TestReport) -> None:
+        given = dict(report.user_properties)
         if report.skipped and "pytest-gpu:" in str(report.longrepr):
             self.gpu_skipped += 1  # a GPU test this machine could not run: worth a summary
+            why = given.get(SKIP_PROPERTY)  # set at collection; a skip at run time (a gpu_request block) says none
+            key = str(why) if why else None
+            self.skipped_why[key] = self.skipped_why.get(key, 0) + 1
+        chosen = given.get(AUTO_PROPERTY)
+        if chosen:
+            self.auto_backends.setdefault(str(chosen), set()).add(report.nodeid)
         if report.when != "teardown":
             return
         props = gpu_properties(report.user_properties)
@@ -126,12 +137,42 @@ class Summary:
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
+        out += self.skipped_lines(inventory) + self.backend_lines()
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
             out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
         out += [self.quarantine_line(found) for found in self.quarantined.values()]
         out += [self.crash_line(crash) for crash in crashes if crash.worker not in self.quarantined]
+        return out
+
+    def skipped_lines(self, inventory: Inventory) -> list[str]:
+        """One line: how many tests were skipped because this run cannot run them, and why
+        (a run green only because its GPU tests were skipped must say so)."""
+        if not self.gpu_skipped:
+            return []
+        counts: dict[str, int] = {}
+        for why, tests in self.skipped_why.items():
+            if why is None:  # a skip at run time (a gpu_request block, a fixture's lease): a request too large
+                why = (
+                    f"larger than this run's {inventory.describe()}"
+                    if inventory.devices
+                    else f"no GPUs — {inventory.note or inventory.source}"
+                )
+            counts[why] = counts.get(why, 0) + tests
+        if len(counts) == 1:
+            reasons = next(iter(counts))
+        else:
+            reasons = "; ".join(f"{n} {why}" for why, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        return [f"pytest-gpu: {plural(self.gpu_skipped, 'GPU test')} skipped: {reasons} (-rs lists them)"]
+
+    def backend_lines(self) -> list[str]:
+        """What ``backend="auto"`` chose for the run's distributed tests, and why (one line a choice)."""
+        out = []
+        for chosen, tests in sorted(self.auto_backends.items()):
+            backend, _, why = chosen.partition(": ")
+            tests_ = plural(len(tests), "distributed test")
+            out.append(f"pytest-gpu: backend='auto' chose {backend} for {tests_}: {why}")
         return out
 
     @staticmethod

@@ -14,6 +14,7 @@ from .. import raycluster
 from ..launched import selection
 from ..machine import domain
 from ..report.summary import Summary, context_lines, foreign_lines
+from ..run import required
 from ..run.session import WIRE_KEY, GpuRun
 from ..scheduling import history
 from .base import RoleBase, register
@@ -62,7 +63,7 @@ class RunOwner(RoleBase):
 
         summary.quarantined = quarantine.records(run.run_dir)  # workers (or this process) a sticky CUDA error ended
         if summary.quiet(run.broker.crashes, run.broker.grants):  # the plugin stays inert for CPU-only runs
-            for line in selection.summary_lines(config):
+            for line in summary.backend_lines() + selection.summary_lines(config):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
@@ -104,6 +105,10 @@ class Controller(RunOwner):
         """Each new worker (replacements too) gets the broker's address."""
         node.workerinput[WIRE_KEY] = self.run.to_wire()
         node.workerinput[SCHEDULE_KEY] = self.schedules
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
+        required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:

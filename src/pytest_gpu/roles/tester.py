@@ -16,7 +16,7 @@ from ..distributed import runner
 from ..gpu import verification
 from ..launched import selection
 from ..launched.session import select_share
-from ..run import fixture_leases, lifecycle, quarantine
+from ..run import fixture_leases, lifecycle, quarantine, required
 from ..run.record import needs
 from .base import RoleBase
 from .keys import SCHEDULE_KEY, Role
@@ -43,6 +43,9 @@ class TestProcess(RoleBase):
 
     def select(self, items: list[pytest.Item]) -> None:
         """Narrow the collected tests further (a worker: its rank's shard)."""
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        required.check(session, self.run)  # --gpu-required: GPU tests and no GPUs stop the run here
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         # plain (not tryfirst): after the skip/skipif/xfail checks, before fixtures are set up
@@ -109,6 +112,7 @@ class Worker(TestProcess):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        super().pytest_collection_finish(session)  # before xdist sends the node ids too
         # tell the scheduler what each test needs before xdist sends the node ids
         if not self.config.workerinput.get(SCHEDULE_KEY) or not session.items:  # type: ignore[attr-defined]
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from . import fixture_leases, quarantine
 from .conventions import convention_request, item_kwargs
 from .holding import STATE_KEY, Holding, Owner, TestState, broke
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
-from .record import effective, needs, record
+from .record import SKIP_PROPERTY, effective, needs, record
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
@@ -155,18 +156,54 @@ def collect_report(
 
 
 def mark_oversize(items: list[pytest.Item], run: GpuRun) -> None:
-    """Skip (or flag to fail) tests whose request this machine can never satisfy."""
+    """Skip (or flag to fail) tests this run can never run: a request larger than its GPUs or
+    machine, a distributed test whose rank pool cannot be placed on them or whose
+    ``backend="nccl"`` cannot run here (see :func:`never_runs`)."""
     for item in items:
-        request = needs(item).request
-        if request is None:
+        found = never_runs(item, run)
+        if found is None:
             continue
-        reason = run.never_fits(request)
-        if reason is None:
-            continue
+        reason, why = found
         if run.settings.oversize == "skip":
             item.add_marker(pytest.mark.skip(reason=f"pytest-gpu: {reason}"))
+            item.user_properties.append((SKIP_PROPERTY, why))
         else:
             record(item).oversize = reason
+
+
+def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
+    """Why this run can never run ``item``, and that in a few words for the summary; ``None``: it can.
+
+    A distributed test is checked as its pool is placed: ``world_size`` x ``gpus_per_rank``
+    GPUs (the pool's lease), then the backend (nccl needs real GPUs and a torch with NCCL),
+    then whatever the test leases itself."""
+    from ..distributed.backends import nccl_missing
+
+    test = needs(item)
+    dist = test.dist
+    if dist is not None:
+        pool = dist.gpu_request(run.settings.default_memory)
+        reason = run.never_fits(pool) if pool is not None else None
+        if pool is not None and reason is not None:
+            return f"its pool of {dist.describe()} {reason}", _skip_why(pool, run)
+        missing = nccl_missing(run.inventory) if dist.backend == "nccl" else None
+        if missing is not None:
+            instead = "; backend='auto' would take gloo here" if run.inventory.devices else ""
+            return f"backend='nccl' cannot run here: {missing}{instead}", f"nccl unavailable — {missing}"
+    request = test.request
+    if request is None:
+        return None
+    reason = run.never_fits(request)
+    return None if reason is None else (reason, _skip_why(request, run))
+
+
+def _skip_why(request: GpuRequest, run: GpuRun) -> str:
+    """A never-fitting request's reason in the few words the summary groups skips by."""
+    if request.count and not run.inventory.devices:
+        return f"no GPUs — {run.inventory.note or run.inventory.source}"
+    if request.count and run.never_fits(replace(request, cpus=0, host_memory=0)) is not None:
+        return f"larger than this run's {run.inventory.describe()}"
+    return "more CPUs or RAM than the machine has"
 
 
 def setup(item: pytest.Item, run: GpuRun) -> None:

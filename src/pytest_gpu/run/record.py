@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from .session import GpuRun
 
 RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()
+# the user property of a test skipped at collection because this run cannot run it: why, in a
+# few words ("no GPUs — NVML unavailable: ..."); the run's summary counts its skips by it
+SKIP_PROPERTY = "gpu_skipped"
 
 
 @dataclass

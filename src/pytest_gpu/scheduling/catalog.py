@@ -29,6 +29,7 @@ import pytest
 
 from ..run import fixture_leases
 from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED, HELD_PREFIX
+from ..run.lifecycle import never_runs
 from ..run.record import effective, needs
 from . import dependencies
 from .planner import Job, Need
@@ -110,8 +111,9 @@ def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, An
             pool = repr(record.dist.pool_key)
             request = record.scheduled_request(run.settings.default_memory)  # the pool's GPUs, if any
         gpus, memory = 0, None
-        # one that never fits is skipped; one of host resources only is CPU work to the scheduler
-        if request is not None and request.count and run.never_fits(request) is None:
+        # one this run can never run is skipped (a pool too large, nccl where it cannot run); one of
+        # host resources only is CPU work to the scheduler
+        if request is not None and request.count and never_runs(item, run) is None:
             gpus, memory = request.count, request.memory
         entry = Entry(
             gpus=gpus,

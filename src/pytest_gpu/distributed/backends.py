@@ -1,0 +1,134 @@
+"""Which process-group backend a distributed test gets here: what ``backend="auto"`` picks,
+and what is missing when ``backend="nccl"`` is asked for where it cannot run.
+
+NCCL needs real GPUs (simulated and fake ones are CPU memory behind a simulated CUDA) and a
+torch built with it (torch's CPU build has none, nor has torch on Windows or macOS).
+
+The choice is made where the ``distributed`` marker is read: at collection, in the process
+that collects the tests (pytest alone, or each xdist worker), since the pool's key and the
+GPUs it leases depend on it. torch is not imported for it: where a test module imported it
+already, ``torch.distributed.is_nccl_available()`` answers; otherwise torch's
+``version.py`` is read from its package directory (``importlib.util.find_spec``, no
+import): a CUDA or ROCm build on Linux has NCCL (RCCL), a CPU build does not.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..gpu.devices import Inventory
+
+# the user property of a test whose marker left the backend to "auto": what auto chose, and why
+AUTO_PROPERTY = "dist_backend_auto"
+_VERSION_LINE = re.compile(r"^(__version__|cuda|hip)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``backend="auto"`` chose here, and why (said once in the run's summary)."""
+
+    backend: str  # "nccl" or "gloo"
+    why: str
+
+    def describe(self) -> str:
+        """The wire form of :data:`AUTO_PROPERTY`: ``"gloo: why"``."""
+        return f"{self.backend}: {self.why}"
+
+
+def auto_backend(inventory: Inventory) -> AutoChoice:
+    """``nccl`` where this run's GPUs are real and torch has NCCL, ``gloo`` otherwise."""
+    missing = nccl_missing(inventory)
+    if missing is None:
+        return AutoChoice("nccl", f"{inventory.describe()} and a torch with NCCL")
+    return AutoChoice("gloo", missing)
+
+
+def fit_ranks(choice: AutoChoice, world_size: int, inventory: Inventory) -> AutoChoice:
+    """``auto``'s choice for ``world_size`` ranks that ask for no ``gpus_per_rank``: nccl gives
+    each rank a GPU of its own, so with more ranks than the run has GPUs ``auto`` takes gloo
+    (the test runs, on CPU ranks, instead of being skipped)."""
+    if choice.backend == "nccl" and world_size > len(inventory.devices):
+        return AutoChoice(
+            "gloo", f"{world_size} ranks would need {world_size} GPUs for nccl and this run has {inventory.describe()}"
+        )
+    return choice
+
+
+def nccl_missing(inventory: Inventory) -> str | None:
+    """The piece NCCL lacks here (GPUs, real GPUs, NCCL in torch), in words; ``None``: none."""
+    from ..sim import fake
+
+    if not inventory.devices:
+        return f"this run has {inventory.describe()}"
+    if inventory.simulated:
+        return f"the GPUs are simulated ({inventory.source}) and NCCL needs real ones"
+    if fake.active():
+        return f"the GPUs are fake ({fake.FAKE_ENV}={fake.requested() or ''}) and NCCL needs real ones"
+    return torch_nccl_missing()
+
+
+def torch_nccl_missing() -> str | None:
+    """Why this interpreter's torch cannot give NCCL ("torch 2.3.0+cpu has no NCCL ..."), or ``None``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "__version__"):  # imported (not half-way): ask it
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return f"torch.distributed cannot be imported ({exc})"
+        version = str(torch.__version__)
+        if not dist.is_available():
+            return f"torch {version} was built without torch.distributed"
+        if not dist.is_nccl_available():
+            built = getattr(torch, "version", None)
+            return f"torch {version} has no NCCL{_cpu_build(getattr(built, 'cuda', None), getattr(built, 'hip', None))}"
+        return None
+    return _installed_torch_nccl_missing()
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_torch_nccl_missing() -> str | None:
+    """The installed torch's answer, read from its ``version.py`` without importing it."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "torch is not installed"
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None  # cannot tell: the ranks' torch says it, should it lack NCCL
+    return build_nccl_missing(text, sys.platform)
+
+
+def build_nccl_missing(version_py: str, platform: str) -> str | None:
+    """What a torch whose ``torch/version.py`` reads ``version_py`` lacks for NCCL on ``platform``.
+
+    Its builds with NCCL are the CUDA and ROCm (RCCL) builds for Linux; a ``version.py``
+    that cannot be read as such (no ``cuda =`` line) is taken to have it (the ranks' torch
+    then says what it lacks)."""
+    found: dict[str, object] = {}
+    for name, value in _VERSION_LINE.findall(version_py):
+        try:
+            found[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            continue  # not a literal (a newer torch's expression): unknown
+    version = str(found.get("__version__", "?"))
+    if platform != "linux":
+        return f"torch {version} has no NCCL on {platform}"
+    if "cuda" in found and not found["cuda"] and not found.get("hip"):
+        return f"torch {version} has no NCCL{_cpu_build(None, None)}"
+    return None
+
+
+def _cpu_build(cuda: object, hip: object) -> str:
+    return " (a CPU build)" if not cuda and not hip else ""

@@ -1,0 +1,82 @@
+"""``--gpu-required`` (ini ``gpu_required``): a run with GPU tests and no GPUs fails at start.
+
+Without it such a run skips every GPU test and can end green having tested nothing GPU (the
+summary says how many were skipped, and why). With it the run stops with a usage error
+naming what is missing, exit code 4, before any test runs.
+
+"At start" is right after collection, ``-m``/``-k`` deselection included: only then is it
+known whether the run has GPU tests (a CPU-only selection, ``-m "not gpu"``, runs as ever).
+``--collect-only`` runs no test and is left alone. pytest without workers raises the error
+itself; an xdist worker cannot (xdist would report an internal error), so it leaves its
+finding in the run directory and the controller raises it when that worker's collection
+comes in, before the first test is handed out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from ..report.wording import plural
+from .record import needs
+
+if TYPE_CHECKING:
+    from .session import GpuRun
+
+OPTION = "--gpu-required (ini gpu_required)"
+
+
+def asks_for_gpus(item: pytest.Item) -> bool:
+    """Whether ``item`` is a GPU test: a request for GPUs (marker, fixture, conventions), a
+    distributed test whose pool leases GPUs, or a test that leases a ``gpu_request`` block."""
+    test = needs(item)
+    if test.request is not None and test.request.count:
+        return True
+    if test.dist is not None and test.dist.gpus_per_rank:
+        return True
+    return "gpu_request" in getattr(item, "fixturenames", ())
+
+
+def problem(items: list[pytest.Item], run: GpuRun) -> str | None:
+    """Why ``--gpu-required`` fails this run (it has GPU tests and no GPUs), or ``None``."""
+    if not run.settings.required or run.inventory.devices:
+        return None
+    gpu_tests = [item.nodeid for item in items if asks_for_gpus(item)]
+    if not gpu_tests:
+        return None
+    first = gpu_tests[0] + (", ..." if len(gpu_tests) > 1 else "")
+    return (
+        f"pytest-gpu: {OPTION}: this run has {run.inventory.describe()}, and "
+        f"{plural(len(gpu_tests), 'selected test')} need{'s' if len(gpu_tests) == 1 else ''} GPUs ({first}); "
+        "give the job its GPUs (the NVIDIA driver, CUDA_VISIBLE_DEVICES, --gpus), "
+        "or leave --gpu-required out to let GPU tests be skipped"
+    )
+
+
+def _finding(run: GpuRun, worker: str) -> Path:
+    return run.run_dir / f"gpu-required-{worker}.txt"
+
+
+def check(session: pytest.Session, run: GpuRun) -> None:
+    """After collection, in the process that collected: stop the run if ``--gpu-required`` fails it."""
+    if session.config.getoption("collectonly", False):
+        return
+    message = problem(session.items, run)
+    if message is None:
+        return
+    if hasattr(session.config, "workerinput"):
+        _finding(run, run.worker).write_text(message, encoding="utf-8")  # for the controller to raise
+        return
+    raise pytest.UsageError(message)
+
+
+def raise_reported(run: GpuRun, worker: str) -> None:
+    """The xdist controller, as ``worker``'s collection comes in: raise what it found."""
+    path = _finding(run, worker)
+    try:
+        message = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return
+    raise pytest.UsageError(message)
