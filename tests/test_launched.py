@@ -483,7 +483,7 @@ def test_outside_a_launcher_needs_a_launcher(outside: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines_random(
         [
             "pytest-gpu: deselected 1: torch_dist needs a launcher (mpirun or srun or torchrun)",
-            "pytest-gpu: deselected 1: hpc tests run only under a launcher or with -m hpc",
+            "pytest-gpu: deselected 1: hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it",
             "pytest-gpu: deselected 1: launcher(srun, mpirun) needs a launcher (mpirun or srun)",
             "PASSED test_outside.py::test_ray",
             "PASSED test_outside.py::test_plain",
@@ -506,7 +506,98 @@ def test_outside_a_launcher_hpc_with_m_hpc(outside: pytest.Pytester) -> None:
     result = outside.runpytest_inprocess(*NO_CACHE, "-m", "hpc", "-rA")
     result.assert_outcomes(passed=1, deselected=4)
     result.stdout.fnmatch_lines(["PASSED test_outside.py::test_hpc"])
-    result.stdout.no_fnmatch_line("*hpc tests run only*")
+    result.stdout.no_fnmatch_line("*hpc needs*")
+
+
+# Shaped like itwinai's tests/torch: every distributed test is also marked hpc; its README runs
+# `torchrun ... pytest -m torch_dist`, `mpirun ... pytest -m horovod_dist`, `pytest -m ray_dist`.
+ITWINAI = """
+import pytest
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+@pytest.mark.parametrize("strategy", ["ddp_strategy", "deepspeed_strategy"])
+def test_distributed_trainer_mnist(strategy):
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.horovod_dist
+def test_horovod_trainer():
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.ray_dist
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ray_trainer(workers):
+    pass
+
+
+@pytest.mark.hpc
+def test_hpc_only():
+    pass
+
+
+def test_plain():
+    pass
+"""
+HPC_REASON = "hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it"
+TORCH_REASON = "torch_dist needs a launcher (mpirun or srun or torchrun)"
+HOROVOD_REASON = "horovod_dist needs a launcher (mpirun or srun)"
+
+
+@pytest.mark.parametrize(
+    ("expression", "passed", "reasons"),
+    [
+        # no -m: only the plain test; horovod_dist sorts before hpc, so it names the reason
+        ("", ["test_plain"], {HPC_REASON: 5, HOROVOD_REASON: 1}),
+        # itwinai's README command: the ray tests are selected, though marked hpc too
+        ("ray_dist", ["test_ray_trainer[1]", "test_ray_trainer[2]"], {}),
+        ("hpc and ray_dist", ["test_ray_trainer[1]", "test_ray_trainer[2]"], {}),
+        ("hpc", ["test_ray_trainer[1]", "test_ray_trainer[2]", "test_hpc_only"], {TORCH_REASON: 2, HOROVOD_REASON: 1}),
+        ("torch_dist", [], {TORCH_REASON: 2}),
+        # "not hpc" is no request for hpc tests (a substring match took it for one): -m removes them
+        # itself, and the reasons count only the tests -m kept
+        ("not hpc", ["test_plain"], {}),
+        # selected for what they lack, not by a marker they carry: the hpc rule stands
+        ("not slow", ["test_plain"], {HPC_REASON: 5, HOROVOD_REASON: 1}),
+    ],
+    ids=["none", "ray_dist", "hpc-and-ray_dist", "hpc", "torch_dist", "not-hpc", "not-slow"],
+)
+def test_itwinai_markers_outside_a_launcher(
+    outside: pytest.Pytester, expression: str, passed: list[str], reasons: dict[str, int]
+) -> None:
+    outside.makepyfile(test_itwinai=ITWINAI)
+    args = ["-m", expression] if expression else []
+    result = outside.runpytest_inprocess(*NO_CACHE, "--strict-markers", "-rA", *args, "test_itwinai.py")
+    assert sorted(re.findall(r"^PASSED test_itwinai.py::(\S+)", result.stdout.str(), re.M)) == sorted(passed)
+    lines = re.findall(r"^pytest-gpu: deselected (\d+): (.*)$", result.stdout.str(), re.M)
+    assert {reason: int(n) for n, reason in lines} == reasons
+    assert result.ret == (pytest.ExitCode.OK if passed else pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+def test_itwinai_markers_under_xdist_reasons_from_the_controller(outside: pytest.Pytester) -> None:
+    """xdist workers deselect; the controller, whose terminal is the one shown, prints why."""
+    outside.makepyfile(test_itwinai=ITWINAI)
+    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "-m", "torch_dist", "test_itwinai.py", timeout=120)
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED, result.stdout.str()
+    result.stdout.fnmatch_lines(["*2 workers [[]0 items[]]*", f"pytest-gpu: deselected 2: {TORCH_REASON}"])
+    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "test_itwinai.py", timeout=120)
+    result.assert_outcomes(passed=1)  # the controller hears no deselection from xdist: pytest-gpu's lines say it
+    result.stdout.fnmatch_lines_random(
+        [f"pytest-gpu: deselected 5: {HPC_REASON}", f"pytest-gpu: deselected 1: {HOROVOD_REASON}"]
+    )
+
+
+def test_hpc_rule_through_launcher_markers(outside: pytest.Pytester) -> None:
+    """An ini mapping replaces the defaults, the hpc line with them."""
+    outside.makepyfile(test_itwinai=ITWINAI)
+    outside.makeini("[pytest]\nlauncher_markers =\n    hpc: torchrun srun mpirun ray\n    ray_dist: ray\n")
+    result = outside.runpytest_inprocess(*NO_CACHE, "-rA", "test_itwinai.py")
+    # hpc tests run anywhere now; torch_dist and horovod_dist are no longer in the mapping either
+    result.assert_outcomes(passed=7)
 
 
 def test_outside_a_launcher_shard_is_a_usage_error(outside: pytest.Pytester) -> None:

@@ -200,7 +200,7 @@ def test_parse_mapping_errors(line: str, expected: str) -> None:
 
 
 def verdict(names: list[str], current: str | None, *, launcher_args=(), hpc: bool = False, pool: bool = False):
-    return allowed(names, list(launcher_args), MAPPING, current, hpc_selected=hpc, runs_on_pool=pool)
+    return allowed(names, list(launcher_args), MAPPING, current, selected_by_m=hpc, runs_on_pool=pool)
 
 
 @pytest.mark.parametrize(
@@ -285,19 +285,36 @@ def test_hpc() -> None:
     for current in ("torchrun", "srun", "mpirun"):
         assert verdict(["hpc"], current).keep
     result = verdict(["hpc"], None)
-    assert (result.keep, result.reason) == (False, "hpc tests run only under a launcher or with -m hpc")
+    expected = "hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it"
+    assert (result.keep, result.reason) == (False, expected)
     assert verdict(["hpc"], None, hpc=True).keep
     # -m hpc does not override a strategy marker that needs a launcher
     result = verdict(["hpc", "horovod_dist"], None, hpc=True)
     assert (result.keep, result.reason) == (False, "horovod_dist needs a launcher (mpirun or srun)")
+    # itwinai's ray tests carry hpc too: -m ray_dist selects them outside a launcher
+    assert verdict(["hpc", "ray_dist"], None, hpc=True).keep
+    assert not verdict(["hpc", "ray_dist"], "srun", hpc=True).keep
+
+
+def test_hpc_is_a_launcher_markers_line() -> None:
+    """The hpc rule is the default mapping's line, so an ini mapping can change or drop it."""
+    assert "hpc: torchrun srun mpirun -m" in DEFAULT_MAPPING
+    always = parse_mapping(["hpc: torchrun srun mpirun ray"])  # this suite's hpc tests also run on a laptop
+    assert allowed(["hpc"], [], always, None, selected_by_m=False, runs_on_pool=False).keep
+    only_m = parse_mapping(["nightly: -m"])
+    result = allowed(["nightly"], [], only_m, None, selected_by_m=False, runs_on_pool=False)
+    assert (result.keep, result.reason) == (False, "nightly needs -m selecting it")
+    result = allowed(["nightly"], [], only_m, "srun", selected_by_m=True, runs_on_pool=False)
+    assert (result.keep, result.reason) == (False, "nightly cannot run under srun (allowed: none)")
+    assert allowed(["hpc"], [], parse_mapping(["jax_dist: srun"]), None, selected_by_m=False, runs_on_pool=False).keep
 
 
 def test_custom_mapping() -> None:
     mapping = parse_mapping(["jax_dist: srun"])
-    result = allowed(["jax_dist"], [], mapping, "mpirun", hpc_selected=False, runs_on_pool=False)
+    result = allowed(["jax_dist"], [], mapping, "mpirun", selected_by_m=False, runs_on_pool=False)
     assert result.reason == "jax_dist cannot run under mpirun (allowed: srun)"
     # markers outside the mapping are not restricted
-    assert allowed(["horovod_dist"], [], mapping, "torchrun", hpc_selected=False, runs_on_pool=False).keep
+    assert allowed(["horovod_dist"], [], mapping, "torchrun", selected_by_m=False, runs_on_pool=False).keep
 
 
 # -- partition() ---------------------------------------------------------------------------
