@@ -302,21 +302,24 @@ def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> Non
         assert not (cwd / "logs").exists()
     # the strategy marker: horovod cannot run under torchrun, it can under mpirun and srun
     deselected = "pytest-gpu: deselected 1: horovod_dist cannot run under torchrun (allowed: mpirun srun)"
+    # each test counts once: test_x failed (on rank 1), though it passed on rank 0
     if name == "torchrun":
         assert deselected in out
-        assert re.search(r"=+ 1 failed, 2 passed, 1 skipped, 1 deselected in ", out), out
+        assert re.search(r"=+ 1 failed, 1 passed, 1 skipped, 1 deselected in ", out), out
     else:
         assert "pytest-gpu: deselected" not in out
-        assert re.search(r"=+ 1 failed, 3 passed, 1 skipped in ", out), out
-    # rank 0's junitxml carries rank 1's failure; rank 1 keeps its own next to its log
+        assert re.search(r"=+ 1 failed, 2 passed, 1 skipped in ", out), out
+    # rank 0's junitxml: one case per test, rank 1's failure in test_x's; rank 1 keeps its own by its log
     cases = result.junit()
-    failure = cases["test_lockstep::test_x@rank1"].find("failure")
+    assert not [case for case in cases if "@rank" in case], cases
+    failure = cases["test_lockstep::test_x"].find("failure")
     assert failure is not None
-    assert "rank 1 disagrees" in (failure.get("message") or "")
+    assert (failure.get("message") or "").startswith("rank 1: AssertionError: rank 1 disagrees")
     assert "assert RANK != 1" in (failure.text or "")
-    assert cases["test_lockstep::test_x"].find("failure") is None
     assert ("test_lockstep::test_hvd" in cases) == (name != "torchrun")
-    assert "test_lockstep::test_ok@rank1" not in cases  # passing ranks are not repeated
+    suite_counts = ET.parse(cwd / "junit.xml").find("testsuite")
+    assert suite_counts is not None
+    assert (suite_counts.get("tests"), suite_counts.get("failures")) == (str(len(cases)), "1")
     rank1_cases = result.junit(str(log_dir / name / "rank1.xml"))
     assert rank1_cases["test_lockstep::test_x"].find("failure") is not None
 
@@ -435,6 +438,113 @@ def test_ranks_that_collected_different_tests(request: pytest.FixtureRequest, tm
     assert "test_common" not in terminal.split("cannot run in lockstep:", 1)[1]
     assert "every test passed" not in terminal
     assert terminal.count("test session starts") == 1
+
+
+# -- a suite shaped like itwinai's tests/torch, under mpirun and srun ------------------------------
+
+ITWINAI_LAUNCHED = (
+    RANK_OF
+    + """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+@pytest.mark.parametrize("strategy", ["ddp_strategy", "deepspeed_strategy"])
+def test_distributed_trainer_mnist(strategy):
+    if strategy == "ddp_strategy":
+        # nothing but pytest-gpu sets torch's variables under mpirun or srun
+        dist.init_process_group("gloo", init_method="env://")
+        try:
+            total = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(total)
+            assert (total.item(), dist.get_world_size(), dist.get_rank()) == (3.0, 2, RANK)
+            assert int(os.environ["LOCAL_RANK"]) == RANK
+        finally:
+            dist.destroy_process_group()
+    else:
+        assert RANK != 1, "rank 1 disagrees"
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+def test_dataset(broken_dataset):
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.horovod_dist
+def test_horovod_trainer():
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.ray_dist
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ray_trainer(workers):
+    pass
+"""
+)
+BROKEN_FIXTURE = """
+
+@pytest.fixture
+def broken_dataset():
+    raise RuntimeError("dataset missing")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mpirun", "srun"])
+def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """One count per test, well-formed ids, tracebacks without pytest-gpu's frames, torch's
+    variables under launchers that do not set them, and the rank-log directory from the ini."""
+    require("torch", module="torch")
+    launcher = Launcher(name, request)
+    cwd = suite(tmp_path, test_itwinai=ITWINAI_LAUNCHED)
+    (cwd / "conftest.py").write_text(CONFTEST + BROKEN_FIXTURE)
+    (cwd / "pytest.ini").write_text("[pytest]\nrank_log_dir = ranklogs\n")
+    result = launcher.run(cwd, 2, *NO_CACHE, "--junitxml=junit.xml")
+    out, terminal = result.stdout, result.terminal
+
+    assert result.returncode != 0, terminal
+    assert result.exit_statuses(2) == ["1", "1"], terminal
+    # env:// initialised gloo on both ranks: the test passed everywhere
+    assert "test_distributed_trainer_mnist[ddp_strategy]:" not in out, out
+    # one count per test: 4 tests ran (the ray tests cannot run under a launcher)
+    assert re.search(r"=+ 1 failed, 2 passed, 2 deselected, 1 error in ", out), out
+    mnist = "test_itwinai.py::test_distributed_trainer_mnist"
+    assert f"{mnist}[deepspeed_strategy]: failed on rank 1; passed on rank 0" in out
+    assert "test_itwinai.py::test_dataset: failed on ranks 0,1" in out
+    # a rank's id keeps the parametrized id's closing bracket last
+    assert f"FAILED {mnist}[deepspeed_strategy@rank1]" in out  # the message may be cut to the terminal's width
+    assert "ERROR test_itwinai.py::test_dataset@rank1 - RuntimeError: dataset missing" in out
+    assert "]@rank" not in out
+    # the fixture's error starts in the fixture, not in the hook it passed through
+    errors = out.split("= ERRORS =", 1)[1].split("= FAILURES =", 1)[0]
+    assert "def broken_dataset():" in errors
+    assert "tester.py" not in errors and "return (yield)" not in errors, errors
+    # junitxml: one case per test, every rank's failure in it
+    cases = result.junit()
+    assert set(cases) == {
+        "test_itwinai::test_distributed_trainer_mnist[ddp_strategy]",
+        "test_itwinai::test_distributed_trainer_mnist[deepspeed_strategy]",
+        "test_itwinai::test_dataset",
+        "test_itwinai::test_horovod_trainer",
+    }
+    assert [e.get("message", "")[:7] for e in cases["test_itwinai::test_dataset"].findall("error")] == [
+        "rank 0:",
+        "rank 1:",
+    ]
+    testsuite = ET.parse(cwd / "junit.xml").find("testsuite")
+    assert testsuite is not None
+    counts = {k: testsuite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts == {"tests": "4", "failures": "1", "errors": "1", "skipped": "0"}
+    # the rank-log directory from the ini
+    assert (cwd / "ranklogs" / name / "rank1.log").is_file()
+    assert not (cwd / "logs").exists()
+    assert f"output of ranks 1 to 1: {cwd / 'ranklogs' / name}/rank<N>.log" in out
 
 
 # -- outside any launcher --------------------------------------------------------------------------
@@ -623,6 +733,64 @@ def test_bad_launcher_markers_are_usage_errors(outside: pytest.Pytester) -> None
     result = outside.runpytest_inprocess(*NO_CACHE, "test_bad.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_bad.py::test_pbs: launcher marker: unknown launcher 'pbs'*"])
+
+
+# -- tracebacks: no pytest-gpu frame where it only passed an error through -------------------------
+
+FIXTURE_ERRORS = """
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup broke")
+
+
+@pytest.fixture(scope="module")
+def broken_module():
+    raise RuntimeError("module setup broke")
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+"""
+
+FIXTURE_TESTS = """
+import pytest
+
+
+def test_setup(broken):
+    pass
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_gpu_setup(broken):
+    pass
+
+
+def test_module(broken_module):
+    pass
+
+
+def test_teardown(broken_teardown):
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_fixture_errors_have_no_pytest_gpu_frames(outside: pytest.Pytester, workers: str) -> None:
+    outside.makeconftest(FIXTURE_ERRORS)  # the fixtures in another file than the tests: nothing cuts the traceback
+    outside.makepyfile(test_fixtures=FIXTURE_TESTS)
+    args = (*NO_CACHE, "--gpus", "sim:1x16GiB", "-n", workers, "test_fixtures.py")
+    run = outside.runpytest_subprocess if workers != "0" else outside.runpytest_inprocess
+    result = run(*args)
+    result.assert_outcomes(passed=1, errors=4)
+    out = result.stdout.str()
+    for message in ("setup broke", "module setup broke", "teardown broke"):
+        assert f"E       RuntimeError: {message}" in out
+    assert "/pytest_gpu/" not in out and "return (yield)" not in out, out
 
 
 # -- shard mode: the suite split over the ranks --------------------------------------------------
