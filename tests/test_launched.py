@@ -474,6 +474,12 @@ def test_dataset(broken_dataset):
     pass
 
 
+@pytest.mark.torch_dist
+@pytest.mark.skipif(RANK == 0, reason="no shard of the data on rank 0")
+def test_data_shard():
+    assert RANK != 1, "rank 1's shard is empty"
+
+
 @pytest.mark.hpc
 @pytest.mark.horovod_dist
 def test_horovod_trainer():
@@ -512,8 +518,10 @@ def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureReques
     assert result.exit_statuses(2) == ["1", "1"], terminal
     # env:// initialised gloo on both ranks: the test passed everywhere
     assert "test_distributed_trainer_mnist[ddp_strategy]:" not in out, out
-    # one count per test: 4 tests ran (the ray tests cannot run under a launcher)
-    assert re.search(r"=+ 1 failed, 2 passed, 2 deselected, 1 error in ", out), out
+    # one count per test: 5 tests ran (the ray tests cannot run under a launcher); test_data_shard
+    # failed on rank 1: it is a failure, not a skip (rank 0's)
+    assert re.search(r"=+ 2 failed, 2 passed, 2 deselected, 1 error in ", out), out
+    assert "test_itwinai.py::test_data_shard: failed on rank 1; skipped on rank 0" in out
     mnist = "test_itwinai.py::test_distributed_trainer_mnist"
     assert f"{mnist}[deepspeed_strategy]: failed on rank 1; passed on rank 0" in out
     assert "test_itwinai.py::test_dataset: failed on ranks 0,1" in out
@@ -532,7 +540,9 @@ def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureReques
         "test_itwinai::test_distributed_trainer_mnist[deepspeed_strategy]",
         "test_itwinai::test_dataset",
         "test_itwinai::test_horovod_trainer",
+        "test_itwinai::test_data_shard",
     }
+    assert cases["test_itwinai::test_data_shard"].find("skipped") is None
     assert [e.get("message", "")[:7] for e in cases["test_itwinai::test_dataset"].findall("error")] == [
         "rank 0:",
         "rank 1:",
@@ -540,7 +550,7 @@ def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureReques
     testsuite = ET.parse(cwd / "junit.xml").find("testsuite")
     assert testsuite is not None
     counts = {k: testsuite.get(k) for k in ("tests", "failures", "errors", "skipped")}
-    assert counts == {"tests": "4", "failures": "1", "errors": "1", "skipped": "0"}
+    assert counts == {"tests": "5", "failures": "2", "errors": "1", "skipped": "0"}
     # the rank-log directory from the ini
     assert (cwd / "ranklogs" / name / "rank1.log").is_file()
     assert not (cwd / "logs").exists()

@@ -225,7 +225,7 @@ class LaunchedRank:
             for position, rank in enumerate(ranks):
                 reports = [report for report in by_rank[rank] if report.nodeid == nodeid]
                 counted = position == 0 and nodeid not in own_failed
-                if counted:  # rank 0's passing phases that this rank failed (or never reached) give way
+                if counted:  # rank 0's phases that this rank failed (or never reached), and its skips, give way
                     self._uncount(nodeid, {"setup", "call", "teardown"} - {r.when for r in reports if not r.failed})
                 for report in reports:
                     if report.failed:
@@ -247,7 +247,8 @@ class LaunchedRank:
         self._inject(report)
 
     def _uncount(self, nodeid: str, phases: set[str]) -> None:
-        """Take this rank's own reports of ``nodeid``'s ``phases`` out of the terminal's counts."""
+        """Take this rank's own reports of ``nodeid``'s ``phases``, and its skips (a test that
+        failed elsewhere is no skip), out of the terminal's counts."""
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is None:
             return
@@ -260,7 +261,7 @@ class LaunchedRank:
                 if not (
                     isinstance(r, pytest.TestReport)
                     and r.nodeid == nodeid
-                    and r.when in phases
+                    and (r.when in phases or r.skipped)
                     and not getattr(r, "_pytest_gpu_injected", False)
                 )
             ]
