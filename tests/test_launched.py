@@ -302,21 +302,24 @@ def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> Non
         assert not (cwd / "logs").exists()
     # the strategy marker: horovod cannot run under torchrun, it can under mpirun and srun
     deselected = "pytest-gpu: deselected 1: horovod_dist cannot run under torchrun (allowed: mpirun srun)"
+    # each test counts once: test_x failed (on rank 1), though it passed on rank 0
     if name == "torchrun":
         assert deselected in out
-        assert re.search(r"=+ 1 failed, 2 passed, 1 skipped, 1 deselected in ", out), out
+        assert re.search(r"=+ 1 failed, 1 passed, 1 skipped, 1 deselected in ", out), out
     else:
         assert "pytest-gpu: deselected" not in out
-        assert re.search(r"=+ 1 failed, 3 passed, 1 skipped in ", out), out
-    # rank 0's junitxml carries rank 1's failure; rank 1 keeps its own next to its log
+        assert re.search(r"=+ 1 failed, 2 passed, 1 skipped in ", out), out
+    # rank 0's junitxml: one case per test, rank 1's failure in test_x's; rank 1 keeps its own by its log
     cases = result.junit()
-    failure = cases["test_lockstep::test_x@rank1"].find("failure")
+    assert not [case for case in cases if "@rank" in case], cases
+    failure = cases["test_lockstep::test_x"].find("failure")
     assert failure is not None
-    assert "rank 1 disagrees" in (failure.get("message") or "")
+    assert (failure.get("message") or "").startswith("rank 1: AssertionError: rank 1 disagrees")
     assert "assert RANK != 1" in (failure.text or "")
-    assert cases["test_lockstep::test_x"].find("failure") is None
     assert ("test_lockstep::test_hvd" in cases) == (name != "torchrun")
-    assert "test_lockstep::test_ok@rank1" not in cases  # passing ranks are not repeated
+    suite_counts = ET.parse(cwd / "junit.xml").find("testsuite")
+    assert suite_counts is not None
+    assert (suite_counts.get("tests"), suite_counts.get("failures")) == (str(len(cases)), "1")
     rank1_cases = result.junit(str(log_dir / name / "rank1.xml"))
     assert rank1_cases["test_lockstep::test_x"].find("failure") is not None
 
@@ -437,6 +440,123 @@ def test_ranks_that_collected_different_tests(request: pytest.FixtureRequest, tm
     assert terminal.count("test session starts") == 1
 
 
+# -- a suite shaped like itwinai's tests/torch, under mpirun and srun ------------------------------
+
+ITWINAI_LAUNCHED = (
+    RANK_OF
+    + """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+@pytest.mark.parametrize("strategy", ["ddp_strategy", "deepspeed_strategy"])
+def test_distributed_trainer_mnist(strategy):
+    if strategy == "ddp_strategy":
+        # nothing but pytest-gpu sets torch's variables under mpirun or srun
+        dist.init_process_group("gloo", init_method="env://")
+        try:
+            total = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(total)
+            assert (total.item(), dist.get_world_size(), dist.get_rank()) == (3.0, 2, RANK)
+            assert int(os.environ["LOCAL_RANK"]) == RANK
+        finally:
+            dist.destroy_process_group()
+    else:
+        assert RANK != 1, "rank 1 disagrees"
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+def test_dataset(broken_dataset):
+    pass
+
+
+@pytest.mark.torch_dist
+@pytest.mark.skipif(RANK == 0, reason="no shard of the data on rank 0")
+def test_data_shard():
+    assert RANK != 1, "rank 1's shard is empty"
+
+
+@pytest.mark.hpc
+@pytest.mark.horovod_dist
+def test_horovod_trainer():
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.ray_dist
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ray_trainer(workers):
+    pass
+"""
+)
+BROKEN_FIXTURE = """
+
+@pytest.fixture
+def broken_dataset():
+    raise RuntimeError("dataset missing")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mpirun", "srun"])
+def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """One count per test, well-formed ids, tracebacks without pytest-gpu's frames, torch's
+    variables under launchers that do not set them, and the rank-log directory from the ini."""
+    require("torch", module="torch")
+    launcher = Launcher(name, request)
+    cwd = suite(tmp_path, test_itwinai=ITWINAI_LAUNCHED)
+    (cwd / "conftest.py").write_text(CONFTEST + BROKEN_FIXTURE)
+    (cwd / "pytest.ini").write_text("[pytest]\nrank_log_dir = ranklogs\n")
+    result = launcher.run(cwd, 2, *NO_CACHE, "--junitxml=junit.xml")
+    out, terminal = result.stdout, result.terminal
+
+    assert result.returncode != 0, terminal
+    assert result.exit_statuses(2) == ["1", "1"], terminal
+    # env:// initialised gloo on both ranks: the test passed everywhere
+    assert "test_distributed_trainer_mnist[ddp_strategy]:" not in out, out
+    # one count per test: 5 tests ran (the ray tests cannot run under a launcher); test_data_shard
+    # failed on rank 1: it is a failure, not a skip (rank 0's)
+    assert re.search(r"=+ 2 failed, 2 passed, 2 deselected, 1 error in ", out), out
+    assert "test_itwinai.py::test_data_shard: failed on rank 1; skipped on rank 0" in out
+    mnist = "test_itwinai.py::test_distributed_trainer_mnist"
+    assert f"{mnist}[deepspeed_strategy]: failed on rank 1; passed on rank 0" in out
+    assert "test_itwinai.py::test_dataset: failed on ranks 0,1" in out
+    # a rank's id keeps the parametrized id's closing bracket last
+    assert f"FAILED {mnist}[deepspeed_strategy@rank1]" in out  # the message may be cut to the terminal's width
+    assert "ERROR test_itwinai.py::test_dataset@rank1 - RuntimeError: dataset missing" in out
+    assert "]@rank" not in out
+    # the fixture's error starts in the fixture, not in the hook it passed through
+    errors = out.split("= ERRORS =", 1)[1].split("= FAILURES =", 1)[0]
+    assert "def broken_dataset():" in errors
+    assert "tester.py" not in errors and "return (yield)" not in errors, errors
+    # junitxml: one case per test, every rank's failure in it
+    cases = result.junit()
+    assert set(cases) == {
+        "test_itwinai::test_distributed_trainer_mnist[ddp_strategy]",
+        "test_itwinai::test_distributed_trainer_mnist[deepspeed_strategy]",
+        "test_itwinai::test_dataset",
+        "test_itwinai::test_horovod_trainer",
+        "test_itwinai::test_data_shard",
+    }
+    assert cases["test_itwinai::test_data_shard"].find("skipped") is None
+    assert [e.get("message", "")[:7] for e in cases["test_itwinai::test_dataset"].findall("error")] == [
+        "rank 0:",
+        "rank 1:",
+    ]
+    testsuite = ET.parse(cwd / "junit.xml").find("testsuite")
+    assert testsuite is not None
+    counts = {k: testsuite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts == {"tests": "5", "failures": "2", "errors": "1", "skipped": "0"}
+    # the rank-log directory from the ini
+    assert (cwd / "ranklogs" / name / "rank1.log").is_file()
+    assert not (cwd / "logs").exists()
+    assert f"output of ranks 1 to 1: {cwd / 'ranklogs' / name}/rank<N>.log" in out
+
+
 # -- outside any launcher --------------------------------------------------------------------------
 
 OUTSIDE = """
@@ -483,7 +603,7 @@ def test_outside_a_launcher_needs_a_launcher(outside: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines_random(
         [
             "pytest-gpu: deselected 1: torch_dist needs a launcher (mpirun or srun or torchrun)",
-            "pytest-gpu: deselected 1: hpc tests run only under a launcher or with -m hpc",
+            "pytest-gpu: deselected 1: hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it",
             "pytest-gpu: deselected 1: launcher(srun, mpirun) needs a launcher (mpirun or srun)",
             "PASSED test_outside.py::test_ray",
             "PASSED test_outside.py::test_plain",
@@ -506,7 +626,98 @@ def test_outside_a_launcher_hpc_with_m_hpc(outside: pytest.Pytester) -> None:
     result = outside.runpytest_inprocess(*NO_CACHE, "-m", "hpc", "-rA")
     result.assert_outcomes(passed=1, deselected=4)
     result.stdout.fnmatch_lines(["PASSED test_outside.py::test_hpc"])
-    result.stdout.no_fnmatch_line("*hpc tests run only*")
+    result.stdout.no_fnmatch_line("*hpc needs*")
+
+
+# Shaped like itwinai's tests/torch: every distributed test is also marked hpc; its README runs
+# `torchrun ... pytest -m torch_dist`, `mpirun ... pytest -m horovod_dist`, `pytest -m ray_dist`.
+ITWINAI = """
+import pytest
+
+
+@pytest.mark.hpc
+@pytest.mark.torch_dist
+@pytest.mark.parametrize("strategy", ["ddp_strategy", "deepspeed_strategy"])
+def test_distributed_trainer_mnist(strategy):
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.horovod_dist
+def test_horovod_trainer():
+    pass
+
+
+@pytest.mark.hpc
+@pytest.mark.ray_dist
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ray_trainer(workers):
+    pass
+
+
+@pytest.mark.hpc
+def test_hpc_only():
+    pass
+
+
+def test_plain():
+    pass
+"""
+HPC_REASON = "hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it"
+TORCH_REASON = "torch_dist needs a launcher (mpirun or srun or torchrun)"
+HOROVOD_REASON = "horovod_dist needs a launcher (mpirun or srun)"
+
+
+@pytest.mark.parametrize(
+    ("expression", "passed", "reasons"),
+    [
+        # no -m: only the plain test; horovod_dist sorts before hpc, so it names the reason
+        ("", ["test_plain"], {HPC_REASON: 5, HOROVOD_REASON: 1}),
+        # itwinai's README command: the ray tests are selected, though marked hpc too
+        ("ray_dist", ["test_ray_trainer[1]", "test_ray_trainer[2]"], {}),
+        ("hpc and ray_dist", ["test_ray_trainer[1]", "test_ray_trainer[2]"], {}),
+        ("hpc", ["test_ray_trainer[1]", "test_ray_trainer[2]", "test_hpc_only"], {TORCH_REASON: 2, HOROVOD_REASON: 1}),
+        ("torch_dist", [], {TORCH_REASON: 2}),
+        # "not hpc" is no request for hpc tests (a substring match took it for one): -m removes them
+        # itself, and the reasons count only the tests -m kept
+        ("not hpc", ["test_plain"], {}),
+        # selected for what they lack, not by a marker they carry: the hpc rule stands
+        ("not slow", ["test_plain"], {HPC_REASON: 5, HOROVOD_REASON: 1}),
+    ],
+    ids=["none", "ray_dist", "hpc-and-ray_dist", "hpc", "torch_dist", "not-hpc", "not-slow"],
+)
+def test_itwinai_markers_outside_a_launcher(
+    outside: pytest.Pytester, expression: str, passed: list[str], reasons: dict[str, int]
+) -> None:
+    outside.makepyfile(test_itwinai=ITWINAI)
+    args = ["-m", expression] if expression else []
+    result = outside.runpytest_inprocess(*NO_CACHE, "--strict-markers", "-rA", *args, "test_itwinai.py")
+    assert sorted(re.findall(r"^PASSED test_itwinai.py::(\S+)", result.stdout.str(), re.M)) == sorted(passed)
+    lines = re.findall(r"^pytest-gpu: deselected (\d+): (.*)$", result.stdout.str(), re.M)
+    assert {reason: int(n) for n, reason in lines} == reasons
+    assert result.ret == (pytest.ExitCode.OK if passed else pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+def test_itwinai_markers_under_xdist_reasons_from_the_controller(outside: pytest.Pytester) -> None:
+    """xdist workers deselect; the controller, whose terminal is the one shown, prints why."""
+    outside.makepyfile(test_itwinai=ITWINAI)
+    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "-m", "torch_dist", "test_itwinai.py", timeout=120)
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED, result.stdout.str()
+    result.stdout.fnmatch_lines(["*2 workers [[]0 items[]]*", f"pytest-gpu: deselected 2: {TORCH_REASON}"])
+    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "test_itwinai.py", timeout=120)
+    result.assert_outcomes(passed=1)  # the controller hears no deselection from xdist: pytest-gpu's lines say it
+    result.stdout.fnmatch_lines_random(
+        [f"pytest-gpu: deselected 5: {HPC_REASON}", f"pytest-gpu: deselected 1: {HOROVOD_REASON}"]
+    )
+
+
+def test_hpc_rule_through_launcher_markers(outside: pytest.Pytester) -> None:
+    """An ini mapping replaces the defaults, the hpc line with them."""
+    outside.makepyfile(test_itwinai=ITWINAI)
+    outside.makeini("[pytest]\nlauncher_markers =\n    hpc: torchrun srun mpirun ray\n    ray_dist: ray\n")
+    result = outside.runpytest_inprocess(*NO_CACHE, "-rA", "test_itwinai.py")
+    # hpc tests run anywhere now; torch_dist and horovod_dist are no longer in the mapping either
+    result.assert_outcomes(passed=7)
 
 
 def test_outside_a_launcher_shard_is_a_usage_error(outside: pytest.Pytester) -> None:
@@ -532,6 +743,64 @@ def test_bad_launcher_markers_are_usage_errors(outside: pytest.Pytester) -> None
     result = outside.runpytest_inprocess(*NO_CACHE, "test_bad.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_bad.py::test_pbs: launcher marker: unknown launcher 'pbs'*"])
+
+
+# -- tracebacks: no pytest-gpu frame where it only passed an error through -------------------------
+
+FIXTURE_ERRORS = """
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup broke")
+
+
+@pytest.fixture(scope="module")
+def broken_module():
+    raise RuntimeError("module setup broke")
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+"""
+
+FIXTURE_TESTS = """
+import pytest
+
+
+def test_setup(broken):
+    pass
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_gpu_setup(broken):
+    pass
+
+
+def test_module(broken_module):
+    pass
+
+
+def test_teardown(broken_teardown):
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_fixture_errors_have_no_pytest_gpu_frames(outside: pytest.Pytester, workers: str) -> None:
+    outside.makeconftest(FIXTURE_ERRORS)  # the fixtures in another file than the tests: nothing cuts the traceback
+    outside.makepyfile(test_fixtures=FIXTURE_TESTS)
+    args = (*NO_CACHE, "--gpus", "sim:1x16GiB", "-n", workers, "test_fixtures.py")
+    run = outside.runpytest_subprocess if workers != "0" else outside.runpytest_inprocess
+    result = run(*args)
+    result.assert_outcomes(passed=1, errors=4)
+    out = result.stdout.str()
+    for message in ("setup broke", "module setup broke", "teardown broke"):
+        assert f"E       RuntimeError: {message}" in out
+    assert "/pytest_gpu/" not in out and "return (yield)" not in out, out
 
 
 # -- shard mode: the suite split over the ranks --------------------------------------------------

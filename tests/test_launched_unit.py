@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_gpu.gpu.devices import Device, Inventory, sim_uuid
-from pytest_gpu.launched import gather
+from pytest_gpu.launched import gather, torchenv
 from pytest_gpu.launched.detect import LaunchContext, detect
 from pytest_gpu.launched.markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
+from pytest_gpu.launched.session import rank_nodeid
 from pytest_gpu.launched.shard import partition
 from pytest_gpu.launched.share import node_share, share
 
@@ -174,6 +175,7 @@ def test_default_mapping() -> None:
         "deepspeed_dist": ("torchrun", "srun", "mpirun"),
         "horovod_dist": ("srun", "mpirun"),
         "ray_dist": ("ray",),
+        "hpc": ("torchrun", "srun", "mpirun", "-m"),
     }
 
 
@@ -200,7 +202,7 @@ def test_parse_mapping_errors(line: str, expected: str) -> None:
 
 
 def verdict(names: list[str], current: str | None, *, launcher_args=(), hpc: bool = False, pool: bool = False):
-    return allowed(names, list(launcher_args), MAPPING, current, hpc_selected=hpc, runs_on_pool=pool)
+    return allowed(names, list(launcher_args), MAPPING, current, selected_by_m=hpc, runs_on_pool=pool)
 
 
 @pytest.mark.parametrize(
@@ -285,19 +287,36 @@ def test_hpc() -> None:
     for current in ("torchrun", "srun", "mpirun"):
         assert verdict(["hpc"], current).keep
     result = verdict(["hpc"], None)
-    assert (result.keep, result.reason) == (False, "hpc tests run only under a launcher or with -m hpc")
+    expected = "hpc needs a launcher (mpirun or srun or torchrun) or -m selecting it"
+    assert (result.keep, result.reason) == (False, expected)
     assert verdict(["hpc"], None, hpc=True).keep
     # -m hpc does not override a strategy marker that needs a launcher
     result = verdict(["hpc", "horovod_dist"], None, hpc=True)
     assert (result.keep, result.reason) == (False, "horovod_dist needs a launcher (mpirun or srun)")
+    # itwinai's ray tests carry hpc too: -m ray_dist selects them outside a launcher
+    assert verdict(["hpc", "ray_dist"], None, hpc=True).keep
+    assert not verdict(["hpc", "ray_dist"], "srun", hpc=True).keep
+
+
+def test_hpc_is_a_launcher_markers_line() -> None:
+    """The hpc rule is the default mapping's line, so an ini mapping can change or drop it."""
+    assert "hpc: torchrun srun mpirun -m" in DEFAULT_MAPPING
+    always = parse_mapping(["hpc: torchrun srun mpirun ray"])  # this suite's hpc tests also run on a laptop
+    assert allowed(["hpc"], [], always, None, selected_by_m=False, runs_on_pool=False).keep
+    only_m = parse_mapping(["nightly: -m"])
+    result = allowed(["nightly"], [], only_m, None, selected_by_m=False, runs_on_pool=False)
+    assert (result.keep, result.reason) == (False, "nightly needs -m selecting it")
+    result = allowed(["nightly"], [], only_m, "srun", selected_by_m=True, runs_on_pool=False)
+    assert (result.keep, result.reason) == (False, "nightly cannot run under srun (allowed: none)")
+    assert allowed(["hpc"], [], parse_mapping(["jax_dist: srun"]), None, selected_by_m=False, runs_on_pool=False).keep
 
 
 def test_custom_mapping() -> None:
     mapping = parse_mapping(["jax_dist: srun"])
-    result = allowed(["jax_dist"], [], mapping, "mpirun", hpc_selected=False, runs_on_pool=False)
+    result = allowed(["jax_dist"], [], mapping, "mpirun", selected_by_m=False, runs_on_pool=False)
     assert result.reason == "jax_dist cannot run under mpirun (allowed: srun)"
     # markers outside the mapping are not restricted
-    assert allowed(["horovod_dist"], [], mapping, "torchrun", hpc_selected=False, runs_on_pool=False).keep
+    assert allowed(["horovod_dist"], [], mapping, "torchrun", selected_by_m=False, runs_on_pool=False).keep
 
 
 # -- partition() ---------------------------------------------------------------------------
@@ -511,3 +530,61 @@ def test_ranks_that_collected_the_same_tests_in_another_order_are_told_apart():
     assert "--randomly-seed" in lines[0]
     missing = _differences({0: same, 1: same[:2]})
     assert missing == ["  only on rank 0 (not on every rank): t.py::c"]  # a missing test is named, not the order
+
+
+# -- rank_nodeid() -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "expected"),
+    [
+        ("tests/test_a.py::test_x", "tests/test_a.py::test_x@rank1"),
+        ("tests/test_a.py::TestT::test_x", "tests/test_a.py::TestT::test_x@rank1"),
+        # pytest's terminal and junitxml split an id at its first "[": the "]" must stay last
+        ("test_a.py::test_trainer[ddp_strategy]", "test_a.py::test_trainer[ddp_strategy@rank1]"),
+        ("test_a.py::test_t[a[0]-b]", "test_a.py::test_t[a[0]-b@rank1]"),
+        # a "[" in the module's path (not in the test's name) is no parametrization
+        ("tests/[odd]/test_a.py::test_x", "tests/[odd]/test_a.py::test_x@rank1"),
+    ],
+)
+def test_rank_nodeid_keeps_ids_well_formed(nodeid: str, expected: str) -> None:
+    assert rank_nodeid(nodeid, 1) == expected
+
+
+# -- torchenv.provide() ------------------------------------------------------------------------
+
+
+def test_torch_variables_under_mpirun(tmp_path: Path) -> None:
+    """Rank 0 chooses the master and publishes it; rank 1 reads the same."""
+    rank0 = LaunchContext("mpirun", 0, 2, 0, "job7", local_size=2)
+    rank1 = LaunchContext("mpirun", 1, 2, 1, "job7", local_size=2)
+    env0: dict[str, str] = {"OMPI_COMM_WORLD_RANK": "0"}
+    env1: dict[str, str] = {"OMPI_COMM_WORLD_RANK": "1", "MASTER_PORT": "29555"}  # the user's own stays
+    set0 = torchenv.provide(rank0, tmp_path, 5.0, env0)
+    set1 = torchenv.provide(rank1, tmp_path, 5.0, env1)
+    assert set0 == {k: env0[k] for k in torchenv.VARIABLES}
+    assert (env0["RANK"], env0["WORLD_SIZE"], env0["LOCAL_RANK"], env0["LOCAL_WORLD_SIZE"]) == ("0", "2", "0", "2")
+    assert (env1["RANK"], env1["WORLD_SIZE"], env1["LOCAL_RANK"]) == ("1", "2", "1")
+    assert env1["MASTER_ADDR"] == env0["MASTER_ADDR"]
+    assert 0 < int(env0["MASTER_PORT"]) < 65536
+    assert env1["MASTER_PORT"] == "29555" and "MASTER_PORT" not in set1
+
+
+def test_torch_variables_kept_and_not_for_torchrun(tmp_path: Path) -> None:
+    given_env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    given_env |= {"MASTER_ADDR": "head", "MASTER_PORT": "1234"}
+    env = dict(given_env)
+    assert torchenv.provide(LaunchContext("srun", 5, 8, 1, "9.0", local_size=4), tmp_path, 1.0, env) == {}
+    assert env == given_env
+    assert not list(tmp_path.iterdir())  # nothing to agree on: no exchange
+    env = {}
+    assert torchenv.provide(LaunchContext("torchrun", 0, 2, 0, "x", local_size=2), tmp_path, 1.0, env) == {}
+
+
+def test_torch_master_missing_from_rank_0(tmp_path: Path) -> None:
+    """Rank 0 never published (it died at start): the place is set, the master is not."""
+    env: dict[str, str] = {}
+    started = time.monotonic()
+    torchenv.provide(LaunchContext("srun", 1, 2, 1, "9.0", local_size=2), tmp_path, 0.3, env)
+    assert time.monotonic() - started < 5
+    assert env == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}

@@ -96,6 +96,7 @@ that this map names every module).
         selection       deselecting by those markers
         share           a rank's share of the node's GPUs
         shard           splitting a suite over the ranks (pure)
+        torchenv        torch.distributed's variables (RANK, MASTER_ADDR, ...) under mpirun and srun
         gather          ranks publishing to each other through files
         session         the launched-rank role (LaunchedRank)
     raycluster/         Ray clusters for tests (the ``ray_cluster`` fixture)

@@ -20,7 +20,7 @@ from .gpu.devices import DeviceSpecError
 from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.detect import detect
-from .launched.session import log_dir, redirect_output
+from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
 from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY
 from .run import fixture_leases, lifecycle
 from .run.record import RUN_KEY
@@ -66,6 +66,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
     roles.register_early(early_config)  # before the initial conftests: their hooks run first
     if ctx is not None and not ctx.is_root and "PYTEST_XDIST_WORKER" not in os.environ:
         redirect_output(log_dir(early_config) / ctx.launcher / f"rank{ctx.rank}.log")
+    if ctx is not None and "PYTEST_XDIST_WORKER" not in os.environ:  # workers inherit them
+        from .launched import torchenv
+
+        # before conftests import torch: init_process_group(init_method="env://") works under mpirun/srun
+        torchenv.provide(ctx, gather_dir(early_config, ctx), early_gather_timeout(early_config))
     from .sim import fake
 
     if fake.requested():  # before conftest.py files import torch

@@ -1,4 +1,10 @@
-"""Which tests may run where: ``launcher`` markers and strategy markers (pure)."""
+"""Which tests may run where: ``launcher`` markers and strategy markers (pure).
+
+A ``launcher_markers`` line maps a marker to the places its tests may run: launchers
+(``torchrun``, ``srun``, ``mpirun``), ``ray`` (no process launcher: a Ray cluster), and
+``-m`` (no launcher, when the run's ``-m`` expression selects the test by a marker it
+carries). ``hpc`` is one such line of the defaults, not a rule of its own.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ DEFAULT_MAPPING = (
     "deepspeed_dist: torchrun srun mpirun",
     "horovod_dist: srun mpirun",
     "ray_dist: ray",
+    "hpc: torchrun srun mpirun -m",
 )
+SELECTED = "-m"  # a place, not a launcher: outside any launcher, when -m selects the test
 LAUNCHER_MARKER_FORM = '@pytest.mark.launcher("torchrun", "srun", "mpirun")'
 
 
@@ -33,11 +41,12 @@ def parse_mapping(lines: Sequence[str]) -> dict[str, tuple[str, ...]]:
                 f"ini key 'launcher_markers': cannot read {raw!r}; expected 'MARKER: LAUNCHER ...' "
                 f"such as 'torch_dist: torchrun srun mpirun'"
             )
-        bad = [x for x in launchers if x not in LAUNCHERS]
+        bad = [x for x in launchers if x not in (*LAUNCHERS, SELECTED)]
         if bad:
             raise LauncherMarkerError(
                 f"ini key 'launcher_markers': unknown launcher {', '.join(map(repr, bad))} in {raw!r}; "
-                f"expected some of {', '.join(LAUNCHERS)}"
+                f"expected some of {', '.join(LAUNCHERS)}, or {SELECTED} (outside a launcher when -m selects "
+                "the test)"
             )
         mapping[name.strip()] = launchers
     return mapping
@@ -55,13 +64,15 @@ def allowed(
     mapping: Mapping[str, tuple[str, ...]],
     current: str | None,
     *,
-    hpc_selected: bool,
+    selected_by_m: bool,
     runs_on_pool: bool,
 ) -> Verdict:
     """May a test with these markers run under launcher ``current`` (``None``: no launcher)?
 
     ``ray`` stands for "no process launcher, a Ray cluster": ray_dist tests run outside a
-    launcher and are deselected under one.
+    launcher and are deselected under one. ``-m`` in a marker's places lets its tests run
+    outside a launcher when ``selected_by_m``: the run's ``-m`` expression selects this
+    test by a marker it carries (see :func:`pytest_gpu.launched.selection.selected_by_m`).
     """
     names = set(marker_names)
     sets: list[tuple[str, set[str]]] = []
@@ -82,11 +93,13 @@ def allowed(
     for label, ok in sets:
         if where in ok:
             continue
-        if current is None and runs_on_pool:
-            continue  # a warm rank pool runs it without a launcher
+        if current is None and (runs_on_pool or (SELECTED in ok and selected_by_m)):
+            continue  # a warm rank pool runs it without a launcher; or -m asked for it
+        launchers = sorted(ok - {SELECTED})
+        if current is None and SELECTED in ok:
+            where_else = f"a launcher ({' or '.join(launchers)}) or " if launchers else ""
+            return Verdict(False, f"{label} needs {where_else}-m selecting it")
         if current is None:
-            return Verdict(False, f"{label} needs a launcher ({' or '.join(sorted(ok))})")
-        return Verdict(False, f"{label} cannot run under {current} (allowed: {' '.join(sorted(ok))})")
-    if "hpc" in names and current is None and not hpc_selected:
-        return Verdict(False, "hpc tests run only under a launcher or with -m hpc")
+            return Verdict(False, f"{label} needs a launcher ({' or '.join(launchers)})")
+        return Verdict(False, f"{label} cannot run under {current} (allowed: {' '.join(launchers) or 'none'})")
     return Verdict(True)

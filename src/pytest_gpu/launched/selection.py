@@ -3,13 +3,55 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 
 import pytest
 
 from .detect import LaunchContext
-from .markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
+from .markers import DEFAULT_MAPPING, SELECTED, LauncherMarkerError, allowed, parse_mapping
 
 REASONS_KEY = pytest.StashKey[Counter[str]]()
+WORKEROUTPUT_KEY = "pytest_gpu_deselected"  # an xdist worker's reasons, for the controller's summary
+_NOT_GIVEN = object()
+
+
+def m_expression(config: pytest.Config) -> Callable[[Iterable[pytest.Mark]], bool] | None:
+    """The run's ``-m`` expression as a test of a test's marks, or ``None`` without ``-m``."""
+    text = (config.getoption("markexpr", "") or "").strip()
+    if not text:
+        return None
+    from _pytest.mark.expression import Expression  # pytest's own -m grammar
+
+    try:
+        expression = Expression.compile(text)
+    except Exception:  # ParseError (pytest 8), SyntaxError (pytest 9)
+        return None  # pytest's own -m deselection reports the bad expression
+
+    def evaluate(marks: Iterable[pytest.Mark]) -> bool:
+        by_name: dict[str, list[pytest.Mark]] = {}
+        for mark in marks:
+            by_name.setdefault(mark.name, []).append(mark)
+
+        # -m "device(serial='123')" (pytest 8.3+) matches a marker's keyword arguments too
+        def matcher(name: str, /, **kwargs: object) -> bool:
+            return any(all(m.kwargs.get(k, _NOT_GIVEN) == v for k, v in kwargs.items()) for m in by_name.get(name, []))
+
+        return bool(expression.evaluate(matcher))
+
+    return evaluate
+
+
+def selected_by_m(expression: Callable[[Iterable[pytest.Mark]], bool] | None, item: pytest.Item) -> bool:
+    """Does ``-m`` select ``item`` by a marker it carries?
+
+    True when the expression holds for the item's marks and would not hold for a test
+    with no marks at all: ``-m hpc`` and ``-m ray_dist`` select a test marked ``hpc`` and
+    ``ray_dist``; ``-m "not slow"`` selects it too, but by what it lacks, so not here;
+    ``-m "not hpc"`` never selects it.
+    """
+    if expression is None:
+        return False
+    return expression(item.iter_markers()) and not expression(())
 
 
 def mapping(config: pytest.Config) -> dict[str, tuple[str, ...]]:
@@ -24,21 +66,25 @@ def register_markers(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", 'launcher(*names): the launchers ("torchrun", "srun", "mpirun", "ray") this test may run under.'
     )
-    config.addinivalue_line("markers", "hpc: runs only under a launcher, or when -m hpc asks for it.")
-    for name, launchers in mapping(config).items():
-        config.addinivalue_line("markers", f"{name}: runs under {' or '.join(launchers)} (ini: launcher_markers).")
+    for name, places in mapping(config).items():
+        where = " or ".join(p if p != SELECTED else "without a launcher when -m selects it" for p in places)
+        config.addinivalue_line("markers", f"{name}: runs under {where} (ini: launcher_markers).")
 
 
 def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext | None) -> None:
-    """Drop the items that may not run under ``ctx``'s launcher; count the reasons."""
+    """Drop the items that may not run under ``ctx``'s launcher; count the reasons.
+
+    Called after pytest's own ``-m``/``-k`` deselection, so the reasons count only tests
+    those kept.
+    """
     table = mapping(config)
     current = ctx.launcher if ctx is not None else None
-    hpc_selected = "hpc" in (config.getoption("markexpr", "") or "")
+    expression = m_expression(config)
     keep, drop = [], []
     reasons: Counter[str] = Counter()
     for item in items:
         names = {m.name for m in item.iter_markers()}
-        if not (names & set(table)) and "launcher" not in names and "hpc" not in names:
+        if not (names & set(table)) and "launcher" not in names:
             keep.append(item)
             continue
         try:
@@ -47,7 +93,7 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
                 [m.args for m in item.iter_markers("launcher")],
                 table,
                 current,
-                hpc_selected=hpc_selected,
+                selected_by_m=selected_by_m(expression, item),
                 runs_on_pool=item.get_closest_marker("distributed") is not None,
             )
         except LauncherMarkerError as exc:
@@ -61,6 +107,15 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
     config.stash.setdefault(REASONS_KEY, Counter()).update(reasons)
+
+
+def add_reasons(config: pytest.Config, reasons: dict[str, int]) -> None:
+    """An xdist worker's reasons, heard by the controller. Every worker collects the same
+    tests (a replaced worker collects them again): each reason counts as often as the
+    worker that saw it most."""
+    mine = config.stash.setdefault(REASONS_KEY, Counter())
+    for reason, count in reasons.items():
+        mine[reason] = max(mine[reason], int(count))
 
 
 def summary_lines(config: pytest.Config) -> list[str]:

@@ -17,7 +17,9 @@ import os
 import shutil
 import signal
 import threading
+import xml.etree.ElementTree as ET
 from collections import defaultdict
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +37,23 @@ def log_dir(config: pytest.Config) -> Path:
     early = getattr(getattr(config, "known_args_namespace", None), "rank_log_dir", None)
     value = config.getoption("rank_log_dir", None) or early or config.getini("rank_log_dir") or "logs"
     return Path(config.invocation_params.dir) / str(value)
+
+
+def gather_dir(config: pytest.Config, ctx: LaunchContext) -> Path:
+    """Where the ranks of this launch exchange documents (under the rank-log directory: on
+    clusters it is on the shared file system)."""
+    return log_dir(config) / ctx.launcher / f".gather-{ctx.run_id}"
+
+
+def early_gather_timeout(config: pytest.Config) -> float:
+    """``--rank-gather-timeout`` before the options are read into Settings (which then
+    reject a bad value): the command line's, the ini's, or the default."""
+    early = getattr(getattr(config, "known_args_namespace", None), "rank_gather_timeout", None)
+    try:
+        value = float(early or config.getini("rank_gather_timeout") or 300)
+    except ValueError:
+        return 300.0
+    return value if value > 0 else 300.0
 
 
 def redirect_output(path: Path) -> None:
@@ -56,12 +75,13 @@ class LaunchedRank:
         self.shard = shard
         base = log_dir(config) / ctx.launcher
         self.log_path = base / f"rank{ctx.rank}.log"
-        self.dir = base / f".gather-{ctx.run_id}"
+        self.dir = gather_dir(config, ctx)
         self.reports: list[dict[str, Any]] = []
         self.missing: list[int] = []
         self.mismatch: list[str] = []
         self.table: dict[str, dict[str, list[int]]] = {}
         self.share: tuple[int, int] | None = None  # (this shard's tests, all tests)
+        self.merged: dict[str, tuple[str, int]] = {}  # another rank's failure's id -> (the test's id, rank)
         self.terminated = False
         self.loads: dict[int, float] = {}  # rank -> seconds of test time (shard mode)
         if threading.current_thread() is threading.main_thread():
@@ -77,10 +97,13 @@ class LaunchedRank:
 
     # -- collection ------------------------------------------------------------------
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Generator[None, None, None]:
+        # after every other selection (-m, -k, the launcher markers): the shares split what runs
+        result = yield
         if self.shard:
             self.share = select_share(self.config, self.ctx, items)
+        return result
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -137,9 +160,9 @@ class LaunchedRank:
             )
             failed = failed or bool(self.mismatch)
         if self.ctx.is_root:
+            self._save_durations(by_rank)  # before _report renames other ranks' reports
             self._report(by_rank)
             self._report_missing()
-            self._save_durations(by_rank)
         if failed:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         elif self.shard and session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and any(by_rank.values()):
@@ -151,6 +174,7 @@ class LaunchedRank:
         summary and its junitxml."""
         others = list(range(1, self.ctx.world_size))
         if self.ctx.is_root:
+            self._merge_junitxml()  # junitxml wrote its file at the session's end
             gather.publish(self.dir, "finished", 0, {"run": self.ctx.run_id})
             left = gather.collect(self.dir, "left", self.ctx.world_size, min(self.timeout, 30.0), ranks=others)
             if len(left) == len(others):
@@ -167,31 +191,127 @@ class LaunchedRank:
         return cast(pytest.TestReport, report)  # pluggy's hook calls are untyped; these data are test reports
 
     def _report(self, by_rank: dict[int, list[pytest.TestReport]]) -> None:
-        """Rank 0: feed the other ranks' reports to this session's reporters."""
+        """Rank 0: feed the other ranks' reports to this session's reporters.
+
+        Shard mode: every report, as it is (each test ran on one rank). Lockstep: each test
+        counts once, as pytest would count it had it run once: rank 0's reports, unless rank 0
+        passed where another rank failed; then the first failing rank's failures count in its
+        place. The failures of the other failing ranks are shown (tracebacks, short summary
+        lines, junitxml) but not counted again.
+        """
         table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for rank, reports in by_rank.items():
-            failing = {report.nodeid for report in reports if report.failed}
             for report in reports:
                 if report.when == "call" or (report.when == "setup" and not report.passed):
                     outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
                     table[report.nodeid][outcome].append(rank)
                 elif report.when == "teardown" and report.failed:
                     table[report.nodeid]["error"].append(rank)
-                if rank == self.ctx.rank:
-                    continue
-                if not self.shard:
-                    if report.nodeid not in failing:
-                        continue  # lockstep: rank 0's own report stands for the passing ranks
-                    report.nodeid = f"{report.nodeid}@rank{rank}"
-                    fspath, lineno, domain = report.location
-                    report.location = (fspath, lineno, f"{domain} [rank {rank}]")
-                    log = self.log_path.parent / f"rank{rank}.log"
-                    if report.failed:
-                        note = f"failed on rank {rank} of {self.ctx.world_size}; its whole output: {log}"
-                        report.sections.append(("pytest-gpu", note))
-                self._inject(report)
         self.table = {k: dict(v) for k, v in table.items()}
         self.loads = {rank: sum(float(r.duration) for r in reports) for rank, reports in by_rank.items()}
+        if self.shard:
+            for rank, reports in by_rank.items():
+                if rank != self.ctx.rank:
+                    for report in reports:
+                        self._inject(report)
+            return
+        own_failed = {report.nodeid for report in by_rank.get(self.ctx.rank, []) if report.failed}
+        failing: dict[str, list[int]] = defaultdict(list)  # test -> the other ranks it failed on, in order
+        for rank, reports in sorted(by_rank.items()):
+            if rank != self.ctx.rank:
+                for nodeid in dict.fromkeys(report.nodeid for report in reports if report.failed):
+                    failing[nodeid].append(rank)
+        for nodeid, ranks in failing.items():
+            for position, rank in enumerate(ranks):
+                reports = [report for report in by_rank[rank] if report.nodeid == nodeid]
+                counted = position == 0 and nodeid not in own_failed
+                if counted:  # rank 0's phases that this rank failed (or never reached), and its skips, give way
+                    self._uncount(nodeid, {"setup", "call", "teardown"} - {r.when for r in reports if not r.failed})
+                for report in reports:
+                    if report.failed:
+                        self._inject_rank_failure(report, rank, counted=counted)
+
+    def _inject_rank_failure(self, report: pytest.TestReport, rank: int, *, counted: bool) -> None:
+        """Another rank's failure of a test, under the test's id with the rank in it."""
+        nodeid = rank_nodeid(report.nodeid, rank)
+        self.merged[nodeid] = (report.nodeid, rank)
+        report.nodeid = nodeid
+        fspath, lineno, domain = report.location
+        report.location = (fspath, lineno, f"{domain} [rank {rank}]")
+        log = self.log_path.parent / f"rank{rank}.log"
+        report.sections.append(
+            ("pytest-gpu", f"failed on rank {rank} of {self.ctx.world_size}; its whole output: {log}")
+        )
+        if not counted:
+            report.__class__ = UncountedReport
+        self._inject(report)
+
+    def _uncount(self, nodeid: str, phases: set[str]) -> None:
+        """Take this rank's own reports of ``nodeid``'s ``phases``, and its skips (a test that
+        failed elsewhere is no skip), out of the terminal's counts."""
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is None:
+            return
+        for category, reports in terminal.stats.items():
+            if category in ("warnings", "rerun"):
+                continue
+            reports[:] = [
+                r
+                for r in reports
+                if not (
+                    isinstance(r, pytest.TestReport)
+                    and r.nodeid == nodeid
+                    and (r.when in phases or r.skipped)
+                    and not getattr(r, "_pytest_gpu_injected", False)
+                )
+            ]
+
+    def _merge_junitxml(self) -> None:
+        """One ``testcase`` per test in rank 0's junitxml: other ranks' failures move into
+        their test's case, each message prefixed with its rank ("rank 1: AssertionError ...").
+        No testcase property: the default junit_family (xunit2) allows none."""
+        from _pytest.junitxml import mangle_test_address, xml_key
+
+        logxml = self.config.stash.get(xml_key, None)
+        if logxml is None or not self.merged:
+            return
+        path = Path(logxml.logfile)
+        try:
+            tree = ET.parse(path)
+        except (OSError, ET.ParseError):
+            return  # junitxml said why it could not write; the terminal has every failure
+        names = {
+            mangle_test_address(rank_id)[-1]: (mangle_test_address(base)[-1], rank)
+            for rank_id, (base, rank) in self.merged.items()
+        }
+        prefixed: set[int] = set()  # cases whose own (this rank's) failures already name the rank
+        for suite in tree.getroot().iter("testsuite"):
+            cases = {(case.get("classname"), case.get("name")): case for case in suite.findall("testcase")}
+            for (classname, name), case in cases.items():
+                if name not in names:
+                    continue
+                base_name, rank = names[name]
+                base = cases.get((classname, base_name))
+                if base is None:
+                    continue
+                for skipped in base.findall("skipped"):  # the test failed elsewhere: not a skip
+                    base.remove(skipped)
+                if id(base) not in prefixed:
+                    prefixed.add(id(base))
+                    for own in [c for c in base if c.tag in ("failure", "error")]:
+                        own.set("message", f"rank {self.ctx.rank}: {own.get('message', '')}")
+                for failure in [c for c in case if c.tag in ("failure", "error")]:
+                    failure.set("message", f"rank {rank}: {failure.get('message', '')}")
+                    # before the case's captured output, as pytest orders them
+                    at = next((i for i, c in enumerate(base) if c.tag in ("system-out", "system-err")), len(base))
+                    base.insert(at, failure)
+                suite.remove(case)
+            outcome = [{c.tag for c in case} for case in suite.findall("testcase")]
+            suite.set("tests", str(len(outcome)))
+            suite.set("failures", str(sum("failure" in tags for tags in outcome)))
+            suite.set("errors", str(sum("error" in tags for tags in outcome)))
+            suite.set("skipped", str(sum("skipped" in tags and not tags & {"failure", "error"} for tags in outcome)))
+        tree.write(path, encoding="utf-8", xml_declaration=True)
 
     def _report_missing(self) -> None:
         """A rank that never reported is a failure of the run, in the terminal and in junitxml."""
@@ -227,8 +347,7 @@ class LaunchedRank:
         fresh: dict[str, float] = defaultdict(float)
         for reports in by_rank.values():
             for report in reports:
-                nodeid = report.nodeid.split("@rank", 1)[0]
-                fresh[nodeid] += float(report.duration)
+                fresh[report.nodeid] += float(report.duration)
         history.merge(self.config, DURATIONS_KEY, fresh)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -266,6 +385,24 @@ class LaunchedRank:
             tr.write_line(f"every test passed on all {self.ctx.world_size} ranks")
         if self.ctx.world_size > 1:
             tr.write_line(f"output of ranks 1 to {self.ctx.world_size - 1}: {self.log_path.parent}/rank<N>.log")
+
+
+class UncountedReport(pytest.TestReport):
+    """Another rank's failure of a test already counted: shown, not counted again."""
+
+    @property
+    def count_towards_summary(self) -> bool:
+        return False
+
+
+def rank_nodeid(nodeid: str, rank: int) -> str:
+    """The id of ``nodeid``'s report from ``rank``: ``test_x@rank1``, and ``test_x[p@rank1]``
+    for a parametrized test, whose id must still end in its closing bracket (pytest's
+    terminal and junitxml split an id at its first ``[``)."""
+    name = nodeid.rsplit("::", 1)[-1]
+    if "[" in name and name.endswith("]"):
+        return f"{nodeid[:-1]}@rank{rank}]"
+    return f"{nodeid}@rank{rank}"
 
 
 def select_share(config: pytest.Config, ctx: LaunchContext, items: list[pytest.Item]) -> tuple[int, int]:

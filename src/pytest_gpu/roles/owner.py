@@ -111,6 +111,13 @@ class Controller(RunOwner):
         required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
 
     @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """A worker's deselection reasons, for this process's summary (a worker's terminal is not shown)."""
+        reasons = getattr(node, "workeroutput", {}).get(selection.WORKEROUTPUT_KEY)
+        if reasons:
+            selection.add_reasons(self.config, reasons)
+
+    @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         if not self.schedules:
             return None  # xdist's own, as chosen with --dist

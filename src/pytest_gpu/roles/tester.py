@@ -36,8 +36,12 @@ class TestProcess(RoleBase):
         lifecycle.collect_report(report, self.run, (runner.stash_spec,))
         return report
 
+    @pytest.hookimpl(trylast=True)  # after pytest's -m/-k: the reasons count only the tests they kept
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         selection.deselect(config, items, self.launch)
+        workeroutput = getattr(config, "workeroutput", None)
+        if workeroutput is not None:  # the controller prints the reasons (a worker's terminal is not shown)
+            workeroutput[selection.WORKEROUTPUT_KEY] = dict(config.stash.get(selection.REASONS_KEY, {}))
         self.select(items)
         lifecycle.mark_oversize(items, self.run)
 
@@ -53,6 +57,7 @@ class TestProcess(RoleBase):
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a fixture's teardown error passes through here: its traceback is the fixture's
         fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
         lifecycle.release_failure(item)  # a failed call's frames no longer hold the test's memory
         try:
@@ -62,6 +67,7 @@ class TestProcess(RoleBase):
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
+        __tracebackhide__ = True  # a fixture's error passes through here: its traceback starts in the fixture
         with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
             if fixturedef.scope == "function":
                 return (yield)
