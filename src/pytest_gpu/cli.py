@@ -128,7 +128,14 @@ def _domains(only: str | None) -> list[Any]:
 
     found = [Domain.real()]
     try:
-        found += [Domain.private(p.name) for p in sorted(private_root().iterdir()) if p.is_dir()]
+        for path in sorted(private_root().iterdir()):
+            if not path.is_dir():
+                continue
+            if path.name.startswith(("run-", "launch-")):  # a run's own simulated machines
+                machines = sorted(path.glob("sim-*"))
+                found += [Domain(f"sim-{path.name}-{m.name[4:]}", m, ledger=m / "sim-ledger") for m in machines]
+            else:
+                found.append(Domain.private(path.name))
     except OSError:
         pass
     try:

@@ -96,7 +96,8 @@ def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
 
 def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
-    machine's (one per ``PYTEST_GPU_SIM_MACHINE``); joined when the first lease is asked."""
+    machine's (the one ``PYTEST_GPU_SIM_MACHINE`` names, else the run's own); joined when the first
+    lease is asked."""
     from ..machine.domain import Domain
     from ..machine.link import MachineLink
     from ..sim import fake
@@ -190,6 +191,7 @@ class GpuRun:
     _client_lock: threading.Lock = field(default_factory=threading.Lock)
     _keys: itertools.count[int] = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
+    _sim_run: str | None = None  # the run name of the simulated machines this run made its own
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
     # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
     frameworks: Callable[..., object] | None = None
@@ -233,13 +235,22 @@ class GpuRun:
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
-            # The simulated machine the run names (PYTEST_GPU_SIM_MACHINE, default one per user
-            # and spec): runs naming the same one share its GPUs' memory, as runs on one real
-            # machine share its GPUs. Every process of the run (workers, ranks, subprocesses)
-            # sees it through the fake-GPU switch.
+            # The simulated machine the run names (PYTEST_GPU_SIM_MACHINE), else its own (one
+            # per run and spec, gone with the run): runs naming the same one share its GPUs'
+            # memory, as runs on one real machine share its GPUs. Every process of the run
+            # (workers, ranks, subprocesses) sees it through the fake-GPU switch.
             from ..gpu.devices import DeviceSpecError
+            from ..machine.domain import claim_run_machines
 
             try:
+                try:
+                    run._sim_run = claim_run_machines(f"{launch.launcher}:{launch.run_id}" if launch else None)
+                except OSError as exc:  # no private directory for it: as for the machine's ledger
+                    raise sim.LedgerWriteError(
+                        exc.errno or 13,
+                        f"{exc.strerror or exc}; set PYTEST_GPU_MACHINE_DIR to a writable directory",
+                        exc.filename,
+                    ) from None
                 ledger = sim.machine_ledger(inventory.source, settings.context_overhead)
             except sim.SimMachineError as exc:  # in use with another spec: a usage error
                 run.close()  # the broker and run directory made above
@@ -303,6 +314,11 @@ class GpuRun:
 
         if self.broker is not None and fake.active():
             fake.deactivate()  # the run's fake machine ends with it (in-process runs follow each other)
+        if self._sim_run is not None:  # its own simulated machines go with it
+            from ..machine.domain import release_run_machines
+
+            release_run_machines(self._sim_run)
+            self._sim_run = None
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
