@@ -94,6 +94,26 @@ def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
     )
 
 
+def _refuse_tiny_gpus(inventory: Inventory, settings: Settings) -> None:
+    """A simulated or fake machine whose GPUs are no larger than the CUDA context the run
+    assumes (``--gpu-context-overhead``, unless the spec's ``context=`` says) is a typo
+    (``sim:4x1KiB``): a usage error now, not "-500MiB after the CUDA context" at every test."""
+    from ..gpu.devices import DeviceSpecError
+    from ..sim import fake
+    from ..sim.spec import SpecError, check_context, parse
+
+    source = inventory.source if inventory.simulated else fake.requested()
+    if not source:
+        return
+    label = "--gpus" if inventory.simulated else fake.FAKE_ENV + ":"
+    try:
+        if parse(source).context is None:  # with context=, parse checked it against that
+            sizes = [d.capacity for d in inventory.devices]
+            check_context(source, sizes, settings.context_overhead, "--gpu-context-overhead")
+    except SpecError as exc:
+        raise DeviceSpecError(f"{label} {exc}") from None
+
+
 def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
     machine's (the one ``PYTEST_GPU_SIM_MACHINE`` names, else the run's own); joined when the first
@@ -219,6 +239,7 @@ class GpuRun:
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node
+        _refuse_tiny_gpus(inventory, settings)
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)

@@ -531,7 +531,8 @@ def _conflict(name: str, state: dict[str, Any], spec: str, overhead: int | None,
 
 def machine_ledger(spec: str, overhead: int | None = None) -> Ledger:
     """The ledger of the simulated machine a process on ``spec`` uses (``PYTEST_GPU_SIM_MACHINE``,
-    default its run's own, see :func:`pytest_gpu.machine.domain.sim_machine_name`), created if missing and shared by every process and user.
+    default its run's own, see :func:`pytest_gpu.machine.domain.sim_machine_name`), created if
+    missing and shared by every process and user.
 
     ``overhead``: the CUDA context size the caller simulates (``None``: the machine's, or the
     default for a new machine). The caller is registered as a user of the machine until it
