@@ -88,11 +88,59 @@ def test_bad_gpu_request_arguments_fail_the_test(gpu_pytester, run_inner):
     result.assert_outcomes(failed=2)
     form = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
     result.stdout.fnmatch_lines(
-        [f"E * test_section.py::test_zero: gpu_request: count must be a positive int, got 0; expected {form}"]
+        [f"pytest-gpu: test_section.py::test_zero: gpu_request: count must be a positive int, got 0; expected {form}"]
     )
     result.stdout.fnmatch_lines(
-        [f"E * test_section.py::test_unknown: gpu_request: unknown keyword 'shared'; expected {form}"]
+        [f"pytest-gpu: test_section.py::test_unknown: gpu_request: unknown keyword 'shared'; expected {form}"]
     )
+
+
+def test_a_bad_gpu_request_in_a_test_or_a_fixture_is_one_line_without_frames(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_lots="""
+        import pytest
+
+        def test_section(gpu_request):
+            with gpu_request(memory="lots"):
+                pass
+
+        @pytest.fixture
+        def model(gpu_request):
+            with gpu_request(memory="lots") as lease:
+                yield lease
+
+        def test_fixture(model):
+            pass
+        """
+    )
+    result = run_inner("--gpus", "sim:1x16GiB")
+    result.assert_outcomes(failed=1, errors=1)
+    expected = f"gpu_request: memory='lots' is not a size: expected {SIZE_FORM}, got 'lots'"
+    result.stdout.fnmatch_lines([f"pytest-gpu: test_lots.py::test_section: {expected}"])
+    result.stdout.fnmatch_lines([f"pytest-gpu: test_lots.py::test_fixture: {expected}"])
+    out = result.stdout.str()
+    for noise in ("contextlib", "lifecycle.py", "GpuRun(settings=", "Settings(", "def _section"):
+        assert noise not in out, noise
+
+
+def test_a_bad_ports_count_is_one_line(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(test_ports="def test_ports(ports):\n    ports(0)\n")
+    result = run_inner("--gpus", "sim:1x16GiB")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: test_ports.py::test_ports: ports(n) expects a positive int, got 0"])
+    assert "lifecycle.py" not in result.stdout.str()
+
+
+def test_a_run_reads_short_in_a_traceback(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_repr="""
+        def test_repr(request):
+            from pytest_gpu.run.record import RUN_KEY
+            text = repr(request.config.stash[RUN_KEY])
+            assert text.startswith("<GpuRun main gpus='sim:1x16GiB' run_dir=") and len(text) < 200, text
+        """
+    )
+    run_inner("--gpus", "sim:1x16GiB").assert_outcomes(passed=1)
 
 
 # (option, value, ini key, the message after "ERROR: <where>")

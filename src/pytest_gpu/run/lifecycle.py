@@ -350,10 +350,14 @@ def gpu_fixture(request: pytest.FixtureRequest) -> GpuLease:
 
 @contextmanager
 def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[GpuLease]:
+    __tracebackhide__ = True
+    problem = ""
     try:
         request = build_request(args, kwargs, run.settings.default_memory, what="gpu_request", form=GPU_FIXTURE_FORM)
     except GpuRequestError as exc:
-        raise GpuRequestError(f"{node.nodeid}: {exc}") from None
+        problem = str(exc)
+    if problem:  # one line naming the test and the form expected: no frames of ours or contextlib's
+        pytest.fail(f"pytest-gpu: {node.nodeid}: {problem}", pytrace=False)
     reason = run.never_fits(request)
     if reason is not None:
         if run.settings.oversize == "skip":
@@ -387,7 +391,7 @@ def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[[int]
 
     def ports(n: int = 1) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"{node.nodeid}: ports(n) expects a positive int, got {n!r}")
+            pytest.fail(f"pytest-gpu: {node.nodeid}: ports(n) expects a positive int, got {n!r}", pytrace=False)
         if state.ports_owner is None:
             state.ports_owner = str(PortOwner.of_this_process(node.nodeid))
         return run.client.ports(n, state.ports_owner)

@@ -222,6 +222,10 @@ class GpuRun:
     on_wait: list[Callable[[], bool]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)  # the CUDA contexts this process measured
 
+    def __repr__(self) -> str:
+        # short: a traceback's locals show it, and the settings and inventory fill a screen
+        return f"<GpuRun {self.worker} gpus={self.settings.gpus!r} run_dir={str(self.run_dir)!r}>"
+
     # -- construction ---------------------------------------------------------------
 
     @classmethod
