@@ -415,9 +415,8 @@ def _fresh(tmp_path: Path, code: str, **extra: str) -> subprocess.CompletedProce
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
     env.update(PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]))
     env.update(extra)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
 def test_empty_without_the_double_says_exactly_what_to_do(tmp_path: Path) -> None:
