@@ -11,7 +11,7 @@ import pytest
 
 from ..leasing.spans import gpu_properties, parse_held
 from .timeline import Timeline
-from .wording import numbered, plural, verb
+from .wording import duration, numbered, plural, verb
 
 if TYPE_CHECKING:
     from ..gpu.devices import Inventory
@@ -122,7 +122,7 @@ class Summary:
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [
             f"pytest-gpu: {inventory.describe()} [{inventory.source}] · {plural(self.gpu_tests, 'GPU test')} · "
-            f"waited {self.waited:.1f}s in total · {plural(self.violations, 'violation')}"
+            f"waited {duration(self.waited)} in total · {plural(self.violations, 'violation')}"
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
