@@ -123,14 +123,6 @@ def test_a_bad_gpu_request_in_a_test_or_a_fixture_is_one_line_without_frames(gpu
         assert noise not in out, noise
 
 
-def test_a_bad_ports_count_is_one_line(gpu_pytester, run_inner):
-    gpu_pytester.makepyfile(test_ports="def test_ports(ports):\n    ports(0)\n")
-    result = run_inner("--gpus", "sim:1x16GiB")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: test_ports.py::test_ports: ports(n) expects a positive int, got 0"])
-    assert "lifecycle.py" not in result.stdout.str()
-
-
 def test_a_run_reads_short_in_a_traceback(gpu_pytester, run_inner):
     gpu_pytester.makepyfile(
         test_repr="""

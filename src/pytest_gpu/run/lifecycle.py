@@ -391,7 +391,7 @@ def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[[int]
 
     def ports(n: int = 1) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            pytest.fail(f"pytest-gpu: {node.nodeid}: ports(n) expects a positive int, got {n!r}", pytrace=False)
+            raise ValueError(f"{node.nodeid}: ports(n) expects a positive int, got {n!r}")
         if state.ports_owner is None:
             state.ports_owner = str(PortOwner.of_this_process(node.nodeid))
         return run.client.ports(n, state.ports_owner)
