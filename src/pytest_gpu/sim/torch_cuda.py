@@ -807,10 +807,11 @@ def _require_torch() -> Any:
 
 def _import_torch() -> None:
     """On fake GPUs, this double's functions may come before the test's ``import torch``: import
-    it here, and the fake-GPU switch installs the double as it does for the test's import."""
-    from . import fake
+    it here, and the fake-GPU switch (which waits for torch's import) installs the double as it
+    does for the test's import."""
+    from ..importhook import waiting
 
-    if not fake.active() or "torch" in sys.modules:  # an imported torch it left alone: a CUDA build
+    if "torch" in sys.modules or not waiting("torch"):  # no switch waits to install it (or torch is a CUDA build)
         return
     try:
         import torch  # noqa: F401 - the switch's import hook installs the double
