@@ -213,7 +213,7 @@ def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:
         total = sum(float(cast(float, r.get("seconds", 0.0))) for r in waited)  # the broker's wait, seconds
         lines.append(
             f"pytest-gpu: {plural(len(waited), 'test')} {verb(len(waited), 'was', 'were')} held back "
-            f"{total:.1f}s in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
+            f"{duration(total)} in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
         )
     return lines
 
