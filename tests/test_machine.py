@@ -675,10 +675,8 @@ def test_an_arbiter_that_stops_fails_the_waiting_request_never_the_run(gpu_pytes
     """Another run is the arbiter and is stopped (SIGSTOP) while this run goes on: the test
     that asks for a GPU then fails with a clear error after PYTEST_GPU_ARBITER_TIMEOUT; the
     run's other tests pass and the run ends normally."""
-    import pwd
-
-    name = f"sim-{pwd.getpwuid(os.getuid()).pw_name}-sim_2x16GiB"  # the run's simulated machine
-    leader = start_leader(Domain.private(name))
+    monkeypatch.setenv("PYTEST_GPU_SIM_MACHINE", "stall")  # shared with the leader: named
+    leader = start_leader(Domain.private("sim-stall"))
     gpu_pytester.makepyfile(
         test_stall="""
         import pathlib, time, pytest
