@@ -279,8 +279,12 @@ def test_every_bar_is_labelled_and_the_key_names_the_abbreviated_in_full():
     assert by_name["test", "test_a"].text == "test_a" and not by_name["test", "test_a"].abbreviated
     short = by_name["test", "test_a_long_parametrized_name[config-3]"]
     key = chart.keys["test_m.py::test_a_long_parametrized_name[config-3]"]
-    assert short.abbreviated and short.text.split()[0] == str(key)
+    assert short.abbreviated
     assert by_name["lease", "test_a_long_parametrized_name[config-3]"].text.split()[0] == str(key)  # one key per test
+    two_digits = [label for label in labels if label.abbreviated and chart.key(label.bar) >= 10]
+    assert two_digits and all(label.rotation == 90 for label in two_digits)  # too short for the key lying down
+    assert all(label.text == str(chart.key(label.bar)) for label in two_digits)
+    assert by_name["test", "test_a"].rotation == 0
     lines = gantt.key_lines(chart, labels)
     assert len(lines) == 12  # the twelve short tests, each once
     assert f"{key:>2}  test_m.py::test_a_long_parametrized_name[config-3]" in lines

@@ -384,6 +384,7 @@ class Label:
     text: str
     fontsize: float
     abbreviated: bool
+    rotation: int = 0  # 90: a key number upright, in a bar narrower than it is wide
 
 
 def bar_labels(chart: Chart, height: float | None = None) -> list[Label]:
@@ -399,8 +400,13 @@ def bar_labels(chart: Chart, height: float | None = None) -> list[Label]:
         if bar.kind == "wait":
             continue
         fontsize = max(_MIN_FONT, min(7.0, bar.height * unit_pt * 0.7))
-        text, abbreviated = bar_text(bar.label, chart.key(bar), bar.duration * pt_per_second, fontsize)
-        out.append(Label(bar, text, fontsize, abbreviated))
+        width = bar.duration * pt_per_second
+        text, abbreviated = bar_text(bar.label, chart.key(bar), width, fontsize)
+        if abbreviated and len(text) * fontsize * _CHAR_WIDTH > width:  # the key alone, wider than its bar:
+            # upright, so that the keys of neighbouring short tests do not run into each other
+            out.append(Label(bar, text, max(_MIN_FONT, min(fontsize, width)), abbreviated, 90))
+        else:
+            out.append(Label(bar, text, fontsize, abbreviated))
     return out
 
 
@@ -513,6 +519,7 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
             ha="center",
             va="center",
             fontsize=label.fontsize,
+            rotation=label.rotation,
             color="white" if dark else "black",
             clip_on=True,
         )
