@@ -243,12 +243,13 @@ def private_machines(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
     xdist) meet only each other, and its simulated machines are its own, never a concurrent
     test's (this suite runs under xdist) nor a developer's real runs'.
 
-    Simulated machines stay one per spec (``PYTEST_GPU_SIM_MACHINE`` is left unset): two runs
-    of one test on different specs are two machines, as they are for a user.
+    No simulated machine is named (``PYTEST_GPU_SIM_MACHINE``, ``PYTEST_GPU_SIM_RUN`` unset):
+    each run a test starts has its own, as a user's run has; tests whose runs share one name it.
     """
     path = tmp_path_factory.mktemp("machines")
     monkeypatch.setenv(MACHINE_DIR_ENV, str(path))
     monkeypatch.delenv("PYTEST_GPU_SIM_MACHINE", raising=False)
+    monkeypatch.delenv("PYTEST_GPU_SIM_RUN", raising=False)
     from pytest_gpu.machine import domain
 
     domain._warned.clear()  # a new machine directory: its warnings are said anew

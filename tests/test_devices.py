@@ -65,7 +65,6 @@ def test_sim_spec_mixed_sizes_keep_their_order() -> None:
         ("sim:16GiB", [16 * GiB]),  # count defaults to 1
         ("sim: 2 x 1GiB ", [GiB, GiB]),
         ("sim:2X1GiB", [GiB, GiB]),
-        ("sim:2*1GiB", [GiB, GiB]),
         ("sim:1x8GB", [8 * 10**9]),
         ("2x1GiB", [GiB, GiB]),  # the prefix is optional here
     ],
@@ -91,6 +90,21 @@ def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
         ("sim:4x", "--gpus 'sim:4x': no size after '4x'; expected COUNTxSIZE such as 4x16GiB"),
         ("sim:4x16GiB,,", "--gpus 'sim:4x16GiB,,': cannot read ''; expected COUNTxSIZE such as 4x16GiB"),
         ("sim:4xlots", f"--gpus 'sim:4xlots': bad size in '4xlots': expected {SIZE_FORM}, got 'lots'"),
+        (
+            "sim:4*16GiB",
+            "--gpus 'sim:4*16GiB': unknown separator '*' in '4*16GiB'; expected COUNTxSIZE such as 4x16GiB",
+        ),
+        ("sim:2/1GiB", "--gpus 'sim:2/1GiB': unknown separator '/' in '2/1GiB'; expected COUNTxSIZE such as 2x1GiB"),
+        (
+            "sim:4x1KiB;context=1MiB",
+            "--gpus 'sim:4x1KiB;context=1MiB': a device of 1KiB is no larger than one CUDA context (1MiB, context=); "
+            "expected COUNTxSIZE with sizes larger than that, such as 4x16GiB",
+        ),
+        (
+            "sim:1x16GiB;mig:0=1x1MiB;context=2MiB",
+            "--gpus 'sim:1x16GiB;mig:0=1x1MiB;context=2MiB': a device of 1MiB is no larger than one CUDA context "
+            "(2MiB, context=); expected COUNTxSIZE with sizes larger than that, such as 4x16GiB",
+        ),
         (
             "sim:4x16GiBs",
             f"--gpus 'sim:4x16GiBs': bad size in '4x16GiBs': unknown unit 'GiBs' in '16GiBs': expected {SIZE_FORM}",

@@ -19,14 +19,16 @@ import pytest
 
 from conftest import MISSING
 from helpers import shared, throwaway_user, wait_for, whole
-from pytest_gpu.cli import format_status
+from pytest_gpu.cli import format_status, gpu_labels
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.machine.arbiter import Arbiter
+from pytest_gpu.machine.arbiter import PART, Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.machine.messages import Held
 from pytest_gpu.machine.wire import reachable
+from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
+from pytest_gpu.sim.spec import mig_uuid
 
 GiB = 2**30
 
@@ -473,6 +475,35 @@ def test_status_says_who_holds_what_and_who_waits(domain, links, capsys):
     assert [r["test"] for r in state[domain.name]["leases"]] == ["tests/t.py::test_holds"]
 
 
+def test_status_names_each_gpu_by_its_index_beside_its_uuid(domain, links, capsys):
+    gpu1, mig = sim_uuid(1), mig_uuid(0, 2)
+    a, _ = new_link(links, domain, {gpu1: 16 * GiB, mig: 4 * GiB, f"{gpu1}{PART}1": 8 * GiB})
+    a.submit("c0/k0", "c0", "gw0", "tests/t.py::test_holds", shared(2 * GiB), [gpu1])
+    asked = ["status", "--machine", domain.name] if domain.wide else ["status"]
+    assert cli_main(asked) == 0
+    out = capsys.readouterr().out
+    assert f"  GPU 1 ({gpu1}): 16GiB, 2GiB promised" in out
+    assert f"  GPU 0 MIG 2 ({mig}): 4GiB" in out
+    assert f"  GPU 1 ({gpu1}{PART}1): 8GiB" in out  # a launched rank's part of GPU 1
+    assert f"tests/t.py::test_holds  GPU 1 ({gpu1})  2GiB  for " in out
+    assert cli_main([*asked, "--json"]) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert {g["uuid"]: g["name"] for g in state[domain.name]["gpus"]}[gpu1] == "GPU 1"
+
+
+def test_gpu_labels_ask_nvml_for_real_gpus_only_where_told(monkeypatch):
+    from pytest_gpu.gpu import devices
+    from pytest_gpu.gpu.devices import Device
+
+    found = (Device(3, "GPU-real-3", 80 * GiB, "H100"), Device(9, "MIG-real", 10 * GiB, "H100 MIG", parent=3))
+    monkeypatch.setattr(devices, "nvml_devices", lambda: (found, ""))
+    assert gpu_labels(["GPU-real-3", "MIG-real", "GPU-gone"], ask_nvml=True) == {
+        "GPU-real-3": "GPU 3",
+        "MIG-real": "GPU 3 MIG unit 9",
+    }
+    assert gpu_labels(["GPU-real-3"], ask_nvml=False) == {}
+
+
 def test_status_without_any_run(domain, capsys):
     assert cli_main(["status"]) == 0
     assert "no pytest-gpu run holds or waits for GPUs on this machine" in capsys.readouterr().out
@@ -644,10 +675,8 @@ def test_an_arbiter_that_stops_fails_the_waiting_request_never_the_run(gpu_pytes
     """Another run is the arbiter and is stopped (SIGSTOP) while this run goes on: the test
     that asks for a GPU then fails with a clear error after PYTEST_GPU_ARBITER_TIMEOUT; the
     run's other tests pass and the run ends normally."""
-    import pwd
-
-    name = f"sim-{pwd.getpwuid(os.getuid()).pw_name}-sim_2x16GiB"  # the run's simulated machine
-    leader = start_leader(Domain.private(name))
+    monkeypatch.setenv("PYTEST_GPU_SIM_MACHINE", "stall")  # shared with the leader: named
+    leader = start_leader(Domain.private("sim-stall"))
     gpu_pytester.makepyfile(
         test_stall="""
         import pathlib, time, pytest

@@ -10,7 +10,7 @@ import re
 import pytest
 
 MARKER_FORM = (
-    '@pytest.mark.gpu, @pytest.mark.gpu(2) or '
+    "@pytest.mark.gpu, @pytest.mark.gpu(2) or "
     '@pytest.mark.gpu(count=2, memory="8GiB", exclusive=False, cpus=4, host_memory="16GiB")'
 )
 SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
@@ -88,11 +88,51 @@ def test_bad_gpu_request_arguments_fail_the_test(gpu_pytester, run_inner):
     result.assert_outcomes(failed=2)
     form = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
     result.stdout.fnmatch_lines(
-        [f"E * test_section.py::test_zero: gpu_request: count must be a positive int, got 0; expected {form}"]
+        [f"pytest-gpu: test_section.py::test_zero: gpu_request: count must be a positive int, got 0; expected {form}"]
     )
     result.stdout.fnmatch_lines(
-        [f"E * test_section.py::test_unknown: gpu_request: unknown keyword 'shared'; expected {form}"]
+        [f"pytest-gpu: test_section.py::test_unknown: gpu_request: unknown keyword 'shared'; expected {form}"]
     )
+
+
+def test_a_bad_gpu_request_in_a_test_or_a_fixture_is_one_line_without_frames(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_lots="""
+        import pytest
+
+        def test_section(gpu_request):
+            with gpu_request(memory="lots"):
+                pass
+
+        @pytest.fixture
+        def model(gpu_request):
+            with gpu_request(memory="lots") as lease:
+                yield lease
+
+        def test_fixture(model):
+            pass
+        """
+    )
+    result = run_inner("--gpus", "sim:1x16GiB")
+    result.assert_outcomes(failed=1, errors=1)
+    expected = f"gpu_request: memory='lots' is not a size: expected {SIZE_FORM}, got 'lots'"
+    result.stdout.fnmatch_lines([f"pytest-gpu: test_lots.py::test_section: {expected}"])
+    result.stdout.fnmatch_lines([f"pytest-gpu: test_lots.py::test_fixture: {expected}"])
+    out = result.stdout.str()
+    for noise in ("contextlib", "lifecycle.py", "GpuRun(settings=", "Settings(", "def _section"):
+        assert noise not in out, noise
+
+
+def test_a_run_reads_short_in_a_traceback(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_repr="""
+        def test_repr(request):
+            from pytest_gpu.run.record import RUN_KEY
+            text = repr(request.config.stash[RUN_KEY])
+            assert text.startswith("<GpuRun main gpus='sim:1x16GiB' run_dir=") and len(text) < 200, text
+        """
+    )
+    run_inner("--gpus", "sim:1x16GiB").assert_outcomes(passed=1)
 
 
 # (option, value, ini key, the message after "ERROR: <where>")
@@ -158,6 +198,35 @@ def test_a_sim_machine_beyond_the_bounds_is_a_usage_error(gpu_pytester, run_inne
     result = run_inner("--gpus", "sim:30000x1GiB")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "ERROR: --gpus 'sim:30000x1GiB': 30000 GPUs; a simulated machine has at most 64" in result.errlines
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--gpus", "sim:4x1KiB"),
+            "ERROR: --gpus 'sim:4x1KiB': a device of 1KiB is no larger than one CUDA context (500MiB, "
+            "--gpu-context-overhead); expected COUNTxSIZE with sizes larger than that, such as 4x16GiB",
+        ),
+        (
+            ("--gpus", "sim:2x1GiB", "--gpu-context-overhead", "1GiB"),
+            "ERROR: --gpus 'sim:2x1GiB': a device of 1GiB is no larger than one CUDA context (1GiB, "
+            "--gpu-context-overhead); expected COUNTxSIZE with sizes larger than that, such as 4x16GiB",
+        ),
+    ],
+)
+def test_simulated_gpus_no_larger_than_a_context_are_a_usage_error(gpu_pytester, run_inner, args, message):
+    """Not "-500MiB after the CUDA context" at every test: refused before any test runs."""
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.errlines
+    assert "test_cpu" not in result.stdout.str()
+
+
+def test_a_context_given_by_the_spec_is_the_one_a_small_gpu_is_checked_against(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    run_inner("--gpus", "sim:1x256MiB;context=64MiB").assert_outcomes(passed=1)  # 256MiB < 500MiB, the default
 
 
 def test_a_trace_directory_that_is_missing_or_a_file_is_a_usage_error_and_never_made(gpu_pytester, run_inner):

@@ -142,7 +142,7 @@ def test_marker_forms_and_closest_marker_wins(gpu_pytester, run_inner, default_m
     result.stdout.re_match_lines(
         [
             r"pytest-gpu: 4 simulated GPUs \(4x16GiB\) \[sim:4x16GiB\] · 13 GPU tests · "
-            r"waited \d+\.\ds in total · 0 violations$"
+            r"waited (\d+\.\ds|\d+ms|<1ms|0s) in total · 0 violations$"
         ]
     )
 

@@ -246,6 +246,73 @@ def test_fit_label(label: str, width: float, shown: str):
     assert gantt.fit_label(label, width, fontsize=7.0) == shown
 
 
+@pytest.mark.parametrize(
+    ("width", "shown", "abbreviated"),
+    [
+        (200.0, "test_model[cfg1]", False),
+        (60.0, "12 test_mode…", True),  # its key, and as much of the name as fits
+        (30.0, "12", True),  # too short for any of the name: the key alone
+        (0.5, "12", True),  # however short the bar
+    ],
+)
+def test_bar_text_labels_every_bar(width: float, shown: str, abbreviated: bool):
+    assert gantt.bar_text("test_model[cfg1]", 12, width, fontsize=7.0) == (shown, abbreviated)
+
+
+def _many_short_tests() -> dict[str, Any]:
+    trace = make_trace()
+    for i in range(12):
+        name = f"test_a_long_parametrized_name[config-{i}]"
+        trace["traceEvents"] += [
+            _test(1, name, 5.5 + i * 0.06, 0.05, "passed", [0]),
+            _lease(0, 2, name, 5.5 + i * 0.06, 0.05, "passed"),
+        ]
+    return trace
+
+
+def test_every_bar_is_labelled_and_the_key_names_the_abbreviated_in_full():
+    chart = gantt.build_chart(_many_short_tests())
+    labels = gantt.bar_labels(chart)
+    assert {id(label.bar) for label in labels} == {id(bar) for bar in chart.bars if bar.kind != "wait"}
+    assert all(label.text for label in labels)
+    by_name = {(label.bar.kind, label.bar.label): label for label in labels}
+    assert by_name["test", "test_a"].text == "test_a" and not by_name["test", "test_a"].abbreviated
+    short = by_name["test", "test_a_long_parametrized_name[config-3]"]
+    key = chart.keys["test_m.py::test_a_long_parametrized_name[config-3]"]
+    assert short.abbreviated
+    assert by_name["lease", "test_a_long_parametrized_name[config-3]"].text.split()[0] == str(key)  # one key per test
+    two_digits = [label for label in labels if label.abbreviated and chart.key(label.bar) >= 10]
+    assert two_digits and all(label.rotation == 90 for label in two_digits)  # too short for the key lying down
+    assert all(label.text == str(chart.key(label.bar)) for label in two_digits)
+    assert by_name["test", "test_a"].rotation == 0
+    lines = gantt.key_lines(chart, labels)
+    assert len(lines) == 12  # the twelve short tests, each once
+    assert f"{key:>2}  test_m.py::test_a_long_parametrized_name[config-3]" in lines
+    assert sorted(chart.keys.values()) == list(range(1, len(chart.keys) + 1))
+
+
+def test_a_huge_key_is_capped_and_says_how_many_it_left_out():
+    lines = [f"{i}  test_m.py::test_{'x' * 150}_{i}" for i in range(1000)]
+    columns, cols, left_out = gantt.key_layout(lines)
+    assert columns == 1 and len(cols[0]) == 150 - 1 and left_out == 1000 - 149
+    assert gantt.key_height(lines) < 25
+
+
+def test_the_svg_names_every_bar_in_full_as_a_tooltip(tmp_path: Path):
+    require("matplotlib (pytest-gpu[report])", module="matplotlib")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_many_short_tests()))
+    assert main(["report", str(path), "-o", str(tmp_path / "run.svg")]) == 0
+    root = ET.parse(tmp_path / "run.svg").getroot()
+    titles = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}title")]
+    chart = gantt.build_chart(_many_short_tests())
+    assert len(titles) == len(chart.bars)
+    key = chart.keys["test_m.py::test_a_long_parametrized_name[config-11]"]
+    assert f"[{key}] test_m.py::test_a_long_parametrized_name[config-11]: passed, 6.16 s to 6.21 s (0.05 s)" in titles
+    assert any(t.startswith("[4] test_m.py::test_d: waiting for a GPU, 3.00 s to 4.00 s") for t in titles)
+    assert any(": GPU lease on GPU 1 (16GiB), exclusive, 2.00 s" in t for t in titles)
+
+
 def test_figure_height_grows_then_caps():
     small = gantt.build_chart(make_trace())
     trace = make_trace()

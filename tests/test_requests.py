@@ -6,9 +6,11 @@ import re
 
 import pytest
 
+from pytest_gpu.gpu.devices import DeviceSpecError, parse_sim_spec
 from pytest_gpu.leasing.requests import (
     GPU_MARKER_FORM,
     SIZE_FORM,
+    UNITS_FORM,
     DefaultMemory,
     GpuRequest,
     GpuRequestError,
@@ -50,7 +52,8 @@ def test_parse_size_binary_units(text: str, expected: int) -> None:
     [
         ("8GB", 8 * 10**9),
         ("512MB", 512 * 10**6),
-        ("3kb", 3000),
+        ("3kB", 3000),
+        ("3KB", 3000),
         ("1TB", 10**12),
         ("1.5GB", 1_500_000_000),
     ],
@@ -66,12 +69,30 @@ def test_parse_size_si_units(text: str, expected: int) -> None:
         ("10B", 10),
         ("0", 0),
         (" 3 GiB ", 3 * GiB),
-        ("8gib", 8 * GiB),
-        ("8GIB", 8 * GiB),
     ],
 )
-def test_parse_size_plain_bytes_spaces_and_case(text: str, expected: int) -> None:
+def test_parse_size_plain_bytes_and_spaces(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "right"),
+    [("16Gib", "GiB"), ("16gib", "GiB"), ("8GIB", "GiB"), ("3kb", "kB"), ("2gb", "GB"), ("1Mb", "MB"), ("5b", "B")],
+)
+def test_parse_size_refuses_units_in_the_wrong_case_naming_the_right_one(value: str, right: str) -> None:
+    """Units are case-sensitive (a lowercase b reads as bits): the error says how to write it."""
+    with pytest.raises(SizeError) as info:
+        parse_size(value)
+    unit = value.lstrip("0123456789")
+    assert str(info.value) == f"unit {unit!r} in {value!r}: write {right!r} (units are case-sensitive: {UNITS_FORM})"
+    assert parse_size(value.replace(unit, right)) > 0  # as it says
+
+
+def test_a_marker_size_and_a_sim_spec_size_follow_the_same_rule() -> None:
+    with pytest.raises(GpuRequestError, match="write 'GiB'"):
+        build_request((), {"memory": "16Gib"}, DefaultMemory.parse("exclusive"))
+    with pytest.raises(DeviceSpecError, match="write 'GiB'"):
+        parse_sim_spec("sim:4x16Gib")
 
 
 @pytest.mark.parametrize("value", [0, 1, 4096, 80 * GiB])

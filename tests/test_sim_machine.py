@@ -1,6 +1,7 @@
 """A simulated machine is a machine: every process naming it shares its GPUs' memory.
 
-``PYTEST_GPU_SIM_MACHINE`` names it (default: one per user and spec); its ledger lives in
+``PYTEST_GPU_SIM_MACHINE`` names it (default: a run's own, one per run and spec, gone with the
+run; outside any run, one per user and spec); its ledger lives in
 the machine directory, where every user's processes can write it; a machine in use keeps
 its spec; the foreign holder ``python -m pytest_gpu.sim hold`` puts memory on it from
 outside any run.
@@ -16,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,9 +135,9 @@ def test_a_run_on_a_machine_in_use_with_another_spec_is_a_usage_error(
 
 
 def test_an_in_process_run_that_ends_frees_what_it_held_on_the_machine(
-    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult]
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], machine: str
 ) -> None:
-    """For the machine, a run that ends in this process is a process that exits."""
+    """For the machine it names, a run that ends in this process is a process that exits."""
     gpu_pytester.makepyfile(
         test_ctx="""
         import pytest
@@ -152,6 +154,157 @@ def test_an_in_process_run_that_ends_frees_what_it_held_on_the_machine(
     assert str(os.getpid()) not in _state(path)["procs"]
     assert str(os.getpid()) not in _state(path)["users"]
     run_inner("--gpus", "sim:1x16GiB", "--gpu-context-overhead", "1GiB").assert_outcomes(passed=1)  # idle: retuned
+
+
+# -- a run's own machine ------------------------------------------------------------------
+
+# Run A's test holds 12 GiB of the one simulated GPU until a file appears; run B's test asks
+# for 8 GiB meanwhile: on one machine it is out of memory, on two it is not.
+HOLDER = """
+import os, time
+from pathlib import Path
+from pytest_gpu import sim
+
+def test_holds():
+    block = sim.allocate("12GiB", device=0)
+    Path(os.environ["HELD"]).write_text(os.environ["PYTEST_GPU_SIM_LEDGER"])
+    deadline = time.monotonic() + 120
+    while not Path(os.environ["DONE"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    block.free()
+"""
+ASKER = """
+import os
+from pathlib import Path
+from pytest_gpu import sim
+
+def test_asks():
+    try:
+        sim.allocate("8GiB", device=0).free()
+        Path(os.environ["OUTCOME"]).write_text("allocated")
+    except sim.OutOfMemoryError as exc:
+        Path(os.environ["OUTCOME"]).write_text(f"oom: {exc}")
+"""
+
+
+def _two_runs(gpu_pytester: pytest.Pytester, tmp_path: Path, named: str | None) -> tuple[str, str, str]:
+    """Run A (a subprocess) holding memory while run B (another subprocess) asks for some;
+    returns B's outcome and the two runs' ledger directories."""
+    gpu_pytester.makepyfile(test_holder=HOLDER, test_asker=ASKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "PYTEST_ADDOPTS"))}
+    if named:
+        env[domain.SIM_MACHINE_ENV] = named
+    files = {name: tmp_path / name for name in ("held", "done", "outcome", "ledger_b")}
+    env.update(HELD=str(files["held"]), DONE=str(files["done"]), OUTCOME=str(files["outcome"]))
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--gpus", "sim:1x16GiB"]
+    a = subprocess.Popen(
+        [*base, "test_holder.py"],
+        cwd=gpu_pytester.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not files["held"].exists():
+            assert a.poll() is None and time.monotonic() < deadline, (
+                a.communicate()[0] if a.poll() is not None else "timeout"
+            )
+            time.sleep(0.05)
+        b_code = "import os, sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
+        b = subprocess.run(
+            [sys.executable, "-c", b_code, *base[3:], "test_asker.py"],
+            cwd=gpu_pytester.path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert b.returncode == 0, b.stdout + b.stderr
+    finally:
+        files["done"].write_text("")
+        out = a.communicate(timeout=120)[0]
+    assert a.returncode == 0, out
+    return files["outcome"].read_text(), files["held"].read_text(), out
+
+
+def test_two_runs_that_name_no_machine_have_one_each(
+    gpu_pytester: pytest.Pytester, tmp_path: Path, private_machines: Path
+) -> None:
+    outcome, ledger_a, _ = _two_runs(gpu_pytester, tmp_path, named=None)
+    assert outcome == "allocated"  # A's 12 GiB are on another machine
+    root = user_dir(private_machines)
+    assert Path(ledger_a).is_relative_to(root) and Path(ledger_a).relative_to(root).parts[0].startswith("run-")
+    assert not [p.name for p in root.iterdir() if p.name.startswith("run-")]  # both gone with their runs
+
+
+def test_two_runs_that_name_one_machine_share_it(
+    gpu_pytester: pytest.Pytester, tmp_path: Path, private_machines: Path
+) -> None:
+    outcome, ledger_a, _ = _two_runs(gpu_pytester, tmp_path, named=f"ci-{uuid.uuid4().hex[:8]}")
+    assert outcome.startswith("oom: ") and "12GiB" in outcome, outcome
+    assert Path(ledger_a).exists()  # a named machine outlives its runs, as a machine does
+
+
+def test_a_runs_workers_share_its_own_machine(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], tmp_path: Path, private_machines: Path
+) -> None:
+    gpu_pytester.makepyfile(
+        test_where=f"""
+        import os
+        import pytest
+        from pathlib import Path
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_where(i):
+            out = Path({str(tmp_path)!r}) / f"{{os.getpid()}}-{{i}}"
+            out.write_text(os.environ["PYTEST_GPU_SIM_LEDGER"] + " " + os.environ["PYTEST_GPU_SIM_RUN"])
+        """
+    )
+    run_inner("-n", "2", "--gpus", "sim:1x16GiB", "-p", "xdist", subprocess=True).assert_outcomes(passed=4)
+    seen = {p.read_text() for p in tmp_path.iterdir() if "-" in p.name}
+    pids = {p.name.split("-")[0] for p in tmp_path.iterdir() if "-" in p.name}
+    assert len(seen) == 1 and len(pids) == 2, (seen, pids)  # two workers, one machine
+    ledger, run = seen.pop().split()
+    assert run.startswith("run-") and f"/{run}/" in ledger
+    assert not Path(ledger).exists()  # gone with the run
+
+
+def test_a_killed_runs_own_machine_is_removed_by_the_next_run(private_machines: Path) -> None:
+    code = (
+        "import os, sys; from pytest_gpu import sim; from pytest_gpu.machine import domain; "
+        "name = domain.claim_run_machines(); sim.machine_ledger('sim:1x1GiB').allocate(2**20, 0, None, None); "
+        "print(name, flush=True); sys.stdin.read()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (domain.SIM_MACHINE_ENV, domain.SIM_RUN_ENV)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    name = proc.stdout.readline().strip()
+    run = user_dir(private_machines) / name
+    assert (run / "sim-sim_1x1GiB" / "sim-ledger" / "ledger.json").exists()
+    assert domain.sweep_run_machines() == []  # its owner lives
+    proc.kill()
+    proc.wait()
+    mine = domain.claim_run_machines()  # the next run: sweeps first
+    try:
+        assert mine is not None and not run.exists()
+    finally:
+        assert mine is not None
+        domain.release_run_machines(mine)
+    assert not (user_dir(private_machines) / mine).exists()
+    assert os.environ.get(domain.SIM_RUN_ENV) is None
+
+
+def test_a_named_machine_or_a_runs_own_process_claims_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(domain.SIM_RUN_ENV, "run-1-abcd")  # a worker, rank or subprocess of that run
+    assert domain.claim_run_machines() is None
+    assert domain.sim_machine_name(SPEC) == "run-1-abcd-sim_2x4GiB"
+    monkeypatch.setenv(domain.SIM_MACHINE_ENV, "ci")
+    assert domain.claim_run_machines() is None
+    assert domain.sim_machine_name(SPEC) == "ci"
 
 
 # -- one spec while in use ---------------------------------------------------------------

@@ -405,3 +405,46 @@ def test_install_refuses_a_torch_built_with_cuda() -> None:
     with pytest.raises(RuntimeError, match="real CUDA support"):
         torch_cuda.install(cuda_torch)  # type: ignore[arg-type]
     assert not vars(cuda_torch.cuda)  # nothing was patched
+
+
+# -- the double before torch is imported --------------------------------------------------
+
+
+def _fresh(tmp_path: Path, code: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    require("torch", module="torch")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_empty_without_the_double_says_exactly_what_to_do(tmp_path: Path) -> None:
+    done = _fresh(tmp_path, "from pytest_gpu.sim import torch_cuda\ntorch_cuda.empty(1)\n")
+    assert done.returncode == 1
+    assert f"RuntimeError: {torch_cuda.NOT_INSTALLED}" in done.stderr
+    assert "--gpus sim:4x16GiB" in torch_cuda.NOT_INSTALLED
+    assert "pytest_gpu.sim.torch_cuda.install(torch) after `import torch`" in torch_cuda.NOT_INSTALLED
+
+
+@pytest.mark.slow
+def test_empty_before_import_torch_on_fake_gpus_imports_torch_and_works(tmp_path: Path) -> None:
+    code = """
+    import sys
+    from pytest_gpu.sim import fake, torch_cuda
+    fake.activate()
+    assert "torch" not in sys.modules
+    block = torch_cuda.empty("1MiB", 0)
+    import torch
+    print(torch.cuda.memory_allocated(0), torch.cuda.is_available())
+    block.free()
+    """
+    done = _fresh(
+        tmp_path,
+        code,
+        PYTEST_GPU_FAKE_GPUS="sim:1x16GiB",
+        PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"),
+        PYTEST_GPU_MACHINE_DIR=str(tmp_path / "machines"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(2**20), "True"]

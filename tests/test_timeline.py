@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pytest_gpu.report import trace
 from pytest_gpu.report.timeline import SUGGEST_FLOOR, LeaseSpan, Timeline, suggest
+from pytest_gpu.report.wording import duration
 
 MIB = 2**20
 GIB = 2**30
@@ -194,6 +195,29 @@ def test_summary_first_line() -> None:
         "pytest-gpu: makespan 8.0s · test time 12.0s (1.5x in parallel) · waited 1.0s for GPUs · GPU busy 0:38% 1:0%"
     )
     assert "GPU busy" not in tl.summary_lines([], with_peaks=False)[0]
+
+
+def test_a_short_wait_reads_as_the_trace_shows_it_not_as_none() -> None:
+    """46 ms of waiting was "waited 0.0s": it reads as the trace's figure instead."""
+    tl = Timeline()
+    run_test(tl, "t.py::a", "gw0", 0.0, 4.0, properties=props([lease_row([0], GIB, 0.0, 0.046875, 4.0)]))
+    assert " · waited 47ms for GPUs" in tl.summary_lines([0], with_peaks=False)[0]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.0, "0s"),
+        (-1.0, "0s"),
+        (0.0004, "<1ms"),
+        (0.046, "46ms"),
+        (0.9994, "999ms"),
+        (0.9996, "1.0s"),
+        (12.34, "12.3s"),
+    ],
+)
+def test_duration_reads_as_a_trace_viewer_shows_it(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
 
 
 def test_summary_lists_top_five_gpu_second_users_sorted() -> None:

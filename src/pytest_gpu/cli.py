@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,54 @@ def _ago(then: float | None, now: float) -> str:
     return "?" if then is None else f"{max(now - then, 0.0):.1f}s"
 
 
-def format_status(name: str, state: dict[str, Any], now: float) -> list[str]:
-    """``pytest-gpu status`` lines for one machine domain."""
+_SIM_GPU = re.compile(r"GPU-51a00000-0000-4000-8000-(\d{12})")  # sim.spec.gpu_uuid
+_SIM_MIG = re.compile(r"MIG-51a00000-0000-4000-9000-(\d{6})(\d{6})")  # sim.spec.mig_uuid
+
+
+def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
+    """NVML's name for each GPU of ``uuids`` that this process can tell: ``GPU 2`` (its index),
+    ``GPU 0 MIG 1`` (a MIG instance). Simulated and fake GPUs carry their index in their
+    UUID; real ones are looked up in NVML once (``ask_nvml``; nothing where it cannot answer).
+    A launched rank's part of a GPU is named as its GPU."""
+    from .machine.arbiter import PART
+
+    labels: dict[str, str] = {}
+    real: list[str] = []
+    for uuid in uuids:
+        base = uuid.partition(PART)[0]
+        gpu, mig = _SIM_GPU.fullmatch(base), _SIM_MIG.fullmatch(base)
+        if gpu:
+            labels[uuid] = f"GPU {int(gpu.group(1))}"
+        elif mig:
+            labels[uuid] = f"GPU {int(mig.group(1))} MIG {int(mig.group(2))}"
+        else:
+            real.append(uuid)
+    if real and ask_nvml:
+        from .gpu.devices import NvmlUnavailable, nvml_devices
+
+        try:
+            devices = nvml_devices()[0]
+        except NvmlUnavailable:
+            return labels
+        known = {
+            d.uuid: f"GPU {d.index}" if d.parent is None else f"GPU {d.parent} MIG unit {d.index}" for d in devices
+        }
+        for uuid in real:
+            label = known.get(uuid.partition(PART)[0])
+            if label is not None:
+                labels[uuid] = label
+    return labels
+
+
+def _named(uuid: str, labels: dict[str, str]) -> str:
+    label = labels.get(uuid)
+    return f"{label} ({uuid})" if label else uuid
+
+
+def format_status(name: str, state: dict[str, Any], now: float, labels: dict[str, str] | None = None) -> list[str]:
+    """``pytest-gpu status`` lines for one machine domain; ``labels``: NVML's name of each GPU
+    UUID known (:func:`gpu_labels`), shown beside it."""
+    labels = labels or {}
     runs = state["runs"]
     lines = [f"{name}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
     for run in runs:
@@ -101,15 +148,15 @@ def format_status(name: str, state: dict[str, Any], now: float) -> list[str]:
         extra = f", {format_size(gpu['foreign'])} used outside pytest-gpu" if gpu["foreign"] else ""
         whole = ", held whole" if gpu["exclusive"] else ""
         lines.append(
-            f"  {gpu['uuid']}: {format_size(gpu['capacity'])}, {format_size(gpu['leased'])} promised "
+            f"  {_named(gpu['uuid'], labels)}: {format_size(gpu['capacity'])}, {format_size(gpu['leased'])} promised "
             f"({gpu['contexts']} CUDA context{'' if gpu['contexts'] == 1 else 's'}){whole}{extra}"
         )
     lines.append(f"  leases ({len(state['leases'])}):")
     for row in sorted(state["leases"], key=lambda r: r.get("since") or 0):
         each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
+        gpus = ", ".join(_named(u, labels) for u in row["gpus"])
         lines.append(
-            f"    run {row['run']} {row['worker']}  {row['test']}  {', '.join(row['gpus'])}  {each}  "
-            f"for {_ago(row.get('since'), now)}"
+            f"    run {row['run']} {row['worker']}  {row['test']}  {gpus}  {each}  for {_ago(row.get('since'), now)}"
         )
     lines.append(f"  waiting ({len(state['waiting'])}):")
     for row in sorted(state["waiting"], key=lambda r: r.get("since") or 0):
@@ -128,7 +175,14 @@ def _domains(only: str | None) -> list[Any]:
 
     found = [Domain.real()]
     try:
-        found += [Domain.private(p.name) for p in sorted(private_root().iterdir()) if p.is_dir()]
+        for path in sorted(private_root().iterdir()):
+            if not path.is_dir():
+                continue
+            if path.name.startswith(("run-", "launch-")):  # a run's own simulated machines
+                machines = sorted(path.glob("sim-*"))
+                found += [Domain(f"sim-{path.name}-{m.name[4:]}", m, ledger=m / "sim-ledger") for m in machines]
+            else:
+                found.append(Domain.private(path.name))
     except OSError:
         pass
     try:
@@ -157,11 +211,17 @@ def _status(args: argparse.Namespace) -> int:
         print(f"pytest-gpu status: {exc}", file=sys.stderr)
         return 2
     found = {}
+    labels: dict[str, dict[str, str]] = {}
     for domain in domains:
         state = status(domain)
         if state is not None:
             private = not domain.wide and domain.name == REAL  # the fallback from a squatted address
-            found[f"{REAL} (this user's runs only)" if private else domain.name] = state
+            key = f"{REAL} (this user's runs only)" if private else domain.name
+            found[key] = state
+            uuids = [g["uuid"] for g in state.get("gpus", [])] + [u for r in state.get("leases", []) for u in r["gpus"]]
+            labels[key] = gpu_labels(uuids, ask_nvml=domain.name == REAL)
+            for gpu in state.get("gpus", []):
+                gpu["name"] = labels[key].get(gpu["uuid"])  # NVML's index, as the text shows it
     if args.json:
         print(json.dumps(found, indent=2, sort_keys=True))
         return 0
@@ -171,7 +231,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     for name, state in found.items():
-        print("\n".join(format_status(name, state, now)))
+        print("\n".join(format_status(name, state, now, labels[name])))
     return 0
 
 

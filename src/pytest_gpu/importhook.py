@@ -81,3 +81,8 @@ def cancel(name: str, callback: Callable[[ModuleType], None]) -> None:
         pending.remove(callback)
     if not pending:
         _callbacks.pop(name, None)
+
+
+def waiting(name: str) -> bool:
+    """Whether a callback waits for ``name`` to be imported."""
+    return bool(_callbacks.get(name))

@@ -19,7 +19,7 @@ from .distributed.rankinfo import RankPlaceholder
 from .gpu.devices import DeviceSpecError
 from .gpu.isolation import GpuLease
 from .launched import selection
-from .launched.detect import detect
+from .launched.detect import LaunchContext, detect
 from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
 from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY
 from .run import fixture_leases, lifecycle
@@ -74,11 +74,31 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
     from .sim import fake
 
     if fake.requested():  # before conftest.py files import torch
+        from .machine.domain import claim_run_machines, release_run_machines
+        from .sim.ledger import LEDGER_ENV
+
+        # the run's own simulated machine unless one is named (or a ledger given): its workers,
+        # ranks and subprocesses inherit the name; it goes when the run ends
+        try:
+            claimed = None if os.environ.get(LEDGER_ENV) else claim_run_machines(_launch_id(ctx))
+        except OSError as exc:
+            raise pytest.UsageError(f"{fake.FAKE_ENV}: pytest-gpu: cannot make the run's own machine: {exc}") from None
         try:
             fake.activate()
-        except ValueError as exc:
-            raise pytest.UsageError(f"{fake.FAKE_ENV}: {exc}") from None
+        except BaseException as exc:
+            if claimed is not None:
+                release_run_machines(claimed)
+            if isinstance(exc, ValueError):
+                raise pytest.UsageError(f"{fake.FAKE_ENV}: {exc}") from None
+            raise
+        if claimed is not None:
+            early_config.add_cleanup(lambda: release_run_machines(claimed))
     return (yield)
+
+
+def _launch_id(ctx: LaunchContext | None) -> str | None:
+    """The launch this process is a rank of, as the run machines its ranks share are named."""
+    return None if ctx is None else f"{ctx.launcher}:{ctx.run_id}"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,24 +8,38 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+# Units as they are spelled: case matters, as "Gib" or "Gb" (bits) and "mB" are not sizes in
+# bytes; a unit spelled in another case is refused with its right spelling (see _suggest).
 _UNITS: dict[str, int] = {
     "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    "B": 1,
+    "kB": 10**3,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
     "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
+UNITS_FORM = "B, KiB, MiB, GiB, TiB (or K, M, G, T), kB, MB, GB, TB"
+
+
+def _suggest(unit: str) -> str | None:
+    """The unit ``unit`` means in the case it should be written in, if any ("gib": "GiB")."""
+    lowered = unit.lower()
+    for known in ("B", "KiB", "MiB", "GiB", "TiB", "kB", "MB", "GB", "TB", "M", "G", "T"):
+        if known.lower() == lowered:
+            return known
+    return None
 
 
 class SizeError(ValueError):
@@ -40,8 +54,10 @@ def parse_size(value: object) -> int:
     """Parse a memory size into bytes.
 
     Accepts non-negative ints, and strings with an optional unit: ``B``, SI units
-    (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary units (``KiB``, ``MiB``,
-    ``GiB``, ``TiB``, or the short ``K``/``M``/``G``/``T``: powers of 1024).
+    (``kB``/``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary units (``KiB``,
+    ``MiB``, ``GiB``, ``TiB``, or the short ``K``/``k``, ``M``, ``G``, ``T``: powers of
+    1024). Units are case-sensitive: ``Gib``, ``gb`` or ``mib`` are refused with the right
+    spelling (a lowercase ``b`` reads as bits).
     """
     if isinstance(value, bool):
         raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
@@ -55,8 +71,11 @@ def parse_size(value: object) -> int:
     if not match:
         raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
     number, unit = match.groups()
-    factor = _UNITS.get(unit.lower())
+    factor = _UNITS.get(unit)
     if factor is None:
+        right = _suggest(unit)
+        if right is not None:
+            raise SizeError(f"unit {unit!r} in {value!r}: write {right!r} (units are case-sensitive: {UNITS_FORM})")
         raise SizeError(f"unknown unit {unit!r} in {value!r}: expected {SIZE_FORM}")
     nbytes = float(number) * factor
     if not math.isfinite(nbytes):  # hundreds of digits: float() says inf, int() would raise OverflowError

@@ -15,6 +15,15 @@ arbiter (:mod:`.link`) and reach it on a Unix socket. There are two kinds:
   directory only this user can enter, holding the election's lock file and the socket.
   Another user cannot reach it at all.
 
+A simulated machine is private to its *run* unless named: a pytest run that finds neither
+``$PYTEST_GPU_SIM_MACHINE`` nor ``$PYTEST_GPU_SIM_GROUP`` claims a run name
+(:func:`claim_run_machines`, in ``$PYTEST_GPU_SIM_RUN``, which its workers, ranks and
+subprocesses inherit) and its simulated machines live in ``<private root>/<run>/``, removed
+when the run ends; a run killed before it could remove them leaves an owner file naming a
+dead process, and the next run removes them (:func:`sweep_run_machines`). Only processes
+outside any run (a script under ``PYTEST_GPU_FAKE_GPUS``, ``python -m pytest_gpu.sim hold``)
+use the one machine per user and spec.
+
 The machine directory is ``$PYTEST_GPU_MACHINE_DIR`` or ``/tmp/pytest-gpu-machines`` (not
 ``$TMPDIR``: users with different temp directories must still meet). It is sticky and
 world-writable like ``/tmp``; it holds each user's private root (``user-<uid>``, 0700) and
@@ -27,13 +36,18 @@ out of every other user's reach.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import hashlib
+import json
 import os
 import re
+import secrets
+import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +57,8 @@ from ..safefiles import group_dir, private_dir, shared_dir
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
 SIM_GROUP_ENV = "PYTEST_GPU_SIM_GROUP"
+SIM_RUN_ENV = "PYTEST_GPU_SIM_RUN"  # set by a run for its own processes: whose private machines they use
+RUN_GRACE_S = 60.0  # a run's machine directory younger than this without an owner file is being made
 DEFAULT_ROOT = "/tmp/pytest-gpu-machines"
 REAL = "gpus"
 LEDGER_DIR = "sim-ledger"
@@ -118,14 +134,113 @@ def sim_group() -> int | None:
 
 
 def sim_machine_name(spec: str) -> str:
-    """The simulated machine a run on ``spec`` uses: ``$PYTEST_GPU_SIM_MACHINE``, or one per
-    user (or shared group) and spec (``<user>-<spec>``)."""
+    """The simulated machine a process on ``spec`` uses: ``$PYTEST_GPU_SIM_MACHINE``; else,
+    shared with a group, one per group and spec; else, in a run, one per run and spec
+    (``<run>-<spec>``, the run's own); else, outside any run, one per user and spec
+    (``<user>-<spec>``)."""
     named = os.environ.get(SIM_MACHINE_ENV, "").strip()
     if named:
         return _safe(named)
     gid = sim_group()
+    run = run_name()
+    if gid is None and run is not None:
+        return _safe(f"{run}-{spec}")
     owner = user_name() if gid is None else _group_name(gid)
     return _safe(f"{owner}-{spec}")
+
+
+def run_name() -> str | None:
+    """The run whose own simulated machines this process uses (``$PYTEST_GPU_SIM_RUN``), if any."""
+    value = os.environ.get(SIM_RUN_ENV, "").strip()
+    return _safe(value) if value else None
+
+
+def claim_run_machines(launch_id: str | None = None) -> str | None:
+    """Make the simulated machines of the run this process starts its own (see the module's
+    docstring): returns the new run name (set in ``$PYTEST_GPU_SIM_RUN``), or ``None`` where
+    the environment shares them already (``$PYTEST_GPU_SIM_MACHINE``, ``$PYTEST_GPU_SIM_GROUP``)
+    or names a run this process belongs to (``$PYTEST_GPU_SIM_RUN``: an xdist worker, a rank,
+    a test's subprocess).
+
+    ``launch_id``: the launch (torchrun, mpirun, srun) this process is a rank of; its ranks
+    on this node claim one name together and share the run's machines, as they share the
+    node's GPUs. Every claimant is an owner until :func:`release_run_machines`; the last one
+    removes the machines. Runs killed before they could remove theirs are swept first."""
+    if any(os.environ.get(name, "").strip() for name in (SIM_MACHINE_ENV, SIM_GROUP_ENV, SIM_RUN_ENV)):
+        return None
+    sweep_run_machines()
+    if launch_id is not None:  # short: the machine's socket lives below it
+        name = "launch-" + hashlib.sha256(launch_id.encode()).hexdigest()[:12]
+    else:
+        name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
+    import psutil
+
+    run = private_dir(private_root() / name)
+    owner = run / f"owner-{os.getpid()}.json"
+    tmp = run / f".{owner.name}.{secrets.token_hex(4)}.tmp"
+    tmp.write_text(json.dumps({"pid": os.getpid(), "ctime": psutil.Process().create_time()}))
+    os.replace(tmp, owner)  # a sweep never reads half an owner file
+    os.environ[SIM_RUN_ENV] = name
+    return name
+
+
+def release_run_machines(name: str) -> None:
+    """This process is no longer an owner of run ``name``'s machines (it claimed them with
+    :func:`claim_run_machines`); the last owner removes them: ledgers, locks, sockets."""
+    if os.environ.get(SIM_RUN_ENV) == name:
+        del os.environ[SIM_RUN_ENV]
+    try:
+        run = private_root() / name
+    except OSError:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        (run / f"owner-{os.getpid()}.json").unlink()
+    if not _live_owners(run):
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _live_owners(run: Path) -> list[int]:
+    """The owners of run directory ``run`` still alive (owner files of dead ones are removed)."""
+    from ..procs import owner_alive
+
+    alive = []
+    for path in run.glob("owner-*.json"):
+        try:
+            owner = json.loads(path.read_text())
+            pid, ctime = int(owner["pid"]), float(owner["ctime"])
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not an owner file of ours: it keeps nothing alive
+        if owner_alive(pid, ctime):
+            alive.append(pid)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return alive
+
+
+def sweep_run_machines() -> list[Path]:
+    """Remove the simulated machines of runs whose owners are all gone (killed before they
+    could remove them); returns the run directories removed."""
+    removed: list[Path] = []
+    try:
+        root = private_root()
+        runs = [p for p in root.iterdir() if p.name.startswith(("run-", "launch-")) and p.is_dir()]
+    except OSError:
+        return removed
+    for run in runs:
+        try:
+            had_owner = any(run.glob("owner-*.json"))
+            if _live_owners(run):
+                continue
+            if not had_owner and time.time() - run.stat().st_mtime < RUN_GRACE_S:
+                continue  # being made: its owner file comes next
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(run, ignore_errors=True)
+        removed.append(run)
+    return removed
 
 
 def _group_name(gid: int) -> str:
@@ -226,7 +341,8 @@ class Domain:
 
     @classmethod
     def sim(cls, spec: str) -> Domain:
-        """The simulated machine a run on ``spec`` uses: this user's own, or, with
+        """The simulated machine a run on ``spec`` uses: the run's own (see
+        :func:`claim_run_machines`), one this user names, or, with
         ``$PYTEST_GPU_SIM_GROUP``, the group's (a directory only its members can enter,
         whose runs coordinate machine-wide).
 
@@ -235,6 +351,13 @@ class Domain:
         is not in."""
         name = f"sim-{sim_machine_name(spec)}"
         gid = sim_group()
+        run = run_name()
+        if gid is None and run is not None and not os.environ.get(SIM_MACHINE_ENV, "").strip():
+            # the run's own: in its directory, which goes with the run (claim_run_machines)
+            path = private_root() / run / _safe(f"sim-{spec}")
+            private_dir(path.parent)
+            private_dir(path)
+            return cls(name, path, wide=False, ledger=path / LEDGER_DIR)
         if gid is None:
             return cls.private(name)
         try:

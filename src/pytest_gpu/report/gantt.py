@@ -7,12 +7,15 @@ and `render`, which draws a `Chart` with matplotlib (the optional ``report`` ext
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, cast
+from xml.sax.saxutils import escape
 
 from .trace import GPU_PID, WORKERS_PID
 
@@ -42,6 +45,9 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 1.5, 0.3, 0.6, 0.95
 _MIN_HEIGHT, _MAX_HEIGHT, _INCH_PER_UNIT = 3.0, 24.0, 0.3
 _CHAR_WIDTH = 0.6  # average glyph width, in ems, for deciding whether a label fits
 _MIN_CUT = 8  # a cut label shorter than this ("tes…") is noise, not information
+_MIN_FONT = 4.0  # points: a bar's key number is drawn at least this large, however thin the bar
+_KEY_FONT, _KEY_LINE = 7.0, 10.0  # points: the key's text, and its line pitch
+_MAX_KEY_LINES = 150  # lines per column of the key at most (a huge run's picture stays sane)
 
 
 class TraceError(ValueError):
@@ -97,6 +103,16 @@ class Chart:
     makespan: float
     rows: tuple[Row, ...]
     bars: tuple[Bar, ...]
+    # every test's (or holder's) number, in order of first start: what a bar too short for
+    # its name shows, and what the key below the picture spells out (see bar_text)
+    keys: Mapping[str, int] = field(default_factory=dict)
+
+    def full_name(self, bar: Bar) -> str:
+        """What a bar stands for, whole: the test's node id, or the holder's name."""
+        return bar.nodeid or bar.label
+
+    def key(self, bar: Bar) -> int:
+        return self.keys[self.full_name(bar)]
 
     @property
     def height(self) -> float:
@@ -146,6 +162,15 @@ def fit_label(label: str, width_pt: float, fontsize: float) -> str:
     if room >= _MIN_CUT:
         return label[: room - 1] + "…"
     return ""
+
+
+def bar_text(label: str, key: int, width_pt: float, fontsize: float) -> tuple[str, bool]:
+    """What a bar ``width_pt`` wide shows, and whether it is abbreviated: its whole label where
+    it fits; else its key and as much of the label as fits ("12 test_lo…"); else its key
+    alone, which every bar shows however short (the key below the picture names it)."""
+    if fit_label(label, width_pt, fontsize) == label:
+        return label, False
+    return fit_label(f"{key} {label}", width_pt, fontsize) or str(key), True
 
 
 # -- reading and validating -------------------------------------------------------
@@ -333,19 +358,96 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
     makespan = max(float(makespan), ends) if _is_number(makespan) else ends
     if title is None:
         title = f"pytest-gpu run: {inventory}, makespan {format_seconds(makespan)} s"
-    return Chart(title, inventory, makespan, tuple(rows), tuple(bars))
+    keys: dict[str, int] = {}
+    for bar in sorted(bars, key=lambda bar: (bar.start, bar.row)):
+        if bar.kind != "wait":
+            keys.setdefault(bar.nodeid or bar.label, len(keys) + 1)
+    for bar in bars:  # a wait whose test has no bar of its own
+        keys.setdefault(bar.nodeid or bar.label, len(keys) + 1)
+    return Chart(title, inventory, makespan, tuple(rows), tuple(bars), keys)
 
 
 # -- drawing ----------------------------------------------------------------------
 
 
 def figure_height(chart: Chart) -> float:
-    """Inches: grows with the rows, within bounds so a huge run stays a sane picture."""
+    """Inches: grows with the rows, within bounds so a huge run stays a sane picture (the key
+    below it, :func:`key_height`, comes on top)."""
     return min(_MAX_HEIGHT, max(_MIN_HEIGHT, _TOP + _BOTTOM + _INCH_PER_UNIT * chart.height))
+
+
+@dataclass(frozen=True)
+class Label:
+    """The text a bar shows: ``text`` at ``fontsize``; ``abbreviated``: the key names it in full."""
+
+    bar: Bar
+    text: str
+    fontsize: float
+    abbreviated: bool
+    rotation: int = 0  # 90: a key number upright, in a bar narrower than it is wide
+
+
+def bar_labels(chart: Chart, height: float | None = None) -> list[Label]:
+    """Every test's and lease's bar with its text, laid out as :func:`render` draws the chart
+    in a figure ``height`` inches tall (default :func:`figure_height`). Waits show their
+    colour only (they sit on their test's bar)."""
+    height = figure_height(chart) if height is None else height
+    ax_width, ax_height = _FIG_WIDTH - _LEFT - _RIGHT, height - _TOP - _BOTTOM
+    unit_pt = ax_height * 72 / chart.height
+    pt_per_second = ax_width * 72 / (chart.makespan * 1.01 or 1.0)
+    out = []
+    for bar in chart.bars:
+        if bar.kind == "wait":
+            continue
+        fontsize = max(_MIN_FONT, min(7.0, bar.height * unit_pt * 0.7))
+        width = bar.duration * pt_per_second
+        text, abbreviated = bar_text(bar.label, chart.key(bar), width, fontsize)
+        if abbreviated and len(text) * fontsize * _CHAR_WIDTH > width:  # the key alone, wider than its bar:
+            # upright, so that the keys of neighbouring short tests do not run into each other
+            out.append(Label(bar, text, max(_MIN_FONT, min(fontsize, width)), abbreviated, 90))
+        else:
+            out.append(Label(bar, text, fontsize, abbreviated))
+    return out
+
+
+def key_lines(chart: Chart, labels: Sequence[Label]) -> list[str]:
+    """The key below the picture: ``12  tests/test_x.py::test_long_name[param]`` for every
+    test or holder some bar shows abbreviated, in key order."""
+    shown = {chart.key(label.bar) for label in labels if label.abbreviated}
+    names = {key: name for name, key in chart.keys.items()}
+    width = len(str(max(shown, default=0)))
+    return [f"{key:>{width}}  {names[key]}" for key in sorted(shown)]
+
+
+def key_layout(lines: Sequence[str]) -> tuple[int, list[list[str]], int]:
+    """The key's columns (count, then each column's lines) and the lines left out where a
+    huge run's key would not fit (:data:`_MAX_KEY_LINES` lines at most)."""
+    if not lines:
+        return 0, [], 0
+    widest = max(len(line) for line in lines) * _KEY_FONT * _CHAR_WIDTH + 24  # points
+    columns = max(1, min(4, int((_FIG_WIDTH - 0.6) * 72 // widest)))
+    per_column = -(-len(lines) // columns)
+    left_out = 0
+    if per_column > _MAX_KEY_LINES:
+        per_column = _MAX_KEY_LINES
+        left_out = len(lines) - per_column * columns + 1  # the last line says how many
+        lines = list(lines[: per_column * columns - 1])
+    return columns, [list(lines[i : i + per_column]) for i in range(0, len(lines), per_column)], left_out
+
+
+def key_height(lines: Sequence[str]) -> float:
+    """Inches the key takes below the chart (0 without one)."""
+    _, cols, left_out = key_layout(lines)
+    rows = max((len(c) for c in cols), default=0) + (1 if left_out else 0)
+    return 0.0 if not rows else 0.25 + rows * _KEY_LINE / 72
 
 
 def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
     """Draw ``chart`` and save it to ``out`` as ``fmt`` (png or svg).
+
+    Every test's and lease's bar is labelled: its name where it fits, else its key number
+    with as much of the name as fits; the key below the chart names those in full. In an
+    SVG, every bar also carries its full name and times as a tooltip (``<title>``).
 
     Raises `MissingMatplotlib` without matplotlib, and OSError if ``out`` cannot be written.
     """
@@ -358,10 +460,14 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
         raise MissingMatplotlib() from None
 
     # Figure directly, not pyplot: no GUI backend, no global state.
-    height = figure_height(chart)
+    base = figure_height(chart)
+    labels = bar_labels(chart, base)
+    key = key_lines(chart, labels)
+    below = key_height(key)
+    height = base + below
     fig = Figure(figsize=(_FIG_WIDTH, height), dpi=dpi)
-    ax_width, ax_height = _FIG_WIDTH - _LEFT - _RIGHT, height - _TOP - _BOTTOM
-    ax = fig.add_axes((_LEFT / _FIG_WIDTH, _BOTTOM / height, ax_width / _FIG_WIDTH, ax_height / height))
+    ax_width, ax_height = _FIG_WIDTH - _LEFT - _RIGHT, base - _TOP - _BOTTOM
+    ax = fig.add_axes((_LEFT / _FIG_WIDTH, (_BOTTOM + below) / height, ax_width / _FIG_WIDTH, ax_height / height))
     xmax = chart.makespan * 1.01 or 1.0
     ax.set_xlim(0, xmax)
     ax.set_ylim(chart.height, 0)  # first row on top
@@ -381,12 +487,13 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
     if workers and len(workers) < len(chart.rows):
         ax.axhline(workers[0].y - _GROUP_GAP / 2, color="#888888", linewidth=0.8)
 
+    tooltips: dict[str, str] = {}
     for hatch in (None, EXCLUSIVE_HATCH):
         group = [bar for bar in chart.bars if bar.hatch == hatch]
         for kind in ("test", "lease", "wait"):  # waits over their tests
             bars = [bar for bar in group if bar.kind == kind]
             if bars:
-                ax.barh(
+                drawn = ax.barh(
                     [bar.y for bar in bars],
                     [max(bar.duration, xmax * 1e-4) for bar in bars],  # an instant still shows
                     left=[bar.start for bar in bars],
@@ -397,25 +504,25 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
                     linewidth=0.3,
                     hatch=hatch,
                 )
+                for bar, patch in zip(bars, drawn.patches, strict=True):
+                    gid = f"pytest-gpu-bar-{len(tooltips)}"
+                    patch.set_gid(gid)
+                    tooltips[gid] = tooltip(chart, bar)
 
-    pt_per_second = ax_width * 72 / xmax
-    for bar in chart.bars:
-        if bar.kind == "wait":
-            continue
-        fontsize = min(7.0, bar.height * unit_pt * 0.7)
-        text = fit_label(bar.label, bar.duration * pt_per_second, fontsize) if fontsize >= 4 else ""
-        if text:
-            dark = bar.color in (OUTCOME_COLORS["crashed"], UNKNOWN_COLOR)
-            ax.text(
-                bar.start + bar.duration / 2,
-                bar.y + bar.height / 2,
-                text,
-                ha="center",
-                va="center",
-                fontsize=fontsize,
-                color="white" if dark else "black",
-                clip_on=True,
-            )
+    for label in labels:
+        bar = label.bar
+        dark = bar.color in (OUTCOME_COLORS["crashed"], UNKNOWN_COLOR)
+        ax.text(
+            bar.start + max(bar.duration, xmax * 1e-4) / 2,
+            bar.y + bar.height / 2,
+            label.text,
+            ha="center",
+            va="center",
+            fontsize=label.fontsize,
+            rotation=label.rotation,
+            color="white" if dark else "black",
+            clip_on=True,
+        )
 
     handles = [
         Patch(facecolor=color, edgecolor="#333333", linewidth=0.3, label=outcome)
@@ -429,8 +536,65 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
     if any(bar.exclusive for bar in chart.bars):
         handles.append(Patch(facecolor="white", edgecolor="#333333", hatch=EXCLUSIVE_HATCH, label="exclusive GPU"))
     if handles:
-        fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
+        fig.legend(
+            handles=handles,
+            loc="lower center",
+            bbox_to_anchor=(0.5, below / height),
+            ncol=len(handles),
+            frameon=False,
+            fontsize=8,
+        )
+    _draw_key(fig, key, below, height)
 
     # No timestamp in the SVG, so the same trace gives the same file.
     metadata = {"Date": None} if fmt == "svg" else None
-    fig.savefig(out, format=fmt, metadata=metadata)
+    if fmt != "svg":
+        fig.savefig(out, format=fmt, metadata=metadata)
+        return
+    buffer = io.StringIO()
+    fig.savefig(buffer, format=fmt, metadata=metadata)
+    Path(out).write_text(with_tooltips(buffer.getvalue(), tooltips), encoding="utf-8")
+
+
+def _draw_key(fig: Any, lines: Sequence[str], below: float, height: float) -> None:
+    """The key below the chart: the full names of the bars that show a number."""
+    columns, cols, left_out = key_layout(lines)
+    if not cols:
+        return
+    width = (_FIG_WIDTH - 0.6) / columns
+    top = (below - 0.15) / height
+    fig.text(0.3 / _FIG_WIDTH, top + 0.02 / height, "key:", fontsize=_KEY_FONT, fontweight="bold", va="bottom")
+    for c, column in enumerate(cols):
+        for r, line in enumerate(column):
+            y = top - (r + 1) * _KEY_LINE / 72 / height
+            fig.text((0.3 + c * width) / _FIG_WIDTH, y, line, fontsize=_KEY_FONT, va="bottom", family="monospace")
+    if left_out:
+        y = top - (max(len(c) for c in cols) + 1) * _KEY_LINE / 72 / height
+        fig.text(
+            0.3 / _FIG_WIDTH,
+            y,
+            f"... and {left_out} more: every bar of the SVG picture (--format svg) names its test as a tooltip",
+            fontsize=_KEY_FONT,
+            va="bottom",
+        )
+
+
+def tooltip(chart: Chart, bar: Bar) -> str:
+    """A bar's tooltip in the SVG picture: its full name, what it is, when."""
+    what = {"test": bar.outcome or "unknown outcome", "wait": "waiting for a GPU", "lease": "GPU lease"}[bar.kind]
+    if bar.kind == "lease":
+        what = f"{what} on {chart.rows[bar.row].label}{', exclusive' if bar.exclusive else ''}"
+    return (
+        f"[{chart.key(bar)}] {chart.full_name(bar)}: {what}, {format_seconds(bar.start)} s to "
+        f"{format_seconds(bar.end)} s ({format_seconds(bar.duration)} s)"
+    )
+
+
+def with_tooltips(svg: str, tooltips: Mapping[str, str]) -> str:
+    """``svg`` (matplotlib's) with a ``<title>`` in each group whose id ``tooltips`` names."""
+
+    def add(match: re.Match[str]) -> str:
+        text = tooltips.get(match.group(1))
+        return match.group(0) if text is None else f"{match.group(0)}\n   <title>{escape(text)}</title>"
+
+    return re.sub(r'<g id="(pytest-gpu-bar-\d+)">', add, svg)

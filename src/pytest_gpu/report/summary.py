@@ -13,7 +13,7 @@ from ..distributed.backends import AUTO_PROPERTY
 from ..leasing.spans import gpu_properties, parse_held
 from ..run.record import SKIP_PROPERTY
 from .timeline import Timeline
-from .wording import numbered, plural, verb
+from .wording import duration, numbered, plural, verb
 
 if TYPE_CHECKING:
     from ..gpu.devices import Inventory
@@ -133,7 +133,7 @@ class Summary:
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
         out = [
             f"pytest-gpu: {inventory.describe()} [{inventory.source}] · {plural(self.gpu_tests, 'GPU test')} · "
-            f"waited {self.waited:.1f}s in total · {plural(self.violations, 'violation')}"
+            f"waited {duration(self.waited)} in total · {plural(self.violations, 'violation')}"
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
@@ -254,7 +254,7 @@ def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:
         total = sum(float(cast(float, r.get("seconds", 0.0))) for r in waited)  # the broker's wait, seconds
         lines.append(
             f"pytest-gpu: {plural(len(waited), 'test')} {verb(len(waited), 'was', 'were')} held back "
-            f"{total:.1f}s in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
+            f"{duration(total)} in total by processes outside pytest-gpu" + (f" ({where})" if where else "")
         )
     return lines
 

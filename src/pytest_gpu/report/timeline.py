@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..leasing.requests import format_size
 from ..leasing.spans import HeldRow, LeaseSpan, gpu_properties, parse_held, parse_peaks, parse_spans
-from .wording import plural
+from .wording import duration, plural
 
 MIB = 2**20
 SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less
@@ -154,7 +154,7 @@ class Timeline:
         parallel = f" ({total / makespan:.1f}x in parallel)" if makespan > 0 and total / makespan >= 1.05 else ""
         lines = [
             f"pytest-gpu: makespan {makespan:.1f}s · test time {total:.1f}s{parallel} · "
-            f"waited {waited:.1f}s for GPUs"
+            f"waited {duration(waited)} for GPUs"
             + (" · GPU busy " + " ".join(f"{g}:{busy[g]:.0%}" for g in gpus) if gpus else "")
         ]
         heavy = sorted((r for r in tests if r.leases), key=lambda r: -r.gpu_seconds)[:5]

@@ -31,3 +31,14 @@ def numbered(word: str, numbers: Iterable[object], many: str | None = None) -> s
 def verb(n: int, one: str, many: str) -> str:
     """``one`` for a count of 1, else ``many``: ``verb(len(ports), "was", "were")``."""
     return one if n == 1 else many
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a trace viewer shows them: ``0s``, ``46ms``, ``<1ms``, ``1.5s``, so that a
+    short wait does not read as none ("0.0s" where the trace shows 46 ms)."""
+    if seconds <= 0:
+        return "0s"
+    ms = round(seconds * 1000)
+    if ms < 1000:
+        return f"{ms}ms" if ms else "<1ms"
+    return f"{seconds:.1f}s"

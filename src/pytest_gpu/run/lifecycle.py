@@ -387,10 +387,14 @@ def gpu_fixture(request: pytest.FixtureRequest) -> GpuLease:
 
 @contextmanager
 def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[GpuLease]:
+    __tracebackhide__ = True
+    problem = ""
     try:
         request = build_request(args, kwargs, run.settings.default_memory, what="gpu_request", form=GPU_FIXTURE_FORM)
     except GpuRequestError as exc:
-        raise GpuRequestError(f"{node.nodeid}: {exc}") from None
+        problem = str(exc)
+    if problem:  # one line naming the test and the form expected: no frames of ours or contextlib's
+        pytest.fail(f"pytest-gpu: {node.nodeid}: {problem}", pytrace=False)
     reason = run.never_fits(request)
     if reason is not None:
         if run.settings.oversize == "skip":

@@ -94,9 +94,30 @@ def host_lease(key: str, waited: float, simulated: bool) -> GpuLease:
     )
 
 
+def _refuse_tiny_gpus(inventory: Inventory, settings: Settings) -> None:
+    """A simulated or fake machine whose GPUs are no larger than the CUDA context the run
+    assumes (``--gpu-context-overhead``, unless the spec's ``context=`` says) is a typo
+    (``sim:4x1KiB``): a usage error now, not "-500MiB after the CUDA context" at every test."""
+    from ..gpu.devices import DeviceSpecError
+    from ..sim import fake
+    from ..sim.spec import SpecError, check_context, parse
+
+    source = inventory.source if inventory.simulated else fake.requested()
+    if not source:
+        return
+    label = "--gpus" if inventory.simulated else fake.FAKE_ENV + ":"
+    try:
+        if parse(source).context is None:  # with context=, parse checked it against that
+            sizes = [d.capacity for d in inventory.devices]
+            check_context(source, sizes, settings.context_overhead, "--gpu-context-overhead")
+    except SpecError as exc:
+        raise DeviceSpecError(f"{label} {exc}") from None
+
+
 def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
-    machine's (one per ``PYTEST_GPU_SIM_MACHINE``); joined when the first lease is asked."""
+    machine's (the one ``PYTEST_GPU_SIM_MACHINE`` names, else the run's own); joined when the first
+    lease is asked."""
     from ..machine.domain import Domain
     from ..machine.link import MachineLink
     from ..sim import fake
@@ -190,6 +211,7 @@ class GpuRun:
     _client_lock: threading.Lock = field(default_factory=threading.Lock)
     _keys: itertools.count[int] = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
+    _sim_run: str | None = None  # the run name of the simulated machines this run made its own
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
     # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
     frameworks: Callable[..., object] | None = None
@@ -199,6 +221,10 @@ class GpuRun:
     # what this process gives up when one of its own requests must wait (its idle warm rank pools)
     on_wait: list[Callable[[], bool]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)  # the CUDA contexts this process measured
+
+    def __repr__(self) -> str:
+        # short: a traceback's locals show it, and the settings and inventory fill a screen
+        return f"<GpuRun {self.worker} gpus={self.settings.gpus!r} run_dir={str(self.run_dir)!r}>"
 
     # -- construction ---------------------------------------------------------------
 
@@ -217,6 +243,7 @@ class GpuRun:
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node
+        _refuse_tiny_gpus(inventory, settings)
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
@@ -233,13 +260,22 @@ class GpuRun:
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
-            # The simulated machine the run names (PYTEST_GPU_SIM_MACHINE, default one per user
-            # and spec): runs naming the same one share its GPUs' memory, as runs on one real
-            # machine share its GPUs. Every process of the run (workers, ranks, subprocesses)
-            # sees it through the fake-GPU switch.
+            # The simulated machine the run names (PYTEST_GPU_SIM_MACHINE), else its own (one
+            # per run and spec, gone with the run): runs naming the same one share its GPUs'
+            # memory, as runs on one real machine share its GPUs. Every process of the run
+            # (workers, ranks, subprocesses) sees it through the fake-GPU switch.
             from ..gpu.devices import DeviceSpecError
+            from ..machine.domain import claim_run_machines
 
             try:
+                try:
+                    run._sim_run = claim_run_machines(f"{launch.launcher}:{launch.run_id}" if launch else None)
+                except OSError as exc:  # no private directory for it: as for the machine's ledger
+                    raise sim.LedgerWriteError(
+                        exc.errno or 13,
+                        f"{exc.strerror or exc}; set PYTEST_GPU_MACHINE_DIR to a writable directory",
+                        exc.filename,
+                    ) from None
                 ledger = sim.machine_ledger(inventory.source, settings.context_overhead)
             except sim.SimMachineError as exc:  # in use with another spec: a usage error
                 run.close()  # the broker and run directory made above
@@ -303,6 +339,11 @@ class GpuRun:
 
         if self.broker is not None and fake.active():
             fake.deactivate()  # the run's fake machine ends with it (in-process runs follow each other)
+        if self._sim_run is not None:  # its own simulated machines go with it
+            from ..machine.domain import release_run_machines
+
+            release_run_machines(self._sim_run)
+            self._sim_run = None
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)

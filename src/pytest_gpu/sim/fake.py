@@ -11,8 +11,9 @@ processes, ``pytest-gpu inventory``):
 
 The ledger is shared by every process that sees the same ``PYTEST_GPU_SIM_LEDGER``; without
 it, the switch sets it to the ledger of the simulated machine the process names
-(``PYTEST_GPU_SIM_MACHINE``, default one per user and spec: :func:`.ledger.machine_ledger`),
-so every process tree, of any user, that names the same machine shares its GPUs.
+(``PYTEST_GPU_SIM_MACHINE``; default: a pytest run's own, which the run claims before this
+switch is turned on, or outside any run one per user and spec: :func:`.ledger.machine_ledger`),
+so every process tree that names the same machine shares its GPUs.
 """
 
 from __future__ import annotations

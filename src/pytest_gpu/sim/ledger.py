@@ -18,8 +18,9 @@ The ledger lives in the directory named by ``PYTEST_GPU_SIM_LEDGER``; without it
 ledger of the *simulated machine* (:func:`machine_ledger`) for the spec in ``PYTEST_GPU_SIM``
 (default ``sim:4x16GiB``).
 
-A simulated machine is a machine: ``PYTEST_GPU_SIM_MACHINE=<name>`` names it (default: one
-per user and spec, :func:`pytest_gpu.machine.domain.sim_machine_name`), and every process
+A simulated machine is a machine: ``PYTEST_GPU_SIM_MACHINE=<name>`` names it (default: the
+run's own, one per run and spec, gone with the run; outside any run one per user and spec:
+:func:`pytest_gpu.machine.domain.sim_machine_name`), and every process
 that names it shares its GPUs' memory, as the runs of one real machine share its GPUs. Its
 ledger directory is its device files: this user's alone (0700, in the user's private
 directory, see :mod:`pytest_gpu.machine.domain`), or, with ``PYTEST_GPU_SIM_GROUP``, the
@@ -530,7 +531,8 @@ def _conflict(name: str, state: dict[str, Any], spec: str, overhead: int | None,
 
 def machine_ledger(spec: str, overhead: int | None = None) -> Ledger:
     """The ledger of the simulated machine a process on ``spec`` uses (``PYTEST_GPU_SIM_MACHINE``,
-    default one per user and spec), created if missing and shared by every process and user.
+    default its run's own, see :func:`pytest_gpu.machine.domain.sim_machine_name`), created if
+    missing and shared by every process and user.
 
     ``overhead``: the CUDA context size the caller simulates (``None``: the machine's, or the
     default for a new machine). The caller is registered as a user of the machine until it

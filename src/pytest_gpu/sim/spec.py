@@ -120,11 +120,17 @@ def _groups(spec: str, body: str, what: str, device: str, holder: str, limit: in
     if not body.strip():
         raise SpecError(f"{spec!r}: no {what} given; expected e.g. sim:4x16GiB")
     for part in body.split(","):
-        match = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?(\S+?)\s*", part)
+        other = re.fullmatch(r"\s*(\d+)\s*([^\w\s.])\s*(\d\S*)\s*", part)
+        if other:  # "4*16GiB": a separator this grammar does not have
+            raise SpecError(
+                f"{spec!r}: unknown separator {other.group(2)!r} in {part.strip()!r}; expected COUNTxSIZE "
+                f"such as {other.group(1)}x{other.group(3)}"
+            )
+        match = re.fullmatch(r"\s*(?:(\d+)\s*[xX]\s*)?(\S+?)\s*", part)
         if not match:
             raise SpecError(f"{spec!r}: cannot read {part!r}; expected COUNTxSIZE such as 4x16GiB")
         count = int(match.group(1)) if match.group(1) else 1
-        if re.fullmatch(r"\d+[xX*]", part.strip()):  # "4x": the size is missing, not an unknown unit
+        if re.fullmatch(r"\d+[xX]", part.strip()):  # "4x": the size is missing, not an unknown unit
             raise SpecError(f"{spec!r}: no size after {part.strip()!r}; expected COUNTxSIZE such as 4x16GiB")
         if re.fullmatch(r"[\d.]+", match.group(2)):  # "4x16": 16 bytes is never what was meant
             raise SpecError(
@@ -143,6 +149,17 @@ def _groups(spec: str, body: str, what: str, device: str, holder: str, limit: in
             raise SpecError(f"{spec!r}: {len(sizes) + count} {device}s; {holder} has at most {limit}")
         sizes.extend([size] * count)
     return sizes
+
+
+def check_context(spec: str, sizes: list[int], context: int, where: str) -> None:
+    """Refuse a machine with a device no larger than one CUDA ``context`` (``where``: whose
+    size that is): no test could ever get memory there."""
+    small = min(sizes, default=context + 1)
+    if small <= context:
+        raise SpecError(
+            f"{spec!r}: a device of {format_size(small)} is no larger than one CUDA context "
+            f"({format_size(context)}, {where}); expected COUNTxSIZE with sizes larger than that, such as 4x16GiB"
+        )
 
 
 def _gpu_index(spec: str, option: str, raw: str, count: int) -> int:
@@ -205,6 +222,8 @@ def parse(spec: str) -> Machine:
                 raise SpecError(f"{spec!r}: {option}: a context takes more than 0 bytes and at most {MAX_SIZE_TEXT}")
         else:
             raise SpecError(f"{spec!r}: unknown option {option!r}; expected {FORM}")
+    if context is not None:
+        check_context(spec, [*sizes, *(size for sizes_ in mig.values() for size in sizes_)], context, "context=")
     gpus = []
     next_unit = len(sizes)
     for index, size in enumerate(sizes):

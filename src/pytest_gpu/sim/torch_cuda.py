@@ -789,10 +789,37 @@ _proc = _Process()
 _settings = _Settings()
 
 
+NOT_INSTALLED = (
+    "pytest_gpu.sim.torch_cuda: torch has no simulated torch.cuda in this process. Run on simulated "
+    "GPUs (pytest --gpus sim:4x16GiB, or PYTEST_GPU_FAKE_GPUS=sim:4x16GiB), where pytest-gpu gives "
+    "torch's CPU build its simulated torch.cuda when torch is imported, or, outside pytest-gpu, "
+    "call pytest_gpu.sim.torch_cuda.install(torch) after `import torch`"
+)
+
+
 def _require_torch() -> Any:
     if _settings.torch is None:
-        raise RuntimeError("pytest_gpu.sim.torch_cuda: call install(torch) first")
+        _import_torch()
+    if _settings.torch is None:
+        raise RuntimeError(NOT_INSTALLED)
     return _settings.torch
+
+
+def _import_torch() -> None:
+    """On fake GPUs, this double's functions may come before the test's ``import torch``: import
+    it here, and the fake-GPU switch (which waits for torch's import) installs the double as it
+    does for the test's import."""
+    from ..importhook import waiting
+
+    if "torch" in sys.modules or not waiting("torch"):  # no switch waits to install it (or torch is a CUDA build)
+        return
+    try:
+        import torch  # noqa: F401 - the switch's import hook installs the double
+    except ImportError as exc:
+        raise RuntimeError(
+            f"pytest_gpu.sim.torch_cuda needs torch (its CPU build will do: pip install torch "
+            f"--index-url https://download.pytorch.org/whl/cpu): {exc}"
+        ) from None
 
 
 def _device_lazy_init() -> None:
