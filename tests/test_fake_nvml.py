@@ -47,6 +47,28 @@ def err(fn, *args):
     return None
 def addr(handle):
     return ctypes.cast(handle, ctypes.c_void_p).value
+if not hasattr(pynvml, "nvmlDeviceGetComputeRunningProcesses_v2"):
+    # nvidia-ml-py before 12.550 (pyproject's floor, 12.535.108, is older) wraps no v2
+    # symbol: 12.550's wrapper, so that the fake's v2 symbol is called at the floor too
+    def _compute_procs_v2(handle):
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v2")
+        count = ctypes.c_uint(0)
+        ret = fn(handle, ctypes.byref(count), None)
+        if ret == pynvml.NVML_SUCCESS:
+            return []
+        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise pynvml.NVMLError(ret)
+        count.value = count.value * 2 + 5
+        procs = (pynvml.c_nvmlProcessInfo_v2_t * count.value)()
+        pynvml._nvmlCheckReturn(fn(handle, ctypes.byref(count), procs))
+        rows = [pynvml.nvmlStructToFriendlyObject(procs[i]) for i in range(count.value)]
+        for row in rows:
+            if row.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                row.usedGpuMemory = None
+        return rows
+    pynvml.nvmlDeviceGetComputeRunningProcesses_v2 = _compute_procs_v2
+if not hasattr(pynvml, "c_nvmlProcessInfo_v3_t"):  # the same layout, named so from 12.550
+    pynvml.c_nvmlProcessInfo_v3_t = pynvml.c_nvmlProcessInfo_v2_t
 """
 
 

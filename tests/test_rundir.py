@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -350,6 +351,15 @@ def _read_only(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         real(path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "mkdir", mkdir)
+    # Python 3.10's Path.mkdir calls the os.mkdir its accessor bound at import, not os.mkdir
+    real_path_mkdir = Path.mkdir
+
+    def path_mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.parent == base:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        real_path_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", path_mkdir)
 
 
 def test_run_dir_on_a_read_only_temp_dir_is_one_clear_error(temp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,7 +389,7 @@ def test_read_only_temp_dir_is_a_usage_error_not_an_internal_error(
     base.mkdir()
     gpu_pytester.makeconftest(
         f"""
-        import errno, os, tempfile
+        import errno, os, pathlib, tempfile
 
         tempfile.tempdir = {str(base)!r}
         _mkdir = os.mkdir
@@ -390,6 +400,14 @@ def test_read_only_temp_dir_is_a_usage_error_not_an_internal_error(
             return _mkdir(path, *args, **kwargs)
 
         os.mkdir = mkdir
+        _path_mkdir = pathlib.Path.mkdir
+
+        def path_mkdir(self, *args, **kwargs):  # Python 3.10's Path.mkdir does not call os.mkdir
+            if str(self.parent) == tempfile.tempdir:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            return _path_mkdir(self, *args, **kwargs)
+
+        pathlib.Path.mkdir = path_mkdir
         """
     )
     gpu_pytester.makepyfile(test_cpu="def test_cpu():\n    pass\n")

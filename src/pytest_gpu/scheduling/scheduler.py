@@ -44,7 +44,11 @@ class GpuScheduling:
 
     def __init__(self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float]) -> None:
         from xdist.remote import Producer
-        from xdist.workermanage import parse_tx_spec_config
+
+        try:
+            from xdist.workermanage import parse_tx_spec_config
+        except ImportError:  # pytest-xdist < 3.7 (the floor is 3.5) names it parse_spec_config
+            from xdist.workermanage import parse_spec_config as parse_tx_spec_config
 
         self.numnodes = len(parse_tx_spec_config(config))
         self.config = config
