@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import sim
+from ..gpu.isolation import VISIBLE_VARS
 from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.spans import LeaseSpan
 from ..report.wording import numbered
@@ -206,6 +207,9 @@ class RankPool:
             env[protocol.RANK_MEMORY_ENV] = str(lease.memory)  # each rank's cap on each of its GPUs
             if sim.TAG_ENV in lease.env:  # simulated GPUs: the ranks' allocations are the pool's lease's
                 env[sim.TAG_ENV] = lease.env[sim.TAG_ENV]
+            if self.spec.isolated:  # a test's own lease: its process confined as the test process would be
+                env[protocol.RANK_ISOLATED_ENV] = "1"
+                env.update({k: v for k, v in lease.env.items() if k not in VISIBLE_VARS})  # JAX's, TF's, ...
         measured = cover.rank_config()  # pytest --cov: the ranks measure too
         if measured is not None:
             env[cover.ENV] = measured

@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+from .. import importhook
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -58,6 +59,36 @@ def _cap_torch(torch: Any, cap: int) -> None:
         torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
 
 
+def _cap_torch_when_started(cap: int) -> None:
+    """An isolated test's rank: cap torch's allocator at ``cap`` bytes on each GPU it sees once
+    torch starts CUDA (queued on torch's lazy init, so a body that never starts CUDA opens no
+    context), whenever the body imports torch: the memory cap a test process's lease gives it."""
+
+    def capped(torch: Any) -> None:
+        cuda = torch.cuda
+        # torch's own total (cudaMemGetInfo's); the accessor its lazy init defines (see gpu.adapters)
+        properties = getattr(cuda, "_get_device_properties", None) or cuda.get_device_properties
+        for ordinal in range(cuda.device_count()):
+            total = int(properties(ordinal).total_memory)
+            if total:
+                cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
+
+    def apply(torch: Any) -> None:
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_available():
+            return
+        if cuda.is_initialized():
+            capped(torch)
+        else:
+            cuda._lazy_call(lambda: capped(torch))
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        apply(torch)
+    else:
+        importhook.on_import("torch", apply)
+
+
 class Rank:
     def __init__(self) -> None:
         self.rank = _first_int(RANK_VARS)
@@ -82,6 +113,8 @@ class Rank:
                 # its GPUs as CUDA enumerates CUDA_VISIBLE_DEVICES (indices or, as on a real machine, UUIDs)
                 for unit in cuda.init():
                     cuda.set_memory_cap(unit, self.cap)  # as a test's lease caps the test process
+        if mine and self.cap and os.environ.get(protocol.RANK_ISOLATED_ENV):
+            _cap_torch_when_started(self.cap)  # after the fake GPUs' own hook: torch.cuda is theirs first
         self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]

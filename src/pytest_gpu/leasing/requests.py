@@ -162,8 +162,11 @@ def learned(request: GpuRequest, peak: int, usable: int) -> GpuRequest:
 
 GPU_MARKER_FORM = (
     '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False, '
-    'cpus=4, host_memory="16GiB")'
+    'cpus=4, host_memory="16GiB", isolate=True)'
 )
+# The ``gpu`` marker's keyword (and a convention's) that runs the test's body in a process of
+# its own seeing exactly its lease (cuda:0..count-1): not part of the lease, read apart from it.
+ISOLATE = "isolate"
 HOST_KWARGS = ("cpus", "host_memory")
 _GPU_KWARGS = ("count", "memory", "exclusive", *HOST_KWARGS)
 HOST_MARKER_FORM = (
@@ -239,6 +242,17 @@ def build_request(
             return GpuRequest(count=count, memory=None, exclusive=True, **host)
         return GpuRequest(count=count, memory=default.memory, exclusive=False, **host)
     return GpuRequest(count=count, memory=memory, exclusive=False, **host)
+
+
+def split_isolate(kwargs: Mapping[str, Any], what: str, form: str = GPU_MARKER_FORM) -> tuple[dict[str, Any], bool]:
+    """``(the other keywords, whether isolate=True)``: ``isolate`` must be True or False.
+
+    Raises :class:`GpuRequestError` naming ``what`` and the expected form."""
+    rest = dict(kwargs)
+    isolate = rest.pop(ISOLATE, False)
+    if not isinstance(isolate, bool):
+        raise GpuRequestError(f"{what}: {ISOLATE} must be True or False, got {isolate!r}; expected {form}")
+    return rest, isolate
 
 
 def with_host(request: GpuRequest | None, host: GpuRequest, what: str) -> GpuRequest:
