@@ -73,6 +73,7 @@ def holds_a_gpu(gpu_lease_factory):
 """
 
 SUITE = """
+import gc
 import json
 import os
 from pathlib import Path
@@ -97,13 +98,13 @@ def test_a_sees_its_lease(tmp_path):
     block = torch_cuda.empty("1GiB", "cuda:1")
     fraction = torch.cuda.get_per_process_memory_fraction(1)
     note("a", pid=os.getpid(), cuda1=cuda.unit_of(1), fraction=fraction, total=torch.cuda.mem_get_info(1)[1],
-         tmp=str(tmp_path))
+         tmp=str(tmp_path), frozen=gc.get_freeze_count())
     block.free()
 
 
 @TWO
 def test_b_warm():
-    note("b", pid=os.getpid())
+    note("b", pid=os.getpid(), frozen=gc.get_freeze_count())
 
 
 def test_c_plain():
@@ -180,6 +181,8 @@ def _check(tmp_path: Path, result: pytest.RunResult, *, workers: int) -> None:
     assert cases["test_a_sees_its_lease"]["dist_pool"] == "fresh"
     if workers == 1:
         assert cases["test_b_warm"]["dist_pool"] == "warm" and b["pid"] == a["pid"], (cases, a, b)
+        # what the first body imported (torch) is out of the later tests' full collections
+        assert b["frozen"] > a["frozen"] + 10_000, (a, b)
     else:
         assert any(case.get("dist_pool") == "warm" for case in cases.values()), cases
     # a failure reads as the test's own: its traceback and the exception in the summary line

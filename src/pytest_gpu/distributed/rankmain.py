@@ -183,6 +183,7 @@ class Rank:
         env = dict(os.environ)
         cwd = os.getcwd()
         groups = _groups()
+        modules = len(sys.modules)
         _reseed(body["seed"])
         result: dict[str, Any] = {"rank": self.rank, "outcome": "passed", "message": "", "longrepr": ""}
         result["run_id"] = body.get("run_id")  # echoed: the pool takes only the current run's results
@@ -203,7 +204,7 @@ class Rank:
             result.update(_outcome(exc, body.get("module_file"), body.get("tbstyle", "auto")))
         finally:
             result["poisoned"] = result.get("poisoned", False)
-            self._clean(env, cwd, groups)
+            self._clean(env, cwd, groups, modules)
         return result
 
     def _resolve(self, body: dict[str, Any]) -> Any:
@@ -220,8 +221,9 @@ class Rank:
             return getattr(owner(), body["func"])
         return getattr(module, body["func"])
 
-    def _clean(self, env: dict[str, str], cwd: str, groups: set[Any]) -> None:
-        """Put the process back as the test found it (see the README's list)."""
+    def _clean(self, env: dict[str, str], cwd: str, groups: set[Any], modules: int) -> None:
+        """Put the process back as the test found it (see the README's list); ``modules``: how
+        many modules were loaded when the test started."""
         if self.backend in ("gloo", "nccl"):
             import torch.distributed as dist
 
@@ -237,6 +239,10 @@ class Rank:
         except OSError:
             pass
         gc.collect()
+        if len(sys.modules) > modules:
+            # the body imported modules (torch, first in a body: ~0.2 s for each later full
+            # collection): long-lived, out of the next tests' collections' sight, as at setup
+            gc.freeze()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
