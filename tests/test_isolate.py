@@ -131,12 +131,28 @@ def test_f_after_the_leak():
     note("f", pid=os.getpid())
 
 
+@pytest.mark.multi_gpu  # the suite's own marker, mapped by gpu_marker_map: the test is not edited
+def test_h_the_suites_own_marker():
+    import torch
+
+    assert torch.cuda.device_count() == 2
+    note("h", pid=os.getpid())
+
+
 @TWO
 def test_g_over_its_budget():
     import torch
     from pytest_gpu.sim import torch_cuda
 
     torch_cuda.empty("3GiB", "cuda:0")
+"""
+
+
+INI = """
+[pytest]
+markers = multi_gpu: needs two GPUs
+gpu_marker_map =
+    multi_gpu: count=2 memory=2GiB isolate
 """
 
 
@@ -199,12 +215,19 @@ def _check(tmp_path: Path, result: pytest.RunResult, *, workers: int) -> None:
     assert f["pid"] != e["pid"], (e, f)
     # its memory cap: an allocation past its lease is torch's OOM in the body
     assert "OutOfMemoryError" in str(cases["test_g_over_its_budget"]["failure"])
-    result.assert_outcomes(passed=5, failed=2, errors=1)
+    # a suite's own marker mapped with isolate: the same, on the pool of the same shape
+    h = json.loads((out / "h.json").read_text())
+    own = cases["test_h_the_suites_own_marker"]
+    assert "failure" not in own and h["pid"] != c["pid"], (own, h, c)
+    if workers == 1:
+        assert own["dist_pool"] == "warm" and h["pid"] == f["pid"], (own, h, f)
+    result.assert_outcomes(passed=6, failed=2, errors=1)
 
 
 def _suite(gpu_pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require("torch", module="torch")
     gpu_pytester.makeconftest(CONFTEST)
+    gpu_pytester.makeini(INI)
     gpu_pytester.makepyfile(test_suite=SUITE)
     (tmp_path / "out").mkdir()
     monkeypatch.setenv("ISOLATE_OUT", str(tmp_path / "out"))
