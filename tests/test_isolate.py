@@ -139,6 +139,11 @@ def test_h_the_suites_own_marker():
     note("h", pid=os.getpid())
 
 
+@pytest.mark.gpu(2, memory="2GiB", cpus=1, isolate=True)
+def test_i_its_threads_follow_its_cpus():
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
 @TWO
 def test_g_over_its_budget():
     import torch
@@ -221,7 +226,7 @@ def _check(tmp_path: Path, result: pytest.RunResult, *, workers: int) -> None:
     assert "failure" not in own and h["pid"] != c["pid"], (own, h, c)
     if workers == 1:
         assert own["dist_pool"] == "warm" and h["pid"] == f["pid"], (own, h, f)
-    result.assert_outcomes(passed=6, failed=2, errors=1)
+    result.assert_outcomes(passed=7, failed=2, errors=1)
 
 
 def _suite(gpu_pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
