@@ -288,18 +288,32 @@ def test_wants_the_gpu_fixture(gpu):
 @pytest.mark.gpu(1, memory="1GiB", isolate=True)
 def test_unpicklable(lock):
     pass
+
+"""
+
+UNITTEST = """
+import unittest
+
+import pytest
+
+
+class TestCase(unittest.TestCase):
+    @pytest.mark.gpu(1, memory="1GiB", isolate=True)
+    def test_unittest(self):
+        pass
 """
 
 
 def test_bad_arguments_and_fixtures_are_named(
     gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult]
 ) -> None:
-    gpu_pytester.makepyfile(test_bad=BAD)
+    gpu_pytester.makepyfile(test_bad=BAD, test_unit=UNITTEST)
     result = run_inner("--gpus", "sim:2x8GiB", "-p", "no:xdist")
     text = result.stdout.str()
     assert "test_bad.py::test_bad_keyword: gpu marker: isolate must be True or False, got 'yes'" in text, text
     assert "test_bad.py::test_wants_the_gpu_fixture: gpu(..., isolate=True): the body runs in a process" in text, text
-    assert "'gpu' lease(s) GPUs in the test process" in text, text
+    assert "but it asks for 'gpu', leasing GPUs in the test process" in text, text
+    assert "test_unit.py::TestCase::test_unittest: gpu(..., isolate=True) only applies to test functions" in text, text
     # a collection error (the marker is checked with the module's other tests): nothing ran
     assert result.ret == pytest.ExitCode.INTERRUPTED, text
 
@@ -308,7 +322,8 @@ def test_an_unpicklable_fixture_is_named(
     gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult]
 ) -> None:
     require("torch", module="torch")  # not imported: a pool's rank starts only after the fixtures are sent
-    gpu_pytester.makepyfile(test_bad=BAD.replace('isolate="yes"', "isolate=False").replace("(gpu)", "()"))
+    fixed = BAD.replace('isolate="yes"', "isolate=False").replace("(gpu)", "()")
+    gpu_pytester.makepyfile(test_bad=fixed)
     result = run_inner("--gpus", "sim:2x8GiB", "-p", "no:xdist", "-k", "unpicklable")
     text = result.stdout.str()
     assert "test_bad.py::test_unpicklable: the value of fixture 'lock' (lock) cannot be sent" in text, text

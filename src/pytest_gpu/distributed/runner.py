@@ -138,8 +138,9 @@ def isolated_item_spec(item: pytest.Item) -> DistSpec:
     request = needs(item).request
     assert request is not None, "an isolated test has a request (lifecycle.item_needs)"
     what = f"{item.nodeid}: gpu(..., isolate=True)"
-    if not isinstance(item, pytest.Function):
-        raise GpuRequestError(f"{what} only applies to test functions")
+    if not isinstance(item, pytest.Function) or _is_unittest(item):
+        # a unittest.TestCase's method runs through unittest, never through the body runner
+        raise GpuRequestError(f"{what} only applies to test functions and methods of plain test classes")
     view = []
     info = item._fixtureinfo
     # what the body's fixture values are built from (autouse fixtures it does not ask for aside):
@@ -152,10 +153,16 @@ def isolated_item_spec(item: pytest.Item) -> DistSpec:
     if view:
         raise GpuRequestError(
             f"{what}: the body runs in a process of its own that sees its GPUs as cuda:0..{request.count - 1}, "
-            f"but {', '.join(repr(v) for v in view)} lease(s) GPUs in the test process; use the GPUs directly "
-            "(torch.cuda.device_count(), 'cuda:0', ...) or drop isolate=True"
+            f"but it asks for {', '.join(repr(v) for v in view)}, leasing GPUs in the test process; "
+            "use the GPUs directly (torch.cuda.device_count(), 'cuda:0', ...) or drop isolate=True"
         )
     return isolated_spec(request)
+
+
+def _is_unittest(item: pytest.Function) -> bool:
+    import unittest
+
+    return item.cls is not None and issubclass(item.cls, unittest.TestCase)
 
 
 def _reached(info: Any, roots: Sequence[str]) -> set[str]:
