@@ -98,7 +98,7 @@ def test_a_sees_its_lease(tmp_path):
     block = torch_cuda.empty("1GiB", "cuda:1")
     fraction = torch.cuda.get_per_process_memory_fraction(1)
     note("a", pid=os.getpid(), cuda1=cuda.unit_of(1), fraction=fraction, total=torch.cuda.mem_get_info(1)[1],
-         tmp=str(tmp_path), frozen=gc.get_freeze_count())
+         tmp=str(tmp_path), frozen=gc.get_freeze_count(), xla=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
     block.free()
 
 
@@ -192,8 +192,9 @@ def _check(tmp_path: Path, result: pytest.RunResult, *, workers: int) -> None:
     assert a["cuda1"] == lease[1] != 1, (a, lease)  # not what the worker's own CUDA calls cuda:1
     assert a["pid"] != c["pid"], "the body ran in the test process"
     assert a["tmp"].endswith("test_a_sees_its_lease0"), a  # a fixture's value, sent to the body's process
-    # capped as a test process's lease caps torch
+    # capped as a test process's lease caps torch (and JAX told not to preallocate)
     assert abs(a["fraction"] * a["total"] - 2 * 2**30) < 2**20, a
+    assert a["xla"] == "false", a
     # charged to the physical GPU: its peak there, as the test's own
     peaks = dict(p.split("=") for p in str(cases["test_a_sees_its_lease"]["gpu_peak_bytes"]).split(",") if p)
     if workers == 1:  # simulated GPUs: the ledger knows the peak; NVML has none (only what is still held)
@@ -329,3 +330,20 @@ def test_an_unpicklable_fixture_is_named(
     assert "test_bad.py::test_unpicklable: the value of fixture 'lock' (lock) cannot be sent" in text, text
     assert "isolate=True" in text, text
     result.assert_outcomes(failed=1, deselected=2)
+
+
+def test_a_lease_no_gpu_here_can_give_is_skipped_as_any(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult]
+) -> None:
+    gpu_pytester.makepyfile(
+        test_big="""
+        import pytest
+
+        @pytest.mark.gpu(8, memory="1GiB", isolate=True)
+        def test_eight():
+            pass
+        """
+    )
+    result = run_inner("--gpus", "sim:2x8GiB", "-p", "no:xdist", "-rs")
+    result.assert_outcomes(skipped=1)
+    assert "needs 8 GPUs (1GiB each) but this run has" in result.stdout.str(), result.stdout.str()
