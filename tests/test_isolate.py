@@ -347,3 +347,31 @@ def test_a_lease_no_gpu_here_can_give_is_skipped_as_any(
     result = run_inner("--gpus", "sim:2x8GiB", "-p", "no:xdist", "-rs")
     result.assert_outcomes(skipped=1)
     assert "needs 8 GPUs (1GiB each) but this run has" in result.stdout.str(), result.stdout.str()
+
+
+def test_a_refused_lease_is_one_line_naming_the_test(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult]
+) -> None:
+    gpu_pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture(scope="session", autouse=True)
+        def hog(gpu_lease_factory):
+            gpu_lease_factory(count=2, exclusive=True)  # what the test waits for, held by its own process
+        """
+    )
+    gpu_pytester.makepyfile(
+        test_waits="""
+        import pytest
+
+        @pytest.mark.gpu(2, memory="1GiB", isolate=True)
+        def test_waits():
+            pass
+        """
+    )
+    result = run_inner("--gpus", "sim:2x8GiB", "-p", "no:xdist")
+    text = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    assert "pytest-gpu: test_waits.py::test_waits could not get 2 GPUs (1GiB each): a deadlock" in text, text
+    assert "client.py" not in text and "Traceback" not in text, text

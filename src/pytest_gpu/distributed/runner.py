@@ -256,12 +256,16 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     timeout = spec.timeout or run.settings.dist_timeout
     pools = manager(item.config, run)
     before = pools.started
+    from ..leasing.client import BrokerError
     from .pool import PoolError
 
     try:
         result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
         raise DistributedFailure(f"pytest-gpu: {exc}") from None
+    except BrokerError as exc:  # its pool's lease was refused or timed out: one line, as a GPU test's own
+        asked = spec.lease.describe() if spec.lease is not None else f"the GPUs of its pool of {spec.describe()}"
+        pytest.fail(f"pytest-gpu: {item.nodeid} could not get {asked}: {exc}", pytrace=False)
     except BaseException:
         # interrupted (pytest-timeout, Ctrl-C): the pool was killed; show where its ranks were
         for name, content in pools.abandoned:
@@ -330,7 +334,7 @@ def isolated_failure(result: RankRun) -> tuple[str, str]:
     body = "" if own is None or own["outcome"] != "failed" else own["longrepr"] or own["message"]
     text = "\n".join([*(f"pytest-gpu: {problem}" for problem in result.problems), body]).strip()
     crash = own["message"] if own is not None and own["outcome"] == "failed" else ""
-    return text, crash or (result.problems[0] if result.problems else text.splitlines()[0])
+    return text, crash or (result.problems[0] if result.problems else (text.splitlines() or ["failed"])[0])
 
 
 def failure_detail(spec: DistSpec, result: RankRun) -> str:
