@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from pytest_gpu.distributed.runner import with_torch_peaks
 from pytest_gpu.distributed.spec import isolated_spec
+from pytest_gpu.gpu.verification import Verdict
 from pytest_gpu.leasing.requests import GpuRequest, GpuRequestError, split_isolate
+from pytest_gpu.leasing.spans import LeaseSpan
 from pytest_gpu.run.conventions import MarkerMapError, parse_marker_map
 
 # -- the marker's keyword ------------------------------------------------------------------------
@@ -53,6 +56,15 @@ def test_pools_are_keyed_by_the_leases_shape() -> None:
     spec = isolated_spec(two)
     assert (spec.world_size, spec.gpus_per_rank, spec.backend, spec.isolated) == (1, 2, "none", True)
     assert spec.gpu_request(default_memory=None) is two  # type: ignore[arg-type]  # the lease, not a default
+
+
+def test_torch_peaks_from_its_process_count_where_nvml_has_none() -> None:
+    span = LeaseSpan((2, 3), 2**30, False, 0.0, 0.0, 1.0)
+    verdict = with_torch_peaks(Verdict(peak={2: 0, 3: 5}, measured=False), span, [0, 2**31])
+    assert verdict.measured and verdict.peak == {2: 0, 3: 2**31}, verdict  # ordinal 1 is the lease's GPU 3
+    assert verdict.violations == ["peak 2GiB on GPU 3 is above its budget of 1GiB"], verdict
+    exact = Verdict(peak={2: 7, 3: 7})  # the simulated ledger's (measured): kept as it is
+    assert with_torch_peaks(exact, span, [0, 2**31]).peak == {2: 7, 3: 7}
 
 
 # -- inner runs -----------------------------------------------------------------------------------
@@ -197,8 +209,8 @@ def _check(tmp_path: Path, result: pytest.RunResult, *, workers: int) -> None:
     assert a["xla"] == "false", a
     # charged to the physical GPU: its peak there, as the test's own
     peaks = dict(p.split("=") for p in str(cases["test_a_sees_its_lease"]["gpu_peak_bytes"]).split(",") if p)
-    if workers == 1:  # simulated GPUs: the ledger knows the peak; NVML has none (only what is still held)
-        assert int(peaks[str(lease[1])]) == 2**30 and int(peaks[str(lease[0])]) == 0, peaks
+    # simulated GPUs: the ledger's peak; fake GPUs (NVML, which has no peak): torch's, from its process
+    assert int(peaks[str(lease[1])]) == 2**30 and int(peaks[str(lease[0])]) == 0, peaks
     # the pool is reused by the next test of the same shape (on its worker)
     assert cases["test_a_sees_its_lease"]["dist_pool"] == "fresh"
     if workers == 1:

@@ -110,6 +110,9 @@ class RunBody(TypedDict):
 class _Timings(TypedDict, total=False):
     body_started: float  # seconds from RUN to the body's first line
     body_seconds: float  # the body's own time, when it returned
+    # an isolated test's rank whose torch started CUDA: torch's peak on each of its GPUs during
+    # the test, by ordinal (= the lease's order), as a test process's verifier reads it
+    torch_peaks: list[int]
 
 
 class ResultBody(_Timings):

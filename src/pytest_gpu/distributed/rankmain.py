@@ -113,7 +113,8 @@ class Rank:
                 # its GPUs as CUDA enumerates CUDA_VISIBLE_DEVICES (indices or, as on a real machine, UUIDs)
                 for unit in cuda.init():
                     cuda.set_memory_cap(unit, self.cap)  # as a test's lease caps the test process
-        if mine and self.cap and os.environ.get(protocol.RANK_ISOLATED_ENV):
+        self.isolated = bool(os.environ.get(protocol.RANK_ISOLATED_ENV))
+        if mine and self.cap and self.isolated:
             _cap_torch_when_started(self.cap)  # after the fake GPUs' own hook: torch.cuda is theirs first
         self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
@@ -184,6 +185,8 @@ class Rank:
         cwd = os.getcwd()
         groups = _groups()
         modules = len(sys.modules)
+        if self.isolated:
+            _torch_peaks(reset=True)  # each test's own peak, as a test process's lease starts it
         _reseed(body["seed"])
         result: dict[str, Any] = {"rank": self.rank, "outcome": "passed", "message": "", "longrepr": ""}
         result["run_id"] = body.get("run_id")  # echoed: the pool takes only the current run's results
@@ -205,6 +208,9 @@ class Rank:
         finally:
             result["poisoned"] = result.get("poisoned", False)
             self._clean(env, cwd, groups, modules)
+            peaks = _torch_peaks() if self.isolated else None
+            if peaks is not None:
+                result["torch_peaks"] = peaks
         return result
 
     def _resolve(self, body: dict[str, Any]) -> Any:
@@ -309,6 +315,23 @@ class Rank:
                     return
                 case _:
                     raise protocol.unexpected("the pool", kind, (protocol.RUN, protocol.CHECK, protocol.CLOSE))
+
+
+def _torch_peaks(reset: bool = False) -> list[int] | None:
+    """torch's peak on each GPU of this rank (None: torch has not started CUDA); ``reset``:
+    start each peak anew from what is reserved now."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return None
+    ordinals = range(cuda.device_count())
+    if reset:
+        for ordinal in ordinals:
+            cuda.reset_peak_memory_stats(ordinal)
+        return None
+    from ..gpu.torchstats import torch_peak
+
+    return [torch_peak(cuda, ordinal) for ordinal in ordinals]
 
 
 def _groups() -> set[Any]:

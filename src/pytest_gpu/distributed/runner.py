@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest._code.code import ReprEntry, ReprExceptionInfo, ReprFileLocation, ReprTraceback
 
-from ..leasing.requests import GpuRequestError
+from ..leasing.requests import GpuRequestError, format_size
 from ..report.wording import plural
 from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
@@ -29,6 +29,8 @@ from .rankinfo import RankPlaceholder
 from .spec import DistSettings, DistSpec, build_spec, isolated_spec
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
+    from ..gpu.verification import Verdict
+    from ..leasing.spans import LeaseSpan
     from ..run.session import GpuRun
     from .pool import RankPool, RankRun
 
@@ -277,6 +279,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         if state is not None:
             owner, verdict, span = result.checked
             if spec.isolated:  # its pool holds its lease: the test's own verdict, as in the test process
+                verdict = with_torch_peaks(verdict, span, result.results.get(0, {}).get("torch_peaks"))
                 if verdict.violations:  # what its process still holds would be charged to the next test
                     pools.discard(spec)
                 state.verdict.merge(verdict)
@@ -325,6 +328,22 @@ def failure_text(spec: DistSpec, result: RankRun) -> str:
         lines.append(f"{'=' * 30} rank {rank} {'=' * 30}")
         lines.append(res["longrepr"] or res["message"])
     return "\n".join(lines)
+
+
+def with_torch_peaks(verdict: Verdict, span: LeaseSpan, peaks: list[int] | None) -> Verdict:
+    """An isolated test's verdict with torch's own peaks (by ordinal: the lease's order) where
+    its verifier had none (NVML: what was left at the end), as the test process's verifier
+    reads torch's where torch allocated; a peak over the budget is a violation."""
+    if verdict.measured or not peaks or len(peaks) != len(span.gpus):
+        return verdict
+    for index, peak in zip(span.gpus, peaks, strict=True):
+        verdict.peak[index] = max(verdict.peak.get(index, 0), peak)
+        if peak > span.memory:
+            verdict.violations.append(
+                f"peak {format_size(peak)} on GPU {index} is above its budget of {format_size(span.memory)}"
+            )
+    verdict.measured = True
+    return verdict
 
 
 def isolated_failure(result: RankRun) -> tuple[str, str]:
