@@ -29,7 +29,8 @@ from .scheduling import history
 
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False, cpus=None, host_memory=None): the test needs COUNT GPUs "
-    'with MEMORY each (e.g. "8GiB"), or whole GPUs, and CPUS CPUs and HOST_MEMORY of RAM; see pytest-gpu\'s README.',
+    'with MEMORY each (e.g. "8GiB"), or whole GPUs, and CPUS CPUs and HOST_MEMORY of RAM; see pytest-gpu\'s README.'
+    " With isolate=True its body runs in a process of its own that sees exactly those GPUs (cuda:0..COUNT-1).",
     'host_resources(cpus=None, host_memory=None): the test leases CPUS CPUs and HOST_MEMORY of RAM (e.g. "8GiB") '
     "from the machine, with or without GPUs; OMP_NUM_THREADS follows cpus; see pytest-gpu's README.",
     'distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None): '

@@ -39,6 +39,9 @@ Message = tuple[str, dict[str, Any]]  # (kind, body)
 
 # a rank's budget on each of its GPUs (bytes): the pool's lease's per-GPU memory, set by the pool
 RANK_MEMORY_ENV = "PYTEST_GPU_RANK_MEMORY"
+# set ("1") for an isolated test's one-rank pool: torch is capped at RANK_MEMORY_ENV on every GPU
+# of the rank once it starts CUDA, as the pytest_gpu_confine adapters cap a test process
+RANK_ISOLATED_ENV = "PYTEST_GPU_RANK_ISOLATED"
 
 HELLO = "hello"
 """rank -> pool, first message on its control connection: which rank this connection is."""
@@ -107,6 +110,9 @@ class RunBody(TypedDict):
 class _Timings(TypedDict, total=False):
     body_started: float  # seconds from RUN to the body's first line
     body_seconds: float  # the body's own time, when it returned
+    # an isolated test's rank whose torch started CUDA: torch's peak on each of its GPUs during
+    # the test, by ordinal (= the lease's order), as a test process's verifier reads it
+    torch_peaks: list[int]
 
 
 class ResultBody(_Timings):

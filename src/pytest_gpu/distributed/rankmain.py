@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+from .. import importhook
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -58,6 +59,36 @@ def _cap_torch(torch: Any, cap: int) -> None:
         torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
 
 
+def _cap_torch_when_started(cap: int) -> None:
+    """An isolated test's rank: cap torch's allocator at ``cap`` bytes on each GPU it sees once
+    torch starts CUDA (queued on torch's lazy init, so a body that never starts CUDA opens no
+    context), whenever the body imports torch: the memory cap a test process's lease gives it."""
+
+    def capped(torch: Any) -> None:
+        cuda = torch.cuda
+        # torch's own total (cudaMemGetInfo's); the accessor its lazy init defines (see gpu.adapters)
+        properties = getattr(cuda, "_get_device_properties", None) or cuda.get_device_properties
+        for ordinal in range(cuda.device_count()):
+            total = int(properties(ordinal).total_memory)
+            if total:
+                cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
+
+    def apply(torch: Any) -> None:
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_available():
+            return
+        if cuda.is_initialized():
+            capped(torch)
+        else:
+            cuda._lazy_call(lambda: capped(torch))
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        apply(torch)
+    else:
+        importhook.on_import("torch", apply)
+
+
 class Rank:
     def __init__(self) -> None:
         self.rank = _first_int(RANK_VARS)
@@ -82,6 +113,9 @@ class Rank:
                 # its GPUs as CUDA enumerates CUDA_VISIBLE_DEVICES (indices or, as on a real machine, UUIDs)
                 for unit in cuda.init():
                     cuda.set_memory_cap(unit, self.cap)  # as a test's lease caps the test process
+        self.isolated = bool(os.environ.get(protocol.RANK_ISOLATED_ENV))
+        if mine and self.cap and self.isolated:
+            _cap_torch_when_started(self.cap)  # after the fake GPUs' own hook: torch.cuda is theirs first
         self._stack_file = open(protocol.rank_file(self.log_dir, self.rank, "stack"), "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]
@@ -150,6 +184,9 @@ class Rank:
         env = dict(os.environ)
         cwd = os.getcwd()
         groups = _groups()
+        modules = len(sys.modules)
+        if self.isolated:
+            _torch_peaks(reset=True)  # each test's own peak, as a test process's lease starts it
         _reseed(body["seed"])
         result: dict[str, Any] = {"rank": self.rank, "outcome": "passed", "message": "", "longrepr": ""}
         result["run_id"] = body.get("run_id")  # echoed: the pool takes only the current run's results
@@ -170,7 +207,10 @@ class Rank:
             result.update(_outcome(exc, body.get("module_file"), body.get("tbstyle", "auto")))
         finally:
             result["poisoned"] = result.get("poisoned", False)
-            self._clean(env, cwd, groups)
+            self._clean(env, cwd, groups, modules)
+            peaks = _torch_peaks() if self.isolated else None
+            if peaks is not None:
+                result["torch_peaks"] = peaks
         return result
 
     def _resolve(self, body: dict[str, Any]) -> Any:
@@ -187,8 +227,9 @@ class Rank:
             return getattr(owner(), body["func"])
         return getattr(module, body["func"])
 
-    def _clean(self, env: dict[str, str], cwd: str, groups: set[Any]) -> None:
-        """Put the process back as the test found it (see docs/distributed.md's list)."""
+    def _clean(self, env: dict[str, str], cwd: str, groups: set[Any], modules: int) -> None:
+        """Put the process back as the test found it (see docs/distributed.md's list); ``modules``:
+        how many modules were loaded when the test started."""
         if self.backend in ("gloo", "nccl"):
             import torch.distributed as dist
 
@@ -204,6 +245,10 @@ class Rank:
         except OSError:
             pass
         gc.collect()
+        if len(sys.modules) > modules:
+            # the body imported modules (torch, first in a body: ~0.2 s for each later full
+            # collection): long-lived, out of the next tests' collections' sight, as at setup
+            gc.freeze()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -270,6 +315,23 @@ class Rank:
                     return
                 case _:
                     raise protocol.unexpected("the pool", kind, (protocol.RUN, protocol.CHECK, protocol.CLOSE))
+
+
+def _torch_peaks(reset: bool = False) -> list[int] | None:
+    """torch's peak on each GPU of this rank (None: torch has not started CUDA); ``reset``:
+    start each peak anew from what is reserved now."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return None
+    ordinals = range(cuda.device_count())
+    if reset:
+        for ordinal in ordinals:
+            cuda.reset_peak_memory_stats(ordinal)
+        return None
+    from ..gpu.torchstats import torch_peak
+
+    return [torch_peak(cuda, ordinal) for ordinal in ordinals]
 
 
 def _groups() -> set[Any]:

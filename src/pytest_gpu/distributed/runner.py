@@ -1,5 +1,9 @@
 """pytest side of distributed tests: send the body and fixture values to a pool, report every rank.
 
+An *isolated* test (``gpu(..., isolate=True)``) runs the same way on a one-rank pool that
+holds the test's lease (:func:`isolated_item_spec`): its body sees exactly its GPUs, as
+``cuda:0..count-1``, and the pool's check after it is the test's own verdict.
+
 The process's pools are its :class:`PoolManager`'s: at most one warm pool at a time.
 """
 
@@ -9,22 +13,25 @@ import pickle
 import threading
 import time
 import zlib
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from _pytest._code.code import ReprFileLocation
+from _pytest._code.code import ReprEntry, ReprExceptionInfo, ReprFileLocation, ReprTraceback
 
-from ..leasing.requests import GpuRequestError
+from ..leasing.requests import GpuRequestError, format_size
 from ..report.wording import plural
+from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
-from ..run.record import needs, record
+from ..run.record import effective, needs, record
 from .backends import AUTO_PROPERTY, auto_backend, fit_ranks
 from .rankinfo import RankPlaceholder
-from .spec import DistSettings, DistSpec, build_spec
+from .spec import DistSettings, DistSpec, build_spec, isolated_spec
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
+    from ..gpu.verification import Verdict
+    from ..leasing.spans import LeaseSpan
     from ..run.session import GpuRun
     from .pool import RankPool, RankRun
 
@@ -41,9 +48,11 @@ class DistributedFailure(Exception):
     tail of their stderr), repeated in the failure's full text for junit readers.
     """
 
-    def __init__(self, message: str, detail: str = "") -> None:
+    def __init__(self, message: str, detail: str = "", crash: str = "", isolated: bool = False) -> None:
         super().__init__(message)
         self.detail = detail
+        self.crash = crash  # the short summary's text ("": the message's first line)
+        self.isolated = isolated  # an isolated test's: reported as a test's own failure
 
 
 class FailureRepr:
@@ -74,6 +83,8 @@ class FailureRepr:
 def stash_spec(item: pytest.Item, run: GpuRun) -> None:
     """Collection check: validate the ``distributed`` marker and remember the spec."""
     spec = item_spec(item, run)
+    if spec is None and needs(item).isolated:
+        spec = isolated_item_spec(item)
     if spec is not None:
         record(item).dist = spec
         if not item.config.pluginmanager.has_plugin(PoolsEnd.NAME):
@@ -125,6 +136,56 @@ def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
     return spec
 
 
+# fixtures whose values are the test process's view of a lease, which the isolated body's process does not have
+_WORKER_VIEW = ("gpu", "gpu_request", FACTORY)
+
+
+def isolated_item_spec(item: pytest.Item) -> DistSpec:
+    """The one-rank pool of a test marked ``gpu(..., isolate=True)``; raises GpuRequestError
+    naming the test for what cannot run in a process of its own."""
+    request = needs(item).request
+    assert request is not None, "an isolated test has a request (lifecycle.item_needs)"
+    what = f"{item.nodeid}: gpu(..., isolate=True)"
+    if not isinstance(item, pytest.Function) or _is_unittest(item):
+        # a unittest.TestCase's method runs through unittest, never through the body runner
+        raise GpuRequestError(f"{what} only applies to test functions and methods of plain test classes")
+    view = []
+    info = item._fixtureinfo
+    # what the body's fixture values are built from (autouse fixtures it does not ask for aside):
+    # fixtures holding a lease of their own (gpu_lease_factory) hold it in the test process
+    for name in sorted(_reached(info, info.argnames)):
+        if name in _WORKER_VIEW or any(
+            FACTORY in fd.argnames for fd in effective(info.name2fixturedefs.get(name), name)
+        ):
+            view.append(name)
+    if view:
+        raise GpuRequestError(
+            f"{what}: the body runs in a process of its own that sees its GPUs as cuda:0..{request.count - 1}, "
+            f"but it asks for {', '.join(repr(v) for v in view)}, leasing GPUs in the test process; "
+            "use the GPUs directly (torch.cuda.device_count(), 'cuda:0', ...) or drop isolate=True"
+        )
+    return isolated_spec(request)
+
+
+def _is_unittest(item: pytest.Function) -> bool:
+    import unittest
+
+    return item.cls is not None and issubclass(item.cls, unittest.TestCase)
+
+
+def _reached(info: Any, roots: Sequence[str]) -> set[str]:
+    """The fixtures ``roots`` need, transitively (``info``: a test's fixture info)."""
+    seen: set[str] = set()
+    pending = list(roots)
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            for fixturedef in effective(info.name2fixturedefs.get(name), name):
+                pending.extend(fixturedef.argnames)
+    return seen
+
+
 def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
     found = config.stash.get(MANAGER_KEY, None)
     if found is None:
@@ -153,7 +214,8 @@ def close(config: pytest.Config) -> None:
         del config.stash[MANAGER_KEY]
 
 
-def _payload(item: pytest.Function) -> dict[str, Any]:
+def _payload(item: pytest.Function, isolated: bool = False) -> dict[str, Any]:
+    where = "the test's own process (isolate=True)" if isolated else "the ranks"
     kwargs: dict[str, Any] = {}
     for name in item._fixtureinfo.argnames:
         value = item.funcargs[name]
@@ -166,7 +228,7 @@ def _payload(item: pytest.Function) -> dict[str, Any]:
         if problem is not None:  # failed outside the except: no chained pickling tracebacks
             pytest.fail(
                 f"pytest-gpu: {item.nodeid}: the value of fixture {name!r} ({type(value).__name__}) cannot be "
-                f"sent to the ranks: {problem}. Build it inside the test body, or make it picklable.",
+                f"sent to {where}: {problem}. Build it inside the test body, or make it picklable.",
                 pytrace=False,
             )
     return {
@@ -198,16 +260,20 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     started = time.perf_counter()
     spec = needs(item).dist
     assert spec is not None, "run_item is called for distributed tests only"
-    body = _payload(item)
+    body = _payload(item, spec.isolated)
     timeout = spec.timeout or run.settings.dist_timeout
     pools = manager(item.config, run)
     before = pools.started
+    from ..leasing.client import BrokerError
     from .pool import PoolError
 
     try:
         result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
         raise DistributedFailure(f"pytest-gpu: {exc}") from None
+    except BrokerError as exc:  # its pool's lease was refused or timed out: one line, as a GPU test's own
+        asked = spec.lease.describe() if spec.lease is not None else f"the GPUs of its pool of {spec.describe()}"
+        pytest.fail(f"pytest-gpu: {item.nodeid} could not get {asked}: {exc}", pytrace=False)
     except BaseException:
         # interrupted (pytest-timeout, Ctrl-C): the pool was killed; show where its ranks were
         for name, content in pools.abandoned:
@@ -218,7 +284,16 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         state = item.stash.get(STATE_KEY, None)
         if state is not None:
             owner, verdict, span = result.checked
-            state.judged(owner, verdict, [span], during=f" while it ran {item.nodeid}")
+            if spec.isolated:  # its pool holds its lease: the test's own verdict, as in the test process
+                verdict = with_torch_peaks(verdict, span, result.results.get(0, {}).get("torch_peaks"))
+                if verdict.violations:  # what its process still holds would be charged to the next test
+                    pools.discard(spec)
+                state.verdict.merge(verdict)
+                state.leases.append(span)
+                state.indices.update(span.gpus)
+                state.waited += span.granted - span.asked  # its pool's first test waited for the lease
+            else:
+                state.judged(owner, verdict, [span], during=f" while it ran {item.nodeid}")
     body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
     item.user_properties.extend(
         [
@@ -229,10 +304,17 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         ]
     )
     for name, content in result.sections:
+        if spec.isolated and name in ("rank 0 stdout", "rank 0 stderr"):
+            name = name.removeprefix("rank 0 ")  # its output, as a test's own ("Captured stdout call")
         item.add_report_section("call", name, content)
     for note in notes:
         item.add_report_section("call", "pytest-gpu pool", note)
     outcome = result.outcome
+    if outcome == "failed" and spec.isolated:
+        text, crash = isolated_failure(result)
+        # what its process left (stack, stderr) when it hung or died: the report's sections say the rest
+        detail = failure_detail(spec, result) if result.problems else ""
+        raise DistributedFailure(text, detail, crash=crash, isolated=True)
     if outcome == "failed":
         raise DistributedFailure(failure_text(spec, result), failure_detail(spec, result))
     if outcome == "skipped":
@@ -252,6 +334,32 @@ def failure_text(spec: DistSpec, result: RankRun) -> str:
         lines.append(f"{'=' * 30} rank {rank} {'=' * 30}")
         lines.append(res["longrepr"] or res["message"])
     return "\n".join(lines)
+
+
+def with_torch_peaks(verdict: Verdict, span: LeaseSpan, peaks: list[int] | None) -> Verdict:
+    """An isolated test's verdict with torch's own peaks (by ordinal: the lease's order) where
+    its verifier had none (NVML: what was left at the end), as the test process's verifier
+    reads torch's where torch allocated; a peak over the budget is a violation."""
+    if verdict.measured or not peaks or len(peaks) != len(span.gpus):
+        return verdict
+    for index, peak in zip(span.gpus, peaks, strict=True):
+        verdict.peak[index] = max(verdict.peak.get(index, 0), peak)
+        if peak > span.memory:
+            verdict.violations.append(
+                f"peak {format_size(peak)} on GPU {index} is above its budget of {format_size(span.memory)}"
+            )
+    verdict.measured = True
+    return verdict
+
+
+def isolated_failure(result: RankRun) -> tuple[str, str]:
+    """An isolated test's failure as a test's own: ``(its body's traceback, the crash line)``;
+    what happened to its process (a timeout, a crash) first, where anything did."""
+    own = result.results.get(0)
+    body = "" if own is None or own["outcome"] != "failed" else own["longrepr"] or own["message"]
+    text = "\n".join([*(f"pytest-gpu: {problem}" for problem in result.problems), body]).strip()
+    crash = own["message"] if own is not None and own["outcome"] == "failed" else ""
+    return text, crash or (result.problems[0] if result.problems else (text.splitlines() or ["failed"])[0])
 
 
 def failure_detail(spec: DistSpec, result: RankRun) -> str:
@@ -304,7 +412,10 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
         exc = call.excinfo.value
         assert isinstance(exc, DistributedFailure)
         summary = str(exc)
-        crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, summary.splitlines()[0])
+        if exc.isolated:
+            report.longrepr = _own_failure(item, exc)
+            return
+        crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, exc.crash or summary.splitlines()[0])
         report.longrepr = FailureRepr(summary, exc.detail, crash)  # type: ignore[assignment]
     elif ABANDONED_KEY in item.stash and report.longrepr is not None:
         detail = _sections_text(item.stash[ABANDONED_KEY], None)
@@ -314,6 +425,16 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
         return
     if hasattr(item.config, "workerinput") and isinstance(report.longrepr, FailureRepr) and report.longrepr.detail:
         report.sections = [(t, c) for t, c in report.sections if not _is_stack_section(t)]
+
+
+def _own_failure(item: pytest.Item, exc: DistributedFailure) -> ReprExceptionInfo:
+    """An isolated test's failure as pytest reports a test's own: its body's traceback (as its
+    process formatted it), and the exception's line in the short summary, also from an xdist
+    worker (a representation pytest serialises whole, with its crash line)."""
+    text = f"{exc}\n\n{exc.detail}" if exc.detail else str(exc)
+    entry = ReprEntry(lines=text.splitlines(), reprfuncargs=None, reprlocals=None, reprfileloc=None, style="value")
+    crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, exc.crash or text.splitlines()[0])
+    return ReprExceptionInfo(reprtraceback=ReprTraceback([entry], None, "value"), reprcrash=crash)
 
 
 def _is_stack_section(title: str) -> bool:
@@ -449,6 +570,16 @@ class PoolManager:
     def _idle_close(self) -> None:
         with self._lock:
             if self.pool is not None and time.monotonic() - self.pool.last_used >= self.settings.idle - 0.01:
+                self.pool.close()
+                self.pool = None
+
+    def discard(self, spec: DistSpec) -> None:
+        """Close the warm pool of ``spec`` now: the test it ran broke its lease (memory it
+        still holds would be charged to the next test, which gets a fresh pool)."""
+        with self._lock:
+            if self.pool is not None and self.pool.spec == spec:
+                if self._timer is not None:
+                    self._timer.cancel()
                 self.pool.close()
                 self.pool = None
 

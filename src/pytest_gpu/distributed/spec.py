@@ -19,27 +19,49 @@ _KWARGS = ("world_size", "backend", "gpus_per_rank", "launcher", "timeout")
 
 @dataclass(frozen=True)
 class DistSpec:
-    """A resolved ``distributed`` marker; also the key of the pool that can run it."""
+    """A resolved ``distributed`` marker; also the key of the pool that can run it.
+
+    ``lease``: an isolated test's (``gpu(..., isolate=True)``, :func:`isolated_spec`): its
+    pool is one rank holding exactly that lease, and pools are keyed by it (its shape).
+    """
 
     world_size: int
     backend: str
     gpus_per_rank: int
     launcher: str
     timeout: float | None = None
+    lease: GpuRequest | None = None
 
     @property
-    def pool_key(self) -> tuple[int, str, str, int]:
-        return (self.world_size, self.backend, self.launcher, self.gpus_per_rank)
+    def pool_key(self) -> tuple[object, ...]:
+        key = (self.world_size, self.backend, self.launcher, self.gpus_per_rank)
+        return key if self.lease is None else (*key, self.lease)  # an isolated test's: its lease's shape
+
+    @property
+    def isolated(self) -> bool:
+        """Whether this is an isolated test's one-rank pool, not a ``distributed`` marker's."""
+        return self.lease is not None
 
     def gpu_request(self, default_memory: DefaultMemory) -> GpuRequest | None:
-        """The GPUs its pool holds: ``gpus_per_rank`` per rank, ``--gpu-default-memory`` each (``None``: none)."""
+        """The GPUs its pool holds: an isolated test's lease, or ``gpus_per_rank`` per rank,
+        ``--gpu-default-memory`` each (``None``: none)."""
+        if self.lease is not None:
+            return self.lease
         if not self.gpus_per_rank:
             return None
         return build_request((self.world_size * self.gpus_per_rank,), {}, default_memory)
 
     def describe(self) -> str:
+        if self.lease is not None:
+            return f"1 isolated process ({self.lease.describe()})"
         gpus = f", {self.gpus_per_rank} GPU/rank" if self.gpus_per_rank else ""
         return f"{plural(self.world_size, 'rank')} ({self.backend} via {self.launcher}{gpus})"
+
+
+def isolated_spec(request: GpuRequest) -> DistSpec:
+    """The one-rank pool of a test marked ``gpu(..., isolate=True)``: no process group, the
+    test's whole lease on its one rank (which sees it as ``cuda:0..count-1``)."""
+    return DistSpec(world_size=1, backend="none", gpus_per_rank=request.count, launcher="spawn", lease=request)
 
 
 def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, auto_backend: str = "gloo") -> DistSpec:

@@ -183,6 +183,10 @@ GPU_MARKER_FORM = (
     '@pytest.mark.gpu, @pytest.mark.gpu(2) or @pytest.mark.gpu(count=2, memory="8GiB", exclusive=False, '
     'cpus=4, host_memory="16GiB")'
 )
+# The ``gpu`` marker's keyword (and a convention's) that runs the test's body in a process of
+# its own seeing exactly its lease (cuda:0..count-1): not part of the lease, read apart from it.
+ISOLATE = "isolate"
+ISOLATE_FORM = '@pytest.mark.gpu(2, memory="8GiB", isolate=True)'
 HOST_KWARGS = ("cpus", "host_memory")
 _GPU_KWARGS = ("count", "memory", "exclusive", *HOST_KWARGS)
 HOST_MARKER_FORM = (
@@ -258,6 +262,17 @@ def build_request(
             return GpuRequest(count=count, memory=None, exclusive=True, **host)
         return GpuRequest(count=count, memory=default.memory, exclusive=False, **host)
     return GpuRequest(count=count, memory=memory, exclusive=False, **host)
+
+
+def split_isolate(kwargs: Mapping[str, Any], what: str, form: str = ISOLATE_FORM) -> tuple[dict[str, Any], bool]:
+    """``(the other keywords, whether isolate=True)``: ``isolate`` must be True or False.
+
+    Raises :class:`GpuRequestError` naming ``what`` and the expected form."""
+    rest = dict(kwargs)
+    isolate = rest.pop(ISOLATE, False)
+    if not isinstance(isolate, bool):
+        raise GpuRequestError(f"{what}: {ISOLATE} must be True or False, got {isolate!r}; expected {form}")
+    return rest, isolate
 
 
 def with_host(request: GpuRequest | None, host: GpuRequest, what: str) -> GpuRequest:

@@ -22,26 +22,30 @@ import pytest
 
 from ..leasing.requests import (
     HOST_KWARGS,
+    ISOLATE,
     DefaultMemory,
     GpuRequest,
     GpuRequestError,
     build_host_request,
     build_request,
+    split_isolate,
 )
 
 MAP_INI = "gpu_marker_map"
 MAP_FORM = (
     "one 'MARKER: KEY=VALUE ...' per line with keys count, memory, exclusive (or the bare word "
-    "exclusive), cpus, host_memory, such as 'multi_gpu: count=2 memory=8GiB', 'large: exclusive' or "
+    "exclusive), cpus, host_memory, isolate (or the bare word isolate), such as "
+    "'multi_gpu: count=2 memory=8GiB isolate', 'large: exclusive' or "
     "'loader: cpus=4 host_memory=16GiB' (only cpus/host_memory: no GPU); "
     "'MARKER:' alone means one GPU with the default memory"
 )
 HOOK = "pytest_gpu_item_request"
 HOOK_FORM = (
-    'None or a dict of gpu marker keywords such as {"count": 2, "memory": "8GiB", "exclusive": False, "cpus": 4} '
+    'None or a dict of gpu marker keywords such as {"count": 2, "memory": "8GiB", "exclusive": False, "cpus": 4, '
+    '"isolate": True} '
     '(only "cpus"/"host_memory": no GPU, as the host_resources marker)'
 )
-_KEYS = ("count", "memory", "exclusive", "cpus", "host_memory")
+_KEYS = ("count", "memory", "exclusive", "cpus", "host_memory", ISOLATE)
 # markers pytest-gpu reads itself: mapping them would be a second meaning for the same name
 _OWN_MARKERS = ("gpu", "distributed")
 # structural checks only, before the run's --gpu-default-memory is known
@@ -62,7 +66,8 @@ def parse_marker_map(lines: Sequence[str], default: DefaultMemory | None = None)
     ``MARKER: PART ...`` where MARKER is a Python identifier (not ``gpu`` nor ``distributed``)
     and each PART, separated by spaces or commas, is ``count=N`` (a positive int),
     ``memory=SIZE`` (as the marker's: ``8GiB``, ``512MiB``, ``8GB``, bytes), ``exclusive``
-    (alone, or ``exclusive=true``/``false``), ``cpus=N`` and ``host_memory=SIZE`` (host
+    (alone, or ``exclusive=true``/``false``), ``isolate`` (the same: the body runs in a
+    process of its own that sees exactly its GPUs), ``cpus=N`` and ``host_memory=SIZE`` (host
     resources; with only these two, no GPU, as the ``host`` marker); a value may be quoted. No part at all is a
     bare ``@pytest.mark.gpu``. Each marker and each key at most once.
 
@@ -90,7 +95,8 @@ def parse_marker_map(lines: Sequence[str], default: DefaultMemory | None = None)
                 raise _error(raw, f"{key} given twice")
             kwargs[key] = value
         try:
-            convention_request(kwargs, default or _ANY_DEFAULT, what=f"marker {name!r}", form=MAP_FORM)
+            lease_kwargs, _ = split_isolate(kwargs, f"marker {name!r}", MAP_FORM)
+            convention_request(lease_kwargs, default or _ANY_DEFAULT, what=f"marker {name!r}", form=MAP_FORM)
         except GpuRequestError as exc:
             raise _error(raw, str(exc)) from None
         mapping[name] = kwargs
@@ -106,8 +112,8 @@ def convention_request(kwargs: Mapping[str, Any], default: DefaultMemory, *, wha
 
 
 def _part(raw: str, part: str) -> tuple[str, Any]:
-    if part.lower() == "exclusive":
-        return "exclusive", True
+    if part.lower() in ("exclusive", ISOLATE):
+        return part.lower(), True
     key, eq, value = part.partition("=")
     key, value = key.strip().lower(), _unquote(value.strip())
     if not eq:
@@ -118,9 +124,9 @@ def _part(raw: str, part: str) -> tuple[str, Any]:
         if not re.fullmatch(r"[+-]?\d+", value):
             raise _error(raw, f"{key} must be a positive int, got {value!r}")
         return key, int(value)
-    if key == "exclusive":
+    if key in ("exclusive", ISOLATE):
         if value.lower() not in ("true", "false"):
-            raise _error(raw, f"exclusive must be true or false, got {value!r}")
+            raise _error(raw, f"{key} must be true or false, got {value!r}")
         return key, value.lower() == "true"
     return key, value  # memory: parsed (and checked) by build_request, as the marker's
 

@@ -18,6 +18,7 @@ from ..leasing.requests import (
     build_request,
     format_size,
     learned,
+    split_isolate,
     with_host,
 )
 from ..leasing.spans import GpuProperties, format_held, format_peaks, format_spans
@@ -38,7 +39,16 @@ SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the s
 
 
 def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    """The test's request, from the first of: its closest ``gpu`` marker, the
+    """The test's request (see :func:`item_needs`)."""
+    return item_needs(item, run)[0]
+
+
+def item_needs(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]:
+    """``(request, isolated)``: the test's request, and whether it asked for ``isolate=True``
+    (its body then runs in a process of its own that sees exactly the lease: see
+    :func:`pytest_gpu.distributed.runner.isolated_item_spec`).
+
+    The request comes from the first of: its closest ``gpu`` marker, the
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
     for a ``gpu`` fixture user (see :mod:`pytest_gpu.run.conventions`); with the CPUs and RAM of
     its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
@@ -47,34 +57,38 @@ def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
 
     Raises :class:`GpuRequestError` naming the test and the expected form.
     """
-    request = _gpu_request(item, run)
+    request, isolate = _gpu_request(item, run)
     host = item.get_closest_marker(HOST_MARKER)
     if host is None:
-        return request
+        return request, isolate
     try:
-        return with_host(request, build_host_request(host.args, host.kwargs), f"{HOST_MARKER} marker")
+        return with_host(request, build_host_request(host.args, host.kwargs), f"{HOST_MARKER} marker"), isolate
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
 
 
-def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
+def _gpu_request(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]:
     if item.get_closest_marker(SERIAL_MARKER) is not None:
-        return alone_request(item, run)
+        return alone_request(item, run), False
     marker = item.get_closest_marker("gpu")
     what = "gpu marker"
     try:
         if marker is not None:
-            request = build_request(marker.args, marker.kwargs, run.settings.default_memory)
-            named = "memory" in marker.kwargs or "exclusive" in marker.kwargs
+            kwargs, isolate = split_isolate(marker.kwargs, what)
+            request = build_request(marker.args, kwargs, run.settings.default_memory)
+            named = "memory" in kwargs or "exclusive" in kwargs
         elif (convention := item_kwargs(item, run.settings.default_memory)) is not None:
-            kwargs, what, form = convention
+            given, what, form = convention
+            kwargs, isolate = split_isolate(given, what, form)
             request = convention_request(kwargs, run.settings.default_memory, what=what, form=form)
             named = "memory" in kwargs or "exclusive" in kwargs
         elif "gpu" in getattr(item, "fixturenames", ()):
             request = build_request((), {}, run.settings.default_memory, what="gpu fixture")
-            named = False
+            named, isolate = False, False
         else:
-            return None
+            return None, False
+        if isolate and not request.count:
+            raise GpuRequestError(f"{what}: isolate=True runs the body on the test's GPUs, but it asks for none")
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
     usable = run.usable_memory
@@ -88,7 +102,7 @@ def _gpu_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
                 f"can give ({format_size(usable)} after the CUDA context on the largest of "
                 f"{run.inventory.describe()}); expected a smaller memory= or exclusive=True"
             )
-    return request
+    return request, isolate
 
 
 def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
@@ -143,7 +157,7 @@ def collect_report(
             continue
         try:
             needs_ = record(node)
-            needs_.request = item_request(node, run)
+            needs_.request, needs_.isolated = item_needs(node, run)
             needs_.serial = node.get_closest_marker(SERIAL_MARKER) is not None
             for check in checks:
                 check(node, run)
@@ -218,7 +232,9 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
     if alone is not None:
         pytest.fail(alone, pytrace=False)
     request = needs(item).request
-    if request is not None:
+    if request is not None and needs(item).isolated:
+        state.request = request  # held by its one-rank pool, for its body's process (distributed.runner)
+    elif request is not None:
         state.request = request
         state.main = _hold(run, request, item)
         state.waited += state.main.lease.waited

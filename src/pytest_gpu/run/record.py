@@ -31,13 +31,16 @@ class TestNeeds:
     ``request``: its own lease (its ``gpu`` marker, conventions, ``host_resources``), or
     ``None``; ``dist``: its ``distributed`` marker (the rank pool's GPUs are the pool's);
     ``serial``: a ``gpu_serial`` test, run alone; ``oversize``: why it can never run here,
-    when ``--gpu-oversize=fail`` makes that a failure at setup.
+    when ``--gpu-oversize=fail`` makes that a failure at setup; ``isolated``: ``gpu(...,
+    isolate=True)``, its body runs in a one-rank pool holding ``request`` (``dist`` is that
+    pool's spec), so the test process itself holds no lease for it.
     """
 
     request: GpuRequest | None = None
     dist: DistSpec | None = None
     serial: bool = False
     oversize: str | None = None
+    isolated: bool = False
 
     __test__ = False  # not a test class, whatever pytest's collection thinks
 
