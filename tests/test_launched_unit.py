@@ -588,3 +588,24 @@ def test_torch_master_missing_from_rank_0(tmp_path: Path) -> None:
     torchenv.provide(LaunchContext("srun", 1, 2, 1, "9.0", local_size=2), tmp_path, 0.3, env)
     assert time.monotonic() - started < 5
     assert env == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"addr": "node1", "port": "not-a-port"},
+        {"addr": "node1", "port": "70000"},
+        {"addr": "node1", "port": 29500},
+        {"addr": "node 1", "port": "29500"},
+        {"addr": "", "port": "29500"},
+        {"addr": "node1\nMASTER_PORT=1", "port": "29500"},
+        {"port": "29500"},
+    ],
+)
+def test_a_master_document_that_does_not_read_as_host_and_port_is_not_used(tmp_path: Path, document: dict) -> None:
+    """What rank 0 published crossed a file: a torn or foreign one sets no master."""
+    gather.publish(tmp_path, torchenv.DOCUMENT, 0, {"run": "job7", **document})
+    env: dict[str, str] = {}
+    torchenv.provide(LaunchContext("mpirun", 1, 2, 1, "job7", local_size=2), tmp_path, 0.3, env)
+    assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env
+    assert env["RANK"] == "1"

@@ -51,7 +51,19 @@ def master(ctx: LaunchContext, directory: Path, timeout: float) -> tuple[str, st
     found = gather.collect(directory, DOCUMENT, ctx.world_size, timeout, ranks=[0]).get(0)
     if found is None or found.get("run") != ctx.run_id:
         return None
-    return str(found["addr"]), str(found["port"])
+    return checked_master(found.get("addr"), found.get("port"))
+
+
+def checked_master(addr: object, port: object) -> tuple[str, str] | None:
+    """What rank 0 published, if it reads as a host and a port (it crossed a file: a torn or
+    foreign document gives ``None``, and the rank's place is set without a master)."""
+    if not isinstance(addr, str) or not isinstance(port, str):
+        return None
+    if not 0 < len(addr) <= 255 or any(c.isspace() or not c.isprintable() for c in addr):
+        return None
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return addr, port
 
 
 def provide(
