@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
+import json
 import math
 import os
 import platform
@@ -73,10 +75,11 @@ TARGET_RATIO = 1.3
 QUIET_PLUGINS = ("-p", "no:benchmark", "-p", "no:hypothesispytest")
 PIN_ENV = "MAKESPAN_PIN_GPUS"
 SPANS_ENV = "MAKESPAN_SPANS"
+DECISIONS_ENV = "MAKESPAN_DECISIONS"
 LOADS_ENV = "MAKESPAN_LOADS"
 CONTEXT = 500 * 2**20  # pytest-gpu's default --gpu-context-overhead, also the simulated ledger's
 MODES = ("serial", "xdist", "pin", "off", "sched")
-SCENARIOS = ("mixed", "fixtures", "auto")
+SCENARIOS = ("mixed", "fixtures", "auto", "shapes")
 FIXTURE_MODES = ("module", "test", "pin")  # a lease (and a load) per module / per test / no plugin, pinned
 AUTO_GPUS = 8
 AUTO_SPEC = f"sim:{AUTO_GPUS}x{GPU_GIB}GiB"
@@ -101,10 +104,47 @@ def pytest_runtest_protocol(item, nextitem):
         spans = os.environ.get("{SPANS_ENV}")
         if spans:
             with open(os.path.join(spans, f"{{os.getpid()}}.txt"), "a") as fh:
-                fh.write(f"{{start}} {{time.time()}}\\n")
+                fh.write(f"{{start}} {{time.time()}} {{item.name}}\\n")
+
+
+_DECISIONS = []  # (seconds, tests pending) per call into the scheduler, at the controller
+
+
+def _timed(method):
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            planner = getattr(self, "planner", None)
+            _DECISIONS.append((time.perf_counter() - start, planner.pending if planner is not None else -1))
+    return wrapper
+
+
+def _time_decisions():
+    # the controller's decision latency: what pytest-gpu's scheduler spends per call from xdist
+    try:
+        from pytest_gpu.scheduling.scheduler import GpuScheduling
+    except ImportError:
+        return
+    for name in ("schedule", "mark_test_complete"):
+        method = getattr(GpuScheduling, name)
+        if not getattr(method, "_timed", False):
+            wrapped = _timed(method)
+            wrapped._timed = True
+            setattr(GpuScheduling, name, wrapped)
+
+
+def pytest_unconfigure(config):
+    where = os.environ.get("{DECISIONS_ENV}")
+    if where and _DECISIONS and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(where, "w") as fh:
+            fh.writelines(f"{{seconds}} {{pending}}\\n" for seconds, pending in _DECISIONS)
 
 
 def pytest_configure(config):
+    if os.environ.get("{DECISIONS_ENV}") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _time_decisions()
     if not config.pluginmanager.hasplugin("gpu"):
         # -p no:gpu: the markers are unknown; registered so the run stays quiet
         config.addinivalue_line("markers", "gpu(count=1, memory=None, exclusive=False): pytest-gpu's marker")
@@ -302,6 +342,9 @@ class Result:
     problems: list[str] = field(default_factory=list)  # FAILED/ERROR lines, for the report
     loads: list[str] = field(default_factory=list)  # modules whose model was loaded, once per load (fixtures)
     workers: int | None = None  # what -n auto chose, from the plugin's summary line
+    per_worker: list[list[tuple[float, float, str]]] = field(default_factory=list)  # (start, end, test) per worker
+    gpu_wait: float | None = None  # seconds tests spent waiting for GPUs inside their span (--gpu-trace)
+    decisions: list[tuple[float, int]] = field(default_factory=list)  # (seconds, pending) per scheduler call
 
 
 def run_env(root: Path) -> dict[str, str]:
@@ -390,7 +433,9 @@ def run_pytest(
     for path in (spans, loads):
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir()
-    extra = {**extra, SPANS_ENV: str(spans), LOADS_ENV: str(loads)}
+    decisions = root / f"decisions-{tag}.txt"
+    decisions.unlink(missing_ok=True)
+    extra = {**extra, SPANS_ENV: str(spans), LOADS_ENV: str(loads), DECISIONS_ENV: str(decisions)}
     with out.open("w") as fh:
         launched = time.time()  # epoch, to line up with the conftest's records
         started = time.perf_counter()
@@ -428,11 +473,26 @@ def run_pytest(
     result.problems = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
     if junit.exists():
         parse_junit(junit, result, durations)
-    marks = [float(x) for file in spans.glob("*.txt") for line in file.read_text().splitlines() for x in line.split()]
+    marks = []
+    for file in spans.glob("*.txt"):  # one file per worker process: "start end name" per test
+        runs = []
+        for line in file.read_text().splitlines():
+            start, end, *name = line.split()
+            runs.append((float(start), float(end), name[0] if name else ""))
+            marks += [float(start), float(end)]
+        result.per_worker.append(sorted(runs))
     if marks:
         result.span = max(marks) - min(marks)
         result.before, result.after = min(marks) - launched, ended - max(marks)
     result.loads = [name for file in loads.glob("*.txt") for name in file.read_text().split()]
+    if decisions.exists():
+        result.decisions = [
+            (float(a), int(b)) for a, b in (line.split() for line in decisions.read_text().splitlines())
+        ]
+    trace = next((a.split("=", 1)[1] for a in args if a.startswith("--gpu-trace=")), None)
+    if trace and os.path.exists(trace):
+        events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+        result.gpu_wait = sum(e["args"].get("wait_s") or 0.0 for e in events if e.get("cat") == "test")
     if match := re.search(r"-n auto chose (\d+) worker", text):
         result.workers = int(match.group(1))
     if hung:
@@ -513,6 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--runs", type=int, default=None, help="fixtures and auto: runs of each mode, alternating (default 2; quick 1)"
     )
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"shapes: comma-separated subset of {','.join(SHAPES)}"
+    )
+    parser.add_argument("--seeds", default=None, help="shapes: comma-separated seeds (default 1,2,3; quick 1)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per pytest run (default from the suite)")
     parser.add_argument("--keep", action="store_true", help="keep the generated suite, outputs and junitxml")
     args = parser.parse_args(argv)
@@ -536,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_mixed(args, modes)
         elif scenario == "fixtures":
             run_fixtures(args, fixture_modes)
+        elif scenario == "shapes":
+            run_shapes(args)
         else:
             run_auto(args)
     return 0
@@ -1118,6 +1184,218 @@ def report_auto(results: list[Result], bounds: Bounds, cpus: int) -> None:
         + (f" ({walls['cpus'] / walls['auto']:.2f}x)" if walls["auto"] and walls["cpus"] else "")
         + f"; sim OOMs {ooms['auto']} and {ooms['cpus']}"
     )
+
+
+# -- scenario "shapes": the scheduler against xdist's order, worker-bound and memory-bound ----
+
+SHAPES = ("worker", "memory")
+SHAPE_WHAT = {
+    "worker": "30 % CPU, 10 % 2-GPU (1-8 GiB each), 4 % exclusive, the rest 1-GPU 1-12 GiB",
+    "memory": "30 % CPU, 20 % 2-GPU (8.25-10 GiB each), 4 % exclusive, the rest 1-GPU 8.25-12 GiB",
+}
+BIG = GPU_GIB * GIB // 2  # two leases of more than this cannot share a GPU
+
+
+def make_shape(shape: str, seed: int, tests: int, lo: float, hi: float, long: float, workers: int) -> list[Case]:
+    """A seeded suite of ``shape``: durations log-uniform ``lo``-``hi`` s, one 1-GPU test of ``long`` s."""
+    rng = random.Random(f"{seed}-{shape}")
+    exclusive_usable = GPU_GIB * GIB - max(workers, 1) * CONTEXT
+
+    def duration() -> float:
+        return round(math.exp(rng.uniform(math.log(lo), math.log(hi))), 3)
+
+    def mib(lo_gib: float, hi_gib: float) -> int:
+        return 256 * round(4 * math.exp(rng.uniform(math.log(lo_gib), math.log(hi_gib))))
+
+    single, multi = ((1.0, 12.0), (1.0, 8.0)) if shape == "worker" else ((8.25, 12.0), (8.25, 10.0))
+    shares = {"cpu": 0.30, "multi": 0.10 if shape == "worker" else 0.20, "exclusive": 0.04}
+    kinds: list[str] = []
+    for kind, share in shares.items():
+        kinds += [kind] * min(round(share * tests), tests - len(kinds))
+    kinds += ["gpu"] * (tests - len(kinds))
+    rng.shuffle(kinds)
+    longest = rng.choice([i for i, k in enumerate(kinds) if k == "gpu"])  # anywhere in collection order
+    cases: list[Case] = []
+    for index, kind in enumerate(kinds):
+        seconds = long if index == longest else duration()
+        if kind == "cpu":
+            cases.append(Case(kind, index, seconds))
+        elif kind == "exclusive":
+            hold = int(exclusive_usable * rng.uniform(0.80, 0.95))
+            cases.append(Case(kind, index, seconds, 1, GPU_GIB * GIB, hold))
+        else:
+            memory = mib(*(multi if kind == "multi" else single)) * MIB
+            count = 2 if kind == "multi" else 1
+            cases.append(Case(kind, index, seconds, count, memory, int(memory * rng.uniform(0.80, 0.95))))
+    return cases
+
+
+@dataclass(frozen=True)
+class ShapeBound:
+    """Lower bounds on any schedule's test span (each holds for every mode that leases)."""
+
+    longest: float  # a test runs on one worker, at one stretch
+    per_worker: float  # sum of durations / workers: a worker runs one test at a time
+    memory: float  # leased GiB-seconds / GPU capacity: the broker never promises a GPU more than it has
+    big: float  # GPU-seconds of leases over half a GPU (exclusive ones too) / GPUs: two never share a GPU
+
+    @classmethod
+    def of(cls, cases: list[Case], workers: int) -> ShapeBound:
+        return cls(
+            longest=max(c.duration for c in cases),
+            per_worker=sum(c.duration for c in cases) / workers,
+            memory=sum(c.gpu_memory_seconds for c in cases) / (GPUS * GPU_GIB),
+            big=sum(c.count * c.duration for c in cases if c.memory > BIG) / GPUS,
+        )
+
+    @property
+    def value(self) -> float:
+        return max(self.longest, self.per_worker, self.memory, self.big)
+
+    @property
+    def which(self) -> str:
+        named = {"longest": self.longest, "work/W": self.per_worker, "mem": self.memory, "big/G": self.big}
+        return max(named, key=lambda k: named[k])
+
+
+def idle_figures(result: Result) -> dict[str, float]:
+    """From the per-test spans: idle between a worker's tests, and at its head and tail."""
+    runs = [r for r in result.per_worker if r]
+    if not runs:
+        return {}
+    begin = min(r[0][0] for r in runs)
+    end = max(r[-1][1] for r in runs)
+    gaps = [b[0] - a[1] for r in runs for a, b in itertools.pairwise(r)]
+    return {
+        "gap_ms": 1000 * statistics.mean(gaps) if gaps else 0.0,  # between two tests of one worker
+        "gap_p90_ms": 1000 * sorted(gaps)[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
+        "between_s": sum(gaps) / len(runs),  # per worker
+        "head_s": sum(r[0][0] - begin for r in runs) / len(runs),
+        "tail_s": sum(end - r[-1][1] for r in runs) / len(runs),
+    }
+
+
+def starts(result: Result, names: list[str]) -> list[float]:
+    """When each of ``names`` started, seconds after the first test of the run."""
+    tests = {name: start for r in result.per_worker for start, _, name in r}
+    if not tests:
+        return []
+    begin = min(tests.values())
+    return [tests[n] - begin for n in names if n in tests]
+
+
+def run_shapes(args: argparse.Namespace) -> None:
+    """Worker-bound and memory-bound suites, several seeds: the scheduler against --gpu-schedule=off."""
+    shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+    if unknown := set(shapes) - set(SHAPES):
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([1] if args.quick else [1, 2, 3])
+    tests = args.tests if args.tests is not None else (48 if args.quick else 160)
+    lo, hi, long = (0.02, 0.5, 1.0) if args.quick else (0.05, 3.0, 6.0)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 2)
+    print(
+        f"pytest-gpu makespan benchmark, shapes scenario · Python {platform.python_version()} · {os.cpu_count()} CPUs "
+        f"· {SIM_SPEC} · -n {args.workers} · seeds {','.join(map(str, seeds))} · per seed: a history run "
+        f"(the scheduler, recording durations), then {runs} run(s) of each mode, alternating (ABBA)"
+    )
+    print(
+        f"{tests} tests a suite, durations log-uniform {lo:g}-{hi:g} s and one 1-GPU test of {long:g} s; "
+        f"GPU tests hold 80-95 % of their request. Bound = max(longest; sum/W; leased GiB·s / "
+        f"{GPUS * GPU_GIB} GiB; GPU-s of leases > {BIG // GIB} GiB / {GPUS}) on the test span"
+    )
+    print(f"load average before: {load()}")
+    rows: list[tuple[str, int, ShapeBound, list[Result]]] = []
+    for shape in shapes:
+        for seed in seeds:
+            cases = make_shape(shape, seed, tests, lo, hi, long, args.workers)
+            bound = ShapeBound.of(cases, args.workers)
+            durations = {f"test_{c.kind}_{c.index:03d}": c.duration for c in cases}
+            longest = sorted(durations, key=lambda n: -durations[n])[:3]
+            root = Path(tempfile.mkdtemp(prefix=f"pytest-gpu-makespan-{shape}-{seed}-"))
+            results: list[Result] = []
+            try:
+                write_suite(root, cases, seed)
+                env = run_env(root)
+                warm_bytecode(root, env)
+                timeout = args.timeout or max(120.0, 2 * sum(durations.values()) + 120)
+                plan = [("history", "sched", 0)] + [(m, m, n) for m, n in alternating(["sched", "off"], runs)]
+                for label, mode, number in plan:
+                    tag = f"{shape}-{seed}-{label}-{number}"
+                    cmd = ["-n", str(args.workers), "--gpus", SIM_SPEC, f"--gpu-trace={root / f'trace-{tag}.json'}"]
+                    cmd += ["-o", f"cache_dir={root / 'cache'}"]  # the history run's durations, for the scheduler
+                    if mode == "off":
+                        cmd.append("--gpu-schedule=off")
+                    print(f"  {shape} seed {seed}: {label} {number or ''} (load {load()}) ...", flush=True)
+                    result = run_pytest(tag, mode, root, root / "suite", cmd, {}, env, timeout, durations)
+                    result.label = label
+                    result.summary = f"load {os.getloadavg()[0]:.2f}"
+                    result.problems = result.problems or []
+                    results.append(result)
+                    report_shape_run(result, bound, longest)
+            finally:
+                if not args.keep:
+                    shutil.rmtree(root, ignore_errors=True)
+                else:
+                    print(f"  kept {root}")
+            rows.append((shape, seed, bound, results))
+    print(f"load average after: {load()}")
+    report_shapes(rows)
+
+
+def report_shape_run(r: Result, bound: ShapeBound, longest: list[str]) -> None:
+    idle = idle_figures(r)
+    latency = sorted(s for s, _ in r.decisions)
+    lat = "decide -"
+    if latency:
+        p50, p99 = latency[len(latency) // 2], latency[int(0.99 * (len(latency) - 1))]
+        lat = f"decide p50 {1000 * p50:.2f} ms p99 {1000 * p99:.2f} ms ({len(latency)} calls)"
+    problems = f" · {len(r.problems)} failed/errors: {r.problems[0][:120]}" if r.problems else ""
+    print(
+        f"    {r.label:7} wall {r.wall:5.1f} s · span {fmt(r.span, '.1f')} s ({fmt(r.span and r.span / bound.value)}x"
+        f" bound {bound.value:.1f}) · gap {idle.get('gap_ms', 0):.0f} ms mean / {idle.get('gap_p90_ms', 0):.0f} p90"
+        f" · idle between {idle.get('between_s', 0):.2f} s, tail {idle.get('tail_s', 0):.2f} s per worker · "
+        f"GPU waits {fmt(r.gpu_wait, '.1f')} s · longest starts at "
+        f"{'/'.join(f'{x:.1f}' for x in starts(r, longest))} s · {lat} · OOMs {r.ooms} · {r.summary}{problems}"
+    )
+
+
+def report_shapes(rows: list[tuple[str, int, ShapeBound, list[Result]]]) -> None:
+    print()
+    print(
+        "| shape | seed | bound s (by) | sched wall s | off wall s | sched span s | off span s "
+        "| sched span x bound | off span x bound | sched/off wall | sched/off span | OOMs | load |"
+    )
+    print("| --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    ratios: dict[str, list[float]] = {}
+    for shape, seed, bound, results in rows:
+        sched = [r for r in results if r.label == "sched"]
+        off = [r for r in results if r.label == "off"]
+
+        def walls(rs: list[Result]) -> str:
+            return " / ".join(f"{r.wall:.1f}" for r in rs)
+
+        def spans(rs: list[Result]) -> str:
+            return " / ".join(fmt(r.span, ".1f") for r in rs)
+
+        def med(rs: list[Result], what: str) -> float | None:
+            values = [getattr(r, what) for r in rs if getattr(r, what) is not None and not r.hung]
+            return median(values)
+
+        sw, ow, ss, os_ = med(sched, "wall"), med(off, "wall"), med(sched, "span"), med(off, "span")
+        wall_ratio = sw / ow if sw and ow else None
+        span_ratio = ss / os_ if ss and os_ else None
+        if span_ratio is not None:
+            ratios.setdefault(shape, []).append(span_ratio)
+        loads = " / ".join(r.summary.removeprefix("load ") for r in results if r.label != "history")
+        print(
+            f"| {shape} | {seed} | {bound.value:.1f} ({bound.which}) | {walls(sched)} | {walls(off)} | {spans(sched)} "
+            f"| {spans(off)} | {fmt(ss and ss / bound.value)} | {fmt(os_ and os_ / bound.value)} "
+            f"| {fmt(wall_ratio)} | {fmt(span_ratio)} | {sum(r.ooms for r in results)} | {loads} |"
+        )
+    print()
+    for shape, values in ratios.items():
+        listed = " ".join(f"{v:.2f}" for v in values)
+        print(f"{shape}: sched/off test span over seeds {listed}, median {fmt(median(values))}")
 
 
 if __name__ == "__main__":
