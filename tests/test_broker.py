@@ -132,6 +132,23 @@ def test_shared_grant(run: Run) -> None:
     assert broker.grants == 1
 
 
+def test_placements_name_each_workers_granted_leases_until_released(run: Run) -> None:
+    """What the scheduler plans with: where every lease held now is, by worker (a waiting one is not)."""
+    broker = run.broker()
+    a, b = run.client("gw0"), run.client("gw1")
+    first = a.acquire(shared(10 * GiB), "t::a", timeout=5)
+    second = b.acquire(whole(), "t::b", timeout=5)
+    waiting = Acquirer(a, whole(), "t::c", None)  # no empty GPU left: it waits
+    wait_for(lambda: broker.status()["waiting"], what="t::c queued")
+    assert broker.placements() == {"gw0": [(first.indices, 10 * GiB)], "gw1": [(second.indices, None)]}
+    b.release(second.key)
+    wait_for(waiting.done.is_set, what="t::c granted")
+    assert isinstance(waiting.result, Grant)
+    assert broker.placements() == {"gw0": [(first.indices, 10 * GiB), (waiting.result.indices, None)]}
+    a.close()  # a worker that goes away takes its leases with it
+    wait_for(lambda: not broker.placements(), what="gw0's leases forgotten")
+
+
 def test_exclusive_grant_on_two_gpus(run: Run) -> None:
     run.broker()
     client = run.client("gw0")

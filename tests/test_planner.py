@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpu.scheduling.planner import Job, Need, Order, Planner
+from pytest_gpu.scheduling.planner import Grant, Job, Need, Order, Planner
 
 EXCLUSIVE = None  # Need.memory for whole GPUs
 GPU_MEMORY = 16  # per GPU in the simulations (units are arbitrary)
@@ -154,6 +154,46 @@ def test_refreshed_capacities_are_used() -> None:
     assert planner.pick("C", 0.0) is None
     planner.capacities = [16]
     assert planner.pick("C", 0.0) == 0
+
+
+def test_granted_leases_stay_on_their_gpus() -> None:
+    # A and B run a 4 on GPU 0 and GPU 1 (as the broker granted them). Repacked, 4 + 4 would share
+    # one GPU and leave the other to an 8; where they are, no GPU has 8 free: CPU work instead.
+    jobs = [gpu(0, 10.0, 4), gpu(1, 10.0, 4), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, 8), cpu(5, 1.0)]
+
+    def third_pick(placed: dict[str, list[Grant]]) -> int | None:
+        planner = Planner(jobs, [10, 10])
+        for w in "ABC":
+            planner.add_worker(w)
+        assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]  # A and B hold two: 0 and 1 run
+        planner.placed = placed
+        return planner.pick("C", 0.0)
+
+    assert third_pick({}) == 4  # nothing known of the placement: packed freely, 4 + 4 and 8
+    assert third_pick({"A": [Grant((0,), 4)], "B": [Grant((1,), 4)]}) == 5
+    assert third_pick({"A": [Grant((0,), 4)], "B": [Grant((0,), 4)]}) == 4  # both on GPU 0: GPU 1 is free
+
+
+def test_a_whole_gpu_needs_one_no_grant_is_on() -> None:
+    jobs = [gpu(0, 10.0, 1), gpu(1, 10.0, 1), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, EXCLUSIVE), cpu(5, 1.0)]
+    planner = Planner(jobs, [10, 10])
+    for w in "ABC":
+        planner.add_worker(w)
+    assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]
+    planner.placed = {"A": [Grant((0,), 1)], "B": [Grant((1,), 1)]}  # one small lease on each GPU
+    assert planner.pick("C", 0.0) == 5  # repacked, both 1s would share a GPU and leave the other empty
+
+
+def test_a_grant_is_only_where_its_worker_runs_a_test() -> None:
+    # a worker that holds one test has not started it (xdist waits for its successor): a stale
+    # grant under its name is not counted, its test's own need is
+    jobs = [gpu(0, 10.0, 8), gpu(1, 5.0, 8), cpu(2, 1.0)]
+    planner = Planner(jobs, [10, 10])
+    for w in "AB":
+        planner.add_worker(w)
+    assert planner.pick("A", 0.0) == 0
+    planner.placed = {"A": [Grant((0,), 8), Grant((1,), 8)]}
+    assert planner.pick("B", 0.0) == 1  # A's 8 counts once (not started: packed), GPU 1 is free
 
 
 # -- groups ----------------------------------------------------------------------------

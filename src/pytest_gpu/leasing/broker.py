@@ -166,6 +166,9 @@ class Broker(AuthServer[ClientInfo]):
         self.measured: dict[int, int] = {}  # GPU index -> one CUDA context as the run's processes measured it
         self._clients: dict[str, ClientInfo] = {}  # under self._lock, as all of this state
         self._queued_at: dict[str, float] = {}
+        # lease key -> (worker, GPU indices, bytes each or None: exclusive) of every grant still held,
+        # for the scheduler (:meth:`placements`)
+        self._placed: dict[str, tuple[str, tuple[int, ...], int | None]] = {}
         self._ids = itertools.count()
         self._exit_waits: list[threading.Thread] = []  # see _hold_contexts_until_exit
         self._left = False  # the run has left the machine
@@ -202,6 +205,7 @@ class Broker(AuthServer[ClientInfo]):
         self.grants += 1
         indices = self._indices(body["gpus"])
         info.contexts.update(indices)
+        self._placed[key] = (info.worker, tuple(indices), None if body["exclusive"] else int(body["memory"]))
         message = LeaseMessage(
             key=unscoped(key)[1],
             indices=indices,
@@ -287,6 +291,7 @@ class Broker(AuthServer[ClientInfo]):
             with self._lock:
                 info.tests.pop(key, None)
                 self._queued_at.pop(key, None)
+                self._placed.pop(key, None)
                 self._machine().abandon(key)
             return None
         if kind == "release":
@@ -295,6 +300,7 @@ class Broker(AuthServer[ClientInfo]):
             contexts = release.get("contexts")
             with self._lock:
                 info.tests.pop(key, None)
+                self._placed.pop(key, None)
                 if contexts is not None:
                     info.contexts = set(contexts)
                 gpus = None if contexts is None else [self.uuids[i] for i in contexts if i in self.uuids]
@@ -413,6 +419,8 @@ class Broker(AuthServer[ClientInfo]):
                 self.link.give_back_ports_prefix(prefix)
             for key in [k for k in self._queued_at if k.startswith(prefix)]:
                 del self._queued_at[key]
+            for key in [k for k in self._placed if k.startswith(prefix)]:
+                del self._placed[key]
             if (held or ports) and not self._closing:
                 tests = sorted({info.tests.get(key, "?") for key, _ in held})
                 test = ", ".join(tests) if tests else info.current_test or ", ".join(port_tests) or None
@@ -490,6 +498,14 @@ class Broker(AuthServer[ClientInfo]):
     def status(self) -> dict[str, Any]:
         with self._lock:
             return self.status_locked()
+
+    def placements(self) -> dict[str, list[tuple[tuple[int, ...], int | None]]]:
+        """Worker -> the leases its processes hold now: (GPU indices, bytes each; ``None``: exclusive)."""
+        out: dict[str, list[tuple[tuple[int, ...], int | None]]] = {}
+        with self._lock:
+            for worker, indices, memory in self._placed.values():
+                out.setdefault(worker, []).append((indices, memory))
+        return out
 
     def room(self) -> list[int]:
         """What each GPU can give leases now that CUDA contexts and foreign usage are counted."""

@@ -45,7 +45,11 @@ Predictions: every test a worker holds is laid out back to back from when its ru
 test started, each for its expected duration (a test running over its estimate is
 assumed to end now). A candidate fits when, at its start and at every later start of
 a predicted test it overlaps, all predicted needs then active plus its own can be
-packed onto the GPUs' capacities.
+packed onto the GPUs' capacities. What a worker's running test holds already
+(:attr:`Planner.placed`, the broker's grants) stays on the GPUs it was granted until the
+test is predicted to end: only what is not granted yet is packed freely. (Repacking a
+granted lease would let a test through that no GPU has room for at the moment: it would
+then wait at the broker, its worker idle.)
 """
 
 from __future__ import annotations
@@ -106,10 +110,19 @@ class _Worker:
 
 
 @dataclass(frozen=True)
+class Grant:
+    """A lease the broker granted: on GPUs ``gpus``, ``memory`` bytes each (``None``: whole GPUs)."""
+
+    gpus: tuple[int, ...]
+    memory: int | None
+
+
+@dataclass(frozen=True)
 class _Span:
     start: float
     end: float
     need: Need
+    grant: Grant | None = None  # where it is already held (then ``need`` is not packed)
 
 
 class Planner:
@@ -137,6 +150,9 @@ class Planner:
         # group -> needs its fixtures hold while its tests run, besides their own (a live
         # mapping: the scheduler learns them as workers set those fixtures up)
         self.held: Mapping[str, Sequence[Need]] = {}
+        # worker -> the leases its processes hold now (the scheduler refreshes it before picks);
+        # a worker's running test is predicted to hold these, where they are, until it ends
+        self.placed: Mapping[str, Sequence[Grant]] = {}
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
@@ -391,7 +407,11 @@ class Planner:
                 end = t + job.duration
                 if position == 0:
                     end = max(end, now + _OVERDUE)
-                spans += [_Span(t, end, need) for need in self._needs(job)]
+                grants = self.placed.get(name, ()) if position == 0 and state.head_since is not None else ()
+                if grants:  # running and granted: what it holds stays where it is
+                    spans += [_Span(t, end, Need(len(g.gpus), g.memory), g) for g in grants]
+                else:
+                    spans += [_Span(t, end, need) for need in self._needs(job)]
                 t = end
             if name == worker:
                 free_at = t
@@ -407,8 +427,9 @@ class Planner:
         overlapping = [s for s in spans if s.start < end and s.end > start]
         points = {start} | {s.start for s in overlapping if s.start > start}
         for point in points:
-            active = [s.need for s in overlapping if s.start <= point < s.end]
-            if not self._packs([*active, *needs]):
+            active = [s for s in overlapping if s.start <= point < s.end]
+            free = [s.need for s in active if s.grant is None]
+            if not self._packs([*free, *needs], [s.grant for s in active if s.grant is not None]):
                 return False
         return True
 
@@ -422,10 +443,18 @@ class Planner:
                 return moment
         return float("inf")
 
-    def _packs(self, needs: Sequence[Need]) -> bool:
-        """Whether ``needs`` can hold GPUs at once (whole GPUs first, then largest first, best fit)."""
+    def _packs(self, needs: Sequence[Need], granted: Sequence[Grant] = ()) -> bool:
+        """Whether ``needs`` can hold GPUs at once beside ``granted`` (held where they are):
+        whole GPUs first, then largest first, best fit."""
         free = list(self.capacities)
         whole = [False] * len(free)
+        for grant in granted:
+            for i in grant.gpus:
+                if 0 <= i < len(free):
+                    if grant.memory is None:
+                        whole[i], free[i] = True, 0
+                    else:
+                        free[i] -= grant.memory  # below 0 if the room shrank since (more contexts): full
         for need in sorted(needs, key=lambda n: (n.memory is not None, -n.count, -(n.memory or 0))):
             if need.memory is None:
                 empty = [i for i in range(len(free)) if not whole[i] and free[i] == self.capacities[i]]

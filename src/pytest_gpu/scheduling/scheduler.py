@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import catalog, history
-from .planner import Order, Planner
+from .planner import Grant, Order, Planner
 
 if TYPE_CHECKING:
     from xdist.workermanage import WorkerController
@@ -161,6 +161,9 @@ class GpuScheduling:
         planner = self.planner
         assert planner is not None
         planner.capacities = self._room()
+        if self.run.broker is not None:  # what running tests hold, and where: never repacked
+            placed = self.run.broker.placements()
+            planner.placed = {w: [Grant(gpus, memory) for gpus, memory in rows] for w, rows in placed.items()}
         now = time.monotonic()
         live = [node for node in self._names if not node.shutting_down]
         sent: dict[WorkerController, list[int]] = {node: [] for node in live}
