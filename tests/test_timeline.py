@@ -534,3 +534,14 @@ def test_other_holders_leases_are_drawn_and_busy_under_their_own_name() -> None:
     assert event["pid"] == trace.GPU_PID + 1 and event["name"] == "the rank pool of 2 ranks"
     assert event["args"]["holder"] == "pool" and event["args"]["nodeid"] == "t.py::dist"
     assert event["args"]["violations"] == 1 and event["args"]["memory"] == GIB
+
+
+def test_recorded_durations_leave_out_the_wait_for_gpus() -> None:
+    """The scheduler's history: a test's own time, not the crowding of the run it waited in."""
+    from pytest_gpu.report.summary import Summary
+
+    summary = Summary()
+    waited = {**props([lease_row([0], GIB, 1.0, 2.5, 3.0)]), "gpu_wait_seconds": 1.5}
+    run_test(summary.timeline, "t.py::crowded", "gw0", 1.0, 4.0, properties=waited)
+    run_test(summary.timeline, "t.py::cpu", "gw1", 1.0, 2.0)
+    assert summary.durations() == {"t.py::crowded": 1.5, "t.py::cpu": 1.0}

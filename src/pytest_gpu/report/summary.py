@@ -84,8 +84,13 @@ class Summary:
         return {r.nodeid: r.peak for r in self.timeline.records.values() if r.peak is not None}
 
     def durations(self) -> dict[str, float]:
-        """Node id -> seconds, for every test that ran to its end here (crashes excluded)."""
-        return {r.nodeid: r.duration for r in self.timeline.records.values() if r.outcome != "crashed"}
+        """Node id -> seconds, for every test that ran to its end here (crashes excluded).
+
+        Without the time it waited for GPUs: that was the run's crowding, not the test's own
+        work, and the scheduler plans the GPUs as busy for as long as a test is expected to take."""
+        return {
+            r.nodeid: max(r.duration - r.waited, 0.0) for r in self.timeline.records.values() if r.outcome != "crashed"
+        }
 
     def add(self, report: pytest.TestReport) -> None:
         given = dict(report.user_properties)
