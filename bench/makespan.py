@@ -32,6 +32,15 @@ Two more scenarios (``--scenario``; the default, ``mixed``, is the above):
 - ``auto``: 100 tests of the mixed kind (no distributed ones) on ``sim:8x16GiB``:
   ``-n auto`` (pytest-gpu's choice) against ``-n <os.cpu_count()>`` (xdist's ``-n auto``
   without pytest-gpu), alternating (``--runs``), both with leases.
+- ``shapes``: the scheduler against ``--gpu-schedule=off`` on two suite shapes of 160 tests
+  (``--shapes``: ``worker``-bound, 30 % CPU and GPU tests of 1-12 GiB and whole GPUs;
+  ``memory``-bound, mostly 8.25-12 GiB and 2-GPU tests), durations 0.05-3 s and one of 6 s,
+  ``-n 8`` on ``sim:4x16GiB``, over ``--seeds`` (default 1,2,3): per seed a history run, then
+  ``--runs`` of each mode alternating (ABBA). Each run: span against a lower bound (the
+  largest of the longest test, sum / workers, leased GiB-s / capacity, and GPU-s of leases
+  over half a GPU / GPUs), idle time between a worker's tests and at its tail, seconds
+  waited for GPUs (``--gpu-trace``), when the longest tests started, and the scheduler's
+  decision latency at the controller.
 
 Run from the repository root::
 
@@ -41,6 +50,8 @@ Run from the repository root::
     python bench/makespan.py --modes pin,sched --seed 7 --tests 400 --keep
     python bench/makespan.py --scenario fixtures,auto          # about 5 minutes here
     python bench/makespan.py --scenario fixtures,auto --quick  # smoke run (under a minute)
+    python bench/makespan.py --scenario shapes                # about 16 minutes here
+    python bench/makespan.py --scenario shapes --quick        # smoke run (about a minute)
 """
 
 from __future__ import annotations
@@ -1351,8 +1362,9 @@ def report_shape_run(r: Result, bound: ShapeBound, longest: list[str]) -> None:
         lat = f"decide p50 {1000 * p50:.2f} ms p99 {1000 * p99:.2f} ms ({len(latency)} calls)"
     problems = f" · {len(r.problems)} failed/errors: {r.problems[0][:120]}" if r.problems else ""
     print(
-        f"    {r.label:7} wall {r.wall:5.1f} s · span {fmt(r.span, '.1f')} s ({fmt(r.span and r.span / bound.value)}x"
-        f" bound {bound.value:.1f}) · gap {idle.get('gap_ms', 0):.0f} ms mean / {idle.get('gap_p90_ms', 0):.0f} p90"
+        f"    {r.label:7} wall {r.wall:5.1f} s · to 1st test {fmt(r.before)} s · after last {fmt(r.after)} s · span "
+        f"{fmt(r.span, '.1f')} s ({fmt(r.span and r.span / bound.value)}x bound {bound.value:.1f}) · gap "
+        f"{idle.get('gap_ms', 0):.0f} ms mean / {idle.get('gap_p90_ms', 0):.0f} p90"
         f" · idle between {idle.get('between_s', 0):.2f} s, tail {idle.get('tail_s', 0):.2f} s per worker · "
         f"GPU waits {fmt(r.gpu_wait, '.1f')} s · longest starts at "
         f"{'/'.join(f'{x:.1f}' for x in starts(r, longest))} s · {lat} · OOMs {r.ooms} · {r.summary}{problems}"
