@@ -587,6 +587,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--shapes", default=",".join(SHAPES), help=f"shapes: comma-separated subset of {','.join(SHAPES)}"
     )
+    parser.add_argument(
+        "--long-first",
+        action="store_true",
+        help="shapes: the long test first in collection order (xdist starts it at once)",
+    )
     parser.add_argument("--seeds", default=None, help="shapes: comma-separated seeds (default 1,2,3; quick 1)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per pytest run (default from the suite)")
     parser.add_argument("--keep", action="store_true", help="keep the generated suite, outputs and junitxml")
@@ -1207,8 +1212,11 @@ SHAPE_WHAT = {
 BIG = GPU_GIB * GIB // 2  # two leases of more than this cannot share a GPU
 
 
-def make_shape(shape: str, seed: int, tests: int, lo: float, hi: float, long: float, workers: int) -> list[Case]:
-    """A seeded suite of ``shape``: durations log-uniform ``lo``-``hi`` s, one 1-GPU test of ``long`` s."""
+def make_shape(
+    shape: str, seed: int, tests: int, lo: float, hi: float, long: float, workers: int, long_first: bool = False
+) -> list[Case]:
+    """A seeded suite of ``shape``: durations log-uniform ``lo``-``hi`` s, one 1-GPU test of ``long`` s
+    (first in collection order with ``long_first``, where xdist's own order starts it at once too)."""
     rng = random.Random(f"{seed}-{shape}")
     exclusive_usable = GPU_GIB * GIB - max(workers, 1) * CONTEXT
 
@@ -1226,6 +1234,9 @@ def make_shape(shape: str, seed: int, tests: int, lo: float, hi: float, long: fl
     kinds += ["gpu"] * (tests - len(kinds))
     rng.shuffle(kinds)
     longest = rng.choice([i for i, k in enumerate(kinds) if k == "gpu"])  # anywhere in collection order
+    if long_first:
+        kinds[0], kinds[longest] = kinds[longest], kinds[0]
+        longest = 0
     cases: list[Case] = []
     for index, kind in enumerate(kinds):
         seconds = long if index == longest else duration()
@@ -1310,7 +1321,8 @@ def run_shapes(args: argparse.Namespace) -> None:
         f"(the scheduler, recording durations), then {runs} run(s) of each mode, alternating (ABBA)"
     )
     print(
-        f"{tests} tests a suite, durations log-uniform {lo:g}-{hi:g} s and one 1-GPU test of {long:g} s; "
+        f"{tests} tests a suite, durations log-uniform {lo:g}-{hi:g} s and one 1-GPU test of {long:g} s"
+        f"{' (first in collection order)' if args.long_first else ''}; "
         f"GPU tests hold 80-95 % of their request. Bound = max(longest; sum/W; leased GiB·s / "
         f"{GPUS * GPU_GIB} GiB; GPU-s of leases > {BIG // GIB} GiB / {GPUS}) on the test span"
     )
@@ -1318,7 +1330,7 @@ def run_shapes(args: argparse.Namespace) -> None:
     rows: list[tuple[str, int, ShapeBound, list[Result]]] = []
     for shape in shapes:
         for seed in seeds:
-            cases = make_shape(shape, seed, tests, lo, hi, long, args.workers)
+            cases = make_shape(shape, seed, tests, lo, hi, long, args.workers, args.long_first)
             bound = ShapeBound.of(cases, args.workers)
             durations = {f"test_{c.kind}_{c.index:03d}": c.duration for c in cases}
             longest = sorted(durations, key=lambda n: -durations[n])[:3]
