@@ -32,9 +32,11 @@ Two more scenarios (``--scenario``; the default, ``mixed``, is the above):
 - ``auto``: 100 tests of the mixed kind (no distributed ones) on ``sim:8x16GiB``:
   ``-n auto`` (pytest-gpu's choice) against ``-n <os.cpu_count()>`` (xdist's ``-n auto``
   without pytest-gpu), alternating (``--runs``), both with leases.
-- ``shapes``: the scheduler against ``--gpu-schedule=off`` on two suite shapes of 160 tests
+- ``shapes``: the scheduler against ``--gpu-schedule=off`` on suite shapes of 160 tests
   (``--shapes``: ``worker``-bound, 30 % CPU and GPU tests of 1-12 GiB and whole GPUs;
-  ``memory``-bound, mostly 8.25-12 GiB and 2-GPU tests), durations 0.05-3 s and one of 6 s,
+  ``memory``-bound, mostly 8.25-12 GiB and 2-GPU tests, at most one such lease a GPU;
+  ``pairing``, 30 % CPU and GPU tests of 3-12 GiB; ``packing``, 10 % CPU and GPU tests of
+  4-11 GiB, where which leases share a GPU decides the makespan), durations 0.05-3 s and one of 6 s,
   ``-n 8`` on ``sim:4x16GiB``, over ``--seeds`` (default 1,2,3): per seed a history run, then
   ``--runs`` of each mode alternating (ABBA). Each run: span against a lower bound (the
   largest of the longest test, sum / workers, leased GiB-s / capacity, and GPU-s of leases
@@ -1204,11 +1206,21 @@ def report_auto(results: list[Result], bounds: Bounds, cpus: int) -> None:
 
 # -- scenario "shapes": the scheduler against xdist's order, worker-bound and memory-bound ----
 
-SHAPES = ("worker", "memory")
+SHAPES = ("worker", "memory", "pairing", "packing")
 SHAPE_WHAT = {
     "worker": "30 % CPU, 10 % 2-GPU (1-8 GiB each), 4 % exclusive, the rest 1-GPU 1-12 GiB",
     "memory": "30 % CPU, 20 % 2-GPU (8.25-10 GiB each), 4 % exclusive, the rest 1-GPU 8.25-12 GiB",
+    "pairing": "30 % CPU, 15 % 2-GPU (3-10 GiB each), 4 % exclusive, the rest 1-GPU 3-12 GiB (which pairs fit matters)",
+    "packing": "10 % CPU, 10 % 2-GPU (4-10 GiB each), 4 % exclusive, the rest 1-GPU 4-11 GiB (packing matters)",
 }
+_SIZES = {
+    "worker": ((1.0, 12.0), (1.0, 8.0)),
+    "memory": ((8.25, 12.0), (8.25, 10.0)),
+    "pairing": ((3.0, 12.0), (3.0, 10.0)),
+    "packing": ((4.0, 11.0), (4.0, 10.0)),
+}
+_MULTI_SHARE = {"worker": 0.10, "memory": 0.20, "pairing": 0.15, "packing": 0.10}
+_CPU_SHARE = {"worker": 0.30, "memory": 0.30, "pairing": 0.30, "packing": 0.10}
 BIG = GPU_GIB * GIB // 2  # two leases of more than this cannot share a GPU
 
 
@@ -1226,8 +1238,8 @@ def make_shape(
     def mib(lo_gib: float, hi_gib: float) -> int:
         return 256 * round(4 * math.exp(rng.uniform(math.log(lo_gib), math.log(hi_gib))))
 
-    single, multi = ((1.0, 12.0), (1.0, 8.0)) if shape == "worker" else ((8.25, 12.0), (8.25, 10.0))
-    shares = {"cpu": 0.30, "multi": 0.10 if shape == "worker" else 0.20, "exclusive": 0.04}
+    single, multi = _SIZES[shape]
+    shares = {"cpu": _CPU_SHARE[shape], "multi": _MULTI_SHARE[shape], "exclusive": 0.04}
     kinds: list[str] = []
     for kind, share in shares.items():
         kinds += [kind] * min(round(share * tests), tests - len(kinds))
