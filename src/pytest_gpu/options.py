@@ -270,7 +270,7 @@ def read(config: pytest.Config) -> Settings:
     except SizeError as exc:
         raise pytest.UsageError(f"{where}: {exc}") from None
     try:
-        marker_map(config, default_memory)  # checked at start-up; kept for item_request
+        marker_map(config, default_memory)  # checked at start-up; kept for item_needs
     except MarkerMapError as exc:
         raise pytest.UsageError(str(exc)) from None
     range_text, where = _value(config, "gpu_port_range")

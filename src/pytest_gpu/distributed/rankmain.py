@@ -54,9 +54,18 @@ def _cap_torch(torch: Any, cap: int) -> None:
     set here would open a context on every GPU of a rank that may never use them)."""
     if not cap or not torch.cuda.is_initialized():
         return
-    for ordinal in range(torch.cuda.device_count()):
-        total = torch.cuda.get_device_properties(ordinal).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
+    _set_fractions(torch.cuda, cap)
+
+
+def _set_fractions(cuda: Any, cap: int) -> None:
+    """``cap`` bytes as torch's memory fraction on each GPU ``cuda`` sees; also from a callback
+    of torch's lazy init (before it counts as initialised): its total is the accessor that
+    init defines (see gpu.adapters), cudaMemGetInfo's."""
+    properties = getattr(cuda, "_get_device_properties", None) or cuda.get_device_properties
+    for ordinal in range(cuda.device_count()):
+        total = int(properties(ordinal).total_memory)
+        if total:
+            cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
 
 
 def _cap_torch_when_started(cap: int) -> None:
@@ -64,23 +73,14 @@ def _cap_torch_when_started(cap: int) -> None:
     torch starts CUDA (queued on torch's lazy init, so a body that never starts CUDA opens no
     context), whenever the body imports torch: the memory cap a test process's lease gives it."""
 
-    def capped(torch: Any) -> None:
-        cuda = torch.cuda
-        # torch's own total (cudaMemGetInfo's); the accessor its lazy init defines (see gpu.adapters)
-        properties = getattr(cuda, "_get_device_properties", None) or cuda.get_device_properties
-        for ordinal in range(cuda.device_count()):
-            total = int(properties(ordinal).total_memory)
-            if total:
-                cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
-
     def apply(torch: Any) -> None:
         cuda = getattr(torch, "cuda", None)
         if cuda is None or not cuda.is_available():
             return
         if cuda.is_initialized():
-            capped(torch)
+            _set_fractions(cuda, cap)
         else:
-            cuda._lazy_call(lambda: capped(torch))
+            cuda._lazy_call(lambda: _set_fractions(cuda, cap))
 
     torch = sys.modules.get("torch")
     if torch is not None:

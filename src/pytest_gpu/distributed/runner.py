@@ -480,10 +480,7 @@ class PoolManager:
         try:
             if self.pool is None or self.pool.holding is None:
                 return False
-            if self._timer is not None:
-                self._timer.cancel()
-            self.pool.close()
-            self.pool = None
+            self._drop()
             return True
         finally:
             self._lock.release()
@@ -578,15 +575,16 @@ class PoolManager:
         still holds would be charged to the next test, which gets a fresh pool)."""
         with self._lock:
             if self.pool is not None and self.pool.spec == spec:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self.pool.close()
-                self.pool = None
+                self._drop()
 
     def close(self) -> None:
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            if self.pool is not None:
-                self.pool.close()
-                self.pool = None
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close the warm pool, if any, and its idle timer (the caller holds the lock)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

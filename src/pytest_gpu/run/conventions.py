@@ -1,6 +1,6 @@
 """Requests from a suite's own conventions, without editing its tests.
 
-Two sources, consulted by :func:`pytest_gpu.run.lifecycle.item_request` after an explicit
+Two sources, consulted by :func:`pytest_gpu.run.lifecycle.item_needs` after an explicit
 ``gpu`` marker and before the ``gpu`` fixture's default request:
 
 1. the ``pytest_gpu_item_request(item)`` hook (see :mod:`pytest_gpu.hookspecs`), for

@@ -38,11 +38,6 @@ HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
 
 
-def item_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
-    """The test's request (see :func:`item_needs`)."""
-    return item_needs(item, run)[0]
-
-
 def item_needs(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]:
     """``(request, isolated)``: the test's request, and whether it asked for ``isolate=True``
     (its body then runs in a process of its own that sees exactly the lease: see
