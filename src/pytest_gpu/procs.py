@@ -4,14 +4,18 @@ Rank pools and the Ray head end their process trees one way (:func:`kill_and_wai
 Run directories, the Ray head's watchdog, the simulated GPUs' ledger, shared artifacts'
 builders and the machine's attached runs (foreign usage) all record a
 process as ``(pid, create time)`` and later ask whether *that* process still runs, not
-some later one that got the same pid (:func:`owner_alive`). psutil is imported on use:
+some later one that got the same pid (:func:`owner_alive`); run directories and a run's own
+simulated machines keep it in an owner file (:func:`write_owner`, :func:`read_owner`). psutil is imported on use:
 the plugin loads this module into every pytest process.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -50,6 +54,25 @@ def owner_alive(pid: int, ctime: float | None, *, tolerance: float = CTIME_TOLER
         return False
     except psutil.Error:
         return unsure
+
+
+def write_owner(path: Path) -> None:
+    """Make this process ``path``'s owner: its pid and create time as JSON, written aside and
+    renamed into place, so that a reader (a sweep) never sees half an owner file."""
+    import psutil
+
+    me = psutil.Process()
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(json.dumps({"pid": me.pid, "ctime": me.create_time()}))
+    os.replace(tmp, path)
+
+
+def read_owner(path: Path) -> tuple[int, float]:
+    """``(pid, create time)`` of the owner that ``path`` names (see :func:`write_owner`).
+
+    Raises OSError (no such file), ValueError, KeyError or TypeError (not an owner file)."""
+    owner = json.loads(path.read_text())
+    return int(owner["pid"]), float(owner["ctime"])
 
 
 def kill_and_wait(procs: Sequence[psutil.Process], timeout: float = 5.0) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import grp
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -52,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..procs import owner_alive, read_owner, write_owner
 from ..safefiles import group_dir, private_dir, shared_dir
 
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
@@ -173,13 +173,8 @@ def claim_run_machines(launch_id: str | None = None) -> str | None:
         name = "launch-" + hashlib.sha256(launch_id.encode()).hexdigest()[:12]
     else:
         name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
-    import psutil
-
     run = private_dir(private_root() / name)
-    owner = run / f"owner-{os.getpid()}.json"
-    tmp = run / f".{owner.name}.{secrets.token_hex(4)}.tmp"
-    tmp.write_text(json.dumps({"pid": os.getpid(), "ctime": psutil.Process().create_time()}))
-    os.replace(tmp, owner)  # a sweep never reads half an owner file
+    write_owner(run / f"owner-{os.getpid()}.json")
     os.environ[SIM_RUN_ENV] = name
     return name
 
@@ -201,17 +196,12 @@ def release_run_machines(name: str) -> None:
 
 def _live_owners(run: Path) -> list[int]:
     """The owners of run directory ``run`` still alive (owner files of dead ones are removed)."""
-    from ..procs import owner_alive
-
     alive = []
     for path in run.glob("owner-*.json"):
         try:
-            owner = json.loads(path.read_text())
-            pid, ctime = int(owner["pid"]), float(owner["ctime"])
-        except FileNotFoundError:
-            continue
+            pid, ctime = read_owner(path)
         except (OSError, ValueError, KeyError, TypeError):
-            continue  # not an owner file of ours: it keeps nothing alive
+            continue  # gone meanwhile, or not an owner file of ours: it keeps nothing alive
         if owner_alive(pid, ctime):
             alive.append(pid)
         else:

@@ -16,7 +16,6 @@ directories may vanish under a sweep (another run's sweep removed them).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -26,7 +25,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from ..procs import owner_alive
+from ..procs import owner_alive, read_owner, write_owner
 
 OWNER_FILE = "owner.json"
 GRACE_S = 60.0  # a run directory younger than this without an owner file is being created
@@ -115,8 +114,7 @@ def _roots() -> list[Path]:
 def _stale(run: Path) -> bool:
     """Whether ``run`` was left by a process that is gone. FileNotFoundError: it vanished."""
     try:
-        owner = json.loads((run / OWNER_FILE).read_text())
-        pid, ctime = int(owner["pid"]), float(owner["ctime"])
+        pid, ctime = read_owner(run / OWNER_FILE)
     except (OSError, ValueError, KeyError, TypeError):
         # no whole owner file: being created while its creator (the pid in its name) lives;
         # else (a creator that died early, a name we did not make) after the grace period
@@ -147,14 +145,9 @@ def sweep_stale(root: Path | None = None) -> list[Path]:
 
 
 def _make(root: Path) -> Path:
-    import psutil
-
     run = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
     try:
-        me = psutil.Process()
-        tmp = run / f".{OWNER_FILE}.tmp"
-        tmp.write_text(json.dumps({"pid": me.pid, "ctime": me.create_time()}))
-        os.replace(tmp, run / OWNER_FILE)  # a sweep never reads a half-written owner file
+        write_owner(run / OWNER_FILE)
     except BaseException:
         shutil.rmtree(run, ignore_errors=True)
         raise
