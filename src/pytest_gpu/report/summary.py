@@ -11,7 +11,7 @@ import pytest
 
 from ..distributed.backends import AUTO_PROPERTY
 from ..leasing.spans import gpu_properties, parse_held
-from ..run.record import SKIP_PROPERTY
+from ..run.record import SKIP_PROPERTY, gpu_skip_words
 from .timeline import Timeline
 from .wording import duration, numbered, plural, verb
 
@@ -159,11 +159,7 @@ class Summary:
         counts: dict[str, int] = {}
         for why, tests in self.skipped_why.items():
             if why is None:  # a skip at run time (a gpu_request block, a fixture's lease): a request too large
-                why = (
-                    f"larger than this run's {inventory.describe()}"
-                    if inventory.devices
-                    else f"no GPUs — {inventory.note or inventory.source}"
-                )
+                why = gpu_skip_words(inventory)
             counts[why] = counts.get(why, 0) + tests
         if len(counts) == 1:
             reasons = next(iter(counts))

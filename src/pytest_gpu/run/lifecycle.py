@@ -27,7 +27,7 @@ from . import fixture_leases, quarantine
 from .conventions import convention_request, item_kwargs
 from .holding import STATE_KEY, Holding, Owner, TestState, broke
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
-from .record import SKIP_PROPERTY, effective, needs, record
+from .record import SKIP_PROPERTY, effective, gpu_skip_words, needs, record
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
@@ -208,10 +208,10 @@ def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
 
 def _skip_why(request: GpuRequest, run: GpuRun) -> str:
     """A never-fitting request's reason in the few words the summary groups skips by."""
-    if request.count and not run.inventory.devices:
-        return f"no GPUs — {run.inventory.note or run.inventory.source}"
-    if request.count and run.never_fits(replace(request, cpus=0, host_memory=0)) is not None:
-        return f"larger than this run's {run.inventory.describe()}"
+    if request.count and (
+        not run.inventory.devices or run.never_fits(replace(request, cpus=0, host_memory=0)) is not None
+    ):
+        return gpu_skip_words(run.inventory)
     return "more CPUs or RAM than the machine has"
 
 

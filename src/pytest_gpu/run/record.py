@@ -16,12 +16,20 @@ from ..distributed.spec import DistSpec
 from ..leasing.requests import GpuRequest
 
 if TYPE_CHECKING:
+    from ..gpu.devices import Inventory
     from .session import GpuRun
 
 RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()
 # the user property of a test skipped at collection because this run cannot run it: why, in a
 # few words ("no GPUs — NVML unavailable: ..."); the run's summary counts its skips by it
 SKIP_PROPERTY = "gpu_skipped"
+
+
+def gpu_skip_words(inventory: Inventory) -> str:
+    """Why a GPU request can never run here, in the few words the summary groups skips by."""
+    if inventory.devices:
+        return f"larger than this run's {inventory.describe()}"
+    return f"no GPUs — {inventory.note or inventory.source}"
 
 
 @dataclass
