@@ -26,6 +26,7 @@ from helpers import shared, wait_for, whole
 from pytest_gpu.leasing.placement import Policy
 from pytest_gpu.leasing.ports import PortAllocator
 from pytest_gpu.machine import link as links_module
+from pytest_gpu.machine import messages
 from pytest_gpu.machine import server as server_module
 from pytest_gpu.machine.arbiter import Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
@@ -651,3 +652,24 @@ def test_a_user_whose_messages_took_its_share_of_the_arbiter_waits_for_the_next_
     server._window = 0.0
     server._wake()
     assert "ok" in flooder.call("status")  # once its next second came
+
+
+def test_a_preference_crosses_the_wire_and_is_checked_there(domain: Domain, made: list[Any]) -> None:
+    """The GPUs a run's scheduler planned reach the arbiter of another run, which honours them
+    where the request fits and ignores (and counts) a preference that does not suit it."""
+    gpus = {"A": 16 * GiB, "B": 16 * GiB}
+    first = _link(made, domain, gpus)
+    second = _link(made, domain, gpus)
+    assert first.is_arbiter and not second.is_arbiter
+    assert first._arbiter is not None
+    kind, body = second.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["A", "B"], ["B"])
+    assert (kind, body["gpus"]) == ("granted", ["B"])  # its own rule: A (as many contexts, the lower index)
+    kind, body = second.submit("c1/k0", "c1", "gw1", "t::b", shared(GiB), ["A", "B"], ["A", "B"])
+    assert (kind, body["gpus"]) == ("granted", ["A"])  # two GPUs for a one-GPU request: ignored
+    assert first._arbiter.preferences_ignored == 1
+    assert "t::b" in str(first._arbiter.preference_ignored) and "request of 1" in str(first._arbiter.preference_ignored)
+    kind, body = second.submit("c2/k0", "c2", "gw2", "t::c", shared(GiB), ["A", "B"], ["GPU-X"])
+    assert kind == "granted" and first._arbiter.preferences_ignored == 2  # a GPU the run did not bring
+    for bad in ("B", [7], ["B"] * 1000):
+        with pytest.raises(WireError, match="prefer"):
+            messages.preference({"prefer": bad})

@@ -30,6 +30,7 @@ from pytest_gpu.leasing.placement import (
     Policy,
     Unsatisfiable,
     Waiting,
+    checked_preference,
     place,
 )
 from pytest_gpu.leasing.requests import GpuRequest
@@ -958,3 +959,40 @@ def test_property_deadlocks_are_real_and_none_is_missed(
 
 def test_waiting_dataclass_defaults() -> None:
     assert Waiting("k", "c", whole()).bypassed == 0
+
+
+# -- preferences -----------------------------------------------------------------------
+
+
+def test_a_preference_is_honoured_where_the_request_fits_now() -> None:
+    policy = Policy(overhead=0)
+    gpus = [GpuState(0, 16 * GiB), GpuState(1, 16 * GiB, leased=12 * GiB, tenants=1), GpuState(2, 16 * GiB)]
+    small = shared(1 * GiB)
+    assert place(gpus, small, "c", policy).indices == (1,)  # its own rule: the tightest fit
+    assert place(gpus, small, "c", policy, prefer=(2,)).indices == (2,)  # the scheduler's plan
+    assert place(gpus, shared(5 * GiB), "c", policy, prefer=(1,)).indices == (0,)  # no room there: own rule
+    assert place(gpus, whole(), "c", policy, prefer=(1,)).indices == (0,)  # a tenant there: own rule
+    assert place(gpus, whole(2), "c", policy, prefer=(0, 2)).indices == (0, 2)
+    assert place(gpus, shared(GiB, 2), "c", policy, prefer=(0, 2)).indices == (0, 2)
+    assert place(gpus, shared(GiB, 2), "c", policy, prefer=(0, 1)).indices == (0, 1)
+    assert place(gpus, shared(5 * GiB, 2), "c", policy, prefer=(0, 1)).indices == (0, 2)  # half fits: own rule
+
+
+def test_a_preference_never_makes_a_request_wait_or_keeps_a_gpu() -> None:
+    allocator = Allocator({0: 16 * GiB, 1: 16 * GiB}, Policy(overhead=0))
+    allocator.submit("a", "c1", shared(12 * GiB), prefer=(0,))
+    [lease] = allocator.submit("b", "c2", shared(8 * GiB), prefer=(0,))  # GPU 0 is full: granted on 1 at once
+    assert lease.placement.indices == (1,)
+    assert allocator.submit("c", "c3", shared(9 * GiB), prefer=(1,)) == []  # waits: no GPU has 9 free
+    released = allocator.release("a")
+    assert [(x.key, x.placement.indices) for x in released] == [("c", (0,))]  # a waiting preference, served anyway
+
+
+def test_a_preference_from_another_process_is_checked() -> None:
+    two = shared(GiB, 2)
+    assert checked_preference(None, two, None) == (None, None)
+    assert checked_preference([2, 0], two, frozenset({0, 1, 2})) == ((0, 2), None)
+    for bad, why in [([0], "for a request of 2"), ([0, 0], "for a request of 2"), ([0, 5], "[5] the run cannot see")]:
+        kept, reason = checked_preference(bad, two, frozenset({0, 1, 2}))
+        assert kept is None and reason is not None and why in reason
+    assert checked_preference([0], GpuRequest(count=0, memory=None, exclusive=False, cpus=1), None)[0] is None

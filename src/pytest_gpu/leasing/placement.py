@@ -27,6 +27,10 @@ than ``max_bypass`` times. So **every request is overtaken by at most ``max_bypa
 later requests**, and once that many have overtaken it, nothing is granted past it until
 it is served — it gets the next GPUs that free up enough.
 
+Preference: a request may name the GPUs its run's scheduler planned for it (``prefer``).
+It gets exactly those when it fits there now, within the context budget, else the GPUs the
+rules above choose: a preference never makes a request wait, and never keeps a GPU for it.
+
 Hold-and-wait: a client waits for one request at a time and gives nothing back while it
 waits (a worker keeps its module-scoped fixture's lease while its next test waits for its
 own). A request that would not be served even once every client that does not wait has
@@ -126,10 +130,13 @@ def place(
     within_budget: bool = True,
     allowed: frozenset[int] | None = None,
     host: HostState | None = None,
+    prefer: tuple[int, ...] | None = None,
 ) -> Placement | None:
     """Choose GPUs for ``request`` from ``client``, or ``None`` if it does not fit now;
     ``allowed``: the GPUs the client's run can see (default: all); ``host``: the machine's
-    CPUs and RAM, which must hold the request's host part too (``None``: not limited)."""
+    CPUs and RAM, which must hold the request's host part too (``None``: not limited);
+    ``prefer``: the GPUs to take when the request fits on all of them now (see the module
+    docstring; the caller checked it names ``request.count`` distinct allowed GPUs)."""
     if host is not None and request.host and not host.fits(request):
         return None
     if request.count == 0:  # host resources only
@@ -166,9 +173,32 @@ def place(
         return None
     fits.sort(key=lambda f: f[0])
     chosen = fits[: request.count]
+    if prefer:
+        wanted = [f for f in fits if f[1].index in prefer]
+        if len(wanted) == request.count == len(prefer):
+            chosen = wanted
     indices = tuple(sorted(g.index for _, g, _ in chosen))
     memory = min(grant for _, _, grant in chosen) if request.exclusive else request.memory or 0
     return Placement(indices, memory, request.exclusive)
+
+
+def checked_preference(
+    prefer: Iterable[int] | None, request: GpuRequest, allowed: frozenset[int] | None
+) -> tuple[tuple[int, ...] | None, str | None]:
+    """A preference as :func:`place` takes it, and why it was dropped (``None``: kept or none).
+
+    It crossed a process boundary (a run's scheduler named it): kept only when it names
+    ``request.count`` distinct GPUs, all among ``allowed``; a request for host resources
+    only, or a preference that does not say where the whole request goes, has none."""
+    if prefer is None:
+        return None, None
+    given = list(prefer)
+    wanted = tuple(sorted(set(given)))
+    if not request.count or len(wanted) != request.count or len(wanted) != len(given):
+        return None, f"names GPUs {sorted(given)[:8]} for a request of {request.count} GPU(s)"
+    if allowed is not None and not set(wanted) <= allowed:
+        return None, f"names GPUs {sorted(set(wanted) - allowed)} the run cannot see"
+    return wanted, None
 
 
 @dataclass
@@ -180,6 +210,7 @@ class Waiting:
     request: GpuRequest
     bypassed: int = 0
     allowed: frozenset[int] | None = None  # the GPUs its run can see (None: all)
+    prefer: tuple[int, ...] | None = None  # the GPUs its run's scheduler planned for it (a hint)
     foreign_blocked: bool = False  # it once did not fit only because of foreign usage
 
 
@@ -391,13 +422,21 @@ class Allocator:
 
     # -- changes ---------------------------------------------------------------
 
-    def submit(self, key: str, client: str, request: GpuRequest, allowed: frozenset[int] | None = None) -> list[Lease]:
-        """Queue a request (for the ``allowed`` GPUs only, if given) and serve what can be
-        served; returns the leases granted."""
+    def submit(
+        self,
+        key: str,
+        client: str,
+        request: GpuRequest,
+        allowed: frozenset[int] | None = None,
+        prefer: tuple[int, ...] | None = None,
+    ) -> list[Lease]:
+        """Queue a request (for the ``allowed`` GPUs only, if given; preferring the GPUs of
+        ``prefer``, see :func:`checked_preference`) and serve what can be served; returns
+        the leases granted."""
         reason = self.never_fits(request, allowed)
         if reason:
             raise Unsatisfiable(reason)
-        self.queue.append(Waiting(key, client, request, allowed=allowed))
+        self.queue.append(Waiting(key, client, request, allowed=allowed, prefer=prefer))
         return self.serve()
 
     def cancel(self, key: str) -> bool:
@@ -496,7 +535,13 @@ class Allocator:
         the budget keeps it out even on drained GPUs; ``None``: it waits."""
         host = self.host
         placement = place(
-            self.gpus.values(), waiting.request, waiting.client, self.policy, allowed=waiting.allowed, host=host
+            self.gpus.values(),
+            waiting.request,
+            waiting.client,
+            self.policy,
+            allowed=waiting.allowed,
+            host=host,
+            prefer=waiting.prefer,
         )
         host_fits = host is None or host.fits(waiting.request)
         if placement is None and host_fits and self.blocked_within_budget(waiting):
@@ -508,6 +553,7 @@ class Allocator:
                 within_budget=False,
                 allowed=waiting.allowed,
                 host=host,
+                prefer=waiting.prefer,
             )
         return placement
 

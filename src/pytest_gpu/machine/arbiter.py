@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable
+from ..leasing.placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, checked_preference
 from ..leasing.ports import PortAllocator
 from ..leasing.requests import GpuRequest, format_size
 from .messages import Asked, Held
@@ -130,6 +130,8 @@ class Arbiter:
         self._mids: dict[str, int] = {}
         self._uuids: dict[int, str] = {}
         self._allowed: dict[tuple[str, ...], frozenset[int]] = {}  # a run's GPU list, as pool indices
+        self.preferences_ignored = 0  # hints of GPUs from runs that did not fit their request (see submit)
+        self.preference_ignored: str | None = None  # why the last one was ignored
         self._lock = threading.Lock()
         self._sampled = float("-inf")
         self._retry: threading.Timer | None = None
@@ -500,10 +502,23 @@ class Arbiter:
     # -- requests -----------------------------------------------------------------------
 
     def submit(
-        self, run: str, key: str, client: str, worker: str, test: str, request: GpuRequest, gpus: list[str]
+        self,
+        run: str,
+        key: str,
+        client: str,
+        worker: str,
+        test: str,
+        request: GpuRequest,
+        gpus: list[str],
+        prefer: list[str] | None = None,
     ) -> tuple[str, Any]:
         """``("granted", body)``, ``("queued", None)`` or ``("error", message)``; for
-        ``key`` only: grants of other requests this one made possible go out as events."""
+        ``key`` only: grants of other requests this one made possible go out as events.
+
+        ``prefer``: the GPUs the run's scheduler planned for the request, a hint
+        (:func:`~pytest_gpu.leasing.placement.checked_preference`): one that does not name
+        ``request.count`` distinct GPUs of the run is ignored, and counted in
+        :attr:`preferences_ignored` with why."""
         out: dict[str, list[Event]] = defaultdict(list)
         with self._lock:  # by hand, not _locked(): this is the path every grant takes
             entry = self.runs[run]
@@ -527,8 +542,17 @@ class Arbiter:
             entry.workers[pool_client] = worker
             entry.since[pool_key] = time.time()
             self._sample_locked()
+            hint: tuple[int, ...] | None = None
+            if prefer is not None:
+                if set(prefer) <= entry.gpus:
+                    hint, why = checked_preference([self._mid(u) for u in prefer], request, allowed)
+                else:
+                    why = "include GPUs the run did not bring"
+                if why is not None:
+                    self.preferences_ignored += 1
+                    self.preference_ignored = f"{test}: the preferred GPUs {prefer[:8]} {why}"
             try:
-                granted = self.allocator.submit(pool_key, pool_client, request, allowed)
+                granted = self.allocator.submit(pool_key, pool_client, request, allowed, hint)
             except Unsatisfiable as exc:
                 self._forget_key_locked(pool_key)
                 return ("error", str(exc))
@@ -647,7 +671,9 @@ class Arbiter:
     # -- questions ----------------------------------------------------------------------
 
     def room(self, gpus: list[str]) -> list[int]:
-        """What each of ``gpus`` can give leases now, contexts and foreign usage counted."""
+        """What each of ``gpus`` can give leases now beside the CUDA contexts open there and
+        foreign usage (a lease of a process without a context there also opens one: the
+        scheduler counts that per worker)."""
         policy = self.allocator.policy
         with self._lock:
             rows = []
@@ -657,7 +683,7 @@ class Arbiter:
                     rows.append(0)
                     continue
                 overhead = policy.context(gpu.index)
-                rows.append(max(gpu.capacity - gpu.foreign - overhead * max(1, len(gpu.contexts)), 0))
+                rows.append(max(gpu.capacity - gpu.foreign - overhead * len(gpu.contexts), 0))
             return rows
 
     def _sees(self, viewer: int | None, entry: RunEntry | None) -> bool:

@@ -372,26 +372,37 @@ class MachineLink:
                 self._remote.tell(op, **fields)
 
     def submit(
-        self, key: str, client: str, worker: str, test: str, request: GpuRequest, gpus: list[str]
+        self,
+        key: str,
+        client: str,
+        worker: str,
+        test: str,
+        request: GpuRequest,
+        gpus: list[str],
+        prefer: list[str] | None = None,
     ) -> tuple[str, Any]:
+        """Ask the arbiter for ``request`` on ``gpus``, preferring those of ``prefer`` (a hint,
+        see :meth:`Arbiter.submit`; a re-declared request after a failover has none)."""
         test = test if len(test) <= TEST_MAX else test[: TEST_MAX - 3] + "..."
         with self._lock:
             arbiter = self._arbiter
             if arbiter is not None:
                 # the fast path of a run that is the arbiter: no mirror (it never re-declares)
-                return arbiter.submit(self.run, key, client, worker, test, request, gpus)
+                return arbiter.submit(self.run, key, client, worker, test, request, gpus, prefer)
             self._mirror.begin(key)
             private = self._private()
+            extra: dict[str, Any] = {} if prefer is None else {"prefer": prefer}
             try:
                 kind, value = self._call(
                     "submit",
-                    lambda a: a.submit(self.run, key, client, worker, test, request, gpus),
+                    lambda a: a.submit(self.run, key, client, worker, test, request, gpus, prefer),
                     key=key,
                     client=client,
                     worker="" if private else worker,
                     test="" if private else test,
                     request=request_to_wire(request),
                     gpus=gpus,
+                    **extra,
                 )
             finally:
                 early = self._mirror.end(key)

@@ -251,6 +251,13 @@ def submit(m: dict[str, Any]) -> Asked:
     return asked(m)
 
 
+def preference(m: dict[str, Any]) -> list[str] | None:
+    """A submit's ``prefer``: the GPUs its run's scheduler planned for it (absent: none);
+    whether they suit the request is the arbiter's to check."""
+    value = m.get("prefer")
+    return None if value is None else uuids(value, "prefer")
+
+
 def contexts(m: dict[str, Any]) -> list[str] | None:
     value = m.get("contexts")
     return None if value is None else uuids(value, "contexts")

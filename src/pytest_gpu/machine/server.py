@@ -364,7 +364,10 @@ class ArbiterServer:
             raise ValueError(f"{str(op)[:40]!r} before 'attach'")
         if op == "submit":
             ask = messages.submit(m)
-            return list(arbiter.submit(run, ask.key, ask.client, ask.worker, ask.test, ask.request, list(ask.gpus)))
+            prefer = messages.preference(m)
+            return list(
+                arbiter.submit(run, ask.key, ask.client, ask.worker, ask.test, ask.request, list(ask.gpus), prefer)
+            )
         if op == "cancel":
             return arbiter.cancel(run, messages.name(m.get("key"), "key"))
         if op == "abandon":
