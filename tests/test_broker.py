@@ -149,6 +149,36 @@ def test_placements_name_each_workers_granted_leases_until_released(run: Run) ->
     wait_for(lambda: not broker.placements(), what="gw0's leases forgotten")
 
 
+def test_the_schedulers_plan_is_where_the_lease_goes_when_it_fits(run: Run) -> None:
+    """The controller tells the broker where the planner planned a test (``prefer``): that test's
+    acquire of the planned shape goes there; a lease of another shape places by the broker's rule."""
+    broker = run.broker({0: 16 * GiB, 1: 16 * GiB, 2: 16 * GiB})
+    a = run.client("gw0")
+    broker.prefer("gw0", "t::a", (2,), GiB)
+    assert a.acquire(shared(GiB), "t::a", timeout=5).indices == (2,)  # its own rule: GPU 0
+    broker.prefer("gw0", "t::b", (1,), 2 * GiB)
+    assert a.acquire(shared(GiB), "t::b", timeout=5).indices == (2,)  # another shape: affinity
+    assert a.acquire(shared(2 * GiB), "t::b", timeout=5).indices == (1,)
+    a.acquire(shared(2 * GiB), "t::b", timeout=5)  # the plan was taken once: this one has none
+    broker.prefer("gw0", "t::c", (0,), None)
+    assert a.acquire(whole(), "t::c", timeout=5).indices == (0,)
+    assert broker.status()["preferences"] == {"given": 3, "honoured": 3}
+    assert broker.contexts() == {"gw0": frozenset({0, 1, 2})}
+    assert broker.context_sizes() == [OVERHEAD] * 3
+    for bad in [(3,), (0, 0), ()]:
+        with pytest.raises(ValueError, match="prefer: t::d: expected distinct GPUs of"):
+            broker.prefer("gw0", "t::d", bad, GiB)
+
+
+def test_a_plan_that_no_longer_fits_is_placed_by_the_brokers_rule(run: Run) -> None:
+    broker = run.broker()
+    a, b = run.client("gw0"), run.client("gw1")
+    held = a.acquire(shared(12 * GiB), "t::a", timeout=5)
+    broker.prefer("gw1", "t::b", held.indices, 8 * GiB)  # planned beside a test that is still running
+    assert b.acquire(shared(8 * GiB), "t::b", timeout=5).indices != held.indices  # not kept waiting for it
+    assert broker.status()["preferences"] == {"given": 1, "honoured": 0}
+
+
 def test_exclusive_grant_on_two_gpus(run: Run) -> None:
     run.broker()
     client = run.client("gw0")

@@ -120,6 +120,9 @@ def test_a_measured_size_is_checked_at_every_boundary(tmp_path: Path):
         assert broker.measured == {}
         client.context_size(0, 700 * MiB)
         assert broker.measured == {0: 700 * MiB}
+        assert broker.context_sizes() == [700 * MiB]  # what the scheduler counts for a new context
+        assert broker.room() == [4 * GiB]  # no context is open yet
+        client.acquire(GpuRequest(count=1, memory=GiB, exclusive=False), "t", None)
         assert broker.room() == [4 * GiB - 700 * MiB]  # the arbiter places with it
     finally:
         client.close()

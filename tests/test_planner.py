@@ -196,6 +196,58 @@ def test_a_grant_is_only_where_its_worker_runs_a_test() -> None:
     assert planner.pick("B", 0.0) == 1  # A's 8 counts once (not started: packed), GPU 1 is free
 
 
+def test_a_round_plans_each_test_beside_the_ones_planned_before_it() -> None:
+    # the bench's case: three first tests of a round, none granted yet. Free packing says they fit
+    # (the whole GPU on one, 12 + 1 on another); the plan says where, and the 1 is counted beside the
+    # 12, never on the GPU the whole-GPU test was planned on
+    jobs = [gpu(0, 3.0, EXCLUSIVE), gpu(1, 2.0, 12), gpu(2, 1.0, 1), cpu(3, 0.5)]
+    planner = Planner(jobs, [16, 16, 16])
+    for w in "ABC":
+        planner.add_worker(w)
+    assert [planner.pick(w, 0.0) for w in "ABC"] == [0, 1, 2]
+    whole, twelve, one = (planner.planned(i) for i in range(3))
+    assert whole == Grant((0,), EXCLUSIVE)
+    assert twelve == Grant((1,), 12, (0,))
+    assert one == Grant((1,), 1, (0,))  # the tightest: beside the 12, GPU 2 stays empty
+    planner.complete("A", 0, 1.0)
+    assert planner.planned(0) is None  # done: its plan goes with it
+
+
+def test_a_planned_test_is_held_where_it_was_planned_until_granted() -> None:
+    # A's 4 is planned on GPU 0, B's 4 on GPU 1 where B has its context (the broker's affinity).
+    # Repacked freely, 4 + 4 would share a GPU and leave the other to C's 8; where they are
+    # planned (and will be granted: the broker is told), no GPU has 8 free: CPU work instead
+    jobs = [gpu(0, 10.0, 4), gpu(1, 10.0, 4), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, 8), cpu(5, 1.0)]
+    planner = Planner(jobs, [10, 10])
+    for w in "ABC":
+        planner.add_worker(w)
+    planner.contexts, planner.context_size = {"A": {0}, "B": {1}, "C": {0, 1}}, [1, 1]
+    assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]
+    assert (planner.planned(0), planner.planned(1)) == (Grant((0,), 4, (0,)), Grant((1,), 4, (0,)))
+    assert planner.pick("C", 0.0) == 5
+    planner.placed = {"A": [Grant((0,), 4)], "B": [Grant((0,), 4)]}  # granted elsewhere: the grant wins
+    assert planner.pick("C", 0.0) == 4
+
+
+def test_a_worker_without_a_context_on_a_gpu_needs_room_for_one() -> None:
+    # A runs an 8 on GPU 0 (room 15.5 beside A's context). B has no context there: a 7.25 would
+    # open one (0.5), 15.75 in all: it waits for A (CPU work first); with a context there it fits
+    jobs = [gpu(0, 10.0, 800), cpu(1, 10.0), gpu(2, 5.0, 725), cpu(3, 1.0)]
+
+    def b_picks(contexts: dict[str, set[int]], sizes: list[int]) -> int | None:
+        planner = Planner(jobs, [1550])
+        for w in "AB":
+            planner.add_worker(w)
+        assert [planner.pick("A", 0.0) for _ in range(2)] == [0, 1]
+        planner.placed = {"A": [Grant((0,), 800)]}
+        planner.contexts, planner.context_size = contexts, sizes
+        return planner.pick("B", 0.0)
+
+    assert b_picks({}, []) == 2  # contexts not counted (as before)
+    assert b_picks({"A": {0}}, [50]) == 3
+    assert b_picks({"A": {0}, "B": {0}}, [50]) == 2
+
+
 # -- groups ----------------------------------------------------------------------------
 
 

@@ -428,6 +428,44 @@ def test_cpu_work_fills_the_gap_instead_of_waiting_for_the_gpu(gpu_pytester: pyt
     scheduled.stdout.re_match_lines([r"pytest-gpu: makespan .* · waited (\d+ms|<1ms|0s) for GPUs · GPU busy 0:.*"])
 
 
+ONE_ROUND = """
+import pytest
+from pytest_gpu import sim
+
+@pytest.mark.gpu(memory="12GiB")
+def test_big():
+    sim.hold("11GiB", 2.0)
+
+@pytest.mark.gpu(exclusive=True)
+def test_whole():
+    sim.hold("8GiB", 1.5)
+
+@pytest.mark.gpu(memory="1GiB")
+def test_small():
+    sim.hold("900MiB", 1.0)
+"""
+
+
+def test_the_tests_of_one_round_are_placed_where_the_planner_planned_them(gpu_pytester: pytest.Pytester) -> None:
+    """Three first tests on two GPUs: the 12 GiB one is planned on GPU 0, the whole GPU on GPU 1,
+    the 1 GiB one beside the 12. By the broker's own rule a first lease goes to the GPU with the
+    fewest contexts, so the 1 GiB test would take GPU 1 if it asked before the whole-GPU test,
+    which then waited for it: the plan travels to the broker, and nothing waits."""
+    gpu_pytester.makepyfile(test_round=ONE_ROUND)
+    trace = gpu_pytester.path / "trace.json"
+    args = (*cached_args(gpu_pytester), "--gpus", "sim:2x16GiB", "-n", "3", "--gpu-trace", str(trace))
+    gpu_pytester.runpytest_subprocess(*args, timeout=120).assert_outcomes(passed=3)  # records the durations
+    for _ in range(2):  # which test asks first is a race: twice
+        gpu_pytester.runpytest_subprocess(*args, timeout=120).assert_outcomes(passed=3)
+        spans = {e["args"]["nodeid"].split("::")[-1]: e["args"] for e in spans_of_tests(load_trace(trace)[0])}
+        assert {name: span["gpus"] for name, span in spans.items()} == {
+            "test_big": [0],
+            "test_whole": [1],
+            "test_small": [0],
+        }
+        assert sum(span["wait_s"] for span in spans.values()) < 0.3, spans
+
+
 # -- a worker killed mid-run ----------------------------------------------------------------------
 
 KILLED = """

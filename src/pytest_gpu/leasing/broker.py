@@ -78,6 +78,8 @@ from .requests import GpuRequest
 # at the run's end: how long it waits for processes of its clients that are still exiting,
 # whose contexts the machine forgets once the run has left it (xdist's workers are gone by then)
 EXIT_WAIT_S = 3.0
+# the scheduler's plans a worker may have that its tests did not ask for yet (it holds two tests)
+_HINTS_PER_WORKER = 4
 
 
 @dataclass
@@ -169,6 +171,11 @@ class Broker(AuthServer[ClientInfo]):
         # lease key -> (worker, GPU indices, bytes each or None: exclusive) of every grant still held,
         # for the scheduler (:meth:`placements`)
         self._placed: dict[str, tuple[str, tuple[int, ...], int | None]] = {}
+        # worker -> test node id -> (GPU indices, bytes each or None: exclusive) its scheduler planned
+        # for the test (see prefer); lease key -> the GPUs its acquire preferred, till granted
+        self._hints: dict[str, dict[str, tuple[tuple[int, ...], int | None]]] = {}
+        self._preferred: dict[str, tuple[int, ...]] = {}
+        self.preferences = {"given": 0, "honoured": 0}  # acquires that carried one; granted there
         self._ids = itertools.count()
         self._exit_waits: list[threading.Thread] = []  # see _hold_contexts_until_exit
         self._left = False  # the run has left the machine
@@ -204,6 +211,9 @@ class Broker(AuthServer[ClientInfo]):
         """Record a grant to ``info`` (the arbiter's ``body``); the lease message for its client."""
         self.grants += 1
         indices = self._indices(body["gpus"])
+        preferred = self._preferred.pop(key, None)
+        if preferred is not None and preferred == tuple(indices):
+            self.preferences["honoured"] += 1
         info.contexts.update(indices)
         self._placed[key] = (info.worker, tuple(indices), None if body["exclusive"] else int(body["memory"]))
         message = LeaseMessage(
@@ -283,6 +293,7 @@ class Broker(AuthServer[ClientInfo]):
                 holders = self._machine().cancel(key)
                 if holders is not None:
                     self._queued_at.pop(key, None)
+                    self._preferred.pop(key, None)
                     info.tests.pop(key, None)
                     return ("cancelled", Cancelled(holders=self._local_rows(holders)))
             return ("not-waiting", {})
@@ -292,6 +303,7 @@ class Broker(AuthServer[ClientInfo]):
                 info.tests.pop(key, None)
                 self._queued_at.pop(key, None)
                 self._placed.pop(key, None)
+                self._preferred.pop(key, None)
                 self._machine().abandon(key)
             return None
         if kind == "release":
@@ -377,14 +389,60 @@ class Broker(AuthServer[ClientInfo]):
         with self._lock:
             info.tests[key] = test
             self._queued_at[key] = time.monotonic()
-            kind, value = self._machine().submit(key, info.client, info.worker, test, request, self._gpu_list)
+            hint = self._hint(info.worker, test, request)
+            prefer = None
+            if hint is not None:
+                self._preferred[key] = hint
+                self.preferences["given"] += 1
+                prefer = [self.uuids[i] for i in hint]
+            kind, value = self._machine().submit(key, info.client, info.worker, test, request, self._gpu_list, prefer)
             if kind == "queued":
                 return ("queued", body["key"])
             self._queued_at.pop(key, None)
             if kind != "granted":  # "error" or "rejected": it can never be placed
                 info.tests.pop(key, None)
+                self._preferred.pop(key, None)
                 return ("error", value)
             return ("granted", self._granted(info, key, value, 0.0))
+
+    def _hint(self, worker: str, test: str, request: GpuRequest) -> tuple[int, ...] | None:
+        """The GPUs the scheduler planned for ``test`` of ``worker``, taken once by the test's
+        first acquire of the planned shape (a fixture's lease of another shape has none)."""
+        planned = self._hints.get(worker, {}).get(test)
+        if planned is None:
+            return None
+        gpus, memory = planned
+        if request.count != len(gpus) or request.exclusive != (memory is None) or request.memory != memory:
+            return None
+        del self._hints[worker][test]
+        return gpus
+
+    def prefer(self, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
+        """The scheduler planned GPUs ``gpus`` (``memory`` bytes each, ``None``: whole GPUs)
+        for ``test``, handed to ``worker``: its acquire of that shape prefers them (the
+        arbiter grants them when the request fits there now, else places it by its own rule).
+        Raises ValueError for GPUs that are not this run's, or named twice."""
+        if not gpus or len(set(gpus)) != len(gpus) or not set(gpus) <= set(self.capacities):
+            raise ValueError(f"prefer: {test}: expected distinct GPUs of {sorted(self.capacities)}, got {gpus!r:.80}")
+        with self._lock:
+            tests = self._hints.setdefault(worker, {})
+            tests[test] = (tuple(sorted(gpus)), memory)
+            while len(tests) > _HINTS_PER_WORKER:  # tests that never asked (skipped, failed first): oldest go
+                del tests[next(iter(tests))]
+
+    def contexts(self) -> dict[str, frozenset[int]]:
+        """Worker -> the GPUs its processes have (or are assumed to have) CUDA contexts on."""
+        out: dict[str, set[int]] = {}
+        with self._lock:
+            for info in self._clients.values():
+                out.setdefault(info.worker, set()).update(info.contexts)
+        return {worker: frozenset(gpus) for worker, gpus in out.items()}
+
+    def context_sizes(self) -> list[int]:
+        """What one new CUDA context takes on each GPU, as leases are placed: the assumed size,
+        or the one measured there unless the user fixed it (``--gpu-context-overhead``)."""
+        policy = self.policy
+        return [policy.overhead if policy.fixed else self.measured.get(i, policy.context(i)) for i in self.capacities]
 
     def _local_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The arbiter's holder rows in this run's terms: its GPU numbers, other runs named."""
@@ -421,6 +479,8 @@ class Broker(AuthServer[ClientInfo]):
                 del self._queued_at[key]
             for key in [k for k in self._placed if k.startswith(prefix)]:
                 del self._placed[key]
+            for key in [k for k in self._preferred if k.startswith(prefix)]:
+                del self._preferred[key]
             if (held or ports) and not self._closing:
                 tests = sorted({info.tests.get(key, "?") for key, _ in held})
                 test = ", ".join(tests) if tests else info.current_test or ", ".join(port_tests) or None
@@ -491,6 +551,7 @@ class Broker(AuthServer[ClientInfo]):
             "used": used,
             "contexts": contexts,
             "grants": self.grants,
+            "preferences": dict(self.preferences),
             "crashes": [c.__dict__ for c in self.crashes],
             "machine": machine,
         }
@@ -508,10 +569,11 @@ class Broker(AuthServer[ClientInfo]):
         return out
 
     def room(self) -> list[int]:
-        """What each GPU can give leases now that CUDA contexts and foreign usage are counted."""
+        """What each GPU can give leases now beside the CUDA contexts open there and foreign
+        usage (a lease whose process has no context there yet opens one: :meth:`context_sizes`)."""
         if not self.capacities:
             return []  # a run without GPUs never joins the machine
         try:
             return self._machine().room([self.uuids[i] for i in self.capacities])
         except MachineError:  # the arbiter stopped answering: plan with what the GPUs have (workers still wait)
-            return [max(c - self.policy.overhead, 0) for c in self.capacities.values()]
+            return list(self.capacities.values())

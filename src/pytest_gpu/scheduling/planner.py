@@ -50,6 +50,15 @@ packed onto the GPUs' capacities. What a worker's running test holds already
 test is predicted to end: only what is not granted yet is packed freely. (Repacking a
 granted lease would let a test through that no GPU has room for at the moment: it would
 then wait at the broker, its worker idle.)
+
+Plans: a GPU test that fits when it is picked is also given GPUs (:meth:`Planner.planned`),
+where it fits through its whole predicted span beside what is held or planned there: GPUs
+its worker has a CUDA context on first (the broker's affinity), then the tightest fit. Until
+the broker grants its lease, every later pick counts it there, as if granted; the scheduler
+passes the plan to the broker as a preference, which it honours when the request fits there
+(so the tests of one round do not land where the planner counted another one). A worker's
+first lease on a GPU also opens its CUDA context there (:attr:`Planner.context_size`): a test
+fits a GPU its worker has no context on only with room for that context too.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ import bisect
 import heapq
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # A test predicted to be running past its estimate is assumed to end this much later.
@@ -111,10 +120,13 @@ class _Worker:
 
 @dataclass(frozen=True)
 class Grant:
-    """A lease the broker granted: on GPUs ``gpus``, ``memory`` bytes each (``None``: whole GPUs)."""
+    """A lease the broker granted (or the planner planned): on GPUs ``gpus``, ``memory`` bytes
+    each (``None``: whole GPUs); ``contexts``: what a planned lease's new CUDA context takes on
+    each of ``gpus`` besides (0 where its worker has one; a granted lease's is in the room)."""
 
     gpus: tuple[int, ...]
     memory: int | None
+    contexts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,6 +165,11 @@ class Planner:
         # worker -> the leases its processes hold now (the scheduler refreshes it before picks);
         # a worker's running test is predicted to hold these, where they are, until it ends
         self.placed: Mapping[str, Sequence[Grant]] = {}
+        # worker -> GPUs its processes have a CUDA context on, and what a new context takes on
+        # each GPU (the scheduler refreshes both; empty: contexts are not counted)
+        self.contexts: Mapping[str, Collection[int]] = {}
+        self.context_size: Sequence[int] = ()
+        self._plans: dict[int, Grant] = {}  # held test -> the GPUs planned for its own need (see planned)
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
@@ -215,6 +232,8 @@ class Planner:
             del self._pool_owner[key]
         for index in reversed(state.queue[1:]):
             self.requeue(index)
+        for index in state.queue[:1]:
+            self._plans.pop(index, None)
         return list(state.queue)
 
     def queue(self, worker: str) -> list[int]:
@@ -233,6 +252,7 @@ class Planner:
     def requeue(self, index: int) -> None:
         """Put a test back into pending (a crashed worker's queue, or a rerun)."""
         job = self.jobs[index]
+        self._plans.pop(index, None)
         self._ahead_pending[self.order.ahead.get(index, 0)] += 1
         self._gates.update(self._gated.get(index, ()))
         if job.group is not None:
@@ -246,7 +266,12 @@ class Planner:
         state = self._workers[worker]
         if index in state.queue:
             state.queue.remove(index)
+        self._plans.pop(index, None)
         state.head_since = now if state.queue else None
+
+    def planned(self, index: int) -> Grant | None:
+        """The GPUs planned for held test ``index``'s own need (see the module docstring), or ``None``."""
+        return self._plans.get(index)
 
     def eligible(self, worker: str) -> bool:
         """Whether some pending test may go to ``worker`` (not all bound to others)."""
@@ -272,12 +297,13 @@ class Planner:
                     return alone
                 return None
         spans, start = self._forecast(worker, now)
+        extra = self._new_contexts(worker)
         at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
         memo: dict[tuple[tuple[Need, ...], float], bool] = {}
 
         def viable(need: Need) -> bool:
             if need not in at_start:
-                at_start[need] = self._fits_at((need,), start, 0.0, spans)
+                at_start[need] = self._fits_at((need,), start, 0.0, spans, extra)
             return at_start[need]
 
         def fits(index: int) -> bool:
@@ -289,7 +315,7 @@ class Planner:
                 return False
             key = (needs, job.duration)
             if key not in memo:
-                memo[key] = self._fits_at(needs, start, job.duration, spans)
+                memo[key] = self._fits_at(needs, start, job.duration, spans, extra)
             return memo[key]
 
         own_groups = [m[0] for g, m in self._groups.items() if m and self._bound.get(g) == worker]
@@ -307,12 +333,15 @@ class Planner:
         for candidates in passes:
             choice = next((i for i in candidates if fits(i)), None)
             if choice is not None:
+                self._plan(choice, start, spans, extra)
                 break
         if choice is None and (state.queue or not self._anyone_busy(worker)):
             # nothing fits: among the first few by priority, the one predicted to fit soonest
             first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
             if first:  # ties go by priority order (a group weighs its remaining time)
-                soonest = min(range(len(first)), key=lambda k: (self._fit_time(self.jobs[first[k]], start, spans), k))
+                soonest = min(
+                    range(len(first)), key=lambda k: (self._fit_time(self.jobs[first[k]], start, spans, extra), k)
+                )
                 choice = first[soonest]
         if choice is not None:
             self._assign(worker, choice, now)
@@ -408,8 +437,12 @@ class Planner:
                 if position == 0:
                     end = max(end, now + _OVERDUE)
                 grants = self.placed.get(name, ()) if position == 0 and state.head_since is not None else ()
+                plan = self._plans.get(index)
                 if grants:  # running and granted: what it holds stays where it is
                     spans += [_Span(t, end, Need(len(g.gpus), g.memory), g) for g in grants]
+                elif plan is not None and job.need is not None:  # held where it was planned, till granted
+                    spans.append(_Span(t, end, job.need, self._unopened(plan, name)))
+                    spans += [_Span(t, end, need) for need in self._needs(job)[1:]]
                 else:
                     spans += [_Span(t, end, need) for need in self._needs(job)]
                 t = end
@@ -422,51 +455,139 @@ class Planner:
         held = tuple(self.held.get(job.group, ())) if job.group is not None else ()
         return held if job.need is None else (job.need, *held)
 
-    def _fits_at(self, needs: Sequence[Need], start: float, duration: float, spans: list[_Span]) -> bool:
+    def _new_contexts(self, worker: str) -> list[int] | None:
+        """Per GPU: what a lease of ``worker`` adds there besides its memory, a new CUDA
+        context (0 where it has one, or will once a test it holds got its planned GPUs);
+        ``None`` when contexts are not counted."""
+        if not self.context_size:
+            return None
+        have = set(self.contexts.get(worker, ()))
+        for index in self._workers[worker].queue:
+            plan = self._plans.get(index)
+            if plan is not None:
+                have.update(plan.gpus)
+        return [0 if i in have else size for i, size in enumerate(self.context_size)]
+
+    def _unopened(self, plan: Grant, worker: str) -> Grant:
+        """``plan`` less the contexts ``worker`` opened since it was made (the room counts those now)."""
+        have = self.contexts.get(worker, ())
+        if not plan.contexts or not any(i in have for i in plan.gpus):
+            return plan
+        return Grant(
+            plan.gpus, plan.memory, tuple(0 if i in have else c for i, c in zip(plan.gpus, plan.contexts, strict=True))
+        )
+
+    @staticmethod
+    def _active(spans: Sequence[_Span], start: float, duration: float) -> tuple[list[_Span], list[float]]:
+        """The spans that overlap ``duration`` from ``start``, and the moments to check: the
+        start and every later start of one of them."""
         end = start + max(duration, 1e-6)
         overlapping = [s for s in spans if s.start < end and s.end > start]
-        points = {start} | {s.start for s in overlapping if s.start > start}
+        return overlapping, sorted({start} | {s.start for s in overlapping if s.start > start})
+
+    def _fits_at(
+        self,
+        needs: Sequence[Need],
+        start: float,
+        duration: float,
+        spans: list[_Span],
+        extra: Sequence[int] | None = None,
+    ) -> bool:
+        """Whether a candidate's ``needs`` (``extra`` more on each GPU: its new contexts)
+        fit beside ``spans`` for ``duration`` from ``start``."""
+        overlapping, points = self._active(spans, start, duration)
         for point in points:
             active = [s for s in overlapping if s.start <= point < s.end]
             free = [s.need for s in active if s.grant is None]
-            if not self._packs([*free, *needs], [s.grant for s in active if s.grant is not None]):
+            if not self._packs(free, [s.grant for s in active if s.grant is not None], needs, extra):
                 return False
         return True
 
-    def _fit_time(self, job: Job, start: float, spans: list[_Span]) -> float:
+    def _fit_time(self, job: Job, start: float, spans: list[_Span], extra: Sequence[int] | None = None) -> float:
         """The earliest moment from ``start`` at which ``job`` is predicted to fit."""
         needs = self._needs(job)
         if not needs:
             return start
         for moment in sorted({start} | {s.end for s in spans if s.end > start}):
-            if self._fits_at(needs, moment, job.duration, spans):
+            if self._fits_at(needs, moment, job.duration, spans, extra):
                 return moment
         return float("inf")
 
-    def _packs(self, needs: Sequence[Need], granted: Sequence[Grant] = ()) -> bool:
-        """Whether ``needs`` can hold GPUs at once beside ``granted`` (held where they are):
-        whole GPUs first, then largest first, best fit."""
+    def _plan(self, index: int, start: float, spans: list[_Span], extra: Sequence[int] | None) -> None:
+        """Plan GPUs for ``index``'s own need, picked to start at ``start`` (see the module
+        docstring): GPUs where it fits at every moment of its predicted span beside what is
+        held or planned there, its worker's contexts first, then the tightest; kept only if
+        what is not placed yet still packs beside it at each of those moments."""
+        job = self.jobs[index]
+        need, count = job.need, len(self.capacities)
+        if need is None or not count:
+            return
+        add = list(extra) if extra is not None else [0] * count
+        overlapping, points = self._active(spans, start, job.duration)
+        low, taken = list(self.capacities), [False] * count  # least room over the span; any lease there
+        for point in points:
+            free, held = self._free([s.grant for s in overlapping if s.grant is not None and s.start <= point < s.end])
+            low = [min(a, b) for a, b in zip(low, free, strict=True)]
+            taken = [a or b for a, b in zip(taken, held, strict=True)]
+        ranked: list[tuple[int, ...]]
+        if need.memory is None:
+            ranked = sorted((add[i] > 0, i) for i in range(count) if not taken[i])
+        else:
+            left = [low[i] - add[i] - need.memory for i in range(count)]
+            ranked = sorted((add[i] > 0, left[i], i) for i in range(count) if left[i] >= 0)
+        if len(ranked) < need.count:
+            return
+        gpus = tuple(sorted(row[-1] for row in ranked[: need.count]))
+        plan = Grant(gpus, need.memory, () if need.memory is None else tuple(add[i] for i in gpus))
+        others = self._needs(job)[1:]  # what its group's fixtures hold: packed freely, as before
+        for point in points:
+            active = [s for s in overlapping if s.start <= point < s.end]
+            granted = [s.grant for s in active if s.grant is not None]
+            if not self._packs([s.need for s in active if s.grant is None], [*granted, plan], others):
+                return
+        self._plans[index] = plan
+
+    def _free(self, granted: Sequence[Grant]) -> tuple[list[int], list[bool]]:
+        """Room left on each GPU beside ``granted`` (held where they are), and which GPUs hold one."""
         free = list(self.capacities)
-        whole = [False] * len(free)
+        taken = [False] * len(free)
         for grant in granted:
-            for i in grant.gpus:
+            for k, i in enumerate(grant.gpus):
                 if 0 <= i < len(free):
+                    taken[i] = True
                     if grant.memory is None:
-                        whole[i], free[i] = True, 0
-                    else:
-                        free[i] -= grant.memory  # below 0 if the room shrank since (more contexts): full
-        for need in sorted(needs, key=lambda n: (n.memory is not None, -n.count, -(n.memory or 0))):
+                        free[i] = 0
+                    else:  # below 0 if the room shrank since (more contexts): full
+                        free[i] -= grant.memory + (grant.contexts[k] if k < len(grant.contexts) else 0)
+        return free, taken
+
+    def _packs(
+        self,
+        needs: Sequence[Need],
+        granted: Sequence[Grant] = (),
+        own: Sequence[Need] = (),
+        extra: Sequence[int] | None = None,
+    ) -> bool:
+        """Whether ``needs`` and a candidate's ``own`` (which take ``extra`` more on each GPU:
+        the contexts its worker would open) can hold GPUs at once beside ``granted`` (held
+        where they are): whole GPUs first (on GPUs no lease holds), then largest first, best fit."""
+        free, taken = self._free(granted)
+        add = list(extra) if extra is not None else [0] * len(free)
+        items = [(need, False) for need in needs] + [(need, True) for need in own]
+        for need, mine in sorted(items, key=lambda it: (it[0].memory is not None, -it[0].count, -(it[0].memory or 0))):
             if need.memory is None:
-                empty = [i for i in range(len(free)) if not whole[i] and free[i] == self.capacities[i]]
+                empty = [i for i in range(len(free)) if not taken[i]]
                 if len(empty) < need.count:
                     return False
                 for i in empty[: need.count]:
-                    whole[i] = True
+                    taken[i] = True
                     free[i] = 0
                 continue
-            usable = sorted((free[i], i) for i in range(len(free)) if not whole[i] and free[i] >= need.memory)
+            cost = [need.memory + (add[i] if mine else 0) for i in range(len(free))]
+            usable = sorted((free[i] - cost[i], i) for i in range(len(free)) if free[i] >= cost[i])
             if len(usable) < need.count:
                 return False
             for _, i in usable[: need.count]:
-                free[i] -= need.memory
+                taken[i] = True
+                free[i] -= cost[i]
         return True

@@ -17,6 +17,9 @@ worker runs a test yet, so the drain costs nothing. The worker's next test is ha
 it with the last of them (xdist starts a test only once its worker holds the next one)
 and starts once that one finished; then every worker gets work again.
 
+Where the planner planned a GPU test's lease (:meth:`Planner.planned`), the broker is told
+as the test is handed out, and places the lease there when it fits (:meth:`Broker.prefer`).
+
 A worker that dies gives back what it held: xdist reports the test it was running,
 the rest returns to pending and goes to the other workers (or xdist's replacement). No
 test waits for a dead worker, so the run cannot hang on one.
@@ -161,9 +164,13 @@ class GpuScheduling:
         planner = self.planner
         assert planner is not None
         planner.capacities = self._room()
-        if self.run.broker is not None:  # what running tests hold, and where: never repacked
-            placed = self.run.broker.placements()
+        broker = self.run.broker
+        if broker is not None:  # what running tests hold, and where: never repacked
+            placed = broker.placements()
             planner.placed = {w: [Grant(gpus, memory) for gpus, memory in rows] for w, rows in placed.items()}
+            # where each worker has a CUDA context: a lease elsewhere opens one, beside its memory
+            planner.contexts = broker.contexts()
+            planner.context_size = broker.context_sizes()
         now = time.monotonic()
         live = [node for node in self._names if not node.shutting_down]
         sent: dict[WorkerController, list[int]] = {node: [] for node in live}
@@ -175,6 +182,11 @@ class GpuScheduling:
                     if index is None:
                         break
                     sent[node].append(index)
+                    plan = planner.planned(index)
+                    if plan is not None and broker is not None and self.collection is not None:
+                        # where its lease should go: the broker's own rule would not know what
+                        # the planner counted there for the other tests of this round
+                        broker.prefer(name, self.collection[index], plan.gpus, plan.memory)
         for node in live:
             if sent[node]:
                 node.send_runtest_some(sent[node])
