@@ -214,3 +214,28 @@ def test_expected_role_reads_the_command_line_before_xdist_does(
     assert expected_role(pytester.parseconfig()) is Role.LONE
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
     assert expected_role(pytester.parseconfig()) is Role.WORKER
+
+
+def test_a_worker_leaves_what_collection_made_out_of_the_gc(gpu_pytester: pytest.Pytester) -> None:
+    """pytest's five gc passes at every worker's end would walk every module and item again
+    (``roles.tester.freeze_heap``); what a test creates is not frozen."""
+    gpu_pytester.makepyfile(
+        """
+        import gc, weakref
+
+        class Cycle:
+            pass
+
+        def test_frozen_after_collection():
+            assert gc.get_freeze_count() > 1000  # modules, plugins, items
+
+        def test_what_a_test_makes_is_still_collected():
+            node = Cycle()
+            node.me = node
+            ref = weakref.ref(node)
+            del node
+            gc.collect()
+            assert ref() is None
+        """
+    )
+    gpu_pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "1", timeout=120).assert_outcomes(passed=2)
