@@ -229,6 +229,17 @@ def test_a_planned_test_is_held_where_it_was_planned_until_granted() -> None:
     assert planner.pick("C", 0.0) == 4
 
 
+def test_a_test_handed_out_to_wait_is_planned_where_it_will_fit() -> None:
+    # B's successor, a pair of 6s, fits nowhere when B is free (A's 8 holds GPU 0 till 10): rule 4
+    # hands it out anyway, planned on the GPUs it fits once A's test ended
+    jobs = [gpu(0, 10.0, 8), gpu(1, 4.0, 8), gpu(2, 3.0, 6, count=2)]
+    planner = Planner(jobs, [10, 10])
+    for w in "AB":
+        planner.add_worker(w)
+    assert [planner.pick(w, 0.0) for w in "ABB"] == [0, 1, 2]
+    assert planner.planned(2) == Grant((0, 1), 6, (0, 0))
+
+
 def test_a_worker_without_a_context_on_a_gpu_needs_room_for_one() -> None:
     # A runs an 8 on GPU 0 (room 15.5 beside A's context). B has no context there: a 7.25 would
     # open one (0.5), 15.75 in all: it waits for A (CPU work first); with a context there it fits

@@ -51,8 +51,9 @@ test is predicted to end: only what is not granted yet is packed freely. (Repack
 granted lease would let a test through that no GPU has room for at the moment: it would
 then wait at the broker, its worker idle.)
 
-Plans: a GPU test that fits when it is picked is also given GPUs (:meth:`Planner.planned`),
-where it fits through its whole predicted span beside what is held or planned there: GPUs
+Plans: a GPU test that is picked is also given GPUs (:meth:`Planner.planned`), for when it
+is predicted to start (rule 4: once it is predicted to fit), where it fits through its whole
+predicted span beside what is held or planned there: GPUs
 its worker has a CUDA context on first (the broker's affinity), then the tightest fit. Until
 the broker grants its lease, every later pick counts it there, as if granted; the scheduler
 passes the plan to the broker as a preference, which it honours when the request fits there
@@ -339,10 +340,11 @@ class Planner:
             # nothing fits: among the first few by priority, the one predicted to fit soonest
             first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
             if first:  # ties go by priority order (a group weighs its remaining time)
-                soonest = min(
-                    range(len(first)), key=lambda k: (self._fit_time(self.jobs[first[k]], start, spans, extra), k)
-                )
+                when = [self._fit_time(self.jobs[i], start, spans, extra) for i in first]
+                soonest = min(range(len(first)), key=lambda k: (when[k], k))
                 choice = first[soonest]
+                if when[soonest] < float("inf"):  # where it will fit once what it waits for ended
+                    self._plan(choice, when[soonest], spans, extra)
         if choice is not None:
             self._assign(worker, choice, now)
         return choice
