@@ -466,6 +466,29 @@ def test_the_tests_of_one_round_are_placed_where_the_planner_planned_them(gpu_py
         assert sum(span["wait_s"] for span in spans.values()) < 0.3, spans
 
 
+def test_plans_name_the_runs_own_gpu_indices(
+    gpu_pytester: pytest.Pytester, fake_run: Callable[..., pytest.RunResult]
+) -> None:
+    """``--gpus 0,2,3``: the planner numbers the run's GPUs 0-2, the broker by their indices;
+    a plan for the planner's GPU 1 is the run's GPU 2 (not a GPU the run does not have)."""
+    gpu_pytester.makepyfile(
+        test_whole="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.parametrize("i", range(3))
+        @pytest.mark.gpu(exclusive=True)
+        def test_whole(i):
+            sim.hold("1GiB", 0.5)
+        """
+    )
+    trace = gpu_pytester.path / "trace.json"
+    result = fake_run("sim:4x16GiB", "--gpus", "0,2,3", "-n", "3", f"--gpu-trace={trace}")
+    result.assert_outcomes(passed=3)
+    gpus = sorted(g for e in spans_of_tests(load_trace(trace)[0]) for g in e["args"]["gpus"])
+    assert gpus == [0, 2, 3], gpus
+
+
 # -- a worker killed mid-run ----------------------------------------------------------------------
 
 KILLED = """

@@ -165,11 +165,17 @@ class GpuScheduling:
         assert planner is not None
         planner.capacities = self._room()
         broker = self.run.broker
+        # the planner numbers GPUs as the room lists them; the run's GPU indices need not be 0..n-1
+        # (``--gpus 0,2,3``): the broker's indices are translated both ways
+        order = list(broker.capacities) if broker is not None else []
+        at = {index: k for k, index in enumerate(order)}
         if broker is not None:  # what running tests hold, and where: never repacked
-            placed = broker.placements()
-            planner.placed = {w: [Grant(gpus, memory) for gpus, memory in rows] for w, rows in placed.items()}
+            planner.placed = {
+                w: [Grant(tuple(at[i] for i in gpus if i in at), memory) for gpus, memory in rows]
+                for w, rows in broker.placements().items()
+            }
             # where each worker has a CUDA context: a lease elsewhere opens one, beside its memory
-            planner.contexts = broker.contexts()
+            planner.contexts = {w: {at[i] for i in gpus if i in at} for w, gpus in broker.contexts().items()}
             planner.context_size = broker.context_sizes()
         now = time.monotonic()
         live = [node for node in self._names if not node.shutting_down]
@@ -186,7 +192,7 @@ class GpuScheduling:
                     if plan is not None and broker is not None and self.collection is not None:
                         # where its lease should go: the broker's own rule would not know what
                         # the planner counted there for the other tests of this round
-                        broker.prefer(name, self.collection[index], plan.gpus, plan.memory)
+                        broker.prefer(name, self.collection[index], tuple(order[k] for k in plan.gpus), plan.memory)
         for node in live:
             if sent[node]:
                 node.send_runtest_some(sent[node])
