@@ -510,6 +510,13 @@ def run_pytest(
         result.workers = int(match.group(1))
     if hung:
         result.problems.append(f"HUNG: killed after {timeout:.0f} s; last output: {' | '.join(lines[-5:])}")
+    elif not result.summary:
+        # pytest ended without running the suite (a broken install, a usage error): every
+        # figure of this run would be a blank, and a table of blanks is not a measurement
+        raise SystemExit(
+            f"makespan: the {label} {mode} run ended without a pytest summary (exit status {proc.returncode});"
+            f" see {out}; last output: {' | '.join(lines[-3:])[:600]}"
+        )
     return result
 
 

@@ -1,0 +1,33 @@
+"""The benchmarks under ``bench/`` report figures only from runs that ran: a pytest that
+ends without running the suite stops the benchmark instead of filling its table with
+blanks (a table of blanks once passed for a measurement when the plugin was not
+importable)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_makespan_stops_at_a_run_that_ran_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "site" / "pytest_gpu"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('pytest_gpu broken on purpose')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU")}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "makespan.py"), "--scenario", "shapes", "--quick", "--shapes", "worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "ended without a pytest summary" in out
+    assert "broken on purpose" in out or "exit status" in out
+    assert "| worker | 1 |" not in out  # no table of blanks
