@@ -48,11 +48,12 @@ that this map names every module).
         calibration     one CUDA context's size, measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML
         nvmlversion     which NVML the driver has
-    sim/                simulated GPUs as strict as CUDA and NVML
-        spec            ``sim:4x16GiB`` and its options (pure)
+    sim/                simulated GPUs as strict as CUDA, NVML and AMD SMI
+        spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB`` and their options (pure)
         ledger          the machine's memory and contexts: the tests' physics
         cuda            a process's simulated CUDA runtime
         nvml            a fake libnvidia-ml.so.1, built from C
+        amdsmi          a fake libamd_smi.so for the amdsmi package, built from C
         torch_cuda      torch.cuda for the CPU build of torch
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch

@@ -4,7 +4,9 @@ With it, in every process that loads pytest-gpu (the pytest process, xdist worke
 processes, ``pytest-gpu inventory``):
 
 - nvidia-ml-py loads the fake ``libnvidia-ml.so.1`` (:mod:`pytest_gpu.sim.nvml`), so
-  ``--gpus auto`` and verification take exactly the code path of a real machine;
+  ``--gpus auto`` and verification take exactly the code path of a real machine; on a fake
+  AMD machine (``amd:sim:8x192GiB``) the ``amdsmi`` package loads the fake ``libamd_smi.so``
+  (:mod:`pytest_gpu.sim.amdsmi`) and the fake NVML answers "Driver Not Loaded";
 - :mod:`pytest_gpu.sim.cuda` is the machine's CUDA runtime;
 - ``torch.cuda`` of torch's CPU build is given the simulated semantics
   (:mod:`pytest_gpu.sim.torch_cuda`) as soon as torch is imported.
@@ -72,6 +74,20 @@ def activate(spec: str | None = None) -> bool:
         note = f"fake NVML unavailable: {exc}"
         if note not in notes:
             notes.append(note)
+    if machine.vendor == "amd":
+        from . import amdsmi
+
+        try:
+            amdsmi.preload()
+        except RuntimeError as exc:
+            note = f"fake libamd_smi.so unavailable: {exc}"
+            if note not in notes:
+                notes.append(note)
+        shadow = amdsmi.shadowing_library()
+        if shadow is not None:
+            note = f"the amdsmi package loads {shadow} (ROCM_HOME/ROCM_PATH), not the fake libamd_smi.so"
+            if note not in notes:
+                notes.append(note)
     from ..importhook import on_import
 
     on_import("torch", _install_torch)
