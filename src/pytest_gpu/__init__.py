@@ -48,6 +48,7 @@ that this map names every module).
         calibration     one CUDA context's size, measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML
         nvmlversion     which NVML the driver has
+        rocm            AMD ROCm: amdsmi's GPUs and process list, ROCm's visibility variables
     sim/                simulated GPUs as strict as CUDA, NVML and AMD SMI
         spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB`` and their options (pure)
         ledger          the machine's memory and contexts: the tests' physics

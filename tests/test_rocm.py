@@ -1,0 +1,150 @@
+"""AMD ROCm (:mod:`pytest_gpu.gpu.rocm`): ROCm's visibility variables, and GPUs and process lists
+through the real ``amdsmi`` package on a fake AMD machine (``PYTEST_GPU_FAKE_GPUS=amd:sim:…``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from conftest import require
+from pytest_gpu.gpu.devices import Device
+from pytest_gpu.gpu.rocm import lease_env, rocm_view, select
+from pytest_gpu.sim.spec import amd_uuid
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# ROCr's order (the tuple's) differs from amdsmi's indices, as it may on a real machine
+MACHINE = tuple(Device(index, amd_uuid(index), 192 * GiB) for index in (2, 0, 3, 1))
+
+
+def view(**env: str) -> list[int]:
+    return rocm_view(MACHINE, env)
+
+
+def test_no_variables_see_every_gpu_in_rocr_order() -> None:
+    assert view() == [2, 0, 3, 1]
+
+
+def test_rocr_indices_count_in_rocr_order_not_amdsmi_indices() -> None:
+    assert view(ROCR_VISIBLE_DEVICES="0,1") == [2, 0]
+
+
+def test_rocr_takes_uuids_and_unique_prefixes_in_any_case() -> None:
+    assert view(ROCR_VISIBLE_DEVICES=f"{amd_uuid(3)},{amd_uuid(1).upper()}") == [3, 1]
+    assert view(ROCR_VISIBLE_DEVICES=amd_uuid(0)[:-1]) == []  # a prefix of all four names none
+
+
+def test_hip_indexes_into_what_rocr_left() -> None:
+    assert view(ROCR_VISIBLE_DEVICES="1,2,3", HIP_VISIBLE_DEVICES="0") == [0]
+    assert view(ROCR_VISIBLE_DEVICES="1,2,3", CUDA_VISIBLE_DEVICES="2,0") == [1, 0]
+
+
+def test_hip_wins_over_cuda_when_both_are_set() -> None:
+    assert view(HIP_VISIBLE_DEVICES="1", CUDA_VISIBLE_DEVICES="2") == [0]
+
+
+def test_gpu_device_ordinal_sits_between_rocr_and_hip() -> None:
+    assert view(ROCR_VISIBLE_DEVICES="3,2,1", GPU_DEVICE_ORDINAL="1,2", HIP_VISIBLE_DEVICES="1") == [0]
+
+
+def test_empty_hides_all_and_a_bad_entry_ends_the_list() -> None:
+    assert view(ROCR_VISIBLE_DEVICES="") == []
+    assert view(HIP_VISIBLE_DEVICES="1,7,2") == [0]
+    assert view(HIP_VISIBLE_DEVICES="1,1,2") == [0]
+    assert select(MACHINE, "GPU-") == ()
+
+
+def test_a_lease_is_rocr_uuids_alone() -> None:
+    env = lease_env((MACHINE[2], MACHINE[0]))
+    assert env == {
+        "ROCR_VISIBLE_DEVICES": f"{amd_uuid(3)},{amd_uuid(2)}",
+        "GPU_DEVICE_ORDINAL": None,
+        "HIP_VISIBLE_DEVICES": None,
+        "CUDA_VISIBLE_DEVICES": None,
+    }
+    applied = {k: v for k, v in env.items() if v is not None}
+    assert rocm_view(MACHINE, applied) == [3, 2]  # the lease's order: cuda:0 is the first GPU asked for
+
+
+# -- through the real amdsmi package and the fake libamd_smi.so ---------------------------------
+
+
+def run_fake(tmp_path: Path, spec: str, code: str) -> dict[str, Any]:
+    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
+    require("amdsmi (the rocm extra)", module="amdsmi")
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM"):
+        env.pop(name, None)
+    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
+    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert len(done.stdout.strip().splitlines()) == 1, done.stdout  # nothing printed on the way
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_discovery_through_amdsmi_skips_a_gpu_it_cannot_query(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "amd:sim:4x192GiB;fault:2=no_permission",
+        """
+        from pytest_gpu.gpu.rocm import amdsmi_devices
+        devices, note = amdsmi_devices()
+        out["devices"] = [[d.index, d.uuid, d.total_memory, d.name] for d in devices]
+        out["note"] = note
+        """,
+    )
+    assert out["devices"] == [
+        [0, amd_uuid(0), 192 * GiB, "Simulated AMD GPU 192GiB (0000:05:00.0)"],
+        [1, amd_uuid(1), 192 * GiB, "Simulated AMD GPU 192GiB (0000:25:00.0)"],
+        [3, amd_uuid(3), 192 * GiB, "Simulated AMD GPU 192GiB (0000:65:00.0)"],
+    ]
+    assert out["note"].startswith("GPU 2 skipped: amdsmi: AMDSMI_STATUS_NO_PERM")
+
+
+def test_an_nvidia_machine_has_no_amd_driver(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "sim:2x16GiB",
+        """
+        from pytest_gpu.gpu.rocm import AmdSmiUnavailable, amdsmi_devices
+        try:
+            amdsmi_devices()
+        except AmdSmiUnavailable as exc:
+            out["said"] = str(exc)
+        """,
+    )
+    # no ROCm here: the package finds no libamd_smi.so (what it prints about it is in the message)
+    assert out["said"].startswith("amdsmi cannot load libamd_smi.so (")
+    assert "libamd_smi.so" in out["said"][len("amdsmi cannot load libamd_smi.so") :]
+
+
+def test_usage_sees_this_process_allocations_with_the_driver_granularity(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "amd:sim:2x192GiB;proc-unit=1MiB;context=512MiB",
+        f"""
+        import os
+        from pytest_gpu.sim.ledger import ledger
+        from pytest_gpu.gpu.rocm import amdsmi_usage
+        ledger().allocate({GiB + 12345}, 1, None, None)
+        usage = amdsmi_usage(["{amd_uuid(0)}", "{amd_uuid(1).upper()}", "GPU-ffffffffffffffff"])
+        out["pid"] = os.getpid()
+        out["processes"] = {{u: {{str(p): n for p, n in procs.items()}} for u, procs in usage.processes.items()}}
+        out["used"] = usage.used
+        out["notes"] = usage.notes
+        """,
+    )
+    pid = str(out["pid"])
+    held = 512 * MiB + GiB + 12345
+    assert out["processes"] == {amd_uuid(0): {}, amd_uuid(1).upper(): {pid: held - held % MiB}}
+    assert out["used"] == {amd_uuid(0): 0, amd_uuid(1).upper(): held}  # device totals stay exact
+    assert out["notes"] == ["amdsmi cannot query GPU-ffffffffffffffff"]
