@@ -60,16 +60,18 @@ def test_empty_hides_all_and_a_bad_entry_ends_the_list() -> None:
     assert select(MACHINE, "GPU-") == ()
 
 
-def test_a_lease_is_rocr_uuids_alone() -> None:
-    env = lease_env((MACHINE[2], MACHINE[0]))
+def test_a_lease_is_rocr_uuids_and_the_inner_variables_count_them() -> None:
+    env = lease_env((MACHINE[2].uuid, MACHINE[0].uuid))
     assert env == {
         "ROCR_VISIBLE_DEVICES": f"{amd_uuid(3)},{amd_uuid(2)}",
-        "GPU_DEVICE_ORDINAL": None,
-        "HIP_VISIBLE_DEVICES": None,
-        "CUDA_VISIBLE_DEVICES": None,
+        "GPU_DEVICE_ORDINAL": "0,1",
+        "HIP_VISIBLE_DEVICES": "0,1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
     }
-    applied = {k: v for k, v in env.items() if v is not None}
-    assert rocm_view(MACHINE, applied) == [3, 2]  # the lease's order: cuda:0 is the first GPU asked for
+    assert rocm_view(MACHINE, env) == [3, 2]  # the lease's order: cuda:0 is the first GPU asked for
+    # whatever the outer variables said: the lease's replace every one of them
+    outer = {"ROCR_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0"}
+    assert rocm_view(MACHINE, {**outer, **env}) == [3, 2]
 
 
 # -- through the real amdsmi package and the fake libamd_smi.so ---------------------------------

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .gpu.devices import DeviceSpecError, discover
+from .gpu.devices import DeviceSpecError
+from .gpu.discovery import discover
 from .leasing.requests import format_size
 
 

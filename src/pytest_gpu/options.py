@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from .gpu.devices import GPUS_FORM
+from .gpu.discovery import FORM as GPUS_FORM
 from .leasing.ports import DEFAULT_RANGE, parse_port_range
 from .leasing.requests import DefaultMemory, SizeError, parse_size
 from .run.conventions import MarkerMapError, marker_map
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (
-    ("--gpus", "gpus", "auto", f"GPUs this run may use: {GPUS_FORM}. Default: auto (NVML)."),
+    ("--gpus", "gpus", "auto", f"GPUs this run may use: {GPUS_FORM}. Default: auto (NVML, else amdsmi)."),
     (
         "--gpu-default-memory",
         "gpu_default_memory",

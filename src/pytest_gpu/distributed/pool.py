@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import sim
-from ..gpu.isolation import VISIBLE_VARS
+from ..gpu.isolation import VISIBILITY
 from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.host import THREAD_VARS
 from ..leasing.spans import LeaseSpan
@@ -210,7 +210,7 @@ class RankPool:
                 env[sim.TAG_ENV] = lease.env[sim.TAG_ENV]
             if self.spec.isolated:  # a test's own lease: its process confined as the test process would be
                 env[protocol.RANK_ISOLATED_ENV] = "1"
-                env.update({k: v for k, v in lease.env.items() if k not in VISIBLE_VARS})  # JAX's, TF's, ...
+                env.update({k: v for k, v in lease.env.items() if k not in VISIBILITY})  # JAX's, TF's, ...
                 cpus = self.spec.lease.cpus if self.spec.lease is not None else 0
                 if cpus:  # its threads follow its CPUs, as confine_threads makes a test process's
                     env.update(dict.fromkeys(THREAD_VARS, str(cpus)))

@@ -23,8 +23,12 @@ from types import ModuleType
 from .. import importhook, sim
 from . import runtime
 from .devices import Inventory
+from .rocm import ORDINAL_VAR, ROCR_VAR
+from .rocm import lease_env as rocm_lease_env
 
 VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+#: Every variable a lease of any vendor sets to say which GPUs a process sees.
+VISIBILITY = (*VISIBLE_VARS, ROCR_VAR, ORDINAL_VAR)
 # JAX preallocates 75 % of every visible GPU when its backend starts, TensorFlow all of it:
 # on demand, capped at the lease (JAX), or growing (TF) instead.
 XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -54,6 +58,7 @@ class GpuLease:
     waited: float
     simulated: bool = False
     devices: tuple[str, ...] = ()
+    vendor: str = "nvidia"  # whose GPUs (the inventory's): which variables ``env`` sets
 
     def __repr__(self) -> str:
         return f"GpuLease(indices={self.indices}, memory={self.memory}, device={self.device!r})"
@@ -73,7 +78,7 @@ def make_lease(
         visible = ",".join(str(d.index) for d in devices)
     else:
         visible = ",".join(d.uuid for d in devices)  # UUIDs: immune to any ordering mismatch
-    env = {name: visible for name in VISIBLE_VARS}
+    env = visibility_env(inventory.vendor, visible.split(","))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # one fraction for every GPU: of the largest, so no GPU is given more than the lease
     largest = max(d.capacity for d in devices)
@@ -97,7 +102,18 @@ def make_lease(
         waited=waited,
         simulated=inventory.simulated,
         devices=tuple(named),
+        vendor=inventory.vendor,
     )
+
+
+def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
+    """The variables that make a subprocess see exactly the GPUs ``visible`` (UUIDs, or a simulated
+    machine's indices), in this order: ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` for
+    NVIDIA's; ``ROCR_VISIBLE_DEVICES`` and the variables that count into it for AMD's
+    (:func:`pytest_gpu.gpu.rocm.lease_env`)."""
+    if vendor == "amd":
+        return rocm_lease_env(visible)
+    return {name: ",".join(visible) for name in VISIBLE_VARS}
 
 
 @dataclass

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,17 +162,22 @@ def rocm_view(machine: tuple[Device, ...], environ: Mapping[str, str]) -> list[i
     return [d.index for d in seen]
 
 
-def lease_env(devices: tuple[Device, ...]) -> dict[str, str | None]:
-    """What a subprocess needs to see exactly ``devices``, in this order, as ``cuda:0``, ``cuda:1``…
+def lease_env(uuids: Sequence[str]) -> dict[str, str]:
+    """What a subprocess needs to see exactly the GPUs ``uuids`` (ROCr's), in this order, as
+    ``cuda:0``, ``cuda:1``…
 
     ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's); the variables that
-    index into what ROCr leaves are removed (``None``), not set to ``0,1,…``: they would then be
-    redundant, and frameworks such as verl refuse ``ROCR_VISIBLE_DEVICES`` beside
-    ``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``; torch counts ``ROCR_VISIBLE_DEVICES``' entries.
+    index into what ROCr leaves say ``0,1,…``, so that an outer value of theirs cannot narrow
+    the lease further. (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside
+    ``HIP_VISIBLE_DEVICES``, as verl does, need those two removed: docs-incoming/vendors.md.)
     """
-    env: dict[str, str | None] = {ROCR_VAR: ",".join(d.uuid for d in devices)}
-    env.update(dict.fromkeys((ORDINAL_VAR, *HIP_VARS)))
-    return env
+    ordinals = ",".join(str(n) for n in range(len(uuids)))
+    return {ROCR_VAR: ",".join(uuids), **dict.fromkeys((ORDINAL_VAR, *HIP_VARS), ordinals)}
+
+
+def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The ROCm visibility variables set in ``environ`` (what a run started with)."""
+    return tuple((name, environ[name]) for name in VISIBILITY_VARS if environ.get(name) is not None)
 
 
 @dataclass

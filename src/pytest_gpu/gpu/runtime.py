@@ -18,6 +18,10 @@ a GPU NVML refused but CUDA counts still shifts the ordinals right); without tha
 view is predicted from the ``CUDA_VISIBLE_DEVICES`` the process pinned with. That path
 follows the CUDA driver API's documentation and has not run on a GPU machine here.
 
+On AMD GPUs (an inventory of vendor ``amd``) the view is what ROCm's runtime enumerates under
+the ROCm visibility variables the process pinned with (:func:`pytest_gpu.gpu.rocm.rocm_view`):
+predicted, not read back from HIP (``hipInit``/``hipDeviceGetUuid`` are not called yet).
+
 A process that has pinned has initialised CUDA's driver: like any process that used
 CUDA, it must not ``fork`` children that use CUDA (use the ``spawn`` start method).
 """
@@ -28,6 +32,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
+from . import rocm
 from .devices import Inventory, process_view
 
 
@@ -39,6 +44,7 @@ class LeaseUnreachable(RuntimeError):
 class _State:
     pinned: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when pinned
+    outer: tuple[tuple[str, str], ...] = ()  # ROCm's visibility variables when pinned (AMD)
     uuids: list[str] | None = None  # what the driver enumerates (UUIDs' hex digits), read back after cuInit
     note: str = ""
 
@@ -64,7 +70,11 @@ def pin(inventory: Inventory) -> list[int]:
         return cuda.init()
     if not _state.pinned:
         _state.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        _state.uuids, _state.note = _cu_init()
+        if inventory.vendor == "amd":
+            _state.outer = rocm.outer(os.environ)
+            _state.uuids, _state.note = None, "its HIP device list is predicted from ROCm's variables, not read back"
+        else:
+            _state.uuids, _state.note = _cu_init()
         _state.pinned = True
     return view(inventory)
 
@@ -76,6 +86,8 @@ def view(inventory: Inventory) -> list[int]:
 
         return cuda.init()
     machine = inventory.machine or inventory.devices
+    if inventory.vendor == "amd":
+        return rocm.rocm_view(machine, dict(_state.outer if _state.pinned else inventory.outer))
     if _state.uuids is not None:  # what the driver really enumerates, matched to NVML's devices
         by_uuid = {_hex(d.uuid): d.index for d in machine}
         found = [by_uuid.get(u) for u in _state.uuids]
@@ -100,10 +112,15 @@ def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> li
     machine = {d.index: d for d in (inventory.machine or inventory.devices)}
     if all(i in machine and machine[i].parent is not None for i in hidden):
         return None
-    started = _state.visible if _state.pinned else inventory.visible
+    if inventory.vendor == "amd":
+        started_with = ", ".join(f"{k}={v!r}" for k, v in (_state.outer if _state.pinned else inventory.outer))
+        run_s = ", ".join(f"{k}={v!r}" for k, v in inventory.outer)
+        said = f"{started_with or 'no ROCm visibility variables'}; the run's: {run_s or 'none'}"
+    else:
+        started = _state.visible if _state.pinned else inventory.visible
+        said = f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r}"
     raise LeaseUnreachable(
-        f"this process's CUDA cannot address GPU {hidden}: it enumerates {seen} (started with "
-        f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r})"
+        f"this process's CUDA cannot address GPU {hidden}: it enumerates {seen} (started with {said})"
         + (f"; {_state.note}" if _state.note else "")
         + ". Start CUDA outside tests, or leave CUDA_VISIBLE_DEVICES to pytest-gpu"
     )

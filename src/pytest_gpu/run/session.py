@@ -233,7 +233,7 @@ class GpuRun:
         """Controller or single process: discover, make the run directory, start the broker.
 
         ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
-        from ..gpu.devices import discover
+        from ..gpu.discovery import discover
         from ..launched.share import node_share
         from ..leasing import host
         from ..leasing.broker import Broker

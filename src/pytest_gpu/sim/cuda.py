@@ -138,7 +138,14 @@ def init() -> list[int]:
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
-        _rt.view = cuda_view(tuple(units), visible)
+        if led.machine().vendor == "amd":  # ROCm's order: ROCR_VISIBLE_DEVICES first, then HIP's (or CUDA's)
+            from ..gpu.rocm import outer, rocm_view
+
+            started = outer(os.environ)
+            _rt.view = rocm_view(tuple(units), dict(started))
+            visible = ", ".join(f"{k}={v}" for k, v in started) or None
+        else:
+            _rt.view = cuda_view(tuple(units), visible)
         _rt.visible = visible
     return list(_rt.view)
 

@@ -1,0 +1,91 @@
+"""``--gpus`` resolved by vendor: NVIDIA through NVML, AMD through amdsmi.
+
+``auto`` finds NVIDIA GPUs as it always has (:func:`pytest_gpu.gpu.devices.discover`); on a
+machine where NVML reports none, it asks amdsmi (when the ``rocm`` extra is installed). A
+vendor prefix picks one on a machine that has both: ``nvidia:auto`` (NVML only, exactly
+``auto`` on an NVIDIA machine; also ``nvidia:0,2``), ``amd:auto``. A request that names two
+vendors (``nvidia:0,amd:1``) is refused, naming both: a run leases one vendor's GPUs.
+
+An AMD inventory keeps the ROCm visibility variables the run started with
+(:attr:`Inventory.outer`) and lists the machine in ROCr's order
+(:mod:`pytest_gpu.gpu.rocm`), so that a process's view of it can be computed as ROCm's
+runtime enumerates it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+from .devices import GPUS_FORM, DeviceSpecError, Inventory
+from .devices import discover as nvidia_discover
+
+VENDORS = ("nvidia", "amd")
+FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto"
+
+
+def split(spec: str) -> tuple[str | None, str]:
+    """(``nvidia``/``amd``/``None``, the rest) of a ``--gpus`` value; :class:`DeviceSpecError` for
+    one that names two vendors (``nvidia:0,amd:1``) or an unknown one (``intel:auto``)."""
+    value = spec.strip()
+    named = re.findall(r"(?:^|,)\s*([A-Za-z]+)\s*:", value)
+    vendors = sorted({v.lower() for v in named if v.lower() != "sim"})
+    unknown = [v for v in vendors if v not in VENDORS]
+    if unknown:
+        raise DeviceSpecError(f"--gpus {spec!r}: unknown vendor {unknown[0]!r}; expected {FORM}")
+    if len(vendors) > 1:
+        raise DeviceSpecError(
+            f"--gpus {spec!r} names {' and '.join(vendors)} GPUs; a run leases one vendor's GPUs: "
+            f"expected {vendors[0]}:… or {vendors[1]}:…, not both"
+        )
+    if not vendors:
+        return None, value
+    head, _, rest = value.partition(":")
+    if head.strip().lower() != vendors[0]:  # "0,nvidia:1": the vendor must lead
+        raise DeviceSpecError(f"--gpus {spec!r}: the vendor goes first, as in {vendors[0]}:0,1; expected {FORM}")
+    return vendors[0], rest.strip()
+
+
+def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
+    """Resolve a ``--gpus`` value into an :class:`Inventory` of one vendor's GPUs."""
+    env = os.environ if environ is None else environ
+    vendor, rest = split(spec)
+    if vendor == "amd":
+        if rest.lower() != "auto":
+            raise DeviceSpecError(f"--gpus {spec!r}: AMD GPUs are found with amd:auto (expected {FORM})")
+        return amd_inventory(env, required=True)
+    if vendor == "nvidia" and rest.lower().startswith("sim:"):
+        raise DeviceSpecError(f"--gpus {spec!r}: simulated devices take no vendor; expected {rest}")
+    found = nvidia_discover(rest, env)
+    if vendor is None and rest.lower() == "auto" and not found.devices and not found.machine:
+        amd = amd_inventory(env, required=False)
+        if amd.devices or amd.machine:
+            return amd
+    return found
+
+
+def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
+    """The AMD GPUs amdsmi reports that the run's ROCm visibility variables leave it.
+
+    ``required`` (``amd:auto``): amdsmi being unavailable is said in the empty inventory's note,
+    as NVML's is for ``auto``.
+    """
+    from .rocm import AmdSmiUnavailable, amdsmi_devices, outer, rocm_view
+
+    try:
+        found, note = amdsmi_devices()
+    except AmdSmiUnavailable as exc:
+        return Inventory((), "amd:auto" if required else "auto", str(exc), vendor="amd")
+    started = outer(environ)
+    seen = rocm_view(found, dict(started))
+    by_index = {d.index: d for d in found}
+    usable = tuple(by_index[i] for i in seen)
+    if not usable:
+        why = (
+            "amdsmi reports no usable AMD GPUs"
+            if not found
+            else f"{', '.join(f'{k}={v!r}' for k, v in started)} leave none of the GPUs amdsmi reports"
+        )
+        note = "; ".join(filter(None, [why, note]))
+    return Inventory(usable, "amdsmi", note, found, None, "amd", started)
