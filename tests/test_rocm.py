@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from conftest import require
+from conftest import Holder, require
 from pytest_gpu.gpu.devices import Device
 from pytest_gpu.gpu.rocm import lease_env, rocm_view, select
 from pytest_gpu.sim.spec import amd_uuid
@@ -150,3 +150,33 @@ def test_usage_sees_this_process_allocations_with_the_driver_granularity(tmp_pat
     assert out["processes"] == {amd_uuid(0): {}, amd_uuid(1).upper(): {pid: held - held % MiB}}
     assert out["used"] == {amd_uuid(0): 0, amd_uuid(1).upper(): held}  # device totals stay exact
     assert out["notes"] == ["amdsmi cannot query GPU-ffffffffffffffff"]
+
+
+def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> None:
+    spec = "amd:sim:2x192GiB;context=512MiB"
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    env["PYTEST_GPU_SIM"] = spec  # the ledger's spec, as a run's subprocess has it
+    holder = Holder("--gpu", "1", "--memory", "2GiB", env=env)  # not a descendant of the sampling process
+    try:
+        out = run_fake(
+            tmp_path,
+            spec,
+            f"""
+            import os
+            from pytest_gpu.sim.ledger import ledger
+            from pytest_gpu.gpu.foreign import ForeignSampler
+            ledger().allocate({GiB}, 0, None, None)  # ours
+            sampler = ForeignSampler(["{amd_uuid(0)}", "{amd_uuid(1)}"])
+            found = sampler.sample({{os.getpid()}})
+            out["nvml"] = sampler.unavailable
+            out["found"] = {{u: [f.bytes, [[p.pid, p.bytes] for p in f.processes], f.note] for u, f in found.items()}}
+            sampler.close()
+            out["closed"] = sampler.sample({{os.getpid()}})["{amd_uuid(0)}"].note
+            """,
+        )
+    finally:
+        holder.kill()
+    held = 512 * MiB + 2 * GiB
+    assert out["found"] == {amd_uuid(0): [0, [], None], amd_uuid(1): [held, [[holder.pid, held]], None]}
+    assert out["nvml"].startswith("NVML unavailable (Driver Not Loaded)")
+    assert out["closed"].endswith("foreign GPU usage is unknown")  # closed: amdsmi is not asked either

@@ -125,6 +125,8 @@ class ForeignSampler:
         self._handles: dict[str, Any] = {}
         self._nvml: ModuleType | None = None
         self.unavailable: str | None = None  # why NVML cannot be used, if it cannot
+        self._closed = False
+        self._amd_unavailable: str | None = None  # why amdsmi cannot be used either, once it was tried
         try:
             import pynvml
 
@@ -149,6 +151,7 @@ class ForeignSampler:
                 self._nvml = None
                 self._handles.clear()
                 self.unavailable = "the sampler was closed"
+            self._closed = True
 
     def __enter__(self) -> ForeignSampler:
         return self
@@ -179,6 +182,11 @@ class ForeignSampler:
         with self._lock:
             pynvml = self._nvml
             if pynvml is None:
+                if not self._closed and self._amd_unavailable is None:  # an AMD machine?
+                    own = accounted if accounted is not None else self.accounted() if self.accounted else {}
+                    amd = self._amd_sample(wanted, _predicate(ours), own)
+                    if amd is not None:
+                        return amd
                 why = f"{self.unavailable}: foreign GPU usage is unknown"
                 return {uuid: Foreign(0, (), why) for uuid in wanted}
             if accounted is None:
@@ -218,6 +226,41 @@ class ForeignSampler:
             for uuid, why in unlisted.items():
                 result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why)
             return {uuid: result[uuid] for uuid in wanted}
+
+    # -- AMD --------------------------------------------------------------------------
+
+    def _amd_sample(
+        self, wanted: list[str], is_ours: Callable[[int], bool], accounted: Mapping[str, int]
+    ) -> dict[str, Foreign] | None:
+        """Where NVML is unavailable: the same judgement from amdsmi's process list (AMD GPUs, by
+        ROCr UUID); ``None`` when amdsmi cannot be used either. Its per-process figures are the
+        driver's (bytes, possibly rounded and a moment old); the used VRAM it reports includes the
+        driver's own reservation, which counts as foreign where processes cannot be listed."""
+        from .rocm import AmdSmiUnavailable, amdsmi_usage
+
+        try:
+            usage = amdsmi_usage(wanted)
+        except AmdSmiUnavailable as exc:
+            self._amd_unavailable = str(exc)  # no AMD driver now: none later in this process either
+            return None
+        listed = {uuid: dict(procs) for uuid, procs in usage.processes.items()}
+        hidden = self._hidden_pids(listed)
+        result: dict[str, Foreign] = {}
+        for uuid in wanted:
+            if uuid not in usage.used:
+                result[uuid] = Foreign(0, (), f"amdsmi cannot query {uuid}: its foreign usage is unknown")
+            elif uuid not in listed or hidden:
+                why = (
+                    f"amdsmi reports processes ({', '.join(map(str, hidden[:3]))}) that do not exist in this pid "
+                    "namespace (a container?): their owners cannot be told apart"
+                    if hidden
+                    else f"amdsmi cannot list the processes on {uuid}"
+                )
+                result[uuid] = self._by_difference(uuid, (usage.used[uuid], None), accounted.get(uuid, 0), why)
+            else:
+                procs: dict[int, int | None] = dict(listed[uuid])
+                result[uuid] = self._by_process(uuid, procs, is_ours, (usage.used[uuid], None), accounted.get(uuid, 0))
+        return result
 
     # -- NVML ------------------------------------------------------------------------
 

@@ -226,6 +226,15 @@ class SimVerifier:
 # memory of the test during which it happened; beyond it, growth that outlives the test is held.
 CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
+# AMD: amdsmi's process list is the driver's, which some drivers give in whole MB and refresh
+# about once a second (what the issue reports; amdsmi.h says bytes): what it shows is judged as
+# it is, and a verdict that finds memory held or outside the lease says how coarse it may be.
+AMD_PROCESS_UNIT = 2**20
+AMD_PROCESS_LAG_S = 1.0
+AMD_CAVEAT = (
+    f"seen in amdsmi's per-process list, which may be rounded to {format_size(AMD_PROCESS_UNIT)} and "
+    f"up to about {AMD_PROCESS_LAG_S:g} s old"
+)
 
 
 @dataclass
@@ -273,10 +282,12 @@ class NvmlVerifier:
 
     def _usage(self) -> _Sample | None:
         """Bytes NVML reports per GPU for this process and each live descendant; ``None``
-        (and a note) when it cannot tell."""
+        (and a note) when it cannot tell. AMD GPUs: amdsmi's process list (:meth:`_amd_usage`)."""
         import psutil
         import pynvml
 
+        if self.inventory.vendor == "amd":
+            return self._amd_usage()
         if self._untrusted:
             self._give_up(self._untrusted)
             return None
@@ -320,6 +331,35 @@ class NvmlVerifier:
                 return None
         finally:
             pynvml.nvmlShutdown()
+        return sample
+
+    def _amd_usage(self) -> _Sample | None:
+        """What amdsmi's per-process list says this process and its live descendants use, per GPU.
+
+        Its figures are VRAM in bytes as the driver gives them (amdsmi.h), which may be rounded
+        (to :data:`AMD_PROCESS_UNIT` on drivers that account in MB) and up to about
+        :data:`AMD_PROCESS_LAG_S` old: every violation it finds says so."""
+        from .rocm import AmdSmiUnavailable, amdsmi_usage
+
+        sample = _Sample(tree=self._tree())
+        machine = self.inventory.machine or self.inventory.devices
+        try:
+            usage = amdsmi_usage([d.uuid for d in machine])
+        except AmdSmiUnavailable as exc:
+            self._give_up(f"{exc}: memory outside the lease was not checked")
+            return None
+        for note in usage.notes:
+            self._note(f"{note}: not checked there")
+        me = os.getpid()
+        for device in machine:
+            listed = usage.processes.get(device.uuid)
+            if listed is None:
+                self._unmeasured.add(device.index)
+                continue
+            for pid, used in listed.items():
+                if pid == me or pid in sample.tree:
+                    into = sample.usage.setdefault(pid, {})
+                    into[device.index] = into.get(device.index, 0) + used
         return sample
 
     def _tree(self) -> dict[int, float]:
@@ -429,6 +469,8 @@ class NvmlVerifier:
                     )
         verdict = judge(lease, peak, current, touched, others, {i: "; ".join(w) for i, w in why.items()}, whence=whence)
         verdict.notes.extend(self._notes)
+        if self.inventory.vendor == "amd":  # what it found is as coarse and as fresh as amdsmi's list
+            verdict.violations = [f"{v} ({AMD_CAVEAT})" for v in verdict.violations]
         unmeasured = self._unmeasured & set(lease.indices)
         verdict.measured = seen and (torch is not None or not unmeasured)
         return verdict

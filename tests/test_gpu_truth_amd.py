@@ -1,0 +1,77 @@
+"""AMD ROCm end to end, on a fake AMD machine (``PYTEST_GPU_FAKE_GPUS=amd:sim:…``): the real
+``amdsmi`` package loads the fake ``libamd_smi.so``; discovery, leases, the simulated HIP's
+device order and verification take the code path of a real AMD machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require
+from pytest_gpu.sim.spec import amd_uuid
+
+
+@pytest.fixture
+def amd_run(fake_run, monkeypatch):
+    require("amdsmi (the rocm extra)", module="amdsmi")
+    for name in ("ROCM_HOME", "ROCM_PATH", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(spec, *args, **env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return fake_run(spec, *args)
+
+    return run
+
+
+def test_leases_are_rocr_uuids_and_memory_outside_the_lease_is_seen(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile(
+        test_amd="""
+        import os
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.parametrize("n", range(3))
+        @pytest.mark.gpu(exclusive=True)
+        def test_on_the_lease(gpu, n):
+            # ROCR_VISIBLE_DEVICES=0,2,3 outside: this worker's HIP numbers GPUs 0, 2, 3 as 0, 1, 2
+            assert gpu.device == f"cuda:{[0, 2, 3].index(gpu.indices[0])}"
+            assert os.environ["ROCR_VISIBLE_DEVICES"] == gpu.uuids[0]
+            assert gpu.env["HIP_VISIBLE_DEVICES"] == gpu.env["CUDA_VISIBLE_DEVICES"] == "0"
+            with sim.allocate("1GiB") as block:  # the current device: the lease's
+                assert block.physical == gpu.indices[0]
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_outside(gpu):
+            other = next(o for o in range(3) if f"cuda:{o}" != gpu.device)
+            sim.allocate("256MiB", device=other).free()
+        """
+    )
+    result = amd_run("amd:sim:4x192GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="0,2,3")
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: 3 GPUs (3x192GiB) [[]amdsmi[]]*"])
+    result.stdout.fnmatch_lines(
+        ["*used memory on GPU * outside its lease (GPU *) (seen in amdsmi's per-process list, which may be*"]
+    )
+    assert "not verified" not in result.stdout.str()
+
+
+def test_a_mixed_request_is_a_usage_error(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile("def test_a():\n    pass\n")
+    result = amd_run("amd:sim:2x192GiB", "--gpus", "nvidia:0,amd:1")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*names amd and nvidia GPUs; a run leases one vendor's GPUs*"])
+
+
+def test_uuid_in_the_outer_rocr_variable(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile(
+        test_one="""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_gpu(gpu):
+            assert gpu.indices == (1,) and gpu.device == "cuda:0"
+        """
+    )
+    result = amd_run("amd:sim:2x192GiB", "--gpus", "amd:auto", ROCR_VISIBLE_DEVICES=amd_uuid(1))
+    result.assert_outcomes(passed=1)
