@@ -4,6 +4,8 @@ device order and verification take the code path of a real AMD machine."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import require
@@ -75,3 +77,38 @@ def test_uuid_in_the_outer_rocr_variable(gpu_pytester, amd_run):
     )
     result = amd_run("amd:sim:2x192GiB", "--gpus", "amd:auto", ROCR_VISIBLE_DEVICES=amd_uuid(1))
     result.assert_outcomes(passed=1)
+
+
+def test_a_rank_pool_gives_each_rank_its_gpu_by_rocr_uuid(gpu_pytester, amd_run, tmp_path):
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    gpu_pytester.makepyfile(
+        test_pool=f"""
+        import json, os
+        import pytest
+
+        @pytest.mark.distributed(world_size=2, backend="none", gpus_per_rank=1)
+        def test_ranks(rank):
+            from pytest_gpu.sim import cuda
+
+            names = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
+            got = {{name: os.environ.get(name) for name in names}}
+            got["units"] = cuda.init()
+            with open(os.path.join({str(seen)!r}, str(rank.rank)), "w") as f:
+                json.dump(got, f)
+        """
+    )
+    result = amd_run("amd:sim:2x192GiB", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    units = []
+    for r in (0, 1):
+        got = json.loads((seen / str(r)).read_text())
+        unit = got.pop("units")
+        units += unit
+        assert got == {
+            "ROCR_VISIBLE_DEVICES": amd_uuid(unit[0]),
+            "HIP_VISIBLE_DEVICES": "0",
+            "CUDA_VISIBLE_DEVICES": "0",
+            "GPU_DEVICE_ORDINAL": "0",
+        }
+    assert sorted(units) == [0, 1]  # one GPU each

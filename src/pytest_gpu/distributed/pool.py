@@ -203,6 +203,8 @@ class RankPool:
         }
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
+            if self.run.inventory.vendor != "nvidia":  # whose variables a rank sets for its slice
+                env[protocol.RANK_VENDOR_ENV] = self.run.inventory.vendor
         if self.holding is not None:
             lease = self.holding.lease
             env[protocol.RANK_MEMORY_ENV] = str(lease.memory)  # each rank's cap on each of its GPUs

@@ -101,8 +101,13 @@ class Rank:
         mine = slices.split(";")[self.rank] if slices is not None else ""
         # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
         # would show it every GPU of the machine, leased to others or excluded by the user
-        for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-            os.environ[name] = mine
+        if os.environ.get(protocol.RANK_VENDOR_ENV) == "amd":  # ROCm: ROCR_VISIBLE_DEVICES by UUID first
+            from ..gpu.rocm import lease_env
+
+            os.environ.update(lease_env(mine.split(",") if mine else []))
+        else:
+            for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+                os.environ[name] = mine
         self.device = "cuda:0" if mine else "cpu"
         self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
