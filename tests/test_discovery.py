@@ -169,3 +169,28 @@ def test_a_subprocess_under_a_lease_env_sees_exactly_the_lease(tmp_path: Path) -
     }
     out = run_fake(tmp_path, "amd:sim:4x192GiB", "from pytest_gpu.sim import cuda\nout['view'] = cuda.init()", **lease)
     assert out["view"] == [2, 0]
+
+
+def test_the_inventory_command_and_status_labels_name_amd_gpus(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "amd:sim:2x192GiB",
+        textwrap.dedent(
+            f"""
+            import contextlib, io
+            from pytest_gpu.cli import gpu_labels, main
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                main(["inventory"])
+            out["inventory"] = printed.getvalue().splitlines()
+            out["labels"] = gpu_labels(["{amd_uuid(1)}", "GPU-ffffffffffffffff"], ask_nvml=True)
+            """
+        ),
+        ROCR_VISIBLE_DEVICES="1",
+    )
+    assert out["inventory"] == [
+        "--gpus auto: 1 AMD GPU (1x192GiB)",
+        f"  GPU 1  {amd_uuid(1)}    192GiB  Simulated AMD GPU 192GiB (0000:25:00.0)",
+        "  started with: ROCR_VISIBLE_DEVICES=1",
+    ]
+    assert out["labels"] == {amd_uuid(1): "AMD GPU 1"}

@@ -51,7 +51,7 @@ def test_leases_are_rocr_uuids_and_memory_outside_the_lease_is_seen(gpu_pytester
     )
     result = amd_run("amd:sim:4x192GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="0,2,3")
     result.assert_outcomes(passed=4, errors=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: 3 GPUs (3x192GiB) [[]amdsmi[]]*"])
+    result.stdout.fnmatch_lines(["pytest-gpu: 3 AMD GPUs (3x192GiB) [[]amdsmi[]]*"])
     result.stdout.fnmatch_lines(
         ["*used memory on GPU * outside its lease (GPU *) (seen in amdsmi's per-process list, which may be*"]
     )

@@ -19,7 +19,7 @@ def _inventory(args: argparse.Namespace) -> int:
 
     try:
         if fake.requested() and not args.gpus.strip().lower().startswith("sim:"):
-            fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML reports them
+            fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML (or libamd_smi.so) reports them
         inventory = discover(args.gpus)
     except (DeviceSpecError, ValueError) as exc:
         print(f"pytest-gpu inventory: {exc}", file=sys.stderr)
@@ -32,6 +32,8 @@ def _inventory(args: argparse.Namespace) -> int:
         print(
             f"  {kind} {device.index}  {device.uuid}  {format_size(device.total_memory):>8}{kept}  {device.name}{where}"
         )
+    if inventory.outer:
+        print(f"  started with: {', '.join(f'{k}={v}' for k, v in inventory.outer)}")
     if inventory.note and inventory.devices:
         print(f"  note: {inventory.note}")
     return 0
@@ -113,7 +115,7 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
         try:
             devices = nvml_devices()[0]
         except NvmlUnavailable:
-            return labels
+            return _amd_labels(real, labels)
         known = {
             d.uuid: f"GPU {d.index}" if d.parent is None else f"GPU {d.parent} MIG unit {d.index}" for d in devices
         }
@@ -121,6 +123,21 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
             label = known.get(uuid.partition(PART)[0])
             if label is not None:
                 labels[uuid] = label
+    return labels
+
+
+def _amd_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
+    """Where NVML cannot answer: amdsmi's names (``AMD GPU 2``, its index) for the AMD GPUs of ``uuids``."""
+    from .gpu.rocm import AmdSmiUnavailable, amdsmi_devices
+
+    try:
+        known = {d.uuid: f"AMD GPU {d.index}" for d in amdsmi_devices()[0]}
+    except AmdSmiUnavailable:
+        return labels
+    for uuid in uuids:
+        label = known.get(uuid)
+        if label is not None:
+            labels[uuid] = label
     return labels
 
 

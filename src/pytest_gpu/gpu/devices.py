@@ -98,6 +98,7 @@ class Inventory:
             sizes[device.total_memory] = sizes.get(device.total_memory, 0) + 1
         parts = ", ".join(f"{n}x{format_size(size)}" for size, n in sizes.items())
         kind = "simulated " if self.simulated else ""
+        kind += {"amd": "AMD "}.get(self.vendor, "")  # NVIDIA's, as always, unnamed
         noun = "MIG instance" if all(d.parent is not None for d in self.devices) else "GPU"
         plural = "s" if len(self.devices) != 1 else ""
         return f"{len(self.devices)} {kind}{noun}{plural} ({parts})"
