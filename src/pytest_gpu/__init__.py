@@ -39,6 +39,7 @@ that this map names every module).
         remote          a run's connection to the arbiter in another process
         mirror          what a run holds and waits for, brought to a new arbiter
     gpu/                real GPUs
+        vendors         one interface per vendor: devices, visibility variables, view, lease variables
         discovery       --gpus by vendor: NVIDIA's or AMD's GPUs, never both
         devices         NVML, index lists, MIG
         runtime         the process's CUDA, pinned before a lease

@@ -101,13 +101,11 @@ class Rank:
         mine = slices.split(";")[self.rank] if slices is not None else ""
         # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
         # would show it every GPU of the machine, leased to others or excluded by the user
-        if os.environ.get(protocol.RANK_VENDOR_ENV) == "amd":  # ROCm: ROCR_VISIBLE_DEVICES by UUID first
-            from ..gpu.rocm import lease_env
+        from ..gpu import vendors  # AMD's: ROCR_VISIBLE_DEVICES by UUID, HIP's counting into it
 
-            os.environ.update(lease_env(mine.split(",") if mine else []))
-        else:
-            for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-                os.environ[name] = mine
+        os.environ.update(
+            vendors.of(os.environ.get(protocol.RANK_VENDOR_ENV, "nvidia")).lease_env(mine.split(",") if mine else [])
+        )
         self.device = "cuda:0" if mine else "cpu"
         self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them

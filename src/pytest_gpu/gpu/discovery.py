@@ -71,14 +71,14 @@ def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
     ``required`` (``amd:auto``): amdsmi being unavailable is said in the empty inventory's note,
     as NVML's is for ``auto``.
     """
-    from .rocm import AmdSmiUnavailable, amdsmi_devices, outer, rocm_view
+    from .vendors import AMD, UNAVAILABLE
 
     try:
-        found, note = amdsmi_devices()
-    except AmdSmiUnavailable as exc:
-        return Inventory((), "amd:auto" if required else "auto", str(exc), vendor="amd")
-    started = outer(environ)
-    seen = rocm_view(found, dict(started))
+        found, note = AMD.devices()
+    except UNAVAILABLE as exc:
+        return Inventory((), "amd:auto" if required else "auto", str(exc), vendor=AMD.name)
+    started = AMD.outer(environ)
+    seen = AMD.view(found, started)
     by_index = {d.index: d for d in found}
     usable = tuple(by_index[i] for i in seen)
     if not usable:
@@ -88,4 +88,4 @@ def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
             else f"{', '.join(f'{k}={v!r}' for k, v in started)} leave none of the GPUs amdsmi reports"
         )
         note = "; ".join(filter(None, [why, note]))
-    return Inventory(usable, "amdsmi", note, found, None, "amd", started)
+    return Inventory(usable, "amdsmi", note, found, None, AMD.name, started)

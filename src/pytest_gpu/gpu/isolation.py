@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from .. import importhook, sim
-from . import runtime
+from . import runtime, vendors
 from .devices import Inventory
-from .rocm import ORDINAL_VAR, ROCR_VAR
-from .rocm import lease_env as rocm_lease_env
 
-VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-#: Every variable a lease of any vendor sets to say which GPUs a process sees.
-VISIBILITY = (*VISIBLE_VARS, ROCR_VAR, ORDINAL_VAR)
+VISIBLE_VARS = vendors.NVIDIA_VARS
+VISIBILITY = vendors.VISIBILITY  # every variable a lease of any vendor sets to say which GPUs a process sees
 # JAX preallocates 75 % of every visible GPU when its backend starts, TensorFlow all of it:
 # on demand, capped at the lease (JAX), or growing (TF) instead.
 XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -110,10 +107,8 @@ def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
     """The variables that make a subprocess see exactly the GPUs ``visible`` (UUIDs, or a simulated
     machine's indices), in this order: ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` for
     NVIDIA's; ``ROCR_VISIBLE_DEVICES`` and the variables that count into it for AMD's
-    (:func:`pytest_gpu.gpu.rocm.lease_env`)."""
-    if vendor == "amd":
-        return rocm_lease_env(visible)
-    return {name: ",".join(visible) for name in VISIBLE_VARS}
+    (:meth:`pytest_gpu.gpu.vendors.Vendor.lease_env`)."""
+    return vendors.of(vendor).lease_env(visible)
 
 
 @dataclass

@@ -8,7 +8,8 @@ that test's narrow list for life and every later lease would land on a wrong or
 invalid ordinal. So before the first lease is applied in a process, :func:`pin`
 initialises the driver with the run's own ``CUDA_VISIBLE_DEVICES``: ``cuInit(0)`` opens
 no context and allocates no GPU memory, and nothing is imported. From then on the
-process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says, and a
+process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says (its vendor's
+:meth:`~pytest_gpu.gpu.vendors.Vendor.view`), and a
 lease's GPU ``i`` is ``cuda:<view.index(i)>`` in the worker, ``cuda:0`` in subprocesses.
 
 On simulated or fake GPUs the driver is :mod:`pytest_gpu.sim.cuda`, whose view is read
@@ -32,8 +33,8 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from . import rocm
-from .devices import Inventory, process_view
+from . import vendors
+from .devices import Inventory
 
 
 class LeaseUnreachable(RuntimeError):
@@ -44,7 +45,7 @@ class LeaseUnreachable(RuntimeError):
 class _State:
     pinned: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when pinned
-    outer: tuple[tuple[str, str], ...] = ()  # ROCm's visibility variables when pinned (AMD)
+    outer: tuple[tuple[str, str], ...] = ()  # the vendor's visibility variables when pinned
     uuids: list[str] | None = None  # what the driver enumerates (UUIDs' hex digits), read back after cuInit
     note: str = ""
 
@@ -70,11 +71,11 @@ def pin(inventory: Inventory) -> list[int]:
         return cuda.init()
     if not _state.pinned:
         _state.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if inventory.vendor == "amd":
-            _state.outer = rocm.outer(os.environ)
-            _state.uuids, _state.note = None, "its HIP device list is predicted from ROCm's variables, not read back"
-        else:
+        _state.outer = vendors.of(inventory.vendor).outer(os.environ)
+        if inventory.vendor == vendors.NVIDIA.name:
             _state.uuids, _state.note = _cu_init()
+        else:
+            _state.uuids, _state.note = None, "its HIP device list is predicted from ROCm's variables, not read back"
         _state.pinned = True
     return view(inventory)
 
@@ -86,16 +87,14 @@ def view(inventory: Inventory) -> list[int]:
 
         return cuda.init()
     machine = inventory.machine or inventory.devices
-    if inventory.vendor == "amd":
-        return rocm.rocm_view(machine, dict(_state.outer if _state.pinned else inventory.outer))
     if _state.uuids is not None:  # what the driver really enumerates, matched to NVML's devices
         by_uuid = {_hex(d.uuid): d.index for d in machine}
         found = [by_uuid.get(u) for u in _state.uuids]
         if all(i is not None for i in found):
             return [i for i in found if i is not None]
-    if _state.pinned:
-        return process_view(inventory, _state.visible, use_run=False)
-    return process_view(inventory)
+    # predicted from the variables it pinned with (the run's, before it pinned)
+    outer = _state.outer if _state.pinned else vendors.started_with(inventory)
+    return vendors.of(inventory.vendor).view(machine, outer)
 
 
 def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int] | None:

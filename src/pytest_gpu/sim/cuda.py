@@ -134,18 +134,16 @@ def init() -> list[int]:
     _runtime()
     led = ledger()
     if _rt.view is None:
-        from ..gpu.devices import Device, cuda_view  # the one model of CUDA's enumeration
+        from ..gpu import vendors  # the one model of each runtime's enumeration
+        from ..gpu.devices import Device
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
-        if led.machine().vendor == "amd":  # ROCm's order: ROCR_VISIBLE_DEVICES first, then HIP's (or CUDA's)
-            from ..gpu.rocm import outer, rocm_view
-
-            started = outer(os.environ)
-            _rt.view = rocm_view(tuple(units), dict(started))
+        vendor = vendors.of(led.machine().vendor)  # an AMD machine: ROCR_VISIBLE_DEVICES first, then HIP's
+        started = vendor.outer(os.environ)
+        _rt.view = vendor.view(tuple(units), started)
+        if vendor is not vendors.NVIDIA:
             visible = ", ".join(f"{k}={v}" for k, v in started) or None
-        else:
-            _rt.view = cuda_view(tuple(units), visible)
         _rt.visible = visible
     return list(_rt.view)
 

@@ -1,0 +1,51 @@
+"""The vendor interface (:mod:`pytest_gpu.gpu.vendors`): NVIDIA's implementation is the code the
+NVIDIA path always ran, AMD's is ROCm's model; both answer the same questions."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpu.gpu import vendors
+from pytest_gpu.gpu.devices import Device, Inventory, cuda_view, parse_sim_spec
+from pytest_gpu.sim.spec import amd_uuid
+
+GiB = 1 << 30
+NV = parse_sim_spec("sim:4x16GiB")
+AMD = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(4))
+
+
+@pytest.mark.parametrize("visible", [None, "", "2,0", "1,9,2", "GPU-51a00000-0000-4000-8000-000000000003"])
+def test_nvidia_view_is_cudas(visible: str | None) -> None:
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible, "ROCR_VISIBLE_DEVICES": "0"}
+    outer = vendors.NVIDIA.outer(env)
+    assert vendors.NVIDIA.view(NV, outer) == cuda_view(NV, visible)  # ROCm's variable means nothing to CUDA
+
+
+def test_nvidia_lease_sets_cuda_and_hip_alike() -> None:
+    assert vendors.NVIDIA.lease_env(["GPU-a", "GPU-b"]) == {
+        "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b",
+        "HIP_VISIBLE_DEVICES": "GPU-a,GPU-b",
+    }
+    assert vendors.NVIDIA.lease_env([]) == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+
+
+def test_amd_view_honours_rocr_before_cuda() -> None:
+    outer = vendors.AMD.outer({"CUDA_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "2,3", "OTHER": "x"})
+    assert outer == (("ROCR_VISIBLE_DEVICES", "2,3"), ("CUDA_VISIBLE_DEVICES", "1"))
+    assert vendors.AMD.view(AMD, outer) == [3]
+
+
+def test_a_lease_env_is_the_view_of_its_names() -> None:
+    for vendor, machine in ((vendors.NVIDIA, NV), (vendors.AMD, AMD)):
+        env = vendor.lease_env([machine[2].uuid, machine[0].uuid])
+        assert vendor.view(machine, vendor.outer(env)) == [2, 0], vendor.name
+        assert set(env) <= set(vendors.VISIBILITY)
+
+
+def test_what_a_run_started_with() -> None:
+    nv = Inventory(NV, "nvml", "", NV, "1,2")
+    assert vendors.started_with(nv) == (("CUDA_VISIBLE_DEVICES", "1,2"),)
+    amd = Inventory(AMD, "amdsmi", "", AMD, None, "amd", (("ROCR_VISIBLE_DEVICES", "0"),))
+    assert vendors.started_with(amd) == (("ROCR_VISIBLE_DEVICES", "0"),)
+    with pytest.raises(KeyError):
+        vendors.of("intel")
