@@ -194,3 +194,27 @@ def test_the_inventory_command_and_status_labels_name_amd_gpus(tmp_path: Path) -
         "  started with: ROCR_VISIBLE_DEVICES=1",
     ]
     assert out["labels"] == {amd_uuid(1): "AMD GPU 1"}
+
+
+def test_rocr_indices_count_in_rocr_order_where_it_differs_from_amdsmi(tmp_path: Path) -> None:
+    """amdsmi's GPU 3 is ROCr's first: ROCR_VISIBLE_DEVICES=0 means it, and leases name UUIDs."""
+    out = run_fake(
+        tmp_path,
+        "amd:sim:4x192GiB;rocr-order=3,0,1,2",
+        DESCRIBE
+        + textwrap.dedent(
+            """
+            from pytest_gpu.gpu import isolation, runtime
+            from pytest_gpu.sim import cuda
+            inv = discover("auto")
+            out["inv"] = describe(inv)
+            out["view"] = runtime.view(inv)
+            out["sim"] = cuda.init()
+            out["env"] = isolation.make_lease("k", [3], 1 << 30, False, 0.0, inv, "t").env["ROCR_VISIBLE_DEVICES"]
+            """
+        ),
+        ROCR_VISIBLE_DEVICES="0,1",
+    )
+    assert out["inv"]["machine"] == [3, 0, 1, 2]  # ROCr's order, amdsmi's indices
+    assert out["inv"]["devices"] == out["view"] == out["sim"] == [3, 0]
+    assert out["env"] == amd_uuid(3)

@@ -209,11 +209,12 @@ def test_coarse_and_stale_process_lists(tmp_path: Path, cache_dir: Path) -> None
 def test_the_ledger_renders_an_amd_machine_and_the_fake_nvml_refuses_it() -> None:
     from pytest_gpu.sim.ledger import render_state
 
-    machine = parse("amd:sim:2x192GiB;proc-unit=1MiB;proc-refresh=1000")
+    machine = parse("amd:sim:2x192GiB;proc-unit=1MiB;proc-refresh=1000;rocr-order=1,0")
     state = {"spec": machine.spec, "overhead": 0, "procs": {}, "tags": {}, "users": {}}
     text = render_state(machine, state)
     assert "option vendor amd\n" in text
     assert "option amd_proc_unit 1048576\n" in text and "option amd_proc_refresh_ms 1000\n" in text
+    assert "option amd_rocr_order 1,0\n" in text
     assert f"gpu 1 {amd_uuid(1)} {192 * GiB} 0 0 0 none Simulated AMD GPU 192GiB" in text
     assert "vendor" not in render_state(parse("sim:1x16GiB"), {**state, "spec": "sim:1x16GiB"})
 
@@ -245,6 +246,9 @@ def test_nvml_reports_driver_not_loaded_on_an_amd_machine(tmp_path: Path) -> Non
         ("amd:2x16GiB;no-v3", "is an NVIDIA driver's option"),
         ("sim:2x16GiB;proc-unit=1MiB", "expected it on an amd: machine"),
         ("amd:2x16GiB;proc-refresh=soon", "expected whole milliseconds"),
+        ("sim:2x16GiB;rocr-order=1,0", "expected it on an amd: machine"),
+        ("amd:2x16GiB;rocr-order=0,0", "expected every GPU index 0..1 once, such as rocr-order=1,0"),
+        ("amd:3x16GiB;rocr-order=2,1", "expected every GPU index 0..2 once"),
     ],
 )
 def test_vendor_specs_refuse_what_the_vendor_lacks(spec: str, said: str) -> None:

@@ -139,8 +139,12 @@ def init() -> list[int]:
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
-        vendor = vendors.of(led.machine().vendor)  # an AMD machine: ROCR_VISIBLE_DEVICES first, then HIP's
+        machine = led.machine()
+        vendor = vendors.of(machine.vendor)  # an AMD machine: ROCR_VISIBLE_DEVICES first, then HIP's
         started = vendor.outer(os.environ)
+        if machine.rocr_order:  # ROCr enumerates in another order than amdsmi's indices (AMD has no MIG)
+            rank = {index: n for n, index in enumerate(machine.rocr_order)}
+            units.sort(key=lambda u: rank[u.index])
         _rt.view = vendor.view(tuple(units), started)
         if vendor is not vendors.NVIDIA:
             visible = ", ".join(f"{k}={v}" for k, v in started) or None

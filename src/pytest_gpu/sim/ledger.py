@@ -491,6 +491,8 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
         lines.append(f"option amd_proc_unit {machine.proc_unit}")
     if machine.proc_refresh_ms:
         lines.append(f"option amd_proc_refresh_ms {machine.proc_refresh_ms}")
+    if machine.rocr_order:
+        lines.append(f"option amd_rocr_order {','.join(map(str, machine.rocr_order))}")
     if machine.pidns:
         lines.append(f"option pidns {machine.pidns}")
     if machine.no_v3:

@@ -23,6 +23,8 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
                                              is rounded down to a multiple of SIZE
              proc-refresh=MS                 (amd) amdsmi's process list is a snapshot at most
                                              MS milliseconds old
+             rocr-order=I,J,...              (amd) ROCr enumerates the GPUs in this order (HSA
+                                             nodes), not in amdsmi's: every index, once
              context=SIZE                    what one CUDA context takes on a GPU here
                                              (default: the run's --gpu-context-overhead,
                                              which then is an assumption the machine may
@@ -59,7 +61,7 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS"
+    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..."
 )
 
 
@@ -106,6 +108,7 @@ class Machine:
     vendor: str = "nvidia"  # whose driver libraries the machine has (VENDORS)
     proc_unit: int = 0  # amd: per-process figures rounded down to a multiple of this (0: exact bytes)
     proc_refresh_ms: int = 0  # amd: how stale amdsmi's process list may be
+    rocr_order: tuple[int, ...] = ()  # amd: GPU indices in ROCr's enumeration order (empty: amdsmi's)
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -219,6 +222,7 @@ def parse(spec: str) -> Machine:
     context: int | None = None
     proc_unit = 0
     proc_refresh_ms = 0
+    rocr_order: tuple[int, ...] = ()
     for raw in options:
         option = raw.strip()
         if not option:
@@ -256,13 +260,21 @@ def parse(spec: str) -> Machine:
             no_v3 = True
         elif key == "no-usage" and not value:
             no_usage = True
-        elif key in ("proc-unit", "proc-refresh") and vendor != "amd":
+        elif key in ("proc-unit", "proc-refresh", "rocr-order") and vendor != "amd":
             raise SpecError(f"{spec!r}: {option!r} describes amdsmi's process list; expected it on an amd: machine")
         elif key == "proc-unit":
             try:
                 proc_unit = parse_size(value.strip())
             except SizeError:
                 raise SpecError(f"{spec!r}: {option}: expected a size such as 1MiB") from None
+        elif key == "rocr-order":
+            parts = [part.strip() for part in value.split(",")]
+            if not all(part.isdigit() for part in parts) or sorted(map(int, parts)) != list(range(len(sizes))):
+                raise SpecError(
+                    f"{spec!r}: {option}: expected every GPU index 0..{len(sizes) - 1} once, such as "
+                    f"rocr-order={','.join(map(str, reversed(range(len(sizes)))))}"
+                )
+            rocr_order = tuple(map(int, parts))
         elif key == "proc-refresh":
             if not value.strip().isdigit():
                 raise SpecError(f"{spec!r}: {option}: expected whole milliseconds such as 1000")
@@ -310,4 +322,4 @@ def parse(spec: str) -> Machine:
                 faults.get(index, "none"),
             )
         )
-    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context, vendor, proc_unit, proc_refresh_ms)
+    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context, vendor, proc_unit, proc_refresh_ms, rocr_order)

@@ -26,6 +26,8 @@
  * `memory_usage` in bytes.  Option "amd_proc_unit N" rounds every per-process figure down to a
  * multiple of N bytes and "amd_proc_refresh_ms N" serves the process list from a snapshot at
  * most N ms old (both 0 by default): the coarser and staler drivers the plugin must tolerate.
+ * "amd_rocr_order 3,0,1,2" makes ROCr's enumeration (hsa_id, hip_id) differ from amdsmi's
+ * indices, as it does on some machines (pytorch #131901, ROCm/amdsmi #175).
  *
  * Handles point into static tables (one socket per GPU, as on MI300X), so a handle keeps
  * naming the same device for as long as that device is in the state file.
@@ -163,6 +165,7 @@ struct state {
     int amd;
     unsigned int ngpus;
     unsigned long long proc_unit, refresh_ms;
+    int rocr_position[MAX_GPUS]; /* GPU index -> its place in ROCr's enumeration, -1: amdsmi's order */
     struct gpu gpus[MAX_GPUS];
     unsigned int nprocs;
     struct proc procs[MAX_PROCS];
@@ -224,6 +227,7 @@ static int parse_state(void) {
     if (!f) return -1;
     struct state *s = &g_scratch;
     memset(s, 0, sizeof *s);
+    for (unsigned int i = 0; i < MAX_GPUS; i++) s->rocr_position[i] = -1;
     unsigned int lineno = 0;
     int rc = 0;
     while (rc == 0 && fgets(line, sizeof line, f)) {
@@ -245,6 +249,15 @@ static int parse_state(void) {
                 rc = parse_fail(path, lineno, "bad amd_proc_unit");
             else if (key && !strcmp(key, "amd_proc_refresh_ms") && parse_ull(value, &s->refresh_ms))
                 rc = parse_fail(path, lineno, "bad amd_proc_refresh_ms");
+            else if (key && !strcmp(key, "amd_rocr_order")) {
+                /* "3,0,1,2": GPU 3 is ROCr's first; the ledger checked it is a permutation */
+                int place = 0;
+                for (char *item = value ? strtok(value, ",") : NULL; item; item = strtok(NULL, ",")) {
+                    unsigned long long gpu;
+                    if (parse_ull(item, &gpu) || gpu >= MAX_GPUS) { rc = parse_fail(path, lineno, "bad amd_rocr_order"); break; }
+                    s->rocr_position[gpu] = place++;
+                }
+            }
         } else if (!strcmp(kind, "gpu")) {
             unsigned long long idx, mig;
             if (parse_ull(token(&rest), &idx) || idx != s->ngpus || idx >= MAX_GPUS) {
@@ -448,8 +461,9 @@ API amdsmi_status_t amdsmi_get_gpu_enumeration_info(void *h, amdsmi_enumeration_
     memset(info, 0, sizeof *info);
     info->drm_card = g->index;
     info->drm_render = 128 + g->index;
-    info->hsa_id = 1 + g->index; /* HSA node 0 is the CPU */
-    info->hip_id = g->index;
+    unsigned int place = g_state.rocr_position[g->index] >= 0 ? (unsigned int)g_state.rocr_position[g->index] : g->index;
+    info->hsa_id = 1 + place; /* HSA node 0 is the CPU; the GPUs' nodes in ROCr's order */
+    info->hip_id = place;
     snprintf(info->hip_uuid, sizeof info->hip_uuid, "%s", g->uuid);
     return leave(AMDSMI_STATUS_SUCCESS);
 }
