@@ -46,7 +46,7 @@ def test_a_mixed_request_names_both_vendors() -> None:
     [
         ("intel:auto", "unknown vendor 'intel'"),
         ("0,nvidia:1", "the vendor goes first"),
-        ("amd:0,1", "AMD GPUs are found with amd:auto"),
+        ("amd:sim:2x16GiB", "expected amd:auto or amd: and amdsmi's indices"),
         ("nvidia:sim:2x16GiB", "simulated devices take no vendor; expected sim:2x16GiB"),
     ],
 )
@@ -218,3 +218,27 @@ def test_rocr_indices_count_in_rocr_order_where_it_differs_from_amdsmi(tmp_path:
     assert out["inv"]["machine"] == [3, 0, 1, 2]  # ROCr's order, amdsmi's indices
     assert out["inv"]["devices"] == out["view"] == out["sim"] == [3, 0]
     assert out["env"] == amd_uuid(3)
+
+
+def test_amd_index_lists_are_amdsmi_indices_visible_to_rocm(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "amd:sim:4x192GiB;rocr-order=3,0,1,2",
+        DESCRIBE
+        + textwrap.dedent(
+            """
+            from pytest_gpu.gpu.devices import DeviceSpecError
+            out["picked"] = describe(discover("amd:2,0"))
+            for spec in ("amd:7", "amd:1,1", "amd:1"):
+                try:
+                    discover(spec)
+                except DeviceSpecError as exc:
+                    out[spec] = str(exc)
+            """
+        ),
+        ROCR_VISIBLE_DEVICES="0,1,3",  # ROCr's 0, 1, 3: amdsmi's 3, 0, 2
+    )
+    assert out["picked"]["devices"] == [2, 0] and out["picked"]["vendor"] == "amd"
+    assert "no usable AMD GPU with amdsmi index [7]; this machine has [0, 1, 2, 3]" in out["amd:7"]
+    assert "an index is listed twice" in out["amd:1,1"]
+    assert "AMD GPU [1] is hidden by ROCR_VISIBLE_DEVICES='0,1,3'" in out["amd:1"]

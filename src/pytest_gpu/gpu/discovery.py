@@ -5,6 +5,7 @@ machine where NVML reports none, it asks amdsmi (when the ``rocm`` extra is inst
 vendor prefix picks one on a machine that has both: ``nvidia:auto`` (NVML only, exactly
 ``auto`` on an NVIDIA machine; also ``nvidia:0,2``), ``amd:auto``. A request that names two
 vendors (``nvidia:0,amd:1``) is refused, naming both: a run leases one vendor's GPUs.
+``amd:0,2`` picks AMD GPUs by amdsmi's index, as ``0,2`` picks NVIDIA's by NVML's.
 
 An AMD inventory keeps the ROCm visibility variables the run started with
 (:attr:`Inventory.outer`) and lists the machine in ROCr's order
@@ -22,7 +23,7 @@ from .devices import GPUS_FORM, DeviceSpecError, Inventory
 from .devices import discover as nvidia_discover
 
 VENDORS = ("nvidia", "amd")
-FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto"
+FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2"
 
 
 def split(spec: str) -> tuple[str | None, str]:
@@ -52,9 +53,11 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
     env = os.environ if environ is None else environ
     vendor, rest = split(spec)
     if vendor == "amd":
-        if rest.lower() != "auto":
-            raise DeviceSpecError(f"--gpus {spec!r}: AMD GPUs are found with amd:auto (expected {FORM})")
-        return amd_inventory(env, required=True)
+        if rest.lower() == "auto":
+            return amd_inventory(env, required=True)
+        if re.fullmatch(r"\d+(\s*,\s*\d+)*", rest):
+            return _amd_indices(spec, [int(x) for x in rest.split(",")], env)
+        raise DeviceSpecError(f"--gpus {spec!r}: expected amd:auto or amd: and amdsmi's indices such as amd:0,2")
     if vendor == "nvidia" and rest.lower().startswith("sim:"):
         raise DeviceSpecError(f"--gpus {spec!r}: simulated devices take no vendor; expected {rest}")
     found = nvidia_discover(rest, env)
@@ -63,6 +66,36 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
         if amd.devices or amd.machine:
             return amd
     return found
+
+
+def _amd_indices(spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
+    """``amd:0,2``: these AMD GPUs by amdsmi's index (what ``amd-smi`` prints), each one that the
+    run's ROCm variables leave visible."""
+    from .vendors import AMD, UNAVAILABLE
+
+    try:
+        found, note = AMD.devices()
+    except UNAVAILABLE as exc:
+        raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
+    known = {d.index: d for d in found}
+    missing = [i for i in wanted if i not in known]
+    if missing:
+        raise DeviceSpecError(
+            f"--gpus {spec!r}: no usable AMD GPU with amdsmi index {missing}; this machine has {sorted(known)}"
+            + (f" ({note})" if note else "")
+        )
+    if len(set(wanted)) != len(wanted):
+        raise DeviceSpecError(f"--gpus {spec!r}: an index is listed twice")
+    started = AMD.outer(environ)
+    seen = set(AMD.view(found, started))
+    hidden = [i for i in wanted if i not in seen]
+    if hidden:
+        said = ", ".join(f"{k}={v!r}" for k, v in started)
+        raise DeviceSpecError(
+            f"--gpus {spec!r}: AMD GPU {hidden} {'is' if len(hidden) == 1 else 'are'} hidden by {said}; "
+            "expected indices ROCm leaves visible"
+        )
+    return Inventory(tuple(known[i] for i in wanted), "amdsmi", note, found, None, AMD.name, started)
 
 
 def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
