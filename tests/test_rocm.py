@@ -11,6 +11,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import Holder, require
 from pytest_gpu.gpu.devices import Device
 from pytest_gpu.gpu.rocm import lease_env, rocm_view, select
@@ -77,13 +79,14 @@ def test_a_lease_is_rocr_uuids_and_the_inner_variables_count_them() -> None:
 # -- through the real amdsmi package and the fake libamd_smi.so ---------------------------------
 
 
-def run_fake(tmp_path: Path, spec: str, code: str) -> dict[str, Any]:
+def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
     """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
     require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
     require("amdsmi (the rocm extra)", module="amdsmi")
     env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
-    for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM"):
+    for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
         env.pop(name, None)
+    env.update(extra)
     script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
     script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -180,3 +183,32 @@ def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> 
     assert out["found"] == {amd_uuid(0): [0, [], None], amd_uuid(1): [held, [[holder.pid, held]], None]}
     assert out["nvml"].startswith("NVML unavailable (Driver Not Loaded)")
     assert out["closed"].endswith("foreign GPU usage is unknown")  # closed: amdsmi is not asked either
+
+
+@pytest.mark.parametrize(
+    ("env", "count"),
+    [
+        ({}, 4),
+        ({"ROCR_VISIBLE_DEVICES": "1,2,3"}, 3),
+        ({"ROCR_VISIBLE_DEVICES": "1,2,3", "HIP_VISIBLE_DEVICES": "0"}, 1),
+        ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0"}, 2),  # HIP's wins, as in torch
+        ({"CUDA_VISIBLE_DEVICES": "2,9"}, 1),
+    ],
+)
+def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str], count: int) -> None:
+    """torch's own ROCm path (``_device_count_amdsmi``), through amdsmi and the fake library."""
+    require("torch", module="torch")
+    out = run_fake(
+        tmp_path,
+        "amd:sim:4x192GiB",
+        """
+        import torch
+        out["hip"] = torch.version.hip
+        out["count"] = torch.cuda.device_count()
+        out["uuids"] = torch.cuda._raw_device_uuid_amdsmi()
+        """,
+        **env,
+    )
+    assert out["hip"].startswith("6.4.")
+    assert out["count"] == count
+    assert out["uuids"] == [amd_uuid(i)[4:] for i in range(4)]  # the ASIC serial, as torch matches HIP's UUIDs

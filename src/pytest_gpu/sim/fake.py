@@ -99,11 +99,33 @@ def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
     try:
-        torch_cuda.install(torch)
+        torch_cuda.install(torch, rocm=_amdsmi_package())
     except RuntimeError as exc:  # torch built with CUDA: its own torch.cuda stays
         note = f"torch.cuda left as it is: {exc}"
         if note not in notes:
             notes.append(note)
+
+
+def _amdsmi_package() -> ModuleType | None:
+    """The ``amdsmi`` package on a fake AMD machine (torch on ROCm asks it); ``None`` elsewhere or
+    where it cannot load the fake library (said in :data:`notes`)."""
+    from .ledger import ledger
+
+    if ledger().machine().vendor != "amd":
+        return None
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its load failure is printed
+            import amdsmi
+    except Exception as exc:  # not installed, or no library: torch counts as torch on CUDA would
+        note = f"torch.cuda counts without amdsmi ({type(exc).__name__}: {exc})"
+        if note not in notes:
+            notes.append(note)
+        return None
+    package: ModuleType = amdsmi
+    return package
 
 
 def deactivate() -> None:

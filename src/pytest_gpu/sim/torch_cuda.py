@@ -1149,8 +1149,24 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
 # -- public API ---------------------------------------------------------------------------------
 
 
-def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_device_count: bool = False) -> None:
+#: ``torch.version.hip`` of torch on a fake AMD machine (torch reads its first and third characters).
+HIP_VERSION = "6.4.43484-fake"
+
+
+def install(
+    torch: ModuleType,
+    *,
+    legacy_memory_fraction: bool = False,
+    legacy_device_count: bool = False,
+    rocm: ModuleType | None = None,
+) -> None:
     """Give ``torch.cuda`` of torch's CPU build the simulated GPUs (idempotent).
+
+    ``rocm``: the ``amdsmi`` package of a fake AMD machine. torch then is a ROCm build, as far
+    as its Python side can tell: ``torch.version.hip`` is set, and ``device_count`` takes
+    torch's own ROCm path, ``_device_count_amdsmi`` (``ROCR_VISIBLE_DEVICES`` first, then
+    ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``), asking amdsmi, which the fake
+    ``libamd_smi.so`` answers.
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its
@@ -1186,6 +1202,10 @@ def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_d
     # NVML as the fake libnvidia-ml reports it, whether or not that library is loadable here
     cuda._raw_device_count_nvml = _nvml_device_count
     cuda._raw_device_uuid_nvml = _nvml_device_uuids
+    if rocm is not None:  # torch on ROCm counts through amdsmi (its CPU build imported pynvml instead)
+        torch.version.hip = HIP_VERSION
+        cuda.amdsmi = rocm
+        cuda._HAS_AMDSMI = True
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
