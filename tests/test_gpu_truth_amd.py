@@ -112,3 +112,27 @@ def test_a_rank_pool_gives_each_rank_its_gpu_by_rocr_uuid(gpu_pytester, amd_run,
             "GPU_DEVICE_ORDINAL": "0",
         }
     assert sorted(units) == [0, 1]  # one GPU each
+
+
+def test_torch_on_rocm_is_confined_to_the_lease(gpu_pytester, amd_run):
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(
+        test_torch="""
+        import pytest
+        import torch
+        from pytest_gpu.sim import torch_cuda
+
+        @pytest.mark.gpu(memory="2GiB")
+        def test_confined(gpu):
+            assert torch.version.hip  # torch on ROCm, to its Python side
+            assert torch.cuda.current_device() == int(gpu.device.split(":")[1])
+            kept = torch_cuda.empty(1 << 30)  # torch.empty(..., device="cuda") in the CPU build's stead
+            with pytest.raises(torch.OutOfMemoryError):
+                torch_cuda.empty(2 << 30)  # beyond the lease's 2GiB
+            assert torch.cuda.max_memory_allocated() >= 1 << 30
+            kept.free()
+        """
+    )
+    result = amd_run("amd:sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="1,0")
+    result.assert_outcomes(passed=1)
+    assert "not verified" not in result.stdout.str()
