@@ -136,3 +136,19 @@ def test_torch_on_rocm_is_confined_to_the_lease(gpu_pytester, amd_run):
     result = amd_run("amd:sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="1,0")
     result.assert_outcomes(passed=1)
     assert "not verified" not in result.stdout.str()
+
+
+def test_the_context_is_measured_through_amdsmi(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile(
+        test_ctx="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_gpu(gpu):
+            sim.allocate("256MiB").free()
+        """
+    )
+    result = amd_run("amd:sim:1x16GiB;context=700MiB", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])

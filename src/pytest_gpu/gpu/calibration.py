@@ -8,7 +8,8 @@ allocators still reserve (torch's cache), and the broker hands the figure to the
 arbiter, which uses it for that GPU's placement (the largest measured counts). An explicit
 ``--gpu-context-overhead`` wins: nothing is measured then.
 
-On simulated GPUs the figure is what the fake NVML reports for the process (the ledger's
+On AMD GPUs it is this process's line in amdsmi's process list. On simulated GPUs the
+figure is what the fake NVML reports for the process (the ledger's
 rendered state), so a machine whose contexts differ from the assumption (``context=`` in
 the spec) is measured as a real one would be. NVML's path runs in CI only against the fake
 ``libnvidia-ml.so.1``.
@@ -97,7 +98,23 @@ def process_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | 
     ``None`` where NVML cannot say."""
     if inventory.simulated:
         return _simulated_usage(indices, inventory)
+    if inventory.vendor == "amd":
+        return _amd_usage(indices, inventory)
     return _nvml_usage(indices, inventory)
+
+
+def _amd_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
+    """amdsmi's per-process list: this process's VRAM on each of ``indices`` it is listed on
+    (the driver's figure, which may be rounded: docs-incoming/vendors.md)."""
+    from .rocm import AmdSmiUnavailable, amdsmi_usage
+
+    uuids = {inventory.by_index(i).uuid: i for i in indices}
+    try:
+        usage = amdsmi_usage(list(uuids))
+    except AmdSmiUnavailable:
+        return None
+    me = os.getpid()
+    return {uuids[uuid]: listed[me] for uuid, listed in usage.processes.items() if me in listed}
 
 
 def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
