@@ -99,7 +99,11 @@ def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
     try:
-        torch_cuda.install(torch, rocm=_amdsmi_package())
+        rocm = _amdsmi_package()
+        if rocm is None:
+            torch_cuda.install(torch)
+        else:  # a fake AMD machine: torch on ROCm
+            torch_cuda.install(torch, rocm=rocm)
     except RuntimeError as exc:  # torch built with CUDA: its own torch.cuda stays
         note = f"torch.cuda left as it is: {exc}"
         if note not in notes:
@@ -109,9 +113,8 @@ def _install_torch(torch: ModuleType) -> None:
 def _amdsmi_package() -> ModuleType | None:
     """The ``amdsmi`` package on a fake AMD machine (torch on ROCm asks it); ``None`` elsewhere or
     where it cannot load the fake library (said in :data:`notes`)."""
-    from .ledger import ledger
-
-    if ledger().machine().vendor != "amd":
+    spec = _active or requested()
+    if spec is None or parse(spec).vendor != "amd":
         return None
     import contextlib
     import io
