@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import require
+from conftest import require, with_amdsmi
 from pytest_gpu.gpu.devices import Device, DeviceSpecError, Inventory
 from pytest_gpu.gpu.discovery import discover, split
 from pytest_gpu.sim.spec import amd_uuid
@@ -64,8 +64,7 @@ def test_an_amd_inventory_crosses_the_wire_with_its_vendor_and_variables() -> No
 def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
     """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
     require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
-    require("amdsmi (the rocm extra)", module="amdsmi")
-    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    env = with_amdsmi({**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")})
     for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
         env.pop(name, None)
     env.update(extra)

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from conftest import require
+from conftest import amdsmi_site, require, with_amdsmi
 from pytest_gpu.sim import amdsmi as fake_amdsmi
 from pytest_gpu.sim.spec import SpecError, amd_uuid, parse
 
 
 @pytest.fixture(autouse=True)
-def _needs() -> None:
+def _needs(monkeypatch: pytest.MonkeyPatch) -> None:
     require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
-    require("amdsmi (the rocm extra)", module="amdsmi")
+    monkeypatch.syspath_prepend(amdsmi_site())  # found (not imported) by the build's symbol list
 
 
 GiB = 1 << 30
@@ -52,6 +52,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One build of the library for the module (its own cache: the build itself is under test)."""
     path = tmp_path_factory.mktemp("fake-amdsmi-cache")
     with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(amdsmi_site())
         mp.setenv("XDG_CACHE_HOME", str(path))
         mp.delenv("CC", raising=False)
         fake_amdsmi.library_dir()
@@ -67,7 +68,7 @@ def write_state(ledger: Path, *lines: str) -> None:
 
 
 def run_py(cache_dir: Path, ledger: Path | None, code: str) -> dict[str, Any]:
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache_dir)}
+    env = with_amdsmi({**os.environ, "XDG_CACHE_HOME": str(cache_dir)})
     for name in ("PYTEST_GPU_SIM_LEDGER", "CC", "ROCM_HOME", "ROCM_PATH"):
         env.pop(name, None)
     if ledger is not None:

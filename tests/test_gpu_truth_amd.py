@@ -5,16 +5,19 @@ device order and verification take the code path of a real AMD machine."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from conftest import require
+from conftest import amdsmi_site, require
 from pytest_gpu.sim.spec import amd_uuid
 
 
 @pytest.fixture
 def amd_run(fake_run, monkeypatch):
-    require("amdsmi (the rocm extra)", module="amdsmi")
+    site = amdsmi_site()
+    rest = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, rest]) if rest else site)  # the inner run's amdsmi
     for name in ("ROCM_HOME", "ROCM_PATH", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL"):
         monkeypatch.delenv(name, raising=False)
 
