@@ -241,3 +241,22 @@ def test_amd_index_lists_are_amdsmi_indices_visible_to_rocm(tmp_path: Path) -> N
     assert "no usable AMD GPU with amdsmi index [7]; this machine has [0, 1, 2, 3]" in out["amd:7"]
     assert "an index is listed twice" in out["amd:1,1"]
     assert "AMD GPU [1] is hidden by ROCR_VISIBLE_DEVICES='0,1,3'" in out["amd:1"]
+
+
+def test_an_ordinal_hip_cannot_see_names_rocms_variables(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "amd:sim:2x192GiB",
+        textwrap.dedent(
+            """
+            from pytest_gpu.sim import cuda
+            from pytest_gpu.sim.ledger import SimDeviceError
+            try:
+                cuda.unit_of(1)
+            except SimDeviceError as exc:
+                out["said"] = str(exc)
+            """
+        ),
+        ROCR_VISIBLE_DEVICES="1",
+    )
+    assert out["said"].endswith("(its CUDA started with ROCR_VISIBLE_DEVICES='1')")

@@ -111,6 +111,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     view: list[int] | None = None  # units, in ordinal order; None until first use
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
+    started: str = ""  # another vendor's visibility variables when the view was fixed (AMD: ROCm's)
     local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
     pid: int = 0  # whose contexts ``ctx`` knows
@@ -146,9 +147,8 @@ def init() -> list[int]:
             rank = {index: n for n, index in enumerate(machine.rocr_order)}
             units.sort(key=lambda u: rank[u.index])
         _rt.view = vendor.view(tuple(units), started)
-        if vendor is not vendors.NVIDIA:
-            visible = ", ".join(f"{k}={v}" for k, v in started) or None
         _rt.visible = visible
+        _rt.started = ", ".join(f"{k}={v!r}" for k, v in started) if vendor is not vendors.NVIDIA else ""
     return list(_rt.view)
 
 
@@ -186,7 +186,7 @@ def unit_of(ordinal: int | str | None = None) -> int:
     if not 0 <= chosen < len(view):
         raise SimDeviceError(
             f"invalid device ordinal {chosen}: this process sees {len(view)} simulated GPU(s) "
-            f"(its CUDA started with CUDA_VISIBLE_DEVICES={_rt.visible!r})"
+            f"(its CUDA started with {_rt.started or f'CUDA_VISIBLE_DEVICES={_rt.visible!r}'})"
         )
     return view[chosen]
 
