@@ -211,3 +211,14 @@ def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str],
     assert out["hip"].startswith("6.4.")
     assert out["count"] == count
     assert out["uuids"] == [amd_uuid(i)[4:] for i in range(4)]  # the ASIC serial, as torch matches HIP's UUIDs
+
+
+def test_a_ray_head_on_amd_gpus_counts_hip_ids_into_the_runs_gpus() -> None:
+    from pytest_gpu.raycluster.head import head_env
+
+    environ = {"ROCR_VISIBLE_DEVICES": amd_uuid(2), "HIP_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}  # a lease's
+    env = head_env(environ, (1, 3), amd_uuids=[amd_uuid(1), amd_uuid(3)])
+    assert env["ROCR_VISIBLE_DEVICES"] == f"{amd_uuid(1)},{amd_uuid(3)}"
+    # ray 2.60 reads HIP_VISIBLE_DEVICES on AMD (and refuses ROCR_VISIBLE_DEVICES without it)
+    assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == env["GPU_DEVICE_ORDINAL"] == "0,1"
+    assert rocm_view(MACHINE, env) == [1, 3]
