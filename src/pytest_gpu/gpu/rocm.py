@@ -21,7 +21,8 @@ device ends its list, as CUDA's rule is (ROCm's documentation does not say; assu
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
 ``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
-list is: a verdict states the granularity it was given (:class:`AmdUsage`).
+list is: every violation judged from it says how coarse and stale it may be
+(:data:`pytest_gpu.gpu.verification.AMD_CAVEAT`).
 
 Not run on an AMD machine here: CI runs it against the fake ``libamd_smi.so``
 (:mod:`pytest_gpu.sim.amdsmi`) through the real ``amdsmi`` package.
