@@ -260,3 +260,24 @@ def test_an_ordinal_hip_cannot_see_names_rocms_variables(tmp_path: Path) -> None
         ROCR_VISIBLE_DEVICES="1",
     )
     assert out["said"].endswith("(its CUDA started with ROCR_VISIBLE_DEVICES='1')")
+
+
+def test_auto_on_a_machine_with_both_takes_nvidias_and_names_amds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from pytest_gpu.gpu import discovery, vendors
+    from pytest_gpu.gpu.devices import parse_sim_spec
+
+    nvidia = parse_sim_spec("sim:2x80GiB")
+    amd = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(8))
+    monkeypatch.setattr(discovery, "nvidia_discover", lambda spec, env: Inventory(nvidia, "nvml", "", nvidia))
+    monkeypatch.setattr(vendors.AMD, "devices", lambda: (amd, ""))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "amdsmi" else real_find_spec(name, *a)
+    )
+    found = discovery.discover("auto", {})
+    assert found.vendor == "nvidia" and found.devices == nvidia
+    assert found.note == "this machine also has 8 AMD GPUs (8x192GiB): --gpus amd:auto leases those instead"
+    assert discovery.discover("nvidia:auto", {}).note == ""  # asked for NVIDIA's: nothing to say
+    assert discovery.discover("amd:auto", {}).devices == amd

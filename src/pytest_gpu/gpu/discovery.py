@@ -3,8 +3,10 @@
 ``auto`` finds NVIDIA GPUs as it always has (:func:`pytest_gpu.gpu.devices.discover`); on a
 machine where NVML reports none, it asks amdsmi (when the ``rocm`` extra is installed). A
 vendor prefix picks one on a machine that has both: ``nvidia:auto`` (NVML only, exactly
-``auto`` on an NVIDIA machine; also ``nvidia:0,2``), ``amd:auto``. A request that names two
-vendors (``nvidia:0,amd:1``) is refused, naming both: a run leases one vendor's GPUs.
+``auto`` on an NVIDIA machine; also ``nvidia:0,2``), ``amd:auto``. Where ``auto`` finds both
+(amdsmi installed and answering beside NVML), it takes NVIDIA's and its note names AMD's. A
+request that names two vendors (``nvidia:0,amd:1``) is refused, naming both: a run leases one
+vendor's GPUs.
 ``amd:0,2`` picks AMD GPUs by amdsmi's index, as ``0,2`` picks NVIDIA's by NVML's.
 
 An AMD inventory keeps the ROCm visibility variables the run started with
@@ -15,9 +17,11 @@ runtime enumerates it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 
 from .devices import GPUS_FORM, DeviceSpecError, Inventory
 from .devices import discover as nvidia_discover
@@ -61,10 +65,16 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
     if vendor == "nvidia" and rest.lower().startswith("sim:"):
         raise DeviceSpecError(f"--gpus {spec!r}: simulated devices take no vendor; expected {rest}")
     found = nvidia_discover(rest, env)
-    if vendor is None and rest.lower() == "auto" and not found.devices and not found.machine:
-        amd = amd_inventory(env, required=False)
-        if amd.devices or amd.machine:
-            return amd
+    if vendor is None and rest.lower() == "auto":
+        if not found.devices and not found.machine:
+            amd = amd_inventory(env, required=False)
+            if amd.devices or amd.machine:
+                return amd
+        elif importlib.util.find_spec("amdsmi") is not None:  # a machine with both? (amdsmi: a ROCm install)
+            amd = amd_inventory(env, required=False)
+            if amd.devices:
+                also = f"this machine also has {amd.describe()}: --gpus amd:auto leases those instead"
+                return replace(found, note="; ".join(filter(None, [found.note, also])))
     return found
 
 
