@@ -155,3 +155,19 @@ def test_the_context_is_measured_through_amdsmi(gpu_pytester, amd_run):
     result = amd_run("amd:sim:1x16GiB;context=700MiB", "--gpus", "auto", "-p", "no:xdist")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
+
+
+def test_gpu_required_without_amd_gpus_says_what_gives_a_job_amd_gpus(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile(
+        test_req="""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_gpu(gpu):
+            pass
+        """
+    )
+    result = amd_run("sim:2x16GiB", "--gpus", "amd:auto", "--gpu-required")  # an NVIDIA machine
+    assert result.ret != 0
+    out = result.stdout.str() + result.stderr.str()
+    assert "give the job its GPUs (the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES, --gpus)" in out, out
