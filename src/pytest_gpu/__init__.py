@@ -48,7 +48,8 @@ that this map names every module).
         verification    did the test stay within its lease
         torchstats      torch's allocator counters, read once per device
         calibration     one CUDA context's size, measured on a GPU's first lease
-        foreign         what processes outside pytest-gpu use, through NVML
+        foreign         what processes outside pytest-gpu use, through NVML or amdsmi
+        sampling        each vendor's driver opened for memory and process samples
         nvmlversion     which NVML the driver has
         rocm            AMD ROCm: amdsmi's GPUs and process list, ROCm's visibility variables
     sim/                simulated GPUs as strict as CUDA, NVML and AMD SMI

@@ -59,16 +59,16 @@ def _amdsmi() -> Any:
     except ImportError as exc:
         raise AmdSmiUnavailable(f"amdsmi is not installed ({exc}; pip install 'pytest-gpu[rocm]')") from None
     except (KeyError, OSError, AttributeError) as exc:  # its wrapper binds libamd_smi.so at import
-        said = " ".join(printed.getvalue().split()) or f"{type(exc).__name__}: {exc}"
-        raise AmdSmiUnavailable(f"amdsmi cannot load libamd_smi.so ({said})") from None
+        why = " ".join(printed.getvalue().split()) or f"{type(exc).__name__}: {exc}"
+        raise AmdSmiUnavailable(f"amdsmi cannot load libamd_smi.so ({why})") from None
     try:
         amdsmi.amdsmi_init(amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
     except amdsmi.AmdSmiException as exc:
-        raise AmdSmiUnavailable(f"amdsmi unavailable: {_said(exc)}") from None
+        raise AmdSmiUnavailable(f"amdsmi unavailable: {said(exc)}") from None
     return amdsmi
 
 
-def _said(exc: Exception) -> str:
+def said(exc: Exception) -> str:
     """amdsmi's error in one line (its ``str`` spans two)."""
     info = getattr(exc, "get_error_info", None)
     text = info(detailed=False) if callable(info) else str(exc)
@@ -92,7 +92,7 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
                 name = str(amdsmi.amdsmi_get_gpu_asic_info(handle).get("market_name", ""))
                 bdf = str(amdsmi.amdsmi_get_gpu_device_bdf(handle))
             except amdsmi.AmdSmiException as exc:
-                notes.append(f"GPU {index} skipped: amdsmi: {_said(exc)}")
+                notes.append(f"GPU {index} skipped: amdsmi: {said(exc)}")
                 continue
             found.append((hsa_id, Device(index, uuid, total, f"{name} ({bdf})" if name else bdf)))
     finally:
@@ -112,7 +112,7 @@ def _rocr_uuid(amdsmi: Any, handle: Any) -> tuple[str, int]:
             info = getter(handle)
             uuid, hsa = str(info.get("hip_uuid", "")), info.get("hsa_id")
             if uuid.upper().startswith("GPU-") and isinstance(hsa, int):
-                return _key(uuid), hsa
+                return uuid_key(uuid), hsa
         except amdsmi.AmdSmiException as exc:
             if getattr(exc, "err_code", None) not in (2, 3):  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED: fall back
                 raise
@@ -122,7 +122,7 @@ def _rocr_uuid(amdsmi: Any, handle: Any) -> tuple[str, int]:
     return f"GPU-{int(serial, 16):016x}", 1 << 32  # after every GPU that has an HSA node
 
 
-def _key(uuid: str) -> str:
+def uuid_key(uuid: str) -> str:
     """A ROCr UUID as this module spells it: ``GPU-`` and lower-case hex digits."""
     return "GPU-" + uuid[4:].lower() if uuid.upper().startswith("GPU-") else uuid
 
@@ -198,23 +198,34 @@ class AmdUsage:
     notes: list[str] = field(default_factory=list)
 
 
+def open_amdsmi() -> tuple[Any, dict[str, Any]]:
+    """amdsmi, initialised (the caller shuts it down), and its GPUs' handles by ROCr UUID (a GPU
+    it cannot query is left out); :class:`AmdSmiUnavailable` when it cannot be used."""
+    amdsmi = _amdsmi()
+    handles: dict[str, Any] = {}
+    try:
+        for handle in amdsmi.amdsmi_get_processor_handles():
+            try:
+                handles[_rocr_uuid(amdsmi, handle)[0]] = handle
+            except amdsmi.AmdSmiException:
+                continue  # a GPU it cannot query: named by whoever asks for it
+    except amdsmi.AmdSmiException as exc:
+        amdsmi.amdsmi_shut_down()
+        raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
+    return amdsmi, handles
+
+
 def amdsmi_usage(uuids: tuple[str, ...] | list[str]) -> AmdUsage:
     """VRAM used and per-process VRAM of the GPUs ``uuids`` (ROCr's), through amdsmi.
 
     :class:`AmdSmiUnavailable` when amdsmi cannot be used at all; a GPU it cannot query, or
     one no longer present, is named in ``notes``.
     """
-    amdsmi = _amdsmi()
+    amdsmi, handles = open_amdsmi()
     usage = AmdUsage()
     try:
-        handles: dict[str, Any] = {}
-        for handle in amdsmi.amdsmi_get_processor_handles():
-            try:
-                handles[_rocr_uuid(amdsmi, handle)[0]] = handle
-            except amdsmi.AmdSmiException:
-                continue  # a GPU it cannot query: named below if it was asked for
         for uuid in uuids:
-            handle = handles.get(_key(uuid))
+            handle = handles.get(uuid_key(uuid))
             if handle is None:
                 usage.notes.append(f"amdsmi cannot query {uuid}")
                 continue
@@ -224,7 +235,7 @@ def amdsmi_usage(uuids: tuple[str, ...] | list[str]) -> AmdUsage:
                 usage.total[uuid] = int(amdsmi.amdsmi_get_gpu_memory_total(handle, vram))
                 listed = amdsmi.amdsmi_get_gpu_process_list(handle)
             except amdsmi.AmdSmiException as exc:
-                usage.notes.append(f"amdsmi cannot list the processes on {uuid}: {_said(exc)}")
+                usage.notes.append(f"amdsmi cannot list the processes on {uuid}: {said(exc)}")
                 continue
             usage.processes[uuid] = {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
     finally:
