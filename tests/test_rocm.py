@@ -222,3 +222,29 @@ def test_a_ray_head_on_amd_gpus_counts_hip_ids_into_the_runs_gpus() -> None:
     # ray 2.60 reads HIP_VISIBLE_DEVICES on AMD (and refuses ROCR_VISIBLE_DEVICES without it)
     assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == env["GPU_DEVICE_ORDINAL"] == "0,1"
     assert rocm_view(MACHINE, env) == [1, 3]
+
+
+def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) -> None:
+    """A process list amdsmi refuses (no permission, say): foreign is used VRAM less what pytest-gpu
+    accounts for, the driver's reserve included, and the note says so in amdsmi's name."""
+    out = run_fake(
+        tmp_path,
+        "amd:sim:1x16GiB;reserved=1GiB",
+        f"""
+        from pytest_gpu.gpu import sampling
+        from pytest_gpu.gpu.foreign import ForeignSampler
+
+        def refuse(self, uuid):
+            raise sampling.Unlistable("amdsmi cannot list the processes there (AMDSMI_STATUS_NO_PERM)")
+
+        sampling.AmdSampler.processes = refuse
+        found = ForeignSampler(["{amd_uuid(0)}"]).sample(set(), {{"{amd_uuid(0)}": 0}})["{amd_uuid(0)}"]
+        out["bytes"], out["note"] = found.bytes, found.note
+        """,
+    )
+    assert out["bytes"] == GiB  # the reserve: amdsmi has no figure for it
+    assert out["note"] == (
+        f"amdsmi cannot list the processes there (AMDSMI_STATUS_NO_PERM): foreign usage on {amd_uuid(0)} is its used "
+        "memory less the 0B pytest-gpu accounts for (the driver's reserve, which this amdsmi does not report, "
+        "counts as foreign)"
+    )

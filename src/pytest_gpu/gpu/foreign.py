@@ -208,7 +208,7 @@ class ForeignSampler:
             for uuid, procs in listed.items():
                 result[uuid] = self._by_process(uuid, procs, is_ours, memory[uuid], accounted.get(uuid, 0))
             for uuid, why in unlisted.items():
-                result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why)
+                result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why, driver.name)
             return {uuid: result[uuid] for uuid in wanted}
 
     @staticmethod
@@ -251,10 +251,12 @@ class ForeignSampler:
         return Foreign(sum(p.bytes for p in foreign), tuple(foreign), None)
 
     @staticmethod
-    def _by_difference(uuid: str, memory: tuple[int, int | None], accounted: int, why: str) -> Foreign:
+    def _by_difference(
+        uuid: str, memory: tuple[int, int | None], accounted: int, why: str, driver: str = "NVML"
+    ) -> Foreign:
         used, reserved = memory
         estimate = max(0, used - accounted)
         how = f"used memory less the {format_size(accounted)} pytest-gpu accounts for"
         if reserved is None:
-            how += " (the driver's reserve, which this NVML does not report, counts as foreign)"
+            how += f" (the driver's reserve, which this {driver} does not report, counts as foreign)"
         return Foreign(estimate, (), f"{why}: foreign usage on {uuid} is its {how}")
