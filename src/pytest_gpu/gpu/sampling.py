@@ -25,7 +25,12 @@ class Refused(Exception):
 
 
 class Unlistable(Exception):
-    """The driver will not list a GPU's processes (the message says why)."""
+    """The driver will not list a GPU's processes (the message says why; ``cause``: the driver's
+    own words, for a report that names the GPU its own way)."""
+
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
 class Sampler(Protocol):
@@ -41,6 +46,11 @@ class Sampler(Protocol):
     def processes(self, uuid: str) -> dict[int, int | None]:
         """Every process on GPU ``uuid``, once each: pid -> bytes (None: not given).
         :class:`Unlistable` when the driver will not list them."""
+        ...
+
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        """The compute processes on GPU ``uuid`` as a lease's verifier reads them: (pid, bytes or
+        None), as the driver lists them. :class:`Unlistable` when it will not."""
         ...
 
     def problem(self) -> str:
@@ -136,6 +146,18 @@ class NvmlSampler:
                 found[int(proc.pid)] = used if known is None else max(known, used or 0)
         return found
 
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        """pynvml's own compute list (its record version): what the verifier always read."""
+        pynvml = self._nvml
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except (pynvml.NVMLError, _mismatch(pynvml)) as exc:
+            # MIG without privileges: NoPermission; a driver older than the bindings:
+            # nvidia-ml-py raises its library-mismatch error (not an NVMLError)
+            raise Unlistable(f"NVML cannot list the processes there ({exc})", str(exc)) from None
+        return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)) for p in procs]
+
     def _list(self, handle: Any, kind: str) -> list[Any]:
         """One of NVML's process lists, in the newest records both the driver and the bindings have."""
         pynvml = self._nvml
@@ -201,14 +223,34 @@ class AmdSampler:
         try:
             listed = self._amdsmi.amdsmi_get_gpu_process_list(handle)
         except self._amdsmi.AmdSmiException as exc:
-            raise Unlistable(f"amdsmi cannot list the processes there ({_said(exc)})") from None
+            raise Unlistable(f"amdsmi cannot list the processes there ({_said(exc)})", _said(exc)) from None
         return {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
+
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        """amdsmi's list is of compute (KFD) processes."""
+        try:
+            return list(self.processes(uuid).items())
+        except Refused as exc:
+            raise Unlistable(f"amdsmi cannot list the processes there ({exc})", str(exc)) from None
+
+
+def _mismatch(pynvml: ModuleType) -> type[Exception]:
+    found = getattr(pynvml, "NVMLLibraryMismatchError", None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
 
 
 def _said(exc: Exception) -> str:
     from .rocm import said
 
     return said(exc)
+
+
+def open_for(vendor: str) -> Sampler:
+    """``vendor``'s driver, open (``nvidia``: NVML, ``amd``: amdsmi); :class:`Unavailable` says why not."""
+    if vendor == "amd":
+        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
+            return AmdSampler()
+    return NvmlSampler()
 
 
 def open_sampler() -> Sampler:

@@ -188,11 +188,6 @@ def _version_problem() -> str:
     return nvml_version_problem() or ""
 
 
-def _mismatch(pynvml: ModuleType) -> type[Exception]:
-    found = getattr(pynvml, "NVMLLibraryMismatchError", None)
-    return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
-
-
 class Verifier(Protocol):
     """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
 
@@ -226,9 +221,9 @@ class SimVerifier:
 # memory of the test during which it happened; beyond it, growth that outlives the test is held.
 CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
-# AMD: amdsmi's process list is the driver's, which some drivers give in whole MB and refresh
-# about once a second (what the issue reports; amdsmi.h says bytes): what it shows is judged as
-# it is, and a verdict that finds memory held or outside the lease says how coarse it may be.
+# AMD: amdsmi's process list (pytest_gpu.gpu.sampling.AmdSampler) is the driver's, which some
+# drivers give in whole MB and refresh about once a second (what the issue reports; amdsmi.h says
+# bytes): what it shows is judged as it is, and every violation found says how coarse it may be.
 AMD_PROCESS_UNIT = 2**20
 AMD_PROCESS_LAG_S = 1.0
 AMD_CAVEAT = (
@@ -281,85 +276,57 @@ class NvmlVerifier:
         self._untrusted = _version_problem()  # its process lists are scrambled: measure nothing from them
 
     def _usage(self) -> _Sample | None:
-        """Bytes NVML reports per GPU for this process and each live descendant; ``None``
-        (and a note) when it cannot tell. AMD GPUs: amdsmi's process list (:meth:`_amd_usage`)."""
+        """Bytes the driver reports per GPU for this process and each live descendant (NVML's
+        compute lists; amdsmi's process list on AMD GPUs); ``None`` (and a note) when it cannot tell."""
         import psutil
-        import pynvml
 
-        if self.inventory.vendor == "amd":
-            return self._amd_usage()
-        if self._untrusted:
+        from .sampling import Unavailable, Unlistable, open_for
+
+        amd = self.inventory.vendor == "amd"
+        if self._untrusted and not amd:  # the installed nvidia-ml-py's, which amdsmi does not use
             self._give_up(self._untrusted)
             return None
         me = psutil.Process()
         sample = _Sample()
         sample.tree = self._tree()
         try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            self._give_up(f"NVML unavailable ({exc}): memory outside the lease was not checked")
+            driver = open_for(self.inventory.vendor)
+        except Unavailable as exc:
+            self._give_up(f"{exc}: memory outside the lease was not checked")
             return None
         try:
             foreign: set[int] = set()
             for device in addressable(self.inventory.machine or self.inventory.devices):
                 try:
-                    handle = pynvml.nvmlDeviceGetHandleByUUID(device.uuid)
-                    procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                except (pynvml.NVMLError, _mismatch(pynvml)) as exc:
-                    # MIG without privileges: NoPermission; a driver older than the bindings:
-                    # nvidia-ml-py raises its library-mismatch error (not an NVMLError)
-                    self._note(f"NVML cannot list processes on GPU {device.index} ({exc}): not checked there")
+                    procs = driver.compute(device.uuid)
+                except Unlistable as exc:
+                    self._note(
+                        f"{driver.name} cannot list processes on GPU {device.index} ({exc.cause}): not checked there"
+                    )
                     self._unmeasured.add(device.index)
                     continue
-                for proc in procs:
-                    if proc.pid == me.pid or proc.pid in sample.tree:
-                        if proc.usedGpuMemory is None:  # "not available": unknown, not zero
-                            self._note(f"NVML does not say how much memory processes use on GPU {device.index}")
+                for pid, used in procs:
+                    if pid == me.pid or pid in sample.tree:
+                        if used is None:  # "not available": unknown, not zero
+                            self._note(
+                                f"{driver.name} does not say how much memory processes use on GPU {device.index}"
+                            )
                             self._unmeasured.add(device.index)
                             continue
-                        into = sample.usage.setdefault(proc.pid, {})
+                        into = sample.usage.setdefault(pid, {})
                         # a process in the compute and graphics lists, or on two MIG units of a GPU
-                        into[device.index] = into.get(device.index, 0) + int(proc.usedGpuMemory)
-                    elif not psutil.pid_exists(proc.pid):
-                        foreign.add(proc.pid)
+                        into[device.index] = into.get(device.index, 0) + used
+                    elif not psutil.pid_exists(pid):
+                        foreign.add(pid)
             if foreign and not sample.usage:
-                # NVML reports host pids; in a container's pid namespace none of them is ours
+                # the driver reports host pids; in a container's pid namespace none of them is ours
                 self._give_up(
-                    f"NVML reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not exist in this "
-                    "pid namespace (a container?): memory outside the lease was not checked"
+                    f"{driver.name} reports processes ({', '.join(map(str, sorted(foreign)[:3]))}) that do not "
+                    "exist in this pid namespace (a container?): memory outside the lease was not checked"
                 )
                 return None
         finally:
-            pynvml.nvmlShutdown()
-        return sample
-
-    def _amd_usage(self) -> _Sample | None:
-        """What amdsmi's per-process list says this process and its live descendants use, per GPU.
-
-        Its figures are VRAM in bytes as the driver gives them (amdsmi.h), which may be rounded
-        (to :data:`AMD_PROCESS_UNIT` on drivers that account in MB) and up to about
-        :data:`AMD_PROCESS_LAG_S` old: every violation it finds says so."""
-        from .rocm import AmdSmiUnavailable, amdsmi_usage
-
-        sample = _Sample(tree=self._tree())
-        machine = self.inventory.machine or self.inventory.devices
-        try:
-            usage = amdsmi_usage([d.uuid for d in machine])
-        except AmdSmiUnavailable as exc:
-            self._give_up(f"{exc}: memory outside the lease was not checked")
-            return None
-        for note in usage.notes:
-            self._note(f"{note}: not checked there")
-        me = os.getpid()
-        for device in machine:
-            listed = usage.processes.get(device.uuid)
-            if listed is None:
-                self._unmeasured.add(device.index)
-                continue
-            for pid, used in listed.items():
-                if pid == me or pid in sample.tree:
-                    into = sample.usage.setdefault(pid, {})
-                    into[device.index] = into.get(device.index, 0) + used
+            driver.close()
         return sample
 
     def _tree(self) -> dict[int, float]:
