@@ -3,6 +3,8 @@ NVIDIA path always ran, AMD's is ROCm's model; both answer the same questions.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pytest_gpu.gpu import vendors
@@ -49,3 +51,27 @@ def test_what_a_run_started_with() -> None:
     assert vendors.started_with(amd) == (("ROCR_VISIBLE_DEVICES", "0"),)
     with pytest.raises(KeyError):
         vendors.of("intel")
+
+
+@pytest.mark.parametrize("spec", ["sim:1x16GiB;context=700MiB", "amd:sim:1x16GiB;context=700MiB"])
+def test_each_vendors_driver_measures_the_context(gpu_pytester, fake_run, monkeypatch, spec):
+    """The calibration reads this process's line through the vendor's sampler: NVML's (fake
+    libnvidia-ml.so.1) or amdsmi's (fake libamd_smi.so)."""
+    if spec.startswith("amd:"):
+        from conftest import amdsmi_site
+
+        site = amdsmi_site()
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    gpu_pytester.makepyfile(
+        test_ctx="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_gpu(gpu):
+            sim.allocate("256MiB").free()
+        """
+    )
+    result = fake_run(spec, "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])

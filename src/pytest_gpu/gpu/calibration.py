@@ -98,23 +98,7 @@ def process_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | 
     ``None`` where NVML cannot say."""
     if inventory.simulated:
         return _simulated_usage(indices, inventory)
-    if inventory.vendor == "amd":
-        return _amd_usage(indices, inventory)
-    return _nvml_usage(indices, inventory)
-
-
-def _amd_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
-    """amdsmi's per-process list: this process's VRAM on each of ``indices`` it is listed on
-    (the driver's figure, which may be rounded: docs-incoming/vendors.md)."""
-    from .rocm import AmdSmiUnavailable, amdsmi_usage
-
-    uuids = {inventory.by_index(i).uuid: i for i in indices}
-    try:
-        usage = amdsmi_usage(list(uuids))
-    except AmdSmiUnavailable:
-        return None
-    me = os.getpid()
-    return {uuids[uuid]: listed[me] for uuid, listed in usage.processes.items() if me in listed}
+    return _driver_usage(indices, inventory)
 
 
 def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
@@ -135,28 +119,28 @@ def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int]
     return found
 
 
-def _nvml_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
+def _driver_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
+    """This process's line in the driver's compute lists (NVML's; amdsmi's on AMD GPUs, whose
+    figure may be rounded: docs-incoming/vendors.md) on each of ``indices``."""
+    from . import vendors
+    from .sampling import Unavailable
+
     try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
+        driver = vendors.of(inventory.vendor).sampler()
+    except Unavailable:
         return None
     found: dict[int, int] = {}
     try:
         for index in indices:
             try:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(inventory.by_index(index).uuid)
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except Exception:  # NVMLError, or the bindings' mismatch with an older driver
+                procs = driver.compute(inventory.by_index(index).uuid)
+            except Exception:  # Unlistable, or whatever else the driver raises: no figure there
                 continue
-            for proc in procs:
-                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                    found[index] = int(proc.usedGpuMemory)
+            for pid, used in procs:
+                if pid == os.getpid() and used is not None:
+                    found[index] = used
     finally:
-        pynvml.nvmlShutdown()
+        driver.close()
     return found
 
 

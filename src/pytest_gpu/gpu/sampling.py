@@ -245,14 +245,6 @@ def _said(exc: Exception) -> str:
     return said(exc)
 
 
-def open_for(vendor: str) -> Sampler:
-    """``vendor``'s driver, open (``nvidia``: NVML, ``amd``: amdsmi); :class:`Unavailable` says why not."""
-    if vendor == "amd":
-        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
-            return AmdSampler()
-    return NvmlSampler()
-
-
 def open_sampler() -> Sampler:
     """The machine's driver, open: NVML where it answers, else amdsmi; :class:`Unavailable`
     (NVML's reason: the one an NVIDIA machine gives) when neither does."""

@@ -6,17 +6,19 @@ sees, how a process numbers them, and what a lease sets.
 :mod:`pytest_gpu.gpu.devices` and :mod:`pytest_gpu.gpu.rocm`. A run's inventory names its
 vendor (:attr:`Inventory.vendor`); :func:`of` gives the implementation.
 
-Not yet behind it (docs-incoming/vendors-status.md): memory and per-process usage, which
-verification and foreign usage still ask NVML or amdsmi for by the inventory's vendor.
+Memory and per-process samples come from :meth:`Vendor.sampler` (:mod:`pytest_gpu.gpu.sampling`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from . import rocm
 from .devices import Device, Inventory, NvmlUnavailable, cuda_view, nvml_devices
+from .sampling import AmdSampler, NvmlSampler, Sampler
 
 CUDA_VAR = "CUDA_VISIBLE_DEVICES"
 NVIDIA_VARS: tuple[str, ...] = (CUDA_VAR, "HIP_VISIBLE_DEVICES")  # HIP's too: HIP on NVIDIA reads it
@@ -46,6 +48,11 @@ class Vendor(Protocol):
         simulated machine's indices), in this order, as device 0, 1, …"""
         ...
 
+    def sampler(self) -> Sampler:
+        """The driver, open for memory and process samples (the caller closes it);
+        :class:`pytest_gpu.gpu.sampling.Unavailable` says why not."""
+        ...
+
 
 class _Nvidia:
     name = "nvidia"
@@ -64,6 +71,9 @@ class _Nvidia:
     def lease_env(self, names: Sequence[str]) -> dict[str, str]:
         return dict.fromkeys(NVIDIA_VARS, ",".join(names))
 
+    def sampler(self) -> Sampler:
+        return NvmlSampler()
+
 
 class _Amd:
     name = "amd"
@@ -80,6 +90,10 @@ class _Amd:
 
     def lease_env(self, names: Sequence[str]) -> dict[str, str]:
         return rocm.lease_env(names)
+
+    def sampler(self) -> Sampler:
+        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
+            return AmdSampler()
 
 
 NVIDIA: Vendor = _Nvidia()

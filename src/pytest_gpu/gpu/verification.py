@@ -280,7 +280,8 @@ class NvmlVerifier:
         compute lists; amdsmi's process list on AMD GPUs); ``None`` (and a note) when it cannot tell."""
         import psutil
 
-        from .sampling import Unavailable, Unlistable, open_for
+        from . import vendors
+        from .sampling import Unavailable, Unlistable
 
         amd = self.inventory.vendor == "amd"
         if self._untrusted and not amd:  # the installed nvidia-ml-py's, which amdsmi does not use
@@ -290,7 +291,7 @@ class NvmlVerifier:
         sample = _Sample()
         sample.tree = self._tree()
         try:
-            driver = open_for(self.inventory.vendor)
+            driver = vendors.of(self.inventory.vendor).sampler()
         except Unavailable as exc:
             self._give_up(f"{exc}: memory outside the lease was not checked")
             return None
