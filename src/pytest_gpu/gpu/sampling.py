@@ -4,18 +4,19 @@ A :class:`Sampler` answers, for a GPU named by UUID, how much memory is in use t
 (:meth:`~Sampler.memory`) and what each process uses (:meth:`~Sampler.processes`). What the
 driver will not say is an exception whose message says why, in words a report can show:
 :class:`Refused` (the GPU cannot be queried at all), :class:`Unlistable` (its processes cannot
-be listed). :func:`open_sampler` opens the machine's driver: NVML, else amdsmi.
+be listed). :meth:`pytest_gpu.gpu.vendors.Vendor.sampler` opens a vendor's.
 
-The NVML code is what :class:`pytest_gpu.gpu.foreign.ForeignSampler` always ran (moved here,
-unchanged: compute and graphics lists, v3 records where the driver has them, v2 memory
-with the driver's reserve); amdsmi's reads the per-process list of :mod:`pytest_gpu.gpu.rocm`.
+The NVML code is what pytest-gpu always ran, moved here unchanged: the foreign sampler's
+(:meth:`~NvmlSampler.processes`: compute and graphics lists, v3 records where the driver has
+them; v2 memory with the driver's reserve) and the verifier's and calibration's
+(:meth:`~NvmlSampler.compute`: pynvml's own compute list). amdsmi's reads the per-process
+list of :mod:`pytest_gpu.gpu.rocm`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import io
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -243,16 +244,3 @@ def _said(exc: Exception) -> str:
     from .rocm import said
 
     return said(exc)
-
-
-def open_sampler() -> Sampler:
-    """The machine's driver, open: NVML where it answers, else amdsmi; :class:`Unavailable`
-    (NVML's reason: the one an NVIDIA machine gives) when neither does."""
-    try:
-        return NvmlSampler()
-    except Unavailable as nvml:
-        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
-            try:
-                return AmdSampler()
-            except Unavailable:
-                raise nvml from None
