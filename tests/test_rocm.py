@@ -248,3 +248,15 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
         "memory less the 0B pytest-gpu accounts for (the driver's reserve, which this amdsmi does not report, "
         "counts as foreign)"
     )
+
+
+def test_auto_backend_on_amd_gpus_names_rccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpu.distributed import backends
+    from pytest_gpu.gpu.devices import Inventory
+
+    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: None)  # a ROCm build of torch
+    inventory = Inventory(MACHINE, "amdsmi", "", MACHINE, None, "amd")
+    choice = backends.auto_backend(inventory)
+    assert choice == backends.AutoChoice(
+        "nccl", "4 AMD GPUs (4x192GiB) and a torch with RCCL (its nccl backend on ROCm)"
+    )

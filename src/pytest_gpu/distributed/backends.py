@@ -47,7 +47,8 @@ def auto_backend(inventory: Inventory) -> AutoChoice:
     """``nccl`` where this run's GPUs are real and torch has NCCL, ``gloo`` otherwise."""
     missing = nccl_missing(inventory)
     if missing is None:
-        return AutoChoice("nccl", f"{inventory.describe()} and a torch with NCCL")
+        nccl = "RCCL (its nccl backend on ROCm)" if inventory.vendor == "amd" else "NCCL"
+        return AutoChoice("nccl", f"{inventory.describe()} and a torch with {nccl}")
     return AutoChoice("gloo", missing)
 
 
