@@ -153,18 +153,19 @@ def test_outer_rocm_variables_narrow_the_run_and_its_leases_name_uuids(tmp_path:
     assert out["env"] == {
         "ROCR_VISIBLE_DEVICES": amd_uuid(3),
         "GPU_DEVICE_ORDINAL": "0",
-        "HIP_VISIBLE_DEVICES": "0",
-        "CUDA_VISIBLE_DEVICES": "0",
+        "HIP_VISIBLE_DEVICES": amd_uuid(3),  # outer HIP_VISIBLE_DEVICES=1,2 cannot narrow it
+        "CUDA_VISIBLE_DEVICES": amd_uuid(3),
     }
     assert out["device"] == "cuda:0"
 
 
 def test_a_subprocess_under_a_lease_env_sees_exactly_the_lease(tmp_path: Path) -> None:
+    both = f"{amd_uuid(2)},{amd_uuid(0)}"
     lease = {
-        "ROCR_VISIBLE_DEVICES": f"{amd_uuid(2)},{amd_uuid(0)}",
+        "ROCR_VISIBLE_DEVICES": both,
         "GPU_DEVICE_ORDINAL": "0,1",
-        "HIP_VISIBLE_DEVICES": "0,1",
-        "CUDA_VISIBLE_DEVICES": "0,1",
+        "HIP_VISIBLE_DEVICES": both,
+        "CUDA_VISIBLE_DEVICES": both,
     }
     out = run_fake(tmp_path, "amd:sim:4x192GiB", "from pytest_gpu.sim import cuda\nout['view'] = cuda.init()", **lease)
     assert out["view"] == [2, 0]

@@ -42,7 +42,7 @@ def test_leases_are_rocr_uuids_and_memory_outside_the_lease_is_seen(gpu_pytester
             # ROCR_VISIBLE_DEVICES=0,2,3 outside: this worker's HIP numbers GPUs 0, 2, 3 as 0, 1, 2
             assert gpu.device == f"cuda:{[0, 2, 3].index(gpu.indices[0])}"
             assert os.environ["ROCR_VISIBLE_DEVICES"] == gpu.uuids[0]
-            assert gpu.env["HIP_VISIBLE_DEVICES"] == gpu.env["CUDA_VISIBLE_DEVICES"] == "0"
+            assert gpu.env["HIP_VISIBLE_DEVICES"] == gpu.env["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices
             with sim.allocate("1GiB") as block:  # the current device: the lease's
                 assert block.physical == gpu.indices[0]
 
@@ -110,8 +110,8 @@ def test_a_rank_pool_gives_each_rank_its_gpu_by_rocr_uuid(gpu_pytester, amd_run,
         units += unit
         assert got == {
             "ROCR_VISIBLE_DEVICES": amd_uuid(unit[0]),
-            "HIP_VISIBLE_DEVICES": "0",
-            "CUDA_VISIBLE_DEVICES": "0",
+            "HIP_VISIBLE_DEVICES": amd_uuid(unit[0]),
+            "CUDA_VISIBLE_DEVICES": amd_uuid(unit[0]),
             "GPU_DEVICE_ORDINAL": "0",
         }
     assert sorted(units) == [0, 1]  # one GPU each

@@ -62,18 +62,21 @@ def test_empty_hides_all_and_a_bad_entry_ends_the_list() -> None:
     assert select(MACHINE, "GPU-") == ()
 
 
-def test_a_lease_is_rocr_uuids_and_the_inner_variables_count_them() -> None:
+def test_a_lease_names_its_uuids_in_rocr_and_hips_variables() -> None:
     env = lease_env((MACHINE[2].uuid, MACHINE[0].uuid))
+    both = f"{amd_uuid(3)},{amd_uuid(2)}"
     assert env == {
-        "ROCR_VISIBLE_DEVICES": f"{amd_uuid(3)},{amd_uuid(2)}",
-        "GPU_DEVICE_ORDINAL": "0,1",
-        "HIP_VISIBLE_DEVICES": "0,1",
-        "CUDA_VISIBLE_DEVICES": "0,1",
+        "ROCR_VISIBLE_DEVICES": both,
+        "GPU_DEVICE_ORDINAL": "0,1",  # ROCclr's takes indices only
+        "HIP_VISIBLE_DEVICES": both,  # the same UUIDs select, in the same order, what ROCr left
+        "CUDA_VISIBLE_DEVICES": both,
     }
     assert rocm_view(MACHINE, env) == [3, 2]  # the lease's order: cuda:0 is the first GPU asked for
     # whatever the outer variables said: the lease's replace every one of them
     outer = {"ROCR_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0"}
     assert rocm_view(MACHINE, {**outer, **env}) == [3, 2]
+    # a simulated machine's indices are counted, not repeated, in HIP's
+    assert lease_env(("2", "3"))["HIP_VISIBLE_DEVICES"] == "0,1"
 
 
 # -- through the real amdsmi package and the fake libamd_smi.so ---------------------------------
@@ -192,6 +195,7 @@ def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> 
         ({"ROCR_VISIBLE_DEVICES": "1,2,3", "HIP_VISIBLE_DEVICES": "0"}, 1),
         ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0"}, 2),  # HIP's wins, as in torch
         ({"CUDA_VISIBLE_DEVICES": "2,9"}, 1),
+        ({"ROCR_VISIBLE_DEVICES": amd_uuid(1), "HIP_VISIBLE_DEVICES": amd_uuid(1)}, 1),  # a lease's
     ],
 )
 def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str], count: int) -> None:

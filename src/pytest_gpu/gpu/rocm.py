@@ -167,13 +167,18 @@ def lease_env(uuids: Sequence[str]) -> dict[str, str]:
     """What a subprocess needs to see exactly the GPUs ``uuids`` (ROCr's), in this order, as
     ``cuda:0``, ``cuda:1``…
 
-    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's); the variables that
-    index into what ROCr leaves say ``0,1,…``, so that an outer value of theirs cannot narrow
-    the lease further. (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside
-    ``HIP_VISIBLE_DEVICES``, as verl does, need those two removed: docs-incoming/vendors.md.)
+    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's).
+    ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES`` name the same UUIDs, which select, in
+    the same order, what ROCr left: every variable a program may read says the lease, as on
+    NVIDIA (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``), and an outer value of
+    theirs cannot narrow it. ``GPU_DEVICE_ORDINAL`` takes indices only: ``0,1,…``. Names that
+    are not UUIDs (a simulated machine's indices) are counted, ``0,1,…``, in HIP's too.
+    (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``, as verl
+    does, need HIP's and CUDA's removed: docs-incoming/vendors.md.)
     """
     ordinals = ",".join(str(n) for n in range(len(uuids)))
-    return {ROCR_VAR: ",".join(uuids), **dict.fromkeys((ORDINAL_VAR, *HIP_VARS), ordinals)}
+    named = ",".join(uuids) if all(u.upper().startswith("GPU-") for u in uuids) else ordinals
+    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, **dict.fromkeys(HIP_VARS, named)}
 
 
 def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

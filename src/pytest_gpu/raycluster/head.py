@@ -134,8 +134,9 @@ def head_env(
     ``sys.path`` only).
     """
     env = {k: v for k, v in environ.items() if k not in _LEASE_VARS}
-    if amd_uuids is not None:  # AMD GPUs: Ray reads HIP_VISIBLE_DEVICES, which counts into ROCR_VISIBLE_DEVICES
+    if amd_uuids is not None:  # AMD GPUs: Ray reads HIP_VISIBLE_DEVICES; its ids count into ROCR_VISIBLE_DEVICES
         env.update(AMD.lease_env(amd_uuids))
+        env.update(dict.fromkeys(("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"), env["GPU_DEVICE_ORDINAL"]))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
