@@ -171,3 +171,69 @@ def test_gpu_required_without_amd_gpus_says_what_gives_a_job_amd_gpus(gpu_pytest
     assert result.ret != 0
     out = result.stdout.str() + result.stderr.str()
     assert "give the job its GPUs (the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES, --gpus)" in out, out
+
+
+# amdsmi's list as a driver that refreshes it every 2 s gives it (the fake's proc-refresh=): each
+# test below is pinned by a run that waits for it (--gpu-amd-process-lag=2) and one that does not (0)
+LAGGED = """
+import os
+import time
+import pytest
+from pytest_gpu import sim
+from pytest_gpu.gpu.sampling import AmdSampler
+
+@pytest.mark.gpu(memory="2GiB")
+def test_freed_at_the_end(gpu):
+    time.sleep(2.2)  # the list the lease began with is due for a refresh
+    with sim.allocate("1GiB"):
+        driver = AmdSampler()
+        try:  # the list is refreshed while the GiB is held ...
+            assert driver.processes(gpu.uuids[0])[os.getpid()] >= 1 << 30
+        finally:
+            driver.close()
+    # ... and freed: the list goes on showing it for up to 2 s
+
+@pytest.mark.gpu(memory="1GiB")
+def test_outside_in_its_last_moment(gpu):
+    other = next(o for o in range(2) if f"cuda:{o}" != gpu.device)
+    sim.allocate("256MiB", device=other).free()  # a context there, after the list the lease began with
+"""
+
+
+def test_the_verdict_waits_for_amdsmis_list_where_it_lags(gpu_pytester, amd_run):
+    gpu_pytester.makepyfile(test_lagged=LAGGED)
+    result = amd_run(
+        "amd:sim:2x16GiB;proc-refresh=2000", "--gpus", "auto", "-p", "no:xdist", "-rA", "--gpu-amd-process-lag=2"
+    )
+    # the freed GiB is gone from the list read 2 s after the test ended: not a false "still holds"
+    # and the late context is in the list read 2 s after the lease began: not missed
+    result.assert_outcomes(passed=2, errors=1)
+    out = result.stdout.str()
+    assert "still holds" not in out, out
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_outside_in_its_last_moment*"],
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*used memory on GPU * outside its lease (GPU *) (seen in amdsmi's per-process list, which may be "
+            "rounded to 1MiB, and still there 2 s after the test ended (the list may be that old))*"
+        ]
+    )
+
+
+def test_without_the_wait_a_lagging_list_errs_both_ways(gpu_pytester, amd_run):
+    """What the wait is for: with --gpu-amd-process-lag=0 on the same driver, the freed GiB reads as
+    held, and the late context outside the lease is missed."""
+    gpu_pytester.makepyfile(test_lagged=LAGGED)
+    result = amd_run(
+        "amd:sim:2x16GiB;proc-refresh=2000", "--gpus", "auto", "-p", "no:xdist", "-rA", "--gpu-amd-process-lag=0"
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_freed_at_the_end*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*memory this process still holds after the test*(seen in amdsmi's per-process "
+            "list, which may be rounded to 1MiB)*"
+        ]
+    )
+    assert "outside its lease" not in result.stdout.str()

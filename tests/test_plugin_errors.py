@@ -144,6 +144,18 @@ BAD_OPTIONS = [
     ("--gpu-wait-timeout", "abc", "gpu_wait_timeout", "expected a positive number of seconds, got 'abc'"),
     ("--gpu-wait-timeout", "0", "gpu_wait_timeout", "expected a positive number of seconds, got '0'"),
     (
+        "--gpu-amd-process-lag",
+        "-1",
+        "gpu_amd_process_lag",
+        "expected seconds from 0 to 60 (0: the driver reads it live), got '-1'",
+    ),
+    (
+        "--gpu-amd-process-lag",
+        "soon",
+        "gpu_amd_process_lag",
+        "expected seconds from 0 to 60 (0: the driver reads it live), got 'soon'",
+    ),
+    (
         "--gpu-default-memory",
         "abc",
         "gpu_default_memory",

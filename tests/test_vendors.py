@@ -75,3 +75,13 @@ def test_each_vendors_driver_measures_the_context(gpu_pytester, fake_run, monkey
     result = fake_run(spec, "--gpus", "auto", "-p", "no:xdist")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
+
+
+def test_only_amds_verification_waits_for_its_process_list() -> None:
+    from pytest_gpu.gpu.verification import NvmlRankVerifier, NvmlVerifier
+
+    nvidia = Inventory(devices=NV, source="nvml")
+    amd = Inventory(devices=AMD, source="amdsmi", vendor="amd")
+    # NVML's lists are read live: the NVIDIA path never waits, whatever --gpu-amd-process-lag says
+    assert NvmlVerifier(nvidia, 0, lag=2.0).lag == NvmlRankVerifier(nvidia, 0, lag=2.0).lag == 0
+    assert NvmlVerifier(amd, 0, lag=2.0).lag == NvmlRankVerifier(amd, 0, lag=2.0).lag == 2.0

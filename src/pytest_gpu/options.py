@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from .gpu.discovery import FORM as GPUS_FORM
+from .gpu.verification import AMD_PROCESS_LAG_S
 from .leasing.ports import DEFAULT_RANGE, parse_port_range
 from .leasing.requests import DefaultMemory, SizeError, parse_size
 from .run.conventions import MarkerMapError, marker_map
@@ -52,6 +53,14 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "gpu_context_overhead",
         "500MiB",
         "memory one process's CUDA context takes on a GPU, counted against capacity.",
+    ),
+    (
+        "--gpu-amd-process-lag",
+        "gpu_amd_process_lag",
+        f"{AMD_PROCESS_LAG_S:g}",
+        "AMD GPUs: seconds amdsmi's per-process list may be behind (0: the driver reads it live). After a "
+        "test shorter than this, its verification waits out the rest, and a violation is judged again from a "
+        "list read this long after the test ended.",
     ),
     (
         "--gpu-workers-per-gpu",
@@ -211,6 +220,7 @@ class Settings:
     # --gpu-context-overhead was given (command line or ini): it wins over the measured context size
     context_overhead_given: bool = False
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
+    amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old (verification waits)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -301,7 +311,19 @@ def read(config: pytest.Config) -> Settings:
         workers_per_gpu=_workers_per_gpu(config),
         host_cpus=_host_cpus(config),
         host_memory=_host_memory(config),
+        amd_process_lag=_lag(config),
     )
+
+
+def _lag(config: pytest.Config) -> float:
+    text, where = _value(config, "gpu_amd_process_lag")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 60:  # NaN fails too
+        raise pytest.UsageError(f"{where}: expected seconds from 0 to 60 (0: the driver reads it live), got {text!r}")
+    return value
 
 
 def _host_cpus(config: pytest.Config) -> int | None:

@@ -21,8 +21,8 @@ device ends its list, as CUDA's rule is (ROCm's documentation does not say; assu
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
 ``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
-list is: every violation judged from it says how coarse and stale it may be
-(:data:`pytest_gpu.gpu.verification.AMD_CAVEAT`).
+list is: the verifier waits out its staleness (``--gpu-amd-process-lag``), and every violation
+judged from it says how coarse it may be (:func:`pytest_gpu.gpu.verification.amd_caveat`).
 
 Not run on an AMD machine here: CI runs it against the fake ``libamd_smi.so``
 (:mod:`pytest_gpu.sim.amdsmi`) through the real ``amdsmi`` package.

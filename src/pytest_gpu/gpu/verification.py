@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -223,13 +224,20 @@ CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
 # AMD: amdsmi's process list (pytest_gpu.gpu.sampling.AmdSampler) is the driver's, which some
 # drivers give in whole MB and refresh about once a second (what the issue reports; amdsmi.h says
-# bytes): what it shows is judged as it is, and every violation found says how coarse it may be.
+# bytes, and the 2024 source reads KFD's sysfs live). A list that old errs both ways at a lease's
+# end, so on AMD the verifier waits for it (NvmlVerifier.end, --gpu-amd-process-lag, whose
+# default this is); every violation found says how coarse the list may be.
 AMD_PROCESS_UNIT = 2**20
 AMD_PROCESS_LAG_S = 1.0
-AMD_CAVEAT = (
-    f"seen in amdsmi's per-process list, which may be rounded to {format_size(AMD_PROCESS_UNIT)} and "
-    f"up to about {AMD_PROCESS_LAG_S:g} s old"
-)
+
+
+def amd_caveat(lag: float) -> str:
+    """What a violation seen in amdsmi's list may be off by, said beside it (``lag``: the
+    seconds the list may be old, which the verifier waited out)."""
+    caveat = f"seen in amdsmi's per-process list, which may be rounded to {format_size(AMD_PROCESS_UNIT)}"
+    if lag > 0:
+        caveat += f", and still there {lag:g} s after the test ended (the list may be that old)"
+    return caveat
 
 
 @dataclass
@@ -264,9 +272,12 @@ class NvmlVerifier:
     real GPU by the author.
     """
 
-    def __init__(self, inventory: Inventory, overhead: int) -> None:
+    def __init__(self, inventory: Inventory, overhead: int, lag: float = 0.0) -> None:
         self.inventory = inventory
         self.overhead = overhead
+        # AMD: seconds amdsmi's process list may be old (NVIDIA's NVML reads live: never waited for)
+        self.lag = lag if inventory.vendor == "amd" else 0.0
+        self._begun = -math.inf  # when the begin sample was taken (time.monotonic)
         self._baseline: dict[int, int] = {}
         self._before: dict[int, float] = {}  # descendants alive when the lease began
         self._torch_base: dict[int, int] = {}
@@ -351,6 +362,7 @@ class NvmlVerifier:
 
     def begin(self, lease: GpuLease, owner: int) -> None:
         sample = self._usage()
+        self._begun = time.monotonic()
         self._baseline = sample.usage.get(os.getpid(), {}) if sample is not None else {}
         self._before = sample.tree if sample is not None else descendants()
         torch = self._torch()
@@ -384,6 +396,33 @@ class NvmlVerifier:
         return mine, started
 
     def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        """Judge the lease from a sample taken now; where the driver's list may be ``lag`` old
+        (AMD), from one that list cannot hide the test's last moment from, nor show what was
+        freed in it:
+
+        - the sample is taken no earlier than ``lag`` after the begin sample, so that a list
+          refreshed since then shows what the test allocated (for a test shorter than ``lag``,
+          a wait of the rest of it; never more than ``lag``);
+        - when that sample finds a violation, the verdict is made again from one more sample
+          taken ``lag`` after the test ended (what was freed by then is gone from that list).
+        """
+        if self.lag <= 0:
+            return self._end(lease, others)
+        ended = time.monotonic()
+        _sleep_until(self._begun + self.lag)
+        kept = list(self._notes), set(self._unmeasured), dict(_grown)
+        verdict = self._end(lease, others)
+        if not verdict.violations:
+            return verdict
+        # judged again from scratch: what the first sample noted or took as context growth is undone
+        self._notes, self._unmeasured = kept[0], kept[1]
+        _grown.clear()
+        _grown.update(kept[2])
+        _sleep_until(ended + self.lag)
+        return self._end(lease, others)
+
+    def _end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        """The verdict from one sample taken now."""
         sample = self._usage()
         touched: list[int] = []
         peak = {i: 0 for i in lease.indices}
@@ -437,8 +476,8 @@ class NvmlVerifier:
                     )
         verdict = judge(lease, peak, current, touched, others, {i: "; ".join(w) for i, w in why.items()}, whence=whence)
         verdict.notes.extend(self._notes)
-        if self.inventory.vendor == "amd":  # what it found is as coarse and as fresh as amdsmi's list
-            verdict.violations = [f"{v} ({AMD_CAVEAT})" for v in verdict.violations]
+        if self.inventory.vendor == "amd":  # what it found is as coarse as amdsmi's list
+            verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
         unmeasured = self._unmeasured & set(lease.indices)
         verdict.measured = seen and (torch is not None or not unmeasured)
         return verdict
@@ -472,8 +511,8 @@ class NvmlRankVerifier(NvmlVerifier):
     not run on a real GPU by the author.
     """
 
-    def __init__(self, inventory: Inventory, overhead: int, pids: Iterable[int] = ()) -> None:
-        super().__init__(inventory, overhead)
+    def __init__(self, inventory: Inventory, overhead: int, pids: Iterable[int] = (), lag: float = 0.0) -> None:
+        super().__init__(inventory, overhead, lag)
         self.pids: list[int] = list(pids)
         self._usage_before: dict[int, dict[int, int]] = {}  # pool process -> GPU index -> bytes
         self._pool_before: dict[int, float] = {}  # the pool's processes when the window began
@@ -505,9 +544,10 @@ class NvmlRankVerifier(NvmlVerifier):
     def begin(self, lease: GpuLease, owner: int) -> None:
         self._notes, self._unmeasured = [], set()  # the last window's were said with its verdict
         sample = self._usage()
+        self._begun = time.monotonic()
         self._pool_before, self._usage_before = self._pool(sample) if sample is not None else ({}, {})
 
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+    def _end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
         sample = self._usage()
         leased = set(lease.indices)
         peak = {i: 0 for i in lease.indices}
@@ -557,6 +597,13 @@ class NvmlRankVerifier(NvmlVerifier):
         verdict.notes.extend(self._notes)
         verdict.measured = False  # NVML's sample at the end, not a peak
         return verdict
+
+
+def _sleep_until(deadline: float) -> None:
+    """Wait until ``time.monotonic()`` reaches ``deadline`` (at once when it has)."""
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dict[int, str]:

@@ -26,6 +26,8 @@
  * `memory_usage` in bytes.  Option "amd_proc_unit N" rounds every per-process figure down to a
  * multiple of N bytes and "amd_proc_refresh_ms N" serves the process list from a snapshot at
  * most N ms old (both 0 by default): the coarser and staler drivers the plugin must tolerate.
+ * The snapshot is this process's, taken when a list is asked for and it is N ms old or more
+ * (so at most N ms old, the bound the issue states), and kept across amdsmi_init.
  * "amd_rocr_order 3,0,1,2" makes ROCr's enumeration (hsa_id, hip_id) differ from amdsmi's
  * indices, as it does on some machines (pytorch #131901, ROCm/amdsmi #175).
  *
@@ -380,7 +382,8 @@ API amdsmi_status_t amdsmi_init(uint64_t flags) {
     if (reload() || !g_state.amd) return leave(AMDSMI_STATUS_DRIVER_NOT_LOADED);
     for (unsigned int i = 0; i < MAX_GPUS; i++) g_sockets[i].index = i;
     g_init = 1;
-    g_snapshot_ms = -1;
+    /* g_snapshot_ms is not reset: the list's staleness is the driver's, not this library's, and
+       outlives an amdsmi_shut_down/amdsmi_init pair (as a verifier that opens amdsmi per sample does) */
     return leave(AMDSMI_STATUS_SUCCESS);
 }
 
