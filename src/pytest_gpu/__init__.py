@@ -58,6 +58,7 @@ that this map names every module).
         cuda            a process's simulated CUDA runtime
         nvml            a fake libnvidia-ml.so.1, built from C
         amdsmi          a fake libamd_smi.so for the amdsmi package, built from C
+        hip             a fake libamdhip64.so: the devices HIP enumerates, built from C
         torch_cuda      torch.cuda for the CPU build of torch
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch

@@ -19,9 +19,14 @@ a GPU NVML refused but CUDA counts still shifts the ordinals right); without tha
 view is predicted from the ``CUDA_VISIBLE_DEVICES`` the process pinned with. That path
 follows the CUDA driver API's documentation and has not run on a GPU machine here.
 
-On AMD GPUs (an inventory of vendor ``amd``) the view is what ROCm's runtime enumerates under
-the ROCm visibility variables the process pinned with (:func:`pytest_gpu.gpu.rocm.rocm_view`):
-predicted, not read back from HIP (``hipInit``/``hipDeviceGetUuid`` are not called yet).
+On AMD GPUs (an inventory of vendor ``amd``) HIP is read back the same way through
+``libamdhip64.so`` (``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and
+``hipDeviceGetUuid`` per ordinal, whose 16 bytes are the ASCII hex digits of ROCr's
+``GPU-<16 hex>`` UUID: ROCm/clr ``rocdevice.cpp`` at f9f995c6), matched to amdsmi's UUIDs; the
+library torch bundles is preferred, so that the process has one HIP runtime. Without it the
+view is predicted from the ROCm visibility variables the process pinned with
+(:func:`pytest_gpu.gpu.rocm.rocm_view`). CI reads back the fake ``libamdhip64.so``
+(:mod:`pytest_gpu.sim.hip`); no AMD GPU ran it here.
 
 A process that has pinned has initialised CUDA's driver: like any process that used
 CUDA, it must not ``fork`` children that use CUDA (use the ``spawn`` start method).
@@ -75,7 +80,7 @@ def pin(inventory: Inventory) -> list[int]:
         if inventory.vendor == vendors.NVIDIA.name:
             _state.uuids, _state.note = _cu_init()
         else:
-            _state.uuids, _state.note = None, "its HIP device list is predicted from ROCm's variables, not read back"
+            _state.uuids, _state.note = _hip_init()
         _state.pinned = True
     return view(inventory)
 
@@ -155,6 +160,61 @@ def _cu_init() -> tuple[list[str] | None, str]:
         if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0 or get_uuid(raw, device) != 0:
             return None, f"could not read the UUID of CUDA device {ordinal}"
         uuids.append(bytes(raw).hex())
+    return uuids, ""
+
+
+#: HIP error codes named in notes (hip_runtime_api.h's hipError_t)
+_HIP_ERRORS = {1: "hipErrorInvalidValue", 100: "hipErrorNoDevice", 101: "hipErrorInvalidDevice"}
+
+
+def _hip_library() -> tuple[ctypes.CDLL | None, str]:
+    """HIP's runtime library: the one torch bundles (torch will load it: one HIP per process), else
+    the dynamic linker's (one already loaded included), else ``$ROCM_PATH``/``$ROCM_HOME``/``/opt/rocm``'s."""
+    import importlib.util
+
+    names: list[str] = []
+    spec = importlib.util.find_spec("torch")  # found, not imported: the plugin never imports torch
+    if spec is not None and spec.origin:
+        names.append(os.path.join(os.path.dirname(spec.origin), "lib", "libamdhip64.so"))
+    names += ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"]
+    for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
+        if root:
+            names.append(os.path.join(root, "lib", "libamdhip64.so"))
+    failures = []
+    for name in names:
+        if os.sep in name and not os.path.exists(name):
+            continue
+        try:
+            return ctypes.CDLL(name), ""
+        except OSError as exc:
+            failures.append(str(exc))
+    return None, f"libamdhip64.so not loadable ({failures[0] if failures else 'not found'})"
+
+
+def _hip_init() -> tuple[list[str] | None, str]:
+    """``hipInit(0)`` through libamdhip64.so, then the UUIDs of what HIP enumerates.
+
+    Returns (the UUIDs' 16 hex digits in ordinal order, or ``None``; a sentence when something failed).
+    """
+    lib, why = _hip_library()
+    if lib is None:
+        return None, f"its HIP device list is predicted from ROCm's variables: {why}"
+    said = "its HIP device list is predicted from ROCm's variables"
+    result = lib.hipInit(0)
+    if result != 0:
+        return None, f"{said}: hipInit failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    count = ctypes.c_int(0)
+    result = lib.hipGetDeviceCount(ctypes.byref(count))
+    if result != 0:
+        return None, f"{said}: hipGetDeviceCount failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    uuids = []
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        raw = (ctypes.c_char * 16)()
+        if lib.hipDeviceGet(ctypes.byref(device), ordinal) != 0 or lib.hipDeviceGetUuid(raw, device) != 0:
+            return None, f"{said}: could not read the UUID of HIP device {ordinal}"
+        # ROCr's unique id as text: 16 hex digits ("XX..." on a GPU without one: matches no device)
+        uuids.append(bytes(raw).decode("ascii", "replace").lower())
     return uuids, ""
 
 
