@@ -85,3 +85,23 @@ def test_only_amds_verification_waits_for_its_process_list() -> None:
     # NVML's lists are read live: the NVIDIA path never waits, whatever --gpu-amd-process-lag says
     assert NvmlVerifier(nvidia, 0, lag=2.0).lag == NvmlRankVerifier(nvidia, 0, lag=2.0).lag == 0
     assert NvmlVerifier(amd, 0, lag=2.0).lag == NvmlRankVerifier(amd, 0, lag=2.0).lag == 2.0
+
+
+def test_nvidia_has_no_process_list_lag_to_say(gpu_pytester, fake_run):
+    """NVML's lists are read live: short tests on NVIDIA GPUs are neither waited for nor counted
+    in the summary's AMD blind-spot line, whatever --gpu-amd-process-lag says."""
+    gpu_pytester.makepyfile(
+        test_short="""
+        import pytest
+        from pytest_gpu import sim
+
+        @pytest.mark.parametrize("n", range(2))
+        @pytest.mark.gpu(memory="1GiB")
+        def test_short(gpu, n):
+            sim.allocate("256MiB").free()
+        """
+    )
+    result = fake_run("sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", "--gpu-amd-process-lag=2")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["pytest-gpu: 2 GPUs (2x16GiB) [[]nvml[]]*"])
+    assert "process-list lag" not in result.stdout.str()

@@ -58,9 +58,17 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "--gpu-amd-process-lag",
         "gpu_amd_process_lag",
         f"{AMD_PROCESS_LAG_S:g}",
-        "AMD GPUs: seconds amdsmi's per-process list may be behind (0: the driver reads it live). After a "
-        "test shorter than this, its verification waits out the rest, and a violation is judged again from a "
-        "list read this long after the test ended.",
+        "AMD GPUs: seconds amdsmi's per-process list may be behind (0: the driver reads it live). A violation "
+        "is judged again from a list read this long after the test ended; tests shorter than this are "
+        "counted in the summary (their last moments may not be seen), or waited for with --gpu-amd-lag-wait.",
+    ),
+    (
+        "--gpu-amd-lag-wait",
+        "gpu_amd_lag_wait",
+        "false",
+        "AMD GPUs: verify a test shorter than --gpu-amd-process-lag only once the lag has passed since its "
+        "lease began, so the list can show it (costs up to the lag per short GPU test). A flag on the "
+        "command line; 'true' or 'false' as an ini key.",
     ),
     (
         "--gpu-workers-per-gpu",
@@ -137,7 +145,7 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
-FLAGS = frozenset({"gpu_required"})
+FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait"})
 
 
 def _help_order(row: tuple[str, str, str, str]) -> tuple[bool, bool]:
@@ -220,7 +228,8 @@ class Settings:
     # --gpu-context-overhead was given (command line or ini): it wins over the measured context size
     context_overhead_given: bool = False
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
-    amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old (verification waits)
+    amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
+    amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -312,6 +321,7 @@ def read(config: pytest.Config) -> Settings:
         host_cpus=_host_cpus(config),
         host_memory=_host_memory(config),
         amd_process_lag=_lag(config),
+        amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
     )
 
 

@@ -51,9 +51,14 @@ class Verdict:
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be checked, and why
     measured: bool = True  # False: the peaks are unknown (not zero)
+    # AMD: the process list's lag (seconds) when the verdict was read from a list that may not
+    # yet show the test at all (it ended sooner than that after the lease began, and nothing
+    # waited: see NvmlVerifier.end); 0: no such blind spot. The run's summary counts these.
+    unseen_lag: float = 0.0
 
     def merge(self, other: Verdict) -> None:
         self.measured = self.measured and other.measured
+        self.unseen_lag = max(self.unseen_lag, other.unseen_lag)
         for index, value in other.peak.items():
             self.peak[index] = max(self.peak.get(index, 0), value)
         self.violations.extend(other.violations)
@@ -225,15 +230,18 @@ _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as t
 # AMD: amdsmi's process list (pytest_gpu.gpu.sampling.AmdSampler) is the driver's, which some
 # drivers give in whole MB and refresh about once a second (what the issue reports; amdsmi.h says
 # bytes, and the 2024 source reads KFD's sysfs live). A list that old errs both ways at a lease's
-# end, so on AMD the verifier waits for it (NvmlVerifier.end, --gpu-amd-process-lag, whose
-# default this is); every violation found says how coarse the list may be.
+# end: on AMD a violation is judged again from a list read the lag after the test ended
+# (NvmlVerifier.end, --gpu-amd-process-lag, whose default this is), a test shorter than the lag
+# is counted for the summary (or, with --gpu-amd-lag-wait, waited for); every violation found
+# says how coarse the list may be.
 AMD_PROCESS_UNIT = 2**20
 AMD_PROCESS_LAG_S = 1.0
 
 
 def amd_caveat(lag: float) -> str:
     """What a violation seen in amdsmi's list may be off by, said beside it (``lag``: the
-    seconds the list may be old, which the verifier waited out)."""
+    seconds the list may be old; a violation is kept only when a list read that long after
+    the test ended still shows it, :meth:`NvmlVerifier.end`)."""
     caveat = f"seen in amdsmi's per-process list, which may be rounded to {format_size(AMD_PROCESS_UNIT)}"
     if lag > 0:
         caveat += f", and still there {lag:g} s after the test ended (the list may be that old)"
@@ -272,11 +280,12 @@ class NvmlVerifier:
     real GPU by the author.
     """
 
-    def __init__(self, inventory: Inventory, overhead: int, lag: float = 0.0) -> None:
+    def __init__(self, inventory: Inventory, overhead: int, lag: float = 0.0, wait: bool = False) -> None:
         self.inventory = inventory
         self.overhead = overhead
         # AMD: seconds amdsmi's process list may be old (NVIDIA's NVML reads live: never waited for)
         self.lag = lag if inventory.vendor == "amd" else 0.0
+        self.wait = wait  # --gpu-amd-lag-wait: a test shorter than the lag waits out the rest
         self._begun = -math.inf  # when the begin sample was taken (time.monotonic)
         self._baseline: dict[int, int] = {}
         self._before: dict[int, float] = {}  # descendants alive when the lease began
@@ -396,30 +405,38 @@ class NvmlVerifier:
         return mine, started
 
     def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
-        """Judge the lease from a sample taken now; where the driver's list may be ``lag`` old
-        (AMD), from one that list cannot hide the test's last moment from, nor show what was
-        freed in it:
+        """Judge the lease from a sample taken now. Where the driver's list may be ``lag`` old
+        (AMD), it may still show what was freed in the test's last moments, and not yet show
+        what was taken in them:
 
-        - the sample is taken no earlier than ``lag`` after the begin sample, so that a list
-          refreshed since then shows what the test allocated (for a test shorter than ``lag``,
-          a wait of the rest of it; never more than ``lag``);
-        - when that sample finds a violation, the verdict is made again from one more sample
-          taken ``lag`` after the test ended (what was freed by then is gone from that list).
+        - when the sample finds a violation, the verdict is made again, from scratch, from one
+          more sample taken ``lag`` after the test ended (what was freed by then is gone from
+          that list): a cost paid only where something looks wrong;
+        - a test that ended less than ``lag`` after the begin sample may not be in the list at
+          all: with ``wait`` (``--gpu-amd-lag-wait``) the sample is taken no earlier than
+          ``lag`` after the begin sample (a wait of the rest of the lag, never more); without
+          it (the default) nothing waits, and the verdict says so (:attr:`Verdict.unseen_lag`)
+          for the run's summary to count.
         """
         if self.lag <= 0:
             return self._end(lease, others)
         ended = time.monotonic()
-        _sleep_until(self._begun + self.lag)
+        if self.wait:
+            _sleep_until(self._begun + self.lag)
         kept = list(self._notes), set(self._unmeasured), dict(_grown)
+        sampled = time.monotonic()
         verdict = self._end(lease, others)
-        if not verdict.violations:
-            return verdict
-        # judged again from scratch: what the first sample noted or took as context growth is undone
-        self._notes, self._unmeasured = kept[0], kept[1]
-        _grown.clear()
-        _grown.update(kept[2])
-        _sleep_until(ended + self.lag)
-        return self._end(lease, others)
+        if verdict.violations:
+            # judged again from scratch: what the first sample noted or took as context growth is undone
+            self._notes, self._unmeasured = kept[0], kept[1]
+            _grown.clear()
+            _grown.update(kept[2])
+            _sleep_until(ended + self.lag)
+            sampled = time.monotonic()
+            verdict = self._end(lease, others)
+        if sampled < self._begun + self.lag:  # read from a list that may predate all the test did
+            verdict.unseen_lag = self.lag
+        return verdict
 
     def _end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
         """The verdict from one sample taken now."""
@@ -511,8 +528,10 @@ class NvmlRankVerifier(NvmlVerifier):
     not run on a real GPU by the author.
     """
 
-    def __init__(self, inventory: Inventory, overhead: int, pids: Iterable[int] = (), lag: float = 0.0) -> None:
-        super().__init__(inventory, overhead, lag)
+    def __init__(
+        self, inventory: Inventory, overhead: int, pids: Iterable[int] = (), lag: float = 0.0, wait: bool = False
+    ) -> None:
+        super().__init__(inventory, overhead, lag, wait)
         self.pids: list[int] = list(pids)
         self._usage_before: dict[int, dict[int, int]] = {}  # pool process -> GPU index -> bytes
         self._pool_before: dict[int, float] = {}  # the pool's processes when the window began

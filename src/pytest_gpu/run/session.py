@@ -446,12 +446,12 @@ class GpuRun:
         """What checks a lease: this process's (confined), or that of the processes it starts (a
         rank pool's ranks, whose NVML usage is told from the test's by their claim,
         :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
-        overhead, lag = self.settings.context_overhead, self.settings.amd_process_lag  # lag: AMD's only
+        overhead, lag, wait = self.settings.context_overhead, self.settings.amd_process_lag, self.settings.amd_lag_wait
         if self.inventory.simulated:
             return SimVerifier() if confined else RankVerifier(overhead)
-        if confined:
-            return NvmlVerifier(self.inventory, overhead, lag=lag)
-        return NvmlRankVerifier(self.inventory, overhead, lag=lag)
+        if confined:  # lag and wait: AMD's only
+            return NvmlVerifier(self.inventory, overhead, lag=lag, wait=wait)
+        return NvmlRankVerifier(self.inventory, overhead, lag=lag, wait=wait)
 
     def waiting(self) -> bool:
         """A request of this process must wait: give up what the process holds idle (its warm
