@@ -21,8 +21,9 @@ device ends its list, as CUDA's rule is (ROCm's documentation does not say; assu
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
 ``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
-list is: the verifier waits out its staleness (``--gpu-amd-process-lag``), and every violation
-judged from it says how coarse it may be (:func:`pytest_gpu.gpu.verification.amd_caveat`).
+list is: the verifier judges a violation again once the list's staleness has passed
+(``--gpu-amd-process-lag``; ``--gpu-amd-lag-wait`` also waits it out for a shorter test), and
+every violation judged from it says how coarse it may be (:func:`pytest_gpu.gpu.verification.amd_caveat`).
 
 Not run on an AMD machine here: CI runs it against the fake ``libamd_smi.so``
 (:mod:`pytest_gpu.sim.amdsmi`) through the real ``amdsmi`` package.
