@@ -77,7 +77,7 @@ class Inventory:
     note: str = ""  # why it is empty, or what was left out
     machine: tuple[Device, ...] = ()
     visible: str | None = None
-    vendor: str = "nvidia"  # whose GPUs: nvidia, amd (pytest_gpu.gpu.discovery)
+    vendor: str = "nvidia"  # whose GPUs: nvidia, amd, xpu (pytest_gpu.gpu.discovery)
     outer: tuple[tuple[str, str], ...] = ()  # another vendor's visibility variables the run started with
 
     @property
@@ -98,7 +98,7 @@ class Inventory:
             sizes[device.total_memory] = sizes.get(device.total_memory, 0) + 1
         parts = ", ".join(f"{n}x{format_size(size)}" for size, n in sizes.items())
         kind = "simulated " if self.simulated else ""
-        kind += {"amd": "AMD "}.get(self.vendor, "")  # NVIDIA's, as always, unnamed
+        kind += {"amd": "AMD ", "xpu": "Intel "}.get(self.vendor, "")  # NVIDIA's, as always, unnamed
         noun = "MIG instance" if all(d.parent is not None for d in self.devices) else "GPU"
         plural = "s" if len(self.devices) != 1 else ""
         return f"{len(self.devices)} {kind}{noun}{plural} ({parts})"

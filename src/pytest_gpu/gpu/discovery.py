@@ -1,4 +1,4 @@
-"""``--gpus`` resolved by vendor: NVIDIA through NVML, AMD through amdsmi.
+"""``--gpus`` resolved by vendor: NVIDIA through NVML, AMD through amdsmi, Intel through Level Zero Sysman.
 
 ``auto`` finds NVIDIA GPUs as it always has (:func:`pytest_gpu.gpu.devices.discover`); on a
 machine where NVML reports none, it asks amdsmi (when the ``rocm`` extra is installed). A
@@ -8,6 +8,10 @@ vendor prefix picks one on a machine that has both: ``nvidia:auto`` (NVML only, 
 request that names two vendors (``nvidia:0,amd:1``) is refused, naming both: a run leases one
 vendor's GPUs.
 ``amd:0,2`` picks AMD GPUs by amdsmi's index, as ``0,2`` picks NVIDIA's by NVML's.
+
+Intel GPUs (:mod:`pytest_gpu.gpu.xpu`): ``xpu:auto`` and ``xpu:0,2`` (indices as
+``ZE_AFFINITY_MASK`` counts devices); ``auto`` asks Level Zero Sysman last, on a machine where
+neither NVML nor amdsmi finds a GPU.
 
 An AMD inventory keeps the ROCm visibility variables the run started with
 (:attr:`Inventory.outer`) and lists the machine in ROCr's order
@@ -26,8 +30,8 @@ from dataclasses import replace
 from .devices import GPUS_FORM, DeviceSpecError, Inventory
 from .devices import discover as nvidia_discover
 
-VENDORS = ("nvidia", "amd")
-FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2"
+VENDORS = ("nvidia", "amd", "xpu")
+FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2, xpu:auto, xpu:0,2"
 
 
 def split(spec: str) -> tuple[str | None, str]:
@@ -62,6 +66,15 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
         if re.fullmatch(r"\d+(\s*,\s*\d+)*", rest):
             return _amd_indices(spec, [int(x) for x in rest.split(",")], env)
         raise DeviceSpecError(f"--gpus {spec!r}: expected amd:auto or amd: and amdsmi's indices such as amd:0,2")
+    if vendor == "xpu":
+        if rest.lower() == "auto":
+            return xpu_inventory(env, required=True)
+        if re.fullmatch(r"\d+(\s*,\s*\d+)*", rest):
+            return _xpu_indices(spec, [int(x) for x in rest.split(",")], env)
+        raise DeviceSpecError(
+            f"--gpus {spec!r}: expected xpu:auto or xpu: and device indices as ZE_AFFINITY_MASK counts them, "
+            "such as xpu:0,2 (simulated Intel GPUs: PYTEST_GPU_FAKE_GPUS=xpu:sim:4x64GiB with --gpus xpu:auto)"
+        )
     if vendor == "nvidia" and rest.lower().startswith("sim:"):
         raise DeviceSpecError(f"--gpus {spec!r}: simulated devices take no vendor; expected {rest}")
     found = nvidia_discover(rest, env)
@@ -70,6 +83,9 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
             amd = amd_inventory(env, required=False)
             if amd.devices or amd.machine:
                 return amd
+            intel = xpu_inventory(env, required=False)
+            if intel.devices or intel.machine:
+                return intel
         elif importlib.util.find_spec("amdsmi") is not None:  # a machine with both? (amdsmi: a ROCm install)
             amd = amd_inventory(env, required=False)
             if amd.devices:
@@ -132,3 +148,55 @@ def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
         )
         note = "; ".join(filter(None, [why, note]))
     return Inventory(usable, "amdsmi", note, found, None, AMD.name, started)
+
+
+def _xpu_indices(spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
+    """``xpu:0,2``: these Intel GPU devices (``ZE_AFFINITY_MASK``'s indices), each one the run's
+    ``ZE_AFFINITY_MASK`` leaves visible."""
+    from .vendors import UNAVAILABLE, XPU
+
+    try:
+        found, note = XPU.devices()
+    except UNAVAILABLE as exc:
+        raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
+    known = {d.index: d for d in found}
+    missing = [i for i in wanted if i not in known]
+    if missing:
+        raise DeviceSpecError(
+            f"--gpus {spec!r}: no Intel GPU device {missing}; Level Zero Sysman reports {sorted(known)}"
+            + (f" ({note})" if note else "")
+        )
+    if len(set(wanted)) != len(wanted):
+        raise DeviceSpecError(f"--gpus {spec!r}: an index is listed twice")
+    started = XPU.outer(environ)
+    seen = set(XPU.view(found, started))
+    hidden = [i for i in wanted if i not in seen]
+    if hidden:
+        said = ", ".join(f"{k}={v!r}" for k, v in started)
+        raise DeviceSpecError(
+            f"--gpus {spec!r}: Intel GPU {hidden} {'is' if len(hidden) == 1 else 'are'} hidden by {said}; "
+            "expected indices the run's ZE_AFFINITY_MASK leaves visible"
+        )
+    return Inventory(tuple(known[i] for i in wanted), "sysman", note, found, None, XPU.name, started)
+
+
+def xpu_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
+    """The Intel GPU devices Level Zero Sysman reports that the run's ``ZE_AFFINITY_MASK`` leaves it
+    (``required``: ``xpu:auto``, whose empty inventory's note says why)."""
+    from .vendors import UNAVAILABLE, XPU
+
+    try:
+        found, note = XPU.devices()
+    except UNAVAILABLE as exc:
+        return Inventory((), "xpu:auto" if required else "auto", str(exc), vendor=XPU.name)
+    started = XPU.outer(environ)
+    by_index = {d.index: d for d in found}
+    usable = tuple(by_index[i] for i in XPU.view(found, started))
+    if not usable:
+        why = (
+            "Level Zero Sysman reports no Intel GPUs"
+            if not found
+            else f"{', '.join(f'{k}={v!r}' for k, v in started)} leaves none of the devices Sysman reports"
+        )
+        note = "; ".join(filter(None, [why, note]))
+    return Inventory(usable, "sysman", note, found, None, XPU.name, started)

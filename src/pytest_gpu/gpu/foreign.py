@@ -24,6 +24,7 @@ is said in the note, and the sample goes on.
 
 On AMD GPUs (no NVML) the same judgement is made from amdsmi's per-process list
 (:class:`pytest_gpu.gpu.sampling.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
+On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.gpu.sampling.XpuSampler`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..leasing.requests import format_size
-from .sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable
+from .sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable, XpuSampler
 
 #: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
 #: their ``psutil`` create times (a recycled root pid is then not ours).
@@ -148,11 +149,15 @@ class ForeignSampler:
         return {uuid: found.bytes for uuid, found in self.sample(roots, uuids=uuids).items()}
 
     def _open(self) -> Sampler | None:
-        """The driver to sample with: NVML's, else (an AMD machine) amdsmi's, opened once."""
+        """The driver to sample with: NVML's, else (an AMD machine) amdsmi's, else (an Intel
+        machine) Level Zero Sysman's, opened once."""
         if self._driver is None and not self._amd_tried:
             self._amd_tried = True
             with contextlib.suppress(Unavailable), contextlib.redirect_stdout(io.StringIO()):
                 self._driver = AmdSampler()  # amdsmi prints its load failures
+            if self._driver is None:
+                with contextlib.suppress(Unavailable):
+                    self._driver = XpuSampler()
         return self._driver
 
     def sample(

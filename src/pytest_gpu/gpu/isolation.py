@@ -71,7 +71,7 @@ def make_lease(
     tag: str,
 ) -> GpuLease:
     devices = [inventory.by_index(i) for i in indices]
-    if inventory.simulated:
+    if inventory.simulated or inventory.vendor == "xpu":  # ZE_AFFINITY_MASK takes indices only
         visible = ",".join(str(d.index) for d in devices)
     else:
         visible = ",".join(d.uuid for d in devices)  # UUIDs: immune to any ordering mismatch
@@ -86,7 +86,8 @@ def make_lease(
         env[sim.TAG_ENV] = tag
     runtime.pin(inventory)  # the ordinals named here are those of the pinned CUDA, as confine's
     ordinals = runtime.in_process(inventory, [d.index for d in devices])
-    named = [f"cuda:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
+    kind = "xpu" if inventory.vendor == "xpu" else "cuda"  # as torch names the devices
+    named = [f"{kind}:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
     return GpuLease(
         key=key,
         indices=tuple(indices),

@@ -79,6 +79,9 @@ def pin(inventory: Inventory) -> list[int]:
         _state.outer = vendors.of(inventory.vendor).outer(os.environ)
         if inventory.vendor == vendors.NVIDIA.name:
             _state.uuids, _state.note = _cu_init()
+        elif inventory.vendor == "xpu":
+            _state.uuids = None
+            _state.note = "its Level Zero device list is predicted from ZE_AFFINITY_MASK, not read back"
         else:
             _state.uuids, _state.note = _hip_init()
         _state.pinned = True
@@ -116,10 +119,11 @@ def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> li
     machine = {d.index: d for d in (inventory.machine or inventory.devices)}
     if all(i in machine and machine[i].parent is not None for i in hidden):
         return None
-    if inventory.vendor == "amd":
+    if inventory.vendor != "nvidia":
         started_with = ", ".join(f"{k}={v!r}" for k, v in (_state.outer if _state.pinned else inventory.outer))
         run_s = ", ".join(f"{k}={v!r}" for k, v in inventory.outer)
-        said = f"{started_with or 'no ROCm visibility variables'}; the run's: {run_s or 'none'}"
+        none = "no ZE_AFFINITY_MASK" if inventory.vendor == "xpu" else "no ROCm visibility variables"
+        said = f"{started_with or none}; the run's: {run_s or 'none'}"
     else:
         started = _state.visible if _state.pinned else inventory.visible
         said = f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r}"

@@ -10,7 +10,7 @@ The NVML code is what pytest-gpu always ran, moved here unchanged: the foreign s
 (:meth:`~NvmlSampler.processes`: compute and graphics lists, v3 records where the driver has
 them; v2 memory with the driver's reserve) and the verifier's and calibration's
 (:meth:`~NvmlSampler.compute`: pynvml's own compute list). amdsmi's reads the per-process
-list of :mod:`pytest_gpu.gpu.rocm`.
+list of :mod:`pytest_gpu.gpu.rocm`; Level Zero Sysman's, :mod:`pytest_gpu.gpu.xpu`'s.
 """
 
 from __future__ import annotations
@@ -233,6 +233,60 @@ class AmdSampler:
             return list(self.processes(uuid).items())
         except Refused as exc:
             raise Unlistable(f"amdsmi cannot list the processes there ({exc})", str(exc)) from None
+
+
+class XpuSampler:
+    """Level Zero Sysman, initialised (:class:`Unavailable` when it cannot be); GPUs named by the
+    UUIDs :func:`pytest_gpu.gpu.xpu.sysman_devices` gives. Memory and processes are per card: a
+    tile (``<uuid>/tile<T>``) is refused, so its lease shows as not verified."""
+
+    name = "Level Zero Sysman"
+
+    def __init__(self) -> None:
+        from .xpu import Sysman, ZesError, ZesUnavailable
+
+        try:
+            self._zes = Sysman()
+            self._handles = {card.uuid: card.handle for card in self._zes.cards()}
+        except (ZesUnavailable, ZesError) as exc:
+            raise Unavailable(str(exc)) from None
+        self._error: type[Exception] = ZesError
+
+    def close(self) -> None:
+        self._handles.clear()  # Sysman has no shutdown call: the loader stays for the process
+
+    def problem(self) -> str:
+        return ""
+
+    def forget(self, uuid: str) -> None:
+        pass
+
+    def _handle(self, uuid: str) -> Any:
+        if "/tile" in uuid:
+            raise Refused("Level Zero Sysman reports memory and processes per card, not per tile")
+        handle = self._handles.get(uuid)
+        if handle is None:
+            raise Refused("Level Zero Sysman does not report it")
+        return handle
+
+    def memory(self, uuid: str) -> tuple[int, int | None]:
+        try:
+            return self._zes.memory(self._handle(uuid))[0], None
+        except self._error as exc:
+            raise Refused(str(exc)) from None
+
+    def processes(self, uuid: str) -> dict[int, int | None]:
+        try:
+            handle = self._handle(uuid)
+        except Refused as exc:
+            raise Unlistable(f"Level Zero Sysman cannot list the processes there ({exc})", str(exc)) from None
+        try:
+            return dict(self._zes.processes(handle))
+        except self._error as exc:
+            raise Unlistable(f"Level Zero Sysman cannot list the processes there ({exc})", str(exc)) from None
+
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        return list(self.processes(uuid).items())
 
 
 def _mismatch(pynvml: ModuleType) -> type[Exception]:

@@ -2,8 +2,9 @@
 sees, how a process numbers them, and what a lease sets.
 
 :class:`Vendor` is the interface; :data:`NVIDIA` (NVML, ``CUDA_VISIBLE_DEVICES``) and
-:data:`AMD` (amdsmi, ``ROCR_VISIBLE_DEVICES`` then HIP's) implement it, over the code of
-:mod:`pytest_gpu.gpu.devices` and :mod:`pytest_gpu.gpu.rocm`. A run's inventory names its
+:data:`AMD` (amdsmi, ``ROCR_VISIBLE_DEVICES`` then HIP's) and :data:`XPU` (Level Zero Sysman,
+``ZE_AFFINITY_MASK``) implement it, over the code of :mod:`pytest_gpu.gpu.devices`,
+:mod:`pytest_gpu.gpu.rocm` and :mod:`pytest_gpu.gpu.xpu`. A run's inventory names its
 vendor (:attr:`Inventory.vendor`); :func:`of` gives the implementation.
 
 Memory and per-process samples come from :meth:`Vendor.sampler` (:mod:`pytest_gpu.gpu.sampling`).
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from . import rocm
+from . import rocm, xpu
 from .devices import Device, Inventory, NvmlUnavailable, cuda_view, nvml_devices
-from .sampling import AmdSampler, NvmlSampler, Sampler
+from .sampling import AmdSampler, NvmlSampler, Sampler, XpuSampler
 
 CUDA_VAR = "CUDA_VISIBLE_DEVICES"
 NVIDIA_VARS: tuple[str, ...] = (CUDA_VAR, "HIP_VISIBLE_DEVICES")  # HIP's too: HIP on NVIDIA reads it
@@ -96,11 +98,32 @@ class _Amd:
             return AmdSampler()
 
 
+class _Xpu:
+    name = "xpu"
+    visibility: tuple[str, ...] = xpu.VISIBILITY_VARS
+
+    def devices(self) -> tuple[tuple[Device, ...], str]:
+        return xpu.sysman_devices(os.environ)
+
+    def outer(self, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        return xpu.outer(environ)
+
+    def view(self, machine: tuple[Device, ...], outer: Sequence[tuple[str, str]]) -> list[int]:
+        return xpu.xpu_view(machine, dict(outer))
+
+    def lease_env(self, names: Sequence[str]) -> dict[str, str]:
+        return xpu.lease_env(names)
+
+    def sampler(self) -> Sampler:
+        return XpuSampler()
+
+
 NVIDIA: Vendor = _Nvidia()
 AMD: Vendor = _Amd()
-VENDORS: dict[str, Vendor] = {v.name: v for v in (NVIDIA, AMD)}
+XPU: Vendor = _Xpu()
+VENDORS: dict[str, Vendor] = {v.name: v for v in (NVIDIA, AMD, XPU)}
 #: What :meth:`Vendor.devices` raises when the driver cannot be asked.
-UNAVAILABLE = (NvmlUnavailable, rocm.AmdSmiUnavailable)
+UNAVAILABLE = (NvmlUnavailable, rocm.AmdSmiUnavailable, xpu.ZesUnavailable)
 #: Every variable a lease of any vendor sets to say which GPUs a process sees.
 VISIBILITY = tuple(dict.fromkeys(name for v in VENDORS.values() for name in v.visibility))
 

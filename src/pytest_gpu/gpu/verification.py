@@ -303,8 +303,8 @@ class NvmlVerifier:
         from . import vendors
         from .sampling import Unavailable, Unlistable
 
-        amd = self.inventory.vendor == "amd"
-        if self._untrusted and not amd:  # the installed nvidia-ml-py's, which amdsmi does not use
+        other = self.inventory.vendor != "nvidia"
+        if self._untrusted and not other:  # the installed nvidia-ml-py's, which amdsmi and Sysman do not use
             self._give_up(self._untrusted)
             return None
         me = psutil.Process()
@@ -364,9 +364,12 @@ class NvmlVerifier:
             self._notes.append(text)
 
     def _torch(self) -> ModuleType | None:
+        """torch's device module (``torch.cuda``; ``torch.xpu`` on Intel GPUs), once it has started."""
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch
+        device = getattr(torch, "xpu" if self.inventory.vendor == "xpu" else "cuda", None)
+        if device is not None and device.is_available() and device.is_initialized():
+            module: ModuleType = device
+            return module
         return None
 
     def begin(self, lease: GpuLease, owner: int) -> None:
@@ -374,11 +377,11 @@ class NvmlVerifier:
         self._begun = time.monotonic()
         self._baseline = sample.usage.get(os.getpid(), {}) if sample is not None else {}
         self._before = sample.tree if sample is not None else descendants()
-        torch = self._torch()
+        device = self._torch()
         ordinals = runtime.in_process(self.inventory, lease.indices)
-        if torch is not None and ordinals is not None:
+        if device is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                counters = torch_counters(torch.cuda, ordinal)
+                counters = torch_counters(device, ordinal)
                 self._torch_base[index] = counters.allocated
                 self._torch_reserved[index] = counters.reserved
 
@@ -447,13 +450,13 @@ class NvmlVerifier:
         why: dict[int, list[str]] = {}
         whence: dict[int, str] = {}
         seen = False
-        torch = self._torch()
+        device = self._torch()
         ordinals = runtime.in_process(self.inventory, lease.indices)
         pid = os.getpid()
         counted: dict[int, TorchCounters] = {}
-        if torch is not None and ordinals is not None:
+        if device is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
-                counted[index] = counters = torch_counters(torch.cuda, ordinal)
+                counted[index] = counters = torch_counters(device, ordinal)
                 peak[index] = counters.peak
                 seen = seen or peak[index] > 0
                 left = counters.allocated - self._torch_base.get(index, 0)
@@ -483,7 +486,7 @@ class NvmlVerifier:
                 seen = seen or peak[index] > 0
                 if held:
                     current[index] = current.get(index, 0) + held
-                    outside = ", outside torch's cache" if torch is not None else ""
+                    outside = ", outside torch's cache" if device is not None else ""
                     why.setdefault(index, []).append(f"memory this process still holds after the test{outside}")
                 if children:
                     current[index] = current.get(index, 0) + sum(children.values())
@@ -496,7 +499,7 @@ class NvmlVerifier:
         if self.inventory.vendor == "amd":  # what it found is as coarse as amdsmi's list
             verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
         unmeasured = self._unmeasured & set(lease.indices)
-        verdict.measured = seen and (torch is not None or not unmeasured)
+        verdict.measured = seen and (device is not None or not unmeasured)
         return verdict
 
 

@@ -3,9 +3,10 @@
 Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
 
     [VENDOR:][sim:]GROUP[,GROUP...][;OPTION...]
-    VENDOR   nvidia (the default) or amd: whose driver libraries the fake machine has
+    VENDOR   nvidia (the default), amd or xpu: whose driver libraries the fake machine has
              (amd: a fake libamd_smi.so for the ``amdsmi`` package instead of a fake
-             NVML; MIG and the NVML-only options below do not apply)
+             NVML; xpu: a fake Level Zero loader, ``libze_loader.so.1``, answering
+             Sysman; MIG and the NVML-only options below do not apply)
     GROUP    COUNTxSIZE or SIZE              e.g. 4x16GiB, 2x80GiB,2x24GiB
     OPTION   mig:I=COUNTxSIZE[,COUNTxSIZE]   GPU I is in MIG mode with these instances
              fault:I=KIND                    NVML refuses GPU I's handle: no_permission,
@@ -47,7 +48,7 @@ from ..leasing.requests import SizeError, format_size, parse_size
 
 PREFIX = "sim:"
 #: The vendors a fake machine can be (``amd:sim:8x192GiB``); the first is the default.
-VENDORS = ("nvidia", "amd")
+VENDORS = ("nvidia", "amd", "xpu")
 #: Options only NVIDIA's driver has: refused on another vendor's machine.
 NVIDIA_ONLY = ("mig:", "no-v3", "no-usage", "pidns")
 # The fake libnvidia-ml.so.1 has room for this many (fake_nvml.c's MAX_GPUS, MAX_MIG);
@@ -136,6 +137,12 @@ def amd_serial(index: int) -> int:
     """The ASIC serial (unique id) of simulated AMD GPU ``index``: the fake libamd_smi.so
     derives it the same way (fake_amdsmi.c's ``serial_of``)."""
     return 0x51A0_0000_0000_0000 | index
+
+
+def xpu_uuid(index: int) -> str:
+    """The UUID of simulated Intel GPU ``index``, as the fake Level Zero Sysman gives its 16 bytes
+    (fake_zes.c's ``uuid_of``): hex digits in the 8-4-4-4-12 form, without a prefix."""
+    return f"51a0e000-0000-4000-8000-{index:012x}"
 
 
 def split_vendor(spec: str) -> tuple[str, str]:
@@ -314,10 +321,10 @@ def parse(spec: str) -> Machine:
         gpus.append(
             Gpu(
                 index,
-                amd_uuid(index) if vendor == "amd" else gpu_uuid(index),
+                {"amd": amd_uuid, "xpu": xpu_uuid}.get(vendor, gpu_uuid)(index),
                 size,
                 reserved,
-                f"Simulated {'AMD ' if vendor == 'amd' else ''}GPU {format_size(size)}",
+                f"Simulated {({'amd': 'AMD ', 'xpu': 'Intel '}).get(vendor, '')}GPU {format_size(size)}",
                 tuple(instances),
                 faults.get(index, "none"),
             )
