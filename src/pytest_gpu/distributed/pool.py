@@ -130,7 +130,10 @@ class RankPool:
             # held for the ranks: this process is not confined to it; verified after each test
             self.holding = self.run.hold(self.owner, request, confine=False)
             names = [
-                str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid
+                # ZE_AFFINITY_MASK (Intel's) takes indices only
+                str(i)
+                if self.run.inventory.simulated or self.run.inventory.vendor == "xpu"
+                else self.run.inventory.by_index(i).uuid
                 for i in self.holding.lease.indices
             ]
             g = self.spec.gpus_per_rank

@@ -40,7 +40,11 @@ def asks_for_gpus(item: pytest.Item) -> bool:
 
 
 # what gives a job its GPUs, by vendor (the inventory's)
-_WHERE = {"nvidia": "the NVIDIA driver, CUDA_VISIBLE_DEVICES", "amd": "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES"}
+_WHERE = {
+    "nvidia": "the NVIDIA driver, CUDA_VISIBLE_DEVICES",
+    "amd": "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES",
+    "xpu": "the Intel GPU driver and Level Zero loader (libze_loader.so.1), ZE_AFFINITY_MASK",
+}
 
 
 def problem(items: list[pytest.Item], run: GpuRun) -> str | None:

@@ -191,11 +191,17 @@ def unit_of(ordinal: int | str | None = None) -> int:
     return view[chosen]
 
 
+def _device_type() -> str:
+    """How torch names this machine's devices: ``xpu`` on a fake Intel machine, else ``cuda``."""
+    return "xpu" if ledger().machine().vendor == "xpu" else "cuda"
+
+
 def _ordinal(device: object) -> object:
-    # "cuda:1" and "cuda" as torch writes devices (a lease's ``device``); ints as CUDA's
+    # "cuda:1" and "cuda" as torch writes devices (a lease's ``device``); ints as CUDA's.
+    # "xpu:1" on a fake Intel machine, whose leases name their devices as torch.xpu does.
     if isinstance(device, str):
         name, _, number = device.partition(":")
-        if name == "cuda" and (number.isdigit() or not number):
+        if name == _device_type() and (number.isdigit() or not number):
             return int(number) if number else _current()
     return device
 
