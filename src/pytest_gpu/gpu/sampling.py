@@ -270,8 +270,9 @@ class XpuSampler:
         return handle
 
     def memory(self, uuid: str) -> tuple[int, int | None]:
+        handle = self._handle(uuid)
         try:
-            return self._zes.memory(self._handle(uuid))[0], None
+            return self._zes.memory(handle)[0], None
         except self._error as exc:
             raise Refused(str(exc)) from None
 
