@@ -158,7 +158,8 @@ def test_sysman_is_unavailable_on_another_vendors_machine(tmp_path: Path) -> Non
         out["devices"] = len(found.devices)
         """,
     )
-    assert out == {"devices": 0, "note": "Level Zero Sysman unavailable (zesInit returned ZE_RESULT_ERROR_UNINITIALIZED)"}
+    assert out["devices"] == 0
+    assert out["note"] == "Level Zero Sysman unavailable (zesInit returned ZE_RESULT_ERROR_UNINITIALIZED)"
 
 
 def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
