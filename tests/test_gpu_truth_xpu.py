@@ -77,7 +77,10 @@ def test_a_subprocess_outside_its_lease_is_caught_through_sysman(gpu_pytester, x
         import pytest
 
         # a child still holding its memory when the test ends (Sysman lists live processes only)
-        HOLD = "from pytest_gpu import sim; b = sim.allocate('1GiB'); print('held', flush=True); import time; time.sleep(3)"
+        HOLD = (
+            "import time; from pytest_gpu import sim; b = sim.allocate('1GiB'); print('held', flush=True); "
+            "time.sleep(3)"
+        )
 
         def start(env):
             child = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True)
