@@ -305,3 +305,26 @@ def test_xccl_and_ccl_pools_give_each_rank_a_gpu() -> None:
         assert (spec.backend, spec.gpus_per_rank) == (backend, 1)
         with pytest.raises(GpuRequestError, match=f"backend='{backend}' needs gpus_per_rank >= 1"):
             build_spec((2,), {"backend": backend, "gpus_per_rank": 0})
+
+
+def test_the_inventory_command_and_status_labels_name_intel_gpus(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "xpu:sim:2x64GiB",
+        f"""
+        import contextlib, io
+        from pytest_gpu.cli import gpu_labels, main
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            main(["inventory", "--gpus", "xpu:auto"])
+        out["inventory"] = printed.getvalue().splitlines()
+        out["labels"] = gpu_labels(["{xpu_uuid(1)}", "ffffffff-0000-0000-0000-000000000000"], ask_nvml=True)
+        """,
+        ZE_AFFINITY_MASK="1",
+    )
+    assert out["inventory"] == [
+        "--gpus xpu:auto: 1 Intel GPU (1x64GiB)",
+        f"  GPU 1  {xpu_uuid(1)}     64GiB  Simulated Intel GPU 64GiB",
+        "  started with: ZE_AFFINITY_MASK=1",
+    ]
+    assert out["labels"] == {xpu_uuid(1): "Intel GPU 1"}
