@@ -174,7 +174,9 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
         out["outer"] = [list(p) for p in auto.outer]
         out["uuids"] = [d.uuid for d in auto.machine]
         out["picked"] = [d.index for d in discover("xpu:1,3").devices]
-        for bad in ("xpu:0", "xpu:7", "xpu:sim:2x64GiB"):
+        simulated = discover("xpu:sim:2x64GiB")
+        out["sim"] = [simulated.describe(), [d.index for d in simulated.devices], simulated.source]
+        for bad in ("xpu:0", "xpu:7", "xpu:sim:2x64GiB;mig:0=1x8GiB", "xpu:gpu"):
             try:
                 discover(bad)
             except DeviceSpecError as exc:
@@ -188,7 +190,9 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
     assert out["picked"] == [1, 3]
     assert "Intel GPU [0] is hidden by ZE_AFFINITY_MASK='3,1'" in out["xpu:0"]
     assert "no Intel GPU device [7]; Level Zero Sysman reports [0, 1, 2, 3]" in out["xpu:7"]
-    assert "PYTEST_GPU_FAKE_GPUS=xpu:sim:4x64GiB with --gpus xpu:auto" in out["xpu:sim:2x64GiB"]
+    assert out["sim"] == ["1 simulated Intel GPU (1x64GiB)", [1], "xpu:sim:2x64GiB"]  # the mask's 3 names none
+    assert "is an NVIDIA driver's option" in out["xpu:sim:2x64GiB;mig:0=1x8GiB"]
+    assert "or simulated Intel GPUs such as xpu:sim:4x64GiB" in out["xpu:gpu"]
 
 
 def test_a_request_naming_two_vendors_is_refused() -> None:

@@ -10,8 +10,8 @@ vendor's GPUs.
 ``amd:0,2`` picks AMD GPUs by amdsmi's index, as ``0,2`` picks NVIDIA's by NVML's.
 
 Intel GPUs (:mod:`pytest_gpu.gpu.xpu`): ``xpu:auto`` and ``xpu:0,2`` (indices as
-``ZE_AFFINITY_MASK`` counts devices); ``auto`` asks Level Zero Sysman last, on a machine where
-neither NVML nor amdsmi finds a GPU.
+``ZE_AFFINITY_MASK`` counts devices), ``xpu:sim:4x64GiB`` (simulated); ``auto`` asks Level Zero
+Sysman last, on a machine where neither NVML nor amdsmi finds a GPU.
 
 An AMD inventory keeps the ROCm visibility variables the run started with
 (:attr:`Inventory.outer`) and lists the machine in ROCr's order
@@ -31,7 +31,7 @@ from .devices import GPUS_FORM, DeviceSpecError, Inventory
 from .devices import discover as nvidia_discover
 
 VENDORS = ("nvidia", "amd", "xpu")
-FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2, xpu:auto, xpu:0,2"
+FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2, xpu:auto, xpu:0,2, xpu:sim:4x64GiB"
 
 
 def split(spec: str) -> tuple[str | None, str]:
@@ -67,13 +67,15 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
             return _amd_indices(spec, [int(x) for x in rest.split(",")], env)
         raise DeviceSpecError(f"--gpus {spec!r}: expected amd:auto or amd: and amdsmi's indices such as amd:0,2")
     if vendor == "xpu":
+        if rest.lower().startswith("sim:"):  # simulated Intel GPUs, as sim:… are NVIDIA's
+            return _xpu_sim(spec, rest, env)
         if rest.lower() == "auto":
             return xpu_inventory(env, required=True)
         if re.fullmatch(r"\d+(\s*,\s*\d+)*", rest):
             return _xpu_indices(spec, [int(x) for x in rest.split(",")], env)
         raise DeviceSpecError(
-            f"--gpus {spec!r}: expected xpu:auto or xpu: and device indices as ZE_AFFINITY_MASK counts them, "
-            "such as xpu:0,2 (simulated Intel GPUs: PYTEST_GPU_FAKE_GPUS=xpu:sim:4x64GiB with --gpus xpu:auto)"
+            f"--gpus {spec!r}: expected xpu:auto, xpu: and device indices as ZE_AFFINITY_MASK counts them "
+            "(such as xpu:0,2), or simulated Intel GPUs such as xpu:sim:4x64GiB"
         )
     if vendor == "nvidia" and rest.lower().startswith("sim:"):
         raise DeviceSpecError(f"--gpus {spec!r}: simulated devices take no vendor; expected {rest}")
@@ -200,3 +202,20 @@ def xpu_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
         )
         note = "; ".join(filter(None, [why, note]))
     return Inventory(usable, "sysman", note, found, None, XPU.name, started)
+
+
+def _xpu_sim(spec: str, rest: str, environ: Mapping[str, str]) -> Inventory:
+    """``xpu:sim:4x64GiB``: simulated Intel GPUs (the run makes them its fake machine, so torch.xpu
+    and the simulated runtime follow ``ZE_AFFINITY_MASK``), narrowed by the run's mask."""
+    from .devices import sim_machine
+    from .vendors import XPU
+
+    source = f"xpu:{rest}"
+    found, note = sim_machine(source)  # DeviceSpecError names the spec and the expected form
+    started = XPU.outer(environ)
+    by_index = {d.index: d for d in found}
+    usable = tuple(by_index[i] for i in XPU.view(found, started))
+    if not usable:
+        said = ", ".join(f"{k}={v!r}" for k, v in started)
+        note = "; ".join(filter(None, [f"{said} leaves none of the simulated Intel GPUs", note]))
+    return Inventory(usable, source, note, found, None, XPU.name, started)
