@@ -199,3 +199,40 @@ def test_simulated_intel_gpus_from_the_gpus_option(gpu_pytester, monkeypatch):
     result = gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpus", "xpu:sim:4x64GiB", timeout=180)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: 2 simulated Intel GPUs (2x64GiB)*"])
+
+
+def test_a_rank_pool_gives_each_rank_its_device_by_mask_index(gpu_pytester, xpu_run, tmp_path):
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    gpu_pytester.makepyfile(
+        test_pool=f"""
+        import json, os
+        import pytest
+
+        @pytest.mark.distributed(world_size=2, backend="none", gpus_per_rank=1)
+        def test_ranks(rank):
+            from pytest_gpu.sim import cuda
+
+            names = ("ZE_AFFINITY_MASK", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+            got = {{name: os.environ.get(name) for name in names}}
+            got["units"] = cuda.init()
+            got["device"] = rank.device
+            with open(os.path.join({str(seen)!r}, str(rank.rank)), "w") as f:
+                json.dump(got, f)
+        """
+    )
+    result = xpu_run("xpu:sim:2x64GiB", "--gpus", "xpu:auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    units = []
+    for r in (0, 1):
+        got = json.loads((seen / str(r)).read_text())
+        unit = got.pop("units")
+        units += unit
+        mask = str(unit[0])
+        assert got == {
+            "ZE_AFFINITY_MASK": mask,
+            "CUDA_VISIBLE_DEVICES": mask,
+            "ROCR_VISIBLE_DEVICES": None,
+            "device": "xpu:0",
+        }
+    assert sorted(units) == [0, 1]  # one device each
