@@ -60,6 +60,32 @@ def require(component: str, *, module: str | None = None, executable: str | None
         pytest.skip(f"{MISSING}: {component} ({executable!r} not on PATH)")
 
 
+AMDSMI_ENV = "AMDSMI_TEST_SITE"  # not PYTEST_GPU_*: inner runs are cleared of those
+
+
+def amdsmi_site() -> str:
+    """The directory that holds the ``amdsmi`` package for the fake-AMD tests; skips without one.
+
+    CI installs amdsmi beside the test environment (``pip install --target``, named by
+    ``$AMDSMI_TEST_SITE``), not in it: without a ``libamd_smi.so`` its import raises
+    KeyError, which breaks ``import ray`` (ray's pyamdsmi catches ImportError only). The tests
+    put this directory on their subprocesses' ``PYTHONPATH`` (:func:`with_amdsmi`)."""
+    site = os.environ.get(AMDSMI_ENV, "").strip()
+    if site and (Path(site) / "amdsmi" / "__init__.py").is_file():
+        return site
+    spec = importlib.util.find_spec("amdsmi")  # installed in this environment after all
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).parent)
+    pytest.skip(f"{MISSING}: amdsmi, the rocm extra (pip install --target DIR amdsmi; {AMDSMI_ENV}=DIR)")
+
+
+def with_amdsmi(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :func:`amdsmi_site` first on its ``PYTHONPATH``."""
+    site = amdsmi_site()
+    rest = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": os.pathsep.join([site, rest]) if rest else site}
+
+
 # -- tiers: what makes a test `slow` (the module docstring says how to use them) ----------
 
 SLOW = "slow"

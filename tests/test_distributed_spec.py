@@ -121,7 +121,8 @@ def test_world_size_not_a_positive_int(value: object, shown: str) -> None:
 
 @pytest.mark.parametrize(("value", "shown"), [("mpich", "'mpich'"), ("GLOO", "'GLOO'"), (None, "None")])
 def test_bad_backend(value: object, shown: str) -> None:
-    assert error(2, backend=value) == f"{WHAT}: backend must be one of auto, gloo, nccl, mpi, none, got {shown}"
+    expected = f"{WHAT}: backend must be one of auto, gloo, nccl, xccl, ccl, mpi, none, got {shown}"
+    assert error(2, backend=value) == expected
 
 
 @pytest.mark.parametrize(("value", "shown"), [("ssh", "'ssh'"), ("", "''"), (1, "1")])

@@ -144,6 +144,18 @@ BAD_OPTIONS = [
     ("--gpu-wait-timeout", "abc", "gpu_wait_timeout", "expected a positive number of seconds, got 'abc'"),
     ("--gpu-wait-timeout", "0", "gpu_wait_timeout", "expected a positive number of seconds, got '0'"),
     (
+        "--gpu-amd-process-lag",
+        "-1",
+        "gpu_amd_process_lag",
+        "expected seconds from 0 to 60 (0: the driver reads it live), got '-1'",
+    ),
+    (
+        "--gpu-amd-process-lag",
+        "soon",
+        "gpu_amd_process_lag",
+        "expected seconds from 0 to 60 (0: the driver reads it live), got 'soon'",
+    ),
+    (
         "--gpu-default-memory",
         "abc",
         "gpu_default_memory",
@@ -191,6 +203,26 @@ def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, 
     result = run_inner()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
+
+
+def test_the_amd_lag_wait_is_a_flag_and_a_true_false_ini_key(gpu_pytester, run_inner, monkeypatch):
+    gpu_pytester.makepyfile(
+        test_wait="""
+        import os
+        from pytest_gpu.run.record import RUN_KEY
+
+        def test_wait(request):
+            assert request.config.stash[RUN_KEY].settings.amd_lag_wait is (os.environ["EXPECT"] == "1")
+        """
+    )
+    for ini, args, expect in (("", (), "0"), ("", ("--gpu-amd-lag-wait",), "1"), ("gpu_amd_lag_wait = yes", (), "1")):
+        gpu_pytester.makeini(f"[pytest]\n{ini}\n")
+        monkeypatch.setenv("EXPECT", expect)
+        run_inner("--gpus", "sim:1x16GiB", *args).assert_outcomes(passed=1)
+    gpu_pytester.makeini("[pytest]\ngpu_amd_lag_wait = sometimes\n")
+    result = run_inner("--gpus", "sim:1x16GiB")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "ERROR: ini key 'gpu_amd_lag_wait': expected true or false, got 'sometimes'" in result.errlines
 
 
 def test_a_sim_machine_beyond_the_bounds_is_a_usage_error(gpu_pytester, run_inner):

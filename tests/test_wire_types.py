@@ -92,13 +92,18 @@ def test_held_rows_round_trip_and_refuse_unknown_keys() -> None:
 
 def test_the_writers_properties_are_the_typed_ones() -> None:
     state = TestState(indices={0, 2}, waited=0.25, leases=[SPAN], request=GpuRequest(count=2, exclusive=True))
-    state.verdict = Verdict(peak={0: GIB, 2: 2 * GIB}, notes=["no NVML"])
+    state.verdict = Verdict(peak={0: GIB, 2: 2 * GIB}, notes=["no NVML"], unseen_lag=1.0)
     state.held = [HeldRow("fixture", "fixture 'model' (module scope, t.py)", (SPAN,), 0)]
     props = report_properties(state, alone=False)
-    assert set(props) == set(GpuProperties.__annotations__)  # gpu_notes and gpu_held included: there are some
+    # gpu_notes, gpu_held and gpu_unseen_lag included: there are some
+    assert set(props) == set(GpuProperties.__annotations__)
     assert all(isinstance(value, (str, int, float)) for value in props.values())  # junitxml, execnet
     assert "gpu_notes" not in report_properties(replace(state, verdict=Verdict(peak={0: 1})), alone=False)
     assert "gpu_held" not in report_properties(replace(state, held=[]), alone=False)
+    assert "gpu_unseen_lag" not in report_properties(replace(state, verdict=Verdict(peak={0: 1})), alone=False)
+    # a holder's (a pool's) verdict judged during the test counts too
+    judged = replace(state, verdict=Verdict(peak={0: 1}), unseen_lag=2.0)
+    assert report_properties(judged, alone=False)["gpu_unseen_lag"] == 2.0
 
 
 def test_what_the_test_writes_the_timeline_reads() -> None:
@@ -210,6 +215,8 @@ def every_field_set() -> Settings:
         host_memory=8 * GIB,
         context_overhead_given=True,
         required=True,
+        amd_process_lag=2.5,
+        amd_lag_wait=True,
     )
 
 

@@ -39,6 +39,8 @@ that this map names every module).
         remote          a run's connection to the arbiter in another process
         mirror          what a run holds and waits for, brought to a new arbiter
     gpu/                real GPUs
+        vendors         one interface per vendor: devices, visibility variables, view, lease variables
+        discovery       --gpus by vendor: NVIDIA's, AMD's or Intel's GPUs, never two vendors' at once
         devices         NVML, index lists, MIG
         runtime         the process's CUDA, pinned before a lease
         isolation       applying a lease in the test process
@@ -46,14 +48,20 @@ that this map names every module).
         verification    did the test stay within its lease
         torchstats      torch's allocator counters, read once per device
         calibration     one CUDA context's size, measured on a GPU's first lease
-        foreign         what processes outside pytest-gpu use, through NVML
+        foreign         what processes outside pytest-gpu use, through NVML or amdsmi
+        sampling        each vendor's driver opened for memory and process samples
         nvmlversion     which NVML the driver has
-    sim/                simulated GPUs as strict as CUDA and NVML
-        spec            ``sim:4x16GiB`` and its options (pure)
+        rocm            AMD ROCm: amdsmi's GPUs and process list, ROCm's visibility variables
+        xpu             Intel XPU: Level Zero Sysman's GPUs and process list, ZE_AFFINITY_MASK
+    sim/                simulated GPUs as strict as CUDA, NVML, AMD SMI and Level Zero Sysman
+        spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB``, ``xpu:sim:4x64GiB`` and their options (pure)
         ledger          the machine's memory and contexts: the tests' physics
         cuda            a process's simulated CUDA runtime
         nvml            a fake libnvidia-ml.so.1, built from C
-        torch_cuda      torch.cuda for the CPU build of torch
+        amdsmi          a fake libamd_smi.so for the amdsmi package, built from C
+        hip             a fake libamdhip64.so: the devices HIP enumerates, built from C
+        zes             a fake Level Zero loader (Sysman), built from C
+        torch_cuda      torch.cuda (torch.xpu on Intel GPUs) for the CPU build of torch
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch
     run/                one run in each of its processes

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .gpu.devices import DeviceSpecError, discover
+from .gpu.devices import DeviceSpecError
+from .gpu.discovery import discover
 from .leasing.requests import format_size
 
 
@@ -18,7 +19,7 @@ def _inventory(args: argparse.Namespace) -> int:
 
     try:
         if fake.requested() and not args.gpus.strip().lower().startswith("sim:"):
-            fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML reports them
+            fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML (libamd_smi.so, Sysman) reports them
         inventory = discover(args.gpus)
     except (DeviceSpecError, ValueError) as exc:
         print(f"pytest-gpu inventory: {exc}", file=sys.stderr)
@@ -31,6 +32,8 @@ def _inventory(args: argparse.Namespace) -> int:
         print(
             f"  {kind} {device.index}  {device.uuid}  {format_size(device.total_memory):>8}{kept}  {device.name}{where}"
         )
+    if inventory.outer:
+        print(f"  started with: {', '.join(f'{k}={v}' for k, v in inventory.outer)}")
     if inventory.note and inventory.devices:
         print(f"  note: {inventory.note}")
     return 0
@@ -112,7 +115,7 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
         try:
             devices = nvml_devices()[0]
         except NvmlUnavailable:
-            return labels
+            return _xpu_labels(real, _amd_labels(real, labels))
         known = {
             d.uuid: f"GPU {d.index}" if d.parent is None else f"GPU {d.parent} MIG unit {d.index}" for d in devices
         }
@@ -120,6 +123,42 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
             label = known.get(uuid.partition(PART)[0])
             if label is not None:
                 labels[uuid] = label
+    return labels
+
+
+def _amd_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
+    """Where NVML cannot answer: amdsmi's names (``AMD GPU 2``, its index) for the AMD GPUs of ``uuids``."""
+    from .gpu.rocm import AmdSmiUnavailable, amdsmi_devices
+
+    try:
+        known = {d.uuid: f"AMD GPU {d.index}" for d in amdsmi_devices()[0]}
+    except AmdSmiUnavailable:
+        return labels
+    for uuid in uuids:
+        label = known.get(uuid)
+        if label is not None:
+            labels[uuid] = label
+    return labels
+
+
+def _xpu_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
+    """Where neither NVML nor amdsmi names them: Level Zero Sysman's (``Intel GPU 2``: the index
+    ``ZE_AFFINITY_MASK`` counts) for the Intel GPUs of ``uuids``."""
+    import os
+
+    from .gpu.xpu import ZesUnavailable, sysman_devices
+
+    left = [uuid for uuid in uuids if uuid not in labels]
+    if not left:
+        return labels
+    try:
+        known = {d.uuid: f"Intel GPU {d.index}" for d in sysman_devices(os.environ)[0]}
+    except ZesUnavailable:
+        return labels
+    for uuid in left:
+        label = known.get(uuid)
+        if label is not None:
+            labels[uuid] = label
     return labels
 
 

@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 
-from .gpu.devices import GPUS_FORM
+from .gpu.discovery import FORM as GPUS_FORM
+from .gpu.verification import AMD_PROCESS_LAG_S
 from .leasing.ports import DEFAULT_RANGE, parse_port_range
 from .leasing.requests import DefaultMemory, SizeError, parse_size
 from .run.conventions import MarkerMapError, marker_map
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (
-    ("--gpus", "gpus", "auto", f"GPUs this run may use: {GPUS_FORM}. Default: auto (NVML)."),
+    ("--gpus", "gpus", "auto", f"GPUs this run may use: {GPUS_FORM}. Default: auto (NVML, else amdsmi)."),
     (
         "--gpu-default-memory",
         "gpu_default_memory",
@@ -52,6 +53,22 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "gpu_context_overhead",
         "500MiB",
         "memory one process's CUDA context takes on a GPU, counted against capacity.",
+    ),
+    (
+        "--gpu-amd-process-lag",
+        "gpu_amd_process_lag",
+        f"{AMD_PROCESS_LAG_S:g}",
+        "AMD GPUs: seconds amdsmi's per-process list may be behind (0: the driver reads it live). A violation "
+        "is judged again from a list read this long after the test ended; tests shorter than this are "
+        "counted in the summary (their last moments may not be seen), or waited for with --gpu-amd-lag-wait.",
+    ),
+    (
+        "--gpu-amd-lag-wait",
+        "gpu_amd_lag_wait",
+        "false",
+        "AMD GPUs: verify a test shorter than --gpu-amd-process-lag only once the lag has passed since its "
+        "lease began, so the list can show it (costs up to the lag per short GPU test). A flag on the "
+        "command line; 'true' or 'false' as an ini key.",
     ),
     (
         "--gpu-workers-per-gpu",
@@ -128,7 +145,7 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
-FLAGS = frozenset({"gpu_required"})
+FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait"})
 
 
 def _help_order(row: tuple[str, str, str, str]) -> tuple[bool, bool]:
@@ -211,6 +228,8 @@ class Settings:
     # --gpu-context-overhead was given (command line or ini): it wins over the measured context size
     context_overhead_given: bool = False
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
+    amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
+    amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -301,7 +320,20 @@ def read(config: pytest.Config) -> Settings:
         workers_per_gpu=_workers_per_gpu(config),
         host_cpus=_host_cpus(config),
         host_memory=_host_memory(config),
+        amd_process_lag=_lag(config),
+        amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
     )
+
+
+def _lag(config: pytest.Config) -> float:
+    text, where = _value(config, "gpu_amd_process_lag")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 60:  # NaN fails too
+        raise pytest.UsageError(f"{where}: expected seconds from 0 to 60 (0: the driver reads it live), got {text!r}")
+    return value
 
 
 def _host_cpus(config: pytest.Config) -> int | None:

@@ -44,10 +44,17 @@ class AutoChoice:
 
 
 def auto_backend(inventory: Inventory) -> AutoChoice:
-    """``nccl`` where this run's GPUs are real and torch has NCCL, ``gloo`` otherwise."""
+    """``nccl`` where this run's GPUs are real and torch has NCCL (``xccl`` on Intel GPUs where
+    torch has XCCL), ``gloo`` otherwise."""
+    if inventory.vendor == "xpu":
+        lacking = xccl_missing(inventory)
+        if lacking is None:
+            return AutoChoice("xccl", f"{inventory.describe()} and a torch with XCCL")
+        return AutoChoice("gloo", lacking)
     missing = nccl_missing(inventory)
     if missing is None:
-        return AutoChoice("nccl", f"{inventory.describe()} and a torch with NCCL")
+        nccl = "RCCL (its nccl backend on ROCm)" if inventory.vendor == "amd" else "NCCL"
+        return AutoChoice("nccl", f"{inventory.describe()} and a torch with {nccl}")
     return AutoChoice("gloo", missing)
 
 
@@ -55,9 +62,11 @@ def fit_ranks(choice: AutoChoice, world_size: int, inventory: Inventory) -> Auto
     """``auto``'s choice for ``world_size`` ranks that ask for no ``gpus_per_rank``: nccl gives
     each rank a GPU of its own, so with more ranks than the run has GPUs ``auto`` takes gloo
     (the test runs, on CPU ranks, instead of being skipped)."""
-    if choice.backend == "nccl" and world_size > len(inventory.devices):
+    if choice.backend in ("nccl", "xccl") and world_size > len(inventory.devices):
         return AutoChoice(
-            "gloo", f"{world_size} ranks would need {world_size} GPUs for nccl and this run has {inventory.describe()}"
+            "gloo",
+            f"{world_size} ranks would need {world_size} GPUs for {choice.backend} and this run has "
+            f"{inventory.describe()}",
         )
     return choice
 
@@ -73,6 +82,60 @@ def nccl_missing(inventory: Inventory) -> str | None:
     if fake.active():
         return f"the GPUs are fake ({fake.FAKE_ENV}={fake.requested() or ''}) and NCCL needs real ones"
     return torch_nccl_missing()
+
+
+def xccl_missing(inventory: Inventory) -> str | None:
+    """The piece XCCL lacks here (Intel GPUs, real ones, XCCL in torch), in words; ``None``: none.
+
+    torch has XCCL from 2.8 on, in its XPU builds (``torch.distributed.is_xccl_available``);
+    where torch is not imported, its ``version.py`` says whether it is an XPU build (``xpu =``)."""
+    from ..sim import fake
+
+    if not inventory.devices:
+        return f"this run has {inventory.describe()}"
+    if fake.active():
+        return f"the GPUs are fake ({fake.FAKE_ENV}={fake.requested() or ''}) and XCCL needs real ones"
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "__version__"):
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return f"torch.distributed cannot be imported ({exc})"
+        available = getattr(dist, "is_xccl_available", None)
+        if available is None:
+            return f"torch {torch.__version__} has no XCCL (torch.distributed.is_xccl_available: torch >= 2.8)"
+        return None if available() else f"torch {torch.__version__} has no XCCL (not an XPU build)"
+    return _installed_torch_xccl_missing()
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_torch_xccl_missing() -> str | None:
+    """The installed torch's answer for XCCL, read from its ``version.py`` without importing it."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "torch is not installed"
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None  # cannot tell: the ranks' torch says it
+    return build_xccl_missing(text)
+
+
+def build_xccl_missing(version_py: str) -> str | None:
+    """What a torch whose ``torch/version.py`` reads ``version_py`` lacks for XCCL: not an XPU build
+    (``xpu = None``), or older than 2.8."""
+    found = re.search(r"^xpu\s*(?::[^=]*)?=\s*(.+?)\s*$", version_py, re.MULTILINE)
+    version = re.search(r"^__version__\s*(?::[^=]*)?=\s*['\"]([^'\"]+)", version_py, re.MULTILINE)
+    said = version.group(1) if version else "?"
+    if found is None or found.group(1) == "None":
+        return f"torch {said} has no XCCL (not an XPU build)"
+    numbers = re.match(r"(\d+)\.(\d+)", said)
+    if numbers and (int(numbers.group(1)), int(numbers.group(2))) < (2, 8):
+        return f"torch {said} has no XCCL (torch >= 2.8)"
+    return None
 
 
 def torch_nccl_missing() -> str | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import sim
-from ..gpu.isolation import VISIBLE_VARS
+from ..gpu.isolation import VISIBILITY
 from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.host import THREAD_VARS
 from ..leasing.spans import LeaseSpan
@@ -130,7 +130,10 @@ class RankPool:
             # held for the ranks: this process is not confined to it; verified after each test
             self.holding = self.run.hold(self.owner, request, confine=False)
             names = [
-                str(i) if self.run.inventory.simulated else self.run.inventory.by_index(i).uuid
+                # ZE_AFFINITY_MASK (Intel's) takes indices only
+                str(i)
+                if self.run.inventory.simulated or self.run.inventory.vendor == "xpu"
+                else self.run.inventory.by_index(i).uuid
                 for i in self.holding.lease.indices
             ]
             g = self.spec.gpus_per_rank
@@ -203,6 +206,8 @@ class RankPool:
         }
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
+            if self.run.inventory.vendor != "nvidia":  # whose variables a rank sets for its slice
+                env[protocol.RANK_VENDOR_ENV] = self.run.inventory.vendor
         if self.holding is not None:
             lease = self.holding.lease
             env[protocol.RANK_MEMORY_ENV] = str(lease.memory)  # each rank's cap on each of its GPUs
@@ -210,7 +215,7 @@ class RankPool:
                 env[sim.TAG_ENV] = lease.env[sim.TAG_ENV]
             if self.spec.isolated:  # a test's own lease: its process confined as the test process would be
                 env[protocol.RANK_ISOLATED_ENV] = "1"
-                env.update({k: v for k, v in lease.env.items() if k not in VISIBLE_VARS})  # JAX's, TF's, ...
+                env.update({k: v for k, v in lease.env.items() if k not in VISIBILITY})  # JAX's, TF's, ...
                 cpus = self.spec.lease.cpus if self.spec.lease is not None else 0
                 if cpus:  # its threads follow its CPUs, as confine_threads makes a test process's
                     env.update(dict.fromkeys(THREAD_VARS, str(cpus)))

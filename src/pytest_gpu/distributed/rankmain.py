@@ -48,6 +48,12 @@ def _first_int(names: tuple[str, ...], default: int | None = None) -> int:
     return default
 
 
+#: torch.distributed backends whose ranks each have a GPU: NCCL (RCCL on ROCm), and on Intel GPUs
+#: torch's XCCL (torch >= 2.8) or oneCCL's bindings' ccl.
+XPU_BACKENDS = ("xccl", "ccl")
+GPU_BACKENDS = ("nccl", *XPU_BACKENDS)
+
+
 def _cap_torch(torch: Any, cap: int) -> None:
     """Cap torch's allocator at ``cap`` bytes on each GPU this rank sees, once CUDA has started
     (a rank that starts CUDA only in a test body runs under its pool's lease uncapped: a fraction
@@ -101,9 +107,13 @@ class Rank:
         mine = slices.split(";")[self.rank] if slices is not None else ""
         # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
         # would show it every GPU of the machine, leased to others or excluded by the user
-        for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-            os.environ[name] = mine
-        self.device = "cuda:0" if mine else "cpu"
+        from ..gpu import vendors  # AMD's: ROCR_VISIBLE_DEVICES by UUID, HIP's counting into it
+
+        os.environ.update(
+            vendors.of(os.environ.get(protocol.RANK_VENDOR_ENV, "nvidia")).lease_env(mine.split(",") if mine else [])
+        )
+        xpu = os.environ.get(protocol.RANK_VENDOR_ENV) == "xpu"  # Intel GPUs: torch names them xpu:N
+        self.device = ("xpu:0" if xpu else "cuda:0") if mine else "cpu"
         self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
             from ..sim import cuda, fake
@@ -151,7 +161,7 @@ class Rank:
         sys.path[:] = body["sys_path"]
         os.chdir(body["cwd"])
         self.config = _pytest_config(body)
-        if self.backend in ("gloo", "nccl"):
+        if self.backend in ("gloo", *GPU_BACKENDS):
             import torch.distributed as dist
 
             if self.backend == "nccl":
@@ -159,6 +169,15 @@ class Rank:
 
                 torch.cuda.set_device(0)
                 _cap_torch(torch, self.cap)
+            elif self.backend in XPU_BACKENDS:  # Intel GPUs: torch.xpu
+                import torch
+
+                if self.backend == "ccl":
+                    import oneccl_bindings_for_pytorch  # noqa: F401 - registers the "ccl" backend
+
+                torch.xpu.set_device(0)
+                if self.cap:
+                    _set_fractions(torch.xpu, self.cap)
             dist.init_process_group(
                 self.backend,
                 init_method="env://",
@@ -230,7 +249,7 @@ class Rank:
     def _clean(self, env: dict[str, str], cwd: str, groups: set[Any], modules: int) -> None:
         """Put the process back as the test found it (see docs/distributed.md's list); ``modules``:
         how many modules were loaded when the test started."""
-        if self.backend in ("gloo", "nccl"):
+        if self.backend in ("gloo", *GPU_BACKENDS):
             import torch.distributed as dist
 
             for group in _groups() - groups:
@@ -262,7 +281,7 @@ class Rank:
                 import torch.distributed as dist
 
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
-            elif self.backend == "nccl":
+            elif self.backend in GPU_BACKENDS:
                 import torch.distributed as dist
 
                 dist.barrier()

@@ -120,7 +120,7 @@ def item_spec(item: pytest.Item, run: GpuRun) -> DistSpec | None:
     auto = auto_backend(run.inventory)  # nccl only on real GPUs with a torch that has it
     try:
         spec = build_spec(marker.args, marker.kwargs, auto_backend=auto.backend)
-        if auto.backend == "nccl" and "gpus_per_rank" not in marker.kwargs:  # a GPU a rank: do they fit?
+        if auto.backend in ("nccl", "xccl") and "gpus_per_rank" not in marker.kwargs:  # a GPU a rank: do they fit?
             auto = fit_ranks(auto, spec.world_size, run.inventory)
             spec = build_spec(marker.args, marker.kwargs, auto_backend=auto.backend)
     except GpuRequestError as exc:

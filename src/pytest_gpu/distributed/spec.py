@@ -9,7 +9,8 @@ from typing import Any
 from ..leasing.requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
 from ..report.wording import plural
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi", "none")
+BACKENDS = ("auto", "gloo", "nccl", "xccl", "ccl", "mpi", "none")
+GPU_BACKENDS = ("nccl", "xccl", "ccl")  # a GPU for each rank (xccl, ccl: Intel GPUs)
 LAUNCHERS = ("spawn", "torchrun", "mpirun", "srun")
 DIST_MARKER_FORM = (
     '@pytest.mark.distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None)'
@@ -93,11 +94,11 @@ def build_spec(args: Sequence[Any], kwargs: Mapping[str, Any], *, auto_backend: 
         backend = auto_backend
     gpus_per_rank = kwargs.get("gpus_per_rank")
     if gpus_per_rank is None:
-        gpus_per_rank = 1 if backend == "nccl" else 0
+        gpus_per_rank = 1 if backend in GPU_BACKENDS else 0
     if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 0:
         raise GpuRequestError(f"{what}: gpus_per_rank must be an int >= 0, got {gpus_per_rank!r}")
-    if backend == "nccl" and gpus_per_rank == 0:
-        raise GpuRequestError(f"{what}: backend='nccl' needs gpus_per_rank >= 1")
+    if backend in GPU_BACKENDS and gpus_per_rank == 0:
+        raise GpuRequestError(f"{what}: backend={backend!r} needs gpus_per_rank >= 1")
     timeout = kwargs.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise GpuRequestError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")

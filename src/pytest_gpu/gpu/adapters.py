@@ -34,11 +34,13 @@ def pytest_gpu_confine(lease: GpuLease, confinement: Confinement) -> None:
     confinement.when_imported("cupy", lambda cupy: _confine_cupy(cupy, lease, ordinals, confinement))
 
 
-def _has_context(torch: ModuleType, ordinal: int) -> bool:
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+def _has_context(torch: ModuleType, ordinal: int, device: ModuleType | None = None) -> bool:
+    """Whether this process holds memory on ``ordinal`` (CUDA: its primary context). ``device``:
+    torch's device module when it is not ``torch.cuda`` (``torch.xpu``, which has no such probe)."""
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None) if device is None else None
     if probe is not None:
         return bool(probe(ordinal))
-    return bool(torch.cuda.memory_reserved(ordinal) > 0)
+    return bool((device or torch.cuda).memory_reserved(ordinal) > 0)
 
 
 def collect_while(held: Callable[[], bool]) -> None:
@@ -77,7 +79,11 @@ def _defer(cuda: ModuleType, apply: Callable[[], None]) -> bool:
 
 
 def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
-    cuda = getattr(torch, "cuda", None)
+    # Intel GPUs: torch.xpu, whose Python API is torch.cuda's for everything done here
+    # (torch/xpu/__init__.py, torch/xpu/memory.py: set_device, set_per_process_memory_fraction,
+    # reset_peak_memory_stats, empty_cache, memory_stats, _lazy_call)
+    xpu = lease.vendor == "xpu"
+    cuda = getattr(torch, "xpu" if xpu else "cuda", None)
     if cuda is None or not cuda.is_available():
         return
     state: dict[str, Any] = {"active": True, "applied": False, "previous": None, "base": {}}
@@ -115,7 +121,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
         _deferred.pop(apply, None)
         if not state["applied"]:
             return  # torch never started CUDA during the lease: nothing to put back
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        clear = None if xpu else getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()  # cuBLAS keeps workspaces in torch's allocator: not the test's leak
         base: dict[int, int] = state["base"]
@@ -129,7 +135,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
         # Old torch's setMemoryFraction switched the device and left it; go back where the
         # process was only if it has a context there (else CUDA 12 would open one).
         previous = state["previous"]
-        if previous is not None and previous not in ordinals and _has_context(torch, previous):
+        if previous is not None and previous not in ordinals and _has_context(torch, previous, cuda if xpu else None):
             cuda.set_device(previous)
         else:
             cuda.set_device(ordinals[0])

@@ -8,7 +8,8 @@ allocators still reserve (torch's cache), and the broker hands the figure to the
 arbiter, which uses it for that GPU's placement (the largest measured counts). An explicit
 ``--gpu-context-overhead`` wins: nothing is measured then.
 
-On simulated GPUs the figure is what the fake NVML reports for the process (the ledger's
+On AMD GPUs it is this process's line in amdsmi's process list. On simulated GPUs the
+figure is what the fake NVML reports for the process (the ledger's
 rendered state), so a machine whose contexts differ from the assumption (``context=`` in
 the spec) is measured as a real one would be. NVML's path runs in CI only against the fake
 ``libnvidia-ml.so.1``.
@@ -97,7 +98,7 @@ def process_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | 
     ``None`` where NVML cannot say."""
     if inventory.simulated:
         return _simulated_usage(indices, inventory)
-    return _nvml_usage(indices, inventory)
+    return _driver_usage(indices, inventory)
 
 
 def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
@@ -118,28 +119,28 @@ def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int]
     return found
 
 
-def _nvml_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
+def _driver_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
+    """This process's line in the driver's compute lists (NVML's; amdsmi's on AMD GPUs, whose
+    figure may be rounded: docs-incoming/vendors.md) on each of ``indices``."""
+    from . import vendors
+    from .sampling import Unavailable
+
     try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
+        driver = vendors.of(inventory.vendor).sampler()
+    except Unavailable:
         return None
     found: dict[int, int] = {}
     try:
         for index in indices:
             try:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(inventory.by_index(index).uuid)
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except Exception:  # NVMLError, or the bindings' mismatch with an older driver
+                procs = driver.compute(inventory.by_index(index).uuid)
+            except Exception:  # Unlistable, or whatever else the driver raises: no figure there
                 continue
-            for proc in procs:
-                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                    found[index] = int(proc.usedGpuMemory)
+            for pid, used in procs:
+                if pid == os.getpid() and used is not None:
+                    found[index] = used
     finally:
-        pynvml.nvmlShutdown()
+        driver.close()
     return found
 
 

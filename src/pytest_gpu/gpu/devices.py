@@ -77,6 +77,8 @@ class Inventory:
     note: str = ""  # why it is empty, or what was left out
     machine: tuple[Device, ...] = ()
     visible: str | None = None
+    vendor: str = "nvidia"  # whose GPUs: nvidia, amd, xpu (pytest_gpu.gpu.discovery)
+    outer: tuple[tuple[str, str], ...] = ()  # another vendor's visibility variables the run started with
 
     @property
     def simulated(self) -> bool:
@@ -96,25 +98,31 @@ class Inventory:
             sizes[device.total_memory] = sizes.get(device.total_memory, 0) + 1
         parts = ", ".join(f"{n}x{format_size(size)}" for size, n in sizes.items())
         kind = "simulated " if self.simulated else ""
+        kind += {"amd": "AMD ", "xpu": "Intel "}.get(self.vendor, "")  # NVIDIA's, as always, unnamed
         noun = "MIG instance" if all(d.parent is not None for d in self.devices) else "GPU"
         plural = "s" if len(self.devices) != 1 else ""
         return f"{len(self.devices)} {kind}{noun}{plural} ({parts})"
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        wire: dict[str, object] = {
             "source": self.source,
             "note": self.note,
             "devices": [d.to_wire() for d in self.devices],
             "machine": [d.to_wire() for d in self.machine],
             "visible": self.visible,
         }
+        if self.vendor != "nvidia":  # another vendor's: NVIDIA's wire form is as it was
+            wire.update(vendor=self.vendor, outer=[list(pair) for pair in self.outer])
+        return wire
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Inventory:
         devices = tuple(Device.from_wire(r) for r in data["devices"])
         machine = tuple(Device.from_wire(r) for r in data.get("machine", ()))
         visible = data.get("visible")
-        return cls(devices, str(data["source"]), str(data.get("note", "")), machine, visible)
+        outer = tuple((str(k), str(v)) for k, v in data.get("outer", ()))
+        vendor = str(data.get("vendor", "nvidia"))
+        return cls(devices, str(data["source"]), str(data.get("note", "")), machine, visible, vendor, outer)
 
 
 def process_view(inventory: Inventory, visible: str | None = None, *, use_run: bool = True) -> list[int]:

@@ -1,4 +1,4 @@
-"""What processes outside pytest-gpu use on the machine's GPUs, through NVML.
+"""What processes outside pytest-gpu use on the machine's GPUs, through NVML (or amdsmi).
 
 GPUs belong to the machine: besides every pytest-gpu run (each a tree of processes under
 its controller, the *roots*), a notebook, a training job or another user's program may hold
@@ -21,18 +21,23 @@ Two ways to tell, chosen per sample:
 A GPU whose handle NVML refuses (``NoPermission``, ``GPU_IS_LOST``) reports 0 with a note:
 nothing can be known about it. Nothing here raises for NVML's sake: what cannot be measured
 is said in the note, and the sample goes on.
+
+On AMD GPUs (no NVML) the same judgement is made from amdsmi's per-process list
+(:class:`pytest_gpu.gpu.sampling.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
+On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.gpu.sampling.XpuSampler`).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import io
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..leasing.requests import format_size
+from .sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable, XpuSampler
 
 #: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
 #: their ``psutil`` create times (a recycled root pid is then not ours).
@@ -98,19 +103,9 @@ def _predicate(ours: Ours) -> Callable[[int], bool]:
     return lambda pid: descends_from(pid, roots)
 
 
-@functools.cache
-def _version_problem() -> str:
-    from .nvmlversion import nvml_version_problem
-
-    return nvml_version_problem() or ""
-
-
-class _Unlistable(Exception):
-    """NVML would not list a GPU's processes (the reason is the message)."""
-
-
 class ForeignSampler:
-    """Samples foreign GPU usage through NVML; initialises NVML once, :meth:`close` shuts it down.
+    """Samples foreign GPU usage through the machine's driver: NVML, else amdsmi
+    (:mod:`pytest_gpu.gpu.sampling`), opened once; :meth:`close` shuts it down.
 
     ``uuids``: the GPUs (or MIG instances) to sample by default. ``accounted``: a callable
     returning what pytest-gpu's own leases and contexts account for per UUID, used where
@@ -122,33 +117,24 @@ class ForeignSampler:
         self.uuids = list(uuids)
         self.accounted = accounted
         self._lock = threading.Lock()
-        self._handles: dict[str, Any] = {}
-        self._nvml: ModuleType | None = None
+        self._driver: Sampler | None = None
         self.unavailable: str | None = None  # why NVML cannot be used, if it cannot
+        self._amd_tried = False  # amdsmi is asked once, at the first sample, where NVML cannot be used
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except ImportError:
-            self.unavailable = "nvidia-ml-py is not installed"
-        except Exception as exc:  # NVMLError (no driver, no library) and whatever a broken install raises
-            self.unavailable = f"NVML unavailable ({exc})"
-        else:
-            self._nvml = pynvml
+            self._driver = NvmlSampler()
+        except Unavailable as exc:
+            self.unavailable = str(exc)
 
     # -- lifecycle -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Shut NVML down (once); later samples say NVML is closed."""
+        """Shut the driver down (once); later samples say the sampler is closed."""
         with self._lock:
-            if self._nvml is not None:
-                try:
-                    self._nvml.nvmlShutdown()
-                except self._nvml.NVMLError:
-                    pass
-                self._nvml = None
-                self._handles.clear()
+            if self._driver is not None:
+                self._driver.close()
+                self._driver = None
                 self.unavailable = "the sampler was closed"
+            self._amd_tried = True  # closed: amdsmi is not asked either
 
     def __enter__(self) -> ForeignSampler:
         return self
@@ -161,6 +147,18 @@ class ForeignSampler:
     def __call__(self, uuids: list[str], roots: set[int]) -> dict[str, int]:
         """Foreign bytes per UUID: the arbiter's ``ForeignSource``."""
         return {uuid: found.bytes for uuid, found in self.sample(roots, uuids=uuids).items()}
+
+    def _open(self) -> Sampler | None:
+        """The driver to sample with: NVML's, else (an AMD machine) amdsmi's, else (an Intel
+        machine) Level Zero Sysman's, opened once."""
+        if self._driver is None and not self._amd_tried:
+            self._amd_tried = True
+            with contextlib.suppress(Unavailable), contextlib.redirect_stdout(io.StringIO()):
+                self._driver = AmdSampler()  # amdsmi prints its load failures
+            if self._driver is None:
+                with contextlib.suppress(Unavailable):
+                    self._driver = XpuSampler()
+        return self._driver
 
     def sample(
         self,
@@ -177,8 +175,8 @@ class ForeignSampler:
         """
         wanted = list(self.uuids if uuids is None else uuids)
         with self._lock:
-            pynvml = self._nvml
-            if pynvml is None:
+            driver = self._open()
+            if driver is None:
                 why = f"{self.unavailable}: foreign GPU usage is unknown"
                 return {uuid: Foreign(0, (), why) for uuid in wanted}
             if accounted is None:
@@ -190,17 +188,16 @@ class ForeignSampler:
             unlisted: dict[str, str] = {}  # uuid -> why its processes are not known
             for uuid in wanted:
                 try:
-                    handle = self._handle(pynvml, uuid)
-                    memory[uuid] = self._memory(pynvml, handle)
-                except pynvml.NVMLError as exc:
-                    self._handles.pop(uuid, None)
-                    result[uuid] = Foreign(0, (), f"NVML refuses {uuid} ({exc}): its foreign usage is unknown")
+                    memory[uuid] = driver.memory(uuid)
+                except Refused as exc:
+                    driver.forget(uuid)
+                    result[uuid] = Foreign(0, (), f"{driver.name} refuses {uuid} ({exc}): its foreign usage is unknown")
                     continue
                 try:
-                    listed[uuid] = self._processes(pynvml, handle)
-                except _Unlistable as exc:
+                    listed[uuid] = driver.processes(uuid)
+                except Unlistable as exc:
                     unlisted[uuid] = str(exc)
-            problem = _version_problem()
+            problem = driver.problem()
             if problem:  # every list is scrambled: none can be read per process
                 unlisted.update(dict.fromkeys(listed, problem))
                 listed.clear()
@@ -208,78 +205,22 @@ class ForeignSampler:
             if hidden:
                 shown = ", ".join(map(str, hidden[:3])) + (", ..." if len(hidden) > 3 else "")
                 why = (
-                    f"NVML reports processes ({shown}) that do not exist in this pid namespace (a container?): "
-                    "their owners cannot be told apart"
+                    f"{driver.name} reports processes ({shown}) that do not exist in this pid namespace "
+                    "(a container?): their owners cannot be told apart"
                 )
                 unlisted.update(dict.fromkeys(listed, why))
                 listed.clear()
             for uuid, procs in listed.items():
                 result[uuid] = self._by_process(uuid, procs, is_ours, memory[uuid], accounted.get(uuid, 0))
             for uuid, why in unlisted.items():
-                result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why)
+                result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why, driver.name)
             return {uuid: result[uuid] for uuid in wanted}
-
-    # -- NVML ------------------------------------------------------------------------
-
-    def _handle(self, pynvml: ModuleType, uuid: str) -> Any:
-        handle = self._handles.get(uuid)
-        if handle is None:
-            handle = self._handles[uuid] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        return handle
-
-    @staticmethod
-    def _memory(pynvml: ModuleType, handle: Any) -> tuple[int, int | None]:
-        """(used, reserved) bytes; ``used`` includes ``reserved`` when it is None (unknown)."""
-        version = getattr(pynvml, "nvmlMemory_v2", None)
-        if version is not None:
-            try:
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-                return int(info.used), int(info.reserved)  # v2: used excludes reserved
-            except pynvml.NVMLError as exc:
-                if exc.value not in (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED):
-                    raise
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return int(info.used), None
-
-    @staticmethod
-    def _processes(pynvml: ModuleType, handle: Any) -> dict[int, int | None]:
-        """Every process on the device, compute and graphics, once each (pid -> bytes)."""
-        found: dict[int, int | None] = {}
-        for kind in ("Compute", "Graphics"):
-            try:
-                procs = ForeignSampler._list(pynvml, handle, kind)
-            except _Unlistable:
-                if kind == "Compute":
-                    raise
-                continue  # no graphics list (a compute-only GPU may refuse it): compute is what matters
-            for proc in procs:
-                used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
-                known = found.get(int(proc.pid))
-                # one process in both lists holds one amount of memory, not two
-                found[int(proc.pid)] = used if known is None else max(known, used or 0)
-        return found
-
-    @staticmethod
-    def _list(pynvml: ModuleType, handle: Any, kind: str) -> list[Any]:
-        """One of NVML's process lists, in the newest records both the driver and the bindings have."""
-        for suffix in ("_v3", "_v2", ""):
-            function = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses{suffix}", None)
-            if function is None:
-                continue
-            try:
-                return list(function(handle))
-            except pynvml.NVMLError as exc:
-                if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                    continue  # an older driver: try older records
-                raise _Unlistable(f"NVML cannot list the processes there ({exc})") from None
-            except Exception as exc:  # nvidia-ml-py's library-mismatch error is not an NVMLError
-                raise _Unlistable(f"NVML cannot list the processes there ({exc})") from None
-        raise _Unlistable("NVML has no process list for it")
 
     @staticmethod
     def _hidden_pids(listed: Mapping[str, Mapping[int, int | None]]) -> list[int]:
-        """Listed pids that do not exist here: NVML's pids are another pid namespace's. (A process
-        that exits between NVML's list and this look makes one sample an estimate, no worse.)"""
+        """Listed pids that do not exist here: the driver's pids are another pid namespace's. (A
+        process that exits between the driver's list and this look makes one sample an estimate,
+        no worse.)"""
         import psutil
 
         return sorted({pid for procs in listed.values() for pid in procs if not psutil.pid_exists(pid)})
@@ -315,10 +256,12 @@ class ForeignSampler:
         return Foreign(sum(p.bytes for p in foreign), tuple(foreign), None)
 
     @staticmethod
-    def _by_difference(uuid: str, memory: tuple[int, int | None], accounted: int, why: str) -> Foreign:
+    def _by_difference(
+        uuid: str, memory: tuple[int, int | None], accounted: int, why: str, driver: str = "NVML"
+    ) -> Foreign:
         used, reserved = memory
         estimate = max(0, used - accounted)
         how = f"used memory less the {format_size(accounted)} pytest-gpu accounts for"
         if reserved is None:
-            how += " (the driver's reserve, which this NVML does not report, counts as foreign)"
+            how += f" (the driver's reserve, which this {driver} does not report, counts as foreign)"
         return Foreign(estimate, (), f"{why}: foreign usage on {uuid} is its {how}")

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from .. import importhook, sim
-from . import runtime
+from . import runtime, vendors
 from .devices import Inventory
 
-VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+VISIBLE_VARS = vendors.NVIDIA_VARS
+VISIBILITY = vendors.VISIBILITY  # every variable a lease of any vendor sets to say which GPUs a process sees
 # JAX preallocates 75 % of every visible GPU when its backend starts, TensorFlow all of it:
 # on demand, capped at the lease (JAX), or growing (TF) instead.
 XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -54,6 +55,7 @@ class GpuLease:
     waited: float
     simulated: bool = False
     devices: tuple[str, ...] = ()
+    vendor: str = "nvidia"  # whose GPUs (the inventory's): which variables ``env`` sets
 
     def __repr__(self) -> str:
         return f"GpuLease(indices={self.indices}, memory={self.memory}, device={self.device!r})"
@@ -69,11 +71,11 @@ def make_lease(
     tag: str,
 ) -> GpuLease:
     devices = [inventory.by_index(i) for i in indices]
-    if inventory.simulated:
+    if inventory.simulated or inventory.vendor == "xpu":  # ZE_AFFINITY_MASK takes indices only
         visible = ",".join(str(d.index) for d in devices)
     else:
         visible = ",".join(d.uuid for d in devices)  # UUIDs: immune to any ordering mismatch
-    env = {name: visible for name in VISIBLE_VARS}
+    env = visibility_env(inventory.vendor, visible.split(","))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # one fraction for every GPU: of the largest, so no GPU is given more than the lease
     largest = max(d.capacity for d in devices)
@@ -84,7 +86,8 @@ def make_lease(
         env[sim.TAG_ENV] = tag
     runtime.pin(inventory)  # the ordinals named here are those of the pinned CUDA, as confine's
     ordinals = runtime.in_process(inventory, [d.index for d in devices])
-    named = [f"cuda:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
+    kind = "xpu" if inventory.vendor == "xpu" else "cuda"  # as torch names the devices
+    named = [f"{kind}:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
     return GpuLease(
         key=key,
         indices=tuple(indices),
@@ -97,7 +100,16 @@ def make_lease(
         waited=waited,
         simulated=inventory.simulated,
         devices=tuple(named),
+        vendor=inventory.vendor,
     )
+
+
+def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
+    """The variables that make a subprocess see exactly the GPUs ``visible`` (UUIDs, or a simulated
+    machine's indices), in this order: ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` for
+    NVIDIA's; ``ROCR_VISIBLE_DEVICES`` and the variables that count into it for AMD's
+    (:meth:`pytest_gpu.gpu.vendors.Vendor.lease_env`)."""
+    return vendors.of(vendor).lease_env(visible)
 
 
 @dataclass

@@ -8,7 +8,8 @@ that test's narrow list for life and every later lease would land on a wrong or
 invalid ordinal. So before the first lease is applied in a process, :func:`pin`
 initialises the driver with the run's own ``CUDA_VISIBLE_DEVICES``: ``cuInit(0)`` opens
 no context and allocates no GPU memory, and nothing is imported. From then on the
-process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says, and a
+process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says (its vendor's
+:meth:`~pytest_gpu.gpu.vendors.Vendor.view`), and a
 lease's GPU ``i`` is ``cuda:<view.index(i)>`` in the worker, ``cuda:0`` in subprocesses.
 
 On simulated or fake GPUs the driver is :mod:`pytest_gpu.sim.cuda`, whose view is read
@@ -17,6 +18,15 @@ back exactly. On real GPUs ``libcuda.so.1`` is called through ctypes (``cuInit``
 a GPU NVML refused but CUDA counts still shifts the ordinals right); without that, the
 view is predicted from the ``CUDA_VISIBLE_DEVICES`` the process pinned with. That path
 follows the CUDA driver API's documentation and has not run on a GPU machine here.
+
+On AMD GPUs (an inventory of vendor ``amd``) HIP is read back the same way through
+``libamdhip64.so`` (``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and
+``hipDeviceGetUuid`` per ordinal, whose 16 bytes are the ASCII hex digits of ROCr's
+``GPU-<16 hex>`` UUID: ROCm/clr ``rocdevice.cpp`` at f9f995c6), matched to amdsmi's UUIDs; the
+library torch bundles is preferred, so that the process has one HIP runtime. Without it the
+view is predicted from the ROCm visibility variables the process pinned with
+(:func:`pytest_gpu.gpu.rocm.rocm_view`). CI reads back the fake ``libamdhip64.so``
+(:mod:`pytest_gpu.sim.hip`); no AMD GPU ran it here.
 
 A process that has pinned has initialised CUDA's driver: like any process that used
 CUDA, it must not ``fork`` children that use CUDA (use the ``spawn`` start method).
@@ -28,7 +38,8 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from .devices import Inventory, process_view
+from . import vendors
+from .devices import Inventory
 
 
 class LeaseUnreachable(RuntimeError):
@@ -39,6 +50,7 @@ class LeaseUnreachable(RuntimeError):
 class _State:
     pinned: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when pinned
+    outer: tuple[tuple[str, str], ...] = ()  # the vendor's visibility variables when pinned
     uuids: list[str] | None = None  # what the driver enumerates (UUIDs' hex digits), read back after cuInit
     note: str = ""
 
@@ -64,7 +76,14 @@ def pin(inventory: Inventory) -> list[int]:
         return cuda.init()
     if not _state.pinned:
         _state.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        _state.uuids, _state.note = _cu_init()
+        _state.outer = vendors.of(inventory.vendor).outer(os.environ)
+        if inventory.vendor == vendors.NVIDIA.name:
+            _state.uuids, _state.note = _cu_init()
+        elif inventory.vendor == "xpu":
+            _state.uuids = None
+            _state.note = "its Level Zero device list is predicted from ZE_AFFINITY_MASK, not read back"
+        else:
+            _state.uuids, _state.note = _hip_init()
         _state.pinned = True
     return view(inventory)
 
@@ -81,9 +100,9 @@ def view(inventory: Inventory) -> list[int]:
         found = [by_uuid.get(u) for u in _state.uuids]
         if all(i is not None for i in found):
             return [i for i in found if i is not None]
-    if _state.pinned:
-        return process_view(inventory, _state.visible, use_run=False)
-    return process_view(inventory)
+    # predicted from the variables it pinned with (the run's, before it pinned)
+    outer = _state.outer if _state.pinned else vendors.started_with(inventory)
+    return vendors.of(inventory.vendor).view(machine, outer)
 
 
 def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> list[int] | None:
@@ -100,10 +119,16 @@ def in_process(inventory: Inventory, indices: tuple[int, ...] | list[int]) -> li
     machine = {d.index: d for d in (inventory.machine or inventory.devices)}
     if all(i in machine and machine[i].parent is not None for i in hidden):
         return None
-    started = _state.visible if _state.pinned else inventory.visible
+    if inventory.vendor != "nvidia":
+        started_with = ", ".join(f"{k}={v!r}" for k, v in (_state.outer if _state.pinned else inventory.outer))
+        run_s = ", ".join(f"{k}={v!r}" for k, v in inventory.outer)
+        none = "no ZE_AFFINITY_MASK" if inventory.vendor == "xpu" else "no ROCm visibility variables"
+        said = f"{started_with or none}; the run's: {run_s or 'none'}"
+    else:
+        started = _state.visible if _state.pinned else inventory.visible
+        said = f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r}"
     raise LeaseUnreachable(
-        f"this process's CUDA cannot address GPU {hidden}: it enumerates {seen} (started with "
-        f"CUDA_VISIBLE_DEVICES={started!r}; the run's is {inventory.visible!r})"
+        f"this process's CUDA cannot address GPU {hidden}: it enumerates {seen} (started with {said})"
         + (f"; {_state.note}" if _state.note else "")
         + ". Start CUDA outside tests, or leave CUDA_VISIBLE_DEVICES to pytest-gpu"
     )
@@ -139,6 +164,61 @@ def _cu_init() -> tuple[list[str] | None, str]:
         if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0 or get_uuid(raw, device) != 0:
             return None, f"could not read the UUID of CUDA device {ordinal}"
         uuids.append(bytes(raw).hex())
+    return uuids, ""
+
+
+#: HIP error codes named in notes (hip_runtime_api.h's hipError_t)
+_HIP_ERRORS = {1: "hipErrorInvalidValue", 100: "hipErrorNoDevice", 101: "hipErrorInvalidDevice"}
+
+
+def _hip_library() -> tuple[ctypes.CDLL | None, str]:
+    """HIP's runtime library: the one torch bundles (torch will load it: one HIP per process), else
+    the dynamic linker's (one already loaded included), else ``$ROCM_PATH``/``$ROCM_HOME``/``/opt/rocm``'s."""
+    import importlib.util
+
+    names: list[str] = []
+    spec = importlib.util.find_spec("torch")  # found, not imported: the plugin never imports torch
+    if spec is not None and spec.origin:
+        names.append(os.path.join(os.path.dirname(spec.origin), "lib", "libamdhip64.so"))
+    names += ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"]
+    for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
+        if root:
+            names.append(os.path.join(root, "lib", "libamdhip64.so"))
+    failures = []
+    for name in names:
+        if os.sep in name and not os.path.exists(name):
+            continue
+        try:
+            return ctypes.CDLL(name), ""
+        except OSError as exc:
+            failures.append(str(exc))
+    return None, f"libamdhip64.so not loadable ({failures[0] if failures else 'not found'})"
+
+
+def _hip_init() -> tuple[list[str] | None, str]:
+    """``hipInit(0)`` through libamdhip64.so, then the UUIDs of what HIP enumerates.
+
+    Returns (the UUIDs' 16 hex digits in ordinal order, or ``None``; a sentence when something failed).
+    """
+    lib, why = _hip_library()
+    if lib is None:
+        return None, f"its HIP device list is predicted from ROCm's variables: {why}"
+    said = "its HIP device list is predicted from ROCm's variables"
+    result = lib.hipInit(0)
+    if result != 0:
+        return None, f"{said}: hipInit failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    count = ctypes.c_int(0)
+    result = lib.hipGetDeviceCount(ctypes.byref(count))
+    if result != 0:
+        return None, f"{said}: hipGetDeviceCount failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    uuids = []
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        raw = (ctypes.c_char * 16)()
+        if lib.hipDeviceGet(ctypes.byref(device), ordinal) != 0 or lib.hipDeviceGetUuid(raw, device) != 0:
+            return None, f"{said}: could not read the UUID of HIP device {ordinal}"
+        # ROCr's unique id as text: 16 hex digits ("XX..." on a GPU without one: matches no device)
+        uuids.append(bytes(raw).decode("ascii", "replace").lower())
     return uuids, ""
 
 

@@ -75,7 +75,8 @@ class GpuProperties(TypedDict, total=False):
     judged), as ``(key, value)`` pairs of its teardown report; the keys are the wire form.
 
     ``gpu_notes`` is there only when something could not be checked, ``gpu_held`` only when
-    other holders' leases (fixtures', rank pools') were judged during the test; the others always.
+    other holders' leases (fixtures', rank pools') were judged during the test,
+    ``gpu_unseen_lag`` only when amdsmi's list may not have shown the test; the others always.
     """
 
     gpu_indices: str  # "0,1": the GPUs it used
@@ -87,6 +88,9 @@ class GpuProperties(TypedDict, total=False):
     gpu_leases: str  # JSON: one LeaseSpan.to_wire() row per lease (see format_spans)
     gpu_notes: str  # what could not be verified, one line each
     gpu_held: str  # JSON: one HeldRow.to_wire() per other holder judged during the test (see format_held)
+    # AMD: the process list's lag (seconds), when the test was verified from a list that may not
+    # show it yet (it was shorter than the lag and nothing waited; Verdict.unseen_lag)
+    gpu_unseen_lag: float
 
 
 def gpu_properties(user_properties: Iterable[tuple[str, object]]) -> GpuProperties:

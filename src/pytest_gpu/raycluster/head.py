@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import sim
-from ..gpu.isolation import TF_GROWTH, VISIBLE_VARS, XLA_FRACTION, XLA_PREALLOCATE
+from ..gpu.isolation import TF_GROWTH, VISIBILITY, XLA_FRACTION, XLA_PREALLOCATE
+from ..gpu.vendors import AMD
 
 # in the run directory, shared by the controller and its xdist workers
 STATE_FILE = "ray-head.json"
@@ -30,7 +31,7 @@ LOCK_FILE = "ray-head.lock"
 LOG_FILE = "ray-head.log"
 AUTH_ENV = "RAY_AUTH_MODE"
 # a test's lease, not the run's
-_LEASE_VARS = (*VISIBLE_VARS, "ROCR_VISIBLE_DEVICES", sim.TAG_ENV, XLA_PREALLOCATE, XLA_FRACTION, TF_GROWTH)
+_LEASE_VARS = (*VISIBILITY, sim.TAG_ENV, XLA_PREALLOCATE, XLA_FRACTION, TF_GROWTH)
 _MAX_TEMP_DIR = 40  # Ray's AF_UNIX sockets live ~65 characters below its temp dir (limit: 107)
 
 
@@ -113,18 +114,31 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def head_env(environ: Mapping[str, str], gpus: Sequence[int], search_path: Iterable[str] = ()) -> dict[str, str]:
+def head_env(
+    environ: Mapping[str, str],
+    gpus: Sequence[int],
+    search_path: Iterable[str] = (),
+    *,
+    amd_uuids: Sequence[str] | None = None,
+) -> dict[str, str]:
     """The head's environment: the run's GPUs (not a test's lease), no auth, the driver's code.
 
     Ray takes a node's GPU ids from ``CUDA_VISIBLE_DEVICES`` and hands each task a subset
     of them, so listing the run's physical indices (in PCI bus order, as everywhere in the
     plugin) makes a task's ``CUDA_VISIBLE_DEVICES`` name real (or simulated) devices.
-    ``search_path`` goes in front of ``PYTHONPATH`` so that Ray workers can import the test
+    On AMD GPUs (``amd_uuids``, the run's GPUs' ROCr UUIDs) Ray reads ``HIP_VISIBLE_DEVICES``
+    (ray 2.60's ``AMDGPUAcceleratorManager``, which refuses ``ROCR_VISIBLE_DEVICES`` without it):
+    the head gets the AMD lease variables of the run's GPUs, so a task's HIP ids count into
+    them. ``search_path`` goes in front of ``PYTHONPATH`` so that Ray workers can import the test
     modules whose functions they run (pytest puts test directories on the driver's
     ``sys.path`` only).
     """
     env = {k: v for k, v in environ.items() if k not in _LEASE_VARS}
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
+    if amd_uuids is not None:  # AMD GPUs: Ray reads HIP_VISIBLE_DEVICES; its ids count into ROCR_VISIBLE_DEVICES
+        env.update(AMD.lease_env(amd_uuids))
+        env.update(dict.fromkeys(("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"), env["GPU_DEVICE_ORDINAL"]))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env[AUTH_ENV] = "disabled"
     paths = list(dict.fromkeys(p for p in search_path if p))

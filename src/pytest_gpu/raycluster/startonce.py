@@ -97,6 +97,13 @@ def _start_head(run: GpuRun) -> dict[str, Any]:
         run.client.release_ports(owner)
 
 
+def _amd_uuids(run: GpuRun) -> list[str] | None:
+    """The run's GPUs' ROCr UUIDs on AMD GPUs (the head's variables name them), else ``None``."""
+    if run.inventory.vendor != "amd":
+        return None
+    return [d.uuid if not d.simulated else str(d.index) for d in run.inventory.devices]
+
+
 def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
     import psutil
 
@@ -110,7 +117,7 @@ def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
         agent_port=ports[2],
         client_port=ports[3] if importlib.util.find_spec("grpc") is not None else None,
         temp_dir=temp_dir,
-        env=head_env(os.environ, gpus, driver_search_path()),
+        env=head_env(os.environ, gpus, driver_search_path(), amd_uuids=_amd_uuids(run)),
     )
     log = run.run_dir / LOG_FILE
     owner = json.loads((run.run_dir / rundir.OWNER_FILE).read_text())

@@ -30,6 +30,7 @@ class Summary:
     gpu_skipped: int = 0
     skipped_why: dict[str | None, int] = field(default_factory=dict)  # why, in a few words -> tests (None: unsaid)
     auto_backends: dict[str, set[str]] = field(default_factory=dict)  # "gloo: why" -> distributed tests
+    unseen: dict[float, int] = field(default_factory=dict)  # AMD process-list lag -> tests verified within it
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
@@ -121,6 +122,9 @@ class Summary:
         for note in str(props.get("gpu_notes", "")).splitlines():
             if note:
                 self.notes[note] = self.notes.get(note, 0) + 1
+        lag = float(props.get("gpu_unseen_lag", 0.0))
+        if lag > 0:
+            self.unseen[lag] = self.unseen.get(lag, 0) + 1
 
     def quiet(self, crashes: list[CrashRecord], grants: int = 0) -> bool:
         """Nothing GPU happened (a CPU-only suite, ``--co``, a collection error): say nothing.
@@ -142,7 +146,7 @@ class Summary:
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
-        out += self.skipped_lines(inventory) + self.backend_lines()
+        out += self.skipped_lines(inventory) + self.backend_lines() + self.unseen_lines()
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
@@ -166,6 +170,20 @@ class Summary:
         else:
             reasons = "; ".join(f"{n} {why}" for why, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         return [f"pytest-gpu: {plural(self.gpu_skipped, 'GPU test')} skipped: {reasons} (-rs lists them)"]
+
+    def unseen_lines(self) -> list[str]:
+        """AMD: how many tests were verified from a process list that may not show them yet
+        (shorter than its lag, nothing waited: :meth:`~pytest_gpu.gpu.verification.NvmlVerifier.end`),
+        once per run, so that the blind spot is said rather than waited out for every test."""
+        out = []
+        for lag, tests in sorted(self.unseen.items()):
+            ran = verb(tests, "test ran", "tests ran")
+            they = verb(tests, "it took in its", "they took in their")
+            out.append(
+                f"pytest-gpu: {tests} AMD GPU {ran} shorter than amdsmi's process-list lag ({lag:g} s): memory "
+                f"{they} last moments may not have been seen (--gpu-amd-lag-wait waits it out)"
+            )
+        return out
 
     def backend_lines(self) -> list[str]:
         """What ``backend="auto"`` chose for the run's distributed tests, and why (one line a choice)."""

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..gpu.isolation import VISIBLE_VARS, GpuLease
+from ..gpu.isolation import GpuLease, visibility_env
 from ..gpu.verification import Verdict
 from ..leasing.ports import PortOwner
 from ..leasing.requests import GpuRequestError, build_request
@@ -316,8 +316,7 @@ def apply_view(item: pytest.Item, run: GpuRun) -> None:
     visible: list[str] = []
     for lease_ in ([own] if own is not None else []) + leases:
         visible += [v for v in lease_.visible_devices.split(",") if v and v not in visible]
-    for name in VISIBLE_VARS:
-        env[name] = ",".join(visible)
+    env.update(visibility_env(leases[0].vendor, visible))
     if state.view_saved is None:
         state.view_saved = {}
     for name in env:

@@ -157,6 +157,7 @@ class TestState:
     notes: list[str] = field(default_factory=list)  # theirs too: what could not be checked (the report's text)
     held_notes: list[str] = field(default_factory=list)  # the same, short, for the summary
     held: list[HeldRow] = field(default_factory=list)  # other holders' holdings judged during this test
+    unseen_lag: float = 0.0  # theirs too: Verdict.unseen_lag of a holding judged during this test
     failures: list[BaseException] = field(default_factory=list)  # of setup and call: see lifecycle.release_failure
 
     def finish(self, run: GpuRun, holding: Holding) -> None:
@@ -171,6 +172,7 @@ class TestState:
 
     def judged(self, owner: Owner, verdict: Verdict, spans: list[LeaseSpan], during: str = "") -> None:
         """Another holder's holding was judged during this test: its violations and notes, named."""
+        self.unseen_lag = max(self.unseen_lag, verdict.unseen_lag)
         if verdict.violations:
             self.violations.append(broke(owner, verdict.violations, during))
         self.notes += [f"pytest-gpu: {owner.name}: not verified: {note}" for note in verdict.notes]

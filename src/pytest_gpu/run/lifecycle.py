@@ -352,6 +352,9 @@ def report_properties(state: TestState, alone: bool) -> GpuProperties:
         props["gpu_notes"] = "\n".join(notes)
     if state.held:  # other holders' leases judged now (fixtures', pools'): the summary and trace show them
         props["gpu_held"] = format_held(state.held)
+    unseen = max(state.verdict.unseen_lag, state.unseen_lag)
+    if unseen:  # AMD: verified from a list that may not show the test yet: the summary counts these
+        props["gpu_unseen_lag"] = unseen
     return props
 
 

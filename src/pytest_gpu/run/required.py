@@ -39,6 +39,14 @@ def asks_for_gpus(item: pytest.Item) -> bool:
     return "gpu_request" in getattr(item, "fixturenames", ())
 
 
+# what gives a job its GPUs, by vendor (the inventory's)
+_WHERE = {
+    "nvidia": "the NVIDIA driver, CUDA_VISIBLE_DEVICES",
+    "amd": "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES",
+    "xpu": "the Intel GPU driver and Level Zero loader (libze_loader.so.1), ZE_AFFINITY_MASK",
+}
+
+
 def problem(items: list[pytest.Item], run: GpuRun) -> str | None:
     """Why ``--gpu-required`` fails this run (it has GPU tests and no GPUs), or ``None``."""
     if not run.settings.required or run.inventory.devices:
@@ -50,7 +58,7 @@ def problem(items: list[pytest.Item], run: GpuRun) -> str | None:
     return (
         f"pytest-gpu: {OPTION}: this run has {run.inventory.describe()}, and "
         f"{plural(len(gpu_tests), 'selected test')} need{'s' if len(gpu_tests) == 1 else ''} GPUs ({first}); "
-        "give the job its GPUs (the NVIDIA driver, CUDA_VISIBLE_DEVICES, --gpus), "
+        f"give the job its GPUs ({_WHERE.get(run.inventory.vendor, _WHERE['nvidia'])}, --gpus), "
         "or leave --gpu-required out to let GPU tests be skipped"
     )
 

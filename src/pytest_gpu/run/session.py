@@ -233,7 +233,7 @@ class GpuRun:
         """Controller or single process: discover, make the run directory, start the broker.
 
         ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
-        from ..gpu.devices import discover
+        from ..gpu.discovery import discover
         from ..launched.share import node_share
         from ..leasing import host
         from ..leasing.broker import Broker
@@ -446,10 +446,12 @@ class GpuRun:
         """What checks a lease: this process's (confined), or that of the processes it starts (a
         rank pool's ranks, whose NVML usage is told from the test's by their claim,
         :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
-        overhead = self.settings.context_overhead
+        overhead, lag, wait = self.settings.context_overhead, self.settings.amd_process_lag, self.settings.amd_lag_wait
         if self.inventory.simulated:
             return SimVerifier() if confined else RankVerifier(overhead)
-        return NvmlVerifier(self.inventory, overhead) if confined else NvmlRankVerifier(self.inventory, overhead)
+        if confined:  # lag and wait: AMD's only
+            return NvmlVerifier(self.inventory, overhead, lag=lag, wait=wait)
+        return NvmlRankVerifier(self.inventory, overhead, lag=lag, wait=wait)
 
     def waiting(self) -> bool:
         """A request of this process must wait: give up what the process holds idle (its warm

@@ -177,7 +177,8 @@ def auto_num_workers(config: pytest.Config) -> int | None:
     if getattr(config.option, "numprocesses", None) != "auto" or os.environ.get(XDIST_ENV):
         return None
     from .. import options
-    from ..gpu.devices import DeviceSpecError, discover
+    from ..gpu.devices import DeviceSpecError
+    from ..gpu.discovery import discover
     from ..launched.share import node_share
     from ..roles.keys import LAUNCH_KEY
     from . import history

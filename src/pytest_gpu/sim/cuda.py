@@ -111,6 +111,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     view: list[int] | None = None  # units, in ordinal order; None until first use
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
+    started: str = ""  # another vendor's visibility variables when the view was fixed (AMD: ROCm's)
     local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
     pid: int = 0  # whose contexts ``ctx`` knows
@@ -134,12 +135,20 @@ def init() -> list[int]:
     _runtime()
     led = ledger()
     if _rt.view is None:
-        from ..gpu.devices import Device, cuda_view  # the one model of CUDA's enumeration
+        from ..gpu import vendors  # the one model of each runtime's enumeration
+        from ..gpu.devices import Device
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
-        _rt.view = cuda_view(tuple(units), visible)
+        machine = led.machine()
+        vendor = vendors.of(machine.vendor)  # an AMD machine: ROCR_VISIBLE_DEVICES first, then HIP's
+        started = vendor.outer(os.environ)
+        if machine.rocr_order:  # ROCr enumerates in another order than amdsmi's indices (AMD has no MIG)
+            rank = {index: n for n, index in enumerate(machine.rocr_order)}
+            units.sort(key=lambda u: rank[u.index])
+        _rt.view = vendor.view(tuple(units), started)
         _rt.visible = visible
+        _rt.started = ", ".join(f"{k}={v!r}" for k, v in started) if vendor is not vendors.NVIDIA else ""
     return list(_rt.view)
 
 
@@ -177,16 +186,22 @@ def unit_of(ordinal: int | str | None = None) -> int:
     if not 0 <= chosen < len(view):
         raise SimDeviceError(
             f"invalid device ordinal {chosen}: this process sees {len(view)} simulated GPU(s) "
-            f"(its CUDA started with CUDA_VISIBLE_DEVICES={_rt.visible!r})"
+            f"(its CUDA started with {_rt.started or f'CUDA_VISIBLE_DEVICES={_rt.visible!r}'})"
         )
     return view[chosen]
 
 
+def _device_type() -> str:
+    """How torch names this machine's devices: ``xpu`` on a fake Intel machine, else ``cuda``."""
+    return "xpu" if ledger().machine().vendor == "xpu" else "cuda"
+
+
 def _ordinal(device: object) -> object:
-    # "cuda:1" and "cuda" as torch writes devices (a lease's ``device``); ints as CUDA's
+    # "cuda:1" and "cuda" as torch writes devices (a lease's ``device``); ints as CUDA's.
+    # "xpu:1" on a fake Intel machine, whose leases name their devices as torch.xpu does.
     if isinstance(device, str):
         name, _, number = device.partition(":")
-        if name == "cuda" and (number.isdigit() or not number):
+        if name == _device_type() and (number.isdigit() or not number):
             return int(number) if number else _current()
     return device
 

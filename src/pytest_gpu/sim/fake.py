@@ -4,10 +4,14 @@ With it, in every process that loads pytest-gpu (the pytest process, xdist worke
 processes, ``pytest-gpu inventory``):
 
 - nvidia-ml-py loads the fake ``libnvidia-ml.so.1`` (:mod:`pytest_gpu.sim.nvml`), so
-  ``--gpus auto`` and verification take exactly the code path of a real machine;
+  ``--gpus auto`` and verification take exactly the code path of a real machine; on a fake
+  AMD machine (``amd:sim:8x192GiB``) the ``amdsmi`` package loads the fake ``libamd_smi.so``
+  (:mod:`pytest_gpu.sim.amdsmi`) and the fake NVML answers "Driver Not Loaded"; on a fake Intel
+  machine (``xpu:sim:4x64GiB``) a fake Level Zero loader answers Sysman (:mod:`pytest_gpu.sim.zes`);
 - :mod:`pytest_gpu.sim.cuda` is the machine's CUDA runtime;
 - ``torch.cuda`` of torch's CPU build is given the simulated semantics
-  (:mod:`pytest_gpu.sim.torch_cuda`) as soon as torch is imported.
+  (:mod:`pytest_gpu.sim.torch_cuda`) as soon as torch is imported; on a fake Intel machine
+  ``torch.xpu`` is, instead (:func:`pytest_gpu.sim.torch_cuda.install_xpu`).
 
 The ledger is shared by every process that sees the same ``PYTEST_GPU_SIM_LEDGER``; without
 it, the switch sets it to the ledger of the simulated machine the process names
@@ -72,6 +76,29 @@ def activate(spec: str | None = None) -> bool:
         note = f"fake NVML unavailable: {exc}"
         if note not in notes:
             notes.append(note)
+    if machine.vendor == "amd":
+        from . import amdsmi
+
+        try:
+            amdsmi.preload()
+        except RuntimeError as exc:
+            note = f"fake libamd_smi.so unavailable: {exc}"
+            if note not in notes:
+                notes.append(note)
+        shadow = amdsmi.shadowing_library()
+        if shadow is not None:
+            note = f"the amdsmi package loads {shadow} (ROCM_HOME/ROCM_PATH), not the fake libamd_smi.so"
+            if note not in notes:
+                notes.append(note)
+    if machine.vendor == "xpu":
+        from . import zes
+
+        try:
+            zes.preload()
+        except RuntimeError as exc:
+            note = f"fake Level Zero loader unavailable: {exc}"
+            if note not in notes:
+                notes.append(note)
     from ..importhook import on_import
 
     on_import("torch", _install_torch)
@@ -82,12 +109,46 @@ def activate(spec: str | None = None) -> bool:
 def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
+    spec = _active or requested()
+    if spec is not None and parse(spec).vendor == "xpu":  # a fake Intel machine: torch.xpu, not torch.cuda
+        try:
+            torch_cuda.install_xpu(torch)
+        except RuntimeError as exc:  # torch built with XPU: its own torch.xpu stays
+            note = f"torch.xpu left as it is: {exc}"
+            if note not in notes:
+                notes.append(note)
+        return
     try:
-        torch_cuda.install(torch)
+        rocm = _amdsmi_package()
+        if rocm is None:
+            torch_cuda.install(torch)
+        else:  # a fake AMD machine: torch on ROCm
+            torch_cuda.install(torch, rocm=rocm)
     except RuntimeError as exc:  # torch built with CUDA: its own torch.cuda stays
         note = f"torch.cuda left as it is: {exc}"
         if note not in notes:
             notes.append(note)
+
+
+def _amdsmi_package() -> ModuleType | None:
+    """The ``amdsmi`` package on a fake AMD machine (torch on ROCm asks it); ``None`` elsewhere or
+    where it cannot load the fake library (said in :data:`notes`)."""
+    spec = _active or requested()
+    if spec is None or parse(spec).vendor != "amd":
+        return None
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its load failure is printed
+            import amdsmi
+    except Exception as exc:  # not installed, or no library: torch counts as torch on CUDA would
+        note = f"torch.cuda counts without amdsmi ({type(exc).__name__}: {exc})"
+        if note not in notes:
+            notes.append(note)
+        return None
+    package: ModuleType = amdsmi
+    return package
 
 
 def deactivate() -> None:

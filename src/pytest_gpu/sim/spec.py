@@ -2,7 +2,11 @@
 
 Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
 
-    [sim:]GROUP[,GROUP...][;OPTION...]
+    [VENDOR:][sim:]GROUP[,GROUP...][;OPTION...]
+    VENDOR   nvidia (the default), amd or xpu: whose driver libraries the fake machine has
+             (amd: a fake libamd_smi.so for the ``amdsmi`` package instead of a fake
+             NVML; xpu: a fake Level Zero loader, ``libze_loader.so.1``, answering
+             Sysman; MIG and the NVML-only options below do not apply)
     GROUP    COUNTxSIZE or SIZE              e.g. 4x16GiB, 2x80GiB,2x24GiB
     OPTION   mig:I=COUNTxSIZE[,COUNTxSIZE]   GPU I is in MIG mode with these instances
              fault:I=KIND                    NVML refuses GPU I's handle: no_permission,
@@ -16,6 +20,12 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
              no-usage                        NVML lists processes without their memory
                                              (``usedGpuMemory`` not available, as under
                                              Windows WDDM)
+             proc-unit=SIZE                  (amd) per-process memory in amdsmi's process list
+                                             is rounded down to a multiple of SIZE
+             proc-refresh=MS                 (amd) amdsmi's process list is a snapshot at most
+                                             MS milliseconds old
+             rocr-order=I,J,...              (amd) ROCr enumerates the GPUs in this order (HSA
+                                             nodes), not in amdsmi's: every index, once
              context=SIZE                    what one CUDA context takes on a GPU here
                                              (default: the run's --gpu-context-overhead,
                                              which then is an assumption the machine may
@@ -37,6 +47,10 @@ from dataclasses import dataclass
 from ..leasing.requests import SizeError, format_size, parse_size
 
 PREFIX = "sim:"
+#: The vendors a fake machine can be (``amd:sim:8x192GiB``); the first is the default.
+VENDORS = ("nvidia", "amd", "xpu")
+#: Options only NVIDIA's driver has: refused on another vendor's machine.
+NVIDIA_ONLY = ("mig:", "no-v3", "no-usage", "pidns")
 # The fake libnvidia-ml.so.1 has room for this many (fake_nvml.c's MAX_GPUS, MAX_MIG);
 # 7 is also what A100/H100 allow. Checked before expanding COUNTxSIZE: sim:30000x1GiB
 # would otherwise build a machine for minutes.
@@ -48,7 +62,7 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3, no-usage, context=SIZE"
+    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..."
 )
 
 
@@ -92,6 +106,10 @@ class Machine:
     no_v3: bool = False
     no_usage: bool = False
     context: int | None = None  # bytes of one CUDA context here (None: the ledger's configured overhead)
+    vendor: str = "nvidia"  # whose driver libraries the machine has (VENDORS)
+    proc_unit: int = 0  # amd: per-process figures rounded down to a multiple of this (0: exact bytes)
+    proc_refresh_ms: int = 0  # amd: how stale amdsmi's process list may be
+    rocr_order: tuple[int, ...] = ()  # amd: GPU indices in ROCr's enumeration order (empty: amdsmi's)
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -107,6 +125,33 @@ class Machine:
 def gpu_uuid(index: int) -> str:
     """UUID of simulated GPU ``index`` (shaped like NVML's ``GPU-…`` UUIDs)."""
     return f"GPU-51a00000-0000-4000-8000-{index:012d}"
+
+
+def amd_uuid(index: int) -> str:
+    """ROCr's UUID of simulated AMD GPU ``index``: ``GPU-`` and the 16 hex digits of its
+    unique id (what ``ROCR_VISIBLE_DEVICES`` and amdsmi's ``hip_uuid`` name it by)."""
+    return f"GPU-{amd_serial(index):016x}"
+
+
+def amd_serial(index: int) -> int:
+    """The ASIC serial (unique id) of simulated AMD GPU ``index``: the fake libamd_smi.so
+    derives it the same way (fake_amdsmi.c's ``serial_of``)."""
+    return 0x51A0_0000_0000_0000 | index
+
+
+def xpu_uuid(index: int) -> str:
+    """The UUID of simulated Intel GPU ``index``, as the fake Level Zero Sysman gives its 16 bytes
+    (fake_zes.c's ``uuid_of``): hex digits in the 8-4-4-4-12 form, without a prefix."""
+    return f"51a0e000-0000-4000-8000-{index:012x}"
+
+
+def split_vendor(spec: str) -> tuple[str, str]:
+    """``amd:sim:8x192GiB`` -> (``amd``, ``sim:8x192GiB``); no vendor named -> ``nvidia``."""
+    text = spec.strip()
+    head, sep, rest = text.partition(":")
+    if sep and head.strip().lower() in VENDORS:
+        return head.strip().lower(), rest.strip()
+    return VENDORS[0], text
 
 
 def mig_uuid(parent: int, slot: int) -> str:
@@ -171,7 +216,8 @@ def _gpu_index(spec: str, option: str, raw: str, count: int) -> int:
 def parse(spec: str) -> Machine:
     """Parse a spec (with or without ``sim:``) into a :class:`Machine`; :class:`SpecError` names the problem."""
     text = spec.strip()
-    body = text[len(PREFIX) :] if text.lower().startswith(PREFIX) else text
+    vendor, rest = split_vendor(text)
+    body = rest[len(PREFIX) :] if rest.lower().startswith(PREFIX) else rest
     groups, *options = body.split(";")
     sizes = _groups(spec, groups, "simulated devices", "GPU", "a simulated machine", MAX_GPUS)
     mig: dict[int, list[int]] = {}
@@ -181,12 +227,20 @@ def parse(spec: str) -> Machine:
     no_v3 = False
     no_usage = False
     context: int | None = None
+    proc_unit = 0
+    proc_refresh_ms = 0
+    rocr_order: tuple[int, ...] = ()
     for raw in options:
         option = raw.strip()
         if not option:
             continue
         key, _, value = option.partition("=")
         key = key.strip().lower()
+        if vendor != "nvidia" and key.startswith(NVIDIA_ONLY):
+            raise SpecError(
+                f"{spec!r}: {option!r} is an NVIDIA driver's option; a fake {vendor} machine has no "
+                f"NVML (expected only reserved=, context= or fault: options there)"
+            )
         if key.startswith("mig:"):
             index = _gpu_index(spec, option, key[4:], len(sizes))
             mig[index] = _groups(spec, value, f"MIG instances for GPU {index}", "MIG instance", f"GPU {index}", MAX_MIG)
@@ -213,6 +267,25 @@ def parse(spec: str) -> Machine:
             no_v3 = True
         elif key == "no-usage" and not value:
             no_usage = True
+        elif key in ("proc-unit", "proc-refresh", "rocr-order") and vendor != "amd":
+            raise SpecError(f"{spec!r}: {option!r} describes amdsmi's process list; expected it on an amd: machine")
+        elif key == "proc-unit":
+            try:
+                proc_unit = parse_size(value.strip())
+            except SizeError:
+                raise SpecError(f"{spec!r}: {option}: expected a size such as 1MiB") from None
+        elif key == "rocr-order":
+            parts = [part.strip() for part in value.split(",")]
+            if not all(part.isdigit() for part in parts) or sorted(map(int, parts)) != list(range(len(sizes))):
+                raise SpecError(
+                    f"{spec!r}: {option}: expected every GPU index 0..{len(sizes) - 1} once, such as "
+                    f"rocr-order={','.join(map(str, reversed(range(len(sizes)))))}"
+                )
+            rocr_order = tuple(map(int, parts))
+        elif key == "proc-refresh":
+            if not value.strip().isdigit():
+                raise SpecError(f"{spec!r}: {option}: expected whole milliseconds such as 1000")
+            proc_refresh_ms = int(value)
         elif key == "context":
             try:
                 context = parse_size(value.strip())
@@ -248,12 +321,12 @@ def parse(spec: str) -> Machine:
         gpus.append(
             Gpu(
                 index,
-                gpu_uuid(index),
+                {"amd": amd_uuid, "xpu": xpu_uuid}.get(vendor, gpu_uuid)(index),
                 size,
                 reserved,
-                f"Simulated GPU {format_size(size)}",
+                f"Simulated {({'amd': 'AMD ', 'xpu': 'Intel '}).get(vendor, '')}GPU {format_size(size)}",
                 tuple(instances),
                 faults.get(index, "none"),
             )
         )
-    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context)
+    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context, vendor, proc_unit, proc_refresh_ms, rocr_order)

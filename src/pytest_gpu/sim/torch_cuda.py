@@ -446,8 +446,8 @@ class _DeviceAllocator:
         self.stats.counters["num_ooms"] += 1
         allocated, reserved = self.stats.current("allocated_bytes"), self.stats.current("reserved_bytes")
         message = (
-            f"CUDA out of memory. Tried to allocate {_torch_size(alloc_size)}. GPU {self.ordinal} has a total "
-            f"capacity of {_torch_size(total)} of which {_torch_size(free)} is free. "
+            f"{_settings.kind.upper()} out of memory. Tried to allocate {_torch_size(alloc_size)}. "
+            f"GPU {self.ordinal} has a total capacity of {_torch_size(total)} of which {_torch_size(free)} is free. "
             f"{_process_memory_info(self.ordinal)}{allowed}Of the allocated memory {_torch_size(allocated)} is "
             f"allocated by PyTorch, and {_torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
             " If reserved but unallocated memory is large try setting"
@@ -783,6 +783,7 @@ class _Settings:
     device_count: Callable[[], int] | None = None  # torch.cuda.device_count as this torch defines it
     backend: str = "native"  # PYTORCH_CUDA_ALLOC_CONF's backend, read when torch's CUDA library loads
     fork_handler: bool = False
+    kind: str = "cuda"  # the device module the double serves: torch.cuda, or torch.xpu on Intel GPUs
 
 
 _proc = _Process()
@@ -823,8 +824,8 @@ def _import_torch() -> None:
 
 
 def _device_lazy_init() -> None:
-    """``torch::utils::device_lazy_init``: C++ entry points run torch.cuda's Python lazy init."""
-    _require_torch().cuda._lazy_init()
+    """``torch::utils::device_lazy_init``: C++ entry points run torch.cuda's (torch.xpu's) Python lazy init."""
+    getattr(_require_torch(), _settings.kind)._lazy_init()
 
 
 def _cuda_error(what: str, help_line: str) -> Exception:
@@ -1149,8 +1150,24 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
 # -- public API ---------------------------------------------------------------------------------
 
 
-def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_device_count: bool = False) -> None:
+#: ``torch.version.hip`` of torch on a fake AMD machine (torch reads its first and third characters).
+HIP_VERSION = "6.4.43484-fake"
+
+
+def install(
+    torch: ModuleType,
+    *,
+    legacy_memory_fraction: bool = False,
+    legacy_device_count: bool = False,
+    rocm: ModuleType | None = None,
+) -> None:
     """Give ``torch.cuda`` of torch's CPU build the simulated GPUs (idempotent).
+
+    ``rocm``: the ``amdsmi`` package of a fake AMD machine. torch then is a ROCm build, as far
+    as its Python side can tell: ``torch.version.hip`` is set, and ``device_count`` takes
+    torch's own ROCm path, ``_device_count_amdsmi`` (``ROCR_VISIBLE_DEVICES`` first, then
+    ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``), asking amdsmi, which the fake
+    ``libamd_smi.so`` answers.
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its
@@ -1186,6 +1203,108 @@ def install(torch: ModuleType, *, legacy_memory_fraction: bool = False, legacy_d
     # NVML as the fake libnvidia-ml reports it, whether or not that library is loadable here
     cuda._raw_device_count_nvml = _nvml_device_count
     cuda._raw_device_uuid_nvml = _nvml_device_uuids
+    if rocm is not None:  # torch on ROCm counts through amdsmi (its CPU build imported pynvml instead)
+        torch.version.hip = HIP_VERSION
+        cuda.amdsmi = rocm
+        cuda._HAS_AMDSMI = True
+    if not _settings.fork_handler:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _settings.fork_handler = True
+
+
+# -- torch.xpu (torch/csrc/xpu/Module.cpp, c10/xpu/XPUFunctions.h) -------------------------------
+
+
+def _check_xpu_index(device: object) -> int:
+    """c10::xpu's ``check_device_index``."""
+    index = _unpack_index(device, "setDevice")
+    count = sim_cuda.device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"device is out of range, device is {index}, total number of device is {count}.")
+    return index
+
+
+def _x_init() -> None:
+    torch = _require_torch()
+    _proc.poisoned = True
+    count = sim_cuda.device_count()
+    if count == 0:
+        raise RuntimeError("No XPU devices are available.")
+    while len(_proc.allocators) < count:
+        _proc.allocators.append(_DeviceAllocator(len(_proc.allocators)))
+    torch.xpu.default_generators = tuple(torch.Generator() for _ in range(count))
+    torch.xpu._get_device_properties = _x_get_device_properties
+
+
+def _x_set_device(device: object) -> None:
+    _device_lazy_init()
+    _set_device(_check_xpu_index(device), force=True)
+
+
+def _x_get_device_properties(device: int) -> _DeviceProperties:
+    index = _check_xpu_index(device)
+    unit = ledger().units()[sim_cuda.unit_of(index)]
+    return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=unit.uuid)
+
+
+def _x_memory_info(device: object) -> tuple[int, int]:
+    index = _check_xpu_index(device)
+    _check_sticky()
+    with _device_guard(index):
+        return sim_cuda.mem_get_info(_raw_get_device())
+
+
+_XPU_BINDINGS: dict[str, Callable[..., Any]] = {
+    "_xpu_getDeviceCount": _c_get_device_count,
+    "_xpu_init": _x_init,
+    "_xpu_setDevice": _x_set_device,
+    "_xpu_getDevice": _c_get_device,
+    "_xpu_exchangeDevice": _c_exchange_device,
+    "_xpu_maybeExchangeDevice": _c_maybe_exchange_device,
+    "_xpu_isInBadFork": _c_is_in_bad_fork,
+    "_xpu_getArchFlags": lambda: None,
+    "_xpu_synchronize": lambda device=None: _c_synchronize(),
+    "_xpu_emptyCache": _c_empty_cache,
+    "_xpu_memoryStats": _c_memory_stats,
+    "_xpu_resetPeakMemoryStats": _c_reset_peak_memory_stats,
+    "_xpu_resetAccumulatedMemoryStats": _c_reset_accumulated_memory_stats,
+    "_xpu_setMemoryFraction": _c_set_memory_fraction,
+    "_xpu_getMemoryFraction": _c_get_memory_fraction,
+    "_xpu_getMemoryInfo": _x_memory_info,
+}
+
+
+def install_xpu(torch: ModuleType) -> None:
+    """Give ``torch.xpu`` of torch's CPU build the simulated GPUs of a fake Intel machine (idempotent).
+
+    ``torch._C`` gets the ``_xpu_*`` bindings an XPU build has (torch/csrc/xpu/Module.cpp), so
+    torch.xpu's own Python code (torch 2.13: ``torch/xpu/__init__.py``, ``torch/xpu/memory.py``)
+    runs unchanged over the same simulated runtime and caching allocator as :func:`install`'s
+    ``torch.cuda``: ``device_count`` (Sysman's count through torch's ``pyzes`` when that is
+    installed, else ``_xpu_getDeviceCount``, the simulated runtime's, which honours
+    ``ZE_AFFINITY_MASK``), ``set_device`` and ``get_device_properties`` (c10::xpu's
+    ``check_device_index``: "device is out of range, device is N, total number of device is
+    M."), ``current_device``, ``memory_allocated``/``reserved``, ``max_memory_allocated``,
+    ``reset_peak_memory_stats``, ``set_per_process_memory_fraction``, ``empty_cache``,
+    ``mem_get_info``. Out-of-memory errors say "XPU out of memory". ``torch.cuda`` stays the
+    CPU build's (no CUDA on an Intel machine). Left out: streams, events, memory snapshots
+    and pools, custom allocators. Refuses a torch built with XPU support.
+    """
+    binding = getattr(torch._C, "_xpu_getDeviceCount", None)
+    if getattr(torch._C, "_has_xpu", False) and binding is not _c_get_device_count:
+        raise RuntimeError("pytest_gpu.sim.torch_cuda.install_xpu: this torch has real XPU support; it needs no double")
+    _settings.torch = torch
+    _settings.kind = "xpu"
+    _settings.backend = "native"
+    for name, function in _XPU_BINDINGS.items():
+        setattr(torch._C, name, function)
+    torch._C._has_xpu = True
+    xpu = torch.xpu
+    # names torch.xpu bound from torch._C (or to CPU-build dummies) when it was imported
+    xpu._exchange_device = _c_exchange_device
+    xpu._maybe_exchange_device = _c_maybe_exchange_device
+    xpu._is_in_bad_fork = _c_is_in_bad_fork
+    xpu._XpuDeviceProperties = _DeviceProperties
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
@@ -1205,7 +1324,7 @@ def reset() -> None:
     _proc = _Process()
     sim_cuda.forget()
     if _settings.torch is not None:
-        cuda = _settings.torch.cuda
+        cuda = getattr(_settings.torch, _settings.kind)  # torch.cuda, or torch.xpu on a fake Intel machine
         cuda._initialized = False
         cuda._cached_device_count = None
         cuda.default_generators = ()
@@ -1250,7 +1369,7 @@ class Block:
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
-        return f"<sim Block {self.nbytes} bytes on cuda:{self.device} (GPU {self.physical}) {state}>"
+        return f"<sim Block {self.nbytes} bytes on {_settings.kind}:{self.device} (GPU {self.physical}) {state}>"
 
 
 def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
@@ -1273,8 +1392,8 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
         index = None
     else:
         parsed = torch.device(device)
-        if parsed.type != "cuda":
-            raise ValueError(f"empty: expected a CUDA device, got {device!r}")
+        if parsed.type != _settings.kind:
+            raise ValueError(f"empty: expected a {_settings.kind.upper()} device, got {device!r}")
         index = parsed.index
     if index is not None and index < 0:
         raise ValueError(f"empty: device index must not be negative, got {index}")

@@ -13,6 +13,8 @@ State file format (one record per line, space-separated; a name is the rest of i
     option pidns <offset>         # NVML reports pid + offset (host pids seen from a container)
     option no_v3 1                # the machine's driver lacks the *RunningProcesses_v3 symbols
     option no_usage 1             # process lists give usedGpuMemory as NVML_VALUE_NOT_AVAILABLE (WDDM)
+    option vendor amd             # another vendor's machine: nvmlInit answers "Driver Not Loaded"
+                                  # (the fake libamd_smi.so reads this file then: pytest_gpu.sim.amdsmi)
     gpu <nvml_index> <uuid> <total_bytes> <reserved_bytes> <used_bytes> <mig 0|1> <fault> <name...>
     mig <parent_nvml_index> <slot> <uuid> <total_bytes> <used_bytes> <name...>
     proc <uuid> <pid> <used_bytes>
@@ -38,32 +40,32 @@ import os
 import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from filelock import FileLock
 
-__all__ = ["LIBRARY", "SOURCE", "library_dir", "preload"]
+__all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "preload"]
 
 #: The library's file name and soname, as pynvml loads it.
 LIBRARY = "libnvidia-ml.so.1"
 #: The C source of the fake library.
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 
-_FLAGS = ("-shared", "-fPIC", "-O2", f"-Wl,-soname,{LIBRARY}")
 _loaded: dict[Path, ctypes.CDLL] = {}
 
 
-def _cache_root() -> Path:
+def _cache_root(kind: str = "fake-nvml") -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pytest-gpu" / "fake-nvml"
+    return Path(base) / "pytest-gpu" / kind
 
 
 class _NoFallback(Exception):
     """The temporary directory cannot hold this user's cache (the message says why)."""
 
 
-def _fallback_root() -> Path:
-    """``$TMPDIR/pytest-gpu-<uid>/fake-nvml``, private to this user; :class:`_NoFallback` says why not."""
+def _fallback_root(kind: str = "fake-nvml") -> Path:
+    """``$TMPDIR/pytest-gpu-<uid>/<kind>``, private to this user; :class:`_NoFallback` says why not."""
     import tempfile
 
     from ...safefiles import private_dir
@@ -71,16 +73,35 @@ def _fallback_root() -> Path:
     try:
         shared = Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
         # both levels: another user may have made either name first, as a link or theirs
-        return private_dir(private_dir(shared) / "fake-nvml")
+        return private_dir(private_dir(shared) / kind)
     except OSError as exc:  # gettempdir's "No usable temporary directory", or a name taken
         raise _NoFallback(str(exc)) from None
 
 
-def _compiler() -> list[str]:
+@dataclass(frozen=True)
+class FakeLibrary:
+    """How one fake driver library is built: :func:`build_library` compiles and caches it."""
+
+    kind: str  # the cache's folder: fake-nvml, fake-amdsmi
+    what: str  # the library in messages: "the fake NVML"
+    library: str  # its file name and soname
+    sources: tuple[Path, ...]
+    generated: str = ""  # C source made at build time (compiled with ``sources``), "" for none
+    defines: tuple[str, ...] = ()
+    suffix: str = ""  # of the cache key: a variant's name ("-nov3")
+
+    def flags(self) -> tuple[str, ...]:
+        return ("-shared", "-fPIC", "-O2", f"-Wl,-soname,{self.library}")
+
+
+_NVML = FakeLibrary("fake-nvml", "the fake NVML", LIBRARY, (SOURCE,))
+
+
+def _compiler(what: str = _NVML.what) -> list[str]:
     cc = shlex.split(os.environ.get("CC", "").strip()) or ["cc"]
     if shutil.which(cc[0]) is None:
         raise RuntimeError(
-            f"the fake NVML for simulated GPUs needs a C compiler: {cc[0]!r} was not found on PATH "
+            f"{what} for simulated GPUs needs a C compiler: {cc[0]!r} was not found on PATH "
             "(install cc, e.g. gcc, or point $CC at a C compiler)"
         )
     return cc
@@ -97,35 +118,43 @@ def library_dir(*, no_v3: bool = False) -> Path:
     :class:`RuntimeError` when no C compiler is available, compiling fails, or neither cache
     can be written.
     """
-    source = SOURCE.read_bytes()
-    defines = ("-DFAKE_NVML_NO_V3",) if no_v3 else ()
-    key = hashlib.sha256(source + repr((_FLAGS, defines)).encode()).hexdigest()[:16]
-    name = key + ("-nov3" if no_v3 else "")
-    primary = _cache_root() / name
-    if (primary / LIBRARY).is_file():
+    if no_v3:
+        return build_library(replace(_NVML, defines=("-DFAKE_NVML_NO_V3",), suffix="-nov3"))
+    return build_library(_NVML)
+
+
+def build_library(fake: FakeLibrary) -> Path:
+    """The directory holding ``fake``'s compiled library, building it on first use (cached by its
+    sources and flags under ``${XDG_CACHE_HOME:-~/.cache}/pytest-gpu/<kind>``, else this user's
+    private temporary directory; see :func:`library_dir`)."""
+    source = b"".join(path.read_bytes() for path in fake.sources) + fake.generated.encode()
+    key = hashlib.sha256(source + repr((fake.flags(), fake.defines)).encode()).hexdigest()[:16]
+    name = key + fake.suffix
+    primary = _cache_root(fake.kind) / name
+    if (primary / fake.library).is_file():
         return primary
     try:
-        return _build(primary, defines)
+        return _build(primary, fake)
     except OSError as exc:
         first = f"{primary} ({exc.strerror or exc})"
     try:
-        fallback = _fallback_root() / name
+        fallback = _fallback_root(fake.kind) / name
     except _NoFallback as exc:
         why = str(exc)
     else:
         try:
-            return _build(fallback, defines)
+            return _build(fallback, fake)
         except OSError as exc:
             why = f"{fallback}: {exc.strerror or exc}"
     raise RuntimeError(
-        f"cannot cache the fake NVML in {first} nor in the temporary directory ({why}); "
+        f"cannot cache {fake.what} in {first} nor in the temporary directory ({why}); "
         "point XDG_CACHE_HOME at a writable directory"
     )
 
 
-def _build(directory: Path, defines: tuple[str, ...]) -> Path:
+def _build(directory: Path, fake: FakeLibrary) -> Path:
     """Compile the library into ``directory`` unless it is there; OSError: ``directory`` is not writable."""
-    target = directory / LIBRARY
+    target = directory / fake.library
     if target.is_file():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -134,21 +163,26 @@ def _build(directory: Path, defines: tuple[str, ...]) -> Path:
     with FileLock(str(directory) + ".lock"):
         if target.is_file():  # another process built it while we waited
             return directory
-        temp = directory / f".{LIBRARY}.{os.getpid()}.tmp"
-        command = [*_compiler(), *_FLAGS, *defines, "-o", str(temp), str(SOURCE)]
+        temp = directory / f".{fake.library}.{os.getpid()}.tmp"
+        sources = [str(path) for path in fake.sources]
+        generated = directory / f".generated.{os.getpid()}.c"
+        if fake.generated:
+            generated.write_text(fake.generated)
+            sources.append(str(generated))
+        command = [*_compiler(fake.what), *fake.flags(), *fake.defines, "-o", str(temp), *sources]
         try:
             try:
                 done = subprocess.run(command, capture_output=True, text=True, check=False)
             except OSError as exc:
-                raise RuntimeError(f"the fake NVML needs a C compiler; running {command[0]!r} failed: {exc}") from exc
+                raise RuntimeError(f"{fake.what} needs a C compiler; running {command[0]!r} failed: {exc}") from exc
             if done.returncode != 0:
-                raise RuntimeError(
-                    f"building the fake NVML failed ({shlex.join(command)}):\n{done.stdout}{done.stderr}"
-                )
+                raise RuntimeError(f"building {fake.what} failed ({shlex.join(command)}):\n{done.stdout}{done.stderr}")
             os.replace(temp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                generated.unlink()
     return directory
 
 

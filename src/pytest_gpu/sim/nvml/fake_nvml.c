@@ -126,6 +126,7 @@ struct state {
     unsigned int ngpus;
     long long pidns;
     long long no_usage; /* process lists give usedGpuMemory as not available (Windows WDDM) */
+    int other_vendor;   /* "option vendor amd": the machine has no NVIDIA driver */
     struct nvmlDevice_st gpus[MAX_GPUS];
     struct nvmlDevice_st migs[MAX_GPUS][MAX_MIG];
     unsigned int nprocs;
@@ -215,6 +216,8 @@ static int parse_state(void) {
                 rc = parse_fail(path, lineno, "bad pidns offset");
             else if (key && !strcmp(key, "no_usage") && parse_ll(value, &s->no_usage))
                 rc = parse_fail(path, lineno, "bad no_usage flag");
+            else if (key && !strcmp(key, "vendor"))
+                s->other_vendor = !value || strcmp(value, "nvidia");
         } else if (!strcmp(kind, "gpu")) {
             unsigned long long idx, total, reserved, used, mig;
             char *uuid;
@@ -357,6 +360,7 @@ static nvmlReturn_t copy_out(char *buf, unsigned int length, const char *value) 
 static nvmlReturn_t do_init(void) {
     pthread_mutex_lock(&g_lock);
     if (reload() && !g_refcount) return leave(NVML_ERROR_DRIVER_NOT_LOADED);
+    if (g_state.other_vendor) return leave(NVML_ERROR_DRIVER_NOT_LOADED); /* an AMD machine: no NVIDIA driver */
     g_refcount++;
     return leave(NVML_SUCCESS);
 }

@@ -1,0 +1,321 @@
+"""Intel XPU: GPUs found through Level Zero Sysman, ``ZE_AFFINITY_MASK``, Sysman's process list.
+
+Why Sysman through ctypes on ``libze_loader.so.1``: it is the only source that sees other
+processes' device memory (``zesDeviceProcessesGetState``), which verification of a lease's
+subprocesses and foreign usage need; it ships with every Level Zero driver (no Python
+package to install: ``pyzes`` is a ctypes wrapper over the same library); it is what torch
+2.13 itself counts XPUs through before initialising (``torch/xpu/__init__.py``:
+``_enum_zes_device_infos``); and it never starts a device runtime in the plugin's process
+(the plugin never imports torch: :mod:`pytest_gpu.gpu.isolation`). ``torch.xpu`` in a
+subprocess would see only its own process's counters, and ``xpu-smi`` is a separate install.
+Only the calls below are made: ``zesInit``, ``zesDriverGet``, ``zesDeviceGet``,
+``zesDeviceGetProperties``, ``zesDeviceEnumMemoryModules``, ``zesMemoryGetState``,
+``zesDeviceProcessesGetState``; CI answers them with a fake loader (:mod:`pytest_gpu.sim.zes`).
+
+Sources (commits in docs-incoming/xpu.md): oneapi-src/level-zero ``include/zes_api.h`` and
+``include/ze_api.h`` (layouts, result codes, the two-call count protocol; "the number and
+order of handles returned from [zesDeviceGet] is NOT affected by ZE_AFFINITY_MASK,
+ZE_ENABLE_PCI_ID_DEVICE_ORDER, or ZE_FLAT_DEVICE_HIERARCHY"); intel/compute-runtime
+``shared/source/execution_environment/execution_environment.cpp`` (``parseAffinityMask``);
+torch 2.13 ``torch/xpu/__init__.py`` (``_parse_visible_devices``, ``_enum_zes_device_infos``).
+
+Devices and tiles. A device here is what ``ZE_AFFINITY_MASK``'s plain entries count: under
+``ZE_FLAT_DEVICE_HIERARCHY=FLAT`` (the driver's default) or ``COMBINED``, every tile of a
+multi-tile card (a Max 1550 has two) is a device of its own, numbered across the cards in
+Sysman's order; under ``COMPOSITE`` a card is one device. So :func:`sysman_devices` lists
+tiles as devices under FLAT, as torch's count does, and a lease of a tile is that tile
+alone. Sysman reports memory and processes per card, not per tile: a tile's lease cannot be
+verified from them (its verdict says so). Assumed, not read back: the core driver numbers
+cards in Sysman's order (true unless ``ZE_ENABLE_PCI_ID_DEVICE_ORDER`` reorders them).
+
+``ZE_AFFINITY_MASK`` as compute-runtime applies it (:func:`xpu_view`): unset or empty, every
+device; otherwise each entry that names a device selects it, and an entry that names none
+(out of range, or ``X.Y`` under FLAT) is skipped, not an end of the list as CUDA's is; the
+devices selected keep the driver's order whatever the mask's order (a bitset per card), so
+``ZE_AFFINITY_MASK=3,1`` makes device 1 ``xpu:0``. Under COMPOSITE an ``X.Y`` entry exposes
+card X restricted to tile Y (counted here as card X). A lease sets the mask to its devices;
+its process numbers them in ascending order.
+
+Not run on an Intel machine here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .devices import Device
+
+MASK_VAR = "ZE_AFFINITY_MASK"
+HIERARCHY_VAR = "ZE_FLAT_DEVICE_HIERARCHY"
+#: The variables that narrow what a Level Zero process sees, outermost first.
+VISIBILITY_VARS = (MASK_VAR,)
+#: The loader's soname.
+LIBRARY = "libze_loader.so.1"
+
+ZE_RESULT_SUCCESS = 0
+ZE_RESULT_ERROR_INVALID_SIZE = 0x78000008
+ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x1
+ZES_STRUCTURE_TYPE_PROCESS_STATE = 0x16
+ZES_STRUCTURE_TYPE_MEM_STATE = 0x1E
+_RESULTS = {
+    0x70000001: "ZE_RESULT_ERROR_DEVICE_LOST",
+    0x70010000: "ZE_RESULT_ERROR_INSUFFICIENT_PERMISSIONS",
+    0x70020000: "ZE_RESULT_ERROR_DEPENDENCY_UNAVAILABLE",
+    0x78000001: "ZE_RESULT_ERROR_UNINITIALIZED",
+    0x78000003: "ZE_RESULT_ERROR_UNSUPPORTED_FEATURE",
+    0x78000004: "ZE_RESULT_ERROR_INVALID_ARGUMENT",
+    0x78000005: "ZE_RESULT_ERROR_INVALID_NULL_HANDLE",
+    0x78000007: "ZE_RESULT_ERROR_INVALID_NULL_POINTER",
+    0x78000008: "ZE_RESULT_ERROR_INVALID_SIZE",
+    0x7800000C: "ZE_RESULT_ERROR_INVALID_ENUMERATION",
+}
+
+
+class ZesUnavailable(RuntimeError):
+    """No Level Zero loader, no Intel GPU driver, or Sysman refused to start."""
+
+
+class ZesError(RuntimeError):
+    """One Sysman call failed (``code``: its ze_result_t)."""
+
+    def __init__(self, call: str, code: int) -> None:
+        super().__init__(f"{call} returned {_RESULTS.get(code, hex(code))}")
+        self.code = code
+
+
+class _CoreProperties(ctypes.Structure):
+    _fields_ = [
+        ("stype", ctypes.c_int),
+        ("pNext", ctypes.c_void_p),
+        ("type", ctypes.c_int),
+        ("vendorId", ctypes.c_uint32),
+        ("deviceId", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("subdeviceId", ctypes.c_uint32),
+        ("coreClockRate", ctypes.c_uint32),
+        ("maxMemAllocSize", ctypes.c_uint64),
+        ("maxHardwareContexts", ctypes.c_uint32),
+        ("maxCommandQueuePriority", ctypes.c_uint32),
+        ("numThreadsPerEU", ctypes.c_uint32),
+        ("physicalEUSimdWidth", ctypes.c_uint32),
+        ("numEUsPerSubslice", ctypes.c_uint32),
+        ("numSubslicesPerSlice", ctypes.c_uint32),
+        ("numSlices", ctypes.c_uint32),
+        ("timerResolution", ctypes.c_uint64),
+        ("timestampValidBits", ctypes.c_uint32),
+        ("kernelTimestampValidBits", ctypes.c_uint32),
+        ("uuid", ctypes.c_uint8 * 16),
+        ("name", ctypes.c_char * 256),
+    ]
+
+
+class _DeviceProperties(ctypes.Structure):
+    _fields_ = [
+        ("stype", ctypes.c_int),
+        ("pNext", ctypes.c_void_p),
+        ("core", _CoreProperties),
+        ("numSubdevices", ctypes.c_uint32),
+        ("serialNumber", ctypes.c_char * 64),
+        ("boardNumber", ctypes.c_char * 64),
+        ("brandName", ctypes.c_char * 64),
+        ("modelName", ctypes.c_char * 64),
+        ("vendorName", ctypes.c_char * 64),
+        ("driverVersion", ctypes.c_char * 64),
+    ]
+
+
+class _MemState(ctypes.Structure):
+    _fields_ = [
+        ("stype", ctypes.c_int),
+        ("pNext", ctypes.c_void_p),
+        ("health", ctypes.c_int),
+        ("free", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+    ]
+
+
+class _ProcessState(ctypes.Structure):
+    _fields_ = [
+        ("stype", ctypes.c_int),
+        ("pNext", ctypes.c_void_p),
+        ("processId", ctypes.c_uint32),
+        ("memSize", ctypes.c_uint64),
+        ("sharedSize", ctypes.c_uint64),
+        ("engines", ctypes.c_uint32),
+    ]
+
+
+@dataclass(frozen=True)
+class Card:
+    """One Sysman device: a card, in Sysman's order."""
+
+    index: int
+    uuid: str  # the 16 bytes of core.uuid as 8-4-4-4-12 hex digits
+    total: int  # bytes: the sum of its memory modules' sizes
+    name: str
+    tiles: int  # numSubdevices (0: a single-tile card)
+    handle: Any = None
+
+
+def _uuid(raw: Sequence[int]) -> str:
+    text = bytes(raw).hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+class Sysman:
+    """Level Zero Sysman through ctypes, initialised; :class:`ZesUnavailable` says why not."""
+
+    def __init__(self) -> None:
+        try:
+            self._lib = ctypes.CDLL(LIBRARY)
+        except OSError as exc:
+            raise ZesUnavailable(f"no Level Zero loader ({LIBRARY}: {exc})") from None
+        code = self._lib.zesInit(ctypes.c_uint32(0))
+        if code != ZE_RESULT_SUCCESS:
+            raise ZesUnavailable(f"Level Zero Sysman unavailable (zesInit returned {_RESULTS.get(code, hex(code))})")
+        try:
+            drivers = self._list("zesDriverGet", None)
+        except ZesError as exc:
+            raise ZesUnavailable(f"Level Zero Sysman unavailable ({exc})") from None
+        self._driver = drivers[0] if drivers else None
+
+    def _call(self, name: str, *args: Any) -> None:
+        code = getattr(self._lib, name)(*args)
+        if code != ZE_RESULT_SUCCESS:
+            raise ZesError(name, code)
+
+    def _list(self, name: str, owner: Any) -> list[Any]:
+        """The two-call count protocol: the number, then that many handles."""
+        count = ctypes.c_uint32(0)
+        head = () if owner is None else (ctypes.c_void_p(owner),)
+        self._call(name, *head, ctypes.byref(count), None)
+        handles = (ctypes.c_void_p * max(count.value, 1))()
+        self._call(name, *head, ctypes.byref(count), handles)
+        return [handles[i] for i in range(count.value)]
+
+    def cards(self) -> list[Card]:
+        """Every Sysman device of the first driver (torch's choice too), in Sysman's order."""
+        if self._driver is None:
+            return []
+        found = []
+        for index, handle in enumerate(self._list("zesDeviceGet", self._driver)):
+            props = _DeviceProperties()
+            props.stype = ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES
+            self._call("zesDeviceGetProperties", ctypes.c_void_p(handle), ctypes.byref(props))
+            total = self.memory(handle)[1]
+            name = props.core.name.decode(errors="replace") or props.modelName.decode(errors="replace")
+            found.append(Card(index, _uuid(props.core.uuid), total, name, int(props.numSubdevices), handle))
+        return found
+
+    def memory(self, handle: Any) -> tuple[int, int]:
+        """(used, size) bytes over the card's memory modules."""
+        used = size = 0
+        for module in self._list("zesDeviceEnumMemoryModules", handle):
+            state = _MemState()
+            state.stype = ZES_STRUCTURE_TYPE_MEM_STATE
+            self._call("zesMemoryGetState", ctypes.c_void_p(module), ctypes.byref(state))
+            size += int(state.size)
+            used += int(state.size) - int(state.free)
+        return used, size
+
+    def processes(self, handle: Any) -> dict[int, int]:
+        """pid -> device memory in bytes of every process on the card (the list may grow between
+        the count and the read: a larger buffer is tried then, as the header recommends)."""
+        count = ctypes.c_uint32(0)
+        self._call("zesDeviceProcessesGetState", ctypes.c_void_p(handle), ctypes.byref(count), None)
+        for _ in range(3):
+            room = count.value + 8
+            states = (_ProcessState * room)()
+            for state in states:
+                state.stype = ZES_STRUCTURE_TYPE_PROCESS_STATE
+            count = ctypes.c_uint32(room)
+            code = self._lib.zesDeviceProcessesGetState(ctypes.c_void_p(handle), ctypes.byref(count), states)
+            if code == ZE_RESULT_SUCCESS:
+                found: dict[int, int] = {}
+                for state in states[: count.value]:
+                    found[int(state.processId)] = found.get(int(state.processId), 0) + int(state.memSize)
+                return found
+            if code != ZE_RESULT_ERROR_INVALID_SIZE:
+                raise ZesError("zesDeviceProcessesGetState", code)
+        raise ZesError("zesDeviceProcessesGetState", ZE_RESULT_ERROR_INVALID_SIZE)
+
+
+def flat(environ: Mapping[str, str]) -> bool:
+    """Whether tiles are devices: FLAT (the default) or COMBINED, not COMPOSITE (compute-runtime's
+    ``setDeviceHierarchyMode``; torch's count reads it the same way)."""
+    return environ.get(HIERARCHY_VAR) != "COMPOSITE"
+
+
+def devices_of(cards: Sequence[Card], tiles_are_devices: bool) -> tuple[Device, ...]:
+    """The devices ``ZE_AFFINITY_MASK`` counts, in order: under FLAT a multi-tile card's tiles one by
+    one (each with an equal share of the card's memory, named ``<uuid>/tile<T>``), else cards."""
+    found: list[Device] = []
+    for card in cards:
+        if tiles_are_devices and card.tiles > 0:
+            for tile in range(card.tiles):
+                found.append(
+                    Device(len(found), f"{card.uuid}/tile{tile}", card.total // card.tiles, f"{card.name} tile {tile}")
+                )
+        else:
+            found.append(Device(len(found), card.uuid, card.total, card.name))
+    return tuple(found)
+
+
+def sysman_devices(environ: Mapping[str, str]) -> tuple[tuple[Device, ...], str]:
+    """Every Intel GPU device Sysman reports (tiles as devices under FLAT), indexed as
+    ``ZE_AFFINITY_MASK`` counts them, and a note; :class:`ZesUnavailable` when Sysman cannot be used."""
+    try:
+        cards = Sysman().cards()
+    except ZesError as exc:
+        raise ZesUnavailable(f"Level Zero Sysman cannot list the GPUs ({exc})") from None
+    tiled = [c for c in cards if c.tiles > 0]
+    note = ""
+    if tiled and flat(environ):
+        note = (
+            f"{len(tiled)} card(s) with tiles: each tile is a device ({HIERARCHY_VAR} FLAT); Sysman gives memory and "
+            "processes per card, so a tile's lease is not verified"
+        )
+    return devices_of(cards, flat(environ)), note
+
+
+def xpu_view(machine: tuple[Device, ...], outer: Mapping[str, str]) -> list[int]:
+    """Indices of the devices a Level Zero process started under ``outer`` enumerates, in its order."""
+    mask = outer.get(MASK_VAR)
+    indices = [d.index for d in machine]
+    if mask is None or mask.strip() == "":  # unset, or empty: compute-runtime applies no mask
+        return indices
+    chosen: set[int] = set()
+    tiles_are_devices = flat(outer)
+    for entry in mask.split(","):
+        entry = entry.strip()
+        if re.fullmatch(r"\d+", entry):
+            position = int(entry)
+        elif re.fullmatch(r"\d+\.\d+", entry) and not tiles_are_devices:
+            position = int(entry.split(".")[0])  # COMPOSITE: card X restricted to tile Y
+        else:
+            continue  # X.Y under FLAT, or not a number: skipped
+        if position < len(machine):
+            chosen.add(position)
+    return [indices[p] for p in sorted(chosen)]
+
+
+def lease_env(names: Sequence[str]) -> dict[str, str]:
+    """What a subprocess needs to see exactly the devices ``names`` (their ``ZE_AFFINITY_MASK``
+    indices): ``ZE_AFFINITY_MASK`` lists them as given, and the process numbers them ``xpu:0``,
+    ``xpu:1``… in ascending order, whatever the list's (Level Zero keeps the driver's order).
+
+    ``CUDA_VISIBLE_DEVICES`` is set to the same list, as the AMD lease names its GPUs in every
+    variable a program may read (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``):
+    no CUDA runtime exists on an Intel-only machine to misread it. ROCm's variables are not set.
+    """
+    mask = ",".join(names)
+    return {MASK_VAR: mask, "CUDA_VISIBLE_DEVICES": mask}
+
+
+def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """``ZE_AFFINITY_MASK`` and ``ZE_FLAT_DEVICE_HIERARCHY`` as set in ``environ`` (a run's start)."""
+    return tuple((name, environ[name]) for name in (MASK_VAR, HIERARCHY_VAR) if environ.get(name) is not None)

@@ -1,0 +1,334 @@
+"""Intel XPU: ZE_AFFINITY_MASK as compute-runtime applies it, the fake Level Zero loader as strict
+as zes_api.h says, discovery and samples through Sysman, the simulated torch.xpu, XCCL pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Holder, require
+from pytest_gpu.distributed.backends import auto_backend, build_xccl_missing, fit_ranks
+from pytest_gpu.distributed.spec import build_spec
+from pytest_gpu.gpu import vendors, xpu
+from pytest_gpu.gpu.devices import Device, DeviceSpecError, Inventory
+from pytest_gpu.gpu.discovery import discover
+from pytest_gpu.leasing.requests import GpuRequestError
+from pytest_gpu.sim.spec import SpecError, parse, xpu_uuid
+
+GiB, MiB = 2**30, 2**20
+MACHINE = tuple(Device(i, xpu_uuid(i), 64 * GiB) for i in range(4))
+
+
+# -- ZE_AFFINITY_MASK ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("outer", "seen"),
+    [
+        ({}, [0, 1, 2, 3]),
+        ({"ZE_AFFINITY_MASK": ""}, [0, 1, 2, 3]),  # empty: no mask at all (unlike CUDA's "")
+        ({"ZE_AFFINITY_MASK": "2"}, [2]),
+        ({"ZE_AFFINITY_MASK": "3,1"}, [1, 3]),  # the driver's order, not the mask's
+        ({"ZE_AFFINITY_MASK": "9,2,1"}, [1, 2]),  # an entry naming no device is skipped, not an end
+        ({"ZE_AFFINITY_MASK": "1,1"}, [1]),
+        ({"ZE_AFFINITY_MASK": "0.1,2"}, [2]),  # X.Y under FLAT (the default): ignored
+        ({"ZE_AFFINITY_MASK": "0.1,2", "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"}, [0, 2]),
+        ({"ZE_AFFINITY_MASK": "x,3"}, [3]),
+    ],
+)
+def test_the_mask_selects_as_compute_runtime_does(outer: dict[str, str], seen: list[int]) -> None:
+    assert xpu.xpu_view(MACHINE, outer) == seen
+    assert vendors.XPU.view(MACHINE, tuple(outer.items())) == seen
+
+
+def test_tiles_are_devices_under_flat_and_cards_under_composite() -> None:
+    cards = [xpu.Card(0, xpu_uuid(0), 128 * GiB, "Max 1550", 2), xpu.Card(1, xpu_uuid(1), 48 * GiB, "Max 1100", 0)]
+    flat = xpu.devices_of(cards, xpu.flat({}))
+    assert [(d.index, d.uuid, d.total_memory) for d in flat] == [
+        (0, f"{xpu_uuid(0)}/tile0", 64 * GiB),
+        (1, f"{xpu_uuid(0)}/tile1", 64 * GiB),
+        (2, xpu_uuid(1), 48 * GiB),
+    ]
+    composite = xpu.devices_of(cards, xpu.flat({"ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"}))
+    assert [(d.index, d.uuid) for d in composite] == [(0, xpu_uuid(0)), (1, xpu_uuid(1))]
+    assert xpu.flat({"ZE_FLAT_DEVICE_HIERARCHY": "COMBINED"})  # COMBINED exposes tiles as devices too
+
+
+def test_a_lease_sets_the_mask_and_its_process_sees_exactly_the_lease() -> None:
+    env = vendors.XPU.lease_env(["3", "1"])
+    assert env == {"ZE_AFFINITY_MASK": "3,1", "CUDA_VISIBLE_DEVICES": "3,1"}
+    assert not any(name.startswith(("ROCR_", "HIP_", "GPU_DEVICE")) for name in env)
+    assert vendors.XPU.view(MACHINE, vendors.XPU.outer(env)) == [1, 3]
+    assert "ZE_AFFINITY_MASK" in vendors.VISIBILITY  # rank pools and Ray heads drop it as a lease variable
+
+
+# -- fake machines -------------------------------------------------------------------------
+
+
+def test_an_xpu_spec_is_an_intel_machine() -> None:
+    machine = parse("xpu:sim:4x64GiB")
+    assert machine.vendor == "xpu"
+    assert [g.uuid for g in machine.gpus] == [xpu_uuid(i) for i in range(4)]
+    assert machine.gpus[0].name == "Simulated Intel GPU 64GiB"
+    with pytest.raises(SpecError, match="NVIDIA driver's option"):
+        parse("xpu:sim:2x64GiB;mig:0=2x10GiB")
+    with pytest.raises(SpecError, match="amdsmi's process list"):
+        parse("xpu:sim:2x64GiB;proc-unit=1MiB")
+
+
+def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
+    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    for name in ("PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY"):
+        env.pop(name, None)
+    env.update(extra)
+    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
+    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+STRICT = """
+import ctypes
+lib = ctypes.CDLL("libze_loader.so.1")
+U32 = ctypes.c_uint32
+out["before_init"] = lib.zesDriverGet(ctypes.byref(U32(0)), None)
+out["bad_flags"] = lib.zesInit(U32(2))
+out["init"] = lib.zesInit(U32(0))
+out["null_count"] = lib.zesDriverGet(None, None)
+n = U32(0)
+lib.zesDriverGet(ctypes.byref(n), None)
+drivers = (ctypes.c_void_p * 1)()
+lib.zesDriverGet(ctypes.byref(n), drivers)
+count = U32(0)
+driver = ctypes.c_void_p(drivers[0])
+out["device_count_rc"] = lib.zesDeviceGet(driver, ctypes.byref(count), None)
+out["device_count"] = count.value
+many = U32(99)
+handles = (ctypes.c_void_p * 99)()
+lib.zesDeviceGet(driver, ctypes.byref(many), handles)
+out["lowered"] = many.value
+out["null_handle"] = lib.zesDeviceGet(None, ctypes.byref(count), None)
+out["bad_driver"] = lib.zesDeviceGet(ctypes.c_void_p(handles[0]), ctypes.byref(count), None)
+junk = ctypes.create_string_buffer(1024)
+out["bad_device"] = lib.zesDeviceEnumMemoryModules(junk, ctypes.byref(count), None)
+from pytest_gpu.sim.ledger import ledger
+ledger().allocate(2 << 30, 1, None, None)
+two = U32(0)
+out["procs_rc"] = lib.zesDeviceProcessesGetState(ctypes.c_void_p(handles[1]), ctypes.byref(two), None)
+out["procs"] = two.value
+none = U32(0)
+lib.zesDeviceProcessesGetState(ctypes.c_void_p(handles[0]), ctypes.byref(none), None)
+out["procs_elsewhere"] = none.value
+"""
+
+
+def test_the_fake_loader_is_as_strict_as_zes_api_h(tmp_path: Path) -> None:
+    out = run_fake(tmp_path, "xpu:sim:2x64GiB", STRICT)
+    assert out["before_init"] == 0x78000001  # ZE_RESULT_ERROR_UNINITIALIZED
+    assert out["bad_flags"] == 0x7800000C  # ZE_RESULT_ERROR_INVALID_ENUMERATION
+    assert out["init"] == 0
+    assert out["null_count"] == 0x78000007  # ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    assert (out["device_count_rc"], out["device_count"], out["lowered"]) == (0, 2, 2)
+    assert out["null_handle"] == 0x78000005  # ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    assert out["bad_driver"] == out["bad_device"] == 0x78000004  # ZE_RESULT_ERROR_INVALID_ARGUMENT
+    assert (out["procs_rc"], out["procs"], out["procs_elsewhere"]) == (0, 1, 0)
+
+
+def test_sysman_is_unavailable_on_another_vendors_machine(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "sim:2x16GiB",
+        """
+        from pytest_gpu.sim import zes
+        zes.preload()  # the loader is there, but no Intel driver answers
+        from pytest_gpu.gpu.discovery import discover
+        found = discover("xpu:auto")
+        out["note"] = found.note
+        out["devices"] = len(found.devices)
+        """,
+    )
+    assert out["devices"] == 0
+    assert out["note"] == "Level Zero Sysman unavailable (zesInit returned ZE_RESULT_ERROR_UNINITIALIZED)"
+
+
+def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "xpu:sim:4x64GiB;reserved=1GiB",
+        """
+        from pytest_gpu.gpu.discovery import discover
+        from pytest_gpu.gpu.devices import DeviceSpecError
+        auto = discover("auto")
+        out["auto"] = [auto.vendor, auto.source, auto.describe(), [d.index for d in auto.devices]]
+        out["outer"] = [list(p) for p in auto.outer]
+        out["uuids"] = [d.uuid for d in auto.machine]
+        out["picked"] = [d.index for d in discover("xpu:1,3").devices]
+        simulated = discover("xpu:sim:2x64GiB")
+        out["sim"] = [simulated.describe(), [d.index for d in simulated.devices], simulated.source]
+        for bad in ("xpu:0", "xpu:7", "xpu:sim:2x64GiB;mig:0=1x8GiB", "xpu:gpu"):
+            try:
+                discover(bad)
+            except DeviceSpecError as exc:
+                out[bad] = str(exc)
+        """,
+        ZE_AFFINITY_MASK="3,1",
+    )
+    assert out["auto"] == ["xpu", "sysman", "2 Intel GPUs (2x63GiB)", [1, 3]]
+    assert out["outer"] == [["ZE_AFFINITY_MASK", "3,1"]]
+    assert out["uuids"] == [xpu_uuid(i) for i in range(4)]
+    assert out["picked"] == [1, 3]
+    assert "Intel GPU [0] is hidden by ZE_AFFINITY_MASK='3,1'" in out["xpu:0"]
+    assert "no Intel GPU device [7]; Level Zero Sysman reports [0, 1, 2, 3]" in out["xpu:7"]
+    assert out["sim"] == ["1 simulated Intel GPU (1x64GiB)", [1], "xpu:sim:2x64GiB"]  # the mask's 3 names none
+    assert "is an NVIDIA driver's option" in out["xpu:sim:2x64GiB;mig:0=1x8GiB"]
+    assert "or simulated Intel GPUs such as xpu:sim:4x64GiB" in out["xpu:gpu"]
+
+
+def test_a_request_naming_two_vendors_is_refused() -> None:
+    with pytest.raises(DeviceSpecError, match="names nvidia and xpu GPUs; a run leases one vendor's GPUs"):
+        discover("nvidia:0,xpu:1")
+
+
+def test_foreign_usage_through_sysman_where_there_is_neither_nvml_nor_amdsmi(tmp_path: Path) -> None:
+    spec = "xpu:sim:2x64GiB;context=512MiB"
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    env["PYTEST_GPU_SIM"] = spec  # the ledger's spec, as a run's subprocess has it
+    holder = Holder("--gpu", "1", "--memory", "2GiB", env=env)  # not a descendant of the sampling process
+    try:
+        out = run_fake(
+            tmp_path,
+            spec,
+            f"""
+            import os
+            from pytest_gpu.sim.ledger import ledger
+            from pytest_gpu.gpu.foreign import ForeignSampler
+            ledger().allocate({GiB}, 0, None, None)  # ours
+            sampler = ForeignSampler(["{xpu_uuid(0)}", "{xpu_uuid(1)}"])
+            found = sampler.sample({{os.getpid()}})
+            out["found"] = {{u: [f.bytes, [[p.pid, p.bytes] for p in f.processes], f.note] for u, f in found.items()}}
+            sampler.close()
+            """,
+        )
+    finally:
+        holder.kill()
+    held = 512 * MiB + 2 * GiB
+    assert out["found"] == {xpu_uuid(0): [0, [], None], xpu_uuid(1): [held, [[holder.pid, held]], None]}
+
+
+def test_a_tile_is_not_verified_from_card_wide_figures() -> None:
+    from pytest_gpu.gpu.sampling import Refused, XpuSampler
+
+    sampler = XpuSampler.__new__(XpuSampler)  # no driver needed: a tile is refused before asking it
+    sampler._handles = {}
+    with pytest.raises(Refused, match="per card, not per tile"):
+        sampler.memory(f"{xpu_uuid(0)}/tile1")
+
+
+# -- the simulated torch.xpu -------------------------------------------------------------------
+
+
+TORCH_XPU = """
+import torch
+from pytest_gpu.sim import torch_cuda
+out["count"] = torch.xpu.device_count()
+out["cuda"] = torch.cuda.is_available()
+torch.xpu.set_device(1)
+out["current"] = torch.xpu.current_device()
+out["total"] = torch.xpu.get_device_properties(0).total_memory
+try:
+    torch.xpu.set_device(out["count"])
+except RuntimeError as exc:
+    out["bad"] = str(exc)
+torch.xpu.set_per_process_memory_fraction(0.25, 1)
+kept = torch_cuda.empty(8 << 30)
+out["allocated"] = torch.xpu.memory_allocated(1)
+try:
+    torch_cuda.empty(16 << 30)
+except torch.OutOfMemoryError as exc:
+    out["oom"] = str(exc).split(".")[0]
+kept.free()
+out["peak"] = torch.xpu.max_memory_allocated(1)
+torch.xpu.reset_peak_memory_stats(1)
+out["reserved_before_empty"] = torch.xpu.memory_reserved(1)
+torch.xpu.empty_cache()
+out["after"] = [torch.xpu.max_memory_allocated(1), torch.xpu.memory_reserved(1)]
+"""
+
+
+def test_torch_xpu_of_the_cpu_build_runs_on_the_fake_machine(tmp_path: Path) -> None:
+    require("torch", module="torch")
+    out = run_fake(tmp_path, "xpu:sim:4x64GiB", TORCH_XPU, ZE_AFFINITY_MASK="0,2,3")
+    assert (out["count"], out["cuda"], out["current"], out["total"]) == (3, False, 1, 64 * GiB)
+    assert out["bad"] == "device is out of range, device is 3, total number of device is 3."
+    assert out["allocated"] == 8 * GiB
+    assert out["oom"] == "XPU out of memory"
+    assert out["peak"] == 8 * GiB
+    assert out["reserved_before_empty"] == 8 * GiB
+    assert out["after"] == [0, 0]
+
+
+# -- pools ---------------------------------------------------------------------------------
+
+
+def test_auto_backend_on_intel_gpus_is_xccl_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    inventory = Inventory(MACHINE[:2], "sysman", machine=MACHINE, vendor="xpu")
+    from pytest_gpu.distributed import backends
+
+    monkeypatch.setattr(backends, "xccl_missing", lambda inv: None)
+    choice = auto_backend(inventory)
+    assert (choice.backend, choice.why) == ("xccl", "2 Intel GPUs (2x64GiB) and a torch with XCCL")
+    assert fit_ranks(choice, 4, inventory).backend == "gloo"
+    monkeypatch.setattr(backends, "xccl_missing", lambda inv: "torch 2.13.0+cpu has no XCCL (not an XPU build)")
+    assert auto_backend(inventory).describe() == "gloo: torch 2.13.0+cpu has no XCCL (not an XPU build)"
+
+
+def test_xccl_missing_from_a_torch_version_file() -> None:
+    assert build_xccl_missing("__version__ = '2.13.0+cpu'\nxpu: Optional[str] = None\n") == (
+        "torch 2.13.0+cpu has no XCCL (not an XPU build)"
+    )
+    assert build_xccl_missing("__version__ = '2.7.0+xpu'\nxpu: Optional[str] = '20250101'\n") == (
+        "torch 2.7.0+xpu has no XCCL (torch >= 2.8)"
+    )
+    assert build_xccl_missing("__version__ = '2.9.0+xpu'\nxpu: Optional[str] = '20250101'\n") is None
+
+
+def test_xccl_and_ccl_pools_give_each_rank_a_gpu() -> None:
+    for backend in ("xccl", "ccl"):
+        spec = build_spec((2,), {"backend": backend})
+        assert (spec.backend, spec.gpus_per_rank) == (backend, 1)
+        with pytest.raises(GpuRequestError, match=f"backend='{backend}' needs gpus_per_rank >= 1"):
+            build_spec((2,), {"backend": backend, "gpus_per_rank": 0})
+
+
+def test_the_inventory_command_and_status_labels_name_intel_gpus(tmp_path: Path) -> None:
+    out = run_fake(
+        tmp_path,
+        "xpu:sim:2x64GiB",
+        f"""
+        import contextlib, io
+        from pytest_gpu.cli import gpu_labels, main
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            main(["inventory", "--gpus", "xpu:auto"])
+        out["inventory"] = printed.getvalue().splitlines()
+        out["labels"] = gpu_labels(["{xpu_uuid(1)}", "ffffffff-0000-0000-0000-000000000000"], ask_nvml=True)
+        """,
+        ZE_AFFINITY_MASK="1",
+    )
+    assert out["inventory"] == [
+        "--gpus xpu:auto: 1 Intel GPU (1x64GiB)",
+        f"  GPU 1  {xpu_uuid(1)}     64GiB  Simulated Intel GPU 64GiB",
+        "  started with: ZE_AFFINITY_MASK=1",
+    ]
+    assert out["labels"] == {xpu_uuid(1): "Intel GPU 1"}
