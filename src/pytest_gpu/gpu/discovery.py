@@ -25,7 +25,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .devices import GPUS_FORM, DeviceSpecError, Inventory
 from .devices import discover as nvidia_discover
@@ -96,112 +96,112 @@ def discover(spec: str, environ: Mapping[str, str] | None = None) -> Inventory:
     return found
 
 
-def _amd_indices(spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
-    """``amd:0,2``: these AMD GPUs by amdsmi's index (what ``amd-smi`` prints), each one that the
-    run's ROCm variables leave visible."""
-    from .vendors import AMD, UNAVAILABLE
+@dataclass(frozen=True)
+class _Words:
+    """How discovery speaks of one vendor's GPUs (AMD's through amdsmi, Intel's through Sysman)."""
 
+    vendor: str  # vendors.of(vendor)
+    source: str  # Inventory.source when the driver answered
+    missing: str  # {missing}, {known}: indices the driver does not report
+    kind: str  # "AMD GPU": before {hidden} is/are hidden
+    visible_by: str  # what leaves indices visible, after "expected indices "
+    none_found: str  # the driver reports no GPU at all
+    none_left: str  # {said}: the run's variables leave none
+
+
+_AMD_WORDS = _Words(
+    "amd",
+    "amdsmi",
+    "no usable AMD GPU with amdsmi index {missing}; this machine has {known}",
+    "AMD GPU",
+    "ROCm leaves visible",
+    "amdsmi reports no usable AMD GPUs",
+    "{said} leave none of the GPUs amdsmi reports",
+)
+_XPU_WORDS = _Words(
+    "xpu",
+    "sysman",
+    "no Intel GPU device {missing}; Level Zero Sysman reports {known}",
+    "Intel GPU",
+    "the run's ZE_AFFINITY_MASK leaves visible",
+    "Level Zero Sysman reports no Intel GPUs",
+    "{said} leaves none of the devices Sysman reports",
+)
+
+
+def _said(started: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in started)
+
+
+def _by_indices(words: _Words, spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
+    """``amd:0,2`` / ``xpu:0,2``: these GPUs by the driver's index, each one that the run's
+    visibility variables leave visible."""
+    from .vendors import UNAVAILABLE, of
+
+    vendor = of(words.vendor)
     try:
-        found, note = AMD.devices()
+        found, note = vendor.devices()
     except UNAVAILABLE as exc:
         raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
     known = {d.index: d for d in found}
     missing = [i for i in wanted if i not in known]
     if missing:
         raise DeviceSpecError(
-            f"--gpus {spec!r}: no usable AMD GPU with amdsmi index {missing}; this machine has {sorted(known)}"
+            f"--gpus {spec!r}: "
+            + words.missing.format(missing=missing, known=sorted(known))
             + (f" ({note})" if note else "")
         )
     if len(set(wanted)) != len(wanted):
         raise DeviceSpecError(f"--gpus {spec!r}: an index is listed twice")
-    started = AMD.outer(environ)
-    seen = set(AMD.view(found, started))
+    started = vendor.outer(environ)
+    seen = set(vendor.view(found, started))
     hidden = [i for i in wanted if i not in seen]
     if hidden:
-        said = ", ".join(f"{k}={v!r}" for k, v in started)
         raise DeviceSpecError(
-            f"--gpus {spec!r}: AMD GPU {hidden} {'is' if len(hidden) == 1 else 'are'} hidden by {said}; "
-            "expected indices ROCm leaves visible"
+            f"--gpus {spec!r}: {words.kind} {hidden} {'is' if len(hidden) == 1 else 'are'} hidden by "
+            f"{_said(started)}; expected indices {words.visible_by}"
         )
-    return Inventory(tuple(known[i] for i in wanted), "amdsmi", note, found, None, AMD.name, started)
+    return Inventory(tuple(known[i] for i in wanted), words.source, note, found, None, vendor.name, started)
+
+
+def _visible(words: _Words, environ: Mapping[str, str], required: bool) -> Inventory:
+    """The GPUs the driver reports that the run's visibility variables leave it; ``required``
+    (``amd:auto``, ``xpu:auto``): the driver being unavailable is said in the empty inventory's
+    note, as NVML's is for ``auto``."""
+    from .vendors import UNAVAILABLE, of
+
+    vendor = of(words.vendor)
+    try:
+        found, note = vendor.devices()
+    except UNAVAILABLE as exc:
+        return Inventory((), f"{words.vendor}:auto" if required else "auto", str(exc), vendor=vendor.name)
+    started = vendor.outer(environ)
+    by_index = {d.index: d for d in found}
+    usable = tuple(by_index[i] for i in vendor.view(found, started))
+    if not usable:
+        why = words.none_found if not found else words.none_left.format(said=_said(started))
+        note = "; ".join(filter(None, [why, note]))
+    return Inventory(usable, words.source, note, found, None, vendor.name, started)
+
+
+def _amd_indices(spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
+    """``amd:0,2``: these AMD GPUs by amdsmi's index (what ``amd-smi`` prints)."""
+    return _by_indices(_AMD_WORDS, spec, wanted, environ)
 
 
 def amd_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
-    """The AMD GPUs amdsmi reports that the run's ROCm visibility variables leave it.
-
-    ``required`` (``amd:auto``): amdsmi being unavailable is said in the empty inventory's note,
-    as NVML's is for ``auto``.
-    """
-    from .vendors import AMD, UNAVAILABLE
-
-    try:
-        found, note = AMD.devices()
-    except UNAVAILABLE as exc:
-        return Inventory((), "amd:auto" if required else "auto", str(exc), vendor=AMD.name)
-    started = AMD.outer(environ)
-    seen = AMD.view(found, started)
-    by_index = {d.index: d for d in found}
-    usable = tuple(by_index[i] for i in seen)
-    if not usable:
-        why = (
-            "amdsmi reports no usable AMD GPUs"
-            if not found
-            else f"{', '.join(f'{k}={v!r}' for k, v in started)} leave none of the GPUs amdsmi reports"
-        )
-        note = "; ".join(filter(None, [why, note]))
-    return Inventory(usable, "amdsmi", note, found, None, AMD.name, started)
+    """The AMD GPUs amdsmi reports that the run's ROCm visibility variables leave it."""
+    return _visible(_AMD_WORDS, environ, required)
 
 
 def _xpu_indices(spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
-    """``xpu:0,2``: these Intel GPU devices (``ZE_AFFINITY_MASK``'s indices), each one the run's
-    ``ZE_AFFINITY_MASK`` leaves visible."""
-    from .vendors import UNAVAILABLE, XPU
-
-    try:
-        found, note = XPU.devices()
-    except UNAVAILABLE as exc:
-        raise DeviceSpecError(f"--gpus {spec!r}: {exc}") from None
-    known = {d.index: d for d in found}
-    missing = [i for i in wanted if i not in known]
-    if missing:
-        raise DeviceSpecError(
-            f"--gpus {spec!r}: no Intel GPU device {missing}; Level Zero Sysman reports {sorted(known)}"
-            + (f" ({note})" if note else "")
-        )
-    if len(set(wanted)) != len(wanted):
-        raise DeviceSpecError(f"--gpus {spec!r}: an index is listed twice")
-    started = XPU.outer(environ)
-    seen = set(XPU.view(found, started))
-    hidden = [i for i in wanted if i not in seen]
-    if hidden:
-        said = ", ".join(f"{k}={v!r}" for k, v in started)
-        raise DeviceSpecError(
-            f"--gpus {spec!r}: Intel GPU {hidden} {'is' if len(hidden) == 1 else 'are'} hidden by {said}; "
-            "expected indices the run's ZE_AFFINITY_MASK leaves visible"
-        )
-    return Inventory(tuple(known[i] for i in wanted), "sysman", note, found, None, XPU.name, started)
+    """``xpu:0,2``: these Intel GPU devices (``ZE_AFFINITY_MASK``'s indices)."""
+    return _by_indices(_XPU_WORDS, spec, wanted, environ)
 
 
 def xpu_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
-    """The Intel GPU devices Level Zero Sysman reports that the run's ``ZE_AFFINITY_MASK`` leaves it
-    (``required``: ``xpu:auto``, whose empty inventory's note says why)."""
-    from .vendors import UNAVAILABLE, XPU
-
-    try:
-        found, note = XPU.devices()
-    except UNAVAILABLE as exc:
-        return Inventory((), "xpu:auto" if required else "auto", str(exc), vendor=XPU.name)
-    started = XPU.outer(environ)
-    by_index = {d.index: d for d in found}
-    usable = tuple(by_index[i] for i in XPU.view(found, started))
-    if not usable:
-        why = (
-            "Level Zero Sysman reports no Intel GPUs"
-            if not found
-            else f"{', '.join(f'{k}={v!r}' for k, v in started)} leaves none of the devices Sysman reports"
-        )
-        note = "; ".join(filter(None, [why, note]))
-    return Inventory(usable, "sysman", note, found, None, XPU.name, started)
+    """The Intel GPU devices Level Zero Sysman reports that the run's ``ZE_AFFINITY_MASK`` leaves it."""
+    return _visible(_XPU_WORDS, environ, required)
 
 
 def _xpu_sim(spec: str, rest: str, environ: Mapping[str, str]) -> Inventory:
@@ -216,6 +216,5 @@ def _xpu_sim(spec: str, rest: str, environ: Mapping[str, str]) -> Inventory:
     by_index = {d.index: d for d in found}
     usable = tuple(by_index[i] for i in XPU.view(found, started))
     if not usable:
-        said = ", ".join(f"{k}={v!r}" for k, v in started)
-        note = "; ".join(filter(None, [f"{said} leaves none of the simulated Intel GPUs", note]))
+        note = "; ".join(filter(None, [f"{_said(started)} leaves none of the simulated Intel GPUs", note]))
     return Inventory(usable, source, note, found, None, XPU.name, started)
