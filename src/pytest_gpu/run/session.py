@@ -401,7 +401,8 @@ class GpuRun:
             if enough < request.count:
                 return (
                     f"needs {request.describe()} but this run has {enough} GPU{'' if enough == 1 else 's'} "
-                    f"offering {format_size(need)} after the CUDA context ({self.inventory.describe()})"
+                    f"offering {format_size(need)} after the {self.inventory.runtime} context "
+                    f"({self.inventory.describe()})"
                 )
         return None
 
