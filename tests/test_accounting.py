@@ -240,6 +240,31 @@ def test_judge_names_what_holds_the_memory() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("vendor", "context"),
+    [("nvidia", "a CUDA context"), ("amd", "a HIP context"), ("xpu", "a Level Zero context")],
+)
+def test_judge_names_a_context_outside_the_lease_by_the_vendors_runtime(vendor: str, context: str) -> None:
+    lease = GpuLease("k", (0,), ("GPU-0",), 2 * GiB, False, "cuda:0", "0", {}, 0.0, vendor=vendor)
+    verdict = verification.judge(lease, {0: GiB}, {}, [0, 1])  # GPU 1 touched, no memory seen at peak
+    assert verdict.violations == [f"used memory on GPU 1 ({context}) outside its lease (GPU 0)"]
+
+
+@pytest.mark.parametrize(("vendor", "runtime"), [("nvidia", "CUDA"), ("amd", "HIP"), ("xpu", "Level Zero")])
+def test_the_context_is_named_by_the_inventorys_runtime(vendor: str, runtime: str) -> None:
+    from pytest_gpu.gpu.devices import Inventory
+    from pytest_gpu.report.summary import context_lines
+
+    inventory = Inventory(devices=(), source="test", vendor=vendor)
+    assert inventory.runtime == runtime
+    assert context_lines({0: 700 * MiB}, 500 * MiB, False, inventory.runtime) == [
+        f"pytest-gpu: {runtime} context measured: GPU 0: 700MiB (assumed 500MiB until measured)"
+    ]
+    assert context_lines({}, 500 * MiB, True, inventory.runtime) == [
+        f"pytest-gpu: {runtime} context: 500MiB per process, as --gpu-context-overhead gives it"
+    ]
+
+
 def test_context_growth_is_allowed_once_per_process_and_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verification, "_grown", {})
     grow = verification._beyond_context

@@ -85,6 +85,12 @@ out["view"] = runtime.pin(inventory)
 """
 
 
+SIMULATED = """
+from pytest_gpu.sim import cuda
+out["units"] = cuda.init()
+"""
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -93,31 +99,34 @@ out["view"] = runtime.pin(inventory)
         ({"ROCR_VISIBLE_DEVICES": amd_uuid(2), "CUDA_VISIBLE_DEVICES": "0"}, [2]),
         ({"HIP_VISIBLE_DEVICES": f"{amd_uuid(1)},{amd_uuid(0)}"}, [1, 0]),  # UUIDs, in their order
         ({"HIP_VISIBLE_DEVICES": "2,x,0"}, [1]),  # an invalid entry ends the list
+        # clr's rules (rocdevice.cpp at f9f995c6), where pytest-gpu's model once differed:
+        ({"GPU_DEVICE_ORDINAL": "1"}, [3, 0, 1, 2]),  # OpenCL's variable: HIP does not read it
+        ({"ROCR_VISIBLE_DEVICES": "3,2,1", "GPU_DEVICE_ORDINAL": "1,2", "HIP_VISIBLE_DEVICES": "1"}, [1]),
+        ({"HIP_VISIBLE_DEVICES": "1,1,2"}, [0, 1]),  # a repeated entry is skipped
+        ({"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": "2"}, [1]),  # HIP's empty: CUDA's is read
+        ({"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}, [3, 0, 1, 2]),  # empty narrows nothing
+        ({"HIP_VISIBLE_DEVICES": "1,"}, [0]),  # a comma at the end is no entry
+        ({"HIP_VISIBLE_DEVICES": "1,,2"}, [0]),  # an empty one in the middle is invalid
+        ({"HIP_VISIBLE_DEVICES": " 1"}, []),  # indices are written exactly: no blank ...
+        ({"HIP_VISIBLE_DEVICES": "01"}, []),  # ... and no leading zero
+        ({"HIP_VISIBLE_DEVICES": "GPU-51a"}, [3]),  # the first device (ROCr's order) whose UUID contains it
+        ({"HIP_VISIBLE_DEVICES": amd_uuid(1).upper()}, []),  # ROCr spells UUIDs in lower case: no match
+        ({"ROCR_VISIBLE_DEVICES": amd_uuid(1).upper(), "HIP_VISIBLE_DEVICES": "0"}, [1]),  # ROCr: any case
     ],
 )
-def test_hip_is_read_back_where_the_prediction_agrees(
+def test_hip_the_simulated_hip_and_the_prediction_agree(
     tmp_path: Path, cache_dir: Path, env: dict[str, str], expected: list[int]
 ) -> None:
-    out = run_py(cache_dir, ledger(tmp_path), READ_BACK, env)
-    assert out["hip"] == [amd_uuid(i)[4:] for i in expected] and out["note"] == ""
+    folder = ledger(tmp_path)
+    out = run_py(cache_dir, folder, READ_BACK, env)  # the fake libamdhip64.so, read back
+    if expected:
+        assert out["hip"] == [amd_uuid(i)[4:] for i in expected] and out["note"] == ""
+    else:  # no device left: HIP's hipInit says so, and the view is predicted
+        assert out["hip"] is None and "hipErrorNoDevice" in out["note"]
     assert out["view"] == expected
     assert rocm_view(MACHINE, env) == expected  # the model, without HIP
-
-
-@pytest.mark.parametrize(
-    ("env", "hip", "predicted"),
-    [
-        ({"GPU_DEVICE_ORDINAL": "1"}, [3, 0, 1, 2], [0]),  # OpenCL's variable: HIP does not read it
-        ({"HIP_VISIBLE_DEVICES": "1,1,2"}, [0, 1], [0]),  # HIP skips a repeated entry
-        ({"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": "2"}, [1], []),  # HIP's empty: CUDA's is read
-    ],
-)
-def test_what_hip_enumerates_wins_over_the_prediction(
-    tmp_path: Path, cache_dir: Path, env: dict[str, str], hip: list[int], predicted: list[int]
-) -> None:
-    out = run_py(cache_dir, ledger(tmp_path), READ_BACK, env)
-    assert out["view"] == hip
-    assert rocm_view(MACHINE, env) == predicted  # where clr's rules and pytest-gpu's model differ
+    simulated = run_py(cache_dir, folder, SIMULATED, {**env, "PYTEST_GPU_SIM": SPEC}, preload=False)
+    assert simulated["units"] == expected  # pytest_gpu.sim.cuda on an AMD machine
 
 
 def test_without_hip_the_view_is_predicted_and_says_why(tmp_path: Path, cache_dir: Path) -> None:

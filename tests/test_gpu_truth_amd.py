@@ -154,7 +154,7 @@ def test_the_context_is_measured_through_amdsmi(gpu_pytester, amd_run):
     )
     result = amd_run("amd:sim:1x16GiB;context=700MiB", "--gpus", "auto", "-p", "no:xdist")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
+    result.stdout.fnmatch_lines(["pytest-gpu: HIP context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
 
 
 def test_gpu_required_without_amd_gpus_says_what_gives_a_job_amd_gpus(gpu_pytester, amd_run):

@@ -236,3 +236,19 @@ def test_a_rank_pool_gives_each_rank_its_device_by_mask_index(gpu_pytester, xpu_
             "device": "xpu:0",
         }
     assert sorted(units) == [0, 1]  # one device each
+
+
+def test_a_request_no_gpu_can_hold_names_the_level_zero_context(gpu_pytester, xpu_run):
+    gpu_pytester.makepyfile(
+        test_big="""
+        import pytest
+
+        @pytest.mark.gpu(exclusive=True, memory="100GiB")
+        def test_big(gpu):
+            pass
+        """
+    )
+    result = xpu_run("xpu:sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * offering 100GiB after the Level Zero context (2 Intel GPUs (2x16GiB))"])
+    assert "CUDA context" not in result.stdout.str()

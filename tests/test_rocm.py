@@ -51,15 +51,30 @@ def test_hip_wins_over_cuda_when_both_are_set() -> None:
     assert view(HIP_VISIBLE_DEVICES="1", CUDA_VISIBLE_DEVICES="2") == [0]
 
 
-def test_gpu_device_ordinal_sits_between_rocr_and_hip() -> None:
-    assert view(ROCR_VISIBLE_DEVICES="3,2,1", GPU_DEVICE_ORDINAL="1,2", HIP_VISIBLE_DEVICES="1") == [0]
+def test_hip_does_not_read_gpu_device_ordinal() -> None:
+    """ROCclr reads ``GPU_DEVICE_ORDINAL`` for OpenCL only (ROCm/clr ``rocdevice.cpp`` at f9f995c6)."""
+    assert view(GPU_DEVICE_ORDINAL="1") == [2, 0, 3, 1]
+    assert view(ROCR_VISIBLE_DEVICES="3,2,1", GPU_DEVICE_ORDINAL="1,2", HIP_VISIBLE_DEVICES="1") == [3]
 
 
-def test_empty_hides_all_and_a_bad_entry_ends_the_list() -> None:
+def test_rocr_empty_hides_all_and_a_bad_or_repeated_entry_ends_its_list() -> None:
     assert view(ROCR_VISIBLE_DEVICES="") == []
-    assert view(HIP_VISIBLE_DEVICES="1,7,2") == [0]
-    assert view(HIP_VISIBLE_DEVICES="1,1,2") == [0]
+    assert view(ROCR_VISIBLE_DEVICES="1,9,2") == [0]
+    assert view(ROCR_VISIBLE_DEVICES="1,1,2") == [0]  # ROCr's RvdFilter: a repeat terminates
+    assert view(ROCR_VISIBLE_DEVICES=" 1 , 2") == [0, 3]  # its tokens are trimmed
     assert select(MACHINE, "GPU-") == ()
+
+
+def test_hip_empty_is_unset_a_bad_entry_ends_and_a_repeat_is_skipped() -> None:
+    """HIP's rules, ROCm/clr ``rocdevice.cpp`` at f9f995c6, not ROCr's."""
+    assert view(HIP_VISIBLE_DEVICES="") == [2, 0, 3, 1]  # empty: no filter
+    assert view(HIP_VISIBLE_DEVICES="", CUDA_VISIBLE_DEVICES="2") == [3]  # ... and CUDA's is read
+    assert view(HIP_VISIBLE_DEVICES="1,7,2") == [0]
+    assert view(HIP_VISIBLE_DEVICES="1,1,2") == [0, 3]
+    assert view(HIP_VISIBLE_DEVICES="1,") == [0]
+    assert view(HIP_VISIBLE_DEVICES=" 1") == view(HIP_VISIBLE_DEVICES="01") == []  # an index written exactly
+    assert view(HIP_VISIBLE_DEVICES="GPU-") == [2]  # the first device whose UUID contains it
+    assert view(HIP_VISIBLE_DEVICES=amd_uuid(3).upper()) == []  # ROCr's UUIDs are lower-case
 
 
 def test_a_lease_names_its_uuids_in_rocr_and_hips_variables() -> None:
@@ -188,18 +203,23 @@ def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("env", "count"),
+    ("env", "count", "hip"),
     [
-        ({}, 4),
-        ({"ROCR_VISIBLE_DEVICES": "1,2,3"}, 3),
-        ({"ROCR_VISIBLE_DEVICES": "1,2,3", "HIP_VISIBLE_DEVICES": "0"}, 1),
-        ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0"}, 2),  # HIP's wins, as in torch
-        ({"CUDA_VISIBLE_DEVICES": "2,9"}, 1),
-        ({"ROCR_VISIBLE_DEVICES": amd_uuid(1), "HIP_VISIBLE_DEVICES": amd_uuid(1)}, 1),  # a lease's
+        ({}, 4, 4),
+        ({"ROCR_VISIBLE_DEVICES": "1,2,3"}, 3, 3),
+        ({"ROCR_VISIBLE_DEVICES": "1,2,3", "HIP_VISIBLE_DEVICES": "0"}, 1, 1),
+        ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0"}, 2, 2),  # HIP's wins, as in torch
+        ({"CUDA_VISIBLE_DEVICES": "2,9"}, 1, 1),
+        ({"ROCR_VISIBLE_DEVICES": amd_uuid(1), "HIP_VISIBLE_DEVICES": amd_uuid(1)}, 1, 1),  # a lease's
+        # torch's _parse_visible_devices and HIP (ROCm/clr rocdevice.cpp) part here:
+        ({"GPU_DEVICE_ORDINAL": "1"}, 4, 4),  # neither reads it
+        ({"HIP_VISIBLE_DEVICES": "1,1,2"}, 0, 2),  # torch: a repeat empties the list; HIP skips it
+        ({"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": "2"}, 0, 1),  # torch: empty hides all; HIP: unset
     ],
 )
-def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str], count: int) -> None:
-    """torch's own ROCm path (``_device_count_amdsmi``), through amdsmi and the fake library."""
+def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str], count: int, hip: int) -> None:
+    """torch's own ROCm path (``_device_count_amdsmi``), through amdsmi and the fake library, before
+    CUDA starts; HIP's count (the simulated HIP's, ``torch._C._cuda_getDeviceCount``) once it has."""
     require("torch", module="torch")
     out = run_fake(
         tmp_path,
@@ -209,11 +229,13 @@ def test_torch_counts_as_torch_on_rocm_does(tmp_path: Path, env: dict[str, str],
         out["hip"] = torch.version.hip
         out["count"] = torch.cuda.device_count()
         out["uuids"] = torch.cuda._raw_device_uuid_amdsmi()
+        out["hip_count"] = torch._C._cuda_getDeviceCount()
         """,
         **env,
     )
     assert out["hip"].startswith("6.4.")
     assert out["count"] == count
+    assert out["hip_count"] == hip
     assert out["uuids"] == [amd_uuid(i)[4:] for i in range(4)]  # the ASIC serial, as torch matches HIP's UUIDs
 
 

@@ -53,8 +53,10 @@ def test_what_a_run_started_with() -> None:
         vendors.of("intel")
 
 
-@pytest.mark.parametrize("spec", ["sim:1x16GiB;context=700MiB", "amd:sim:1x16GiB;context=700MiB"])
-def test_each_vendors_driver_measures_the_context(gpu_pytester, fake_run, monkeypatch, spec):
+@pytest.mark.parametrize(
+    ("spec", "runtime"), [("sim:1x16GiB;context=700MiB", "CUDA"), ("amd:sim:1x16GiB;context=700MiB", "HIP")]
+)
+def test_each_vendors_driver_measures_the_context(gpu_pytester, fake_run, monkeypatch, spec, runtime):
     """The calibration reads this process's line through the vendor's sampler: NVML's (fake
     libnvidia-ml.so.1) or amdsmi's (fake libamd_smi.so)."""
     if spec.startswith("amd:"):
@@ -74,7 +76,8 @@ def test_each_vendors_driver_measures_the_context(gpu_pytester, fake_run, monkey
     )
     result = fake_run(spec, "--gpus", "auto", "-p", "no:xdist")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: CUDA context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
+    measured = f"pytest-gpu: {runtime} context measured: GPU 0: 700MiB (assumed 500MiB until measured)"
+    result.stdout.fnmatch_lines([measured])
 
 
 def test_only_amds_verification_waits_for_its_process_list() -> None:

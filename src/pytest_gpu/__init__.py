@@ -47,7 +47,7 @@ that this map names every module).
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
         verification    did the test stay within its lease
         torchstats      torch's allocator counters, read once per device
-        calibration     one CUDA context's size, measured on a GPU's first lease
+        calibration     one runtime context's size (CUDA, HIP, Level Zero), measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML or amdsmi
         sampling        each vendor's driver opened for memory and process samples
         nvmlversion     which NVML the driver has

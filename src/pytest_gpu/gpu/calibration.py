@@ -1,4 +1,4 @@
-"""How much one CUDA context really takes: measured in the test process, not assumed.
+"""How much one CUDA, HIP or Level Zero context really takes: measured in the test process, not assumed.
 
 ``--gpu-context-overhead`` (500 MiB) is an assumption; a real context is larger or smaller
 by driver, GPU and what loads into it (cuBLAS, cuDNN, NCCL, Triton). So on the first lease

@@ -63,6 +63,15 @@ class Device:
         )
 
 
+#: The runtime whose context a test process opens on each vendor's GPUs, as messages name it.
+RUNTIMES = {"nvidia": "CUDA", "amd": "HIP", "xpu": "Level Zero"}
+
+
+def runtime_name(vendor: str) -> str:
+    """The runtime of ``vendor``'s GPUs (an inventory's or a lease's vendor), as messages name it."""
+    return RUNTIMES[vendor]
+
+
 @dataclass(frozen=True)
 class Inventory:
     """The GPUs a run may use, in physical-index order.
@@ -83,6 +92,11 @@ class Inventory:
     @property
     def simulated(self) -> bool:
         return any(d.simulated for d in self.devices)
+
+    @property
+    def runtime(self) -> str:
+        """Whose runtime a test process opens its context with here: ``CUDA``, ``HIP``, ``Level Zero``."""
+        return runtime_name(self.vendor)
 
     def by_index(self, index: int) -> Device:
         for device in self.devices:

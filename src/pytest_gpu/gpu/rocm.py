@@ -13,11 +13,14 @@ or ROCr give the same GPU (pytorch #131901, ROCm/amdsmi #175): so leases name GP
 never by index, and the inventory's ``machine`` lists the GPUs in ROCr's order (by HSA node,
 ``hsa_id``), the order ``ROCR_VISIBLE_DEVICES``' indices count in.
 
-Visibility, as the ROCm stack applies it (:func:`rocm_view`): ``ROCR_VISIBLE_DEVICES`` first
-(indices or UUIDs, into ROCr's enumeration), then ``GPU_DEVICE_ORDINAL`` (ROCclr), then
-``HIP_VISIBLE_DEVICES`` or, when that is unset, ``CUDA_VISIBLE_DEVICES`` (torch prefers HIP's
-when both are set), each indexing into what the one before left. An entry that names no
-device ends its list, as CUDA's rule is (ROCm's documentation does not say; assumed).
+Visibility, as the ROCm stack applies it (:func:`rocm_view`): ``ROCR_VISIBLE_DEVICES`` first,
+by ROCr's rules (:func:`select`: indices or UUIDs into ROCr's enumeration; ROCm/ROCR-Runtime
+``core/inc/amd_filter_device.h`` and ``core/runtime/amd_filter_device.cpp`` at c7785a6d), then,
+in what ROCr left, ``HIP_VISIBLE_DEVICES`` or, when that is unset or empty,
+``CUDA_VISIBLE_DEVICES``, by HIP's (:func:`hip_select`: ROCm/clr
+``rocclr/device/rocm/rocdevice.cpp`` at f9f995c6). ``GPU_DEVICE_ORDINAL`` is ROCclr's for
+OpenCL: HIP does not read it. torch's own count before CUDA starts
+(``torch.cuda._parse_visible_devices`` on ROCm) has rules of its own and is not this model.
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
 ``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
@@ -41,9 +44,9 @@ from typing import Any
 from .devices import Device
 
 ROCR_VAR = "ROCR_VISIBLE_DEVICES"
-ORDINAL_VAR = "GPU_DEVICE_ORDINAL"
-HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # HIP's first: it wins when both are set
-#: Every variable that narrows what a ROCm process sees, outermost first.
+ORDINAL_VAR = "GPU_DEVICE_ORDINAL"  # ROCclr's for OpenCL: a lease sets it, HIP does not read it
+HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # HIP's first: it wins when set and not empty
+#: Every variable that narrows what a ROCm process (HIP or OpenCL) sees, outermost first.
 VISIBILITY_VARS = (ROCR_VAR, ORDINAL_VAR, *HIP_VARS)
 
 
@@ -133,10 +136,11 @@ def _entries(value: str) -> list[str]:
 
 
 def select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
-    """The devices one ROCm visibility variable leaves of ``devices`` (in their order), in its order.
+    """The devices ``ROCR_VISIBLE_DEVICES=value`` leaves of ``devices`` (ROCr's enumeration), in its order.
 
-    Entries are indices into ``devices`` or ``GPU-`` UUIDs (a unique prefix of one, any case); an
-    empty value hides every device; an entry that names none, or one already chosen, ends the list.
+    ROCr's ``RvdFilter`` (ROCR-Runtime at c7785a6d): entries are indices into ``devices`` or
+    ``GPU-`` UUIDs (a unique prefix of one, any case), each trimmed; an empty value hides every
+    device; an entry that names none, or one already chosen, ends the list.
     """
     chosen: list[Device] = []
     for entry in _entries(value):
@@ -153,15 +157,43 @@ def select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
     return tuple(chosen)
 
 
+def hip_select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
+    """The devices HIP keeps of ``devices`` (what ROCr left, in its order) for ``HIP_VISIBLE_DEVICES=value``.
+
+    ROCm/clr ``rocclr/device/rocm/rocdevice.cpp`` (``Device::init``, at f9f995c6): an empty
+    value narrows nothing; an entry containing ``GPU-`` is the first device whose UUID contains
+    it (case as ROCr spells UUIDs: lower-case hex), else an index, written exactly (``1``, not
+    ``01`` or `` 1``); an invalid entry ends the list, a repeated one is skipped; a comma at
+    the very end is not an entry.
+    """
+    if not value:
+        return devices
+    entries = value.split(",")
+    if len(entries) > 1 and entries[-1] == "":
+        entries.pop()  # clr's loop stops when the position passes the string's end
+    chosen: list[int] = []
+    for entry in entries:
+        if "GPU-" in entry:
+            entry = next((str(n) for n, d in enumerate(devices) if entry in d.uuid), entry)
+        if not re.fullmatch(r"0|[1-9]\d*", entry) or int(entry) >= len(devices):
+            break  # clr: "anything to the right of invalid deviceId has to be discarded"
+        if int(entry) not in chosen:
+            chosen.append(int(entry))
+    return tuple(devices[n] for n in chosen)
+
+
 def rocm_view(machine: tuple[Device, ...], environ: Mapping[str, str]) -> list[int]:
     """amdsmi indices of the devices a HIP process started under ``environ`` enumerates, in its
-    device order (``hip:0`` / torch's ``cuda:0`` first); ``machine`` is in ROCr's order."""
+    device order (``hip:0`` / torch's ``cuda:0`` first); ``machine`` is in ROCr's order.
+
+    ``ROCR_VISIBLE_DEVICES`` by ROCr's rules, then HIP's variable by clr's (module docstring);
+    ``GPU_DEVICE_ORDINAL`` is not read, as HIP does not read it."""
     seen = machine
-    hip = next((environ[name] for name in HIP_VARS if environ.get(name) is not None), None)
-    for value in (environ.get(ROCR_VAR), environ.get(ORDINAL_VAR), hip):
-        if value is not None:
-            seen = select(seen, value)
-    return [d.index for d in seen]
+    rocr = environ.get(ROCR_VAR)
+    if rocr is not None:
+        seen = select(seen, rocr)
+    hip = environ.get(HIP_VARS[0]) or environ.get(HIP_VARS[1]) or ""  # clr: HIP's when non-empty
+    return [d.index for d in hip_select(seen, hip)]
 
 
 def lease_env(uuids: Sequence[str]) -> dict[str, str]:

@@ -38,7 +38,7 @@ from ..leasing.requests import format_size
 from ..procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
 from ..report.wording import numbered
 from . import runtime
-from .devices import Inventory, addressable
+from .devices import Inventory, addressable, runtime_name
 from .isolation import GpuLease
 from .torchstats import TorchCounters, torch_counters
 
@@ -85,8 +85,9 @@ def judge(
     outside = sorted(set(touched) - leased - shared)
     if outside:
         how = whence or {}
+        context = f"a {runtime_name(lease.vendor)} context"  # the lease's vendor's: CUDA, HIP, Level Zero
         used = ", ".join(
-            f"GPU {i} ({format_size(peak[i]) + ' at peak' if peak.get(i) else 'a CUDA context'}"
+            f"GPU {i} ({format_size(peak[i]) + ' at peak' if peak.get(i) else context}"
             + (f"; {how[i]})" if i in how else ")")
             for i in outside
         )

@@ -233,17 +233,19 @@ class Summary:
         return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"
 
 
-def context_lines(measured: Mapping[int, int], assumed: int, given: bool) -> list[str]:
-    """What one CUDA context took on each GPU, as the run's processes measured it (NVML,
-    right after it opened), beside the size assumed until then; or that the size was given."""
+def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtime: str = "CUDA") -> list[str]:
+    """What one context of ``runtime`` (the inventory's: CUDA, HIP, Level Zero) took on each GPU, as
+    the run's processes measured it (right after it opened), beside the size assumed until then;
+    or that the size was given."""
     from ..leasing.requests import format_size
 
     if given:
-        return [f"pytest-gpu: CUDA context: {format_size(assumed)} per process, as --gpu-context-overhead gives it"]
+        given_as = "as --gpu-context-overhead gives it"
+        return [f"pytest-gpu: {runtime} context: {format_size(assumed)} per process, {given_as}"]
     if not measured:
         return []
     sizes = ", ".join(f"GPU {index}: {format_size(n)}" for index, n in sorted(measured.items()))
-    return [f"pytest-gpu: CUDA context measured: {sizes} (assumed {format_size(assumed)} until measured)"]
+    return [f"pytest-gpu: {runtime} context measured: {sizes} (assumed {format_size(assumed)} until measured)"]
 
 
 def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:

@@ -67,7 +67,12 @@ class RunOwner(RoleBase):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
-        lines += context_lines(run.broker.measured, run.settings.context_overhead, run.settings.context_overhead_given)
+        lines += context_lines(
+            run.broker.measured,
+            run.settings.context_overhead,
+            run.settings.context_overhead_given,
+            run.inventory.runtime,  # a HIP or Level Zero context on AMD or Intel GPUs
+        )
         lines += summary.timeline.summary_lines(
             [d.index for d in run.inventory.devices],
             with_peaks=run.settings.verify != "off",

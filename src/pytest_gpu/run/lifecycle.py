@@ -94,7 +94,7 @@ def _gpu_request(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, boo
         if request.memory > usable:
             raise GpuRequestError(
                 f"{item.nodeid}: {what}: memory={format_size(request.memory)} is larger than any GPU "
-                f"can give ({format_size(usable)} after the CUDA context on the largest of "
+                f"can give ({format_size(usable)} after the {run.inventory.runtime} context on the largest of "
                 f"{run.inventory.describe()}); expected a smaller memory= or exclusive=True"
             )
     return request, isolate

@@ -391,7 +391,7 @@ class GpuRun:
         if request.memory is not None and request.memory > usable:
             return (
                 f"needs {format_size(request.memory)} per GPU but the largest GPU offers "
-                f"{format_size(usable)} after the CUDA context ({self.inventory.describe()})"
+                f"{format_size(usable)} after the {self.inventory.runtime} context ({self.inventory.describe()})"
             )
         # on a mixed machine only some GPUs may be large enough (the placement's formula: capacity less a context)
         need = request.memory if request.min_memory is None else request.min_memory
@@ -401,7 +401,8 @@ class GpuRun:
             if enough < request.count:
                 return (
                     f"needs {request.describe()} but this run has {enough} GPU{'' if enough == 1 else 's'} "
-                    f"offering {format_size(need)} after the CUDA context ({self.inventory.describe()})"
+                    f"offering {format_size(need)} after the {self.inventory.runtime} context "
+                    f"({self.inventory.describe()})"
                 )
         return None
 

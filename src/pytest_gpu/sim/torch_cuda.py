@@ -1166,8 +1166,10 @@ def install(
     ``rocm``: the ``amdsmi`` package of a fake AMD machine. torch then is a ROCm build, as far
     as its Python side can tell: ``torch.version.hip`` is set, and ``device_count`` takes
     torch's own ROCm path, ``_device_count_amdsmi`` (``ROCR_VISIBLE_DEVICES`` first, then
-    ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``), asking amdsmi, which the fake
-    ``libamd_smi.so`` answers.
+    ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``, by torch's ``_parse_visible_devices``,
+    whose rules are not HIP's: an empty value hides all, a repeat empties the list), asking
+    amdsmi, which the fake ``libamd_smi.so`` answers. Once CUDA has started, the count is the
+    simulated HIP's (:func:`pytest_gpu.gpu.rocm.rocm_view`), as torch's is HIP's then.
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its

@@ -5,10 +5,10 @@ The library is compiled on demand from ``fake_hip.c`` (next to this file), as th
 ``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and ``hipDeviceGetUuid`` from the state
 file of the simulated machine (``$PYTEST_GPU_SIM_LEDGER/nvml.state``, an AMD machine's), with
 the device list ROCr and HIP leave a process under its ``ROCR_VISIBLE_DEVICES`` and
-``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``, fixed at its first call as HIP's is. Which
-sources it follows, and where it follows pytest-gpu's own model instead, is said at the top of
-``fake_hip.c``. :func:`pytest_gpu.gpu.runtime.pin` reads it back on AMD GPUs
-(``runtime._hip_init``).
+``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``, fixed at its first call as HIP's is, by the
+rules :func:`pytest_gpu.gpu.rocm.rocm_view` predicts. Which sources (ROCm/clr, ROCR-Runtime)
+it follows, at which commits, is said at the top of ``fake_hip.c``.
+:func:`pytest_gpu.gpu.runtime.pin` reads it back on AMD GPUs (``runtime._hip_init``).
 """
 
 from __future__ import annotations

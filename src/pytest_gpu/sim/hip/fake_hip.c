@@ -18,10 +18,12 @@
  *   an invalid entry ends the list and a repeated one is skipped. A device's UUID (hipUUID's 16
  *   bytes) is ROCr's "GPU-<16 hex>" less "GPU-": 16 ASCII hex digits, not binary.
  * ROCr's own enumeration (hsa_id order: "option amd_rocr_order", as the fake libamd_smi.so
- * reads it) narrowed by ROCR_VISIBLE_DEVICES follows pytest-gpu's model of ROCr
- * (pytest_gpu.gpu.rocm.select: indices or a unique UUID prefix; an empty value hides all; an
- * entry that names none, or one already chosen, ends the list): ROCR-Runtime's source was not
- * read for this fake.
+ * reads it) narrowed by ROCR_VISIBLE_DEVICES follows ROCm/ROCR-Runtime at c7785a6d (2024-10-23),
+ * core/inc/amd_filter_device.h and core/runtime/amd_filter_device.cpp (RvdFilter), as
+ * pytest_gpu.gpu.rocm.select does: entries trimmed, indices or a unique UUID prefix in any case;
+ * an empty value hides all; an entry that names none, or one already chosen, ends the list.
+ * (ROCr reads an index with strtol base 0, so "0x1" names GPU 1 and "010" GPU 8 there; here
+ * indices are decimal.)
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -45,7 +47,7 @@ static int g_ok;                        /* the runtime initialised (an AMD machi
 static int g_count;                     /* devices this process enumerates */
 static char g_uuid[MAX_GPUS][21];       /* their ROCr UUIDs, "GPU-<16 hex>", in HIP's order */
 
-/* A ROCr-order list of UUIDs narrowed by ROCR_VISIBLE_DEVICES (pytest-gpu's model of ROCr). */
+/* A ROCr-order list of UUIDs narrowed by ROCR_VISIBLE_DEVICES (RvdFilter, as rocm.select models it). */
 static int rocr_select(char (*list)[21], int n, const char *value, char (*out)[21]) {
     int chosen[MAX_GPUS], k = 0;
     if (!*value) return 0;
