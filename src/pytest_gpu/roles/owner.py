@@ -13,6 +13,7 @@ import pytest
 from .. import raycluster
 from ..launched import selection
 from ..machine import domain
+from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node
 from ..report.summary import Summary, context_lines, foreign_lines
 from ..run import required
 from ..run.session import WIRE_KEY, GpuRun
@@ -97,14 +98,32 @@ class Controller(RunOwner):
     role = Role.CONTROLLER
 
     @property
+    def nodes(self) -> NodeHosts | None:
+        """``--gpu-nodes``: every node's host (see :mod:`pytest_gpu.nodes`); ``None``: one machine."""
+        return self.config.stash.get(NODES_KEY, None)
+
+    @property
     def schedules(self) -> bool:
+        if self.nodes is not None:
+            # the planner places by one machine's GPUs; until it places by node, xdist's load
+            # scheduling hands tests out and each worker's acquire at its node's broker decides
+            return False
         return self.run.settings.schedule and not self.config.stash.get(DIST_CHOSEN_KEY, False)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
-        """Each new worker (replacements too) gets the broker's address."""
-        node.workerinput[WIRE_KEY] = self.run.to_wire()
+        """Each new worker (replacements too) gets the broker's address: its node's, under ``--gpu-nodes``."""
+        if self.nodes is not None:
+            configure_node(self.nodes, node)
+        else:
+            node.workerinput[WIRE_KEY] = self.run.to_wire()
         node.workerinput[SCHEDULE_KEY] = self.schedules
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.nodes is not None:  # each node's GPUs and leases, before the run's own lines
+            for line in self.nodes.lines():
+                terminalreporter.write_line(line)
+        super().pytest_terminal_summary(terminalreporter)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
@@ -124,4 +143,3 @@ class Controller(RunOwner):
         from ..scheduling.scheduler import GpuScheduling
 
         return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY))
-

@@ -1,0 +1,120 @@
+"""A node's host in ``--gpu-nodes`` mode: that node's run (inventory, broker, arbiter link).
+
+The controller starts one per node through an execnet gateway with the node's launch
+prefix and runs this module there (``gateway.remote_exec``). It is today's owner of GPUs,
+unchanged, on its node: :meth:`GpuRun.start` discovers the node's GPUs (or its simulated
+ones), makes the run directory in the node's temp directory, starts the broker on a Unix
+socket there and links to the node's machine arbiter. The broker's key is made here and
+goes to the controller over the channel only (the controller hands it to the node's
+workers in ``workerinput``).
+
+Messages (plain values; see docs-incoming/nodes-design.md)::
+
+    -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
+    -> ("start", {"settings", "node", "cwd", "package"})
+    <- ("started", {"wire", "node", "hostname", "pid", "inventory"}) | ("error", message)
+    -> ("state", {})   <- ("state", {"room", "placements", "grants", "crashes"})
+    -> ("close", {})   <- ("closed", state)
+
+The run ends on ``close`` and when the channel closes (the controller is gone: Ctrl-C,
+killed); execnet then gives this thread five seconds before it interrupts the process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..run.session import GpuRun
+
+
+def state(run: GpuRun) -> dict[str, Any]:
+    """What the controller reads of this node's broker (plain values, for execnet)."""
+    broker = run.broker
+    assert broker is not None  # a node host owns its node's broker
+    placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
+    return {
+        "room": list(broker.room()),
+        "placements": placements,
+        "grants": broker.grants,
+        "crashes": len(broker.crashes),
+    }
+
+
+def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
+    """Start the node's run from the controller's ``start`` message; the reply to send."""
+    node = str(body["node"])
+    try:
+        os.chdir(body["cwd"])
+    except OSError as exc:
+        return None, ("error", f"node {node}: cannot enter the run's directory {body['cwd']}: {exc}")
+    import pytest_gpu
+
+    package = os.path.dirname(os.path.abspath(pytest_gpu.__file__))
+    if package != body["package"]:
+        return None, (
+            "error",
+            f"node {node}: imports pytest_gpu from {package}, the controller from {body['package']}; "
+            "node mode needs the suite and its environment on a filesystem every node shares",
+        )
+    from ..gpu.devices import DeviceSpecError
+    from ..machine import domain
+    from ..options import Settings
+    from ..run.rundir import RunDirError
+    from ..run.session import GpuRun
+    from ..sim.ledger import LedgerWriteError
+
+    domain.hold_warnings()  # the controller's summary is where the run speaks, not this node's stderr
+    try:
+        run = GpuRun.start(Settings.from_wire(body["settings"]), worker=f"node-{node}")
+    except (DeviceSpecError, RunDirError, LedgerWriteError, OSError) as exc:
+        return None, ("error", f"node {node}: {exc}")
+    info = {
+        "wire": dict(run.to_wire()),
+        "node": node,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "inventory": run.inventory.describe(),
+        "warnings": list(domain.said),
+    }
+    return run, ("started", info)
+
+
+def serve(channel: Any) -> None:
+    """The node host's life: start, answer, end the run when told or when the channel goes."""
+    kind, body = channel.receive()
+    if kind != "start":
+        channel.send(("error", f"expected start, got {kind!r}"))
+        return
+    run, reply = start(body)
+    channel.send(reply)
+    if run is None:
+        return
+    try:
+        while True:
+            try:
+                kind, body = channel.receive()
+            except EOFError:  # the controller is gone
+                return
+            if kind == "state":
+                channel.send(("state", state(run)))
+            elif kind == "close":
+                channel.send(("closed", state(run)))
+                return
+            else:
+                channel.send(("error", f"unknown message {kind!r}"))
+    finally:
+        run.close()
+
+
+# What the controller runs on the node (``gateway.remote_exec``): execnet runs a string or a
+# module's *source* outside any package, so this imports the module itself, with the
+# controller's sys.path (sent first) under which the node must find the same pytest_gpu.
+BOOTSTRAP = """
+import sys
+sys.path[:] = channel.receive()
+from pytest_gpu.nodes import agent
+agent.serve(channel)
+"""

@@ -1,0 +1,253 @@
+"""The controller's side of ``--gpu-nodes``: the node plan, the node hosts, the workers' specs.
+
+:func:`configure` (at ``pytest_configure``, before xdist starts anything) reads and checks
+the option, makes the plan (:mod:`pytest_gpu.nodes.spec`), starts one node host per node
+(:mod:`pytest_gpu.nodes.agent`) and sets xdist's ``--tx`` to ``-n`` workers on each node
+whose host started. A node whose host could not start is reported and left out; with
+none left the run stops with a usage error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from ..launched.detect import LaunchContext
+from ..options import Settings
+from . import spec as spec_
+from .spec import NODE_KEY, NodePlan, NodesError
+
+START_TIMEOUT_S = 120.0  # a node host's start: srun may wait for the step, discovery may load NVML
+CLOSE_TIMEOUT_S = 30.0
+
+NODES_KEY = pytest.StashKey["NodeHosts"]()
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    """``scontrol show hostnames``: SLURM's node list syntax expanded (``n[1-3]``)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NodesError(
+            f"{spec_.OPTION}=slurm: cannot expand SLURM_JOB_NODELIST={nodelist} with scontrol: {exc}"
+        ) from None
+    return out.stdout.split()
+
+
+def unshare_works() -> bool:
+    """Whether this machine gives a process its own network namespace (``unshare -n``: root, or
+    unprivileged user namespaces)."""
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@dataclass
+class NodeHost:
+    """One node's host as the controller sees it."""
+
+    name: str
+    spec: str  # the execnet spec it (and the node's workers) start with
+    gateway: Any = None
+    channel: Any = None
+    info: dict[str, Any] = field(default_factory=dict)  # the "started" reply
+    error: str | None = None  # why it did not start
+    final: dict[str, Any] = field(default_factory=dict)  # the "closed" reply
+
+
+class NodeHosts:
+    """Every node's host: started once per run, closed at its end (see :mod:`.agent`)."""
+
+    def __init__(self, plan: NodePlan, settings: Settings, specs: dict[str, str], cleanup: Callable[[], None]) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.hosts = {name: NodeHost(name, specs[name]) for name in plan.names}
+        self._cleanup = cleanup
+        self._group: Any = None
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start every node's host (all at once, then wait for each)."""
+        import execnet
+
+        import pytest_gpu
+
+        from .agent import BOOTSTRAP
+
+        self._group = execnet.Group()
+        package = os.path.dirname(os.path.abspath(pytest_gpu.__file__))
+        for host in self.hosts.values():
+            try:
+                host.gateway = self._group.makegateway(host.spec)
+                host.channel = host.gateway.remote_exec(BOOTSTRAP)
+                host.channel.send(list(sys.path))
+                body = {"settings": self.settings.to_wire(), "node": host.name, "cwd": os.getcwd(), "package": package}
+                host.channel.send(("start", body))
+            except Exception as exc:  # execnet raises what the launch raised (srun, ssh refusing)
+                host.error = f"node {host.name}: cannot start a process there: {exc}"
+        for host in self.hosts.values():
+            if host.error is not None:
+                continue
+            try:
+                kind, body = host.channel.receive(timeout)
+            except Exception as exc:  # RemoteError (an import failed there), TimeoutError, EOFError
+                host.error = f"node {host.name}: its node host did not start: {_short(exc)}"
+                continue
+            if kind == "started":
+                host.info = body
+            else:
+                host.error = str(body)
+
+    @property
+    def up(self) -> list[str]:
+        """The nodes whose host started, in the plan's order."""
+        return [n for n, h in self.hosts.items() if h.error is None and h.info]
+
+    def wire(self, node: str) -> dict[str, Any]:
+        """The run as ``node``'s workers join it (its broker's address and key, its inventory)."""
+        return dict(self.hosts[node].info["wire"])
+
+    def state(self, node: str, timeout: float = 30.0) -> dict[str, Any]:
+        """``node``'s broker as the scheduler and the summary read it."""
+        host = self.hosts[node]
+        host.channel.send(("state", {}))
+        kind, body = host.channel.receive(timeout)
+        assert kind == "state", body
+        return dict(body)
+
+    def lines(self) -> list[str]:
+        """The summary's lines about the nodes (each node's broker asked now)."""
+        out = []
+        for name, host in self.hosts.items():
+            if host.error is not None:
+                out.append(f"pytest-gpu: {host.error}; left out of this run")
+                continue
+            try:
+                figures = host.final or self.state(name)
+            except Exception as exc:  # the node was lost: its host ended with its channel
+                out.append(f"pytest-gpu: node {name}: lost ({_short(exc)})")
+                continue
+            grants = int(figures["grants"])
+            said = f", {grants} lease{'' if grants == 1 else 's'} granted"
+            where, gpus = host.info.get("hostname", "?"), host.info.get("inventory", "?")
+            out.append(f"pytest-gpu: node {name} ({where}): {gpus}{said}")
+            warnings = host.info.get("warnings", [])
+            out.extend(f"pytest-gpu: node {name}: {w.removeprefix('pytest-gpu: ')}" for w in warnings)
+        return out
+
+    def finish(self) -> None:
+        """Ask every node host for its last figures and end its run (idempotent)."""
+        for host in self.hosts.values():
+            if host.channel is None or host.final or host.error is not None:
+                continue
+            with contextlib.suppress(Exception):  # a node lost meanwhile: its host ended with its channel
+                host.channel.send(("close", {}))
+                kind, body = host.channel.receive(CLOSE_TIMEOUT_S)
+                if kind == "closed":
+                    host.final = dict(body)
+
+    def close(self) -> None:
+        """End every node host and its gateway, and remove the simulated nodes' directories."""
+        try:
+            self.finish()
+        finally:
+            if self._group is not None:
+                self._group.terminate(CLOSE_TIMEOUT_S)
+                self._group = None
+            self._cleanup()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def configure(config: pytest.Config, settings: Settings, launch: LaunchContext | None) -> NodeHosts | None:
+    """Node mode's start at the controller (see the module's docstring); ``None`` without ``--gpu-nodes``.
+
+    Raises :class:`pytest.UsageError` naming ``--gpu-nodes`` for what node mode cannot use."""
+    value = config.getoption("gpu_nodes", None)
+    if not value:
+        return None
+    from ..roles.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY
+
+    given_tx: list[str] = config.stash.get(TX_GIVEN_KEY, [])
+    try:
+        form = spec_.parse(str(value))
+        per_node = spec_.check_xdist(
+            numprocesses=getattr(config.option, "numprocesses", None),
+            tx=given_tx,
+            dist=str(getattr(config.option, "dist", "no")),
+            user_dist=config.stash.get(DIST_CHOSEN_KEY, False),
+            launched=launch is not None,
+        )
+        if config.pluginmanager.hasplugin("rerunfailures"):
+            # its workers connect to the controller's 127.0.0.1 in their pytest_configure
+            raise NodesError(
+                f"{spec_.OPTION}: pytest-rerunfailures is active: its xdist workers connect to the controller "
+                "at 127.0.0.1, which a worker on another node cannot reach; run with -p no:rerunfailures"
+            )
+        if config.getoption("collectonly", False):
+            return None  # xdist starts no worker to collect only
+        made: list[str] = []
+
+        def sim_root() -> str:
+            made.append(tempfile.mkdtemp(prefix="pytest-gpu-nodes-"))
+            return made[-1]
+
+        plan = spec_.resolve(form, os.environ, _hostnames, sim_root=sim_root, unshare=unshare_works())
+        for env in plan.env.values():  # each simulated node's own directories
+            for name in ("PYTEST_GPU_MACHINE_DIR", "TMPDIR"):
+                os.makedirs(env[name], mode=0o700, exist_ok=True)
+        python, cwd = sys.executable, os.getcwd()
+        gate = f"{python} -m pytest_gpu.nodes.sshgate"
+        specs = {node: spec_.tx_spec(plan, node, python, cwd, gate) for node in plan.names}
+    except NodesError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+    def cleanup() -> None:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+    hosts = NodeHosts(plan, settings, specs, cleanup)
+    try:
+        hosts.start()
+        if not hosts.up:
+            raise pytest.UsageError(
+                f"{spec_.OPTION}: no node could start: " + "; ".join(str(h.error) for h in hosts.hosts.values())
+            )
+    except BaseException:
+        hosts.close()
+        raise
+    config.add_cleanup(hosts.close)  # after xdist ended the workers (at the session's finish)
+    config.option.tx = [specs[node] for node in hosts.up for _ in range(per_node)]
+    config.stash[NODES_KEY] = hosts
+    return hosts
+
+
+def node_of(worker: Any) -> str | None:
+    """The node an xdist ``WorkerController`` runs on (its spec's ``env:PYTEST_GPU_NODE``)."""
+    return spec_.node_of_spec(getattr(worker.gateway.spec, "env", {}) or {})
+
+
+def configure_node(hosts: NodeHosts, worker: Any) -> None:
+    """A new worker's ``workerinput``: its node's run, and the node it was started on."""
+    from ..run.session import WIRE_KEY
+
+    node = node_of(worker)
+    assert node is not None and node in hosts.hosts, f"worker {worker.gateway.id} has no node of this run"
+    worker.workerinput[WIRE_KEY] = hosts.wire(node)
+    worker.workerinput[NODE_KEY] = node
