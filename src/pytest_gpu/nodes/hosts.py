@@ -97,7 +97,8 @@ class NodeHosts:
                 body = {"settings": self.settings.to_wire(), "node": host.name, "cwd": os.getcwd(), "package": package}
                 host.channel.send(("start", body))
             except Exception as exc:  # execnet raises what the launch raised (srun, ssh refusing)
-                host.error = f"node {host.name}: cannot start a process there: {exc}"
+                said = f"{_short(exc)}; its launcher's own words, if any, are above"
+                host.error = f"node {host.name}: cannot start a process there ({said})"
         for host in self.hosts.values():
             if host.error is not None:
                 continue

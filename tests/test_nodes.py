@@ -1,0 +1,305 @@
+"""--gpu-nodes (issue 22): the option, the workers' specs, and runs over simulated nodes.
+
+The end-to-end runs start every node on this machine: ``local:2`` (each node its own
+machine directory, so its own simulated GPUs and arbiter, its own temp directory and,
+where ``unshare -n`` works, its own network namespace), and ``ssh:`` through the SSH shim
+with a stand-in ``ssh`` that runs the remote command here (there is no sshd to test with).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import execnet
+import pytest
+from execnet.gateway_io import popen_args
+
+from pytest_gpu.nodes import spec, sshgate
+from pytest_gpu.nodes import worker as node_worker
+from pytest_gpu.nodes.hosts import unshare_works
+from pytest_gpu.nodes.spec import NodesError
+
+# -- the option (pure) -----------------------------------------------------------------
+
+
+def test_forms_parse() -> None:
+    assert spec.parse("slurm") == spec.NodeForm("slurm")
+    assert spec.parse(" SLURM ") == spec.NodeForm("slurm")
+    assert spec.parse("ssh:a, b.example.org,user@c") == spec.NodeForm("ssh", hosts=("a", "b.example.org", "user@c"))
+    assert spec.parse("local:3") == spec.NodeForm("local", count=3)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("", "expected slurm, ssh:HOST[,HOST...] or local:N"),
+        ("pbs", "expected slurm, ssh:HOST[,HOST...] or local:N"),
+        ("slurm:a", "expected slurm"),
+        ("ssh", "expected slurm"),
+        ("ssh:", "an empty host name"),
+        ("ssh:a,,b", "an empty host name"),
+        ("ssh:a,a", "a given twice"),
+        ("ssh:-oProxyCommand=x", "is not a host name"),
+        ("ssh:a b", "is not a host name"),
+        ("ssh:a/b", "is not a host name"),
+        ("local:0", "local:N with N a whole number"),
+        ("local:x", "local:N with N a whole number"),
+        ("local:", "local:N with N a whole number"),
+    ],
+)
+def test_bad_forms_are_named(value: str, said: str) -> None:
+    with pytest.raises(NodesError, match="--gpu-nodes") as info:
+        spec.parse(value)
+    assert said in str(info.value)
+
+
+def test_slurm_outside_an_allocation_is_refused() -> None:
+    with pytest.raises(NodesError, match="not inside a SLURM allocation"):
+        spec.slurm_nodes({}, lambda text: [text])
+    assert spec.slurm_nodes({"SLURM_JOB_NODELIST": "n[1-2]"}, lambda text: ["n1", "n2"]) == ("n1", "n2")
+    with pytest.raises(NodesError, match="names no node"):
+        spec.slurm_nodes({"SLURM_JOB_NODELIST": "n[1-2]"}, lambda text: [])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"launched": True}, "rank of a launcher"),
+        ({"tx": ["popen"]}, "--tx given too"),
+        ({"numprocesses": None}, "needs -n N"),
+        ({"numprocesses": 0}, "needs -n N"),
+        ({"numprocesses": "auto"}, "-n auto is not supported yet"),
+        ({"dist": "loadfile", "user_dist": True}, "--dist loadfile"),
+    ],
+)
+def test_xdist_options_that_contradict_node_mode(kwargs: dict[str, Any], said: str) -> None:
+    given: dict[str, Any] = {"numprocesses": 2, "tx": [], "dist": "load", "user_dist": False, "launched": False}
+    with pytest.raises(NodesError, match="--gpu-nodes") as info:
+        spec.check_xdist(**{**given, **kwargs})
+    assert said in str(info.value)
+    assert spec.check_xdist(**given) == 2
+    assert spec.check_xdist(**{**given, "dist": "load", "user_dist": True}) == 2
+
+
+def test_slurm_specs_start_each_node_through_srun() -> None:
+    plan = spec.resolve(spec.parse("slurm"), {"SLURM_JOB_NODELIST": "n[1-2]"}, lambda text: ["n1", "n2"])
+    specs = spec.tx_specs(plan, 2, "/opt/py/bin/python", "/work", "unused")
+    assert len(specs) == 4
+    parsed = [execnet.XSpec(s) for s in specs]
+    assert [p.env for p in parsed] == [{spec.NODE_ENV: n} for n in ("n1", "n1", "n2", "n2")]
+    assert all(p.popen for p in parsed)  # popen: xdist rsyncs nothing, keeps the shared paths
+    args = popen_args(parsed[2])
+    assert args[: args.index("/opt/py/bin/python") + 1] == [
+        "srun",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        "--nodelist=n2",
+        "--kill-on-bad-exit=1",
+        "--quiet",
+        "/opt/py/bin/python",
+    ]
+
+
+def test_simulated_nodes_have_their_own_directories_and_namespace() -> None:
+    plan = spec.resolve(spec.parse("local:2"), {}, lambda text: [], sim_root=lambda: "/r oot", unshare=True)
+    assert plan.names == ("node0", "node1")
+    parsed = execnet.XSpec(spec.tx_spec(plan, "node1", "/usr/bin/python3", "/w", "unused"))
+    assert parsed.env == {
+        spec.NODE_ENV: "node1",
+        "PYTEST_GPU_MACHINE_DIR": "/r oot/node1/machines",
+        "TMPDIR": "/r oot/node1/tmp",
+    }
+    args = popen_args(parsed)
+    assert args[:5] == ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    assert args[5] == "/usr/bin/python3"
+    # $PYTEST_GPU_SIM_NODES simulates any form's nodes (tests of slurm and ssh on one machine)
+    plan = spec.resolve(spec.parse("ssh:a,b"), {spec.SIM_NODES_ENV: "/s"}, lambda text: [])
+    assert plan.env["b"]["PYTEST_GPU_MACHINE_DIR"] == "/s/b/machines"
+    assert not spec.resolve(spec.parse("ssh:a,b"), {}, lambda text: []).env
+
+
+def test_a_value_execnet_cannot_carry_is_refused() -> None:
+    with pytest.raises(NodesError, match="PYTEST_GPU_SIM_NODES='/a//b' contains '//'"):
+        spec.resolve(spec.parse("local:1"), {spec.SIM_NODES_ENV: "/a//b"}, lambda text: [])
+    plan = spec.resolve(spec.parse("local:1"), {}, lambda text: [], sim_root=lambda: "/a")
+    with pytest.raises(NodesError, match="cannot start a process on node0: '/opt//python' contains '//'"):
+        spec.tx_spec(plan, "node0", "/opt//python", "/w", "unused")
+
+
+# -- the SSH shim ------------------------------------------------------------------------
+
+
+def test_ssh_shim_quotes_the_bootstrap_for_the_remote_shell(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys;print(repr(sys.argv[1:]));print(open('here').read())", "a b", "'$x;"]
+    (tmp_path / "here").write_text("in the cwd")
+    cmd = sshgate.command("host1", str(tmp_path), argv, ssh="ssh")
+    assert cmd[:5] == ["ssh", "-T", "-o", "BatchMode=yes", "host1"]
+    # what ssh would hand the remote shell: run it with a shell here
+    out = subprocess.run(["sh", "-c", cmd[5]], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [repr(["a b", "'$x;"]), "in the cwd"]
+
+
+# -- a worker's node -----------------------------------------------------------------------
+
+
+def test_a_worker_on_the_wrong_node_stops(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    inputs = {spec.NODE_KEY: "n2", "testrunuid": "abcdef0123456789", "workerid": "gw3"}
+    config = SimpleNamespace(workerinput=inputs, option=SimpleNamespace(basetemp="/elsewhere/popen-gw3"))
+    monkeypatch.setenv(spec.NODE_ENV, "n1")
+    with pytest.raises(pytest.UsageError, match="started for node n2 but runs where PYTEST_GPU_NODE='n1'"):
+        node_worker.setup(config)  # type: ignore[arg-type]
+    monkeypatch.setenv(spec.NODE_ENV, "n2")
+    node_worker.setup(config)  # type: ignore[arg-type]
+    assert config.option.basetemp == str(tmp_path / "pytest-gpu-nodes-abcdef012345" / "gw3")
+    assert (tmp_path / "pytest-gpu-nodes-abcdef012345").stat().st_mode & 0o777 == 0o700
+    assert node_worker.node(config) == "n2"  # type: ignore[arg-type]
+    # not a node worker: nothing changes
+    plain = SimpleNamespace(workerinput={"workerid": "gw0"}, option=SimpleNamespace(basetemp="/x"))
+    node_worker.setup(plain)  # type: ignore[arg-type]
+    assert plain.option.basetemp == "/x"
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+SUITE = """
+import json, os, tempfile
+import pytest
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.gpu(memory="4GiB")
+def test_where(i, gpu, tmp_path):
+    rec = {
+        "node": os.environ.get("PYTEST_GPU_NODE"),
+        "ledger": os.environ.get("PYTEST_GPU_SIM_LEDGER"),
+        "tmp": str(tmp_path),
+        "tempdir": tempfile.gettempdir(),
+        "netns": os.readlink("/proc/self/ns/net"),
+        "gpus": len(gpu.indices),
+    }
+    with open(os.path.join(os.environ["NODES_OUT"], f"{i}.json"), "w") as f:
+        json.dump(rec, f)
+"""
+
+NODE_ARGS = ("-p", "no:rerunfailures", "--gpus", "sim:2x16GiB")
+
+
+@pytest.fixture
+def nodes_run(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]]:
+    """``nodes_run(*args)``: the six-test suite in its own process; its result and what each test saw."""
+    out = gpu_pytester.path / "out"
+    out.mkdir()
+    monkeypatch.setenv("NODES_OUT", str(out))
+    gpu_pytester.makepyfile(test_where=SUITE)
+
+    def run(*args: str) -> tuple[pytest.RunResult, list[dict[str, Any]]]:
+        result = run_inner(*NODE_ARGS, *args, subprocess=True, timeout=180)
+        return result, [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+    return run
+
+
+def _sim_roots_left() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("pytest-gpu-nodes-*")}
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_each_lease_their_own_gpus(
+    nodes_run: Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]],
+) -> None:
+    before = _sim_roots_left()
+    result, seen = nodes_run("-n", "1", "--gpu-nodes=local:2")
+    result.assert_outcomes(passed=6)
+    assert {r["node"] for r in seen} == {"node0", "node1"}  # every node ran tests
+    for rec in seen:
+        node = rec["node"]
+        # the node's own simulated machine (its ledger in its machine directory) and temp directory
+        assert f"/{node}/machines/" in rec["ledger"], rec
+        assert rec["tempdir"].endswith(f"/{node}/tmp"), rec
+        assert rec["tmp"].startswith(rec["tempdir"] + "/pytest-gpu-nodes-"), rec
+        assert rec["gpus"] == 1
+    ledgers = {r["node"]: r["ledger"] for r in seen}
+    assert ledgers["node0"] != ledgers["node1"]
+    if unshare_works():  # each node its own network namespace, not this one's
+        spaces = {r["node"]: r["netns"] for r in seen}
+        assert spaces["node0"] != spaces["node1"]
+        assert os.readlink("/proc/self/ns/net") not in spaces.values()
+    lines = result.stdout.lines
+    assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
+    assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)
+    assert _sim_roots_left() <= before  # the simulated nodes' directories went with the run
+
+
+@pytest.mark.slow
+def test_ssh_nodes_through_the_shim(
+    nodes_run: Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Through ``ssh``'s command line: a stand-in ``ssh`` runs the remote command with a shell
+    here, and refuses host ``down`` as ssh does a host it cannot reach (exit 255): that node is
+    reported and left out, the run goes on on the others."""
+    fake = tmp_path / "ssh"
+    fake.write_text(
+        textwrap.dedent(
+            """\
+            #!/bin/sh
+            # the options the shim gives, then the host, then the remote command
+            while [ "$1" = "-T" ] || [ "$1" = "-o" ]; do [ "$1" = "-o" ] && shift; shift; done
+            host=$1; shift
+            echo "$host" >> "$(dirname "$0")/hosts"
+            [ "$host" = down ] && { echo "ssh: connect to host down port 22: No route to host" >&2; exit 255; }
+            exec sh -c "$1"
+            """
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv(sshgate.SSH_ENV, shlex.quote(str(fake)))
+    # short: a node's arbiter socket lives below it (AF_UNIX paths end at 107 bytes)
+    root = Path(tempfile.mkdtemp(prefix="pgn-"))
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    monkeypatch.setenv(spec.SIM_NODES_ENV, str(root / "nodes"))
+    result, seen = nodes_run("-n", "2", "--gpu-nodes=ssh:alpha,down,beta")
+    result.assert_outcomes(passed=6)
+    assert {r["node"] for r in seen} <= {"alpha", "beta"} and seen
+    assert all(f"/nodes/{r['node']}/machines/" in r["ledger"] for r in seen)
+    assert set((tmp_path / "hosts").read_text().split()) == {"alpha", "down", "beta"}
+    result.stdout.fnmatch_lines(["pytest-gpu: node down: *left out of this run"])
+    assert any(line.startswith("pytest-gpu: node alpha (") for line in result.stdout.lines)
+
+
+def test_usage_errors_name_the_option(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester
+) -> None:
+    gpu_pytester.makepyfile(test_a="def test_a(): pass")
+    cases = [
+        (("-n", "1", "--gpu-nodes=pbs"), "--gpu-nodes=pbs: expected slurm, ssh:HOST[,HOST...] or local:N"),
+        (("-n", "1", "--gpu-nodes=slurm"), "--gpu-nodes=slurm: not inside a SLURM allocation"),
+        (("--gpu-nodes=local:2",), "--gpu-nodes: needs -n N"),
+        (("-n", "1", "--dist", "loadfile", "--gpu-nodes=local:2"), "--gpu-nodes: --dist loadfile"),
+        (("-n", "1", "--tx", "popen", "--gpu-nodes=local:2"), "--gpu-nodes: --tx given too"),
+    ]
+    if importlib.util.find_spec("pytest_rerunfailures") is not None:
+        cases.append((("-n", "1", "--gpu-nodes=local:2"), "--gpu-nodes: pytest-rerunfailures is active"))
+    for args, said in cases:
+        extra = () if "rerunfailures" in said else ("-p", "no:rerunfailures")
+        result = run_inner(*extra, *args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, (args, result.stdout.str(), result.stderr.str())
+        assert said in result.stderr.str(), (args, result.stderr.str())
