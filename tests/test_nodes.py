@@ -17,15 +17,17 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import execnet
+import psutil
 import pytest
 from execnet.gateway_io import popen_args
 
+from conftest import INNER_ARGS, require
 from pytest_gpu.nodes import spec, sshgate
 from pytest_gpu.nodes import worker as node_worker
 from pytest_gpu.nodes.hosts import unshare_works
@@ -108,6 +110,7 @@ def test_slurm_specs_start_each_node_through_srun() -> None:
         "--ntasks=1",
         "--nodelist=n2",
         "--kill-on-bad-exit=1",
+        "--unbuffered",
         "--quiet",
         "/opt/py/bin/python",
     ]
@@ -215,6 +218,17 @@ def nodes_run(
     return run
 
 
+def _left_in(cwd: Path) -> list[str]:
+    """Processes still running in ``cwd`` (a run's node hosts, workers and launchers work there)."""
+    left = []
+    for proc in psutil.process_iter(["cwd", "cmdline", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # this test is there too (pytester's chdir)
+        if proc.info["cwd"] == str(cwd):
+            left.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or ())}")
+    return left
+
+
 def _sim_roots_left() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("pytest-gpu-nodes-*")}
 
@@ -244,6 +258,7 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
     assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)
     assert _sim_roots_left() <= before  # the simulated nodes' directories went with the run
+    assert not _left_in(Path.cwd())  # pytester's directory: the run's processes worked there
 
 
 @pytest.mark.slow
@@ -282,6 +297,7 @@ def test_ssh_nodes_through_the_shim(
     assert all(f"/nodes/{r['node']}/machines/" in r["ledger"] for r in seen)
     assert set((tmp_path / "hosts").read_text().split()) == {"alpha", "down", "beta"}
     result.stdout.fnmatch_lines(["pytest-gpu: node down: *left out of this run"])
+    assert not _left_in(Path.cwd())
     assert any(line.startswith("pytest-gpu: node alpha (") for line in result.stdout.lines)
 
 
@@ -303,3 +319,87 @@ def test_usage_errors_name_the_option(
         result = run_inner(*extra, *args)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, (args, result.stdout.str(), result.stderr.str())
         assert said in result.stderr.str(), (args, result.stderr.str())
+
+
+# -- through SLURM: two nodes of a cluster on this machine ---------------------------------
+
+SLURM_NODES_SCRIPT = Path(__file__).parent / "tools" / "slurm-nodes.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm_nodes() -> Iterator[str]:
+    """A two-node SLURM cluster on this machine (``tests/tools/slurm-nodes.sh``: nodes n1 and n2,
+    2 fake GPUs each, its own ports beside the one-node cluster's); yields its SLURM_CONF."""
+    require("SLURM", executable="slurmctld")
+    require("SLURM", executable="srun")
+    if os.geteuid() != 0:
+        pytest.skip("a SLURM cluster on this machine needs root (munge, slurmd)")
+    base = Path(tempfile.mkdtemp(prefix="pytest-gpu-slurm-nodes-"))
+    base.chmod(0o755)  # munged runs as the munge user
+    try:
+        started = subprocess.run(
+            ["bash", str(SLURM_NODES_SCRIPT), "start", str(base), "2", "2", "4"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert started.returncode == 0, f"SLURM did not start:\n{started.stdout}\n{started.stderr}"
+        yield str(base / "slurm.conf")
+    finally:
+        daemons = []
+        for path in base.glob("*.bgpid"):
+            try:
+                daemons.append(psutil.Process(int(path.read_text())))
+            except (OSError, ValueError, psutil.Error):
+                pass
+        subprocess.run(["bash", str(SLURM_NODES_SCRIPT), "stop", str(base)], timeout=60, check=False)
+        _, alive = psutil.wait_procs(daemons, timeout=10)
+        for proc in alive:  # one that ignored SIGTERM
+            proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_slurm_nodes_each_lease_their_own_gpus(
+    slurm_nodes: str,
+    gpu_pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    """``salloc -N 2 pytest -n 1 --gpu-nodes=slurm``: a node host and a worker on each node,
+    started through ``srun --overlap``; each node simulated with its own directories."""
+    monkeypatch.setenv("SLURM_CONF", slurm_nodes)
+    root = Path(tempfile.mkdtemp(prefix="pgn-"))  # short: the nodes' arbiter sockets live below it
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    monkeypatch.setenv(spec.SIM_NODES_ENV, str(root))
+    out = gpu_pytester.path / "out"
+    out.mkdir()
+    monkeypatch.setenv("NODES_OUT", str(out))
+    gpu_pytester.makepyfile(test_where=SUITE)
+    result = gpu_pytester.run(
+        "salloc",
+        "-N",
+        "2",
+        sys.executable,
+        "-m",
+        "pytest",
+        *INNER_ARGS,
+        *NODE_ARGS,
+        "-n",
+        "1",
+        "--gpu-nodes=slurm",
+        timeout=180,
+    )
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: node n1 (*): 2 simulated GPUs (2x16GiB), * granted",
+            "pytest-gpu: node n2 (*): 2 simulated GPUs (2x16GiB), * granted",
+        ]
+    )
+    seen = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(seen) == 6 and {r["node"] for r in seen} == {"n1", "n2"}
+    for rec in seen:
+        assert rec["ledger"].startswith(f"{root}/{rec['node']}/machines/"), rec
+        assert rec["tempdir"] == f"{root}/{rec['node']}/tmp", rec
+    assert not _left_in(gpu_pytester.path)

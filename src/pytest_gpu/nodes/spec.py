@@ -173,6 +173,7 @@ def launch_prefix(plan: NodePlan, node: str, python: str, cwd: str, sshgate: str
             "--ntasks=1",
             f"--nodelist={node}",
             "--kill-on-bad-exit=1",
+            "--unbuffered",  # srun line-buffers a task's output by default: execnet's frames end in no newline
             "--quiet",
             python,
         ]
