@@ -403,3 +403,26 @@ def test_slurm_nodes_each_lease_their_own_gpus(
         assert rec["ledger"].startswith(f"{root}/{rec['node']}/machines/"), rec
         assert rec["tempdir"] == f"{root}/{rec['node']}/tmp", rec
     assert not _left_in(gpu_pytester.path)
+
+
+@pytest.mark.slow
+def test_gpu_required_is_read_on_the_worker_s_node(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester
+) -> None:
+    """--gpu-required: a worker writes what it found in its node's run directory, which is not
+    the controller's; the controller asks the node's host, and the run stops before any test."""
+    gpu_pytester.makepyfile(
+        test_suite="""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_needs_a_gpu():
+            raise AssertionError("must not run")
+        """
+    )
+    args = ("-p", "no:rerunfailures", "--gpus", "none", "--gpu-required", "-n", "1", "--gpu-nodes=local:2")
+    result = run_inner(*args, subprocess=True, timeout=180)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(["ERROR: pytest-gpu: --gpu-required (ini gpu_required): this run has no GPUs*"])
+    assert "must not run" not in result.stdout.str()
+    assert not _left_in(Path.cwd())

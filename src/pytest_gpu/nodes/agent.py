@@ -13,7 +13,7 @@ Messages (plain values; see docs-incoming/nodes-design.md)::
     -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
     -> ("start", {"settings", "node", "cwd", "package"})
     <- ("started", {"wire", "node", "hostname", "pid", "inventory"}) | ("error", message)
-    -> ("state", {})   <- ("state", {"room", "placements", "grants", "crashes"})
+    -> ("state", {"worker"?})   <- ("state", {"room", "placements", "grants", "crashes", "required"})
     -> ("close", {})   <- ("closed", state)
 
 The run ends on ``close`` and when the channel closes (the controller is gone: Ctrl-C,
@@ -30,8 +30,11 @@ if TYPE_CHECKING:
     from ..run.session import GpuRun
 
 
-def state(run: GpuRun) -> dict[str, Any]:
-    """What the controller reads of this node's broker (plain values, for execnet)."""
+def state(run: GpuRun, worker: str | None = None) -> dict[str, Any]:
+    """What the controller reads of this node's broker (plain values, for execnet);
+    ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none)."""
+    from ..run import required
+
     broker = run.broker
     assert broker is not None  # a node host owns its node's broker
     placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
@@ -40,6 +43,7 @@ def state(run: GpuRun) -> dict[str, Any]:
         "placements": placements,
         "grants": broker.grants,
         "crashes": len(broker.crashes),
+        "required": required.reported(run, worker) if worker is not None else None,
     }
 
 
@@ -99,7 +103,7 @@ def serve(channel: Any) -> None:
             except EOFError:  # the controller is gone
                 return
             if kind == "state":
-                channel.send(("state", state(run)))
+                channel.send(("state", state(run, body.get("worker"))))
             elif kind == "close":
                 channel.send(("closed", state(run)))
                 return

@@ -121,10 +121,11 @@ class NodeHosts:
         """The run as ``node``'s workers join it (its broker's address and key, its inventory)."""
         return dict(self.hosts[node].info["wire"])
 
-    def state(self, node: str, timeout: float = 30.0) -> dict[str, Any]:
-        """``node``'s broker as the scheduler and the summary read it."""
+    def state(self, node: str, worker: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """``node``'s broker as the scheduler and the summary read it; ``worker``: with what that
+        worker found for ``--gpu-required`` (in the node's run directory)."""
         host = self.hosts[node]
-        host.channel.send(("state", {}))
+        host.channel.send(("state", {} if worker is None else {"worker": worker}))
         kind, body = host.channel.receive(timeout)
         assert kind == "state", body
         return dict(body)
@@ -141,8 +142,10 @@ class NodeHosts:
             except Exception as exc:  # the node was lost: its host ended with its channel
                 out.append(f"pytest-gpu: node {name}: lost ({_short(exc)})")
                 continue
-            grants = int(figures["grants"])
+            grants, crashes = int(figures["grants"]), int(figures["crashes"])
             said = f", {grants} lease{'' if grants == 1 else 's'} granted"
+            if crashes:
+                said += f", {crashes} process{'' if crashes == 1 else 'es'} went away holding leases"
             where, gpus = host.info.get("hostname", "?"), host.info.get("inventory", "?")
             out.append(f"pytest-gpu: node {name} ({where}): {gpus}{said}")
             warnings = host.info.get("warnings", [])
@@ -242,6 +245,16 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
 def node_of(worker: Any) -> str | None:
     """The node an xdist ``WorkerController`` runs on (its spec's ``env:PYTEST_GPU_NODE``)."""
     return spec_.node_of_spec(getattr(worker.gateway.spec, "env", {}) or {})
+
+
+def raise_reported(hosts: NodeHosts, worker: Any) -> None:
+    """As ``worker``'s collection comes in: raise what it found for ``--gpu-required`` (its
+    node's host reads it where the worker wrote it, in that node's run directory)."""
+    node = node_of(worker)
+    assert node is not None
+    message = hosts.state(node, str(worker.gateway.id)).get("required")
+    if message:
+        raise pytest.UsageError(str(message))
 
 
 def configure_node(hosts: NodeHosts, worker: Any) -> None:

@@ -14,6 +14,7 @@ from .. import raycluster
 from ..launched import selection
 from ..machine import domain
 from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node
+from ..nodes.hosts import raise_reported as nodes_required
 from ..report.summary import Summary, context_lines, foreign_lines
 from ..run import required
 from ..run.session import WIRE_KEY, GpuRun
@@ -127,7 +128,10 @@ class Controller(RunOwner):
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
-        required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
+        if self.nodes is not None:  # found in the worker's node's run directory
+            nodes_required(self.nodes, node)
+        else:
+            required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object) -> None:
