@@ -126,8 +126,13 @@ def test_simulated_nodes_have_their_own_directories_and_namespace() -> None:
         "TMPDIR": "/r oot/node1/tmp",
     }
     args = popen_args(parsed)
-    assert args[:5] == ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    assert args[:5] == ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']  # the node's host
     assert args[5] == "/usr/bin/python3"
+    # the node's workers join its host's namespace: one per node, gone with the node
+    workers = spec.tx_specs(plan, 2, "/usr/bin/python3", "/w", "unused", {"node0": 11, "node1": 12})
+    assert [popen_args(execnet.XSpec(w))[:3] for w in workers] == [
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "/usr/bin/python3"] for pid in (11, 11, 12, 12)
+    ]
     # $PYTEST_GPU_SIM_NODES simulates any form's nodes (tests of slurm and ssh on one machine)
     plan = spec.resolve(spec.parse("ssh:a,b"), {spec.SIM_NODES_ENV: "/s"}, lambda text: [])
     assert plan.env["b"]["PYTEST_GPU_MACHINE_DIR"] == "/s/b/machines"
@@ -192,6 +197,7 @@ def test_where(i, gpu, tmp_path):
         "tmp": str(tmp_path),
         "tempdir": tempfile.gettempdir(),
         "netns": os.readlink("/proc/self/ns/net"),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
         "gpus": len(gpu.indices),
     }
     with open(os.path.join(os.environ["NODES_OUT"], f"{i}.json"), "w") as f:
@@ -238,7 +244,7 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     nodes_run: Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]],
 ) -> None:
     before = _sim_roots_left()
-    result, seen = nodes_run("-n", "1", "--gpu-nodes=local:2")
+    result, seen = nodes_run("-n", "2", "--gpu-nodes=local:2")
     result.assert_outcomes(passed=6)
     assert {r["node"] for r in seen} == {"node0", "node1"}  # every node ran tests
     for rec in seen:
@@ -250,10 +256,12 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
         assert rec["gpus"] == 1
     ledgers = {r["node"]: r["ledger"] for r in seen}
     assert ledgers["node0"] != ledgers["node1"]
-    if unshare_works():  # each node its own network namespace, not this one's
+    if unshare_works():  # each node its own network namespace (all its workers in it), not this one's
         spaces = {r["node"]: r["netns"] for r in seen}
         assert spaces["node0"] != spaces["node1"]
         assert os.readlink("/proc/self/ns/net") not in spaces.values()
+        assert all(r["netns"] == spaces[r["node"]] for r in seen)
+        assert len({r["worker"] for r in seen}) > 2  # workers of one node shared it (not a given: load scheduling)
     lines = result.stdout.lines
     assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
     assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)

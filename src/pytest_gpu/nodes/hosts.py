@@ -237,7 +237,12 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
         hosts.close()
         raise
     config.add_cleanup(hosts.close)  # after xdist ended the workers (at the session's finish)
-    config.option.tx = [specs[node] for node in hosts.up for _ in range(per_node)]
+    up = spec_.NodePlan(plan.kind, tuple(hosts.up), plan.sim_root, plan.unshare, plan.env)
+    pids = {node: int(hosts.hosts[node].info["pid"]) for node in up.names}
+    try:
+        config.option.tx = spec_.tx_specs(up, per_node, python, cwd, gate, pids)
+    except NodesError as exc:
+        raise pytest.UsageError(str(exc)) from None
     config.stash[NODES_KEY] = hosts
     return hosts
 

@@ -56,7 +56,7 @@ class NodePlan:
     names: tuple[str, ...]
     # simulated nodes: the directory their machine and temp directories are made in
     sim_root: str | None = None
-    unshare: bool = False  # simulated nodes: each process in its own network namespace
+    unshare: bool = False  # simulated nodes: each node in its own network namespace
     env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # per node, filled by node_env
 
 
@@ -161,10 +161,14 @@ def sim_node_env(root: str, name: str) -> dict[str, str]:
     return {NODE_ENV: name, "PYTEST_GPU_MACHINE_DIR": f"{base}/machines", "TMPDIR": f"{base}/tmp"}
 
 
-def launch_prefix(plan: NodePlan, node: str, python: str, cwd: str, sshgate: str) -> list[str]:
+def launch_prefix(
+    plan: NodePlan, node: str, python: str, cwd: str, sshgate: str, host_pid: int | None = None
+) -> list[str]:
     """The command that starts ``python`` on ``node`` (execnet appends ``-u -c <bootstrap>``).
 
-    ``sshgate``: how to run the SSH shim locally (``<python> -m pytest_gpu.nodes.sshgate``)."""
+    ``sshgate``: how to run the SSH shim locally (``<python> -m pytest_gpu.nodes.sshgate``).
+    ``host_pid``: a simulated node's host, whose network namespace the node's workers join
+    (the host itself makes it: ``None``)."""
     if plan.kind == "slurm":
         prefix = [
             "srun",
@@ -182,19 +186,24 @@ def launch_prefix(plan: NodePlan, node: str, python: str, cwd: str, sshgate: str
     else:
         prefix = [python]
     if plan.unshare and plan.kind == "local":
-        # its own network namespace, with its own loopback up (a node has one: tests bind
-        # 127.0.0.1) and no way to the others' (abstract Unix sockets are per namespace too)
-        prefix = ["unshare", "-n", "sh", "-c", _LOOPBACK_UP, *prefix]
+        if host_pid is None:
+            # the node's host makes the node's network namespace, with its own loopback up (a
+            # node has one: tests bind 127.0.0.1) and no way to the others' (abstract Unix
+            # sockets are per namespace too); it goes when the host's processes are all gone
+            prefix = ["unshare", "-n", "sh", "-c", _LOOPBACK_UP, *prefix]
+        else:  # the node's workers join it: when the host is gone, so is the node
+            prefix = ["nsenter", f"--net=/proc/{host_pid}/ns/net", *prefix]
     return prefix
 
 
 _LOOPBACK_UP = 'ip link set lo up && exec "$0" "$@"'
 
 
-def tx_spec(plan: NodePlan, node: str, python: str, cwd: str, sshgate: str) -> str:
+def tx_spec(plan: NodePlan, node: str, python: str, cwd: str, sshgate: str, host_pid: int | None = None) -> str:
     """The execnet spec of one process on ``node``: a popen gateway whose python is the
-    launch prefix, and the node's environment as ``env:`` keys."""
-    words = launch_prefix(plan, node, python, cwd, sshgate)
+    launch prefix, and the node's environment as ``env:`` keys (``host_pid``: see
+    :func:`launch_prefix`)."""
+    words = launch_prefix(plan, node, python, cwd, sshgate, host_pid)
     for word in words:
         if "//" in word:  # execnet splits the spec on "//" (and python= with shlex: quoting is kept)
             raise NodesError(f"{OPTION}: cannot start a process on {node}: {word!r} contains '//'")
@@ -212,9 +221,13 @@ def check_spec_value(value: str, what: str) -> None:
         raise NodesError(f"{OPTION}: {what}={value!r} contains '//', which an execnet spec cannot carry")
 
 
-def tx_specs(plan: NodePlan, per_node: int, python: str, cwd: str, sshgate: str) -> list[str]:
-    """xdist's ``--tx`` list: ``per_node`` workers on every node, node by node (gw0.. on the first)."""
-    return [tx_spec(plan, node, python, cwd, sshgate) for node in plan.names for _ in range(per_node)]
+def tx_specs(
+    plan: NodePlan, per_node: int, python: str, cwd: str, sshgate: str, host_pids: Mapping[str, int] | None = None
+) -> list[str]:
+    """xdist's ``--tx`` list: ``per_node`` workers on every node, node by node (gw0.. on the
+    first); ``host_pids``: the nodes' hosts (simulated nodes' workers join their namespace)."""
+    pids = host_pids or {}
+    return [tx_spec(plan, node, python, cwd, sshgate, pids.get(node)) for node in plan.names for _ in range(per_node)]
 
 
 def node_of_spec(env: Mapping[str, str]) -> str | None:
