@@ -434,3 +434,47 @@ def test_gpu_required_is_read_on_the_worker_s_node(
     result.stderr.fnmatch_lines(["ERROR: pytest-gpu: --gpu-required (ini gpu_required): this run has no GPUs*"])
     assert "must not run" not in result.stdout.str()
     assert not _left_in(Path.cwd())
+
+
+LOSES_NODE1 = """
+import os, signal, time
+import pytest
+
+@pytest.mark.parametrize("i", range(8))
+@pytest.mark.gpu(memory="4GiB")
+def test_t(i, gpu):
+    if os.environ.get("PYTEST_GPU_NODE") == "node1" and i >= 2:
+        # node1 is lost: every process in its network namespace (its host, its workers) killed
+        me = os.readlink("/proc/self/ns/net")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if int(pid) != os.getpid() and os.readlink(f"/proc/{pid}/ns/net") == me:
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run(run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester) -> None:
+    """Its running test is reported crashed with the node named, its queued tests go to the
+    other node, no worker is started on it again (xdist would try, fail, and end the run with
+    an INTERNALERROR), and the run finishes."""
+    if not unshare_works():
+        pytest.skip("a simulated node is killed by its network namespace: unshare -n does not work here")
+    gpu_pytester.makepyfile(test_lost=LOSES_NODE1)
+    result = run_inner(*NODE_ARGS, "-n", "1", "--gpu-nodes=local:2", "-rf", subprocess=True, timeout=180)
+    out = result.stdout.str()
+    assert "INTERNALERROR" not in out + result.stderr.str(), out
+    result.assert_outcomes(passed=7, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*worker 'gw1' crashed while running 'test_lost.py::test_t[[]*[]]' on node node1",
+            "pytest-gpu: node node0 (*): 2 simulated GPUs (2x16GiB), 7 leases granted",
+            "pytest-gpu: node node1: lost during the run (*)",
+        ]
+    )
+    assert "node node1 lost" in out and "gw1 not replaced" in out
+    assert not _left_in(Path.cwd())

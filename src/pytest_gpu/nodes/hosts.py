@@ -28,6 +28,7 @@ from .spec import NODE_KEY, NodePlan, NodesError
 
 START_TIMEOUT_S = 120.0  # a node host's start: srun may wait for the step, discovery may load NVML
 CLOSE_TIMEOUT_S = 30.0
+ALIVE_TIMEOUT_S = 10.0  # a node host answers at once: its one thread only reads the broker's state
 
 NODES_KEY = pytest.StashKey["NodeHosts"]()
 
@@ -67,6 +68,7 @@ class NodeHost:
     info: dict[str, Any] = field(default_factory=dict)  # the "started" reply
     error: str | None = None  # why it did not start
     final: dict[str, Any] = field(default_factory=dict)  # the "closed" reply
+    lost: str | None = None  # why it stopped answering during the run
 
 
 class NodeHosts:
@@ -130,6 +132,17 @@ class NodeHosts:
         assert kind == "state", body
         return dict(body)
 
+    def alive(self, node: str) -> bool:
+        """Whether ``node``'s host still answers (a node whose host is gone is lost: its
+        processes went together, or its launcher's connection did)."""
+        host = self.hosts[node]
+        if host.lost is None:
+            try:
+                self.state(node, timeout=ALIVE_TIMEOUT_S)
+            except Exception as exc:  # EOFError, OSError, TimeoutError: it is gone
+                host.lost = _short(exc)
+        return host.lost is None
+
     def lines(self) -> list[str]:
         """The summary's lines about the nodes (each node's broker asked now)."""
         out = []
@@ -137,11 +150,10 @@ class NodeHosts:
             if host.error is not None:
                 out.append(f"pytest-gpu: {host.error}; left out of this run")
                 continue
-            try:
-                figures = host.final or self.state(name)
-            except Exception as exc:  # the node was lost: its host ended with its channel
-                out.append(f"pytest-gpu: node {name}: lost ({_short(exc)})")
+            if not host.final and not self.alive(name):
+                out.append(f"pytest-gpu: node {name}: lost during the run ({host.lost})")
                 continue
+            figures = host.final or self.state(name)
             grants, crashes = int(figures["grants"]), int(figures["crashes"])
             said = f", {grants} lease{'' if grants == 1 else 's'} granted"
             if crashes:
@@ -249,7 +261,8 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
 
 def node_of(worker: Any) -> str | None:
     """The node an xdist ``WorkerController`` runs on (its spec's ``env:PYTEST_GPU_NODE``)."""
-    return spec_.node_of_spec(getattr(worker.gateway.spec, "env", {}) or {})
+    spec = getattr(getattr(worker, "gateway", None), "spec", None)
+    return spec_.node_of_spec(getattr(spec, "env", None) or {})
 
 
 def raise_reported(hosts: NodeHosts, worker: Any) -> None:
@@ -260,6 +273,34 @@ def raise_reported(hosts: NodeHosts, worker: Any) -> None:
     message = hosts.state(node, str(worker.gateway.id)).get("required")
     if message:
         raise pytest.UsageError(str(message))
+
+
+def guard_replacements(config: pytest.Config, hosts: NodeHosts) -> None:
+    """Do not replace a crashed worker of a lost node.
+
+    xdist replaces a crashed worker with a new one from the same spec; on a lost node its
+    launcher cannot start one and xdist ends the whole run with an INTERNALERROR. By then
+    xdist has reported the worker's running test crashed and returned its queued tests to
+    the others; so a worker whose node's host is gone is not replaced and the run goes on
+    with the other nodes. (xdist has no hook for this: its ``DSession._clone_node`` is
+    wrapped, on this run's session object only; without it, as in an xdist that renamed it,
+    xdist's own behaviour stays.)"""
+    dsession = config.pluginmanager.getplugin("dsession")
+    clone = getattr(dsession, "_clone_node", None)
+    if clone is None or getattr(clone, "pytest_gpu_guard", False):
+        return
+
+    def clone_unless_lost(worker: Any) -> Any:
+        node = node_of(worker)
+        if node is not None and node in hosts.hosts and not hosts.alive(node):
+            dsession.report_line(
+                f"pytest-gpu: node {node} lost ({hosts.hosts[node].lost}): {worker.gateway.id} not replaced"
+            )
+            return None
+        return clone(worker)
+
+    clone_unless_lost.pytest_gpu_guard = True  # type: ignore[attr-defined]
+    dsession._clone_node = clone_unless_lost
 
 
 def configure_node(hosts: NodeHosts, worker: Any) -> None:

@@ -13,7 +13,7 @@ import pytest
 from .. import raycluster
 from ..launched import selection
 from ..machine import domain
-from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node
+from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node, guard_replacements, node_of
 from ..nodes.hosts import raise_reported as nodes_required
 from ..report.summary import Summary, context_lines, foreign_lines
 from ..run import required
@@ -125,6 +125,19 @@ class Controller(RunOwner):
             for line in self.nodes.lines():
                 terminalreporter.write_line(line)
         super().pytest_terminal_summary(terminalreporter)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_setupnodes(self, config: pytest.Config, specs: Any) -> None:
+        if self.nodes is not None:  # xdist's session exists now: a lost node's workers are not replaced
+            guard_replacements(config, self.nodes)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+        """Under ``--gpu-nodes``, a crashed test's report names the node its worker ran on."""
+        node = node_of(getattr(report, "node", None)) if self.nodes is not None else None
+        if node is not None:
+            report.longrepr = f"{report.longrepr} on node {node}"
+            report.user_properties.append(("gpu_node", node))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
