@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from xml.etree import ElementTree
 
 import execnet
 import psutil
@@ -244,8 +245,13 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     nodes_run: Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]],
 ) -> None:
     before = _sim_roots_left()
-    result, seen = nodes_run("-n", "2", "--gpu-nodes=local:2")
+    result, seen = nodes_run("-n", "2", "--gpu-nodes=local:2", "--junitxml=report.xml")
     result.assert_outcomes(passed=6)
+    # one junitxml, each testcase naming the node it ran on
+    cases = ElementTree.parse(Path.cwd() / "report.xml").getroot().iter("testcase")
+    nodes = {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "gpu_node"] for c in cases}
+    assert len(nodes) == 6 and all(len(v) == 1 for v in nodes.values()), nodes
+    assert sorted(v[0] for v in nodes.values()) == sorted(r["node"] for r in seen)
     assert {r["node"] for r in seen} == {"node0", "node1"}  # every node ran tests
     for rec in seen:
         node = rec["node"]
