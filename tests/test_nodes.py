@@ -478,9 +478,48 @@ def test_a_node_lost_mid_run(run_inner: Callable[..., pytest.RunResult], gpu_pyt
     result.stdout.fnmatch_lines(
         [
             "*worker 'gw1' crashed while running 'test_lost.py::test_t[[]*[]]' on node node1",
-            "pytest-gpu: node node0 (*): 2 simulated GPUs (2x16GiB), 7 leases granted",
+            "pytest-gpu: node node0 (*): 2 simulated GPUs (2x16GiB), * leases granted",
             "pytest-gpu: node node1: lost during the run (*)",
         ]
     )
     assert "node node1 lost" in out and "gw1 not replaced" in out
     assert not _left_in(Path.cwd())
+
+
+PLACED = """
+import json, os, time
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+@pytest.mark.gpu
+def test_whole_gpu(i, gpu):
+    time.sleep(1.0)
+    rec = {"node": os.environ["PYTEST_GPU_NODE"], "waited": gpu.waited}
+    with open(os.path.join(os.environ["NODES_OUT"], f"{i}.json"), "w") as f:
+        json.dump(rec, f)
+"""
+
+
+@pytest.mark.slow
+def test_the_scheduler_places_by_node(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes of one GPU, two workers each, four whole-GPU tests: the scheduler hands a
+    worker a test only when its node's GPU is predicted free, so no test waits at its node's
+    broker; with the scheduler off (xdist's load scheduling) two tests share a node and one waits."""
+    out = gpu_pytester.path / "out"
+    out.mkdir()
+    monkeypatch.setenv("NODES_OUT", str(out))
+    gpu_pytester.makepyfile(test_placed=PLACED)
+    args = ("-p", "no:rerunfailures", "--gpus", "sim:1x16GiB", "-n", "2", "--gpu-nodes=local:2")
+    waits = {}
+    for schedule in ("on", "off"):
+        for path in out.glob("*.json"):
+            path.unlink()
+        result = run_inner(*args, f"--gpu-schedule={schedule}", subprocess=True, timeout=180)
+        result.assert_outcomes(passed=4)
+        seen = [json.loads(p.read_text()) for p in out.glob("*.json")]
+        assert {r["node"] for r in seen} == {"node0", "node1"}
+        waits[schedule] = max(r["waited"] for r in seen)
+    assert waits["on"] < 0.5, waits
+    assert waits["off"] > 0.5, waits  # the same run, placed without regard to nodes, waits

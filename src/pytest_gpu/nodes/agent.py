@@ -13,7 +13,10 @@ Messages (plain values; see docs-incoming/nodes-design.md)::
     -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
     -> ("start", {"settings", "node", "cwd", "package"})
     <- ("started", {"wire", "node", "hostname", "pid", "inventory"}) | ("error", message)
-    -> ("state", {"worker"?})   <- ("state", {"room", "placements", "grants", "crashes", "required"})
+    -> ("state", {"worker"?})   <- ("state", {"room", "order", "placements", "contexts",
+                                              "context_sizes", "grants", "crashes", "required",
+                                              "catalog", "refused_plans"})
+    -> ("prefer", {"worker", "test", "gpus", "memory"})   (no reply: Broker.prefer on this node)
     -> ("close", {})   <- ("closed", state)
 
 The run ends on ``close`` and when the channel closes (the controller is gone: Ctrl-C,
@@ -30,9 +33,14 @@ if TYPE_CHECKING:
     from ..run.session import GpuRun
 
 
-def state(run: GpuRun, worker: str | None = None) -> dict[str, Any]:
+def state(
+    run: GpuRun, worker: str | None = None, sent: dict[str, Any] | None = None, refused: int = 0
+) -> dict[str, Any]:
     """What the controller reads of this node's broker (plain values, for execnet);
-    ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none)."""
+    ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none).
+    ``catalog``: the entries of the broker's catalog (what the node's workers collected, what
+    their fixtures hold) not in ``sent`` or changed since, which ``sent`` then records.
+    ``refused``: how many of the scheduler's plans this node's broker refused (see :func:`prefer`)."""
     from ..run import required
 
     broker = run.broker
@@ -40,11 +48,42 @@ def state(run: GpuRun, worker: str | None = None) -> dict[str, Any]:
     placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
     return {
         "room": list(broker.room()),
+        "order": list(broker.capacities),
         "placements": placements,
+        "contexts": {w: sorted(gpus) for w, gpus in broker.contexts().items()},
+        "context_sizes": list(broker.context_sizes()),
+        "refused_plans": refused,
         "grants": broker.grants,
         "crashes": len(broker.crashes),
         "required": required.reported(run, worker) if worker is not None else None,
+        "catalog": _catalog_news(dict(broker.catalog), sent),
     }
+
+
+def prefer(run: GpuRun, body: dict[str, Any]) -> bool:
+    """The scheduler's plan for a test of one of this node's workers, to this node's broker
+    (:meth:`Broker.prefer`); ``False`` where the broker refused it (GPUs not this node's:
+    the controller translated with another node's indices, a bug the summary then shows)."""
+    broker = run.broker
+    assert broker is not None
+    try:
+        gpus = tuple(int(i) for i in body["gpus"])
+        memory = None if body.get("memory") is None else int(body["memory"])
+        broker.prefer(str(body["worker"]), str(body["test"]), gpus, memory)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _catalog_news(catalog: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, Any]:
+    if sent is None:
+        return {}
+    news = {key: value for key, value in catalog.items() if sent.get(key, _UNSENT) != value}
+    sent.update(news)
+    return news
+
+
+_UNSENT = object()
 
 
 def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
@@ -96,6 +135,8 @@ def serve(channel: Any) -> None:
     channel.send(reply)
     if run is None:
         return
+    sent: dict[str, Any] = {}  # the catalog entries the controller has
+    refused = 0  # plans this node's broker refused
     try:
         while True:
             try:
@@ -103,9 +144,11 @@ def serve(channel: Any) -> None:
             except EOFError:  # the controller is gone
                 return
             if kind == "state":
-                channel.send(("state", state(run, body.get("worker"))))
+                channel.send(("state", state(run, body.get("worker"), sent, refused)))
+            elif kind == "prefer":  # no reply: the scheduler does not wait on a node per test
+                refused += not prefer(run, body)
             elif kind == "close":
-                channel.send(("closed", state(run)))
+                channel.send(("closed", state(run, None, sent, refused)))
                 return
             else:
                 channel.send(("error", f"unknown message {kind!r}"))

@@ -71,6 +71,34 @@ class NodeHost:
     lost: str | None = None  # why it stopped answering during the run
 
 
+@dataclass(frozen=True)
+class NodeView:
+    """One node's broker as the scheduler reads it (its ``state`` reply): ``room``, usable
+    bytes per GPU in ``order`` (the broker's GPU indices); what each worker holds now
+    (``placements``) and where it has CUDA contexts, in those indices; what a new context
+    takes on each GPU (``context_sizes``, in ``order``)."""
+
+    room: tuple[int, ...]
+    order: tuple[int, ...]
+    placements: dict[str, list[tuple[tuple[int, ...], int | None]]]
+    contexts: dict[str, frozenset[int]]
+    context_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_state(cls, figures: dict[str, Any]) -> NodeView:
+        room = tuple(int(b) for b in figures["room"])
+        return cls(
+            room=room,
+            order=tuple(int(i) for i in figures.get("order", range(len(room)))),
+            placements={
+                str(w): [(tuple(int(i) for i in gpus), None if m is None else int(m)) for gpus, m in rows]
+                for w, rows in figures["placements"].items()
+            },
+            contexts={str(w): frozenset(int(i) for i in gpus) for w, gpus in (figures.get("contexts") or {}).items()},
+            context_sizes=tuple(int(b) for b in figures.get("context_sizes", ())),
+        )
+
+
 class NodeHosts:
     """Every node's host: started once per run, closed at its end (see :mod:`.agent`)."""
 
@@ -80,6 +108,8 @@ class NodeHosts:
         self.hosts = {name: NodeHost(name, specs[name]) for name in plan.names}
         self._cleanup = cleanup
         self._group: Any = None
+        # every node's broker catalog, merged (the scheduler's; kept up to date by state())
+        self.catalog: dict[str, Any] = {}
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start every node's host (all at once, then wait for each)."""
@@ -130,7 +160,40 @@ class NodeHosts:
         host.channel.send(("state", {} if worker is None else {"worker": worker}))
         kind, body = host.channel.receive(timeout)
         assert kind == "state", body
+        self.catalog.update(body.get("catalog") or {})
         return dict(body)
+
+    def refresh(self) -> dict[str, NodeView]:
+        """Every live node's broker now (the scheduler's view before each fill; the catalog
+        is brought up to date too). A node that no longer answers is marked lost and left out."""
+        views: dict[str, NodeView] = {}
+        for name in self.up:
+            host = self.hosts[name]
+            if host.lost is not None:
+                continue
+            try:
+                figures = self.state(name, timeout=ALIVE_TIMEOUT_S)
+            except Exception as exc:  # gone: its workers' removal follows from xdist
+                host.lost = _short(exc)
+                continue
+            views[name] = NodeView.from_state(figures)
+        return views
+
+    def prefer(self, node: str, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
+        """Pass the scheduler's plan for ``test`` to ``node``'s broker (``gpus``: its indices);
+        no answer is awaited (the node host counts one its broker refused: ``refused_plans``)."""
+        host = self.hosts[node]
+        if host.lost is not None or host.channel is None:
+            return
+        body = {"worker": worker, "test": test, "gpus": list(gpus), "memory": memory}
+        try:
+            host.channel.send(("prefer", body))
+        except Exception as exc:  # its channel closed: the node is gone
+            host.lost = _short(exc)
+
+    def node_of(self, worker: Any) -> str | None:
+        """The node of an xdist ``WorkerController`` (its spec's ``env:PYTEST_GPU_NODE``)."""
+        return node_of(worker)
 
     def alive(self, node: str) -> bool:
         """Whether ``node``'s host still answers (a node whose host is gone is lost: its

@@ -105,10 +105,6 @@ class Controller(RunOwner):
 
     @property
     def schedules(self) -> bool:
-        if self.nodes is not None:
-            # the planner places by one machine's GPUs; until it places by node, xdist's load
-            # scheduling hands tests out and each worker's acquire at its node's broker decides
-            return False
         return self.run.settings.schedule and not self.config.stash.get(DIST_CHOSEN_KEY, False)
 
     @pytest.hookimpl(optionalhook=True)
@@ -159,4 +155,4 @@ class Controller(RunOwner):
             return None  # xdist's own, as chosen with --dist
         from ..scheduling.scheduler import GpuScheduling
 
-        return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY))
+        return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY), self.nodes)
