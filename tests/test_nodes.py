@@ -13,10 +13,12 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -523,3 +525,51 @@ def test_the_scheduler_places_by_node(
         waits[schedule] = max(r["waited"] for r in seen)
     assert waits["on"] < 0.5, waits
     assert waits["off"] > 0.5, waits  # the same run, placed without regard to nodes, waits
+
+
+SLEEPS = """
+import os, time
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+@pytest.mark.gpu(memory="4GiB")
+def test_sleeps(i, gpu):
+    open(os.path.join(os.environ["NODES_OUT"], f"{os.environ['PYTEST_GPU_NODE']}-{i}"), "w").close()
+    time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_nothing_running_on_any_node(
+    gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT to the controller while tests run on both nodes: the run ends, and no node
+    host, worker or launcher of it is left (each node host ends its run when its channel goes)."""
+    out = gpu_pytester.path / "out"
+    out.mkdir()
+    monkeypatch.setenv("NODES_OUT", str(out))
+    gpu_pytester.makepyfile(test_sleeps=SLEEPS)
+    args = [*INNER_ARGS, *NODE_ARGS, "-n", "1", "--gpu-nodes=local:2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *args],
+        cwd=gpu_pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while {p.name.split("-")[0] for p in out.iterdir()} != {"node0", "node1"}:
+            assert proc.poll() is None and time.monotonic() < deadline, "the tests did not start on both nodes"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, output
+    deadline = time.monotonic() + 15  # what the interrupt ended may take a moment to be reaped
+    while _left_in(gpu_pytester.path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _left_in(gpu_pytester.path), output
