@@ -273,6 +273,9 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     lines = result.stdout.lines
     assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
     assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)
+    # the run's line counts the nodes' GPUs, not the controller's (it leases none)
+    assert any(line.startswith("pytest-gpu: 2 nodes (their GPUs above) · 6 GPU tests · ") for line in lines)
+    assert "--gpus none" not in result.stdout.str()
     assert _sim_roots_left() <= before  # the simulated nodes' directories went with the run
     assert not _left_in(Path.cwd())  # pytester's directory: the run's processes worked there
 

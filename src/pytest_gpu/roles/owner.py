@@ -69,6 +69,9 @@ class RunOwner(RoleBase):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        words = self.gpus_words()
+        if words is not None:  # the run's GPUs are not this process's own
+            lines[0] = lines[0].replace(f"{run.inventory.describe()} [{run.inventory.source}]", words, 1)
         lines += context_lines(run.broker.measured, run.settings.context_overhead, run.settings.context_overhead_given)
         lines += summary.timeline.summary_lines(
             [d.index for d in run.inventory.devices],
@@ -86,6 +89,11 @@ class RunOwner(RoleBase):
             lines.append(f"pytest-gpu: --dist {dist} chosen: xdist places the tests, the GPU scheduler is off")
         for line in lines + selection.summary_lines(config):
             terminalreporter.write_line(line)
+
+    def gpus_words(self) -> str | None:
+        """What the summary's first line calls the run's GPUs, where they are not this
+        process's inventory (``None``: they are)."""
+        return None
 
     def close(self) -> None:
         super().close()
@@ -115,6 +123,12 @@ class Controller(RunOwner):
         else:
             node.workerinput[WIRE_KEY] = self.run.to_wire()
         node.workerinput[SCHEDULE_KEY] = self.schedules
+
+    def gpus_words(self) -> str | None:
+        if self.nodes is None:
+            return None
+        count = len(self.nodes.up)  # --gpu-nodes: the controller leases no GPU; each node's line says its own
+        return f"{count} node{'' if count == 1 else 's'} (their GPUs above)"
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.nodes is not None:  # each node's GPUs and leases, before the run's own lines
