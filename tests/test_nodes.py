@@ -157,9 +157,9 @@ def test_ssh_shim_quotes_the_bootstrap_for_the_remote_shell(tmp_path: Path) -> N
     argv = [sys.executable, "-c", "import sys;print(repr(sys.argv[1:]));print(open('here').read())", "a b", "'$x;"]
     (tmp_path / "here").write_text("in the cwd")
     cmd = sshgate.command("host1", str(tmp_path), argv, ssh="ssh")
-    assert cmd[:5] == ["ssh", "-T", "-o", "BatchMode=yes", "host1"]
+    assert cmd[:7] == ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "host1"]
     # what ssh would hand the remote shell: run it with a shell here
-    out = subprocess.run(["sh", "-c", cmd[5]], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["sh", "-c", cmd[7]], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == [repr(["a b", "'$x;"]), "in the cwd"]
 
 

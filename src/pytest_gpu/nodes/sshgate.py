@@ -6,8 +6,8 @@ the remote shell (ssh joins its arguments with spaces and hands them to that she
 would split the bootstrap line's ``;`` and parentheses), and which first enters the
 controller's working directory there (the nodes share the filesystem). The gateway's
 channel is ssh's stdin and stdout; ``BatchMode`` makes a host that asks for a password
-fail at once instead of hanging the run. Nothing secret is on this command line: the
-broker's key travels later, over the channel.
+fail at once instead of hanging the run, and ``ConnectTimeout`` one that does not answer.
+Nothing secret is on this command line: the broker's key travels later, over the channel.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ SSH_ENV = "PYTEST_GPU_SSH"  # the ssh client to run (default: ssh); tests put a 
 def command(host: str, cwd: str, argv: Sequence[str], ssh: str = "ssh") -> list[str]:
     """The ssh command line that runs ``argv`` in ``cwd`` on ``host`` (pure)."""
     remote = f"cd {shlex.quote(cwd)} && exec {' '.join(shlex.quote(a) for a in argv)}"
-    return [*shlex.split(ssh), "-T", "-o", "BatchMode=yes", host, remote]
+    # ConnectTimeout: execnet waits for the gateway without a timeout of its own
+    return [*shlex.split(ssh), "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", host, remote]
 
 
 def main(args: Sequence[str]) -> int:
