@@ -576,3 +576,103 @@ def test_ctrl_c_leaves_nothing_running_on_any_node(
     while _left_in(gpu_pytester.path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _left_in(gpu_pytester.path), output
+
+
+# -- plans go to the worker's node, in its broker's GPU indices --------------------------------
+
+
+class _Worker:
+    """An xdist ``WorkerController`` as the scheduler uses it."""
+
+    def __init__(self, name: str, node: str) -> None:
+        self.gateway = SimpleNamespace(id=name)
+        self.node = node
+        self.shutting_down = False
+        self.sent: list[int] = []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent += indices
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+class _Nodes:
+    """The scheduler's view of two nodes' brokers (``NodeHosts`` without processes)."""
+
+    def __init__(self, views: dict[str, Any], catalog: dict[str, Any]) -> None:
+        self.views = views
+        self.catalog = catalog
+        self.preferred: list[tuple[str, str, str, tuple[int, ...], int | None]] = []
+
+    def refresh(self) -> dict[str, Any]:
+        return self.views
+
+    def prefer(self, node: str, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
+        self.preferred.append((node, worker, test, gpus, memory))
+
+    def node_of(self, worker: Any) -> str:
+        return str(worker.node)
+
+
+def test_plans_go_to_the_worker_s_node_in_its_broker_s_indices() -> None:
+    """Node ``a``'s broker numbers its GPUs 0 and 1, node ``b``'s 4 and 7 (``--gpus 4,7`` there),
+    and b's GPU 4 has 1 GiB of room: the test b's worker takes is planned on b's GPU 7, and
+    that plan goes to b's broker as GPU 7 (not 1, which b does not have; not to a's broker,
+    nor the controller's, which has no GPUs)."""
+    from pytest_gpu.nodes.hosts import NodeView
+    from pytest_gpu.scheduling.scheduler import GpuScheduling
+
+    gib = 1 << 30
+    collection = ["t.py::test_a", "t.py::test_b"]
+    catalog = {nodeid: {"gpus": 1, "memory": 4 * gib} for nodeid in collection}
+    views = {
+        "a": NodeView((16 * gib, 16 * gib), (0, 1), {}, {}, (0, 0)),
+        "b": NodeView((1 * gib, 16 * gib), (4, 7), {}, {}, (0, 0)),
+    }
+    nodes = _Nodes(views, catalog)
+    sched = object.__new__(GpuScheduling)
+    sched.__dict__.update(
+        numnodes=2,
+        config=SimpleNamespace(getoption=lambda name, default=None: default),
+        log=lambda *a: None,
+        run=SimpleNamespace(broker=None),
+        durations={},
+        node2collection={},
+        _names={},
+        collection=None,
+        planner=None,
+        gpu_nodes=nodes,
+        _node={},
+    )
+    workers = [_Worker("gw0", "a"), _Worker("gw1", "b")]
+    for w in workers:
+        sched.add_node(w)  # type: ignore[arg-type]
+        sched.add_node_collection(w, collection)  # type: ignore[arg-type]
+    sched.schedule()
+    assert sorted(w.sent[0] for w in workers) == [0, 1]
+    by_worker = {p[1]: p for p in nodes.preferred}
+    assert by_worker["gw0"][0] == "a" and by_worker["gw0"][3] in ((0,), (1,))
+    assert by_worker["gw1"][0] == "b" and by_worker["gw1"][3] == (7,), nodes.preferred
+    assert {p[4] for p in nodes.preferred} == {4 * gib}
+    assert {p[2] for p in nodes.preferred} == set(collection)
+
+
+def test_a_node_host_passes_plans_to_its_broker_and_counts_refusals() -> None:
+    """The node host's side of a plan: ``Broker.prefer`` with the message's values; a plan its
+    broker refuses (GPUs that are not the node's) is counted, and the host goes on."""
+    from pytest_gpu.nodes import agent
+
+    calls: list[tuple[Any, ...]] = []
+
+    def prefer(worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
+        if not set(gpus) <= {4, 7}:
+            raise ValueError("not this node's")
+        calls.append((worker, test, gpus, memory))
+
+    run: Any = SimpleNamespace(broker=SimpleNamespace(prefer=prefer))
+    assert agent.prefer(run, {"worker": "gw1", "test": "t::x", "gpus": [7], "memory": 1024})
+    assert agent.prefer(run, {"worker": "gw1", "test": "t::y", "gpus": [4, 7], "memory": None})
+    assert not agent.prefer(run, {"worker": "gw1", "test": "t::z", "gpus": [1], "memory": None})
+    assert not agent.prefer(run, {"worker": "gw1", "test": "t::z"})  # no GPUs: a malformed message
+    assert calls == [("gw1", "t::x", (7,), 1024), ("gw1", "t::y", (4, 7), None)]

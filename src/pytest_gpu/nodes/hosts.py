@@ -221,6 +221,9 @@ class NodeHosts:
             said = f", {grants} lease{'' if grants == 1 else 's'} granted"
             if crashes:
                 said += f", {crashes} process{'' if crashes == 1 else 'es'} went away holding leases"
+            refused = int(figures.get("refused_plans", 0))
+            if refused:  # the scheduler's plans name this node's GPUs: a refusal is a bug to report
+                said += f", {refused} scheduler plan{'' if refused == 1 else 's'} refused"
             where, gpus = host.info.get("hostname", "?"), host.info.get("inventory", "?")
             out.append(f"pytest-gpu: node {name} ({where}): {gpus}{said}")
             warnings = host.info.get("warnings", [])
