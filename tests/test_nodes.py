@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -247,10 +248,11 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     nodes_run: Callable[..., tuple[pytest.RunResult, list[dict[str, Any]]]],
 ) -> None:
     before = _sim_roots_left()
-    result, seen = nodes_run("-n", "2", "--gpu-nodes=local:2", "--junitxml=report.xml")
+    result, seen = nodes_run("-n", "2", "--gpu-nodes=local:2", "--junitxml=report.xml", "--gpu-trace=trace.json")
     result.assert_outcomes(passed=6)
-    # one junitxml, each testcase naming the node it ran on
-    cases = ElementTree.parse(Path.cwd() / "report.xml").getroot().iter("testcase")
+    # one junitxml, every test in it once, each testcase naming the node it ran on
+    cases = list(ElementTree.parse(Path.cwd() / "report.xml").getroot().iter("testcase"))
+    assert len(cases) == 6
     nodes = {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "gpu_node"] for c in cases}
     assert len(nodes) == 6 and all(len(v) == 1 for v in nodes.values()), nodes
     assert sorted(v[0] for v in nodes.values()) == sorted(r["node"] for r in seen)
@@ -273,6 +275,30 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     lines = result.stdout.lines
     assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
     assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)
+    # each node's line: what ran there (tests, their busy time, waits, its GPUs' busy share)
+    ran = {}
+    for line in lines:
+        pattern = r"pytest-gpu: node (node\d) \(.*· (\d+) tests? · busy \S+ · waited \S+ for GPUs · GPU busy 0:"
+        found = re.match(pattern, line)
+        if found:
+            ran[found.group(1)] = int(found.group(2))
+    assert ran == {n: sum(r["node"] == n for r in seen) for n in ("node0", "node1")}, lines
+    # one trace: a track group per node (its workers, its GPUs), every test once, on its node's workers
+    trace = json.loads((Path.cwd() / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    groups = {g["name"]: g for g in trace["otherData"]["pytest_gpu"]["nodes"]}
+    assert set(groups) == {"node0", "node1"}
+    for name, group in groups.items():
+        assert names[group["workers_pid"]] == f"node {name}: workers"
+        assert [names[g["pid"]] for g in group["gpus"]] == [f"node {name}: GPU {i} (16GiB)" for i in (0, 1)]
+    spans = [e for e in trace["traceEvents"] if e.get("cat") == "test"]
+    assert sorted(e["args"]["nodeid"] for e in spans) == sorted(f"test_where.py::test_where[{i}]" for i in range(6))
+    assert all(e["pid"] == groups[e["args"]["node"]]["workers_pid"] for e in spans)
+    leases = [e for e in trace["traceEvents"] if e.get("cat") == "lease"]
+    assert len(leases) == 6 and all(e["pid"] >= 10000 for e in leases)
+    from pytest_gpu.report import gantt
+
+    assert len(gantt.build_chart(trace).tests) == 6  # pytest-gpu report draws it
     # the run's line counts the nodes' GPUs, not the controller's (it leases none)
     assert any(line.startswith("pytest-gpu: 2 nodes (their GPUs above) · 6 GPU tests · ") for line in lines)
     assert "--gpus none" not in result.stdout.str()
@@ -483,7 +509,7 @@ def test_a_node_lost_mid_run(run_inner: Callable[..., pytest.RunResult], gpu_pyt
     result.stdout.fnmatch_lines(
         [
             "*worker 'gw1' crashed while running 'test_lost.py::test_t[[]*[]]' on node node1",
-            "pytest-gpu: node node0 (*): 2 simulated GPUs (2x16GiB), * leases granted",
+            "pytest-gpu: node node0 (*): 2 simulated GPUs (2x16GiB), * leases granted · * tests · busy *",
             "pytest-gpu: node node1: lost during the run (*)",
         ]
     )

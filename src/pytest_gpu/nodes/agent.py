@@ -12,7 +12,7 @@ Messages (plain values; see docs-incoming/nodes-design.md)::
 
     -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
     -> ("start", {"settings", "node", "cwd", "package"})
-    <- ("started", {"wire", "node", "hostname", "pid", "inventory"}) | ("error", message)
+    <- ("started", {"wire", "node", "hostname", "pid", "inventory", "gpus"}) | ("error", message)
     -> ("state", {"worker"?})   <- ("state", {"room", "order", "placements", "contexts",
                                               "context_sizes", "grants", "crashes", "required",
                                               "catalog", "refused_plans"})
@@ -120,6 +120,7 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "inventory": run.inventory.describe(),
+        "gpus": [[d.index, d.total_memory] for d in run.inventory.devices],
         "warnings": list(domain.said),
     }
     return run, ("started", info)

@@ -206,8 +206,13 @@ class NodeHosts:
                 host.lost = _short(exc)
         return host.lost is None
 
-    def lines(self) -> list[str]:
-        """The summary's lines about the nodes (each node's broker asked now)."""
+    def gpus(self) -> dict[str, list[tuple[int, int]]]:
+        """Each started node's GPUs, ``(index, total bytes)``, as its node host found them."""
+        return {name: [(int(i), int(m)) for i, m in self.hosts[name].info.get("gpus", ())] for name in self.up}
+
+    def lines(self, words: Callable[[str, list[int]], str] | None = None) -> list[str]:
+        """The summary's lines about the nodes (each node's broker asked now); ``words(node,
+        its GPU indices)``: what ran there (the controller's timeline), added to its line."""
         out = []
         for name, host in self.hosts.items():
             if host.error is not None:
@@ -225,7 +230,8 @@ class NodeHosts:
             if refused:  # the scheduler's plans name this node's GPUs: a refusal is a bug to report
                 said += f", {refused} scheduler plan{'' if refused == 1 else 's'} refused"
             where, gpus = host.info.get("hostname", "?"), host.info.get("inventory", "?")
-            out.append(f"pytest-gpu: node {name} ({where}): {gpus}{said}")
+            ran = f" · {words(name, [i for i, _ in self.gpus().get(name, [])])}" if words is not None else ""
+            out.append(f"pytest-gpu: node {name} ({where}): {gpus}{said}{ran}")
             warnings = host.info.get("warnings", [])
             out.extend(f"pytest-gpu: node {name}: {w.removeprefix('pytest-gpu: ')}" for w in warnings)
         return out

@@ -48,6 +48,7 @@ class RunOwner(RoleBase):
                 [(d.index, d.total_memory) for d in run.inventory.devices],
                 run.inventory.describe(),
                 run.inventory.source,
+                self.node_gpus(),
             )
             try:
                 summary.trace_path = str(trace.write(run.settings.trace, data))
@@ -95,6 +96,10 @@ class RunOwner(RoleBase):
         process's inventory (``None``: they are)."""
         return None
 
+    def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
+        """``--gpu-nodes``: each node's GPUs (the trace's track groups); ``None``: one machine."""
+        return None
+
     def close(self) -> None:
         super().close()
         raycluster.stop_head(self.run)  # the Ray head a test started is the owner's to stop
@@ -130,9 +135,12 @@ class Controller(RunOwner):
         count = len(self.nodes.up)  # --gpu-nodes: the controller leases no GPU; each node's line says its own
         return f"{count} node{'' if count == 1 else 's'} (their GPUs above)"
 
+    def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
+        return self.nodes.gpus() if self.nodes is not None else None
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.nodes is not None:  # each node's GPUs and leases, before the run's own lines
-            for line in self.nodes.lines():
+        if self.nodes is not None:  # each node's GPUs, leases and what ran there, before the run's own lines
+            for line in self.nodes.lines(self.summary.timeline.node_words):
                 terminalreporter.write_line(line)
         super().pytest_terminal_summary(terminalreporter)
 
