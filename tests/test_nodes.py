@@ -438,8 +438,8 @@ def test_slurm_nodes_each_lease_their_own_gpus(
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
     result.stdout.fnmatch_lines(
         [
-            "pytest-gpu: node n1 (*): 2 simulated GPUs (2x16GiB), * granted",
-            "pytest-gpu: node n2 (*): 2 simulated GPUs (2x16GiB), * granted",
+            "pytest-gpu: node n1 (*): 2 simulated GPUs (2x16GiB), * granted · * tests · busy *",
+            "pytest-gpu: node n2 (*): 2 simulated GPUs (2x16GiB), * granted · * tests · busy *",
         ]
     )
     seen = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
@@ -653,8 +653,8 @@ def test_plans_go_to_the_worker_s_node_in_its_broker_s_indices() -> None:
     collection = ["t.py::test_a", "t.py::test_b"]
     catalog = {nodeid: {"gpus": 1, "memory": 4 * gib} for nodeid in collection}
     views = {
-        "a": NodeView((16 * gib, 16 * gib), (0, 1), {}, {}, (0, 0)),
-        "b": NodeView((1 * gib, 16 * gib), (4, 7), {}, {}, (0, 0)),
+        "a": NodeView((16 * gib, 16 * gib), (0, 1), {}, {}, (0, 0), (16 * gib, 16 * gib)),
+        "b": NodeView((1 * gib, 16 * gib), (4, 7), {}, {}, (0, 0), (16 * gib, 16 * gib)),
     }
     nodes = _Nodes(views, catalog)
     sched = object.__new__(GpuScheduling)
@@ -702,3 +702,62 @@ def test_a_node_host_passes_plans_to_its_broker_and_counts_refusals() -> None:
     assert not agent.prefer(run, {"worker": "gw1", "test": "t::z", "gpus": [1], "memory": None})
     assert not agent.prefer(run, {"worker": "gw1", "test": "t::z"})  # no GPUs: a malformed message
     assert calls == [("gw1", "t::x", (7,), 1024), ("gw1", "t::y", (4, 7), None)]
+
+
+# -- nodes of different GPUs -------------------------------------------------------------------
+
+MIXED = """
+import os, time
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.gpu(memory="30GiB")
+def test_big(i, gpu):
+    time.sleep(0.2)
+    assert os.environ["PYTEST_GPU_NODE"] == "node1"  # only node1's GPU gives 30 GiB
+
+@pytest.mark.gpu(count=2, memory="4GiB")
+def test_pair(gpu):
+    assert os.environ["PYTEST_GPU_NODE"] == "node0"  # only node0 has two GPUs
+
+@pytest.mark.parametrize("i", range(4))
+@pytest.mark.gpu(memory="4GiB")
+def test_small(i, gpu):
+    time.sleep(0.2)
+
+@pytest.mark.gpu(count=3, memory="4GiB")
+def test_three(gpu):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_nodes_of_different_gpus(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """node0 has 2 GPUs of 16 GiB, node1 one of 40 GiB (each node its own fake machine): a
+    30 GiB test runs on node1 only and a two-GPU test on node0 only (neither skipped as too
+    large on the node whose worker collected it); a three-GPU test fits no node and is
+    skipped at collection, naming the largest node."""
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    monkeypatch.setenv(spec.SIM_NODE_GPUS_ENV, "node0=sim:2x16GiB;node1=sim:1x40GiB")
+    gpu_pytester.makepyfile(test_mixed=MIXED)
+    args = ("-p", "no:rerunfailures", "--gpus", "auto", "-n", "2", "--gpu-nodes=local:2", "-rs")
+    result = run_inner(*args, subprocess=True, timeout=180)
+    result.assert_outcomes(passed=8, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: node node0 (*): 2 GPUs (2x16GiB)*",
+            "pytest-gpu: node node1 (*): 1 GPU (1x40GiB)*",
+            "*SKIPPED*test_mixed.py*fits no node of the run; on the largest, node node1: needs 3 GPUs*",
+        ]
+    )
+
+
+def test_simulated_node_gpus_are_read_per_node() -> None:
+    assert spec.sim_node_gpus("node0=sim:2x16GiB; node1=sim:1x40GiB", ("node0", "node1")) == {
+        "node0": "sim:2x16GiB",
+        "node1": "sim:1x40GiB",
+    }
+    with pytest.raises(NodesError, match="expected node=spec for nodes of node0, node1; got 'node7=sim:1x8GiB'"):
+        spec.sim_node_gpus("node7=sim:1x8GiB", ("node0", "node1"))

@@ -954,3 +954,29 @@ def test_a_node_s_granted_leases_and_capacities_are_its_own() -> None:
     assert planner.remove_worker("x1") == [first]
     planner.add_worker("x1", "y")  # a worker of the same name on another node: packs with y
     assert planner.pick("x1", 0.0) is None  # y's GPU is y1's now
+
+
+def test_a_test_that_can_never_fit_a_worker_s_node_is_left_to_other_nodes() -> None:
+    """Node x's GPUs give 16 at most, y's 40: x's worker never picks the 30 test (not even as
+    rule 4's soonest, where it would wait at x's broker forever), and once only such tests are
+    left it is no longer eligible (it stops); y's worker takes them."""
+    big, small = Need(1, 30), Need(1, 4)
+    jobs = [Job(0, 10.0, big), Job(1, 10.0, big), Job(2, 1.0, small)]
+    planner = Planner(jobs, capacities=[])
+    planner.node_capacities = {"x": [16, 16], "y": [40]}
+    planner.node_limits = {"x": [16, 16], "y": [40]}
+    planner.add_worker("x1", "x")
+    planner.add_worker("y1", "y")
+    assert planner.pick("x1", 0.0) == 2  # the small one: the big ones are longer, but never fit x
+    assert planner.pick("x1", 0.0) is None  # holding one, nothing else fits x now or ever
+    assert planner.pick("y1", 0.0) == 0
+    planner.complete("x1", 2, 1.0)
+    assert not planner.eligible("x1") and planner.eligible("y1")
+    assert planner.pick("x1", 1.0) is None
+    # two GPUs of x give a two-GPU need that y's one GPU never can
+    pair = Planner([Job(0, 1.0, Need(2, 4))], capacities=[])
+    pair.node_capacities = pair.node_limits = {"x": [16, 16], "y": [40]}
+    pair.add_worker("y1", "y")
+    pair.add_worker("x1", "x")
+    assert pair.pick("y1", 0.0) is None and not pair.eligible("y1")
+    assert pair.pick("x1", 0.0) == 0

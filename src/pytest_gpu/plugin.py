@@ -115,6 +115,9 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and WIRE_KEY in workerinput:
         run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
+        from .nodes import worker as node_worker
+
+        run.largest_node = node_worker.largest(config, run)  # --gpu-nodes: requests are checked against it
     else:
         settings = options.read(config)
         from .nodes.hosts import configure as configure_nodes

@@ -14,7 +14,7 @@ Messages (plain values; see docs-incoming/nodes-design.md)::
     -> ("start", {"settings", "node", "cwd", "package"})
     <- ("started", {"wire", "node", "hostname", "pid", "inventory", "gpus"}) | ("error", message)
     -> ("state", {"worker"?})   <- ("state", {"room", "order", "placements", "contexts",
-                                              "context_sizes", "grants", "crashes", "required",
+                                              "context_sizes", "limits", "grants", "crashes", "required",
                                               "catalog", "refused_plans"})
     -> ("prefer", {"worker", "test", "gpus", "memory"})   (no reply: Broker.prefer on this node)
     -> ("close", {})   <- ("closed", state)
@@ -45,13 +45,15 @@ def state(
 
     broker = run.broker
     assert broker is not None  # a node host owns its node's broker
+    sizes = list(broker.context_sizes())
     placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
     return {
         "room": list(broker.room()),
         "order": list(broker.capacities),
         "placements": placements,
         "contexts": {w: sorted(gpus) for w, gpus in broker.contexts().items()},
-        "context_sizes": list(broker.context_sizes()),
+        "context_sizes": sizes,
+        "limits": [capacity - size for capacity, size in zip(broker.capacities.values(), sizes, strict=True)],
         "refused_plans": refused,
         "grants": broker.grants,
         "crashes": len(broker.crashes),
@@ -107,10 +109,12 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
     from ..options import Settings
     from ..run.rundir import RunDirError
     from ..run.session import GpuRun
+    from ..sim import fake
     from ..sim.ledger import LedgerWriteError
 
     domain.hold_warnings()  # the controller's summary is where the run speaks, not this node's stderr
     try:
+        fake.activate()  # a simulated node of its own fake GPUs (PYTEST_GPU_FAKE_GPUS), as the plugin does
         run = GpuRun.start(Settings.from_wire(body["settings"]), worker=f"node-{node}")
     except (DeviceSpecError, RunDirError, LedgerWriteError, OSError) as exc:
         return None, ("error", f"node {node}: {exc}")

@@ -24,7 +24,7 @@ import pytest
 from ..launched.detect import LaunchContext
 from ..options import Settings
 from . import spec as spec_
-from .spec import NODE_KEY, NodePlan, NodesError
+from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
 
 START_TIMEOUT_S = 120.0  # a node host's start: srun may wait for the step, discovery may load NVML
 CLOSE_TIMEOUT_S = 30.0
@@ -76,13 +76,15 @@ class NodeView:
     """One node's broker as the scheduler reads it (its ``state`` reply): ``room``, usable
     bytes per GPU in ``order`` (the broker's GPU indices); what each worker holds now
     (``placements``) and where it has CUDA contexts, in those indices; what a new context
-    takes on each GPU (``context_sizes``, in ``order``)."""
+    takes on each GPU (``context_sizes``, in ``order``); the most a lease can ever get on each
+    (``limits``: its capacity less one context, in ``order``)."""
 
     room: tuple[int, ...]
     order: tuple[int, ...]
     placements: dict[str, list[tuple[tuple[int, ...], int | None]]]
     contexts: dict[str, frozenset[int]]
     context_sizes: tuple[int, ...]
+    limits: tuple[int, ...] = ()  # the most one lease can ever get on each GPU (capacity less a context)
 
     @classmethod
     def from_state(cls, figures: dict[str, Any]) -> NodeView:
@@ -96,6 +98,7 @@ class NodeView:
             },
             contexts={str(w): frozenset(int(i) for i in gpus) for w, gpus in (figures.get("contexts") or {}).items()},
             context_sizes=tuple(int(b) for b in figures.get("context_sizes", ())),
+            limits=tuple(int(b) for b in figures.get("limits", ())),
         )
 
 
@@ -383,3 +386,5 @@ def configure_node(hosts: NodeHosts, worker: Any) -> None:
     assert node is not None and node in hosts.hosts, f"worker {worker.gateway.id} has no node of this run"
     worker.workerinput[WIRE_KEY] = hosts.wire(node)
     worker.workerinput[NODE_KEY] = node
+    # a test too large for this node but not for another is left to the other's workers
+    worker.workerinput[INVENTORIES_KEY] = {name: hosts.wire(name)["inventory"] for name in hosts.up}

@@ -28,7 +28,11 @@ NODE_ENV = "PYTEST_GPU_NODE"  # in a node's processes: the node's name
 # tests: in the controller's environment, a directory: each node of ``slurm`` or ``ssh:`` is
 # then simulated on this machine as ``local:N`` nodes are (its own machine and temp directories)
 SIM_NODES_ENV = "PYTEST_GPU_SIM_NODES"
+# simulated nodes of different GPUs: ``node0=sim:2x16GiB;node1=sim:1x40GiB`` (each listed node
+# sees that fake machine: PYTEST_GPU_FAKE_GPUS in its processes; run with --gpus all)
+SIM_NODE_GPUS_ENV = "PYTEST_GPU_SIM_NODE_GPUS"
 NODE_KEY = "pytest_gpu_node"  # workerinput: the node the controller started the worker on
+INVENTORIES_KEY = "pytest_gpu_node_inventories"  # workerinput: every started node's inventory (wire form)
 FORMS = "slurm, ssh:HOST[,HOST...] or local:N"
 OPTION = "--gpu-nodes"
 
@@ -150,7 +154,24 @@ def resolve(
     if root is None:
         return NodePlan(form.kind, names)
     check_spec_value(root, SIM_NODES_ENV)
-    return NodePlan(form.kind, names, root, unshare, {n: sim_node_env(root, n) for n in names})
+    envs = {n: sim_node_env(root, n) for n in names}
+    for node, gpus in sim_node_gpus(env.get(SIM_NODE_GPUS_ENV, ""), names).items():
+        envs[node]["PYTEST_GPU_FAKE_GPUS"] = gpus
+    return NodePlan(form.kind, names, root, unshare, envs)
+
+
+def sim_node_gpus(value: str, names: Sequence[str]) -> dict[str, str]:
+    """``$PYTEST_GPU_SIM_NODE_GPUS`` (``node=spec;node=spec``): the fake GPUs of each node named."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(";"))):
+        node, eq, gpus = part.partition("=")
+        if not eq or node.strip() not in names or not gpus.strip():
+            raise NodesError(
+                f"{OPTION}: {SIM_NODE_GPUS_ENV}: expected node=spec for nodes of {', '.join(names)}; got {part!r}"
+            )
+        check_spec_value(gpus.strip(), SIM_NODE_GPUS_ENV)
+        out[node.strip()] = gpus.strip()
+    return out
 
 
 def sim_node_env(root: str, name: str) -> dict[str, str]:

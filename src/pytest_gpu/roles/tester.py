@@ -45,7 +45,7 @@ class TestProcess(RoleBase):
         if workeroutput is not None:  # the controller prints the reasons (a worker's terminal is not shown)
             workeroutput[selection.WORKEROUTPUT_KEY] = dict(config.stash.get(selection.REASONS_KEY, {}))
         self.select(items)
-        lifecycle.mark_oversize(items, self.run)
+        lifecycle.mark_oversize(items, self.run, node_worker.every_node(config, self.run))
 
     def select(self, items: list[pytest.Item]) -> None:
         """Narrow the collected tests further (a worker: its rank's shard)."""

@@ -176,6 +176,10 @@ class Planner:
         # node's GPUs and its node's workers only, and its plans name its node's GPUs
         self.node_capacities: Mapping[str, Sequence[int]] = {}
         self.node_context_size: Mapping[str, Sequence[int]] = {}
+        # node -> the most one lease can ever get on each of its GPUs (its capacity less a
+        # context): a test whose need exceeds it on that node is never picked by its workers
+        # (heterogeneous nodes; another node's workers run it)
+        self.node_limits: Mapping[str, Sequence[int]] = {}
         self._node_of: dict[str, str | None] = {}
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
@@ -231,6 +235,14 @@ class Planner:
     def node_of(self, worker: str) -> str | None:
         """The node ``worker`` was added with (``None``: the one machine)."""
         return self._node_of.get(worker)
+
+    def _ever(self, worker: str, need: Need) -> bool:
+        """Whether ``need`` can ever fit ``worker``'s node (always, without nodes or limits)."""
+        node = self._node_of.get(worker)
+        limits = self.node_limits.get(node) if node is not None else None
+        if limits is None:
+            return True
+        return sum(need.memory is None or limit >= need.memory for limit in limits) >= need.count
 
     def _capacities(self, worker: str) -> Sequence[int]:
         """The GPUs ``worker``'s tests are packed onto: its node's, or the run's."""
@@ -294,7 +306,7 @@ class Planner:
 
     def eligible(self, worker: str) -> bool:
         """Whether some pending test may go to ``worker`` (not all bound to others)."""
-        if self._cpu or any(self._by_need.values()) or self._alone:
+        if self._cpu or self._alone or any(m and self._ever(worker, n) for n, m in self._by_need.items()):
             return True
         groups = itertools.chain(self._groups.items(), self._alone_groups.items())
         return any(members and self._bound.get(g, worker) == worker for g, members in groups)
@@ -411,7 +423,8 @@ class Planner:
             ((self._rank(i), i) for i in self._cpu),
         ]
         for need, members in self._by_need.items():
-            if members and (viable is None or viable(need)):
+            # a need its node can never give is left to other nodes' workers (viable() or not)
+            if members and self._ever(worker, need) and (viable is None or viable(need)):
                 streams.append((self._rank(i), i) for i in itertools.islice(members, _SCAN))
         for _, index in heapq.merge(*streams):
             yield index

@@ -210,6 +210,7 @@ class GpuScheduling:
             orders = {node: list(view.order) for node, view in views.items()}
             planner.node_capacities = {node: list(view.room) for node, view in views.items()}
             planner.node_context_size = {node: list(view.context_sizes) for node, view in views.items()}
+            planner.node_limits = {node: list(view.limits) for node, view in views.items()}
             placed: dict[str, list[Grant]] = {}
             contexts: dict[str, set[int]] = {}
             for view in views.values():
