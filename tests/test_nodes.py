@@ -572,11 +572,30 @@ def test_sleeps(i, gpu):
 def test_ctrl_c_leaves_nothing_running_on_any_node(
     gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGINT to the controller while tests run on both nodes: the run ends, and no node
-    host, worker or launcher of it is left (each node host ends its run when its channel goes)."""
+    """SIGINT to the controller while tests run on both nodes: the run ends, and nothing of
+    it is left: no node host, worker or launcher (each node host ends its run when its channel
+    goes), no run directory (the controller's, or a node's: its simulated node's directory,
+    where its run directory, machine directory and arbiter were, goes too), so no lease."""
     out = gpu_pytester.path / "out"
     out.mkdir()
     monkeypatch.setenv("NODES_OUT", str(out))
+    tmp = Path(tempfile.mkdtemp(prefix="pgc-"))  # short: the simulated nodes' sockets live below it
+    try:
+        _interrupt_mid_run(gpu_pytester, out, tmp)
+        left = sorted(
+            str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.name.startswith(("run-", "pytest-gpu-nodes-"))
+        )
+        assert not left, left  # the controller's run directory, the simulated nodes' roots
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _runs_in(tmp: Path) -> list[Path]:
+    """Run directories and simulated nodes' roots under ``tmp``."""
+    return sorted(p for p in tmp.rglob("*") if p.name.startswith(("run-", "pytest-gpu-nodes-")))
+
+
+def _interrupt_mid_run(gpu_pytester: pytest.Pytester, out: Path, tmp: Path) -> None:
     gpu_pytester.makepyfile(test_sleeps=SLEEPS)
     args = [*INNER_ARGS, *NODE_ARGS, "-n", "1", "--gpu-nodes=local:2"]
     proc = subprocess.Popen(
@@ -585,12 +604,15 @@ def test_ctrl_c_leaves_nothing_running_on_any_node(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
     )
     try:
         deadline = time.monotonic() + 60
         while {p.name.split("-")[0] for p in out.iterdir()} != {"node0", "node1"}:
             assert proc.poll() is None and time.monotonic() < deadline, "the tests did not start on both nodes"
             time.sleep(0.2)
+        # what must go: the controller's run directory, the simulated nodes (their run directories inside)
+        assert {p.name.split("-")[0] for p in _runs_in(tmp)} == {"run", "pytest"}, _runs_in(tmp)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=60)
     finally:
