@@ -173,7 +173,7 @@ def test_every_suite_in_the_docs_is_run() -> None:
 # torch's CPU build cannot make CUDA tensors: in the inner run a tensor put on a GPU is a CPU
 # tensor that also holds its bytes of simulated memory on that GPU (the current device for
 # "cuda"), given back when the tensor is freed, so leases, caps and verification see it.
-TORCH_ON_SIM = '''
+TORCH_ON_SIM = """
 import os
 
 import torch
@@ -194,7 +194,7 @@ def _ones_on(*size, device=None, **kwargs):
 
 
 torch.ones = _ones_on
-'''
+"""
 
 
 def test_the_readme_tour_passes_on_simulated_gpus(gpu_pytester: pytest.Pytester, run_inner) -> None:
@@ -218,7 +218,7 @@ def test_the_readme_tour_passes_on_simulated_gpus(gpu_pytester: pytest.Pytester,
     assert cuda[0] == "cuda" and named[0].startswith("cuda:") and cuda[1] == named[1], seen_by
 
 
-CONFINE_TEST = '''
+CONFINE_TEST = """
 import pytest
 
 
@@ -239,9 +239,9 @@ def test_and_restored_after_each_lease():
     import myfw
 
     assert myfw.limit == ("unlimited", None)
-'''
+"""
 
-MYFW = '''
+MYFW = """
 limit = ("unlimited", None)
 
 
@@ -252,7 +252,7 @@ def memory_limit():
 def set_memory_limit(value, devices):
     global limit
     limit = (value, None if value == "unlimited" else list(devices))
-'''
+"""
 
 
 def test_the_confine_hook_example_confines_a_framework(gpu_pytester: pytest.Pytester, run_inner) -> None:

@@ -918,3 +918,65 @@ def test_simulated_runs_with_module_fixtures_never_wait_in_a_cycle(
     sim = Sim(jobs, [GPU_MEMORY] * n_gpus, workers, durations, fixtures=fixtures, spread=True)
     sim.run()
     check_run(sim)
+
+
+# -- nodes (--gpu-nodes) ------------------------------------------------------------------
+
+
+def test_workers_of_different_nodes_pack_onto_their_own_node_s_gpus() -> None:
+    """Each node has one GPU: a whole-GPU test on node x's worker leaves node y's GPU free,
+    so y's worker starts one at once; a second worker on x must wait for x's GPU."""
+    whole = Need(1, None)
+    jobs = [Job(i, 10.0, whole) for i in range(4)]
+    planner = Planner(jobs, capacities=[])
+    planner.node_capacities = {"x": [16], "y": [16]}
+    planner.add_worker("x1", "x")
+    planner.add_worker("x2", "x")
+    planner.add_worker("y1", "y")
+    assert planner.pick("x1", 0.0) is not None
+    assert planner.pick("y1", 0.0) is not None  # node x's test is not on y's GPU (one forecast for all would say so)
+    assert planner.pick("x2", 0.0) is None  # x's one GPU is taken; x1 runs: x2 waits for its completion
+
+
+def test_a_node_s_granted_leases_and_capacities_are_its_own() -> None:
+    """What a running test on node x was granted is packed on x's GPUs only; a worker
+    removed forgets its node."""
+    half = Need(1, 8)
+    jobs = [Job(i, 10.0, half) for i in range(3)]
+    planner = Planner(jobs, capacities=[])
+    planner.node_capacities = {"x": [8], "y": [8]}
+    planner.add_worker("x1", "x")
+    planner.add_worker("y1", "y")
+    first = planner.pick("x1", 0.0)
+    assert first is not None
+    planner.placed = {"x1": [Grant((0,), 8)]}
+    assert planner.pick("y1", 0.0) is not None  # x1's grant is on x's GPU 0, not y's
+    assert planner.remove_worker("x1") == [first]
+    planner.add_worker("x1", "y")  # a worker of the same name on another node: packs with y
+    assert planner.pick("x1", 0.0) is None  # y's GPU is y1's now
+
+
+def test_a_test_that_can_never_fit_a_worker_s_node_is_left_to_other_nodes() -> None:
+    """Node x's GPUs give 16 at most, y's 40: x's worker never picks the 30 test (not even as
+    rule 4's soonest, where it would wait at x's broker forever), and once only such tests are
+    left it is no longer eligible (it stops); y's worker takes them."""
+    big, small = Need(1, 30), Need(1, 4)
+    jobs = [Job(0, 10.0, big), Job(1, 10.0, big), Job(2, 1.0, small)]
+    planner = Planner(jobs, capacities=[])
+    planner.node_capacities = {"x": [16, 16], "y": [40]}
+    planner.node_limits = {"x": [16, 16], "y": [40]}
+    planner.add_worker("x1", "x")
+    planner.add_worker("y1", "y")
+    assert planner.pick("x1", 0.0) == 2  # the small one: the big ones are longer, but never fit x
+    assert planner.pick("x1", 0.0) is None  # holding one, nothing else fits x now or ever
+    assert planner.pick("y1", 0.0) == 0
+    planner.complete("x1", 2, 1.0)
+    assert not planner.eligible("x1") and planner.eligible("y1")
+    assert planner.pick("x1", 1.0) is None
+    # two GPUs of x give a two-GPU need that y's one GPU never can
+    pair = Planner([Job(0, 1.0, Need(2, 4))], capacities=[])
+    pair.node_capacities = pair.node_limits = {"x": [16, 16], "y": [40]}
+    pair.add_worker("y1", "y")
+    pair.add_worker("x1", "x")
+    assert pair.pick("y1", 0.0) is None and not pair.eligible("y1")
+    assert pair.pick("x1", 0.0) == 0

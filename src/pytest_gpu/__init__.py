@@ -107,6 +107,12 @@ that this map names every module).
         torchenv        torch.distributed's variables (RANK, MASTER_ADDR, ...) under mpirun and srun
         gather          ranks publishing to each other through files
         session         the launched-rank role (LaunchedRank)
+    nodes/              one run over several nodes (--gpu-nodes)
+        spec            the option, the nodes, the workers' execnet specs (pure)
+        sshgate         a process started on a host through ssh, quoted for its shell
+        agent           a node's host: that node's run (inventory, broker, arbiter link)
+        hosts           the controller's side: the node hosts, each worker's node and run
+        worker          a worker's node: checked, its temp directory there
     raycluster/         Ray clusters for tests (the ``ray_cluster`` fixture)
         head            what a head is: the fixture's value, command, environment, files
         readiness       this process's Ray driver: connect, wait, disconnect
@@ -123,12 +129,12 @@ folder's layer for this one:
 
     1. words: hookspecs procs safefiles importhook service leasing.requests leasing.placement
        leasing.ports leasing.host leasing.spans leasing.protocol report.wording launched.detect
-       scheduling.history
+       scheduling.history nodes.spec nodes.sshgate
     2. machine: machine
     3. devices: sim gpu
     4. leasing: leasing
     5. settings: options run.conventions roles.keys
-    6. run: run launched distributed raycluster
+    6. run: run launched distributed raycluster nodes
     7. planning: scheduling report
     8. roles: roles
     9. entry: plugin cli

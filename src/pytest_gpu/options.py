@@ -181,6 +181,14 @@ def register(parser: pytest.Parser) -> None:
         help="build every shared_artifact anew (once in this run) even if its version is unchanged.",
     )
     group.addoption(
+        "--gpu-nodes",
+        dest="gpu_nodes",
+        default=None,
+        help="one run over several nodes, -n N workers on each, every node's GPUs leased there: 'slurm' "
+        "(every node of the allocation, through srun), 'ssh:HOST,HOST' (through ssh) or 'local:N' (N nodes "
+        "simulated on this machine, for tests); the nodes must share the filesystem.",
+    )
+    group.addoption(
         "--shard",
         action="store_true",
         default=False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.detect import LaunchContext, detect
 from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
-from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY
+from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY
 from .run import fixture_leases, lifecycle
 from .run.record import RUN_KEY
 from .run.session import WIRE_KEY, GpuRun
@@ -56,6 +57,11 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
     # before xdist turns "-n N" into "--dist load": did the user choose a distribution mode?
     config.stash[DIST_CHOSEN_KEY] = getattr(config.option, "dist", "no") != "no"
+    config.stash[TX_GIVEN_KEY] = list(getattr(config.option, "tx", None) or [])  # --gpu-nodes refuses --tx
+    if hasattr(config, "workerinput"):
+        from .nodes import worker as node_worker
+
+        node_worker.setup(config)  # a --gpu-nodes worker: on its node, with its temp directory there
     return (yield)
 
 
@@ -109,11 +115,18 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and WIRE_KEY in workerinput:
         run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
+        from .nodes import worker as node_worker
+
+        run.largest_node = node_worker.largest(config, run)  # --gpu-nodes: requests are checked against it
     else:
         settings = options.read(config)
+        from .nodes.hosts import configure as configure_nodes
         from .run.rundir import RunDirError
         from .sim.ledger import LedgerWriteError
 
+        if configure_nodes(config, settings, config.stash.get(LAUNCH_KEY, None)) is not None:
+            # --gpu-nodes: each node's host owns that node's GPUs; the controller leases none
+            settings = replace(settings, gpus="none")
         try:
             run = GpuRun.start(settings, launch=config.stash.get(LAUNCH_KEY, None))
         except (DeviceSpecError, RunDirError, LedgerWriteError) as exc:

@@ -273,12 +273,17 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
     spans = _spans(events)
     processes, threads = _names(events)
 
+    # --gpu-nodes: each node's workers are a process of their own (their tids are the run's)
+    worker_pids = {WORKERS_PID}
+    for node in meta.get("nodes") or []:
+        if isinstance(node, Mapping) and _is_int(node.get("workers_pid")):
+            worker_pids.add(node["workers_pid"])
     # GPU rows: every GPU the trace lists (idle ones too), and any that only leases name.
     gpu_pids: set[int] = set()
     for gpu in meta.get("gpus") or []:
         if isinstance(gpu, Mapping) and _is_int(gpu.get("index")):
             gpu_pids.add(GPU_PID + gpu["index"])
-    gpu_pids.update(pid for pid in processes if pid >= GPU_PID)
+    gpu_pids.update(pid for pid in processes if pid >= GPU_PID and pid not in worker_pids)
     gpu_pids.update(span.pid for span in spans if span.cat == "lease")
 
     # Worker rows: tid = position in the workers list + 1, as the trace writer numbers them.
@@ -286,7 +291,7 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
     for position, name in enumerate(meta.get("workers") or []):
         worker_tids[position + 1] = str(name)
     for (pid, tid), name in threads.items():
-        if pid == WORKERS_PID:
+        if pid in worker_pids:
             worker_tids[tid] = name
     for span in spans:
         if span.cat in ("test", "wait") and span.tid not in worker_tids:
@@ -340,7 +345,7 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
                     EXCLUSIVE_HATCH if exclusive else None,
                 )
             )
-        elif span.cat in ("test", "wait") and span.pid == WORKERS_PID:
+        elif span.cat in ("test", "wait") and span.pid in worker_pids:
             index = worker_rows[span.tid]
             row = rows[index]
             outcome = span.args.get("outcome") if span.cat == "test" else None

@@ -36,6 +36,7 @@ class TestRecord:
     leases: list[LeaseSpan] = field(default_factory=list)
     reported_wait: float | None = None  # seconds it waited for GPUs, as the test reported it
     held: list[HeldRow] = field(default_factory=list)  # other holders' leases judged during it (fixtures, pools)
+    node: str | None = None  # --gpu-nodes: the node it ran on (its report's ``gpu_node``); its GPUs are that node's
 
     __test__ = False
 
@@ -98,6 +99,9 @@ class Timeline:
             rec.outcome = "failed" if when == "call" else "error"
         elif outcome == "skipped" and rec.outcome == "passed":
             rec.outcome = "skipped"
+        node = properties.get("gpu_node")
+        if node is not None:
+            rec.node = str(node)
         props = gpu_properties(properties.items())
         if "gpu_leases" in props:
             rec.leases = parse_spans(str(props["gpu_leases"]))
@@ -129,16 +133,30 @@ class Timeline:
         """Seconds all tests of the run waited for GPUs: the one figure the summary prints."""
         return sum(r.waited for r in self.records.values())
 
-    def busy(self, gpus: Iterable[int]) -> dict[int, float]:
-        """Per GPU: the fraction of the makespan during which some test, fixture or rank pool held a lease on it."""
+    def busy(self, gpus: Iterable[int], node: str | None = None) -> dict[int, float]:
+        """Per GPU: the fraction of the makespan during which some test, fixture or rank pool held a lease on it
+        (``node``: that node's GPUs, as its tests' leases name them)."""
         makespan = self.makespan()
-        tests = self.tests()
+        tests = [r for r in self.tests() if node is None or r.node == node]
         leases = [s for r in tests for s in r.leases] + [s for r in tests for h in r.held for s in h.spans]
         out = {}
         for gpu in gpus:
             spans = sorted((s.granted, s.released) for s in leases if gpu in s.gpus)
             out[gpu] = _union(spans) / makespan if makespan > 0 else 0.0
         return out
+
+    def node_words(self, node: str, gpus: Sequence[int]) -> str:
+        """What ran on ``node`` (``--gpu-nodes``), for its summary line: tests, their busy time
+        (setup, call and teardown summed), their waits for GPUs, and each of its GPUs' busy share."""
+        tests = [r for r in self.tests() if r.node == node]
+        busy = self.busy(gpus, node) if tests else {}
+        words = (
+            f"{plural(len(tests), 'test')} · busy {duration(sum(r.duration for r in tests))} · "
+            f"waited {duration(sum(r.waited for r in tests))} for GPUs"
+        )
+        if busy:
+            words += " · GPU busy " + " ".join(f"{g}:{busy[g]:.0%}" for g in gpus)
+        return words
 
     def summary_lines(
         self, gpus: Sequence[int], with_peaks: bool, *, learn: bool = False, verbose: bool = False

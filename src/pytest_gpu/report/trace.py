@@ -11,6 +11,12 @@ Open it in https://ui.perfetto.dev or chrome://tracing. Layout:
   GPU has lanes (threads): a lease takes the first lane free at its start. A counter
   ``leased memory`` shows the GiB promised.
 
+Under ``--gpu-nodes`` each node is a track group of its own: process ``NODE_PID * (k + 1) + 1``
+"node X: workers" (its workers' threads), and ``NODE_PID * (k + 1) + 100 + i`` "node X: GPU i"
+for its GPUs, numbered as that node numbers them (``k``: the node's place in the run's list;
+``otherData.pytest_gpu.nodes`` lists each node's pids and GPUs). Every test appears once, on
+its node's workers' track.
+
 Times are microseconds from the first test's start; ``otherData.pytest_gpu`` holds the
 inventory and the wall-clock start, for ``pytest-gpu report``.
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +34,19 @@ from .timeline import TestRecord, Timeline
 
 WORKERS_PID = 1
 GPU_PID = 100
+NODE_PID = 10000  # --gpu-nodes: node k's processes are NODE_PID * (k + 1) + the pids above
 GIB = 2**30
 
 
-def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, source: str) -> dict[str, Any]:
-    """The trace of ``timeline`` on ``gpus`` (``(index, total bytes)`` each)."""
+def build(
+    timeline: Timeline,
+    gpus: Sequence[tuple[int, int]],
+    inventory: str,
+    source: str,
+    nodes: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+) -> dict[str, Any]:
+    """The trace of ``timeline`` on ``gpus`` (``(index, total bytes)`` each); ``nodes``
+    (``--gpu-nodes``): each node's GPUs instead, each node a track group (see the module docstring)."""
     tests = timeline.tests()
     begin, _ = timeline.bounds()
     workers = sorted({r.worker for r in tests}, key=_worker_order)
@@ -41,19 +55,34 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
     def us(t: float) -> int:
         return round((t - begin) * 1e6)
 
-    events: list[dict[str, Any]] = [_meta("process_name", WORKERS_PID, None, "workers")]
-    events += [_meta("thread_name", WORKERS_PID, tid, w) for w, tid in tids.items()]
-    for index, total in gpus:
-        events.append(_meta("process_name", GPU_PID + index, None, f"GPU {index} ({format_size(total)})"))
-        events.append({"ph": "M", "name": "process_sort_index", "pid": GPU_PID + index, "args": {"sort_index": index}})
+    groups: list[tuple[str | None, int, Sequence[tuple[int, int]]]]  # (node, pid offset, its GPUs)
+    if nodes is None:
+        groups = [(None, 0, gpus)]
+    else:
+        groups = [(name, NODE_PID * (k + 1), node_gpus) for k, (name, node_gpus) in enumerate(nodes.items())]
+    offset = {name: base for name, base, _ in groups}
+    events: list[dict[str, Any]] = []
+    for name, base, group_gpus in groups:
+        label = "" if name is None else f"node {name}: "
+        pid = base + WORKERS_PID
+        events.append(_meta("process_name", pid, None, f"{label}workers"))
+        if name is not None:
+            events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": base}})
+        mine = [w for w in workers if any(r.worker == w and r.node == name for r in tests)] if name else workers
+        events += [_meta("thread_name", pid, tids[w], w) for w in mine]
+        for index, total in group_gpus:
+            gpid = base + GPU_PID + index
+            events.append(_meta("process_name", gpid, None, f"{label}GPU {index} ({format_size(total)})"))
+            events.append({"ph": "M", "name": "process_sort_index", "pid": gpid, "args": {"sort_index": base + index}})
     for rec in tests:
+        base = offset.get(rec.node, 0) if nodes is not None else 0
         stop = max(rec.stop, rec.start)
         events.append(
             {
                 "ph": "X",
                 "cat": "test",
                 "name": short(rec.nodeid),
-                "pid": WORKERS_PID,
+                "pid": base + WORKERS_PID,
                 "tid": tids[rec.worker],
                 "ts": us(rec.start),
                 "dur": max(us(stop) - us(rec.start), 1),
@@ -64,7 +93,8 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
                     "gpus": sorted({g for s in rec.leases for g in s.gpus}),
                     "request": rec.request or None,
                     "wait_s": round(rec.waited, 6),
-                },
+                }
+                | ({"node": rec.node} if rec.node is not None else {}),
             }
         )
         for span in rec.leases:
@@ -74,14 +104,26 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
                         "ph": "X",
                         "cat": "wait",
                         "name": "wait for GPU",
-                        "pid": WORKERS_PID,
+                        "pid": base + WORKERS_PID,
                         "tid": tids[rec.worker],
                         "ts": us(span.asked),
                         "dur": max(us(span.granted) - us(span.asked), 1),
                         "args": {"nodeid": rec.nodeid, "request": rec.request or None},
                     }
                 )
-    events += _gpu_events(tests, [i for i, _ in gpus], us)
+    for name, base, group_gpus in groups:
+        mine_tests = tests if name is None else [r for r in tests if r.node == name]
+        events += _gpu_events(mine_tests, [i for i, _ in group_gpus], us, base)
+    other: dict[str, Any] = {}
+    if nodes is not None:
+        other["nodes"] = [
+            {
+                "name": name,
+                "workers_pid": base + WORKERS_PID,
+                "gpus": [{"index": i, "memory": total, "pid": base + GPU_PID + i} for i, total in group_gpus],
+            }
+            for name, base, group_gpus in groups
+        ]
     return {
         "displayTimeUnit": "ms",
         "traceEvents": events,
@@ -95,14 +137,15 @@ def build(timeline: Timeline, gpus: Sequence[tuple[int, int]], inventory: str, s
                 "makespan": timeline.makespan(),
                 "workers": workers,
             }
+            | other
         },
     }
 
 
-def _gpu_events(tests: Sequence[TestRecord], gpus: Sequence[int], us: Any) -> list[dict[str, Any]]:
+def _gpu_events(tests: Sequence[TestRecord], gpus: Sequence[int], us: Any, base: int = 0) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for gpu in gpus:
-        pid = GPU_PID + gpu
+        pid = base + GPU_PID + gpu
         leases = sorted(
             [(span, rec, None) for rec in tests for span in rec.leases if gpu in span.gpus]
             + [(span, rec, held) for rec in tests for held in rec.held for span in held.spans if gpu in span.gpus],

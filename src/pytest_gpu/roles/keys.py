@@ -12,6 +12,8 @@ from ..launched.detect import LaunchContext
 LAUNCH_KEY = pytest.StashKey[LaunchContext | None]()
 # Whether the user chose an xdist distribution mode (read before xdist turns -n N into --dist load).
 DIST_CHOSEN_KEY = pytest.StashKey[bool]()
+# --tx as the user gave it (read before xdist turns -n N into popen specs): --gpu-nodes refuses both
+TX_GIVEN_KEY = pytest.StashKey[list[str]]()
 # workerinput: True when the controller hands tests out with GpuScheduling.
 SCHEDULE_KEY = "pytest_gpu_schedule"
 

@@ -13,6 +13,8 @@ import pytest
 from .. import raycluster
 from ..launched import selection
 from ..machine import domain
+from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node, guard_replacements, node_of
+from ..nodes.hosts import raise_reported as nodes_required
 from ..report.summary import Summary, context_lines, foreign_lines
 from ..run import required
 from ..run.session import WIRE_KEY, GpuRun
@@ -46,6 +48,7 @@ class RunOwner(RoleBase):
                 [(d.index, d.total_memory) for d in run.inventory.devices],
                 run.inventory.describe(),
                 run.inventory.source,
+                self.node_gpus(),
             )
             try:
                 summary.trace_path = str(trace.write(run.settings.trace, data))
@@ -67,6 +70,9 @@ class RunOwner(RoleBase):
                 terminalreporter.write_line(line)
             return
         lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        words = self.gpus_words()
+        if words is not None:  # the run's GPUs are not this process's own
+            lines[0] = lines[0].replace(f"{run.inventory.describe()} [{run.inventory.source}]", words, 1)
         lines += context_lines(
             run.broker.measured,
             run.settings.context_overhead,
@@ -90,6 +96,15 @@ class RunOwner(RoleBase):
         for line in lines + selection.summary_lines(config):
             terminalreporter.write_line(line)
 
+    def gpus_words(self) -> str | None:
+        """What the summary's first line calls the run's GPUs, where they are not this
+        process's inventory (``None``: they are)."""
+        return None
+
+    def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
+        """``--gpu-nodes``: each node's GPUs (the trace's track groups); ``None``: one machine."""
+        return None
+
     def close(self) -> None:
         super().close()
         raycluster.stop_head(self.run)  # the Ray head a test started is the owner's to stop
@@ -102,18 +117,57 @@ class Controller(RunOwner):
     role = Role.CONTROLLER
 
     @property
+    def nodes(self) -> NodeHosts | None:
+        """``--gpu-nodes``: every node's host (see :mod:`pytest_gpu.nodes`); ``None``: one machine."""
+        return self.config.stash.get(NODES_KEY, None)
+
+    @property
     def schedules(self) -> bool:
         return self.run.settings.schedule and not self.config.stash.get(DIST_CHOSEN_KEY, False)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
-        """Each new worker (replacements too) gets the broker's address."""
-        node.workerinput[WIRE_KEY] = self.run.to_wire()
+        """Each new worker (replacements too) gets the broker's address: its node's, under ``--gpu-nodes``."""
+        if self.nodes is not None:
+            configure_node(self.nodes, node)
+        else:
+            node.workerinput[WIRE_KEY] = self.run.to_wire()
         node.workerinput[SCHEDULE_KEY] = self.schedules
+
+    def gpus_words(self) -> str | None:
+        if self.nodes is None:
+            return None
+        count = len(self.nodes.up)  # --gpu-nodes: the controller leases no GPU; each node's line says its own
+        return f"{count} node{'' if count == 1 else 's'} (their GPUs above)"
+
+    def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
+        return self.nodes.gpus() if self.nodes is not None else None
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.nodes is not None:  # each node's GPUs, leases and what ran there, before the run's own lines
+            for line in self.nodes.lines(self.summary.timeline.node_words):
+                terminalreporter.write_line(line)
+        super().pytest_terminal_summary(terminalreporter)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_setupnodes(self, config: pytest.Config, specs: Any) -> None:
+        if self.nodes is not None:  # xdist's session exists now: a lost node's workers are not replaced
+            guard_replacements(config, self.nodes)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+        """Under ``--gpu-nodes``, a crashed test's report names the node its worker ran on."""
+        node = node_of(getattr(report, "node", None)) if self.nodes is not None else None
+        if node is not None:
+            report.longrepr = f"{report.longrepr} on node {node}"
+            report.user_properties.append(("gpu_node", node))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
-        required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
+        if self.nodes is not None:  # found in the worker's node's run directory
+            nodes_required(self.nodes, node)
+        else:
+            required.raise_reported(self.run, str(node.gateway.id))  # --gpu-required, as the worker found it
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object) -> None:
@@ -128,5 +182,4 @@ class Controller(RunOwner):
             return None  # xdist's own, as chosen with --dist
         from ..scheduling.scheduler import GpuScheduling
 
-        return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY))
-
+        return GpuScheduling(config, log, self.run, history.load(config, history.DURATIONS_KEY), self.nodes)

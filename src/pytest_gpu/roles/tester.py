@@ -17,6 +17,7 @@ from ..distributed import runner
 from ..gpu import verification
 from ..launched import selection
 from ..launched.session import select_share
+from ..nodes import worker as node_worker
 from ..run import fixture_leases, lifecycle, quarantine, required
 from ..run.record import needs
 from .base import RoleBase
@@ -44,7 +45,7 @@ class TestProcess(RoleBase):
         if workeroutput is not None:  # the controller prints the reasons (a worker's terminal is not shown)
             workeroutput[selection.WORKEROUTPUT_KEY] = dict(config.stash.get(selection.REASONS_KEY, {}))
         self.select(items)
-        lifecycle.mark_oversize(items, self.run)
+        lifecycle.mark_oversize(items, self.run, node_worker.every_node(config, self.run))
 
     def select(self, items: list[pytest.Item]) -> None:
         """Narrow the collected tests further (a worker: its rank's shard)."""
@@ -116,6 +117,9 @@ class Worker(TestProcess):
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         # xdist heard the last test complete: a worker whose CUDA it broke ends before this one
         quarantine.end_worker(self.config, self.run, lambda: runner.close(self.config))
+        node = node_worker.node(self.config)
+        if node is not None:  # --gpu-nodes: each report (and junitxml's testcase) names the node it ran on
+            item.user_properties.append(("gpu_node", node))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import replace
 from types import TracebackType
@@ -87,15 +87,19 @@ def _gpu_request(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, boo
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
     usable = run.usable_memory
+    where = f"the largest of {run.inventory.describe()}"
+    if run.largest_node is not None and run.largest_node[1] > usable:  # --gpu-nodes: another node's GPUs give more
+        usable = run.largest_node[1]
+        where = f"the largest GPU of the largest node, {run.largest_node[0]}"
     peak = run.learned_peaks.get(item.nodeid)
     if run.settings.learn and request.count and not named and peak is not None and usable > 0:
         request = learned(request, peak, usable)
-    if run.inventory.devices and request.memory is not None:
+    if (run.inventory.devices or run.largest_node is not None) and request.memory is not None:
         if request.memory > usable:
             raise GpuRequestError(
                 f"{item.nodeid}: {what}: memory={format_size(request.memory)} is larger than any GPU "
-                f"can give ({format_size(usable)} after the {run.inventory.runtime} context on the largest of "
-                f"{run.inventory.describe()}); expected a smaller memory= or exclusive=True"
+                f"can give ({format_size(usable)} after the {run.inventory.runtime} context on {where}); "
+                "expected a smaller memory= or exclusive=True"
             )
     return request, isolate
 
@@ -164,14 +168,29 @@ def collect_report(
         report.result = []
 
 
-def mark_oversize(items: list[pytest.Item], run: GpuRun) -> None:
+def mark_oversize(items: list[pytest.Item], run: GpuRun, elsewhere: Mapping[str, GpuRun] | None = None) -> None:
     """Skip (or flag to fail) tests this run can never run: a request larger than its GPUs or
     machine, a distributed test whose rank pool cannot be placed on them or whose
-    ``backend="nccl"`` cannot run here (see :func:`never_runs`)."""
+    ``backend="nccl"`` cannot run here (see :func:`never_runs`).
+
+    ``elsewhere`` (``--gpu-nodes``: node -> that node's run, this worker's node included): a test
+    one of them can run is left alone (the scheduler keeps it off the nodes it cannot fit); one
+    none can run is skipped with the largest node's reason, naming that node."""
     for item in items:
         found = never_runs(item, run)
         if found is None:
             continue
+        if elsewhere:
+            if any(never_runs(item, other) is None for other in elsewhere.values()):
+                continue
+            name, largest = max(
+                elsewhere.items(), key=lambda kv: (kv[1].usable_memory, len(kv[1].inventory.devices), kv[0])
+            )
+            reason, _ = never_runs(item, largest) or found
+            found = (
+                f"fits no node of the run; on the largest, node {name}: {reason}",
+                f"larger than the largest node's (node {name}: {largest.inventory.describe()})",
+            )
         reason, why = found
         if run.settings.oversize == "skip":
             item.add_marker(pytest.mark.skip(reason=f"pytest-gpu: {reason}"))

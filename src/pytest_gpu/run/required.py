@@ -80,11 +80,16 @@ def check(session: pytest.Session, run: GpuRun) -> None:
     raise pytest.UsageError(message)
 
 
+def reported(run: GpuRun, worker: str) -> str | None:
+    """What ``worker`` found, if anything (read where the run's broker is: its run directory)."""
+    try:
+        return _finding(run, worker).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+
+
 def raise_reported(run: GpuRun, worker: str) -> None:
     """The xdist controller, as ``worker``'s collection comes in: raise what it found."""
-    path = _finding(run, worker)
-    try:
-        message = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return
-    raise pytest.UsageError(message)
+    message = reported(run, worker)
+    if message is not None:
+        raise pytest.UsageError(message)

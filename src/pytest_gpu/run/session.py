@@ -221,6 +221,9 @@ class GpuRun:
     # what this process gives up when one of its own requests must wait (its idle warm rank pools)
     on_wait: list[Callable[[], bool]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)  # the CUDA contexts this process measured
+    # --gpu-nodes: the node whose GPUs give one lease the most, and that most (a request is
+    # checked against it, not this node's: the scheduler keeps it off nodes too small for it)
+    largest_node: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         # short: a traceback's locals show it, and the settings and inventory fill a screen

@@ -171,6 +171,16 @@ class Planner:
         self.contexts: Mapping[str, Collection[int]] = {}
         self.context_size: Sequence[int] = ()
         self._plans: dict[int, Grant] = {}  # held test -> the GPUs planned for its own need (see planned)
+        # --gpu-nodes: node -> usable bytes per GPU of that node, and what a new context takes
+        # on each (the scheduler refreshes both); a worker added with a node packs against its
+        # node's GPUs and its node's workers only, and its plans name its node's GPUs
+        self.node_capacities: Mapping[str, Sequence[int]] = {}
+        self.node_context_size: Mapping[str, Sequence[int]] = {}
+        # node -> the most one lease can ever get on each of its GPUs (its capacity less a
+        # context): a test whose need exceeds it on that node is never picked by its workers
+        # (heterogeneous nodes; another node's workers run it)
+        self.node_limits: Mapping[str, Sequence[int]] = {}
+        self._node_of: dict[str, str | None] = {}
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
@@ -217,14 +227,34 @@ class Planner:
 
     # -- workers --------------------------------------------------------------------
 
-    def add_worker(self, worker: str) -> None:
+    def add_worker(self, worker: str, node: str | None = None) -> None:
+        """A new worker; ``node``: the node it runs on (``--gpu-nodes``; ``None``: the one machine)."""
         self._workers.setdefault(worker, _Worker())
+        self._node_of[worker] = node
+
+    def node_of(self, worker: str) -> str | None:
+        """The node ``worker`` was added with (``None``: the one machine)."""
+        return self._node_of.get(worker)
+
+    def _ever(self, worker: str, need: Need) -> bool:
+        """Whether ``need`` can ever fit ``worker``'s node (always, without nodes or limits)."""
+        node = self._node_of.get(worker)
+        limits = self.node_limits.get(node) if node is not None else None
+        if limits is None:
+            return True
+        return sum(need.memory is None or limit >= need.memory for limit in limits) >= need.count
+
+    def _capacities(self, worker: str) -> Sequence[int]:
+        """The GPUs ``worker``'s tests are packed onto: its node's, or the run's."""
+        node = self._node_of.get(worker)
+        return self.capacities if node is None else self.node_capacities.get(node, ())
 
     def remove_worker(self, worker: str) -> list[int]:
         """Forget ``worker``; its held tests except the running one go back to pending.
 
         Returns every test it held, running one first (the caller reports that one)."""
         state = self._workers.pop(worker, None)
+        self._node_of.pop(worker, None)
         if state is None:
             return []
         for group in [g for g, w in self._bound.items() if w == worker]:
@@ -276,7 +306,7 @@ class Planner:
 
     def eligible(self, worker: str) -> bool:
         """Whether some pending test may go to ``worker`` (not all bound to others)."""
-        if self._cpu or any(self._by_need.values()) or self._alone:
+        if self._cpu or self._alone or any(m and self._ever(worker, n) for n, m in self._by_need.items()):
             return True
         groups = itertools.chain(self._groups.items(), self._alone_groups.items())
         return any(members and self._bound.get(g, worker) == worker for g, members in groups)
@@ -298,13 +328,14 @@ class Planner:
                     return alone
                 return None
         spans, start = self._forecast(worker, now)
+        caps = self._capacities(worker)
         extra = self._new_contexts(worker)
         at_start: dict[Need, bool] = {}  # few distinct needs: a quick "no" for most candidates
         memo: dict[tuple[tuple[Need, ...], float], bool] = {}
 
         def viable(need: Need) -> bool:
             if need not in at_start:
-                at_start[need] = self._fits_at((need,), start, 0.0, spans, extra)
+                at_start[need] = self._fits_at((need,), start, 0.0, spans, caps, extra)
             return at_start[need]
 
         def fits(index: int) -> bool:
@@ -316,7 +347,7 @@ class Planner:
                 return False
             key = (needs, job.duration)
             if key not in memo:
-                memo[key] = self._fits_at(needs, start, job.duration, spans, extra)
+                memo[key] = self._fits_at(needs, start, job.duration, spans, caps, extra)
             return memo[key]
 
         own_groups = [m[0] for g, m in self._groups.items() if m and self._bound.get(g) == worker]
@@ -334,17 +365,17 @@ class Planner:
         for candidates in passes:
             choice = next((i for i in candidates if fits(i)), None)
             if choice is not None:
-                self._plan(choice, start, spans, extra)
+                self._plan(choice, start, spans, caps, extra)
                 break
         if choice is None and (state.queue or not self._anyone_busy(worker)):
             # nothing fits: among the first few by priority, the one predicted to fit soonest
             first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
             if first:  # ties go by priority order (a group weighs its remaining time)
-                when = [self._fit_time(self.jobs[i], start, spans, extra) for i in first]
+                when = [self._fit_time(self.jobs[i], start, spans, caps, extra) for i in first]
                 soonest = min(range(len(first)), key=lambda k: (when[k], k))
                 choice = first[soonest]
                 if when[soonest] < float("inf"):  # where it will fit once what it waits for ended
-                    self._plan(choice, when[soonest], spans, extra)
+                    self._plan(choice, when[soonest], spans, caps, extra)
         if choice is not None:
             self._assign(worker, choice, now)
         return choice
@@ -392,7 +423,8 @@ class Planner:
             ((self._rank(i), i) for i in self._cpu),
         ]
         for need, members in self._by_need.items():
-            if members and (viable is None or viable(need)):
+            # a need its node can never give is left to other nodes' workers (viable() or not)
+            if members and self._ever(worker, need) and (viable is None or viable(need)):
                 streams.append((self._rank(i), i) for i in itertools.islice(members, _SCAN))
         for _, index in heapq.merge(*streams):
             yield index
@@ -428,10 +460,14 @@ class Planner:
     # -- prediction -----------------------------------------------------------------
 
     def _forecast(self, worker: str, now: float) -> tuple[list[_Span], float]:
-        """Predicted GPU spans of every held test, and when ``worker`` is free."""
+        """Predicted GPU spans of every held test on ``worker``'s node (the one machine's
+        GPUs, without nodes), and when ``worker`` is free."""
         spans: list[_Span] = []
         free_at = now
+        node = self._node_of.get(worker)
         for name, state in self._workers.items():
+            if self._node_of.get(name) != node:
+                continue  # another node's GPUs
             t = state.head_since if state.head_since is not None else now
             for position, index in enumerate(state.queue):
                 job = self.jobs[index]
@@ -461,14 +497,16 @@ class Planner:
         """Per GPU: what a lease of ``worker`` adds there besides its memory, a new CUDA
         context (0 where it has one, or will once a test it holds got its planned GPUs);
         ``None`` when contexts are not counted."""
-        if not self.context_size:
+        node = self._node_of.get(worker)
+        sizes = self.context_size if node is None else self.node_context_size.get(node, ())
+        if not sizes:
             return None
         have = set(self.contexts.get(worker, ()))
         for index in self._workers[worker].queue:
             plan = self._plans.get(index)
             if plan is not None:
                 have.update(plan.gpus)
-        return [0 if i in have else size for i, size in enumerate(self.context_size)]
+        return [0 if i in have else size for i, size in enumerate(sizes)]
 
     def _unopened(self, plan: Grant, worker: str) -> Grant:
         """``plan`` less the contexts ``worker`` opened since it was made (the room counts those now)."""
@@ -493,42 +531,48 @@ class Planner:
         start: float,
         duration: float,
         spans: list[_Span],
+        caps: Sequence[int],
         extra: Sequence[int] | None = None,
     ) -> bool:
         """Whether a candidate's ``needs`` (``extra`` more on each GPU: its new contexts)
-        fit beside ``spans`` for ``duration`` from ``start``."""
+        fit on GPUs of ``caps`` beside ``spans`` for ``duration`` from ``start``."""
         overlapping, points = self._active(spans, start, duration)
         for point in points:
             active = [s for s in overlapping if s.start <= point < s.end]
             free = [s.need for s in active if s.grant is None]
-            if not self._packs(free, [s.grant for s in active if s.grant is not None], needs, extra):
+            if not self._packs(free, [s.grant for s in active if s.grant is not None], caps, needs, extra):
                 return False
         return True
 
-    def _fit_time(self, job: Job, start: float, spans: list[_Span], extra: Sequence[int] | None = None) -> float:
+    def _fit_time(
+        self, job: Job, start: float, spans: list[_Span], caps: Sequence[int], extra: Sequence[int] | None = None
+    ) -> float:
         """The earliest moment from ``start`` at which ``job`` is predicted to fit."""
         needs = self._needs(job)
         if not needs:
             return start
         for moment in sorted({start} | {s.end for s in spans if s.end > start}):
-            if self._fits_at(needs, moment, job.duration, spans, extra):
+            if self._fits_at(needs, moment, job.duration, spans, caps, extra):
                 return moment
         return float("inf")
 
-    def _plan(self, index: int, start: float, spans: list[_Span], extra: Sequence[int] | None) -> None:
+    def _plan(
+        self, index: int, start: float, spans: list[_Span], caps: Sequence[int], extra: Sequence[int] | None
+    ) -> None:
         """Plan GPUs for ``index``'s own need, picked to start at ``start`` (see the module
         docstring): GPUs where it fits at every moment of its predicted span beside what is
         held or planned there, its worker's contexts first, then the tightest; kept only if
         what is not placed yet still packs beside it at each of those moments."""
         job = self.jobs[index]
-        need, count = job.need, len(self.capacities)
+        need, count = job.need, len(caps)
         if need is None or not count:
             return
         add = list(extra) if extra is not None else [0] * count
         overlapping, points = self._active(spans, start, job.duration)
-        low, taken = list(self.capacities), [False] * count  # least room over the span; any lease there
+        low, taken = list(caps), [False] * count  # least room over the span; any lease there
         for point in points:
-            free, held = self._free([s.grant for s in overlapping if s.grant is not None and s.start <= point < s.end])
+            granted = [s.grant for s in overlapping if s.grant is not None and s.start <= point < s.end]
+            free, held = self._free(granted, caps)
             low = [min(a, b) for a, b in zip(low, free, strict=True)]
             taken = [a or b for a, b in zip(taken, held, strict=True)]
         ranked: list[tuple[int, ...]]
@@ -545,13 +589,13 @@ class Planner:
         for point in points:
             active = [s for s in overlapping if s.start <= point < s.end]
             granted = [s.grant for s in active if s.grant is not None]
-            if not self._packs([s.need for s in active if s.grant is None], [*granted, plan], others):
+            if not self._packs([s.need for s in active if s.grant is None], [*granted, plan], caps, others):
                 return
         self._plans[index] = plan
 
-    def _free(self, granted: Sequence[Grant]) -> tuple[list[int], list[bool]]:
-        """Room left on each GPU beside ``granted`` (held where they are), and which GPUs hold one."""
-        free = list(self.capacities)
+    def _free(self, granted: Sequence[Grant], caps: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Room left on each GPU of ``caps`` beside ``granted`` (held where they are), and which GPUs hold one."""
+        free = list(caps)
         taken = [False] * len(free)
         for grant in granted:
             for k, i in enumerate(grant.gpus):
@@ -566,14 +610,15 @@ class Planner:
     def _packs(
         self,
         needs: Sequence[Need],
-        granted: Sequence[Grant] = (),
+        granted: Sequence[Grant],
+        caps: Sequence[int],
         own: Sequence[Need] = (),
         extra: Sequence[int] | None = None,
     ) -> bool:
         """Whether ``needs`` and a candidate's ``own`` (which take ``extra`` more on each GPU:
         the contexts its worker would open) can hold GPUs at once beside ``granted`` (held
         where they are): whole GPUs first (on GPUs no lease holds), then largest first, best fit."""
-        free, taken = self._free(granted)
+        free, taken = self._free(granted, caps)
         add = list(extra) if extra is not None else [0] * len(free)
         items = [(need, False) for need in needs] + [(need, True) for need in own]
         for need, mine in sorted(items, key=lambda it: (it[0].memory is not None, -it[0].count, -(it[0].memory or 0))):

@@ -19,6 +19,8 @@ and starts once that one finished; then every worker gets work again.
 
 Where the planner planned a GPU test's lease (:meth:`Planner.planned`), the broker is told
 as the test is handed out, and places the lease there when it fits (:meth:`Broker.prefer`).
+Under ``--gpu-nodes`` the plan names GPUs of the worker's node and goes to that node's
+broker only, through its node host (:meth:`Nodes.prefer`).
 
 A worker that dies gives back what it held: xdist reports the test it was running,
 the rest returns to pending and goes to the other workers (or xdist's replacement). No
@@ -28,8 +30,8 @@ test waits for a dead worker, so the run cannot hang on one.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
@@ -39,13 +41,40 @@ from .planner import Grant, Order, Planner
 if TYPE_CHECKING:
     from xdist.workermanage import WorkerController
 
+    from ..nodes.hosts import NodeView
     from ..run.session import GpuRun
 
 
-class GpuScheduling:
-    """xdist ``Scheduling`` for pytest-gpu (see the module docstring)."""
+class Nodes(Protocol):
+    """The run's nodes under ``--gpu-nodes`` (:class:`pytest_gpu.nodes.hosts.NodeHosts`):
+    each node's broker, as the scheduler reads it instead of the run's own."""
 
-    def __init__(self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float]) -> None:
+    @property
+    def catalog(self) -> Mapping[str, Any]:
+        """Every node's catalog, merged; brought up to date by :meth:`refresh`."""
+        ...
+
+    def refresh(self) -> Mapping[str, NodeView]:
+        """Each live node's broker now: room, grants by worker, contexts (the node's GPU indices)."""
+        ...
+
+    def prefer(self, node: str, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
+        """:meth:`Broker.prefer` on ``node``'s broker (``gpus``: that broker's indices)."""
+        ...
+
+    def node_of(self, worker: Any) -> str | None:
+        """The node an xdist worker runs on."""
+        ...
+
+
+class GpuScheduling:
+    """xdist ``Scheduling`` for pytest-gpu (see the module docstring). ``nodes``: under
+    ``--gpu-nodes``, the nodes whose brokers place the tests (each worker packs onto its
+    node's GPUs, see :meth:`Planner.add_worker`)."""
+
+    def __init__(
+        self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float], nodes: Nodes | None = None
+    ) -> None:
         from xdist.remote import Producer
 
         try:
@@ -62,6 +91,8 @@ class GpuScheduling:
         self._names: dict[WorkerController, str] = {}
         self.collection: list[str] | None = None
         self.planner: Planner | None = None
+        self.gpu_nodes = nodes
+        self._node: dict[WorkerController, str | None] = {}
 
     # -- what xdist asks ------------------------------------------------------------
 
@@ -89,8 +120,9 @@ class GpuScheduling:
 
     def add_node(self, node: WorkerController) -> None:
         self._names[node] = str(node.gateway.id)
+        self._node[node] = self.gpu_nodes.node_of(node) if self.gpu_nodes is not None else None
         if self.planner is not None:
-            self.planner.add_worker(self._names[node])
+            self.planner.add_worker(self._names[node], self._node[node])
 
     def add_node_collection(self, node: WorkerController, collection: Sequence[str]) -> None:
         if self.collection is not None and list(collection) != self.collection:
@@ -141,18 +173,22 @@ class GpuScheduling:
                 self.log("**Different tests collected, aborting run**")
                 return
             self.collection = next(iter(self.node2collection.values()))
-            jobs = catalog.jobs(self.collection, self.run.broker.catalog if self.run.broker else {}, self.durations)
+            known: Mapping[str, Any] | None = self.run.broker.catalog if self.run.broker is not None else None
+            if self.gpu_nodes is not None:
+                self.gpu_nodes.refresh()  # every node's catalog, as its workers sent it
+                known = self.gpu_nodes.catalog
+            jobs = catalog.jobs(self.collection, known or {}, self.durations)
             self.planner = Planner(jobs, self._room(), order_from(self.config, self.collection))
-            if self.run.broker is not None:  # what leasing fixtures hold, as workers set them up
-                self.planner.held = catalog.HeldNeeds(self.run.broker.catalog)
-            for name in self._names.values():
-                self.planner.add_worker(name)
+            if known is not None:  # what leasing fixtures hold, as workers set them up (a live mapping)
+                self.planner.held = catalog.HeldNeeds(known)
+            for node, name in self._names.items():
+                self.planner.add_worker(name, self._node.get(node))
         self._fill_all()
 
     # -- handing out ----------------------------------------------------------------
 
     def _room(self) -> list[int]:
-        if self.run.broker is None:
+        if self.run.broker is None or self.gpu_nodes is not None:  # nodes: each node's room (_fill_all)
             return []
         return self.run.broker.room()
 
@@ -166,10 +202,26 @@ class GpuScheduling:
         planner.capacities = self._room()
         broker = self.run.broker
         # the planner numbers GPUs as the room lists them; the run's GPU indices need not be 0..n-1
-        # (``--gpus 0,2,3``): the broker's indices are translated both ways
+        # (``--gpus 0,2,3``): the broker's indices are translated both ways (each node's, by node)
         order = list(broker.capacities) if broker is not None else []
-        at = {index: k for k, index in enumerate(order)}
-        if broker is not None:  # what running tests hold, and where: never repacked
+        orders: dict[str | None, list[int]] = {None: order}
+        if self.gpu_nodes is not None:  # each node's room, grants and contexts, from its broker
+            views = self.gpu_nodes.refresh()
+            orders = {node: list(view.order) for node, view in views.items()}
+            planner.node_capacities = {node: list(view.room) for node, view in views.items()}
+            planner.node_context_size = {node: list(view.context_sizes) for node, view in views.items()}
+            planner.node_limits = {node: list(view.limits) for node, view in views.items()}
+            placed: dict[str, list[Grant]] = {}
+            contexts: dict[str, set[int]] = {}
+            for view in views.values():
+                at = {index: k for k, index in enumerate(view.order)}
+                for w, rows in view.placements.items():
+                    placed[w] = [Grant(tuple(at[i] for i in gpus if i in at), memory) for gpus, memory in rows]
+                for w, gpus in view.contexts.items():
+                    contexts[w] = {at[i] for i in gpus if i in at}
+            planner.placed, planner.contexts = placed, contexts
+        elif broker is not None:  # what running tests hold, and where: never repacked
+            at = {index: k for k, index in enumerate(order)}
             planner.placed = {
                 w: [Grant(tuple(at[i] for i in gpus if i in at), memory) for gpus, memory in rows]
                 for w, rows in broker.placements().items()
@@ -189,15 +241,30 @@ class GpuScheduling:
                         break
                     sent[node].append(index)
                     plan = planner.planned(index)
-                    if plan is not None and broker is not None and self.collection is not None:
+                    if plan is not None and self.collection is not None:
                         # where its lease should go: the broker's own rule would not know what
                         # the planner counted there for the other tests of this round
-                        broker.prefer(name, self.collection[index], tuple(order[k] for k in plan.gpus), plan.memory)
+                        self._prefer(name, self.collection[index], plan, orders)
         for node in live:
             if sent[node]:
                 node.send_runtest_some(sent[node])
             if not planner.pending or not planner.eligible(self._names[node]):
                 node.shutdown()  # what is left belongs to other workers' groups, or nothing is
+
+    def _prefer(self, worker: str, test: str, plan: Grant, orders: Mapping[str | None, Sequence[int]]) -> None:
+        """Tell the broker of ``worker``'s node (the run's own, without nodes) where ``test``'s
+        lease was planned, in that broker's GPU indices; a plan whose node has no view (lost
+        since) goes nowhere: a preference is only ever sent to the node the planner packed."""
+        node = self.planner.node_of(worker) if self.planner is not None else None
+        order = orders.get(node)
+        if not order or any(k >= len(order) for k in plan.gpus):
+            return
+        gpus = tuple(order[k] for k in plan.gpus)
+        if node is None:
+            if self.run.broker is not None:
+                self.run.broker.prefer(worker, test, gpus, plan.memory)
+        elif self.gpu_nodes is not None:
+            self.gpu_nodes.prefer(node, worker, test, gpus, plan.memory)
 
     def _same_collections(self) -> bool:
         from xdist.report import report_collection_diff

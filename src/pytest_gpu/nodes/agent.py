@@ -1,0 +1,172 @@
+"""A node's host in ``--gpu-nodes`` mode: that node's run (inventory, broker, arbiter link).
+
+The controller starts one per node through an execnet gateway with the node's launch
+prefix and runs this module there (``gateway.remote_exec``). It is today's owner of GPUs,
+unchanged, on its node: :meth:`GpuRun.start` discovers the node's GPUs (or its simulated
+ones), makes the run directory in the node's temp directory, starts the broker on a Unix
+socket there and links to the node's machine arbiter. The broker's key is made here and
+goes to the controller over the channel only (the controller hands it to the node's
+workers in ``workerinput``).
+
+Messages (plain values; see docs-incoming/nodes-design.md)::
+
+    -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
+    -> ("start", {"settings", "node", "cwd", "package"})
+    <- ("started", {"wire", "node", "hostname", "pid", "inventory", "gpus"}) | ("error", message)
+    -> ("state", {"worker"?})   <- ("state", {"room", "order", "placements", "contexts",
+                                              "context_sizes", "limits", "grants", "crashes", "required",
+                                              "catalog", "refused_plans"})
+    -> ("prefer", {"worker", "test", "gpus", "memory"})   (no reply: Broker.prefer on this node)
+    -> ("close", {})   <- ("closed", state)
+
+The run ends on ``close`` and when the channel closes (the controller is gone: Ctrl-C,
+killed); execnet then gives this thread five seconds before it interrupts the process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..run.session import GpuRun
+
+
+def state(
+    run: GpuRun, worker: str | None = None, sent: dict[str, Any] | None = None, refused: int = 0
+) -> dict[str, Any]:
+    """What the controller reads of this node's broker (plain values, for execnet);
+    ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none).
+    ``catalog``: the entries of the broker's catalog (what the node's workers collected, what
+    their fixtures hold) not in ``sent`` or changed since, which ``sent`` then records.
+    ``refused``: how many of the scheduler's plans this node's broker refused (see :func:`prefer`)."""
+    from ..run import required
+
+    broker = run.broker
+    assert broker is not None  # a node host owns its node's broker
+    sizes = list(broker.context_sizes())
+    placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
+    return {
+        "room": list(broker.room()),
+        "order": list(broker.capacities),
+        "placements": placements,
+        "contexts": {w: sorted(gpus) for w, gpus in broker.contexts().items()},
+        "context_sizes": sizes,
+        "limits": [capacity - size for capacity, size in zip(broker.capacities.values(), sizes, strict=True)],
+        "refused_plans": refused,
+        "grants": broker.grants,
+        "crashes": len(broker.crashes),
+        "required": required.reported(run, worker) if worker is not None else None,
+        "catalog": _catalog_news(dict(broker.catalog), sent),
+    }
+
+
+def prefer(run: GpuRun, body: dict[str, Any]) -> bool:
+    """The scheduler's plan for a test of one of this node's workers, to this node's broker
+    (:meth:`Broker.prefer`); ``False`` where the broker refused it (GPUs not this node's:
+    the controller translated with another node's indices, a bug the summary then shows)."""
+    broker = run.broker
+    assert broker is not None
+    try:
+        gpus = tuple(int(i) for i in body["gpus"])
+        memory = None if body.get("memory") is None else int(body["memory"])
+        broker.prefer(str(body["worker"]), str(body["test"]), gpus, memory)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _catalog_news(catalog: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, Any]:
+    if sent is None:
+        return {}
+    news = {key: value for key, value in catalog.items() if sent.get(key, _UNSENT) != value}
+    sent.update(news)
+    return news
+
+
+_UNSENT = object()
+
+
+def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
+    """Start the node's run from the controller's ``start`` message; the reply to send."""
+    node = str(body["node"])
+    try:
+        os.chdir(body["cwd"])
+    except OSError as exc:
+        return None, ("error", f"node {node}: cannot enter the run's directory {body['cwd']}: {exc}")
+    import pytest_gpu
+
+    package = os.path.dirname(os.path.abspath(pytest_gpu.__file__))
+    if package != body["package"]:
+        return None, (
+            "error",
+            f"node {node}: imports pytest_gpu from {package}, the controller from {body['package']}; "
+            "node mode needs the suite and its environment on a filesystem every node shares",
+        )
+    from ..gpu.devices import DeviceSpecError
+    from ..machine import domain
+    from ..options import Settings
+    from ..run.rundir import RunDirError
+    from ..run.session import GpuRun
+    from ..sim import fake
+    from ..sim.ledger import LedgerWriteError
+
+    domain.hold_warnings()  # the controller's summary is where the run speaks, not this node's stderr
+    try:
+        fake.activate()  # a simulated node of its own fake GPUs (PYTEST_GPU_FAKE_GPUS), as the plugin does
+        run = GpuRun.start(Settings.from_wire(body["settings"]), worker=f"node-{node}")
+    except (DeviceSpecError, RunDirError, LedgerWriteError, OSError) as exc:
+        return None, ("error", f"node {node}: {exc}")
+    info = {
+        "wire": dict(run.to_wire()),
+        "node": node,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "inventory": run.inventory.describe(),
+        "gpus": [[d.index, d.total_memory] for d in run.inventory.devices],
+        "warnings": list(domain.said),
+    }
+    return run, ("started", info)
+
+
+def serve(channel: Any) -> None:
+    """The node host's life: start, answer, end the run when told or when the channel goes."""
+    kind, body = channel.receive()
+    if kind != "start":
+        channel.send(("error", f"expected start, got {kind!r}"))
+        return
+    run, reply = start(body)
+    channel.send(reply)
+    if run is None:
+        return
+    sent: dict[str, Any] = {}  # the catalog entries the controller has
+    refused = 0  # plans this node's broker refused
+    try:
+        while True:
+            try:
+                kind, body = channel.receive()
+            except EOFError:  # the controller is gone
+                return
+            if kind == "state":
+                channel.send(("state", state(run, body.get("worker"), sent, refused)))
+            elif kind == "prefer":  # no reply: the scheduler does not wait on a node per test
+                refused += not prefer(run, body)
+            elif kind == "close":
+                channel.send(("closed", state(run, None, sent, refused)))
+                return
+            else:
+                channel.send(("error", f"unknown message {kind!r}"))
+    finally:
+        run.close()
+
+
+# What the controller runs on the node (``gateway.remote_exec``): execnet runs a string or a
+# module's *source* outside any package, so this imports the module itself, with the
+# controller's sys.path (sent first) under which the node must find the same pytest_gpu.
+BOOTSTRAP = """
+import sys
+sys.path[:] = channel.receive()
+from pytest_gpu.nodes import agent
+agent.serve(channel)
+"""
