@@ -31,11 +31,13 @@ import psutil
 import pytest
 from execnet.gateway_io import popen_args
 
-from conftest import INNER_ARGS, require
+from conftest import INNER_ARGS, MISSING, require
 from pytest_gpu.nodes import spec, sshgate
 from pytest_gpu.nodes import worker as node_worker
 from pytest_gpu.nodes.hosts import unshare_works
 from pytest_gpu.nodes.spec import NodesError
+
+NO_NETNS = f"{MISSING}: a network namespace per simulated node (unshare -n and ip: util-linux, iproute2, root)"
 
 # -- the option (pure) -----------------------------------------------------------------
 
@@ -266,12 +268,6 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
         assert rec["gpus"] == 1
     ledgers = {r["node"]: r["ledger"] for r in seen}
     assert ledgers["node0"] != ledgers["node1"]
-    if unshare_works():  # each node its own network namespace (all its workers in it), not this one's
-        spaces = {r["node"]: r["netns"] for r in seen}
-        assert spaces["node0"] != spaces["node1"]
-        assert os.readlink("/proc/self/ns/net") not in spaces.values()
-        assert all(r["netns"] == spaces[r["node"]] for r in seen)
-        assert len({r["worker"] for r in seen}) > 2  # workers of one node shared it (not a given: load scheduling)
     lines = result.stdout.lines
     assert any(line.startswith("pytest-gpu: node node0 (") and "2 simulated GPUs (2x16GiB)" in line for line in lines)
     assert any(line.startswith("pytest-gpu: node node1 (") and "granted" in line for line in lines)
@@ -304,6 +300,14 @@ def test_two_simulated_nodes_each_lease_their_own_gpus(
     assert "--gpus none" not in result.stdout.str()
     assert _sim_roots_left() <= before  # the simulated nodes' directories went with the run
     assert not _left_in(Path.cwd())  # pytester's directory: the run's processes worked there
+    if not unshare_works():  # said last: everything above holds without namespaces too
+        pytest.skip(NO_NETNS)
+    # each node its own network namespace (all its workers in it), not this one's
+    spaces = {r["node"]: r["netns"] for r in seen}
+    assert spaces["node0"] != spaces["node1"]
+    assert os.readlink("/proc/self/ns/net") not in spaces.values()
+    assert all(r["netns"] == spaces[r["node"]] for r in seen)
+    assert len({r["worker"] for r in seen}) > 2  # workers of one node shared it (not a given: load scheduling)
 
 
 @pytest.mark.slow
@@ -500,7 +504,7 @@ def test_a_node_lost_mid_run(run_inner: Callable[..., pytest.RunResult], gpu_pyt
     other node, no worker is started on it again (xdist would try, fail, and end the run with
     an INTERNALERROR), and the run finishes."""
     if not unshare_works():
-        pytest.skip("a simulated node is killed by its network namespace: unshare -n does not work here")
+        pytest.skip(NO_NETNS + " (a simulated node is lost by killing its namespace)")
     gpu_pytester.makepyfile(test_lost=LOSES_NODE1)
     result = run_inner(*NODE_ARGS, "-n", "1", "--gpu-nodes=local:2", "-rf", subprocess=True, timeout=180)
     out = result.stdout.str()
@@ -783,3 +787,13 @@ def test_simulated_node_gpus_are_read_per_node() -> None:
     }
     with pytest.raises(NodesError, match="expected node=spec for nodes of node0, node1; got 'node7=sim:1x8GiB'"):
         spec.sim_node_gpus("node7=sim:1x8GiB", ("node0", "node1"))
+
+
+def test_no_namespace_without_the_tools_that_make_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``ip`` a node's namespace would have no loopback (its node host would fail to
+    start), so simulated nodes then share this machine's namespace instead."""
+    from pytest_gpu.nodes import hosts
+
+    real = shutil.which
+    monkeypatch.setattr(hosts.shutil, "which", lambda name: None if name == "ip" else real(name))
+    assert hosts.unshare_works() is False

@@ -49,10 +49,12 @@ def _hostnames(nodelist: str) -> list[str]:
 def unshare_works() -> bool:
     """Whether this machine gives a process its own network namespace (``unshare -n``: root, or
     unprivileged user namespaces)."""
-    if shutil.which("unshare") is None:
+    # unshare makes the node's namespace, ip brings its loopback up, nsenter puts the workers in it
+    if any(shutil.which(tool) is None for tool in ("unshare", "ip", "nsenter")):
         return False
     try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0
+        probe = ["unshare", "-n", "sh", "-c", "ip link set lo up"]
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
