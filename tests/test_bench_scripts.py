@@ -13,12 +13,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_makespan_stops_at_a_run_that_ran_nothing(tmp_path: Path) -> None:
+def broken_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose pytest_gpu cannot be imported (as with a stale editable install)."""
     broken = tmp_path / "site" / "pytest_gpu"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('pytest_gpu broken on purpose')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU")}
     env["PYTHONPATH"] = str(tmp_path / "site")
+    return env
+
+
+def test_makespan_stops_at_a_run_that_ran_nothing(tmp_path: Path) -> None:
+    env = broken_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "makespan.py"), "--scenario", "shapes", "--quick", "--shapes", "worker"],
         env=env,
@@ -31,3 +37,16 @@ def test_makespan_stops_at_a_run_that_ran_nothing(tmp_path: Path) -> None:
     assert "ended without a pytest summary" in out
     assert "broken on purpose" in out or "exit status" in out
     assert "| worker | 1 |" not in out  # no table of blanks
+
+
+def test_concurrent_runs_fails_when_a_run_did_not_pass_its_tests(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "concurrent_runs.py"), "--quick"],
+        env=broken_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "not a measurement: concurrent: 0 of 16 passed" in out
