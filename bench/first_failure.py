@@ -150,8 +150,14 @@ def pytest_run(
     data = json.loads(record.read_text()) if record.exists() else {"first": None, "run": 0}
     first = data["first"] - launched if data["first"] is not None else None
     after = data["first"] - data["start"] if data["first"] is not None and data.get("start") else None
-    if proc.returncode not in (0, 1, 2):  # 2: xdist's "stopping after 1 failures"
-        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+    if proc.returncode not in (0, 1, 2) or not data["run"]:  # 2: xdist's "stopping after 1 failures"
+        # pytest itself failed (usage error, internal error, a broken install: exit 1 with no test
+        # run): no figure to take
+        raise SystemExit(
+            f"first_failure: pytest {' '.join(args)} ended with exit status {proc.returncode} and "
+            f"{data['run']} tests run, not a test outcome:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return wall, first, after, int(data["run"]), proc.returncode
 
 

@@ -50,3 +50,16 @@ def test_concurrent_runs_fails_when_a_run_did_not_pass_its_tests(tmp_path: Path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "not a measurement: concurrent: 0 of 16 passed" in out
+
+
+def test_first_failure_stops_at_a_run_that_pytest_itself_ended(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "first_failure.py"), "--quick"],
+        env=broken_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "not a test outcome" in out and "broken on purpose" in out
