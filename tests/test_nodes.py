@@ -775,7 +775,8 @@ def test_nodes_of_different_gpus(
         [
             "pytest-gpu: node node0 (*): 2 GPUs (2x16GiB)*",
             "pytest-gpu: node node1 (*): 1 GPU (1x40GiB)*",
-            "*SKIPPED*test_mixed.py*fits no node of the run; on the largest, node node1: needs 3 GPUs*",
+            "*SKIPPED*test_mixed.py*fits no node of the run, not even the largest: needs 3 GPUs* "
+            "but node node1 has 1 GPU*",
         ]
     )
 
@@ -797,3 +798,63 @@ def test_no_namespace_without_the_tools_that_make_one(monkeypatch: pytest.Monkey
     real = shutil.which
     monkeypatch.setattr(hosts.shutil, "which", lambda name: None if name == "ip" else real(name))
     assert hosts.unshare_works() is False
+
+
+# -- skips decided while a test runs -------------------------------------------------------------
+
+RUN_TIME_SKIPS = """
+import pytest
+
+@pytest.fixture
+def three(gpu_lease_factory):
+    return gpu_lease_factory(count=3)
+
+def test_block(gpu_request):
+    with gpu_request(count=3):
+        raise AssertionError("must not run")
+
+def test_fixture(three):
+    raise AssertionError("must not run")
+
+@pytest.mark.gpu
+def test_fits(gpu):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_run_time_skips_name_the_node_s_gpus(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester
+) -> None:
+    """A ``gpu_request`` block and a ``gpu_lease_factory`` lease too large for the node's GPUs
+    skip on the node's worker, worded from that node's inventory; the controller's summary
+    line says so too, not the controller's own "no GPUs — --gpus none" (it leases none)."""
+    gpu_pytester.makepyfile(test_late=RUN_TIME_SKIPS)
+    result = run_inner(*NODE_ARGS, "-n", "1", "--gpu-nodes=local:2", "-rs", subprocess=True, timeout=180)
+    result.assert_outcomes(passed=1, skipped=2)
+    out = result.stdout.str()
+    assert "no GPUs" not in out and "--gpus none" not in out, out
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED*test_late.py*pytest-gpu: needs 3 GPUs* but node node? has 2 simulated GPUs (2x16GiB)*",
+            "SKIPPED*test_late.py*pytest-gpu: *three* needs 3 GPUs* but node node? has 2 simulated GPUs (2x16GiB)*",
+            "pytest-gpu: 2 GPU tests skipped: *larger than node node?'s 2 simulated GPUs (2x16GiB)* (-rs lists them)",
+        ]
+    )
+
+
+def test_a_run_time_skip_that_says_no_why_is_not_worded_from_the_controller_s_inventory() -> None:
+    """Under ``--gpu-nodes`` the controller's inventory is no GPU: a skip a worker sent
+    without its words (a rank pool's, say) takes the words the controller sets."""
+    from pytest_gpu.gpu.devices import Inventory
+    from pytest_gpu.report.summary import Summary
+
+    summary = Summary(unsaid_why="larger than the GPUs of the node it ran on")
+    report = pytest.TestReport(
+        "t.py::b", ("t.py", 1, "b"), {}, "skipped", ("t.py", 1, "Skipped: pytest-gpu: needs 5 GPUs"), "call"
+    )
+    summary.add(report)
+    none = Inventory((), "none", "--gpus none")
+    assert summary.skipped_lines(none) == [
+        "pytest-gpu: 1 GPU test skipped: larger than the GPUs of the node it ran on (-rs lists them)"
+    ]

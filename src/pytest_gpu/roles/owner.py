@@ -145,6 +145,7 @@ class Controller(RunOwner):
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.nodes is not None:  # each node's GPUs, leases and what ran there, before the run's own lines
+            self.summary.unsaid_why = "larger than the GPUs of the node it ran on"  # not the controller's none
             for line in self.nodes.lines(self.summary.timeline.node_words):
                 terminalreporter.write_line(line)
         super().pytest_terminal_summary(terminalreporter)
