@@ -775,7 +775,8 @@ def test_nodes_of_different_gpus(
         [
             "pytest-gpu: node node0 (*): 2 GPUs (2x16GiB)*",
             "pytest-gpu: node node1 (*): 1 GPU (1x40GiB)*",
-            "*SKIPPED*test_mixed.py*fits no node of the run; on the largest, node node1: needs 3 GPUs*",
+            "*SKIPPED*test_mixed.py*fits no node of the run, not even the largest: needs 3 GPUs* "
+            "but node node1 has 1 GPU*",
         ]
     )
 
@@ -797,3 +798,131 @@ def test_no_namespace_without_the_tools_that_make_one(monkeypatch: pytest.Monkey
     real = shutil.which
     monkeypatch.setattr(hosts.shutil, "which", lambda name: None if name == "ip" else real(name))
     assert hosts.unshare_works() is False
+
+
+# -- skips decided while a test runs -------------------------------------------------------------
+
+RUN_TIME_SKIPS = """
+import pytest
+
+@pytest.fixture
+def three(gpu_lease_factory):
+    return gpu_lease_factory(count=3)
+
+def test_block(gpu_request):
+    with gpu_request(count=3):
+        raise AssertionError("must not run")
+
+def test_fixture(three):
+    raise AssertionError("must not run")
+
+@pytest.mark.gpu
+def test_fits(gpu):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_run_time_skips_name_the_node_s_gpus(
+    run_inner: Callable[..., pytest.RunResult], gpu_pytester: pytest.Pytester
+) -> None:
+    """A ``gpu_request`` block and a ``gpu_lease_factory`` lease too large for the node's GPUs
+    skip on the node's worker, worded from that node's inventory; the controller's summary
+    line says so too, not the controller's own "no GPUs — --gpus none" (it leases none)."""
+    gpu_pytester.makepyfile(test_late=RUN_TIME_SKIPS)
+    result = run_inner(*NODE_ARGS, "-n", "1", "--gpu-nodes=local:2", "-rs", subprocess=True, timeout=180)
+    result.assert_outcomes(passed=1, skipped=2)
+    out = result.stdout.str()
+    assert "no GPUs" not in out and "--gpus none" not in out, out
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED*test_late.py*pytest-gpu: needs 3 GPUs* but node node? has 2 simulated GPUs (2x16GiB)*",
+            "SKIPPED*test_late.py*pytest-gpu: *three* needs 3 GPUs* but node node? has 2 simulated GPUs (2x16GiB)*",
+            "pytest-gpu: 2 GPU tests skipped: *larger than node node?'s 2 simulated GPUs (2x16GiB)* (-rs lists them)",
+        ]
+    )
+
+
+def test_a_run_time_skip_that_says_no_why_is_not_worded_from_the_controller_s_inventory() -> None:
+    """Under ``--gpu-nodes`` the controller's inventory is no GPU: a skip a worker sent
+    without its words (a rank pool's, say) takes the words the controller sets."""
+    from pytest_gpu.gpu.devices import Inventory
+    from pytest_gpu.report.summary import Summary
+
+    summary = Summary(unsaid_why="larger than the GPUs of the node it ran on")
+    report = pytest.TestReport(
+        "t.py::b", ("t.py", 1, "b"), {}, "skipped", ("t.py", 1, "Skipped: pytest-gpu: needs 5 GPUs"), "call"
+    )
+    summary.add(report)
+    none = Inventory((), "none", "--gpus none")
+    assert summary.skipped_lines(none) == [
+        "pytest-gpu: 1 GPU test skipped: larger than the GPUs of the node it ran on (-rs lists them)"
+    ]
+
+
+# -- a node's crashed workers -------------------------------------------------------------------
+
+KILLED_ON_NODE1 = """
+import os, signal, time
+import pytest
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.gpu(memory="4GiB")
+def test_t(i, gpu):
+    flag = os.environ["CRASH_FLAG"]
+    if os.environ["PYTEST_GPU_NODE"] == "node1" and not os.path.exists(flag):
+        open(flag, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # dies holding its lease, on node1
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_holding_a_lease_is_said_with_its_node(
+    run_inner: Callable[..., pytest.RunResult],
+    gpu_pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The crash record is node1's broker's: the node host carries it to the controller,
+    whose summary has its line (the test, what was reclaimed) with the node named, as one
+    machine's summary has a line per process that died holding leases."""
+    monkeypatch.setenv("CRASH_FLAG", str(gpu_pytester.path / "crashed"))
+    gpu_pytester.makepyfile(test_crash=KILLED_ON_NODE1)
+    result = run_inner(*NODE_ARGS, "-n", "1", "--gpu-nodes=local:2", subprocess=True, timeout=180)
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: node node1 (*): 2 simulated GPUs (2x16GiB), * granted, 1 process went away holding leases*",
+            "pytest-gpu: node node1: worker gw* (pid *) died while running test_crash.py::test_t[[]*[]]; "
+            "its GPU * was reclaimed",
+        ]
+    )
+    assert not _left_in(Path.cwd())
+
+
+def test_a_node_s_crash_and_quarantine_records_reach_the_controller(tmp_path: Path) -> None:
+    """What a node host sends (its broker's crash records, its run directory's quarantine
+    records) survives execnet and comes back as the records the summary's lines are made of,
+    by node; a node with neither is left out."""
+    from pytest_gpu.leasing.broker import CrashRecord
+    from pytest_gpu.nodes import agent
+    from pytest_gpu.nodes.hosts import NodeHosts
+    from pytest_gpu.run import quarantine
+
+    crash = CrashRecord("gw1", 4242, "t.py::killed", (0,), (29500,), 1.5)
+    folder = tmp_path / quarantine.RECORDS
+    folder.mkdir()
+    record = {"test": "t.py::broke", "error": "CUDA error: an illegal memory access", "worker": "gw3", "ends": True}
+    (folder / "gw3.json").write_text(json.dumps(record))
+    run = SimpleNamespace(broker=SimpleNamespace(crashes=[crash]), run_dir=tmp_path)
+    sent = execnet.loads(execnet.dumps(agent.fault_records(run)))  # type: ignore[arg-type]
+
+    hosts = NodeHosts(SimpleNamespace(names=("node0", "node1")), None, {"node0": "", "node1": ""}, lambda: None)  # type: ignore[arg-type]
+    for name in ("node0", "node1"):
+        hosts.hosts[name].info = {"node": name}
+    hosts.hosts["node0"].final = {"faults": {"crashes": [], "quarantined": []}}
+    hosts.hosts["node1"].final = {"faults": sent}
+    crashes, quarantined = hosts.faults()["node1"]
+    assert crashes == [crash]
+    assert quarantined == {"gw3": quarantine.Quarantine(**record)}
+    assert list(hosts.faults()) == ["node1"]

@@ -145,6 +145,7 @@ def test_the_scheduler_plans_what_cannot_run_here_as_cpu_work(gpu_pytester):
         settings=SimpleNamespace(default_memory=DefaultMemory(exclusive=True)),
         inventory=discover("sim:2x16GiB", environ={}),
         never_fits=lambda request: None if request.count <= 2 else "too many",
+        node=None,  # not a --gpu-nodes worker
     )
     entries = catalog_entries(items, run)  # type: ignore[arg-type]
     gpus = {item.name: entries.get(item.nodeid, {}).get("gpus", 0) for item in items}

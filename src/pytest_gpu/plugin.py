@@ -118,6 +118,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from .nodes import worker as node_worker
 
         run.largest_node = node_worker.largest(config, run)  # --gpu-nodes: requests are checked against it
+        run.node = node_worker.node(config)  # --gpu-nodes: what a request too large for its GPUs names
     else:
         settings = options.read(config)
         from .nodes.hosts import configure as configure_nodes

@@ -13,9 +13,9 @@ Messages (plain values; see docs-incoming/nodes-design.md)::
     -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
     -> ("start", {"settings", "node", "cwd", "package"})
     <- ("started", {"wire", "node", "hostname", "pid", "inventory", "gpus"}) | ("error", message)
-    -> ("state", {"worker"?})   <- ("state", {"room", "order", "placements", "contexts",
+    -> ("state", {"worker"?, "faults"?})   <- ("state", {"room", "order", "placements", "contexts",
                                               "context_sizes", "limits", "grants", "crashes", "required",
-                                              "catalog", "refused_plans"})
+                                              "catalog", "refused_plans", "faults"?})
     -> ("prefer", {"worker", "test", "gpus", "memory"})   (no reply: Broker.prefer on this node)
     -> ("close", {})   <- ("closed", state)
 
@@ -34,20 +34,26 @@ if TYPE_CHECKING:
 
 
 def state(
-    run: GpuRun, worker: str | None = None, sent: dict[str, Any] | None = None, refused: int = 0
+    run: GpuRun,
+    worker: str | None = None,
+    sent: dict[str, Any] | None = None,
+    refused: int = 0,
+    faults: bool = False,
 ) -> dict[str, Any]:
     """What the controller reads of this node's broker (plain values, for execnet);
     ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none).
     ``catalog``: the entries of the broker's catalog (what the node's workers collected, what
     their fixtures hold) not in ``sent`` or changed since, which ``sent`` then records.
-    ``refused``: how many of the scheduler's plans this node's broker refused (see :func:`prefer`)."""
+    ``refused``: how many of the scheduler's plans this node's broker refused (see :func:`prefer`).
+    ``faults``: also what the summary says of this node's faults (:func:`faults`): asked for by
+    the summary and sent with ``closed``, not with the scheduler's every ``state``."""
     from ..run import required
 
     broker = run.broker
     assert broker is not None  # a node host owns its node's broker
     sizes = list(broker.context_sizes())
     placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
-    return {
+    figures = {
         "room": list(broker.room()),
         "order": list(broker.capacities),
         "placements": placements,
@@ -60,6 +66,23 @@ def state(
         "required": required.reported(run, worker) if worker is not None else None,
         "catalog": _catalog_news(dict(broker.catalog), sent),
     }
+    if faults:
+        figures["faults"] = fault_records(run)
+    return figures
+
+
+def fault_records(run: GpuRun) -> dict[str, list[dict[str, Any]]]:
+    """This node's processes that went away holding leases (its broker's crash records) and
+    those a sticky CUDA error ended (the quarantine records of its run directory), as plain
+    values: on one machine the summary has a line for each, here the controller does."""
+    from dataclasses import asdict
+
+    from ..run import quarantine
+
+    broker = run.broker
+    assert broker is not None
+    crashes = [{**asdict(c), "gpus": list(c.gpus), "ports": list(c.ports)} for c in broker.crashes]
+    return {"crashes": crashes, "quarantined": [asdict(q) for q in quarantine.records(run.run_dir).values()]}
 
 
 def prefer(run: GpuRun, body: dict[str, Any]) -> bool:
@@ -149,11 +172,11 @@ def serve(channel: Any) -> None:
             except EOFError:  # the controller is gone
                 return
             if kind == "state":
-                channel.send(("state", state(run, body.get("worker"), sent, refused)))
+                channel.send(("state", state(run, body.get("worker"), sent, refused, bool(body.get("faults")))))
             elif kind == "prefer":  # no reply: the scheduler does not wait on a node per test
                 refused += not prefer(run, body)
             elif kind == "close":
-                channel.send(("closed", state(run, None, sent, refused)))
+                channel.send(("closed", state(run, None, sent, refused, faults=True)))
                 return
             else:
                 channel.send(("error", f"unknown message {kind!r}"))

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,6 +25,10 @@ from ..launched.detect import LaunchContext
 from ..options import Settings
 from . import spec as spec_
 from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
+
+if TYPE_CHECKING:
+    from ..leasing.broker import CrashRecord
+    from ..run.quarantine import Quarantine
 
 START_TIMEOUT_S = 120.0  # a node host's start: srun may wait for the step, discovery may load NVML
 CLOSE_TIMEOUT_S = 30.0
@@ -158,11 +162,17 @@ class NodeHosts:
         """The run as ``node``'s workers join it (its broker's address and key, its inventory)."""
         return dict(self.hosts[node].info["wire"])
 
-    def state(self, node: str, worker: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+    def state(
+        self, node: str, worker: str | None = None, timeout: float = 30.0, faults: bool = False
+    ) -> dict[str, Any]:
         """``node``'s broker as the scheduler and the summary read it; ``worker``: with what that
-        worker found for ``--gpu-required`` (in the node's run directory)."""
+        worker found for ``--gpu-required`` (in the node's run directory); ``faults``: with
+        its crash and quarantine records (:func:`.agent.fault_records`)."""
         host = self.hosts[node]
-        host.channel.send(("state", {} if worker is None else {"worker": worker}))
+        body: dict[str, Any] = {} if worker is None else {"worker": worker}
+        if faults:
+            body["faults"] = True
+        host.channel.send(("state", body))
         kind, body = host.channel.receive(timeout)
         assert kind == "state", body
         self.catalog.update(body.get("catalog") or {})
@@ -214,6 +224,42 @@ class NodeHosts:
     def gpus(self) -> dict[str, list[tuple[int, int]]]:
         """Each started node's GPUs, ``(index, total bytes)``, as its node host found them."""
         return {name: [(int(i), int(m)) for i, m in self.hosts[name].info.get("gpus", ())] for name in self.up}
+
+    def faults(self) -> dict[str, tuple[list[CrashRecord], dict[str, Quarantine]]]:
+        """Each node's processes that went away holding leases, and those a sticky CUDA error
+        ended (worker -> record), from its host's last figures or asked now; a node that no
+        longer answers is left out (its line says it was lost)."""
+        from ..leasing.broker import CrashRecord
+        from ..run.quarantine import Quarantine
+
+        found: dict[str, tuple[list[CrashRecord], dict[str, Quarantine]]] = {}
+        for name in self.up:
+            host = self.hosts[name]
+            figures = host.final
+            if not figures:
+                if host.lost is not None:
+                    continue
+                try:
+                    figures = self.state(name, timeout=ALIVE_TIMEOUT_S, faults=True)
+                except Exception as exc:  # gone: its line says so
+                    host.lost = _short(exc)
+                    continue
+            records = figures.get("faults") or {}
+            crashes = [
+                CrashRecord(
+                    str(c["worker"]),
+                    int(c["pid"]),
+                    None if c.get("test") is None else str(c["test"]),
+                    tuple(int(i) for i in c["gpus"]),
+                    tuple(int(p) for p in c["ports"]),
+                    float(c["at"]),
+                )
+                for c in records.get("crashes", ())
+            ]
+            quarantined = {str(q["worker"]): Quarantine(**q) for q in records.get("quarantined", ())}
+            if crashes or quarantined:
+                found[name] = (crashes, quarantined)
+        return found
 
     def lines(self, words: Callable[[str, list[int]], str] | None = None) -> list[str]:
         """The summary's lines about the nodes (each node's broker asked now); ``words(node,

@@ -54,7 +54,7 @@ def every_node(config: pytest.Config, run: GpuRun) -> dict[str, GpuRun] | None:
         return None
     inventories = config.workerinput.get(INVENTORIES_KEY, {})  # type: ignore[attr-defined]
     runs = {
-        name: GpuRun(run.settings, Inventory.from_wire(wire), "", b"", run.worker, run.run_dir)
+        name: GpuRun(run.settings, Inventory.from_wire(wire), "", b"", run.worker, run.run_dir, node=name)
         for name, wire in inventories.items()
         if name != here
     }

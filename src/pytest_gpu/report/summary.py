@@ -38,6 +38,9 @@ class Summary:
     down: dict[str, str] = field(default_factory=dict)  # xdist worker -> why it went down while the run went on
     cut_short: dict[str, list[str]] = field(default_factory=dict)  # xdist worker -> tests it left unfinished
     quarantined: dict[str, Quarantine] = field(default_factory=dict)  # worker -> the sticky CUDA error it had
+    # why a GPU test skipped at run time without saying so was skipped (None: too large for the run's
+    # inventory); --gpu-nodes: the controller's inventory is no GPU, the test's node had some
+    unsaid_why: str | None = None
 
     @property
     def waited(self) -> float:
@@ -163,7 +166,7 @@ class Summary:
         counts: dict[str, int] = {}
         for why, tests in self.skipped_why.items():
             if why is None:  # a skip at run time (a gpu_request block, a fixture's lease): a request too large
-                why = gpu_skip_words(inventory)
+                why = self.unsaid_why or gpu_skip_words(inventory)
             counts[why] = counts.get(why, 0) + tests
         if len(counts) == 1:
             reasons = next(iter(counts))

@@ -69,7 +69,8 @@ class RunOwner(RoleBase):
             for line in summary.backend_lines() + selection.summary_lines(config):
                 terminalreporter.write_line(line)
             return
-        lines = summary.lines(run.inventory, run.broker.crashes) + foreign_lines(run.broker.foreign)
+        lines = summary.lines(run.inventory, run.broker.crashes) + self.node_fault_lines()
+        lines += foreign_lines(run.broker.foreign)
         words = self.gpus_words()
         if words is not None:  # the run's GPUs are not this process's own
             lines[0] = lines[0].replace(f"{run.inventory.describe()} [{run.inventory.source}]", words, 1)
@@ -104,6 +105,11 @@ class RunOwner(RoleBase):
     def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
         """``--gpu-nodes``: each node's GPUs (the trace's track groups); ``None``: one machine."""
         return None
+
+    def node_fault_lines(self) -> list[str]:
+        """``--gpu-nodes``: a line per process of a node that went away holding leases or was
+        quarantined, the node named (on one machine :meth:`Summary.lines` says them)."""
+        return []
 
     def close(self) -> None:
         super().close()
@@ -143,8 +149,19 @@ class Controller(RunOwner):
     def node_gpus(self) -> dict[str, list[tuple[int, int]]] | None:
         return self.nodes.gpus() if self.nodes is not None else None
 
+    def node_fault_lines(self) -> list[str]:
+        if self.nodes is None:
+            return []
+        out = []
+        for node, (crashes, quarantined) in self.nodes.faults().items():
+            said = [self.summary.quarantine_line(q) for q in quarantined.values()]
+            said += [self.summary.crash_line(c) for c in crashes if c.worker not in quarantined]
+            out += [line.replace("pytest-gpu: ", f"pytest-gpu: node {node}: ", 1) for line in said]
+        return out
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.nodes is not None:  # each node's GPUs, leases and what ran there, before the run's own lines
+            self.summary.unsaid_why = "larger than the GPUs of the node it ran on"  # not the controller's none
             for line in self.nodes.lines(self.summary.timeline.node_words):
                 terminalreporter.write_line(line)
         super().pytest_terminal_summary(terminalreporter)

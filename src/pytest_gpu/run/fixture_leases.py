@@ -57,7 +57,7 @@ from ..leasing.ports import PortOwner
 from ..leasing.requests import GpuRequestError, build_request
 from ..leasing.spans import LeaseSpan
 from .holding import STATE_KEY, Holding, Owner, broke, separate
-from .record import RUN_KEY
+from .record import RUN_KEY, skip_at_run_time
 
 if TYPE_CHECKING:
     from .session import GpuRun
@@ -218,6 +218,7 @@ def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     reason = run.never_fits(request)
     if reason is not None:
         if run.settings.oversize == "skip":
+            skip_at_run_time(registry(config).item, request, run)
             pytest.skip(f"pytest-gpu: {who} {reason}")
         pytest.fail(f"pytest-gpu: {who} {reason} (--gpu-oversize=fail)", pytrace=False)
     holding = _holding(config, frame)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from . import fixture_leases, quarantine
 from .conventions import convention_request, item_kwargs
 from .holding import STATE_KEY, Holding, Owner, TestState, broke
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
-from .record import SKIP_PROPERTY, effective, gpu_skip_words, needs, record
+from .record import SKIP_PROPERTY, effective, needs, record, skip_at_run_time, skip_why
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
@@ -188,7 +187,7 @@ def mark_oversize(items: list[pytest.Item], run: GpuRun, elsewhere: Mapping[str,
             )
             reason, _ = never_runs(item, largest) or found
             found = (
-                f"fits no node of the run; on the largest, node {name}: {reason}",
+                f"fits no node of the run, not even the largest: {reason}",  # the reason names the node
                 f"larger than the largest node's (node {name}: {largest.inventory.describe()})",
             )
         reason, why = found
@@ -213,7 +212,7 @@ def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
         pool = dist.gpu_request(run.settings.default_memory)
         reason = run.never_fits(pool) if pool is not None else None
         if pool is not None and reason is not None:
-            return f"its pool of {dist.describe()} {reason}", _skip_why(pool, run)
+            return f"its pool of {dist.describe()} {reason}", skip_why(pool, run)
         missing = nccl_missing(run.inventory) if dist.backend == "nccl" else None
         if missing is not None:
             instead = "; backend='auto' would take gloo here" if run.inventory.devices else ""
@@ -222,16 +221,7 @@ def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
     if request is None:
         return None
     reason = run.never_fits(request)
-    return None if reason is None else (reason, _skip_why(request, run))
-
-
-def _skip_why(request: GpuRequest, run: GpuRun) -> str:
-    """A never-fitting request's reason in the few words the summary groups skips by."""
-    if request.count and (
-        not run.inventory.devices or run.never_fits(replace(request, cpus=0, host_memory=0)) is not None
-    ):
-        return gpu_skip_words(run.inventory)
-    return "more CPUs or RAM than the machine has"
+    return None if reason is None else (reason, skip_why(request, run))
 
 
 def setup(item: pytest.Item, run: GpuRun) -> None:
@@ -431,6 +421,7 @@ def _section(node: pytest.Item, run: GpuRun, args: tuple[Any, ...], kwargs: dict
     reason = run.never_fits(request)
     if reason is not None:
         if run.settings.oversize == "skip":
+            skip_at_run_time(node, request, run)
             raise pytest.skip.Exception(f"pytest-gpu: {reason}", _use_item_location=True)
         pytest.fail(f"pytest-gpu: {reason} (--gpu-oversize=fail)", pytrace=False)
     state = node.stash[STATE_KEY]

@@ -7,7 +7,7 @@ stash key of its own. The run of the process is under :data:`RUN_KEY` of the con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -25,11 +25,31 @@ RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()
 SKIP_PROPERTY = "gpu_skipped"
 
 
-def gpu_skip_words(inventory: Inventory) -> str:
-    """Why a GPU request can never run here, in the few words the summary groups skips by."""
+def gpu_skip_words(inventory: Inventory, node: str | None = None) -> str:
+    """Why a GPU request can never run here, in the few words the summary groups skips by;
+    ``node``: ``--gpu-nodes``, the node whose ``inventory`` it is (the run's own has none)."""
     if inventory.devices:
-        return f"larger than this run's {inventory.describe()}"
+        whose = f"node {node}'s" if node else "this run's"
+        return f"larger than {whose} {inventory.describe()}"
     return f"no GPUs — {inventory.note or inventory.source}"
+
+
+def skip_why(request: GpuRequest, run: GpuRun) -> str:
+    """A never-fitting request's reason in the few words the summary groups skips by."""
+    if request.count and (
+        not run.inventory.devices or run.never_fits(replace(request, cpus=0, host_memory=0)) is not None
+    ):
+        return gpu_skip_words(run.inventory, run.node)
+    return "more CPUs or RAM than the machine has"
+
+
+def skip_at_run_time(item: pytest.Item | None, request: GpuRequest, run: GpuRun) -> None:
+    """Before a test skips itself while it runs (a ``gpu_request`` block, a fixture's lease too
+    large): record why for the summary, as collection does (:data:`SKIP_PROPERTY`). Said here,
+    where the inventory the request was checked against is: under ``--gpu-nodes`` that is the
+    worker's node's, which the controller (leasing no GPU itself) cannot word."""
+    if item is not None:
+        item.user_properties.append((SKIP_PROPERTY, skip_why(request, run)))
 
 
 @dataclass

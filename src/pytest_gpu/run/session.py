@@ -224,6 +224,7 @@ class GpuRun:
     # --gpu-nodes: the node whose GPUs give one lease the most, and that most (a request is
     # checked against it, not this node's: the scheduler keeps it off nodes too small for it)
     largest_node: tuple[str, int] | None = None
+    node: str | None = None  # --gpu-nodes: the node whose run this is (its inventory is that node's)
 
     def __repr__(self) -> str:
         # short: a traceback's locals show it, and the settings and inventory fill a screen
@@ -380,6 +381,11 @@ class GpuRun:
             self._host = capacity(self.settings.host_cpus, self.settings.host_memory)
         return self._host
 
+    @property
+    def _here(self) -> str:
+        """What :meth:`never_fits` calls the GPUs it checked: the node's, under ``--gpu-nodes``."""
+        return f"node {self.node}" if self.node else "this run"
+
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory (and machine) can never satisfy ``request``, or ``None``."""
         if request.host:
@@ -389,7 +395,7 @@ class GpuRun:
             if reason is not None:
                 return reason
         if request.count > len(self.inventory.devices):  # also: no GPUs at all
-            return f"needs {request.describe()} but this run has {self.inventory.describe()}"
+            return f"needs {request.describe()} but {self._here} has {self.inventory.describe()}"
         usable = self.usable_memory
         if request.memory is not None and request.memory > usable:
             return (
@@ -403,7 +409,7 @@ class GpuRun:
             enough = sum(d.capacity - overhead >= need for d in self.inventory.devices)
             if enough < request.count:
                 return (
-                    f"needs {request.describe()} but this run has {enough} GPU{'' if enough == 1 else 's'} "
+                    f"needs {request.describe()} but {self._here} has {enough} GPU{'' if enough == 1 else 's'} "
                     f"offering {format_size(need)} after the {self.inventory.runtime} context "
                     f"({self.inventory.describe()})"
                 )
