@@ -188,6 +188,22 @@ def test_a_worker_on_the_wrong_node_stops(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert plain.option.basetemp == "/x"
 
 
+def test_a_worker_refuses_a_link_for_its_temp_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The node's temp directory is shared: a link planted where the worker's basetemp parent
+    goes (another user's directory, say) is refused, not followed."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "pytest-gpu-nodes-abcdef012345").symlink_to(elsewhere)
+    inputs = {spec.NODE_KEY: "n2", "testrunuid": "abcdef0123456789", "workerid": "gw3"}
+    config = SimpleNamespace(workerinput=inputs, option=SimpleNamespace(basetemp="/elsewhere/popen-gw3"))
+    monkeypatch.setenv(spec.NODE_ENV, "n2")
+    with pytest.raises(pytest.UsageError, match=r"--gpu-nodes: this worker's temp directory on node n2: .*link"):
+        node_worker.setup(config)  # type: ignore[arg-type]
+    assert config.option.basetemp == "/elsewhere/popen-gw3"
+
+
 # -- runs ------------------------------------------------------------------------------------
 
 SUITE = """

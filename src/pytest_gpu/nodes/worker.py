@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from ..safefiles import Unsafe, private_dir
 from .spec import INVENTORIES_KEY, NODE_ENV, NODE_KEY
 
 if TYPE_CHECKING:
@@ -38,7 +39,10 @@ def setup(config: pytest.Config) -> None:
         )
     workerinput = config.workerinput  # type: ignore[attr-defined]
     parent = Path(tempfile.gettempdir()) / f"pytest-gpu-nodes-{str(workerinput['testrunuid'])[:12]}"
-    parent.mkdir(mode=0o700, exist_ok=True)
+    try:  # in the shared temp directory: never another user's directory, nor a link to one
+        private_dir(parent)
+    except Unsafe as exc:
+        raise pytest.UsageError(f"--gpu-nodes: this worker's temp directory on node {meant}: {exc}") from None
     config.option.basetemp = str(parent / str(workerinput["workerid"]))
 
 
