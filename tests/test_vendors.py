@@ -108,3 +108,19 @@ def test_nvidia_has_no_process_list_lag_to_say(gpu_pytester, fake_run):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["pytest-gpu: 2 GPUs (2x16GiB) [[]nvml[]]*"])
     assert "process-list lag" not in result.stdout.str()
+
+
+def test_every_amd_verdict_says_how_coarse_its_list_is(monkeypatch) -> None:
+    """A violation seen in amdsmi's list carries the caveat whichever verifier judged it: a test's
+    or a rank pool's (whose own sampling overrides the test's); NVIDIA's carry none."""
+    from pytest_gpu.gpu.verification import NvmlRankVerifier, NvmlVerifier, Verdict, amd_caveat
+
+    def found(self, lease, others=()):
+        return Verdict(violations=["GPU 1 outside the lease"])
+
+    for cls in (NvmlVerifier, NvmlRankVerifier):
+        monkeypatch.setattr(cls, "_end", found)
+        amd = cls(Inventory(devices=AMD, source="amdsmi", vendor="amd"), 0, lag=0.0)
+        assert amd.end(None).violations == [f"GPU 1 outside the lease ({amd_caveat(0.0)})"], cls  # type: ignore[arg-type]
+        nvidia = cls(Inventory(devices=NV, source="nvml"), 0, lag=0.0)
+        assert nvidia.end(None).violations == ["GPU 1 outside the lease"], cls  # type: ignore[arg-type]

@@ -70,7 +70,8 @@ class Unavailable(RuntimeError):
 
 
 @functools.cache
-def _version_problem() -> str:
+def version_problem() -> str:
+    """Why the installed nvidia-ml-py's process lists cannot be trusted ("": they can); read once."""
     from .nvmlversion import nvml_version_problem
 
     return nvml_version_problem() or ""
@@ -101,7 +102,7 @@ class NvmlSampler:
         self._handles.clear()
 
     def problem(self) -> str:
-        return _version_problem()
+        return version_problem()
 
     def forget(self, uuid: str) -> None:
         self._handles.pop(uuid, None)

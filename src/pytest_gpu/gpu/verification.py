@@ -21,7 +21,6 @@ was measured.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ from ..report.wording import numbered
 from . import runtime
 from .devices import Inventory, addressable, runtime_name
 from .isolation import GpuLease
+from .sampling import version_problem
 from .torchstats import TorchCounters, torch_counters
 
 
@@ -187,14 +187,6 @@ def claiming(holder: str) -> Iterator[None]:
             claim_processes(started, holder)
 
 
-@functools.cache
-def _version_problem() -> str:
-    """Why the installed nvidia-ml-py's process lists cannot be trusted ("": they can); read once."""
-    from .nvmlversion import nvml_version_problem
-
-    return nvml_version_problem() or ""
-
-
 class Verifier(Protocol):
     """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
 
@@ -294,7 +286,7 @@ class NvmlVerifier:
         self._torch_reserved: dict[int, int] = {}
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
-        self._untrusted = _version_problem()  # its process lists are scrambled: measure nothing from them
+        self._untrusted = version_problem()  # its process lists are scrambled: measure nothing from them
 
     def _usage(self) -> _Sample | None:
         """Bytes the driver reports per GPU for this process and each live descendant (NVML's
@@ -409,6 +401,14 @@ class NvmlVerifier:
         return mine, started
 
     def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+        """Judge the lease (:meth:`_judged`); on AMD GPUs each violation says how coarse the
+        list it was seen in may be (a rank pool's verdict too)."""
+        verdict = self._judged(lease, others)
+        if self.inventory.vendor == "amd":
+            verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
+        return verdict
+
+    def _judged(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
         """Judge the lease from a sample taken now. Where the driver's list may be ``lag`` old
         (AMD), it may still show what was freed in the test's last moments, and not yet show
         what was taken in them:
@@ -497,8 +497,6 @@ class NvmlVerifier:
                     )
         verdict = judge(lease, peak, current, touched, others, {i: "; ".join(w) for i, w in why.items()}, whence=whence)
         verdict.notes.extend(self._notes)
-        if self.inventory.vendor == "amd":  # what it found is as coarse as amdsmi's list
-            verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
         unmeasured = self._unmeasured & set(lease.indices)
         verdict.measured = seen and (device is not None or not unmeasured)
         return verdict
