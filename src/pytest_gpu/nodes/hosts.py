@@ -173,23 +173,38 @@ class NodeHosts:
         if faults:
             body["faults"] = True
         host.channel.send(("state", body))
-        kind, body = host.channel.receive(timeout)
+        return self._answer(node, timeout)
+
+    def _answer(self, node: str, timeout: float | None) -> dict[str, Any]:
+        """``node``'s reply to a ``state`` already sent (the catalog's news taken in)."""
+        kind, body = self.hosts[node].channel.receive(timeout)
         assert kind == "state", body
         self.catalog.update(body.get("catalog") or {})
         return dict(body)
 
     def refresh(self) -> dict[str, NodeView]:
         """Every live node's broker now (the scheduler's view before each fill; the catalog
-        is brought up to date too). A node that no longer answers is marked lost and left out."""
-        views: dict[str, NodeView] = {}
+        is brought up to date too). A node that no longer answers is marked lost and left out.
+
+        Every node is asked before any answer is read, so a fill waits for the slowest node's
+        round trip, not for the sum of them."""
+        asked: list[str] = []
         for name in self.up:
             host = self.hosts[name]
             if host.lost is not None:
                 continue
             try:
-                figures = self.state(name, timeout=ALIVE_TIMEOUT_S)
-            except Exception as exc:  # gone: its workers' removal follows from xdist
+                host.channel.send(("state", {}))
+            except Exception as exc:  # its channel closed: the node is gone
                 host.lost = _short(exc)
+                continue
+            asked.append(name)
+        views: dict[str, NodeView] = {}
+        for name in asked:
+            try:
+                figures = self._answer(name, ALIVE_TIMEOUT_S)
+            except Exception as exc:  # gone: its workers' removal follows from xdist
+                self.hosts[name].lost = _short(exc)
                 continue
             views[name] = NodeView.from_state(figures)
         return views
