@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 # the user property of a test whose marker left the backend to "auto": what auto chose, and why
 AUTO_PROPERTY = "dist_backend_auto"
-_VERSION_LINE = re.compile(r"^(__version__|cuda|hip)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
+_VERSION_LINE = re.compile(r"^(__version__|cuda|hip|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
+_UNREAD = object()  # a version.py value that is not a literal (a newer torch's expression): unknown
 
 
 @dataclass(frozen=True)
@@ -109,28 +110,53 @@ def xccl_missing(inventory: Inventory) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _installed_torch_xccl_missing() -> str | None:
-    """The installed torch's answer for XCCL, read from its ``version.py`` without importing it."""
+def _installed_version_py() -> tuple[bool, str | None]:
+    """Whether torch is installed, and its ``torch/version.py`` (``None``: unreadable), read
+    without importing torch; read once."""
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        return "torch is not installed"
+        return False, None
     try:
-        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+        return True, (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
     except OSError:
-        return None  # cannot tell: the ranks' torch says it
-    return build_xccl_missing(text)
+        return True, None
+
+
+def _version_fields(version_py: str) -> dict[str, object]:
+    """``__version__``, ``cuda``, ``hip`` and ``xpu`` of a ``torch/version.py`` (a value that is
+    not a literal: :data:`_UNREAD`)."""
+    found: dict[str, object] = {}
+    for name, value in _VERSION_LINE.findall(version_py):
+        try:
+            found[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            found[name] = _UNREAD
+    return found
+
+
+def _said_version(found: dict[str, object]) -> str:
+    version = found.get("__version__", "?")
+    return version if isinstance(version, str) else "?"
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_torch_xccl_missing() -> str | None:
+    """The installed torch's answer for XCCL, from its ``version.py``."""
+    installed, text = _installed_version_py()
+    if not installed:
+        return "torch is not installed"
+    return None if text is None else build_xccl_missing(text)  # unreadable: the ranks' torch says it
 
 
 def build_xccl_missing(version_py: str) -> str | None:
     """What a torch whose ``torch/version.py`` reads ``version_py`` lacks for XCCL: not an XPU build
     (``xpu = None``), or older than 2.8."""
-    found = re.search(r"^xpu\s*(?::[^=]*)?=\s*(.+?)\s*$", version_py, re.MULTILINE)
-    version = re.search(r"^__version__\s*(?::[^=]*)?=\s*['\"]([^'\"]+)", version_py, re.MULTILINE)
-    said = version.group(1) if version else "?"
-    if found is None or found.group(1) == "None":
+    found = _version_fields(version_py)
+    said = _said_version(found)
+    if found.get("xpu") is None:
         return f"torch {said} has no XCCL (not an XPU build)"
     numbers = re.match(r"(\d+)\.(\d+)", said)
     if numbers and (int(numbers.group(1)), int(numbers.group(2))) < (2, 8):
@@ -158,19 +184,12 @@ def torch_nccl_missing() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _installed_torch_nccl_missing() -> str | None:
-    """The installed torch's answer, read from its ``version.py`` without importing it."""
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+    """The installed torch's answer for NCCL, from its ``version.py``."""
+    installed, text = _installed_version_py()
+    if not installed:
         return "torch is not installed"
-    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return None  # cannot tell: the ranks' torch says it, should it lack NCCL
-    return build_nccl_missing(text, sys.platform)
+    # unreadable: cannot tell; the ranks' torch says it, should it lack NCCL
+    return None if text is None else build_nccl_missing(text, sys.platform)
 
 
 def build_nccl_missing(version_py: str, platform: str) -> str | None:
@@ -179,16 +198,12 @@ def build_nccl_missing(version_py: str, platform: str) -> str | None:
     Its builds with NCCL are the CUDA and ROCm (RCCL) builds for Linux; a ``version.py``
     that cannot be read as such (no ``cuda =`` line) is taken to have it (the ranks' torch
     then says what it lacks)."""
-    found: dict[str, object] = {}
-    for name, value in _VERSION_LINE.findall(version_py):
-        try:
-            found[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            continue  # not a literal (a newer torch's expression): unknown
-    version = str(found.get("__version__", "?"))
+    found = _version_fields(version_py)
+    version = _said_version(found)
     if platform != "linux":
         return f"torch {version} has no NCCL on {platform}"
-    if "cuda" in found and not found["cuda"] and not found.get("hip"):
+    hip = None if found.get("hip") is _UNREAD else found.get("hip")  # an unread hip: as if absent
+    if "cuda" in found and not found["cuda"] and not hip:  # an unread cuda: taken to have NCCL
         return f"torch {version} has no NCCL{_cpu_build(None, None)}"
     return None
 
