@@ -205,6 +205,72 @@ def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, 
     assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
 
 
+# A size with a space around it ("8GB "): refused wherever a size is read, naming the value and
+# what to write, not read as 8GB. (option, ini key, value, what the message says before the size's)
+SPACED_SIZES = [
+    ("--gpu-default-memory", "gpu_default_memory", "8GB ", "expected 'exclusive' or a size; "),
+    ("--gpu-context-overhead", "gpu_context_overhead", " 500MiB", ""),
+    ("--gpu-host-memory", "gpu_host_memory", "8GiB ", "expected 'auto' or a size; "),
+]
+
+
+def _spaced(value: str) -> str:
+    return f"space around the size in {value!r}: write {value.strip()!r} (expected {SIZE_FORM})"
+
+
+@pytest.mark.parametrize("from_ini", [False, True], ids=["option", "ini"])
+@pytest.mark.parametrize(("option", "ini", "value", "before"), SPACED_SIZES, ids=[s[1] for s in SPACED_SIZES])
+def test_a_size_option_with_a_space_around_it_is_a_usage_error(
+    gpu_pytester, run_inner, option, ini, value, before, from_ini
+):
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    if from_ini:  # a pytest.ini value loses its trailing space; a TOML string keeps it
+        gpu_pytester.makepyprojecttoml(f'[tool.pytest.ini_options]\n{ini} = "{value}"\n')
+    result = run_inner(*(() if from_ini else (f"{option}={value}",)))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    where = f"ini key {ini!r}" if from_ini else option
+    assert f"ERROR: {where}: {before}{_spaced(value)}" in result.errlines
+    assert "test_cpu" not in result.stdout.str()
+
+
+def test_a_request_size_with_a_space_around_it_is_refused_naming_the_test(gpu_pytester, run_inner):
+    gpu_pytester.makepyfile(
+        test_spaced="""
+        import pytest
+
+        @pytest.mark.gpu(memory="8GB ")
+        def test_marker():
+            pass
+
+        @pytest.mark.host_resources(host_memory=" 2GiB")
+        def test_host():
+            pass
+        """
+    )
+    result = run_inner("--gpus", "sim:1x16GiB")
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # the markers: a collection error
+    host_form = (
+        '@pytest.mark.host_resources(cpus=2), @pytest.mark.host_resources(host_memory="8GiB") or '
+        '@pytest.mark.host_resources(cpus=2, host_memory="8GiB")'
+    )
+    result.stdout.fnmatch_lines(
+        [
+            f"test_spaced.py::test_marker: gpu marker: memory='8GB ' is not a size: {_spaced('8GB ')}",
+            f"test_spaced.py::test_host: host_resources marker: host_memory=' 2GiB' is not a size: "
+            f"{_spaced(' 2GiB')}; expected {host_form}",
+        ],
+        consecutive=True,
+    )
+    gpu_pytester.makepyfile(
+        test_spaced="def test_section(gpu_request):\n    with gpu_request(memory='1GiB '):\n        pass\n"
+    )
+    result = run_inner("--gpus", "sim:1x16GiB")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [f"pytest-gpu: test_spaced.py::test_section: gpu_request: memory='1GiB ' is not a size: {_spaced('1GiB ')}"]
+    )
+
+
 def test_the_amd_lag_wait_is_a_flag_and_a_true_false_ini_key(gpu_pytester, run_inner, monkeypatch):
     gpu_pytester.makepyfile(
         test_wait="""

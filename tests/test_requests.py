@@ -68,24 +68,57 @@ def test_parse_size_si_units(text: str, expected: int) -> None:
         ("10", 10),
         ("10B", 10),
         ("0", 0),
-        (" 3 GiB ", 3 * GiB),
+        ("3 GiB", 3 * GiB),
+        ("3 G", 3 * GiB),
     ],
 )
-def test_parse_size_plain_bytes_and_spaces(text: str, expected: int) -> None:
+def test_parse_size_plain_bytes_and_one_space_before_the_unit(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("value", ["8GB ", " 8GB", " 3 GiB ", "8GiB\n", "\t512MiB", "10 "])
+def test_parse_size_refuses_a_space_around_the_size_naming_it_without(value: str) -> None:
+    """Strict as units are: "8GB " is not read as 8GB, the error says what to write."""
+    with pytest.raises(SizeError) as info:
+        parse_size(value)
+    right = value.strip()
+    assert str(info.value) == f"space around the size in {value!r}: write {right!r} (expected {SIZE_FORM})"
+    assert parse_size(right) > 0  # as it says
 
 
 @pytest.mark.parametrize(
     ("value", "right"),
-    [("16Gib", "GiB"), ("16gib", "GiB"), ("8GIB", "GiB"), ("3kb", "kB"), ("2gb", "GB"), ("1Mb", "MB"), ("5b", "B")],
+    [("16Gib", "GiB"), ("16gib", "GiB"), ("8GIB", "GiB"), ("5b", "B"), ("2g", "G")],
 )
 def test_parse_size_refuses_units_in_the_wrong_case_naming_the_right_one(value: str, right: str) -> None:
     """Units are case-sensitive (a lowercase b reads as bits): the error says how to write it."""
     with pytest.raises(SizeError) as info:
         parse_size(value)
     unit = value.lstrip("0123456789")
-    assert str(info.value) == f"unit {unit!r} in {value!r}: write {right!r} (units are case-sensitive: {UNITS_FORM})"
+    assert str(info.value) == f"unit {unit!r} in {value!r}: write {right!r}; units are case-sensitive: {UNITS_FORM}"
     assert parse_size(value.replace(unit, right)) > 0  # as it says
+
+
+@pytest.mark.parametrize(
+    ("value", "binary", "si", "power"),
+    [
+        ("16gb", "GiB", "GB", "^3"),
+        ("2Gb", "GiB", "GB", "^3"),
+        ("3kb", "KiB", "kB", ""),
+        ("1Mb", "MiB", "MB", "^2"),
+        ("1tB", "TiB", "TB", "^4"),
+    ],
+)
+def test_parse_size_names_both_units_a_lowercase_b_may_mean(value: str, binary: str, si: str, power: str) -> None:
+    """Who writes 16gb most often means 16GiB, not 16GB: the error names both and what each is."""
+    with pytest.raises(SizeError) as info:
+        parse_size(value)
+    unit = value.lstrip("0123456789")
+    assert str(info.value) == (
+        f"unit {unit!r} in {value!r}: write {binary!r} (binary, 1024{power} bytes) or {si!r} "
+        f"(SI, 1000{power} bytes); units are case-sensitive: {UNITS_FORM}"
+    )
+    assert parse_size(value.replace(unit, binary)) > parse_size(value.replace(unit, si)) > 0
 
 
 def test_a_marker_size_and_a_sim_spec_size_follow_the_same_rule() -> None:
@@ -106,7 +139,9 @@ def test_si_and_binary_differ() -> None:
     assert parse_size("1GB") < parse_size("1GiB")
 
 
-@pytest.mark.parametrize("value", ["lots", "", "GiB", "1e3", "-1GiB", "1,5GiB", "8 Gi B", "1.GiB"])
+@pytest.mark.parametrize(
+    "value", ["lots", "", " ", "GiB", "1e3", "-1GiB", "1,5GiB", "8 Gi B", "1.GiB", "8  GiB", "8\tGiB", " 8gb "]
+)
 def test_parse_size_unreadable_strings(value: str) -> None:
     with pytest.raises(SizeError) as info:
         parse_size(value)

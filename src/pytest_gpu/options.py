@@ -359,7 +359,7 @@ def _host_memory(config: pytest.Config) -> int | None:
     if text.strip().lower() == "auto":
         return None
     try:
-        size = parse_size(text.strip())
+        size = parse_size(text)
     except SizeError as exc:
         raise pytest.UsageError(f"{where}: expected 'auto' or a size; {exc}") from None
     if size <= 0:

@@ -28,17 +28,27 @@ _UNITS: dict[str, int] = {
     "G": 2**30,
     "T": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# A number, then at most one space, then the unit: nothing before or after (a stray space in
+# "8GB " is refused like a stray letter, naming the size without it).
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(?: ?([a-zA-Z]+))?")
 SIZE_FORM = 'an int of bytes or a string such as "512MiB", "8GiB" (binary) or "8GB" (SI)'
 UNITS_FORM = "B, KiB, MiB, GiB, TiB (or K, M, G, T), kB, MB, GB, TB"
+_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4}
 
 
 def _suggest(unit: str) -> str | None:
-    """The unit ``unit`` means in the case it should be written in, if any ("gib": "GiB")."""
+    """How to write ``unit`` spelled in the wrong case ("gib": "'GiB'"; "gb", which may mean
+    either, names both: most who write it mean GiB); None when it is no unit in any case."""
     lowered = unit.lower()
-    for known in ("B", "KiB", "MiB", "GiB", "TiB", "kB", "MB", "GB", "TB", "M", "G", "T"):
+    if len(lowered) == 2 and lowered[1] == "b" and lowered[0].upper() in _POWERS:
+        prefix = lowered[0].upper()
+        power = _POWERS[prefix]
+        binary, si = f"{prefix}iB", "kB" if prefix == "K" else f"{prefix}B"
+        exp = "" if power == 1 else f"^{power}"
+        return f"{binary!r} (binary, 1024{exp} bytes) or {si!r} (SI, 1000{exp} bytes)"
+    for known in ("B", "KiB", "MiB", "GiB", "TiB", "M", "G", "T"):
         if known.lower() == lowered:
-            return known
+            return repr(known)
     return None
 
 
@@ -56,8 +66,9 @@ def parse_size(value: object) -> int:
     Accepts non-negative ints, and strings with an optional unit: ``B``, SI units
     (``kB``/``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary units (``KiB``,
     ``MiB``, ``GiB``, ``TiB``, or the short ``K``/``k``, ``M``, ``G``, ``T``: powers of
-    1024). Units are case-sensitive: ``Gib``, ``gb`` or ``mib`` are refused with the right
-    spelling (a lowercase ``b`` reads as bits).
+    1024), after at most one space. Units are case-sensitive: ``Gib``, ``gb`` or ``mib`` are
+    refused with the right spelling (a lowercase ``b`` reads as bits; ``gb`` names both ``GiB``
+    and ``GB``), and so is a space before or after the size (``"8GB "``).
     """
     if isinstance(value, bool):
         raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
@@ -67,20 +78,30 @@ def parse_size(value: object) -> int:
         return value
     if not isinstance(value, str):
         raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
-    match = _SIZE_RE.match(value)
+    match = _SIZE_RE.fullmatch(value)
     if not match:
+        if value.strip() != value and _readable(value.strip()):
+            raise SizeError(f"space around the size in {value!r}: write {value.strip()!r} (expected {SIZE_FORM})")
         raise SizeError(f"expected {SIZE_FORM}, got {value!r}")
-    number, unit = match.groups()
+    number, unit = match.group(1), match.group(2) or ""
     factor = _UNITS.get(unit)
     if factor is None:
         right = _suggest(unit)
         if right is not None:
-            raise SizeError(f"unit {unit!r} in {value!r}: write {right!r} (units are case-sensitive: {UNITS_FORM})")
+            raise SizeError(f"unit {unit!r} in {value!r}: write {right}; units are case-sensitive: {UNITS_FORM}")
         raise SizeError(f"unknown unit {unit!r} in {value!r}: expected {SIZE_FORM}")
     nbytes = float(number) * factor
     if not math.isfinite(nbytes):  # hundreds of digits: float() says inf, int() would raise OverflowError
         raise SizeError(f"expected a finite size, got {value!r}")
     return int(nbytes)
+
+
+def _readable(text: str) -> bool:
+    try:
+        parse_size(text)
+    except SizeError:
+        return False
+    return True
 
 
 def format_size(nbytes: int) -> str:
