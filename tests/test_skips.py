@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -239,6 +240,99 @@ def test_gpu_required_ini_key_and_what_it_leaves_alone(gpu_pytester, run_inner):
     # false turns it off
     gpu_pytester.makeini("[pytest]\ngpu_required = false\ngpus = none\n")
     run_inner().assert_outcomes(passed=1, skipped=5)
+
+
+# Every way a test comes to need GPUs, and tests that look like GPU tests and are not skipped for
+# having none: --gpu-required and the summary of a run without GPUs must count the same tests.
+EVERY_WAY = """
+import pytest
+
+@pytest.mark.gpu(memory="1GiB")
+def test_marker():
+    raise AssertionError("must not run")
+
+def test_gpu_fixture(gpu):
+    raise AssertionError("must not run")
+
+def test_section(gpu_request):
+    with gpu_request(memory="1GiB"):
+        raise AssertionError("must not run")
+
+@pytest.fixture(scope="module")
+def model(gpu_lease_factory):
+    yield gpu_lease_factory(memory="1GiB")
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_with_a_leasing_fixture(model, n):
+    raise AssertionError("must not run")
+
+@pytest.mark.distributed(world_size=2, gpus_per_rank=1)
+def test_pool_of_gpus(rank):
+    raise AssertionError("must not run")
+
+@pytest.mark.distributed(world_size=1)
+def test_pool_on_the_cpu(rank):  # backend="auto": gloo, no GPU
+    pass
+
+@pytest.mark.gpu(memory="1GiB", isolate=True)
+def test_isolated():
+    raise AssertionError("must not run")
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("x", [1, 2])
+def test_two_gpus(x):
+    raise AssertionError("must not run")
+
+@pytest.mark.skip(reason="its own skip")
+@pytest.mark.gpu
+def test_skipped_by_itself():
+    pass
+
+@pytest.mark.skipif(True, reason="its own skipif")
+@pytest.mark.gpu
+def test_skipped_by_its_skipif():
+    pass
+
+@pytest.mark.host_resources(cpus=1000000)
+def test_too_many_cpus():  # skipped by pytest-gpu, for no GPU
+    raise AssertionError("must not run")
+
+@pytest.mark.gpu
+def test_deselected():
+    raise AssertionError("must not run")
+
+def test_cpu():
+    pass
+"""
+
+
+def test_gpu_required_counts_the_tests_a_run_without_gpus_skips_for_it(gpu_pytester, run_inner):
+    """The same suite, with -k deselecting one: "10 selected tests need GPUs" where the run
+    without --gpu-required skips 10 for having no GPUs (a fixture's lease counts, a test's own
+    skip does not), and a test skipped for the machine's CPUs is not called a GPU test."""
+    gpu_pytester.makepyfile(test_suite=EVERY_WAY)
+    args = ("--gpus", "none", "-k", "not deselected", "-rs")
+    skipped = run_inner(*args)
+    skipped.assert_outcomes(passed=2, skipped=13)
+    skipped.stdout.fnmatch_lines(
+        [
+            "pytest-gpu: 11 tests skipped: 10 no GPUs — --gpus none; 1 more CPUs or RAM than the machine has "
+            "(-rs lists them)"
+        ]
+    )
+    assert "must not run" not in skipped.stdout.str()
+    required = run_inner(*args, "--gpu-required")
+    assert required.ret == pytest.ExitCode.USAGE_ERROR
+    required.stderr.fnmatch_lines(
+        [
+            "*--gpu-required (ini gpu_required): this run has no GPUs (--gpus none), and 10 "
+            "selected tests need GPUs (test_suite.py::test_marker, ...);*"
+        ]
+    )
+    # the run's own count, read off the same lines
+    said = re.search(r"(\d+) no GPUs", skipped.stdout.str())
+    needed = re.search(r"and (\d+) selected tests need GPUs", required.stderr.str())
+    assert said is not None and needed is not None and said.group(1) == needed.group(1)
 
 
 def test_gpu_required_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner):

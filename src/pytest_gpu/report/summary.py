@@ -11,7 +11,7 @@ import pytest
 
 from ..distributed.backends import AUTO_PROPERTY
 from ..leasing.spans import gpu_properties, parse_held
-from ..run.record import SKIP_PROPERTY, gpu_skip_words
+from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
 from .timeline import Timeline
 from .wording import duration, numbered, plural, verb
 
@@ -172,7 +172,9 @@ class Summary:
             reasons = next(iter(counts))
         else:
             reasons = "; ".join(f"{n} {why}" for why, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-        return [f"pytest-gpu: {plural(self.gpu_skipped, 'GPU test')} skipped: {reasons} (-rs lists them)"]
+        # "GPU tests" only when every one was for GPUs: the count --gpu-required gives on the same run
+        what = "test" if HOST_SKIP_WORDS in counts else "GPU test"
+        return [f"pytest-gpu: {plural(self.gpu_skipped, what)} skipped: {reasons} (-rs lists them)"]
 
     def unseen_lines(self) -> list[str]:
         """AMD: how many tests were verified from a process list that may not show them yet

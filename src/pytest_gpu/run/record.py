@@ -23,6 +23,8 @@ RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()
 # the user property of a test skipped at collection because this run cannot run it: why, in a
 # few words ("no GPUs — NVML unavailable: ..."); the run's summary counts its skips by it
 SKIP_PROPERTY = "gpu_skipped"
+# ... when it is the machine's CPUs or RAM, not its GPUs, that the test asks too much of
+HOST_SKIP_WORDS = "more CPUs or RAM than the machine has"
 
 
 def gpu_skip_words(inventory: Inventory, node: str | None = None) -> str:
@@ -40,7 +42,7 @@ def skip_why(request: GpuRequest, run: GpuRun) -> str:
         not run.inventory.devices or run.never_fits(replace(request, cpus=0, host_memory=0)) is not None
     ):
         return gpu_skip_words(run.inventory, run.node)
-    return "more CPUs or RAM than the machine has"
+    return HOST_SKIP_WORDS
 
 
 def skip_at_run_time(item: pytest.Item | None, request: GpuRequest, run: GpuRun) -> None:

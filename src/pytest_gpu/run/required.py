@@ -10,6 +10,11 @@ known whether the run has GPU tests (a CPU-only selection, ``-m "not gpu"``, run
 itself; an xdist worker cannot (xdist would report an internal error), so it leaves its
 finding in the run directory and the controller raises it when that worker's collection
 comes in, before the first test is handed out.
+
+The tests it counts are those a run without GPUs skips for it, which the summary's
+"N GPU tests skipped: no GPUs" counts on the same selection (:func:`asks_for_gpus`): the
+same number, but for a test that takes ``gpu_request`` or ``gpu_lease_factory`` and never
+calls it (counted here: only its run can tell).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ..report.wording import plural
+from .fixture_leases import FACTORY
 from .record import needs
 
 if TYPE_CHECKING:
@@ -29,14 +35,32 @@ OPTION = "--gpu-required (ini gpu_required)"
 
 
 def asks_for_gpus(item: pytest.Item) -> bool:
-    """Whether ``item`` is a GPU test: a request for GPUs (marker, fixture, conventions), a
-    distributed test whose pool leases GPUs, or a test that leases a ``gpu_request`` block."""
+    """Whether ``item`` is a GPU test a run without GPUs skips: a request for GPUs (marker,
+    fixture, conventions), a distributed test whose pool leases GPUs, a test that leases a
+    ``gpu_request`` block, or one with a fixture that leases (``gpu_lease_factory``); unless its
+    own ``skip`` (or ``skipif`` with a true bool) skips it whatever GPUs the run has."""
+    if _skipped_anyway(item):
+        return False
     test = needs(item)
     if test.request is not None and test.request.count:
         return True
     if test.dist is not None and test.dist.gpus_per_rank:
         return True
-    return "gpu_request" in getattr(item, "fixturenames", ())
+    fixtures = getattr(item, "fixturenames", ())
+    return "gpu_request" in fixtures or FACTORY in fixtures
+
+
+def _skipped_anyway(item: pytest.Item) -> bool:
+    """Whether the test's own marks skip it (not ours: :func:`~.lifecycle.mark_oversize`'s reasons
+    start with "pytest-gpu:"); a string condition is pytest's to evaluate, at setup."""
+    for mark in item.iter_markers("skip"):
+        if not str(mark.kwargs.get("reason", mark.args[0] if mark.args else "")).startswith("pytest-gpu:"):
+            return True
+    for mark in item.iter_markers("skipif"):
+        conditions = mark.args or ((mark.kwargs["condition"],) if "condition" in mark.kwargs else ())
+        if not conditions or any(c is True for c in conditions):
+            return True
+    return False
 
 
 # what gives a job its GPUs, by vendor (the inventory's)
