@@ -198,7 +198,82 @@ def test_title_and_summary():
     chart = gantt.build_chart(make_trace())
     assert chart.title == "pytest-gpu run: 2 simulated GPUs (2x16GiB), makespan 6.25 s"
     assert gantt.build_chart(make_trace(), title="nightly").title == "nightly"
-    assert chart.summary() == "5 tests on 2 GPUs, 2 workers, makespan 6.25 s (3 passed, 1 failed, 1 skipped)"
+    assert chart.summary() == "5 tests on 2 GPUs, 2 workers, makespan 6.25 s (1 failed, 3 passed, 1 skipped)"
+
+
+def test_the_summary_counts_each_span_as_pytest_counted_it():
+    """``counted`` (a phase at a time) rather than the one outcome of a bar: a passing call with
+    a teardown that raised is "passed" and "error"; a trace without it counts its outcomes."""
+    trace = make_trace()
+    tests = [e for e in trace["traceEvents"] if e.get("cat") == "test"]
+    tests[0]["args"]["outcome"] = "error"  # test_a's bar: an error ...
+    tests[0]["args"]["counted"] = ["passed", "error"]  # ... that pytest counts twice
+    tests[1]["args"]["counted"] = ["failed", "error"]  # test_b
+    tests[2]["args"]["counted"] = ["xfailed"]  # test_e
+    chart = gantt.build_chart(trace)
+    assert chart.summary() == (
+        "5 tests on 2 GPUs, 2 workers, makespan 6.25 s (1 failed, 3 passed, 1 xfailed, 2 errors)"
+    )
+    assert _bar(chart, "test", "test_a").outcome == "error"  # the colour is the bar's one outcome
+
+
+# every way pytest counts a test, teardown errors after a passing and a failing call among them
+OUTCOMES = """
+import pytest
+
+@pytest.fixture
+def raises_at_teardown():
+    yield
+    raise RuntimeError("teardown")
+
+@pytest.fixture
+def raises_at_setup():
+    raise RuntimeError("setup")
+
+@pytest.mark.gpu(memory="1GiB")
+def test_pass():
+    pass
+
+def test_pass_then_teardown_error(raises_at_teardown):
+    pass
+
+@pytest.mark.gpu(memory="1GiB")
+def test_fail_then_teardown_error(raises_at_teardown):
+    assert False
+
+def test_setup_error(raises_at_setup):
+    pass
+
+def test_fail():
+    assert False
+
+def test_skip():
+    pytest.skip("no")
+
+@pytest.mark.xfail
+def test_xfail():
+    assert False
+
+@pytest.mark.xfail
+def test_xpass():
+    pass
+
+@pytest.mark.xfail(strict=True)
+def test_xpass_strict():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_the_report_counts_outcomes_as_pytest_does(gpu_pytester, run_inner, workers):
+    gpu_pytester.makepyfile(test_outcomes=OUTCOMES)
+    trace = gpu_pytester.path / "run.json"
+    result = run_inner("--gpus", "sim:2x16GiB", f"--gpu-trace={trace}", "-n", workers, subprocess=workers != "0")
+    said = result.parseoutcomes()
+    assert said == {"failed": 3, "passed": 2, "skipped": 1, "xfailed": 1, "xpassed": 1, "errors": 3}
+    chart = gantt.build_chart(gantt.load_trace(trace))
+    counts = chart.summary().partition(" s (")[2].rstrip(")")
+    assert counts == "3 failed, 2 passed, 1 skipped, 1 xfailed, 1 xpassed, 3 errors"  # pytest's, in its order
 
 
 def test_idle_and_unnamed_tracks():
@@ -358,7 +433,7 @@ def test_report_png(trace_file: Path, capsys: pytest.CaptureFixture[str]):
     out = trace_file.with_suffix(".png")
     assert capsys.readouterr().out.splitlines() == [
         str(out),
-        "5 tests on 2 GPUs, 2 workers, makespan 6.25 s (3 passed, 1 failed, 1 skipped)",
+        "5 tests on 2 GPUs, 2 workers, makespan 6.25 s (1 failed, 3 passed, 1 skipped)",
     ]
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")

@@ -88,6 +88,32 @@ def test_outcome(outcomes: dict[str, str], expected: str) -> None:
     assert tl.records["t.py::x"].outcome == expected
 
 
+@pytest.mark.parametrize(
+    ("phases", "counted"),
+    [
+        ([("setup", "passed"), ("call", "passed"), ("teardown", "passed")], ["passed"]),
+        ([("setup", "passed"), ("call", "passed"), ("teardown", "failed")], ["passed", "error"]),
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "failed")], ["failed", "error"]),
+        ([("setup", "failed"), ("teardown", "passed")], ["error"]),
+        ([("setup", "skipped"), ("teardown", "passed")], ["skipped"]),
+        ([("setup", "passed"), ("call", "skipped", True), ("teardown", "passed")], ["xfailed"]),
+        ([("setup", "passed"), ("call", "passed", True), ("teardown", "passed")], ["xpassed"]),
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "passed")], ["failed"]),  # a strict xpass too
+        ([("setup", "passed"), ("call", "rerun"), ("call", "passed"), ("teardown", "passed")], ["rerun", "passed"]),
+        ([("???", "failed")], ["failed"]),  # xdist: its worker died under it
+    ],
+)
+def test_counted_as_pytest_counts_each_phase(phases: list[tuple[Any, ...]], counted: list[str]) -> None:
+    """What pytest's closing line counts, not the one outcome of the record's bar."""
+    tl = Timeline()
+    tl.started("t.py::x", "gw0", T0)
+    for when, outcome, *xfail in phases:
+        tl.phase("t.py::x", "gw0", when, outcome, T0, T0 + 1.0, 1.0, {}, xfail=bool(xfail))
+    assert tl.records["t.py::x"].counted == counted
+    span = next(e for e in trace.build(tl, [], "none", "none")["traceEvents"] if e.get("cat") == "test")
+    assert span["args"]["counted"] == counted
+
+
 def test_crash_report_takes_start_from_started() -> None:
     # xdist's report for a test whose worker died carries no start; logstart gave it
     tl = Timeline()

@@ -106,6 +106,8 @@ class Chart:
     # every test's (or holder's) number, in order of first start: what a bar too short for
     # its name shows, and what the key below the picture spells out (see bar_text)
     keys: Mapping[str, int] = field(default_factory=dict)
+    # outcome -> how many times pytest's closing line counts it (see pytest_counts)
+    counts: Mapping[str, int] = field(default_factory=dict)
 
     def full_name(self, bar: Bar) -> str:
         """What a bar stands for, whole: the test's node id, or the holder's name."""
@@ -124,16 +126,36 @@ class Chart:
         return tuple(bar for bar in self.bars if bar.kind == "test")
 
     def summary(self) -> str:
-        """One line: tests, GPUs, workers, makespan and outcome counts."""
+        """One line: tests, GPUs, workers, makespan and the outcomes as pytest's closing line
+        counts them ("3 passed, 1 error", in its order: a test may count twice)."""
         gpus = sum(row.kind == "gpu" for row in self.rows)
         workers = sum(row.kind == "worker" for row in self.rows)
-        outcomes = Counter(bar.outcome or "unknown" for bar in self.tests)
-        counts = ", ".join(f"{n} {outcome}" for outcome, n in outcomes.most_common())
+        order = {outcome: n for n, outcome in enumerate(_PYTEST_ORDER)}
+        ranked = sorted(self.counts.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+        counts = ", ".join(_plural(n, outcome) if outcome == "error" else f"{n} {outcome}" for outcome, n in ranked)
         line = (
             f"{_plural(len(self.tests), 'test')} on {_plural(gpus, 'GPU')}, {_plural(workers, 'worker')}, "
             f"makespan {format_seconds(self.makespan)} s"
         )
         return f"{line} ({counts})" if counts else line
+
+
+# the order of pytest's closing line (its KNOWN_TYPES), where it says "errors"
+_PYTEST_ORDER = ("failed", "passed", "skipped", "xfailed", "xpassed", "error")
+
+
+def pytest_counts(spans: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Outcome -> count over the test spans' ``args``, as pytest's closing line counts them:
+    each span's ``counted`` (a phase at a time); a trace from before it was written, the
+    span's one ``outcome``."""
+    counts: Counter[str] = Counter()
+    for args in spans:
+        counted = args.get("counted")
+        if isinstance(counted, list):
+            counts.update(str(c) for c in counted)
+        else:
+            counts[str(args.get("outcome") or "unknown")] += 1
+    return dict(counts)
 
 
 def _plural(n: int, word: str) -> str:
@@ -369,7 +391,8 @@ def build_chart(data: Mapping[str, Any], *, title: str | None = None) -> Chart:
             keys.setdefault(bar.nodeid or bar.label, len(keys) + 1)
     for bar in bars:  # a wait whose test has no bar of its own
         keys.setdefault(bar.nodeid or bar.label, len(keys) + 1)
-    return Chart(title, inventory, makespan, tuple(rows), tuple(bars), keys)
+    counts = pytest_counts([span.args for span in spans if span.cat == "test" and span.pid in worker_pids])
+    return Chart(title, inventory, makespan, tuple(rows), tuple(bars), keys, counts)
 
 
 # -- drawing ----------------------------------------------------------------------

@@ -69,6 +69,7 @@ class Summary:
             stop,
             float(report.duration or 0.0),
             dict(report.user_properties),
+            xfail=hasattr(report, "wasxfail"),
         )
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:

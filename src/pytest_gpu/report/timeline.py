@@ -30,6 +30,9 @@ class TestRecord:
     stop: float = 0.0
     duration: float = 0.0  # setup + call + teardown, as pytest measured them
     outcome: str = "passed"  # passed, failed, skipped, error (setup/teardown), crashed
+    # what pytest's closing line counts it as, a phase at a time (pytest_category): a call that
+    # passed with a teardown that raised is both "passed" and "error", as pytest counts it
+    counted: list[str] = field(default_factory=list)
     request: str = ""
     requested: int = 0  # bytes per GPU asked for (an exclusive lease: what it was given)
     peak: int | None = None  # highest bytes measured on one of its GPUs
@@ -60,6 +63,18 @@ class TestRecord:
         return sum(max(span.granted - span.asked, 0.0) for span in self.leases)
 
 
+def pytest_category(when: str, outcome: str, xfail: bool = False) -> str | None:
+    """What pytest's closing line ("3 passed, 1 error") counts a report phase as, or ``None``
+    where it counts nothing (a setup or teardown that passed): pytest's own
+    ``pytest_report_teststatus`` rules (``xfail``: the report has ``wasxfail``). A test whose
+    call passed and whose teardown raised is counted twice, "passed" and "error"."""
+    if xfail and outcome in ("skipped", "passed"):
+        return "xfailed" if outcome == "skipped" else "xpassed"
+    if when in ("setup", "teardown"):
+        return {"failed": "error", "skipped": "skipped"}.get(outcome)
+    return outcome  # a call (or xdist's "???" for a crash: "failed"); a plugin's own, such as "rerun"
+
+
 class Timeline:
     """Test records keyed by node id, fed one report phase at a time."""
 
@@ -86,13 +101,18 @@ class Timeline:
         stop: float,
         duration: float,
         properties: dict[str, object],
+        xfail: bool = False,
     ) -> None:
+        """One report phase; ``xfail``: the report has ``wasxfail`` (see :func:`pytest_category`)."""
         rec = self.record(nodeid)
         rec.worker = worker
         if start > 0:
             rec.start = min(rec.start, start)
         rec.stop = max(rec.stop, stop, rec.start if rec.start != math.inf else 0.0)
         rec.duration += duration
+        category = pytest_category(when, outcome, xfail)
+        if category:
+            rec.counted.append(category)
         if when == "???":  # xdist's report for a test whose worker died
             rec.outcome = "crashed"
         elif outcome == "failed" and rec.outcome not in ("crashed", "failed", "error"):

@@ -3,8 +3,9 @@
 Open it in https://ui.perfetto.dev or chrome://tracing. Layout:
 
 * process 1 "workers": one thread per worker; a span per test (category ``test``, its
-  request, GPUs and outcome in ``args``) with its waits for GPUs nested inside
-  (category ``wait``).
+  request, GPUs and outcome in ``args``; ``counted``: what pytest's closing line counts it
+  as, a phase at a time, e.g. ``["passed", "error"]`` for a teardown that raised after a
+  passing call) with its waits for GPUs nested inside (category ``wait``).
 * process 100+i "GPU i": a span per lease on that GPU (category ``lease``): a test's, or
   another holder's (a fixture's, a rank pool's: ``args.holder`` says which, ``args.nodeid``
   the test during which it was judged). Leases that share a GPU run side by side, so each
@@ -90,6 +91,7 @@ def build(
                     "nodeid": rec.nodeid,
                     "worker": rec.worker,
                     "outcome": rec.outcome,
+                    "counted": rec.counted,
                     "gpus": sorted({g for s in rec.leases for g in s.gpus}),
                     "request": rec.request or None,
                     "wait_s": round(rec.waited, 6),
