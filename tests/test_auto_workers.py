@@ -107,6 +107,19 @@ def test_no_gpu_that_fits_a_test_leaves_the_number_to_xdist():
     assert choose([400 * MiB], memory=None, overhead=OVERHEAD, cpus=4, ram=BIG_RAM).workers is None
 
 
+def test_without_gpus_the_summary_says_xdist_chose_and_how_many():
+    d = autoworkers.Decision(None, (), 0, 0, None, gpuless="no GPUs (--gpus none)")
+    assert d.reason() == "pytest-gpu: -n auto: this run has no GPUs (--gpus none); xdist's CPU count decides"
+    config = types.SimpleNamespace(stash=pytest.Stash(), option=types.SimpleNamespace(numprocesses=8, maxprocesses=3))
+    config.stash[autoworkers.AUTO_KEY] = d
+    assert autoworkers.summary_lines(config) == [d.reason() + ": 8 workers; --maxprocesses=3 runs 3 workers"]
+    config.option.maxprocesses = None
+    config.stash[autoworkers.AUTO_KEY] = choose([16 * GiB], memory=20 * GiB, overhead=OVERHEAD, cpus=4, ram=BIG_RAM)
+    assert autoworkers.summary_lines(config) == [
+        "pytest-gpu: -n auto: no GPU fits a test of 20GiB; xdist's CPU count decides: 8 workers"
+    ]
+
+
 def test_learned_requests_are_named():
     d = choose([16 * GiB] * 2, memory=3 * GiB, overhead=OVERHEAD, cpus=16, ram=BIG_RAM, learned=True)
     assert "tests of 3GiB (the median learned request) each fit" in d.reason()
@@ -316,4 +329,7 @@ def test_without_gpus_xdist_counts_cpus(machine, run_inner):
     result = run_inner("-n", "auto", "--gpus", "none", subprocess=True)
     result.assert_outcomes(passed=1, skipped=1)
     assert _workers(result) == expected
-    assert _auto_lines(result) == []
+    workers = f"{expected} worker{'' if expected == 1 else 's'}"
+    assert _auto_lines(result) == [  # not chosen silently
+        f"pytest-gpu: -n auto: this run has no GPUs (--gpus none); xdist's CPU count decides: {workers}"
+    ]

@@ -3,7 +3,8 @@
 pytest-xdist asks ``pytest_xdist_auto_num_workers(config)`` for ``-n auto`` (and ``-n
 logical``), first result wins, and its own answer is the CPU count. With GPUs in the
 run's inventory pytest-gpu answers ``-n auto`` with :func:`choose`; ``-n logical``,
-``PYTEST_XDIST_AUTO_NUM_WORKERS`` and a machine without GPUs are left to xdist (``None``).
+``PYTEST_XDIST_AUTO_NUM_WORKERS`` and a machine without GPUs are left to xdist (``None``):
+for the last, the summary says so, and how many workers xdist's CPU count gave.
 
 The formula (docs/scheduling.md, "How many workers?")::
 
@@ -55,6 +56,7 @@ class Decision:
     memory: int | None  # m; None: a whole GPU
     learned: bool = False
     capped: int | None = None  # gpu_workers_per_gpu, where it lowered some k_i
+    gpuless: str | None = None  # the run has no GPUs: its inventory, described ("no GPUs (--gpus none)")
 
     @property
     def gpu_bound(self) -> int:
@@ -66,6 +68,8 @@ class Decision:
 
     def reason(self) -> str:
         """The summary line."""
+        if self.gpuless is not None:
+            return f"pytest-gpu: -n auto: this run has {self.gpuless}; xdist's CPU count decides"
         what = "a whole GPU" if self.memory is None else format_size(self.memory)
         if self.learned:
             what += " (the median learned request)"
@@ -188,7 +192,8 @@ def auto_num_workers(config: pytest.Config) -> int | None:
         inventory = node_share(discover(settings.gpus), config.stash.get(LAUNCH_KEY, None))
     except DeviceSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
-    if not inventory.devices:
+    if not inventory.devices:  # xdist's number, said in the summary (summary_lines)
+        config.stash[AUTO_KEY] = Decision(None, (), 0, 0, None, gpuless=inventory.describe())
         return None
     capacities = [d.capacity for d in inventory.devices]
     memory = settings.default_memory.memory
@@ -211,12 +216,19 @@ def auto_num_workers(config: pytest.Config) -> int | None:
 
 
 def summary_lines(config: pytest.Config) -> list[str]:
-    """The summary's line on how ``-n auto`` chose (none when pytest-gpu did not choose)."""
+    """The summary's line on how ``-n auto`` chose (none when pytest-gpu was not asked); where
+    it left the number to xdist, the number xdist chose (``numprocesses`` once it answered)."""
     decision = config.stash.get(AUTO_KEY, None)
     if decision is None:
         return []
     line = decision.reason()
+    workers = decision.workers
+    if workers is None:
+        chosen = getattr(config.option, "numprocesses", None)
+        if isinstance(chosen, int) and not isinstance(chosen, bool):
+            workers = chosen
+            line += f": {plural(workers, 'worker')}"
     most = getattr(config.option, "maxprocesses", None)
-    if decision.workers is not None and most and most < decision.workers:
+    if workers is not None and most and most < workers:
         line += f"; --maxprocesses={most} runs {plural(most, 'worker')}"
     return [line]
