@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from pytest_gpu.report import gantt
 
 pytestmark = pytest.mark.slow  # every test here runs pytest (or a launcher) in a subprocess
 
@@ -55,3 +57,35 @@ def test_the_demo_suite_passes_on_simulated_gpus(tmp_path: Path, gpus: str, fake
     assert "OutOfMemoryError" not in out, out
     assert "needs 8 GPUs" in out or "needs 8 GPU" in out, out  # the one intended skip says why
     assert ("[nvml]" in out) == (fake is not None), out
+
+
+# what varies from run to run in a quoted line: durations ("4.4s", "15ms", "<1ms"), ratios
+# ("3.6x") and percentages; every other figure (tests, GPUs, outcomes) must be the run's own
+_VARYING = re.compile(r"<?\d+(?:\.\d+)?(?: ?m?s\b|x\b|%)")
+
+
+def _quoted_pattern(line: str) -> re.Pattern[str]:
+    parts, at = [], 0
+    for found in _VARYING.finditer(line):
+        parts += [re.escape(line[at : found.start()]), r"<?\d+(?:\.\d+)?(?: ?m?s\b|x\b|%)"]
+        at = found.end()
+    return re.compile("".join([*parts, re.escape(line[at:])]))
+
+
+def test_seeing_the_run_quotes_the_demo_as_it_runs(tmp_path: Path) -> None:
+    """docs/seeing-the-run.md runs the demo with --gpu-trace, then pytest-gpu report: the lines it
+    quotes from both are those of a real run, but for their times."""
+    doc = (ROOT / "docs" / "seeing-the-run.md").read_text(encoding="utf-8")
+    assert "pytest examples -n 4 --gpus sim:4x16GiB --gpu-trace=run.json\npytest-gpu report run.json\n" in doc
+    quoted, fenced = [], False
+    for line in doc.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced and line.startswith(("pytest-gpu:", "=", "43 tests")):
+            quoted.append(line.strip("= "))
+    assert len(quoted) == 5, quoted
+    result = _demo(tmp_path, "sim:4x16GiB")
+    report = gantt.build_chart(gantt.load_trace(tmp_path / "trace.json")).summary()
+    said = [line.strip("= ") for line in result.stdout.splitlines()] + [report]
+    for line in quoted:
+        assert any(_quoted_pattern(line).fullmatch(out) for out in said), (line, said)

@@ -434,6 +434,18 @@ def test_trace_waits_nest_in_their_test_on_its_worker() -> None:
     assert {e["args"]["nodeid"]: e["dur"] for e in waits} == {"t.py::a": 500_000, "t.py::d": 3_000_000}
 
 
+def test_trace_draws_no_wait_for_a_test_that_waited_for_none() -> None:
+    """Granted at once (the test's gpu_wait_seconds: 0, "waited 0s for GPUs" in the summary), the
+    12 ms from asking to the grant are the broker's round trip: no "waiting for GPU" span."""
+    tl = Timeline()
+    for nodeid, reported in (("t.py::at_once", 0.0), ("t.py::queued", 0.5)):
+        properties = props([lease_row([0], GIB, 1.0, 1.0 + (0.012 if not reported else reported), 2.0)])
+        run_test(tl, nodeid, "gw0", 0.5, 2.5, properties=properties | {"gpu_wait_seconds": reported})
+    waits = spans(trace.build(tl, GPUS, "inv", "sim"), "wait")
+    assert [(e["args"]["nodeid"], e["dur"]) for e in waits] == [("t.py::queued", 500_000)]
+    assert " · waited 500ms for GPUs" in tl.summary_lines([0], with_peaks=False)[0]
+
+
 def test_trace_leases_on_gpu_processes_in_non_overlapping_lanes() -> None:
     data = trace.build(sample_timeline(), GPUS, "inv", "sim")
     leases = spans(data, "lease")

@@ -5,7 +5,8 @@ Open it in https://ui.perfetto.dev or chrome://tracing. Layout:
 * process 1 "workers": one thread per worker; a span per test (category ``test``, its
   request, GPUs and outcome in ``args``; ``counted``: what pytest's closing line counts it
   as, a phase at a time, e.g. ``["passed", "error"]`` for a teardown that raised after a
-  passing call) with its waits for GPUs nested inside (category ``wait``).
+  passing call) with its waits for GPUs nested inside (category ``wait``; a test that
+  waited for none, as the summary counts it, has none, whatever its broker round trip took).
 * process 100+i "GPU i": a span per lease on that GPU (category ``lease``): a test's, or
   another holder's (a fixture's, a rank pool's: ``args.holder`` says which, ``args.nodeid``
   the test during which it was judged). Leases that share a GPU run side by side, so each
@@ -99,8 +100,11 @@ def build(
                 | ({"node": rec.node} if rec.node is not None else {}),
             }
         )
+        # a test that waited for no GPU (its own figure, the summary's: TestRecord.waited) draws no
+        # wait: from asking to being granted at once is the broker's round trip, not waiting
+        waited = rec.waited >= 1e-3
         for span in rec.leases:
-            if span.granted - span.asked >= 1e-3:
+            if waited and span.granted - span.asked >= 1e-3:
                 events.append(
                     {
                         "ph": "X",
