@@ -43,15 +43,16 @@ def load(name: str) -> ModuleType:
     module = sys.modules.get(name)
     if module is not None:  # imported: nothing warns, and the process's warning filters are left alone
         return module
-    # catch_warnings swaps the process's filters: the first import happens in the main thread,
-    # where the plugin configures (discovery, the simulated machine)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # the user's filters decide when pytest is handed them
-        try:
+    caught: list[warnings.WarningMessage] = []
+    try:
+        # catch_warnings swaps the process's filters: the first import happens in the main thread,
+        # where the plugin configures (discovery, the simulated machine)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # the user's filters decide when pytest is handed them
             module = __import__(name)
-        finally:
-            for message in caught:
-                _take(message)
+    finally:
+        for message in caught:  # handed on outside the catch: pytest applies its own filters
+            _take(message)
     return module
 
 
