@@ -83,6 +83,8 @@ def option_entries() -> list[Entry]:
 
     recorder = _Recorder()
     options.register(recorder)  # type: ignore[arg-type]  # the recorder has the parser's methods
+    for ini in options.GIVEN_MATTERS:  # registered with the default None, to tell "not given": the default applies
+        recorder.entries[ini].default = next(default for _, key, default, _ in options.OPTIONS if key == ini)
     return list(recorder.entries.values())
 
 

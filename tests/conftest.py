@@ -229,6 +229,16 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 # -- end-to-end runs of the plugin through pytester ----------------------------------
 
+# A deprecated pytest API the plugin's own code uses fails an inner run (pytest 9.2's
+# config.inicfg did: a warning at the top of every run, an INTERNALERROR in a
+# "filterwarnings = error" suite). Other plugins' deprecations (pytest-dependency, ... in the
+# compatibility tests) are theirs. An ini filter, given by -o: it matches the module as a
+# regular expression, so "pytest_gpu" is every module of the package (-W matches one module
+# exactly). It replaces an inner ini's own filterwarnings: an inner test that writes one adds
+# this line to it (tests/test_warnings.py does).
+PLUGIN_DEPRECATIONS = "error::pytest.PytestDeprecationWarning:pytest_gpu"
+DEPRECATIONS_ARGS = ("-o", f"filterwarnings={PLUGIN_DEPRECATIONS}")
+
 # Inner pytest runs: no cache files in the test directory, and no unrelated plugins
 # (their start-up cost is paid by every xdist worker).
 # pytest-depends reorders collected tests, pytest-randomly shuffles them: only the tests of
@@ -244,6 +254,7 @@ INNER_ARGS = (
     "no:depends",
     "-p",
     "no:randomly",
+    *DEPRECATIONS_ARGS,
 )
 # CI and BUILD_NUMBER: pytest stops cutting short-summary lines to the terminal width on a
 # CI machine, so an inner run's output would differ between CI and a laptop
@@ -289,10 +300,14 @@ def gpu_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pri
 
     An inner run must not inherit a lease (or a simulated ledger) from the run that
     executes this test suite; it meets other runs in this test's own machine directory.
+    Every pytest it starts, in this process or another (xdist workers, ``python -m pytest``),
+    fails on a deprecated pytest API in the plugin's code (:data:`PLUGIN_DEPRECATIONS`,
+    through ``PYTEST_ADDOPTS``).
     """
     for name in list(os.environ):
         if name in _OUTER_VARS or name.startswith("PYTEST_GPU_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTEST_ADDOPTS", shlex.join(DEPRECATIONS_ARGS))
     monkeypatch.setenv(MACHINE_DIR_ENV, str(private_machines))
     monkeypatch.setenv("XDG_CACHE_HOME", _CACHE)
     return pytester

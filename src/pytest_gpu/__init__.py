@@ -42,6 +42,7 @@ that this map names every module).
         vendors         one interface per vendor: devices, visibility variables, view, lease variables
         discovery       --gpus by vendor: NVIDIA's, AMD's or Intel's GPUs, never two vendors' at once
         devices         NVML, index lists, MIG
+        libraries       pynvml and amdsmi, imported when needed; their import warnings handed to pytest
         runtime         the process's CUDA, pinned before a lease
         isolation       applying a lease in the test process
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)

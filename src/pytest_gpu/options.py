@@ -146,6 +146,11 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
 FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait"})
+# ini keys of OPTIONS whose being given matters, not only their value: registered with the
+# default None (pytest >= 8.0 returns an ini key's default as is when the file lacks it, and a
+# file's value is never None), and read as OPTIONS' default when absent
+GIVEN_MATTERS = frozenset({"gpu_context_overhead"})
+_DEFAULTS = {ini: default for _, ini, default, _ in OPTIONS}
 
 
 def _help_order(row: tuple[str, str, str, str]) -> tuple[bool, bool]:
@@ -166,7 +171,7 @@ def register(parser: pytest.Parser) -> None:
             target.addoption(option, dest=ini, default=None, action="store_const", const="true", help=shown)
         else:
             target.addoption(option, dest=ini, default=None, help=shown)
-        parser.addini(ini, help_text, default=default)
+        parser.addini(ini, help_text, default=None if ini in GIVEN_MATTERS else default)
     group.addoption(
         "--gpu-learn",
         action="store_true",
@@ -261,7 +266,15 @@ def _value(config: pytest.Config, ini: str) -> tuple[str, str]:
     cli = config.getoption(ini)
     if cli is not None:
         return str(cli), option
-    return str(config.getini(ini)), f"ini key {ini!r}"
+    value = config.getini(ini)
+    if value is None:  # a key of GIVEN_MATTERS that no ini file (nor -o) gives
+        return _DEFAULTS[ini], option
+    return str(value), f"ini key {ini!r}"
+
+
+def _given(config: pytest.Config, ini: str) -> bool:
+    """Was ``ini`` (a key of :data:`GIVEN_MATTERS`) given, on the command line, in an ini file or by ``-o``?"""
+    return config.getoption(ini) is not None or config.getini(ini) is not None
 
 
 def _choice(config: pytest.Config, ini: str, choices: tuple[str, ...]) -> str:
@@ -313,8 +326,7 @@ def read(config: pytest.Config) -> Settings:
         verify=_choice(config, "gpu_verify", ("fail", "warn", "off")),
         wait_timeout=wait_timeout,
         context_overhead=overhead,
-        context_overhead_given=config.getoption("gpu_context_overhead") is not None
-        or "gpu_context_overhead" in config.inicfg,
+        context_overhead_given=_given(config, "gpu_context_overhead"),
         port_range=port_range,
         dist_timeout=_seconds(config, "dist_timeout"),
         dist_pool=_choice(config, "dist_pool", ("on", "off")) == "on",

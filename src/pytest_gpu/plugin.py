@@ -17,6 +17,7 @@ import pytest
 from . import options, raycluster, roles
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
+from .gpu import libraries
 from .gpu.devices import DeviceSpecError
 from .gpu.isolation import GpuLease
 from .launched import selection
@@ -109,6 +110,9 @@ def _launch_id(ctx: LaunchContext | None) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # warnings of the GPU libraries imported so far (the fake machine's NVML) and from now on
+    # (discovery's), for pytest's warnings summary
+    libraries.report_to(config)
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     selection.register_markers(config)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..leasing.requests import format_size
+from . import libraries
 
 SIM_PREFIX = "sim:"
 GPUS_FORM = "auto, none, an index list such as 0,2,3, or simulated devices such as sim:4x16GiB"
@@ -221,9 +222,11 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
     on a real GPU machine by the author.
     """
     try:
-        import pynvml
+        pynvml = libraries.nvml()
     except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
         raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
+    except libraries.NvmlLibraryMissing as exc:
+        raise NvmlUnavailable(f"NVML unavailable: {exc}") from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import libraries
 from .devices import Device
 
 ROCR_VAR = "ROCR_VISIBLE_DEVICES"
@@ -59,7 +60,7 @@ def _amdsmi() -> Any:
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):  # the package prints its load failure to stdout
-            import amdsmi
+            amdsmi = libraries.load("amdsmi")
     except ImportError as exc:
         raise AmdSmiUnavailable(f"amdsmi is not installed ({exc}; pip install 'pytest-gpu[rocm]')") from None
     except (KeyError, OSError, AttributeError) as exc:  # its wrapper binds libamd_smi.so at import

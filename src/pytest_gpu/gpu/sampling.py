@@ -20,6 +20,8 @@ import functools
 from types import ModuleType
 from typing import Any, Protocol
 
+from . import libraries
+
 
 class Refused(Exception):
     """The driver will not query a GPU (the message says why)."""
@@ -85,8 +87,7 @@ class NvmlSampler:
     def __init__(self) -> None:
         self._handles: dict[str, Any] = {}
         try:
-            import pynvml
-
+            pynvml = libraries.nvml()
             pynvml.nvmlInit()
         except ImportError:
             raise Unavailable("nvidia-ml-py is not installed") from None

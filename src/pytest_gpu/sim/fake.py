@@ -23,8 +23,11 @@ so every process tree that names the same machine shares its GPUs.
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
+from typing import Any
 
+from ..gpu import libraries
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
 from .spec import parse
 
@@ -141,7 +144,7 @@ def _amdsmi_package() -> ModuleType | None:
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its load failure is printed
-            import amdsmi
+            amdsmi = libraries.load("amdsmi")
     except Exception as exc:  # not installed, or no library: torch counts as torch on CUDA would
         note = f"torch.cuda counts without amdsmi ({type(exc).__name__}: {exc})"
         if note not in notes:
@@ -176,16 +179,13 @@ def deactivate() -> None:
     cuda.forget()
 
     cancel("torch", _install_torch)
-    try:
-        import pynvml
-
+    pynvml: Any = sys.modules.get("pynvml")  # not imported: it holds no library
+    if pynvml is not None:
         with pynvml.libLoadLock:
             pynvml.nvmlLib = None
             cache = getattr(pynvml, "_nvmlGetFunctionPointer_cache", None)
             if isinstance(cache, dict):
                 cache.clear()
-    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
-        pass
     for name, value in _saved.items():
         if value is None:
             os.environ.pop(name, None)

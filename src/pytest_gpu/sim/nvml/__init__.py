@@ -42,8 +42,11 @@ import shutil
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
+
+from ...gpu import libraries
 
 __all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "preload"]
 
@@ -194,8 +197,7 @@ def preload(*, no_v3: bool = False) -> Path:
     loaded (a library replaced after ``nvmlInit`` needs a new ``nvmlInit``).  Its directory is
     put first on ``LD_LIBRARY_PATH`` for subprocesses.  Calling it again is harmless.
     """
-    import pynvml
-
+    pynvml: Any = libraries.load("pynvml")  # nvmlLib is assigned below
     directory = library_dir(no_v3=no_v3)
     path = directory / LIBRARY
     lib = _loaded.get(path)
