@@ -106,7 +106,7 @@ class RankPool:
         self.tests_run = 0
         self._runs = itertools.count()
         # what the ranks had written when a test was interrupted in this process (see start, run_test),
-        # and where the pool was then ("its rank pool of ... was starting, for 2.1s (...)")
+        # and where the pool was then ("its rank pool of ... was starting, for 2.1s (...); the pool was killed")
         self.abandoned: list[tuple[str, str]] = []
         self.interrupted = ""
         self.stage = ""  # what its start waits for now
@@ -246,6 +246,7 @@ class RankPool:
         if stage.startswith("waiting for its ranks") and connected and missing:
             stage += f"; {numbered('rank', missing)} had not connected yet"
         self.interrupted = f"{self.what} was starting, for {seconds:.1f}s" + (f" ({stage})" if stage else "")
+        self.interrupted += f"; {self._killed()}"
 
     def _failed(self, verb: str, why: str) -> PoolError:
         return PoolError(f"could not {verb} {self.spec.describe()}:{why}\n{protocol.summary(self.dir)}")
@@ -465,7 +466,14 @@ class RankPool:
         ran = "ran its body"
         if busy and not self.spec.isolated:
             ran += f" ({numbered('rank', sorted(busy))} still in it)"
-        self.interrupted = f"{self.what} {ran}, for {seconds:.1f}s"
+        self.interrupted = f"{self.what} {ran}, for {seconds:.1f}s; {self._killed()}"
+
+    def _killed(self) -> str:
+        """What an interrupted test's report says became of the pool, and of its ranks' stacks."""
+        stacks = any(name.endswith(" stack") for name, _ in self.abandoned)
+        if self.spec.isolated:
+            return "its process was killed" + (", its stack follows" if stacks else "")
+        return "the pool was killed" + (", the ranks' stacks follow" if stacks else "")
 
     def _health(self) -> tuple[bool, str]:
         for conn in self.conns.values():

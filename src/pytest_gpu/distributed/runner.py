@@ -283,7 +283,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         item.stash[ABANDONED_KEY] = list(pools.abandoned)
         item.stash[INTERRUPTED_KEY] = pools.interrupted
         if isinstance(exc, Exception) and pools.interrupted:  # an error: its traceback stays (make_report)
-            item.add_report_section("call", "pytest-gpu pool", f"{pools.interrupted} when it ended: it was killed")
+            item.add_report_section("call", "pytest-gpu pool", f"the test ended while {pools.interrupted}")
         raise
     if result.checked is not None:  # the pool's GPUs: judged with this test, named as the pool's
         state = item.stash.get(STATE_KEY, None)
@@ -429,7 +429,7 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
             # pytest-timeout's signal (pytest's Failed, a BaseException) raised where this process
             # waited for the pool: one line for where the pool was, then the ranks' stacks (the
             # report's sections; the full text's detail), instead of the plugin's frames
-            line = interrupted_line(call.excinfo.value, where, bool(detail))
+            line = interrupted_line(call.excinfo.value, where)
             crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, line)
             report.longrepr = FailureRepr(line, detail, crash)  # type: ignore[assignment]
         elif detail:
@@ -440,12 +440,11 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
         report.sections = [(t, c) for t, c in report.sections if not _is_stack_section(t)]
 
 
-def interrupted_line(exc: BaseException, where: str, stacks: bool) -> str:
+def interrupted_line(exc: BaseException, where: str) -> str:
     """One line: what ended the test (pytest-timeout's message), and where its pool was then."""
     message = str(exc).strip() or type(exc).__name__
     what = "timed out" if "timeout" in message.lower() else "was interrupted"
-    follow = ", the ranks' stacks follow" if stacks else ""
-    return f"pytest-gpu: {what} while {where}; the pool was killed{follow} ({message})"
+    return f"pytest-gpu: {what} while {where} ({message})"
 
 
 def _own_failure(item: pytest.Item, exc: DistributedFailure) -> ReprExceptionInfo:
