@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import textwrap
 import threading
+import time
 import types
 import uuid
 from collections.abc import Callable
@@ -90,14 +91,94 @@ def test_a_test_timed_out_by_pytest_timeout_leaves_no_rank_running_its_body(
     assert not leftovers, f"rank processes outlived the run: {leftovers}"
     expected = ["test_0_starts_the_pool PASSED", "test_a_hangs FAILED", "test_b_runs PASSED", "test_c_own_value PASSED"]
     result.stdout.fnmatch_lines([f"*{line}*" for line in expected])
-    assert "Timeout (>3.0s) from pytest-timeout" in output
-    assert "rank 0 stack" in output and "in test_a_hangs" in output, output[-4000:]  # where the ranks hung
+    # one line for where the pool was, then where the ranks hung: none of the plugin's frames between
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_a_hangs _*",
+            "pytest-gpu: timed out while its rank pool of 2 ranks (gloo via spawn) ran its body (ranks 0 and 1 "
+            "still in it), for 3.0s; the pool was killed, the ranks' stacks follow (Timeout (>3.0s) from "
+            "pytest-timeout.)",
+            "*- Captured rank 0 stack call -*",
+        ]
+    )
+    assert "in test_a_hangs" in output, output[-4000:]  # where the ranks hung
+    failure = output.split("_ test_a_hangs _", 1)[1].split("Captured stdout call", 1)[0]
+    assert "pool.py" not in failure and "selectors.py" not in failure, failure
     result.assert_outcomes(passed=3, failed=1)
     # the second and third bodies really ran, in a fresh pool, and the third computed its own value
     hung = {p.read_text() for p in data.glob("a-*")}
     ran = {p.read_text() for p in data.glob("b-*")}
     assert len(hung) == 2 and len(ran) == 2 and not hung & ran, (hung, ran)
     assert {p.name: p.read_text() for p in data.glob("c-*")} == {"c-0": "15.0", "c-1": "15.0"}
+
+
+SLOW_START_CONFTEST = """
+import os
+import time
+
+if os.environ.get("PYTEST_GPU_RANK_ADDRESS"):  # a rank setting up (it loads this conftest then)
+    time.sleep(60)  # as a rank importing a large library
+"""
+
+SLOW_START = """
+import pytest
+
+@pytest.mark.distributed(world_size=2, backend="gloo")
+def test_slow_start(rank):
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_timeout_while_the_pool_starts_says_so_in_one_line_above_the_ranks_stacks(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], workers: str
+) -> None:
+    """pytest-timeout's signal method, while the ranks still set up: the report says that the
+    pool was starting (its size, backend, how long, at which stage) and shows where each rank
+    was; the plugin's frames (pool.py, selectors.py) are not the report."""
+    require("pytest-timeout", module="pytest_timeout")
+    gpu_pytester.makeini("[pytest]\n")
+    gpu_pytester.makeconftest(SLOW_START_CONFTEST)
+    gpu_pytester.makepyfile(test_start=SLOW_START)
+    result = run_inner("--timeout=4", "-n", workers, subprocess=True, timeout=150)
+    result.assert_outcomes(failed=1)
+    line = (
+        "pytest-gpu: timed out while its rank pool of 2 ranks (gloo via spawn) was starting, for *s (its ranks "
+        "setting up: pytest's configuration and conftests, the process group); the pool was killed, the ranks' "
+        "stacks follow (Timeout (>4.0s) from pytest-timeout.)"
+    )
+    stack = "*- Captured rank 0 stack call -*" if workers == "0" else "*- rank 0 stack -*"
+    result.stdout.fnmatch_lines(["*_ test_slow_start _*", *(["[[]gw0[]] *"] if workers != "0" else []), line, stack])
+    out = result.stdout.str()
+    failure = out.split("_ test_slow_start _", 1)[1].split("Captured stdout call", 1)[0]
+    assert f'{gpu_pytester.path / "conftest.py"}", line' in failure, failure  # where the ranks were: its sleep
+    assert "pool.py" not in failure and "selectors.py" not in failure, failure
+    result.stdout.fnmatch_lines(["FAILED test_start.py::test_slow_start - pytest-gpu: timed out*"])
+
+
+def test_the_thread_method_dump_names_the_pool_the_test_waited_for(
+    gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-timeout's thread method dumps every thread's stack and ends the process, no report
+    made: the waiting thread's name says what it waited for, and no rank outlives the run."""
+    require("pytest-timeout", module="pytest_timeout")
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK_VAR, mark)
+    gpu_pytester.makeini("[pytest]\n")
+    gpu_pytester.makeconftest(SLOW_START_CONFTEST)
+    gpu_pytester.makepyfile(test_start=SLOW_START)
+    result = run_inner("--timeout=4", "--timeout-method=thread", subprocess=True, timeout=150)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(
+        [
+            "*Stack of MainThread (pytest-gpu: its rank pool of 2 ranks (gloo via spawn) starting: its ranks setting "
+            "up: pytest's configuration and conftests, the process group, since *:*:*) (*",
+        ]
+    )
+    deadline = time.monotonic() + 30  # the ranks see their lifeline close and end their process group
+    while (left := rank_processes(MARK_VAR, mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"rank processes outlived the run: {left}"
 
 
 # -- the pool's side of the protocol, with in-process "ranks" ---------------------------------------
@@ -185,7 +266,7 @@ def test_an_interrupted_wait_kills_the_pool_and_the_next_test_gets_a_fresh_one(
         signal.setitimer(signal.ITIMER_REAL, 0)
         first = PipeRankPool.made[0]
         assert first._stopped and manager.pool is None  # killed at once, not left running the body
-        assert any(name == "pytest-gpu pool" for name, _ in manager.abandoned)
+        assert manager.interrupted.startswith("its rank pool of 2 ranks (gloo via spawn) ran its body (ranks 0 and 1")
         hang.set()  # a rank that still answered now could only answer for the hung test
         result, _ = manager.execute(GLOO2, {"nodeid": "next"}, 30.0)
     finally:

@@ -121,6 +121,42 @@ def test_the_test_xdist_says_the_worker_ran_names_the_crash() -> None:
     assert "died while running t.py::later; its GPU 0 was reclaimed" in line
 
 
+def phase(nodeid: str, when: str, worker: str) -> pytest.TestReport:
+    report = pytest.TestReport(nodeid, ("t.py", 1, nodeid), {}, "passed", None, when)  # type: ignore[arg-type]
+    report.node = SimpleNamespace(gateway=SimpleNamespace(id=worker))  # type: ignore[attr-defined]  # xdist's
+    return report
+
+
+def test_an_interrupt_names_every_test_still_running_on_every_worker() -> None:
+    """gw0's test held a GPU (its crash line names it); gw1's distributed test gave back its
+    pool's port itself and a third test was still in its setup: each is named too."""
+    summary = Summary()
+    for nodeid, worker in (("t.py::gpu", "gw0"), ("t.py::done", "gw1"), ("t.py::dist", "gw1")):
+        summary.pytest_runtest_logstart(nodeid, None)
+        summary.pytest_runtest_logreport(phase(nodeid, "setup", worker))
+        if nodeid == "t.py::done":
+            for when in ("call", "teardown"):
+                summary.pytest_runtest_logreport(phase(nodeid, when, worker))
+            summary.pytest_runtest_logfinish(nodeid, None)
+    summary.pytest_runtest_logstart("t.py::waiting", None)  # waiting for its GPUs: no report yet
+    crashes = [crash((0,), worker="gw0", test="the rank pool of 2 ranks (gloo via spawn) started by t.py::first")]
+    assert summary.running_lines(crashes) == []  # not interrupted (yet): nothing to say
+    summary.pytest_keyboard_interrupt(None)  # type: ignore[arg-type]
+    assert summary.crash_line(crashes[0]) == "pytest-gpu: interrupted while gw0 ran t.py::gpu; its GPU 0 was given back"
+    assert summary.running_lines(crashes) == [
+        "pytest-gpu: interrupted while t.py::waiting was setting up",
+        "pytest-gpu: interrupted while gw1 ran t.py::dist",
+    ]
+
+
+def test_an_interrupted_run_without_workers_names_its_test() -> None:
+    summary = Summary()
+    summary.pytest_runtest_logstart("t.py::x", None)
+    summary.pytest_runtest_logreport(pytest.TestReport("t.py::x", ("t.py", 1, "x"), {}, "passed", None, "setup"))
+    summary.pytest_keyboard_interrupt(None)  # type: ignore[arg-type]
+    assert summary.running_lines([]) == ["pytest-gpu: interrupted while running t.py::x"]
+
+
 def test_summary_hears_interrupts_and_workers_going_down() -> None:
     summary = Summary()
     summary.pytest_testnodedown(SimpleNamespace(gateway=SimpleNamespace(id="gw0")), None)  # finished normally
@@ -277,6 +313,62 @@ def test_ctrl_c_is_reported_as_an_interruption_and_a_crash_before_it_as_a_crash(
     )
     assert sorted(interrupted) == ["test_ctrl_c.py::test_sleep[0]", "test_ctrl_c.py::test_sleep[1]"], out
     assert out.count("died while running") == 1, out
+
+
+GPU_AND_DISTRIBUTED = """
+import os
+import time
+
+import pytest
+
+MARKS = {marks!r}
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_gpu(gpu):
+    open(os.path.join(MARKS, "gpu"), "w").close()
+    time.sleep(120)
+
+
+@pytest.mark.distributed(world_size=2, backend="gloo")
+def test_distributed(rank):
+    open(os.path.join(MARKS, f"rank-{{rank.rank}}"), "w").close()
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("target", ["controller", "group"])
+def test_ctrl_c_names_the_distributed_test_another_worker_ran(gpu_pytester: pytest.Pytester, target: str) -> None:
+    """One worker runs a GPU test, the other a distributed test, whose pool gives back what it
+    holds as it is killed (no crash record names it): the summary names both tests."""
+    marks = gpu_pytester.path / "marks"
+    marks.mkdir()
+    gpu_pytester.makepyfile(test_both=GPU_AND_DISTRIBUTED.format(marks=str(marks)))
+    cmd = [sys.executable, "-m", "pytest", *INNER_ARGS, "-n", "2", "--gpus", "sim:2x16GiB", "test_both.py"]
+    proc = subprocess.Popen(
+        cmd, cwd=gpu_pytester.path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120  # two ranks start (each imports torch) on a loaded machine
+        while {p.name for p in marks.iterdir()} != {"gpu", "rank-0", "rank-1"}:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the tests never all started"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert re.search(
+        r"^pytest-gpu: interrupted while gw\d ran test_both\.py::test_gpu; its GPU \d was given back$", out, re.M
+    ), out
+    assert re.search(r"^pytest-gpu: interrupted while gw\d ran test_both\.py::test_distributed$", out, re.M), out
+    assert "died while running" not in out, out
 
 
 POOL_KILLER = """

@@ -289,7 +289,7 @@ def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> Non
     assert "test_lockstep.py::test_x: failed on rank 1; passed on rank 0" in out
     assert "test_lockstep.py::test_skipped: skipped on ranks 0,1" in out
     assert "every test passed" not in out
-    assert f"output of ranks 1 to 1: {log_dir / name}/rank<N>.log" in out
+    assert f"output of rank 1: {rank1_log}" in out
     # ... and only rank 0 wrote to the terminal
     assert out.count("test session starts") == 1, out
     for text in RANK1_ONLY:
@@ -322,6 +322,51 @@ def test_lockstep_failure_on_one_rank(launcher: Launcher, tmp_path: Path) -> Non
     assert (suite_counts.get("tests"), suite_counts.get("failures")) == (str(len(cases)), "1")
     rank1_cases = result.junit(str(log_dir / name / "rank1.xml"))
     assert rank1_cases["test_lockstep::test_x"].find("failure") is not None
+
+
+ERRORS = (
+    RANK_OF
+    + """
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup broke")
+
+
+@pytest.fixture
+def breaks_on_rank_1():
+    yield
+    if RANK == 1:
+        raise RuntimeError("teardown broke on rank 1")
+
+
+def test_setup(broken):
+    pass
+
+
+def test_teardown(breaks_on_rank_1):
+    pass
+"""
+)
+
+
+@pytest.mark.slow
+def test_errors_are_reported_as_errors_with_the_logs_they_are_in(launcher: Launcher, tmp_path: Path) -> None:
+    """Rank 0's report calls a fixture's error an error (at setup, at teardown), not a failure,
+    and names the other ranks' real log files."""
+    cwd = suite(tmp_path, test_errors=ERRORS)
+    result = launcher.run(cwd, 3, *NO_CACHE)
+    out = result.stdout
+    logs = cwd / "logs" / launcher.name
+    assert "test_errors.py::test_setup: error at setup on ranks 0,1,2" in out, out
+    assert "test_errors.py::test_teardown: error at teardown on rank 1; passed on ranks 0,1,2" in out, out
+    assert f"error at teardown on rank 1 of 3; its whole output: {logs / 'rank1.log'}" in out, out
+    assert f"error at setup on rank 2 of 3; its whole output: {logs / 'rank2.log'}" in out, out
+    assert f"output of ranks 1 and 2: {logs / 'rank1.log'}, {logs / 'rank2.log'}" in out, out
+    assert "failed on rank" not in out and "<N>" not in out, out
+    assert re.search(r"=+ 1 passed, 2 errors in ", out), out
 
 
 @pytest.mark.slow
@@ -524,7 +569,7 @@ def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureReques
     assert "test_itwinai.py::test_data_shard: failed on rank 1; skipped on rank 0" in out
     mnist = "test_itwinai.py::test_distributed_trainer_mnist"
     assert f"{mnist}[deepspeed_strategy]: failed on rank 1; passed on rank 0" in out
-    assert "test_itwinai.py::test_dataset: failed on ranks 0,1" in out
+    assert "test_itwinai.py::test_dataset: error at setup on ranks 0,1" in out
     # a rank's id keeps the parametrized id's closing bracket last
     assert f"FAILED {mnist}[deepspeed_strategy@rank1]" in out  # the message may be cut to the terminal's width
     assert "ERROR test_itwinai.py::test_dataset@rank1 - RuntimeError: dataset missing" in out
@@ -554,7 +599,7 @@ def test_itwinai_suite_under_a_launcher(name: str, request: pytest.FixtureReques
     # the rank-log directory from the ini
     assert (cwd / "ranklogs" / name / "rank1.log").is_file()
     assert not (cwd / "logs").exists()
-    assert f"output of ranks 1 to 1: {cwd / 'ranklogs' / name}/rank<N>.log" in out
+    assert f"output of rank 1: {cwd / 'ranklogs' / name / 'rank1.log'}" in out
 
 
 # -- outside any launcher --------------------------------------------------------------------------

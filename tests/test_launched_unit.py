@@ -18,7 +18,7 @@ from pytest_gpu.gpu.devices import Device, Inventory, sim_uuid
 from pytest_gpu.launched import gather, torchenv
 from pytest_gpu.launched.detect import LaunchContext, detect
 from pytest_gpu.launched.markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
-from pytest_gpu.launched.session import rank_nodeid
+from pytest_gpu.launched.session import outcome_table, rank_logs, rank_nodeid
 from pytest_gpu.launched.shard import partition
 from pytest_gpu.launched.share import node_share, share
 
@@ -552,6 +552,45 @@ def test_rank_nodeid_keeps_ids_well_formed(nodeid: str, expected: str) -> None:
 
 
 # -- torchenv.provide() ------------------------------------------------------------------------
+
+
+# -- rank 0's report of every rank ----------------------------------------------------------------
+
+
+def _report(nodeid: str, when: str, outcome: str) -> pytest.TestReport:
+    return pytest.TestReport(nodeid, ("t.py", 1, nodeid), {}, outcome, None, when)  # type: ignore[arg-type]
+
+
+def test_errors_at_setup_and_teardown_are_errors_apart_from_failures() -> None:
+    by_rank = {
+        rank: [
+            _report("t.py::broken_fixture", "setup", "failed"),
+            _report("t.py::broken_fixture", "teardown", "passed"),
+            _report("t.py::fails", "setup", "passed"),
+            _report("t.py::fails", "call", "failed" if rank else "passed"),
+            _report("t.py::fails", "teardown", "failed" if rank else "passed"),
+            _report("t.py::skips", "setup", "skipped"),
+        ]
+        for rank in (0, 1)
+    }
+    assert outcome_table(by_rank) == {
+        "t.py::broken_fixture": {"error at setup": [0, 1]},
+        "t.py::fails": {"passed": [0], "failed": [1], "error at teardown": [1]},
+        "t.py::skips": {"skipped": [0, 1]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expected"),
+    [
+        ([1], "/logs/torchrun/rank1.log"),
+        ([1, 2], "/logs/torchrun/rank1.log, /logs/torchrun/rank2.log"),
+        ([1, 2, 3], "/logs/torchrun/rank1.log to /logs/torchrun/rank3.log"),
+        ([1, 3, 5], "/logs/torchrun/rank1.log, /logs/torchrun/rank3.log, /logs/torchrun/rank5.log"),
+    ],
+)
+def test_the_other_ranks_logs_are_named(ranks: list[int], expected: str) -> None:
+    assert rank_logs(Path("/logs/torchrun"), ranks) == expected
 
 
 def test_torch_variables_under_mpirun(tmp_path: Path) -> None:

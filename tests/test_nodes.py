@@ -770,6 +770,10 @@ def test_small(i, gpu):
 @pytest.mark.gpu(count=3, memory="4GiB")
 def test_three(gpu):
     pass
+
+@pytest.mark.gpu(memory="60GiB")
+def test_sixty(gpu):
+    pass
 """
 
 
@@ -779,20 +783,26 @@ def test_nodes_of_different_gpus(
 ) -> None:
     """node0 has 2 GPUs of 16 GiB, node1 one of 40 GiB (each node its own fake machine): a
     30 GiB test runs on node1 only and a two-GPU test on node0 only (neither skipped as too
-    large on the node whose worker collected it); a three-GPU test fits no node and is
-    skipped at collection, naming the largest node."""
+    large on the node whose worker collected it); a three-GPU test and a 60 GiB one fit no
+    node and are skipped at collection, naming the largest node."""
     require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
     monkeypatch.setenv(spec.SIM_NODE_GPUS_ENV, "node0=sim:2x16GiB;node1=sim:1x40GiB")
     gpu_pytester.makepyfile(test_mixed=MIXED)
     args = ("-p", "no:rerunfailures", "--gpus", "auto", "-n", "2", "--gpu-nodes=local:2", "-rs")
     result = run_inner(*args, subprocess=True, timeout=180)
-    result.assert_outcomes(passed=8, skipped=1)
+    result.assert_outcomes(passed=8, skipped=2)
     result.stdout.fnmatch_lines(
         [
             "pytest-gpu: node node0 (*): 2 GPUs (2x16GiB)*",
             "pytest-gpu: node node1 (*): 1 GPU (1x40GiB)*",
+        ]
+    )
+    result.stdout.fnmatch_lines_random(
+        [
             "*SKIPPED*test_mixed.py*fits no node of the run, not even the largest: needs 3 GPUs* "
             "but node node1 has 1 GPU*",
+            "*SKIPPED*test_mixed.py*fits no node of the run, not even the largest: needs 60GiB per GPU but the "
+            "largest GPU of node node1 offers 39.5GiB after the CUDA context (1 *GPU (1x40GiB))",
         ]
     )
 

@@ -5,7 +5,7 @@
   collection like an oversize ``gpu`` request (or fails under ``--gpu-oversize=fail``),
   never with the broker's traceback;
 - ``backend="auto"`` is nccl only on real GPUs with a torch that has NCCL, gloo elsewhere,
-  and the summary says which it chose;
+  and the summary says which it chose, for the tests that ran (not those skipped before);
 - the summary says in one line how many GPU tests were skipped and why, and
   ``--gpu-required`` (ini ``gpu_required``) stops a run with GPU tests and no GPUs at start.
 """
@@ -17,13 +17,21 @@ import subprocess
 import sys
 import textwrap
 import types
+import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import require
 from pytest_gpu.distributed import backends
-from pytest_gpu.distributed.backends import AutoChoice, auto_backend, build_nccl_missing, fit_ranks, nccl_missing
+from pytest_gpu.distributed.backends import (
+    AUTO_PROPERTY,
+    AutoChoice,
+    auto_backend,
+    build_nccl_missing,
+    fit_ranks,
+    nccl_missing,
+)
 from pytest_gpu.gpu.devices import Device, Inventory, discover
 from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.report.summary import Summary
@@ -52,7 +60,7 @@ def test_gloo_two_gpus_each(rank):
 def test_gpu_three(gpu):
     raise AssertionError("must not run")
 
-@pytest.mark.skip(reason="the auto choice is read off its report; no pool is started")
+@pytest.mark.skip(reason="skipped before its pool: the summary says no backend chosen for it")
 @pytest.mark.distributed(world_size=2)
 def test_auto(rank):
     pass
@@ -91,9 +99,9 @@ def test_unplaceable_distributed_tests_are_skipped_at_collection_on_sim(gpu_pyte
         [
             f"pytest-gpu: 4 GPU tests skipped: 3 larger than this run's {SIM}; 1 nccl unavailable — {NCCL_ON_SIM} "
             "(-rs lists them)",
-            f"pytest-gpu: backend='auto' chose gloo for 1 distributed test: {NCCL_ON_SIM}",
         ]
     )
+    assert "backend='auto' chose" not in result.stdout.str()  # its one auto test was skipped, on no pool
     _no_traceback(result)
 
 
@@ -112,12 +120,8 @@ def test_without_gpus_every_gpu_test_is_skipped_and_the_summary_says_why(gpu_pyt
             f"SKIPPED [[]1[]] test_suite.py:15: pytest-gpu: needs 3 GPUs (whole GPU each) {none}",
         ]
     )
-    result.stdout.fnmatch_lines(
-        [
-            "pytest-gpu: 4 GPU tests skipped: no GPUs — --gpus none (-rs lists them)",
-            "pytest-gpu: backend='auto' chose gloo for 1 distributed test: this run has no GPUs (--gpus none)",
-        ]
-    )
+    result.stdout.fnmatch_lines(["pytest-gpu: 4 GPU tests skipped: no GPUs — --gpus none (-rs lists them)"])
+    assert "backend='auto' chose" not in result.stdout.str()
     _no_traceback(result)
 
 
@@ -194,7 +198,7 @@ def test_readme_recipe_on_fake_gpus_runs_auto_on_gloo_and_skips_nccl(gpu_pyteste
             "backend='auto' would take gloo here",
             "SKIPPED [[]1[]] test_recipe.py:16: pytest-gpu: its pool of 3 ranks (gloo via spawn, 1 GPU/rank) "
             "needs 3 GPUs (whole GPU each) but this run has 2 GPUs (2x16GiB)",
-            f"pytest-gpu: backend='auto' chose gloo for 2 distributed tests: {faked}",
+            f"pytest-gpu: backend='auto' chose gloo for 1 distributed test: {faked}",  # test_allreduce; not the skip
             f"pytest-gpu: 2 GPU tests skipped: 1 larger than this run's 2 GPUs (2x16GiB); 1 nccl unavailable — {faked} "
             "(-rs lists them)",
         ]
@@ -426,12 +430,12 @@ def test_auto_takes_gloo_for_more_ranks_than_gpus():
 AUTO_SUITE = """
 import pytest
 
-@pytest.mark.skip(reason="the auto choice is read off its report; no pool is started")
+@pytest.mark.skip(reason="the auto choice is read off its junitxml properties; no pool is started")
 @pytest.mark.distributed(world_size=2)
 def test_two(rank):
     pass
 
-@pytest.mark.skip(reason="the auto choice is read off its report; no pool is started")
+@pytest.mark.skip(reason="the auto choice is read off its junitxml properties; no pool is started")
 @pytest.mark.distributed(world_size=3)
 def test_three(rank):
     pass
@@ -445,16 +449,19 @@ def test_three_with_a_gpu_each(rank):
 def test_where_nccl_can_run_auto_takes_it_for_the_ranks_that_fit(gpu_pytester, run_inner, monkeypatch):
     monkeypatch.setattr(backends, "nccl_missing", lambda inventory: None)  # as on real GPUs with CUDA torch
     gpu_pytester.makepyfile(test_auto=AUTO_SUITE)
-    result = run_inner("--gpus", "sim:2x16GiB", "-rs")
+    result = run_inner("--gpus", "sim:2x16GiB", "-rs", "--junitxml=junit.xml", "-o", "junit_family=xunit1")
     result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(
-        [
-            f"pytest-gpu: 1 GPU test skipped: larger than this run's {SIM} (-rs lists them)",
-            f"pytest-gpu: backend='auto' chose gloo for 1 distributed test: 3 ranks would need 3 GPUs for nccl and "
-            f"this run has {SIM}",
-            f"pytest-gpu: backend='auto' chose nccl for 2 distributed tests: {SIM} and a torch with NCCL",
-        ]
-    )
+    result.stdout.fnmatch_lines([f"pytest-gpu: 1 GPU test skipped: larger than this run's {SIM} (-rs lists them)"])
+    chosen = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}.get(AUTO_PROPERTY)
+        for case in ET.parse(gpu_pytester.path / "junit.xml").iter("testcase")
+    }
+    assert chosen == {
+        "test_two": f"nccl: {SIM} and a torch with NCCL",
+        "test_three": f"gloo: 3 ranks would need 3 GPUs for nccl and this run has {SIM}",
+        "test_three_with_a_gpu_each": f"nccl: {SIM} and a torch with NCCL",
+    }
+    assert "backend='auto' chose" not in result.stdout.str()  # none of them ran on a pool
     # an explicit gpus_per_rank keeps its GPUs: the pool of 3 cannot be placed, and says so
     result.stdout.fnmatch_lines(
         [
@@ -500,6 +507,22 @@ def _skip_report(nodeid: str, reason: str, why: str | None) -> pytest.TestReport
     return pytest.TestReport(
         nodeid, ("t.py", 1, nodeid), {}, "skipped", ("t.py", 1, f"Skipped: {reason}"), "setup", user_properties=props
     )
+
+
+def test_the_backend_line_counts_the_tests_that_ran_on_a_pool_only():
+    """A test skipped before its pool (a skip marker, too large here) had no backend chosen for it."""
+    chosen = [(AUTO_PROPERTY, "gloo: this run has no GPUs (--gpus none)")]
+    summary = Summary()
+    for when, outcome in (("setup", "skipped"), ("teardown", "passed")):
+        summary.add(
+            pytest.TestReport("t.py::skipped", ("t.py", 1, "s"), {}, outcome, None, when, user_properties=chosen)
+        )
+    assert summary.backend_lines() == []
+    for when in ("setup", "call", "teardown"):
+        summary.add(pytest.TestReport("t.py::ran", ("t.py", 5, "r"), {}, "passed", None, when, user_properties=chosen))
+    assert summary.backend_lines() == [
+        "pytest-gpu: backend='auto' chose gloo for 1 distributed test: this run has no GPUs (--gpus none)"
+    ]
 
 
 def test_skipped_line_groups_by_why_and_counts_run_time_skips():

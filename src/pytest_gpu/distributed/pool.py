@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -103,25 +105,70 @@ class RankPool:
         self.last_used = time.monotonic()
         self.tests_run = 0
         self._runs = itertools.count()
-        # what the ranks had written when a test was interrupted in this process (see run_test)
+        # what the ranks had written when a test was interrupted in this process (see start, run_test),
+        # and where the pool was then ("its rank pool of ... was starting, for 2.1s (...); the pool was killed")
         self.abandoned: list[tuple[str, str]] = []
+        self.interrupted = ""
+        self.stage = ""  # what its start waits for now
+        self.began = time.monotonic()  # when its start began, or its current test's run
+        self._waiter: tuple[threading.Thread, str] | None = None  # the thread waiting for it, and its own name
         self._stopped = False
+
+    @property
+    def what(self) -> str:
+        """The pool as a test's report names it."""
+        if self.spec.isolated and self.spec.lease is not None:
+            return f"its process of its own (isolate=True, {self.spec.lease.describe()})"
+        return f"its rank pool of {self.spec.describe()}"
 
     # -- start --------------------------------------------------------------------------
 
     def start(self, config_args: list[str]) -> None:
+        self.began = time.monotonic()
         try:
-            self._start(config_args)
+            with self._waiting():
+                self._start(config_args)
         except BaseException as exc:
             # an interruption (KeyboardInterrupt, pytest-timeout) while the ranks set up: no farewell
-            self.close(graceful=isinstance(exc, Exception))
+            try:
+                if not isinstance(exc, Exception):
+                    self._abandon_start()
+            finally:
+                self.close(graceful=isinstance(exc, Exception))
             raise
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """While this thread waits for the pool, its name says for what (see :meth:`_label`)."""
+        thread = threading.current_thread()
+        name = thread.name
+        self._waiter = (thread, name)
+        try:
+            yield
+        finally:
+            self._waiter = None
+            thread.name = name
+
+    def _label(self, doing: str) -> None:
+        """Name the waiting thread after what it waits for: the one label a stack dump of this
+        process shows beside its frames (pytest-timeout's thread method dumps every thread's,
+        then ends the process, before any report could say where the pool was)."""
+        if self._waiter is not None:
+            thread, name = self._waiter
+            since = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.began)))
+            thread.name = f"{name} (pytest-gpu: {self.what} {doing}, since {since})"
+
+    def _at(self, stage: str) -> None:
+        """The start reached ``stage``: said in an interrupted test's report and the thread's name."""
+        self.stage = stage
+        self._label(f"starting: {stage}")
 
     def _start(self, config_args: list[str]) -> None:
         problem = self.launcher.unavailable()  # before a port and GPUs are taken (and waited for)
         if problem is not None:
             raise PoolError(problem)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._at("waiting for its port and GPUs")
         client = self.run.client
         self.port = port = client.ports(1, self.ports_owner)[0]
         slices = None
@@ -143,7 +190,9 @@ class RankPool:
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
         arrivals: queue.Queue[tuple[Message, Connection]] = queue.Queue()
         threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
+        self._at("starting its ranks")
         self.launcher.start(self._env(address, authkey, slices), port, self.dir / protocol.LAUNCHER_LOG)
+        self._at("waiting for its ranks to connect")
         # the pool's processes outlive the test that starts them: their GPU use is the pool's
         claim_processes(self._processes(), self.holder)
         self._gather(arrivals)
@@ -151,6 +200,7 @@ class RankPool:
         verifier = self.holding.active.verifier if self.holding is not None else None
         if isinstance(verifier, (RankVerifier, NvmlRankVerifier)):
             verifier.pids = list(self.pids.values())  # their contexts are the pool's
+        self._at("its ranks setting up: pytest's configuration and conftests, the process group")
         self._set_up(config_args)
         if isinstance(verifier, NvmlRankVerifier) and self.holding is not None and self.run.settings.verify != "off":
             # real GPUs: what the ranks hold once set up (contexts, NCCL's buffers) is the pool's standing cost
@@ -182,6 +232,21 @@ class RankPool:
                     f"\n{numbered('rank', missing)} did not finish setting up within {self.settings.init_timeout:g}s"
                 )
             raise self._failed("set up", f"\n{detail}")
+
+    def _abandon_start(self) -> None:
+        """The start was interrupted: keep the stacks of the ranks that had connected (their
+        faulthandler is set up by then) and what every rank had written, and where it was."""
+        seconds = time.monotonic() - self.began
+        connected = set(self.pids)
+        if connected and not self._stopped:
+            self._dump_stacks(connected)
+        ranks = range(self.spec.world_size)
+        self.abandoned = protocol.written_since(dict.fromkeys(protocol.offsets(self.dir, len(ranks)), 0))
+        stage, missing = self.stage, sorted(set(ranks) - connected)
+        if stage.startswith("waiting for its ranks") and connected and missing:
+            stage += f"; {numbered('rank', missing)} had not connected yet"
+        self.interrupted = f"{self.what} was starting, for {seconds:.1f}s" + (f" ({stage})" if stage else "")
+        self.interrupted += f"; {self._killed()}"
 
     def _failed(self, verb: str, why: str) -> PoolError:
         return PoolError(f"could not {verb} {self.spec.describe()}:{why}\n{protocol.summary(self.dir)}")
@@ -304,19 +369,21 @@ class RankPool:
         ranks still in the body for their stacks (kept in ``abandoned``): no rank goes on
         running a body whose test is over.
         """
-        started = time.monotonic()
+        started = self.began = time.monotonic()
         if not self.alive():
             raise PoolDied(self._death_note())
         offsets = protocol.offsets(self.dir, self.spec.world_size)
         run_id = f"{self.id}/{next(self._runs)}/{secrets.token_hex(4)}"
         outcome = RankRun()
         try:
-            for conn in self.conns.values():
-                try:
-                    conn.send((protocol.RUN, dict(body, run_id=run_id)))
-                except OSError:
-                    raise PoolDied(self._death_note()) from None
-            self._wait_for_results(run_id, outcome, started, timeout, offsets)
+            with self._waiting():
+                self._label(f"running the body of {body.get('nodeid') or 'a test'}")
+                for conn in self.conns.values():
+                    try:
+                        conn.send((protocol.RUN, dict(body, run_id=run_id)))
+                    except OSError:
+                        raise PoolDied(self._death_note()) from None
+                self._wait_for_results(run_id, outcome, started, timeout, offsets)
         except PoolDied:
             raise
         except BaseException:
@@ -391,16 +458,22 @@ class RankPool:
     def _abandon(self, outcome: RankRun, offsets: protocol.Offsets) -> None:
         """The test was interrupted: keep the stacks of the ranks still running it, and their output."""
         self.abandoned = []
+        seconds = time.monotonic() - self.began
         busy = set(self.conns) - set(outcome.results)
         if busy and not self._stopped:
             self._dump_stacks(busy)
-        self.abandoned = [
-            *protocol.written_since(offsets),
-            (
-                "pytest-gpu pool",
-                f"the test was interrupted while its ranks ran; its pool of {self.spec.describe()} was killed",
-            ),
-        ]
+        self.abandoned = protocol.written_since(offsets)
+        ran = "ran its body"
+        if busy and not self.spec.isolated:
+            ran += f" ({numbered('rank', sorted(busy))} still in it)"
+        self.interrupted = f"{self.what} {ran}, for {seconds:.1f}s; {self._killed()}"
+
+    def _killed(self) -> str:
+        """What an interrupted test's report says became of the pool, and of its ranks' stacks."""
+        stacks = any(name.endswith(" stack") for name, _ in self.abandoned)
+        if self.spec.isolated:
+            return "its process was killed" + (", its stack follows" if stacks else "")
+        return "the pool was killed" + (", the ranks' stacks follow" if stacks else "")
 
     def _health(self) -> tuple[bool, str]:
         for conn in self.conns.values():

@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # the pool machinery is imported when the first distributed t
 MANAGER_KEY = pytest.StashKey["PoolManager"]()
 # what the ranks of an interrupted test left (stacks, output): for the failure's full text
 ABANDONED_KEY = pytest.StashKey[list[tuple[str, str]]]()
+# where its pool was then: "its rank pool of 2 ranks (gloo via spawn) was starting, for 2.1s (...)"
+INTERRUPTED_KEY = pytest.StashKey[str]()
 STDERR_TAIL_LINES = 20  # of each failing rank's stderr, in the failure's full text
 
 
@@ -274,11 +276,14 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     except BrokerError as exc:  # its pool's lease was refused or timed out: one line, as a GPU test's own
         asked = spec.lease.describe() if spec.lease is not None else f"the GPUs of its pool of {spec.describe()}"
         pytest.fail(f"pytest-gpu: {item.nodeid} could not get {asked}: {exc}", pytrace=False)
-    except BaseException:
+    except BaseException as exc:
         # interrupted (pytest-timeout, Ctrl-C): the pool was killed; show where its ranks were
         for name, content in pools.abandoned:
             item.add_report_section("call", name, content)
         item.stash[ABANDONED_KEY] = list(pools.abandoned)
+        item.stash[INTERRUPTED_KEY] = pools.interrupted
+        if isinstance(exc, Exception) and pools.interrupted:  # an error: its traceback stays (make_report)
+            item.add_report_section("call", "pytest-gpu pool", f"the test ended while {pools.interrupted}")
         raise
     if result.checked is not None:  # the pool's GPUs: judged with this test, named as the pool's
         state = item.stash.get(STATE_KEY, None)
@@ -419,12 +424,27 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
         report.longrepr = FailureRepr(summary, exc.detail, crash)  # type: ignore[assignment]
     elif ABANDONED_KEY in item.stash and report.longrepr is not None:
         detail = _sections_text(item.stash[ABANDONED_KEY], None)
-        if detail:
+        where = item.stash.get(INTERRUPTED_KEY, "")
+        if where and not call.excinfo.errisinstance(Exception):
+            # pytest-timeout's signal (pytest's Failed, a BaseException) raised where this process
+            # waited for the pool: one line for where the pool was, then the ranks' stacks (the
+            # report's sections; the full text's detail), instead of the plugin's frames
+            line = interrupted_line(call.excinfo.value, where)
+            crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, line)
+            report.longrepr = FailureRepr(line, detail, crash)  # type: ignore[assignment]
+        elif detail:
             report.longrepr = FailureRepr(report.longrepr, detail)  # type: ignore[assignment]
     else:
         return
     if hasattr(item.config, "workerinput") and isinstance(report.longrepr, FailureRepr) and report.longrepr.detail:
         report.sections = [(t, c) for t, c in report.sections if not _is_stack_section(t)]
+
+
+def interrupted_line(exc: BaseException, where: str) -> str:
+    """One line: what ended the test (pytest-timeout's message), and where its pool was then."""
+    message = str(exc).strip() or type(exc).__name__
+    what = "timed out" if "timeout" in message.lower() else "was interrupted"
+    return f"pytest-gpu: {what} while {where} ({message})"
 
 
 def _own_failure(item: pytest.Item, exc: DistributedFailure) -> ReprExceptionInfo:
@@ -469,7 +489,9 @@ class PoolManager:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._running: RankPool | None = None  # the pool a test is running on, while it runs
+        self._starting: RankPool | None = None  # the pool being started, while it starts
         self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
+        self.interrupted = ""  # where its pool was then (RankPool.interrupted)
 
     def close_idle(self) -> bool:
         """Close the warm pool if it is idle and holds GPUs: a request of this process waits,
@@ -489,7 +511,9 @@ class PoolManager:
         from . import pool as module  # RankPool looked up at each start: a test can substitute its own
 
         fresh = module.RankPool(spec, self.run, self.settings, self.base, timeout, test)
+        self._starting = fresh
         fresh.start(self.config_args)
+        self._starting = None
         self.started += 1
         return fresh
 
@@ -498,20 +522,23 @@ class PoolManager:
 
         Anything that ends this early (pytest-timeout's signal, KeyboardInterrupt, an error)
         kills the pool in use, so that the next test gets a fresh one; what the interrupted
-        ranks had written (their stacks first) is then in ``abandoned``.
+        ranks had written (their stacks first) is then in ``abandoned``, and where the pool
+        was (starting, running the body) in ``interrupted``.
         """
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
-            self.abandoned = []
+            self.abandoned, self.interrupted = [], ""
             try:
                 return self._execute(spec, body, timeout)
             except BaseException:
                 running, self._running = self._running, None
+                starting, self._starting = self._starting, None
+                stopped = running or starting
                 try:
-                    if running is not None:
-                        self.abandoned = running.abandoned
-                        running.close(graceful=False)
+                    if stopped is not None:
+                        self.abandoned, self.interrupted = stopped.abandoned, stopped.interrupted
+                        stopped.close(graceful=False)
                 finally:
                     if self.pool is not None:
                         self.pool.close(graceful=False)

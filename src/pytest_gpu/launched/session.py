@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import pytest
 
+from ..report.wording import numbered
 from ..scheduling import history
 from ..scheduling.history import DURATIONS_KEY
 from . import gather
@@ -115,8 +116,8 @@ class LaunchedRank:
         missing = sorted(set(range(self.ctx.world_size)) - set(others))
         if missing:
             raise pytest.UsageError(
-                f"pytest-gpu: ranks {missing} of {self.ctx.launcher} did not finish collecting within "
-                f"--rank-gather-timeout={self.timeout:g}s; see {self.log_path.parent}/rankN.log"
+                f"pytest-gpu: {numbered('rank', missing)} of {self.ctx.launcher} did not finish collecting within "
+                f"--rank-gather-timeout={self.timeout:g}s; see {rank_logs(self.log_path.parent, missing)}"
             )
         problems = _differences({r: doc["ids"] for r, doc in others.items()})
         if problems:
@@ -199,15 +200,7 @@ class LaunchedRank:
         place. The failures of the other failing ranks are shown (tracebacks, short summary
         lines, junitxml) but not counted again.
         """
-        table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-        for rank, reports in by_rank.items():
-            for report in reports:
-                if report.when == "call" or (report.when == "setup" and not report.passed):
-                    outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
-                    table[report.nodeid][outcome].append(rank)
-                elif report.when == "teardown" and report.failed:
-                    table[report.nodeid]["error"].append(rank)
-        self.table = {k: dict(v) for k, v in table.items()}
+        self.table = outcome_table(by_rank)
         self.loads = {rank: sum(float(r.duration) for r in reports) for rank, reports in by_rank.items()}
         if self.shard:
             for rank, reports in by_rank.items():
@@ -240,7 +233,7 @@ class LaunchedRank:
         report.location = (fspath, lineno, f"{domain} [rank {rank}]")
         log = self.log_path.parent / f"rank{rank}.log"
         report.sections.append(
-            ("pytest-gpu", f"failed on rank {rank} of {self.ctx.world_size}; its whole output: {log}")
+            ("pytest-gpu", f"{_outcome(report)} on rank {rank} of {self.ctx.world_size}; its whole output: {log}")
         )
         if not counted:
             report.__class__ = UncountedReport
@@ -384,7 +377,42 @@ class LaunchedRank:
         if not self.shard and self.table and not uneven and not self.missing and not self.mismatch:
             tr.write_line(f"every test passed on all {self.ctx.world_size} ranks")
         if self.ctx.world_size > 1:
-            tr.write_line(f"output of ranks 1 to {self.ctx.world_size - 1}: {self.log_path.parent}/rank<N>.log")
+            others = list(range(1, self.ctx.world_size))
+            tr.write_line(f"output of {_ranks(others)}: {rank_logs(self.log_path.parent, others)}")
+
+
+def outcome_table(by_rank: dict[int, list[pytest.TestReport]]) -> dict[str, dict[str, list[int]]]:
+    """Test -> outcome -> the ranks it had: a call's outcome ("failed", "xfailed", ...), a skip
+    at setup, and errors as pytest counts them, apart from failures ("error at setup",
+    "error at teardown")."""
+    table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for rank, reports in by_rank.items():
+        for report in reports:
+            if report.when == "call" or (report.when == "setup" and not report.passed) or report.failed:
+                table[report.nodeid][_outcome(report)].append(rank)
+    return {k: dict(v) for k, v in table.items()}
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    if report.when != "call" and report.failed:
+        return f"error at {report.when}"
+    return "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 1 and 2``, ``ranks 1 to 7``."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]} to {ranks[-1]}"
+    return numbered("rank", ranks)
+
+
+def rank_logs(directory: Path, ranks: list[int]) -> str:
+    """The log files of ``ranks`` (other ranks than 0 write their whole output there), by name;
+    a longer run of ranks as its first and last file."""
+    files = [str(directory / f"rank{r}.log") for r in ranks]
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{files[0]} to {files[-1]}"
+    return ", ".join(files)
 
 
 class UncountedReport(pytest.TestReport):

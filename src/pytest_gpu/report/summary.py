@@ -13,7 +13,7 @@ from ..distributed.backends import AUTO_PROPERTY
 from ..leasing.spans import gpu_properties, parse_held
 from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
 from .timeline import Timeline
-from .wording import duration, numbered, plural, verb
+from .wording import duration, join, numbered, plural, verb
 
 if TYPE_CHECKING:
     from ..gpu.devices import Inventory
@@ -37,6 +37,8 @@ class Summary:
     interrupted: bool = False  # the run was cut short (Ctrl-C, pytest.exit, xdist's -x shutdown)
     down: dict[str, str] = field(default_factory=dict)  # xdist worker -> why it went down while the run went on
     cut_short: dict[str, list[str]] = field(default_factory=dict)  # xdist worker -> tests it left unfinished
+    # a test started and not finished -> its worker ("": no report yet, it is still setting up)
+    running: dict[str, str] = field(default_factory=dict)
     quarantined: dict[str, Quarantine] = field(default_factory=dict)  # worker -> the sticky CUDA error it had
     # why a GPU test skipped at run time without saying so was skipped (None: too large for the run's
     # inventory); --gpu-nodes: the controller's inventory is no GPU, the test's node had some
@@ -51,6 +53,10 @@ class Summary:
         # under xdist the controller hears this when a worker starts the test: the start
         # of a test whose worker dies (its crash report carries no times)
         self.timeline.started(nodeid, "main", time.time())
+        self.running.setdefault(nodeid, "")
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        self.running.pop(nodeid, None)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.add(report)
@@ -59,6 +65,9 @@ class Summary:
         # xdist: the test its worker was running when it went down (a `when` outside pytest's Literal)
         if cast(str, report.when) == "???":
             self.cut_short.setdefault(worker, []).append(report.nodeid)
+            self.running.pop(report.nodeid, None)
+        elif report.nodeid in self.running:  # (another rank's report, under a launcher, never is)
+            self.running[report.nodeid] = worker
         stop = float(getattr(report, "stop", 0.0) or 0.0) or time.time()
         self.timeline.phase(
             report.nodeid,
@@ -105,7 +114,7 @@ class Summary:
             key = str(why) if why else None
             self.skipped_why[key] = self.skipped_why.get(key, 0) + 1
         chosen = given.get(AUTO_PROPERTY)
-        if chosen:
+        if chosen and report.when == "call":  # it ran on a pool (or tried to): not skipped before
             self.auto_backends.setdefault(str(chosen), set()).add(report.nodeid)
         if report.when != "teardown":
             return
@@ -157,7 +166,7 @@ class Summary:
             out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
         out += [self.quarantine_line(found) for found in self.quarantined.values()]
         out += [self.crash_line(crash) for crash in crashes if crash.worker not in self.quarantined]
-        return out
+        return out + self.running_lines(crashes)
 
     def skipped_lines(self, inventory: Inventory) -> list[str]:
         """One line: how many tests were skipped because this run cannot run them, and why
@@ -222,11 +231,35 @@ class Summary:
             return error == "keyboard-interrupt"
         return self.interrupted
 
+    def running_lines(self, crashes: list[CrashRecord]) -> list[str]:
+        """An interrupted run: the tests still running then on the workers that no crash line
+        names (one that gave back what it held itself, such as a distributed test's pool; one
+        that held nothing), so that every test the interruption cut short is named."""
+        if not (self.interrupted or "keyboard-interrupt" in self.down.values()):
+            return []
+        named = {crash.worker for crash in crashes if crash.worker not in self.quarantined}
+        by_worker: dict[str, list[str]] = {}
+        for test, worker in self.running.items():
+            if not worker or worker not in named:
+                by_worker.setdefault(worker, []).append(test)
+        out = []
+        for worker, tests in sorted(by_worker.items()):
+            if not worker:  # started, no report yet: in its setup (waiting for its GPUs, say)
+                out.append(f"pytest-gpu: interrupted while {join(tests)} {verb(len(tests), 'was', 'were')} setting up")
+            elif worker == "main":
+                out.append(f"pytest-gpu: interrupted while running {join(tests)}")
+            else:
+                out.append(f"pytest-gpu: interrupted while {worker} ran {join(tests)}")
+        return out
+
     def crash_line(self, crash: CrashRecord) -> str:
         """What a worker that went away holding GPUs or ports left: the test it ran, what came back."""
         # xdist knows the test its worker ran; the broker's name for a holder may be another's
         # (the rank pool a test started holds its GPUs and port for the tests after it)
         test = ", ".join(self.cut_short.get(crash.worker, ())) or crash.test or "an unknown test"
+        ran = [nodeid for nodeid, worker in self.running.items() if worker == crash.worker]
+        if ran and self.was_interrupted(crash):  # the tests it ran when the run stopped
+            test = join(ran)
         held = []
         if crash.gpus:
             held.append(numbered("GPU", crash.gpus))

@@ -15,7 +15,6 @@ from ..leasing.requests import (
     GpuRequestError,
     build_host_request,
     build_request,
-    format_size,
     learned,
     split_isolate,
     with_host,
@@ -86,20 +85,13 @@ def _gpu_request(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, boo
     except GpuRequestError as exc:
         raise GpuRequestError(f"{item.nodeid}: {exc}") from None
     usable = run.usable_memory
-    where = f"the largest of {run.inventory.describe()}"
     if run.largest_node is not None and run.largest_node[1] > usable:  # --gpu-nodes: another node's GPUs give more
         usable = run.largest_node[1]
-        where = f"the largest GPU of the largest node, {run.largest_node[0]}"
     peak = run.learned_peaks.get(item.nodeid)
     if run.settings.learn and request.count and not named and peak is not None and usable > 0:
         request = learned(request, peak, usable)
-    if (run.inventory.devices or run.largest_node is not None) and request.memory is not None:
-        if request.memory > usable:
-            raise GpuRequestError(
-                f"{item.nodeid}: {what}: memory={format_size(request.memory)} is larger than any GPU "
-                f"can give ({format_size(usable)} after the {run.inventory.runtime} context on {where}); "
-                "expected a smaller memory= or exclusive=True"
-            )
+    # memory= larger than any GPU gives is no invalid request, only one this run can never give:
+    # mark_oversize skips it with the reason (or --gpu-oversize=fail fails it), as a count too large
     return request, isolate
 
 

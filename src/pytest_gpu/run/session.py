@@ -398,8 +398,9 @@ class GpuRun:
             return f"needs {request.describe()} but {self._here} has {self.inventory.describe()}"
         usable = self.usable_memory
         if request.memory is not None and request.memory > usable:
+            whose = f" of node {self.node}" if self.node else ""
             return (
-                f"needs {format_size(request.memory)} per GPU but the largest GPU offers "
+                f"needs {format_size(request.memory)} per GPU but the largest GPU{whose} offers "
                 f"{format_size(usable)} after the {self.inventory.runtime} context ({self.inventory.describe()})"
             )
         # on a mixed machine only some GPUs may be large enough (the placement's formula: capacity less a context)
