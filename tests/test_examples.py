@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from helpers import patience
 
 pytestmark = pytest.mark.slow  # every test here runs pytest (or a launcher) in a subprocess
 
@@ -26,7 +27,7 @@ def _demo(tmp_path: Path, gpus: str, env: dict[str, str] | None = None) -> subpr
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
         env={**clean, **(env or {})},
     )
     assert trace.is_file()

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import AutoChoice, auto_backend, build_nccl_missing, fit_ranks, nccl_missing
 from pytest_gpu.gpu.devices import Device, Inventory, discover
@@ -393,7 +394,9 @@ def test_the_installed_torch_is_read_without_importing_it_and_agrees_with_it():
         print(repr(unimported)); print(repr(backends.torch_nccl_missing()))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=patience(300), check=True
+    )
     unimported, imported = out.stdout.splitlines()
     assert unimported == imported
 
