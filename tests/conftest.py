@@ -10,7 +10,7 @@ Tiers (for contributors)
 ------------------------
 ``python -m pytest -q -ra`` runs everything: the full tier, CI's command (`.ci/run`).
 ``python -m pytest -q -ra -m "not slow"`` runs the fast tier: pure logic and in-process
-units (the broker, the arbiter, placement, planner, ... in this process), in about a
+units (the broker, the arbiter, placement, planner, ... in this process), in under a
 minute. A test is ``slow`` when it runs a whole pytest session (pytester, in-process or
 in a subprocess), starts xdist workers, a launcher (mpirun, srun, torchrun), Ray, the
 SLURM cluster, a virtualenv, or processes that cost it more than about half a second
