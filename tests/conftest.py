@@ -8,9 +8,9 @@ any test is skipped with that reason. Helper functions shared by several test fi
 
 Tiers (for contributors)
 ------------------------
-``python -m pytest -q -rs`` runs everything: the full tier, CI's command (`.ci/run`).
-``python -m pytest -q -rs -m "not slow"`` runs the fast tier: pure logic and in-process
-units (the broker, the arbiter, placement, planner, ... in this process), in about half a
+``python -m pytest -q -ra`` runs everything: the full tier, CI's command (`.ci/run`).
+``python -m pytest -q -ra -m "not slow"`` runs the fast tier: pure logic and in-process
+units (the broker, the arbiter, placement, planner, ... in this process), in under a
 minute. A test is ``slow`` when it runs a whole pytest session (pytester, in-process or
 in a subprocess), starts xdist workers, a launcher (mpirun, srun, torchrun), Ray, the
 SLURM cluster, a virtualenv, or processes that cost it more than about half a second
@@ -46,6 +46,8 @@ from typing import Any
 
 import psutil
 import pytest
+
+from helpers import patience
 
 pytest_plugins = ["pytester"]
 
@@ -318,13 +320,14 @@ def run_inner(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
     """``run_inner(*args, subprocess=False, timeout=120)``: pytest on ``gpu_pytester``'s files.
 
     In-process by default; ``subprocess=True`` for anything with ``-n`` (xdist needs
-    real processes) or that must start from a fresh interpreter.
+    real processes) or that must start from a fresh interpreter. ``timeout`` (subprocess
+    only) is the bound on an idle machine, stretched by the load (``helpers.patience``).
     """
 
     def run(*args: str, subprocess: bool = False, timeout: float = 120) -> pytest.RunResult:
         full = (*INNER_ARGS, *args)
         if subprocess:
-            return gpu_pytester.runpytest_subprocess(*full, timeout=timeout)
+            return gpu_pytester.runpytest_subprocess(*full, timeout=patience(timeout))
         return gpu_pytester.runpytest_inprocess(*full)
 
     return run
@@ -343,7 +346,9 @@ def fake_run(
         monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(tmp_path / "fake-ledger"))
         if visible is not None:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=180)
+        return gpu_pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=patience(180)
+        )
 
     return run
 
@@ -365,7 +370,7 @@ class Holder:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("holding "):
-            _, err = self.proc.communicate(timeout=30)
+            _, err = self.proc.communicate(timeout=patience(30))
             raise AssertionError(f"hold {' '.join(args)} did not start (exit {self.proc.returncode}): {line}{err}")
         self.pid = int(line.split()[1])
         assert self.pid == self.proc.pid
@@ -374,12 +379,12 @@ class Holder:
         """SIGKILL it (the driver, and the ledger, free what it held); ``reap=False`` leaves a zombie."""
         self.proc.kill()
         if reap:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=patience(30))
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate(timeout=30)
+        self.proc.communicate(timeout=patience(30))
 
 
 @pytest.fixture
@@ -419,7 +424,10 @@ def slurm() -> Iterator[str]:
     base.chmod(0o755)
     try:
         started = subprocess.run(
-            ["bash", str(SLURM_SCRIPT), "start", str(base), "4", "8"], capture_output=True, text=True, timeout=90
+            ["bash", str(SLURM_SCRIPT), "start", str(base), "4", "8"],
+            capture_output=True,
+            text=True,
+            timeout=patience(90),
         )
         others = [
             f"{p.pid}: {' '.join(p.info['cmdline'] or ())}"
@@ -439,8 +447,8 @@ def slurm() -> Iterator[str]:
                 daemons.append(psutil.Process(int((base / f"{name}.bgpid").read_text())))
             except (OSError, ValueError, psutil.Error):
                 pass
-        subprocess.run(["bash", str(SLURM_SCRIPT), "stop", str(base)], timeout=60, check=False)
-        _, alive = psutil.wait_procs(daemons, timeout=10)
+        subprocess.run(["bash", str(SLURM_SCRIPT), "stop", str(base)], timeout=patience(60), check=False)
+        _, alive = psutil.wait_procs(daemons, timeout=patience(10))
         for proc in alive:  # a daemon that ignored SIGTERM
             proc.kill()
         shutil.rmtree(base, ignore_errors=True)

@@ -24,15 +24,42 @@ from pytest_gpu.leasing.requests import GpuRequest
 
 T = TypeVar("T")
 
-# -- waiting for a condition instead of sleeping a fixed time -----------------------------
+# -- bounds on waits, scaled by the machine's load ----------------------------------------
+
+# A loaded machine stretches a bound at most this much: a hang still fails, in finite time.
+MAX_SLOWDOWN = 8.0
+
+
+def slowdown() -> float:
+    """How many times longer than on an idle machine a process takes now, as far as the load
+    shows: the load average per CPU this process may run on (the larger of the 1- and
+    5-minute averages: a burst that has just begun shows in the first, one that has just
+    ended still in the second); at least 1, at most :data:`MAX_SLOWDOWN`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    one, five, _ = os.getloadavg()
+    return min(max(1.0, max(one, five) / max(cpus, 1)), MAX_SLOWDOWN)
+
+
+def patience(seconds: float) -> float:
+    """The bound on a wait that takes at most ``seconds`` on an idle machine, on this machine
+    now: ``seconds`` times :func:`slowdown`.
+
+    Every fixed bound of a test on a process it started (``subprocess.run(timeout=...)``,
+    ``communicate``, ``wait``, ``runpytest_subprocess``, a deadline polled for a process's
+    event) is ``patience(idle figure)``: a shared 2-core runner under load is no failure, and
+    a hang still is one (the bound stays finite). Not for a timeout the test hands the plugin
+    (``--timeout=3``, ``acquire(timeout=...)``, ``--gpu-wait-timeout``): that is what it tests.
+    ``tests/test_patience.py`` checks that no process wait in tests/ has a bare number."""
+    return seconds * slowdown()
 
 
 def wait_for(condition: Callable[[], T], timeout: float = 5.0, what: str = "condition", interval: float = 0.005) -> T:
     """Poll ``condition`` until it returns something true, and return that; fail the test
-    naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    naming ``what`` after ``patience(timeout)`` seconds (``timeout``: the idle machine's bound)."""
+    bound = patience(timeout)
+    deadline = time.monotonic() + bound
     while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        assert time.monotonic() < deadline, f"not within {bound:.3g}s ({timeout:g}s on an idle machine): {what}"
         time.sleep(interval)
     return value
 

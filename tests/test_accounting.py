@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.gpu import verification
 from pytest_gpu.gpu.isolation import GpuLease
 
@@ -27,7 +28,7 @@ def fake_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, spec: s
     require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
     monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", spec)
     monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(pytester.path / "fake-ledger"))
-    return pytester.runpytest_subprocess(*FLAGS, *args, timeout=180)
+    return pytester.runpytest_subprocess(*FLAGS, *args, timeout=patience(180))
 
 
 LEAKS = """

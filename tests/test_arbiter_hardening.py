@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import shared, wait_for, whole
+from helpers import patience, shared, wait_for, whole
 from pytest_gpu.leasing.placement import Policy
 from pytest_gpu.leasing.ports import PortAllocator
 from pytest_gpu.machine import link as links_module
@@ -632,7 +632,7 @@ def test_a_user_whose_messages_took_its_share_of_the_arbiter_waits_for_the_next_
     flooder = _raw(made, domain)
     assert "ok" in flooder.call("status", pad="x" * (20 << 10))  # its share of this second, used up
     # the server counts a message's time once it has answered it: the answer may come first
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + patience(5)
     while not server._throttled(os.getuid()) and time.monotonic() < deadline:
         time.sleep(0.001)
     assert server._throttled(os.getuid())

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from conftest import INNER_ARGS
+from helpers import patience
 from pytest_gpu import options
 from pytest_gpu.scheduling import autoworkers
 from pytest_gpu.scheduling.autoworkers import choose
@@ -280,13 +281,15 @@ def test_learned_peaks_size_the_workers_under_gpu_learn(machine, gpu_pytester):
     pairs = zip(INNER_ARGS[::2], INNER_ARGS[1::2], strict=True)  # ("-p", "no:..."); the cache stays on
     args = [a for pair in pairs if pair[1] != "no:cacheprovider" for a in pair]
     base = (*args, "-n", "auto", "--maxprocesses=1", "--gpus", "sim:2x16GiB")
-    learned = gpu_pytester.runpytest_subprocess(*base, "--gpu-learn", timeout=120)
+    learned = gpu_pytester.runpytest_subprocess(*base, "--gpu-learn", timeout=patience(120))
     assert _auto_lines(learned) == [
         "pytest-gpu: -n auto chose 6 workers: 2 GPUs x 3 tests of 3.8GiB (the median learned request) each "
         "fit (64GiB RAM, 16 CPUs allow more); --maxprocesses=1 runs 1 worker"
     ]
     _write_peaks(gpu_pytester, {"a": 3 * GiB, "b": 3 * GiB, "c": 1 * GiB})  # the learning run recorded its own
-    plain = gpu_pytester.runpytest_subprocess(*base, timeout=120)  # without --gpu-learn the requests are whole GPUs
+    plain = gpu_pytester.runpytest_subprocess(
+        *base, timeout=patience(120)
+    )  # without --gpu-learn the requests are whole GPUs
     assert _auto_lines(plain) == [
         "pytest-gpu: -n auto chose 2 workers: 2 GPUs, one whole-GPU test each (64GiB RAM, 16 CPUs allow more)"
         "; --maxprocesses=1 runs 1 worker"

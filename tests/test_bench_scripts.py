@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import patience
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +32,7 @@ def test_makespan_stops_at_a_run_that_ran_nothing(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -45,7 +47,7 @@ def test_concurrent_runs_fails_when_a_run_did_not_pass_its_tests(tmp_path: Path)
         env=broken_env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -58,7 +60,7 @@ def test_first_failure_stops_at_a_run_that_pytest_itself_ended(tmp_path: Path) -
         env=broken_env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out

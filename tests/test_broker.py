@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.leasing.broker import Broker, CrashRecord
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout, describe_holders
 from pytest_gpu.leasing.placement import Policy
@@ -499,7 +500,7 @@ def spawn(run: Run) -> Iterator[Callable[..., tuple[subprocess.Popen[str], list[
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
-        proc.wait(timeout=30)
+        proc.wait(timeout=patience(30))
         assert proc.stdout is not None
         proc.stdout.close()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import INNER_ARGS
-from helpers import wait_for
+from helpers import patience, wait_for
 from pytest_gpu.machine.domain import Domain
 from pytest_gpu.machine.link import status
 
@@ -61,7 +61,7 @@ def start_run(path: Path, name: str, machine: str, workers: int, *args: str) -> 
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = proc.communicate(timeout=patience(timeout))
     return out
 
 

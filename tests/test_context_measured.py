@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError
 from pytest_gpu.leasing.placement import Allocator, Policy
@@ -167,5 +168,5 @@ print("OK")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTEST_GPU_FAKE_GPUS="sim:2x16GiB;context=700MiB", PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr

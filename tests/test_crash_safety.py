@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import patience
+
 INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest")  # as run_inner's
 
 CRASH = """
@@ -154,7 +156,7 @@ def test_sigkill_of_controller(gpu_pytester, run_inner):
         cmd, cwd=gpu_pytester.path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patience(60)
         while len(list(marks.iterdir())) < 2:
             assert proc.poll() is None, "the run ended before its tests were running"
             assert time.monotonic() < deadline, "tests never started"
@@ -167,14 +169,14 @@ def test_sigkill_of_controller(gpu_pytester, run_inner):
         assert run_dir.name.startswith(f"run-{proc.pid}-")
         assert run_dir.is_dir()
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait(timeout=patience(10))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
     # the workers notice their controller is gone and exit (xdist/execnet: within ~15s)
-    _, alive = psutil.wait_procs(workers, timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=patience(30))
     leftover = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     if leftover:
         for p in leftover:
@@ -267,7 +269,7 @@ def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
         assert child.stdout.readline().strip() == "closed"
         me = BrokerClient(str(run_dir / "b.sock"), b"k" * 32, "gw-main")
         # 16GiB - 2 contexts (the exiting worker's and mine) = 14GiB: 14.5GiB must wait
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + patience(5)
         while len(broker.status()["clients"]) != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert broker.status()["contexts"][0] == ["c0~exiting"]
@@ -275,7 +277,7 @@ def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
             me.acquire(GpuRequest(1, int(14.5 * gib), False), "big", 0.2)
         child.stdin.write("\n")
         child.stdin.close()
-        child.wait(timeout=10)
+        child.wait(timeout=patience(10))
         grant = me.acquire(GpuRequest(1, int(14.5 * gib), False), "big", 5)
         assert grant.indices == (0,)
         me.close()

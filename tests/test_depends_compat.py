@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import require
-from helpers import by_group
+from helpers import by_group, patience
 from pytest_gpu.scheduling.dependencies import GROUP_PREFIX, dependency_groups
 
 # Like conftest.INNER_ARGS, but with pytest-depends active (this suite's own ini blocks it).
@@ -274,7 +274,7 @@ def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[s
     """Run ``args``; returns the result, nodeid -> (outcome, skip reason), and the order log's lines."""
     for name in ("order.log", "outcomes.log"):
         (pytester.path / name).unlink(missing_ok=True)
-    result = pytester.runpytest_subprocess(*ARGS, "-rs", *args, timeout=TIMEOUT)
+    result = pytester.runpytest_subprocess(*ARGS, "-rs", *args, timeout=patience(TIMEOUT))
     outcomes: dict[str, tuple[str, str]] = {}
     log = pytester.path / "outcomes.log"
     for line in log.read_text().splitlines() if log.exists() else []:

@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from conftest import require
+from helpers import patience
 
 RANKMAIN = "pytest_gpu.distributed.rankmain"
 MARK_VAR = "DIST_TEST_RUN_MARK"
@@ -389,7 +390,7 @@ class Suite:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            timeout=timeout,
+            timeout=patience(timeout),
         )
         leftovers = describe(rank_processes(self.mark))  # right after the session: nothing may be left
         return Inner(self, out.returncode, out.stdout, leftovers)
@@ -833,7 +834,7 @@ def test_no_rank_left_after_pytest_is_sigkilled_mid_test(tmp_path: Path) -> None
         proc = subprocess.Popen(suite.command(), cwd=suite.path, env=suite.env, stdout=out, stderr=subprocess.STDOUT)
     ranks: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + patience(120)
         while len(list(suite.data.glob("running-*"))) < 2:
             assert proc.poll() is None, (tmp_path / "output.txt").read_text()
             assert time.monotonic() < deadline, "the distributed test never started"
@@ -841,8 +842,8 @@ def test_no_rank_left_after_pytest_is_sigkilled_mid_test(tmp_path: Path) -> None
         ranks = rank_processes(suite.mark)
         assert len(ranks) == 2, describe(ranks)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 20
+        proc.wait(timeout=patience(10))
+        deadline = time.monotonic() + patience(20)
         while rank_processes(suite.mark) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert describe(rank_processes(suite.mark)) == []

@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import require
-from helpers import rank_processes
+from helpers import patience, rank_processes
 
 MARK_VAR = "DIST_TEST_RUN_MARK"
 INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark", "-rA")
@@ -38,7 +38,7 @@ class Launch:
     def run(self, source: str, timeout: float = 180) -> pytest.RunResult:
         self.pytester.makeini("[pytest]\n")
         self.pytester.makepyfile(test_launch=source)
-        return self.pytester.runpytest_subprocess(*INNER_ARGS, f"--junitxml={self.junit}", timeout=timeout)
+        return self.pytester.runpytest_subprocess(*INNER_ARGS, f"--junitxml={self.junit}", timeout=patience(timeout))
 
     def props(self) -> dict[str, dict[str, str]]:
         return {
@@ -194,7 +194,7 @@ def test_srun_launcher(launch: Launch, slurm: str, monkeypatch: pytest.MonkeyPat
     assert rank_processes(MARK_VAR, launch.mark) == []
     squeue = shutil.which("squeue")
     if squeue is not None:  # the pools' jobs ended with them (a SIGKILLed srun would leave its job running)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         while (jobs := subprocess.run([squeue, "-h"], capture_output=True, text=True).stdout.strip()) and (
             time.monotonic() < deadline
         ):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -127,6 +128,57 @@ def test_the_readme_links_resolve() -> None:
     assert targets
     missing = [t for t in targets if not (ROOT / t).exists()]
     assert not missing, missing
+
+
+def _table_problems(text: str) -> list[str]:
+    """Tables of a Markdown page that do not render (GitHub's rules): a header without a
+    separator row under it, or a row whose cell count (split on every unescaped ``|``, in
+    code spans too) differs from the header's."""
+    problems, table, fenced = [], [], False
+    for number, line in enumerate([*text.splitlines(), ""], 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and line.startswith("|"):
+            table.append((number, line))
+            continue
+        if table:
+            (first, header), *rows = table
+            width = len(re.split(r"(?<!\\)\|", header.strip().strip("|")))
+            if not rows or not re.fullmatch(r"\|( *:?-+:? *\|)+", rows[0][1].strip()):
+                problems.append(f"line {first}: a header without a separator row")
+            for row_number, row in rows:
+                cells = len(re.split(r"(?<!\\)\|", row.strip().strip("|")))
+                if cells != width:
+                    problems.append(f"line {row_number}: {cells} cells, the header has {width}")
+            table = []
+    return problems
+
+
+def test_every_table_renders() -> None:
+    pages = _pages()
+    for name in ("CONTRIBUTING.md", "bench/README.md"):  # included in the site's pages
+        pages[name] = (ROOT / name).read_text(encoding="utf-8")
+    broken = {name: problems for name, text in pages.items() if (problems := _table_problems(text))}
+    assert not broken, broken
+
+
+def test_the_table_check_sees_a_broken_table() -> None:
+    text = "| a | b | c |\n| --- | --- | --- | --- |\n| 1 | 2 | 3 |\n\n| a | b |\n| 1 | 2 |\n"
+    assert _table_problems(text) == ["line 2: 4 cells, the header has 3", "line 5: a header without a separator row"]
+
+
+def test_the_readme_test_command_shows_failures_and_skips_and_is_ci_s() -> None:
+    """Command 2: its short summary lists failures and errors (``-r`` f, E) and each skip's
+    reason (s); ``.ci/run`` installs and runs exactly it (and adds its report options)."""
+    (command,) = re.findall(r"^(pip install torch.* && python -m pytest .*)$", README.read_text(encoding="utf-8"), re.M)
+    *installs, run = (part.strip() for part in command.split("&&"))
+    chars = "".join(arg[2:] for arg in shlex.split(run) if arg.startswith("-r"))
+    chars = chars.replace("A", "a").replace("a", "fEsxX")
+    assert {"f", "E", "s"} <= set(chars), f"{run!r}: its -r must show failures, errors and skips"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for install in installs:
+        assert "python -m " + install.replace("pip install ", "pip install -q ") in ci, install
+    assert re.search(rf"^{re.escape(run)}( |$)", ci, re.M), f".ci/run does not run {run!r}"
 
 
 def test_the_site_home_page_is_the_readme() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.report import gantt
 
 pytestmark = pytest.mark.slow  # every test here runs pytest (or a launcher) in a subprocess
@@ -28,7 +29,7 @@ def _demo(tmp_path: Path, gpus: str, env: dict[str, str] | None = None) -> subpr
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
         env={**clean, **(env or {})},
     )
     assert trace.is_file()

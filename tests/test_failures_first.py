@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cached_args
+from helpers import cached_args, patience
 from pytest_gpu.scheduling.scheduler import order
 
 COLLECTION = ["t.py::test_a", "t.py::test_b", "t.py::K::test_c", "u.py::test_d[1]", "u.py::test_d[2]"]
@@ -94,7 +94,7 @@ def recorded(gpu_pytester: pytest.Pytester) -> tuple[str, ...]:
     gpu_pytester.makeconftest(STARTED)
     gpu_pytester.makepyfile(test_ff=SUITE)
     args = (*cached_args(gpu_pytester), "--gpus", "sim:4x16GiB", "-n", "2")
-    first = gpu_pytester.runpytest_subprocess(*args, timeout=120)
+    first = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
     first.assert_outcomes(passed=TOTAL - 1, failed=1)
     assert len(started(gpu_pytester.path)) == TOTAL
     cache = gpu_pytester.path / ".pytest_cache" / "v"
@@ -104,7 +104,7 @@ def recorded(gpu_pytester: pytest.Pytester) -> tuple[str, ...]:
 
 
 def test_ff_runs_last_failure_first(gpu_pytester: pytest.Pytester, recorded: tuple[str, ...]) -> None:
-    second = gpu_pytester.runpytest_subprocess(*recorded, "--ff", "-v", timeout=120)
+    second = gpu_pytester.runpytest_subprocess(*recorded, "--ff", "-v", timeout=patience(120))
     second.assert_outcomes(passed=TOTAL - 1, failed=1)
     order_run = started(gpu_pytester.path)
     assert len(order_run) == TOTAL
@@ -113,7 +113,7 @@ def test_ff_runs_last_failure_first(gpu_pytester: pytest.Pytester, recorded: tup
 
 
 def test_x_stops_after_few_tests(gpu_pytester: pytest.Pytester, recorded: tuple[str, ...]) -> None:
-    second = gpu_pytester.runpytest_subprocess(*recorded, "-x", timeout=120)
+    second = gpu_pytester.runpytest_subprocess(*recorded, "-x", timeout=patience(120))
     outcomes = second.parseoutcomes()
     assert outcomes.get("failed") == 1
     ran = started(gpu_pytester.path)

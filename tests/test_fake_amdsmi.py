@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import amdsmi_site, require, with_amdsmi
+from helpers import patience
 from pytest_gpu.sim import amdsmi as fake_amdsmi
 from pytest_gpu.sim.spec import SpecError, amd_uuid, parse
 
@@ -74,7 +75,7 @@ def run_py(cache_dir: Path, ledger: Path | None, code: str) -> dict[str, Any]:
     if ledger is not None:
         env["PYTEST_GPU_SIM_LEDGER"] = str(ledger)
     script = PRELUDE + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(60))
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -236,7 +237,7 @@ def test_nvml_reports_driver_not_loaded_on_an_amd_machine(tmp_path: Path) -> Non
         """
     )
     env = {**os.environ, "PYTEST_GPU_SIM_LEDGER": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(60))
     assert json.loads(done.stdout.strip().splitlines()[-1]) == "Driver Not Loaded", done.stderr
 
 

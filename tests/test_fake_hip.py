@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.gpu.devices import Device
 from pytest_gpu.gpu.rocm import rocm_view
 from pytest_gpu.sim import hip as fake_hip
@@ -72,7 +73,9 @@ def run_py(cache_dir: Path, folder: Path, code: str, env: dict[str, str], preloa
     if preload:
         full["PRELOAD"] = "1"
     script = PRELUDE + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=patience(60)
+    )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.sim import nvml
 
 
@@ -101,7 +102,7 @@ def run_py(cache_dir: Path, ledger: Path | None, code: str, *, no_v3: bool = Fal
         full_env["PYTEST_GPU_SIM_LEDGER"] = str(ledger)
     script = PRELUDE.format(no_v3=no_v3) + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
     done = subprocess.run(
-        [sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=patience(60), check=False
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -569,7 +570,7 @@ def test_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("CC", str(wrapper))
     script = "from pytest_gpu.sim.nvml import library_dir; print(library_dir())"
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(4)]
-    dirs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    dirs = {p.communicate(timeout=patience(60))[0].strip() for p in procs}
     assert [p.returncode for p in procs] == [0] * 4
     assert len(dirs) == 1
     assert len(log.read_text().splitlines()) == 1  # four concurrent processes, one build

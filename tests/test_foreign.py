@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from conftest import Holder, require
+from helpers import patience
 from pytest_gpu.gpu.foreign import Foreign, ForeignProcess, ForeignSampler, descends_from
 from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
 
@@ -69,7 +70,7 @@ class Sampler:
     def _read(self) -> str:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert line, f"the sampler died (exit {self.proc.wait(timeout=30)})"
+        assert line, f"the sampler died (exit {self.proc.wait(timeout=patience(30))})"
         return line
 
     def _ask(self, request: dict[str, Any]) -> Any:
@@ -98,7 +99,7 @@ class Sampler:
     def stop(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=patience(30))
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
@@ -165,7 +166,7 @@ def test_a_killed_holder_is_gone_on_the_next_sample(machine) -> None:
     holder.kill()
     assert sampler.sample()[GPU1].processes == (ForeignProcess(other.pid, 512 * MiB + OVERHEAD, _name(other.pid)),)
     other.kill(reap=False)  # a zombie: the driver freed its memory at exit
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while psutil.Process(other.pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -278,7 +279,7 @@ def test_an_orphan_of_a_dead_root_is_foreign() -> None:
     )
     assert middle.stdout is not None
     orphan = int(middle.stdout.readline())
-    middle.wait(timeout=30)
+    middle.wait(timeout=patience(30))
     try:
         assert not descends_from(orphan, {middle.pid})  # re-parented to init (or a subreaper)
         assert not descends_from(orphan, {os.getpid()})
@@ -288,7 +289,7 @@ def test_an_orphan_of_a_dead_root_is_foreign() -> None:
 
 def test_a_zombie_is_not_ours_and_does_not_raise() -> None:
     child = _spawn("pass")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import INNER_ARGS
-from helpers import load_trace
+from helpers import load_trace, patience
 from pytest_gpu.scheduling.planner import Job, Need, Planner
 
 Run = Callable[..., pytest.RunResult]
@@ -441,15 +441,15 @@ def test_no_other_runs_test_is_on_the_gpus_while_a_serial_test_runs(gpu_pytester
 
     bench = start("bench", "-n", "2")
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + patience(120)
         while not (times.exists() and "bench-start" in times.read_text()):
             assert bench.poll() is None, bench.communicate()[0]
             assert time.monotonic() < deadline, "the serial test did not start"
             time.sleep(0.05)
         small = start("small")
-        out_small, _ = small.communicate(timeout=120)
+        out_small, _ = small.communicate(timeout=patience(120))
     finally:
-        out_bench, _ = bench.communicate(timeout=120)
+        out_bench, _ = bench.communicate(timeout=patience(120))
     assert bench.returncode == 0, out_bench
     assert small.returncode == 0, out_small
     stamps = dict(line.split() for line in times.read_text().splitlines())

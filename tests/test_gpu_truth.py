@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
 
 
@@ -171,7 +172,7 @@ def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -184,7 +185,7 @@ def test_inventory_cli_shows_the_fake_machine_as_nvml_reports_it(tmp_path):
         env={**env, "CUDA_VISIBLE_DEVICES": "MIG-nope"},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert "CUDA_VISIBLE_DEVICES='MIG-nope' matches none of the devices NVML reports" in empty.stdout
 

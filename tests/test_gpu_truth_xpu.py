@@ -10,6 +10,7 @@ import json
 import pytest
 
 from conftest import Holder, require
+from helpers import patience
 
 
 @pytest.fixture
@@ -196,7 +197,9 @@ def test_simulated_intel_gpus_from_the_gpus_option(gpu_pytester, monkeypatch):
                 assert block.physical == 2
         """
     )
-    result = gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpus", "xpu:sim:4x64GiB", timeout=180)
+    result = gpu_pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--gpus", "xpu:sim:4x64GiB", timeout=patience(180)
+    )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["pytest-gpu: 2 simulated Intel GPUs (2x64GiB)*"])
 

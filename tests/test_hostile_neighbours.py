@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from conftest import MISSING
-from helpers import throwaway_user, wait_for
+from helpers import patience, throwaway_user, wait_for
 from pytest_gpu.sim.spec import gpu_uuid
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ class Machine:
     def run_a(self, *args: str, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gpus", SPEC, *args]
         proc = self.a.popen(command, self.a_env(**extra))
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=patience(timeout))
         return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
     def start_a(self, *args: str) -> subprocess.Popen[str]:
@@ -105,7 +105,7 @@ class Machine:
     def attack(self, attack: str, *args: str) -> Any:
         env = self.b.env(self.machines, NEIGHBOUR_GPU=gpu_uuid(0))
         proc = self.b.popen([sys.executable, str(HERE / "neighbour.py"), attack, f"sim-{MACHINE}", *args], env)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=patience(60))
         assert proc.returncode == 0, err
         return json.loads(out)
 
@@ -218,7 +218,7 @@ def _passed(result: subprocess.CompletedProcess[str], count: int = 3) -> None:
 
 def _go(machine: Machine, run: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     (machine.a.home / "go").write_text("go")
-    out, err = run.communicate(timeout=120)
+    out, err = run.communicate(timeout=patience(120))
     return subprocess.CompletedProcess(run.args, run.returncode, out, err)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import INNER_ARGS
+from helpers import patience
 from pytest_gpu.distributed.pool import DistSettings, RankPool
 from pytest_gpu.distributed.spec import DistSpec
 from pytest_gpu.leasing.broker import CrashRecord
@@ -287,7 +288,7 @@ def test_ctrl_c_is_reported_as_an_interruption_and_a_crash_before_it_as_a_crash(
     )
     try:
         # three tests started on two workers: the one that died was replaced (xdist saw it die)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patience(60)
         while {p.name for p in marks.iterdir()} != {"died", "running-0", "running-1"}:
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "the tests never all started"
@@ -297,7 +298,7 @@ def test_ctrl_c_is_reported_as_an_interruption_and_a_crash_before_it_as_a_crash(
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=patience(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

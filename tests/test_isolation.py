@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu import sim
 from pytest_gpu.gpu import runtime
 from pytest_gpu.gpu.devices import Device, Inventory, parse_sim_spec
@@ -67,7 +68,9 @@ def run_torch(tmp_path: Path, body: str, spec: str = "sim:4x16GiB", **env: str) 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     clean.update(PYTEST_GPU_FAKE_GPUS=spec, PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"), **env)
     code = PRELUDE + body + "\nprint('OUT', json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=patience(120)
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(x for x in done.stdout.splitlines() if x.startswith("OUT "))
     return json.loads(line[4:])

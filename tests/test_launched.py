@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from helpers import patience
 
 INNER = ("-p", "no:benchmark", "-p", "no:hypothesispytest", "--color=no")
 NO_CACHE = ("-p", "no:cacheprovider")
@@ -203,7 +204,7 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = LAUN
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=patience(timeout))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -735,6 +736,8 @@ def test_itwinai_markers_outside_a_launcher(
     outside: pytest.Pytester, expression: str, passed: list[str], reasons: dict[str, int]
 ) -> None:
     outside.makepyfile(test_itwinai=ITWINAI)
+    # the project registers its marker: since pytest 9.2, --strict-markers refuses an unregistered name in -m
+    outside.makeini("[pytest]\nmarkers =\n    slow: the project's slow tests\n")
     args = ["-m", expression] if expression else []
     result = outside.runpytest_inprocess(*NO_CACHE, "--strict-markers", "-rA", *args, "test_itwinai.py")
     assert sorted(re.findall(r"^PASSED test_itwinai.py::(\S+)", result.stdout.str(), re.M)) == sorted(passed)
@@ -746,10 +749,12 @@ def test_itwinai_markers_outside_a_launcher(
 def test_itwinai_markers_under_xdist_reasons_from_the_controller(outside: pytest.Pytester) -> None:
     """xdist workers deselect; the controller, whose terminal is the one shown, prints why."""
     outside.makepyfile(test_itwinai=ITWINAI)
-    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "-m", "torch_dist", "test_itwinai.py", timeout=120)
+    result = outside.runpytest_subprocess(
+        *NO_CACHE, "-n", "2", "-m", "torch_dist", "test_itwinai.py", timeout=patience(120)
+    )
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED, result.stdout.str()
     result.stdout.fnmatch_lines(["*2 workers [[]0 items[]]*", f"pytest-gpu: deselected 2: {TORCH_REASON}"])
-    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "test_itwinai.py", timeout=120)
+    result = outside.runpytest_subprocess(*NO_CACHE, "-n", "2", "test_itwinai.py", timeout=patience(120))
     result.assert_outcomes(passed=1)  # the controller hears no deselection from xdist: pytest-gpu's lines say it
     result.stdout.fnmatch_lines_random(
         [f"pytest-gpu: deselected 5: {HPC_REASON}", f"pytest-gpu: deselected 1: {HOROVOD_REASON}"]

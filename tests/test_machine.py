@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MISSING
-from helpers import shared, throwaway_user, wait_for, whole
+from helpers import patience, shared, throwaway_user, wait_for, whole
 from pytest_gpu.cli import format_status, gpu_labels
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.leasing.placement import Policy
@@ -310,7 +310,7 @@ def test_when_the_arbiter_leaves_another_run_takes_over_with_what_everyone_holds
     assert c.submit("c0/k0", "c0", "gw0", "t::c", shared(10 * GiB), ["U"]) == ("queued", None)
     a.close()
     # the next call of either elects again; both re-declare: b's lease stays, c still waits
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + patience(5)
     while not (b.is_arbiter or c.is_arbiter):
         assert time.monotonic() < deadline, "no new arbiter"
         time.sleep(0.01)
@@ -625,7 +625,7 @@ def test_an_arbiter_that_stops_answering_fails_the_call_with_a_clear_error(domai
         leader.send_signal(signal.SIGSTOP)
         import psutil
 
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         while psutil.Process(leader.pid).status() != psutil.STATUS_STOPPED:  # the stop lands asynchronously
             assert time.monotonic() < deadline, "the arbiter's process did not stop"
             time.sleep(0.01)
@@ -661,7 +661,7 @@ def test_a_forked_child_keeps_neither_the_arbiters_lock_nor_its_address(domain, 
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().split() == ["True", "granted"]
     child = int(proc.stdout.readline())
-    proc.wait(timeout=30)  # the run is gone; its forked child sleeps on
+    proc.wait(timeout=patience(30))  # the run is gone; its forked child sleeps on
     try:
         b, _ = new_link(links, domain, {"U": 16 * GiB})
         assert b.is_arbiter  # it could take the lock and bind the address
@@ -712,13 +712,13 @@ def test_an_arbiter_that_stops_fails_the_waiting_request_never_the_run(gpu_pytes
     ]
     proc = subprocess.Popen(command, cwd=gpu_pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patience(60)
         while not (gpu_pytester.path / "attached").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.02)
         leader.send_signal(signal.SIGSTOP)
         (gpu_pytester.path / "stopped").write_text("")
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=patience(120))
     finally:
         leader.send_signal(signal.SIGCONT)
         leader.kill()

@@ -32,6 +32,7 @@ import pytest
 from execnet.gateway_io import popen_args
 
 from conftest import INNER_ARGS, MISSING, require
+from helpers import patience
 from pytest_gpu.nodes import spec, sshgate
 from pytest_gpu.nodes import worker as node_worker
 from pytest_gpu.nodes.hosts import unshare_works
@@ -406,7 +407,7 @@ def slurm_nodes() -> Iterator[str]:
             ["bash", str(SLURM_NODES_SCRIPT), "start", str(base), "2", "2", "4"],
             capture_output=True,
             text=True,
-            timeout=90,
+            timeout=patience(90),
         )
         assert started.returncode == 0, f"SLURM did not start:\n{started.stdout}\n{started.stderr}"
         yield str(base / "slurm.conf")
@@ -417,8 +418,8 @@ def slurm_nodes() -> Iterator[str]:
                 daemons.append(psutil.Process(int(path.read_text())))
             except (OSError, ValueError, psutil.Error):
                 pass
-        subprocess.run(["bash", str(SLURM_NODES_SCRIPT), "stop", str(base)], timeout=60, check=False)
-        _, alive = psutil.wait_procs(daemons, timeout=10)
+        subprocess.run(["bash", str(SLURM_NODES_SCRIPT), "stop", str(base)], timeout=patience(60), check=False)
+        _, alive = psutil.wait_procs(daemons, timeout=patience(10))
         for proc in alive:  # one that ignored SIGTERM
             proc.kill()
         shutil.rmtree(base, ignore_errors=True)
@@ -627,20 +628,20 @@ def _interrupt_mid_run(gpu_pytester: pytest.Pytester, out: Path, tmp: Path) -> N
         env={**os.environ, "TMPDIR": str(tmp)},
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patience(60)
         while {p.name.split("-")[0] for p in out.iterdir()} != {"node0", "node1"}:
             assert proc.poll() is None and time.monotonic() < deadline, "the tests did not start on both nodes"
             time.sleep(0.2)
         # what must go: the controller's run directory, the simulated nodes (their run directories inside)
         assert {p.name.split("-")[0] for p in _runs_in(tmp)} == {"run", "pytest"}, _runs_in(tmp)
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        output, _ = proc.communicate(timeout=patience(60))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == pytest.ExitCode.INTERRUPTED, output
-    deadline = time.monotonic() + 15  # what the interrupt ended may take a moment to be reaped
+    deadline = time.monotonic() + patience(15)  # what the interrupt ended may take a moment to be reaped
     while _left_in(gpu_pytester.path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _left_in(gpu_pytester.path), output

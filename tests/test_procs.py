@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from helpers import patience
 from pytest_gpu import procs
 from pytest_gpu.procs import CTIME_TOLERANCE_S, kill_and_wait, owner_alive
 
@@ -28,7 +29,7 @@ def dead_pid() -> int:
 def zombie() -> Iterator[subprocess.Popen[bytes]]:
     """A child that has exited and is not reaped yet."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the child did not exit"
         time.sleep(0.01)
@@ -111,7 +112,7 @@ def test_descendants_are_the_whole_tree_with_create_times(monkeypatch: pytest.Mo
     thread.start()
     thread.join()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         while len(psutil.Process().children(recursive=True)) < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         expected = {p.pid: p.create_time() for p in psutil.Process().children(recursive=True)}
@@ -120,6 +121,6 @@ def test_descendants_are_the_whole_tree_with_create_times(monkeypatch: pytest.Mo
     finally:
         for grandchild in psutil.Process(nested.pid).children():  # first: bash's wait reaps them
             grandchild.kill()
-        nested.wait(timeout=10)
+        nested.wait(timeout=patience(10))
         from_thread[0].kill()
         from_thread[0].wait()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu import sim
 from pytest_gpu.run.quarantine import sticky_message
 
@@ -99,7 +100,7 @@ print("OK")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTEST_GPU_FAKE_GPUS="sim:2x16GiB", PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 

@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.options import Settings
 from pytest_gpu.procs import owner_alive
@@ -222,7 +223,7 @@ def test_sigkill_of_the_run_stops_its_head(gpu_pytester, run_inner):
     )
     run_inner("--gpus", "sim:1x16GiB", subprocess=True, timeout=180)
     (record,) = _records(out)
-    deadline = time.monotonic() + STOP_GRACE + 10
+    deadline = time.monotonic() + STOP_GRACE + patience(10)
     while time.monotonic() < deadline and session_processes(record["state"]["watchdog"], record["state"]["ctime"]):
         time.sleep(0.2)
     _assert_head_gone(record)
@@ -259,7 +260,7 @@ def external_head(ports) -> Iterator[str]:
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ctime = psutil.Process(head.pid).create_time()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patience(60)
         while True:
             try:
                 socket.create_connection(("127.0.0.1", gcs), timeout=0.5).close()
@@ -277,7 +278,7 @@ def external_head(ports) -> Iterator[str]:
     finally:
         head.send_signal(signal.SIGTERM)
         try:
-            head.wait(20)
+            head.wait(patience(20))
         except subprocess.TimeoutExpired:
             pass
         kill_session(head.pid, ctime)
@@ -484,15 +485,15 @@ def test_watchdog_stops_its_command_when_the_owner_dies(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + patience(20)
         while len(session_processes(watchdog.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         members = session_processes(watchdog.pid)
         assert len(members) == 3, members  # watchdog, its command, the command's child
         owner.kill()
         owner.wait()
-        assert watchdog.wait(STOP_GRACE + 5) == 0
-        psutil.wait_procs(members, timeout=5)
+        assert watchdog.wait(STOP_GRACE + patience(5)) == 0
+        psutil.wait_procs(members, timeout=patience(5))
         assert not session_processes(watchdog.pid)
     finally:
         owner.kill()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import Holder, require, with_amdsmi
+from helpers import patience
 from pytest_gpu.gpu.devices import Device
 from pytest_gpu.gpu.rocm import lease_env, rocm_view, select
 from pytest_gpu.sim.spec import amd_uuid
@@ -106,7 +107,9 @@ def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, An
     env.update(extra)
     script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
     script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
+    )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert len(done.stdout.strip().splitlines()) == 1, done.stdout  # nothing printed on the way
     result: dict[str, Any] = json.loads(done.stdout)

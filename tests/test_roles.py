@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from helpers import patience
 from pytest_gpu import roles
 from pytest_gpu.roles import Role, decide
 
@@ -238,4 +239,6 @@ def test_a_worker_leaves_what_collection_made_out_of_the_gc(gpu_pytester: pytest
             assert ref() is None
         """
     )
-    gpu_pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "1", timeout=120).assert_outcomes(passed=2)
+    gpu_pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "1", timeout=patience(120)).assert_outcomes(
+        passed=2
+    )

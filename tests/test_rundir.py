@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.run import rundir
 
 sim_ledger = importlib.import_module("pytest_gpu.sim.ledger")  # pytest_gpu.sim.ledger is also a function
@@ -278,7 +279,7 @@ def test_racing_runs_lose_no_live_directory(tmp_path: Path) -> None:
         )
         for _ in range(4)
     ]
-    results = [proc.communicate(timeout=float(seconds) + 60) for proc in procs]
+    results = [proc.communicate(timeout=float(seconds) + patience(60)) for proc in procs]
     for proc, (out, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err
         report = json.loads(out)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from conftest import require
-from helpers import cached_args, load_trace
+from helpers import cached_args, load_trace, patience
 
 # The controller (or a serial run) sees every worker's reports, crashed tests included.
 REPORTER = """
@@ -359,7 +359,7 @@ def test_recorded_durations_put_the_longest_test_first(gpu_pytester: pytest.Pyte
     args = (*cached_args(gpu_pytester), "--gpus", "sim:1x16GiB", "-n", "2", "--gpu-trace", str(trace))
     long_id = "test_hist.py::test_long"
 
-    first = gpu_pytester.runpytest_subprocess(*args, timeout=120)
+    first = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
     first.assert_outcomes(passed=11)
     durations = json.loads((gpu_pytester.path / ".pytest_cache/v/pytest_gpu/durations").read_text())
     assert set(durations) == {f"test_hist.py::test_short[{i}]" for i in range(10)} | {long_id}
@@ -368,7 +368,7 @@ def test_recorded_durations_put_the_longest_test_first(gpu_pytester: pytest.Pyte
     names = [e["args"]["nodeid"] for e in spans_of_tests(load_trace(trace)[0])]
     assert names[-1] == long_id, names
 
-    second = gpu_pytester.runpytest_subprocess(*args, timeout=120)
+    second = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
     second.assert_outcomes(passed=11)
     spans = spans_of_tests(load_trace(trace)[0])
     names = [e["args"]["nodeid"] for e in spans]
@@ -412,13 +412,13 @@ def test_cpu_work_fills_the_gap_instead_of_waiting_for_the_gpu(gpu_pytester: pyt
 
     # the control, which also records the durations: xdist's load scheduling sends the
     # first two tests to one worker and the next two to the other, so both big tests start together
-    plain = gpu_pytester.runpytest_subprocess(*args, "--gpu-schedule=off", "-v", timeout=120)
+    plain = gpu_pytester.runpytest_subprocess(*args, "--gpu-schedule=off", "-v", timeout=patience(120))
     plain.assert_outcomes(passed=8)
     plain.stdout.fnmatch_lines(["*scheduling tests via LoadScheduling"])
     assert "the GPU scheduler is off" not in plain.stdout.str()  # only an explicit --dist is said
     assert sum(e["args"]["wait_s"] for e in spans_of_tests(load_trace(trace)[0])) > 0.5
 
-    scheduled = gpu_pytester.runpytest_subprocess(*args, timeout=120)
+    scheduled = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
     scheduled.assert_outcomes(passed=8)
     events, _ = load_trace(trace)
     waits = {e["args"]["nodeid"]: e["args"]["wait_s"] for e in spans_of_tests(events)}
@@ -454,9 +454,9 @@ def test_the_tests_of_one_round_are_placed_where_the_planner_planned_them(gpu_py
     gpu_pytester.makepyfile(test_round=ONE_ROUND)
     trace = gpu_pytester.path / "trace.json"
     args = (*cached_args(gpu_pytester), "--gpus", "sim:2x16GiB", "-n", "3", "--gpu-trace", str(trace))
-    gpu_pytester.runpytest_subprocess(*args, timeout=120).assert_outcomes(passed=3)  # records the durations
+    gpu_pytester.runpytest_subprocess(*args, timeout=patience(120)).assert_outcomes(passed=3)  # records the durations
     for _ in range(2):  # which test asks first is a race: twice
-        gpu_pytester.runpytest_subprocess(*args, timeout=120).assert_outcomes(passed=3)
+        gpu_pytester.runpytest_subprocess(*args, timeout=patience(120)).assert_outcomes(passed=3)
         spans = {e["args"]["nodeid"].split("::")[-1]: e["args"] for e in spans_of_tests(load_trace(trace)[0])}
         assert {name: span["gpus"] for name, span in spans.items()} == {
             "test_big": [0],
@@ -571,7 +571,7 @@ def run_marked(gpu_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, r
     gpu_pytester.makepyfile(test_k=KILLED.format(tests=tests))
     (gpu_pytester.path / "pids").mkdir()
     result = run_inner("--gpus", "sim:2x16GiB", "-n", "3", subprocess=True, timeout=120)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + patience(15)
     while (left := _marked_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for proc in left:  # only when the check below fails: do not leave them behind

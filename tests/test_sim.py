@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import user_dir
+from helpers import patience, user_dir
 from pytest_gpu import sim
 from pytest_gpu.gpu.devices import sim_uuid
 from pytest_gpu.sim import (
@@ -85,12 +85,12 @@ class Child:
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.close()
-        assert self.proc.wait(timeout=30) == 0
+        assert self.proc.wait(timeout=patience(30)) == 0
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=patience(30))
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
@@ -174,7 +174,7 @@ def test_hold_allocates_sleeps_and_frees() -> None:
     seen: list[int] = []
     thread = threading.Thread(target=sim.hold, args=("1GiB", 0.3, 1))  # seen within 10ms of its start
     thread.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + patience(5)
     while time.monotonic() < deadline and not seen:
         used = sim.usage()[1]
         if used:
@@ -476,7 +476,7 @@ def test_memory_of_a_sigkilled_process_is_freed(children: list[Child]) -> None:
     assert sim.usage() == {0: 0, 1: 2 * GiB + OVERHEAD}
     assert sim.ledger().contexts_of(child.pid) == {1}
     os.kill(child.pid, signal.SIGKILL)
-    child.proc.wait(timeout=30)
+    child.proc.wait(timeout=patience(30))
     assert sim.usage() == {0: 0, 1: 0}
     assert sim.ledger().contexts_of(child.pid) == set()
     with sim.allocate(4 * GiB - OVERHEAD, device=1):  # the whole card is usable again
@@ -487,7 +487,7 @@ def test_memory_of_a_killed_but_unreaped_process_is_freed(children: list[Child])
     # the driver frees a process's memory when it dies, not when its parent reaps it
     child = spawn(children, "2GiB")
     os.kill(child.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "child did not die"
         time.sleep(0.01)

@@ -26,7 +26,7 @@ import filelock  # noqa: F401 - imported before a fork that drops privileges (th
 import pytest
 
 from conftest import Holder
-from helpers import user_dir
+from helpers import patience, user_dir
 from pytest_gpu import sim
 from pytest_gpu.machine import domain
 from pytest_gpu.machine.domain import Domain
@@ -206,7 +206,7 @@ def _two_runs(gpu_pytester: pytest.Pytester, tmp_path: Path, named: str | None) 
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + patience(120)
         while not files["held"].exists():
             assert a.poll() is None and time.monotonic() < deadline, (
                 a.communicate()[0] if a.poll() is not None else "timeout"
@@ -219,12 +219,12 @@ def _two_runs(gpu_pytester: pytest.Pytester, tmp_path: Path, named: str | None) 
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=patience(120),
         )
         assert b.returncode == 0, b.stdout + b.stderr
     finally:
         files["done"].write_text("")
-        out = a.communicate(timeout=120)[0]
+        out = a.communicate(timeout=patience(120))[0]
     assert a.returncode == 0, out
     return files["outcome"].read_text(), files["held"].read_text(), out
 
@@ -342,7 +342,7 @@ def test_a_live_user_without_memory_keeps_the_machine(machine: str) -> None:
         with pytest.raises(SimMachineError, match=f"in use \\(pid {user.pid}\\)"):
             sim.machine_ledger("sim:1x8GiB")
     finally:
-        user.communicate("\n", timeout=30)
+        user.communicate("\n", timeout=patience(30))
     assert sim.machine_ledger("sim:1x8GiB").spec == "sim:1x8GiB"  # it exited: the machine is idle
 
 
@@ -485,7 +485,7 @@ def test_the_tags_of_a_dead_owner_are_forgotten(tmp_path: Path) -> None:
         led.begin_tag("dead-run", owner.pid)
         led.begin_tag("live-run", os.getpid())
     finally:
-        owner.communicate(b"\n", timeout=30)
+        owner.communicate(b"\n", timeout=patience(30))
     led.used()  # any look at the ledger prunes
     assert set(_state(tmp_path)["tags"]) == {"live-run"}
 
@@ -500,7 +500,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def _fake_ledger(env: dict[str, str]) -> str:
     code = "import os; from pytest_gpu.sim import fake; fake.activate(); print(os.environ['PYTEST_GPU_SIM_LEDGER'])"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
 
@@ -516,7 +516,7 @@ def test_fake_gpus_use_the_machine_ledger(machine: str, hold: Callable[..., Hold
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert f"PYTEST_GPU_FAKE_GPUS: pytest-gpu: {domain.SIM_MACHINE_ENV}={machine} is sim:1x8GiB" in done.stderr
@@ -527,7 +527,7 @@ def test_fake_gpus_use_the_machine_ledger(machine: str, hold: Callable[..., Hold
 
 def _hold(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest_gpu.sim", "hold", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pytest_gpu.sim", "hold", *args], capture_output=True, text=True, timeout=patience(60)
     )
 
 

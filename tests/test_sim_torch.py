@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.sim import spec, torch_cuda
 
 MiB, GiB = 2**20, 2**30
@@ -64,7 +65,7 @@ def run_script(
     env.update(extra)
     script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=patience(120)
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -416,7 +417,7 @@ def _fresh(tmp_path: Path, code: str, **extra: str) -> subprocess.CompletedProce
     env.update(PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]))
     env.update(extra)
     command = [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=patience(120))
 
 
 def test_empty_without_the_double_says_exactly_what_to_do(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import (
     AUTO_PROPERTY,
@@ -494,7 +495,9 @@ def test_the_installed_torch_is_read_without_importing_it_and_agrees_with_it():
         print(repr(unimported)); print(repr(backends.torch_nccl_missing()))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=patience(300), check=True
+    )
     unimported, imported = out.stdout.splitlines()
     assert unimported == imported
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import Holder, require
+from helpers import patience
 from pytest_gpu.distributed.backends import auto_backend, build_xccl_missing, fit_ranks
 from pytest_gpu.distributed.spec import build_spec
 from pytest_gpu.gpu import vendors, xpu
@@ -92,7 +93,9 @@ def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, An
     env.update(extra)
     script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
     script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
+    )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.gpu.devices import discover
 
 NO_GPU = "no GPU on this machine (real-GPU suite)"
@@ -29,7 +30,7 @@ def nvidia_smi_gpus() -> list[tuple[int, str, int]]:
             ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=patience(60),
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
@@ -59,7 +60,10 @@ def real_gpus() -> list[tuple[int, str, int]]:
 def cuda_torch() -> None:
     """torch with CUDA in this environment (the suite's subprocesses import it)."""
     out = subprocess.run(
-        ["python", "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=300
+        ["python", "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
     )
     if out.stdout.strip() != "True":
         pytest.skip(f"torch without CUDA here ({(out.stdout + out.stderr).strip()[-200:]}) (real-GPU suite)")
@@ -70,7 +74,9 @@ def real_run(gpu_pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
     """An inner pytest run in its own process, on the real GPUs (no fake switch)."""
 
     def run(*args: str, timeout: float = 300) -> pytest.RunResult:
-        return gpu_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=timeout)
+        return gpu_pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=patience(timeout)
+        )
 
     return run
 
@@ -213,7 +219,7 @@ def test_two_runs_share_the_real_gpus(gpu_pytester, real_gpus, cuda_torch, tmp_p
         )
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    outs = [p.communicate(timeout=patience(600))[0] for p in procs]
     for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode == 0 and "6 passed" in out, out
         assert "OutOfMemoryError" not in out and "· 0 violations" in out, out
@@ -249,7 +255,7 @@ def test_a_foreign_process_on_the_real_gpu_is_waited_for(gpu_pytester, real_gpus
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=patience(300),
         )
         text = out.stdout + out.stderr
         assert out.returncode == 0 and "1 passed" in text, text

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from test_real_gpu import GPUS, NO_GPU, nvidia_smi_gpus  # tests/gpu is on sys.path (prepend mode)
 
+from helpers import patience
+
 pytestmark = [pytest.mark.skipif(not GPUS, reason=NO_GPU), pytest.mark.slow]  # inner pytest sessions
 
 GIB = 1024**3
@@ -66,7 +68,12 @@ def inner_run(
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}
     environ["PYTEST_GPU_MACHINE_DIR"] = str(directory / "machines")
     done = subprocess.run(
-        command, cwd=directory, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        command,
+        cwd=directory,
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=patience(timeout),
     )
     out = done.stdout + done.stderr
     cases: dict[str, Case] = {}
@@ -101,7 +108,7 @@ def cuda_torch() -> None:
         [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     if out.stdout.strip() != "True":
         pytest.skip(f"torch without CUDA here ({(out.stdout + out.stderr).strip()[-200:]}) (real-GPU suite)")
