@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import pytest
 
 from conftest import require
-from helpers import rank_processes
+from helpers import patience, rank_processes
 from pytest_gpu.distributed import pool as pool_module
 from pytest_gpu.distributed.pool import DistSettings, RankPool
 from pytest_gpu.distributed.runner import PoolManager
@@ -175,7 +175,7 @@ def test_the_thread_method_dump_names_the_pool_the_test_waited_for(
             "up: pytest's configuration and conftests, the process group, since *:*:*) (*",
         ]
     )
-    deadline = time.monotonic() + 30  # the ranks see their lifeline close and end their process group
+    deadline = time.monotonic() + patience(30)  # the ranks see their lifeline close and end their process group
     while (left := rank_processes(MARK_VAR, mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"rank processes outlived the run: {left}"

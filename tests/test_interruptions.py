@@ -350,7 +350,7 @@ def test_ctrl_c_names_the_distributed_test_another_worker_ran(gpu_pytester: pyte
         cmd, cwd=gpu_pytester.path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 120  # two ranks start (each imports torch) on a loaded machine
+        deadline = time.monotonic() + patience(120)  # two ranks start (each imports torch) on a loaded machine
         while {p.name for p in marks.iterdir()} != {"gpu", "rank-0", "rank-1"}:
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "the tests never all started"
@@ -360,7 +360,7 @@ def test_ctrl_c_names_the_distributed_test_another_worker_ran(gpu_pytester: pyte
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=patience(120))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

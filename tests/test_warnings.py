@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import INNER_ARGS, MISSING, require
+from helpers import patience
 from pytest_gpu import options
 from pytest_gpu.gpu import libraries
 
@@ -105,7 +106,7 @@ def test_a_filterwarnings_error_suite_runs_with_the_plugin(strict_suite: pytest.
 def test_a_filterwarnings_error_suite_runs_under_xdist(strict_suite: pytest.Pytester) -> None:
     """The same in the controller and each worker of ``-n 2``."""
     strict_suite.makepyfile("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
-    result = strict_suite.runpytest_subprocess(*PLUGINS_OFF, "-n", "2", "--gpus", "sim:2x16GiB", timeout=120)
+    result = strict_suite.runpytest_subprocess(*PLUGINS_OFF, "-n", "2", "--gpus", "sim:2x16GiB", timeout=patience(120))
     result.assert_outcomes(passed=2)
 
 
@@ -192,7 +193,7 @@ def test_a_cpu_only_run_does_not_import_pynvml(strict_suite: pytest.Pytester, gp
     warning never raised (with the driver, ``--gpus auto`` needs NVML: the summary shows it)."""
     nvml = gpus == "auto" and _nvml_here()
     strict_suite.makepyfile(ONE_TEST.format(nvml_expected=nvml))
-    result = strict_suite.runpytest_subprocess(*PLUGINS_OFF, "--gpus", gpus, timeout=120)
+    result = strict_suite.runpytest_subprocess(*PLUGINS_OFF, "--gpus", gpus, timeout=patience(120))
     result.assert_outcomes(passed=1)
     before, summary = _summary(result)
     assert DEPRECATED not in before
@@ -220,7 +221,7 @@ def test_simulated_gpus_hand_pynvmls_warning_to_pytest(
     monkeypatch.delenv("PYTEST_ADDOPTS")
     gpu_pytester.makeini("[pytest]\nfilterwarnings =\n" + "".join(f"    {f}\n" for f in filters))
     gpu_pytester.makepyfile(ONE_TEST.format(nvml_expected=True))
-    result = gpu_pytester.runpytest_subprocess(*PLUGINS_OFF, "--gpus", "sim:2x16GiB", timeout=120)
+    result = gpu_pytester.runpytest_subprocess(*PLUGINS_OFF, "--gpus", "sim:2x16GiB", timeout=patience(120))
     result.assert_outcomes(passed=1, warnings=1 if shown else 0)
     before, summary = _summary(result)
     assert DEPRECATED not in before
