@@ -419,3 +419,48 @@ def test_the_real_path_charges_neither_peak_nor_leak_to_the_next_test(gpu_pytest
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_a*", "*still holds 600MiB on GPU 0 after the test*"])
     assert "test_b broke" not in result.stdout.str()
+
+
+GIVEN_BACK = """
+import pytest
+from pytest_gpu.sim import torch_cuda
+
+MiB = 2**20
+KEEP = []
+
+@pytest.mark.gpu(memory="1GiB")
+def test_a(gpu):
+    KEEP.append(torch_cuda.empty(600 * MiB, device=gpu.device))
+
+@pytest.mark.gpu(memory="1GiB")
+def test_b_over_budget(gpu):
+    torch_cuda.empty(1100 * MiB, device=gpu.device)
+
+@pytest.mark.gpu(memory="256MiB")
+def test_c_gives_it_back(gpu):
+    KEEP.clear()
+
+@pytest.mark.gpu(memory="1GiB")
+def test_d_over_budget(gpu):
+    torch_cuda.empty(1100 * MiB, device=gpu.device)
+"""
+
+
+@pytest.mark.parametrize("path", ["simulated", "real"])
+def test_what_was_given_back_is_no_longer_charged(gpu_pytester, run_inner, fake_run, path):
+    """A leftover stays charged until a later release of its process, measured while no lease of
+    it is on that GPU, finds it gone (here after test_c frees it): test_b's out-of-memory report
+    names test_a's memory, test_d's no longer does. The simulated path measures the ledger, the
+    real one NVML's per-process usage (the fake libnvidia-ml.so.1)."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_back=GIVEN_BACK)
+    if path == "simulated":
+        result = run_inner("--gpus", "sim:1x16GiB", "-p", "no:xdist", subprocess=True)
+    else:
+        result = fake_run("sim:1x16GiB", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=2, failed=2, errors=1)
+    text = result.stdout.str()
+    named = "this process still held 600MiB on GPU 0 left by test_back.py::test_a (reported there)"
+    assert text.count(named) == 1, text
+    b_report = text[text.index("_ test_b_over_budget _") : text.index("_ test_d_over_budget _")]
+    assert named in b_report
