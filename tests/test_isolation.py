@@ -288,6 +288,29 @@ def test_cupy_limits_every_leased_gpu_and_opens_no_context_outside(clean_env, tm
     sim.cuda.forget()
 
 
+def test_cupy_pool_limit_is_each_leases_own_budget_on_top(clean_env, tmp_path):
+    """CuPy's pool limit follows the rule torch's fraction does: a lease begun while the pool
+    holds a fixture's arrays gets its own budget on top of them; its end gives the fixture's
+    limit back, and the last lease's end the limit the pool had before any lease."""
+    cupy = cupy_on_sim(clean_env, tmp_path)
+    pool = cupy.get_default_memory_pool()
+    inventory = real_inventory()
+    cupy.cuda.Device(2).use()
+    pool.set_limit(size=10 * GiB)  # the suite's own limit
+    fixture = confine(make_lease("f", [2], 4 * GiB, False, 0.0, inventory, "f"), inventory)
+    model = pool.malloc("2GiB")
+    test = confine(make_lease("t", [2], 1 * GiB, False, 0.0, inventory, "t"), inventory)
+    assert pool.get_limit() == 3 * GiB  # 2GiB held + its own 1GiB (not 4 + 1)
+    test.undo()
+    cupy.cuda.Device(2).use()
+    assert pool.get_limit() == 4 * GiB  # the fixture's own
+    model.free()
+    fixture.undo()
+    cupy.cuda.Device(2).use()
+    assert pool.get_limit() == 10 * GiB
+    sim.cuda.forget()
+
+
 def test_plugin_never_imports_torch(gpu_pytester, run_inner):
     """A CPU-only suite (and a simulated-GPU one) with the plugin loaded does not import torch."""
     out = gpu_pytester.path / "modules.txt"
@@ -320,23 +343,90 @@ def test_plugin_never_imports_torch(gpu_pytester, run_inner):
     assert out.read_text() == repr((False, False, True))
 
 
-def test_nested_leases_on_one_gpu_keep_the_outer_cap(clean_env, tmp_path):
-    """A gpu_request section on the main lease's GPU adds its budget; ending it restores the main cap."""
+@pytest.fixture
+def sim_machine(clean_env, tmp_path):
+    """A simulated 2x16GiB machine for in-process confinement, and its inventory."""
     clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
     sim.cuda.forget()
-    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
-    main = confine(make_lease("m", [1], 2 * GiB, False, 0.0, inventory, "tag-m"), inventory)
-    section = confine(make_lease("s", [1], 1 * GiB, False, 0.0, inventory, "tag-s"), inventory)
-    with sim.allocate("2.5GiB"):  # main + section: 3GiB on GPU 1
-        pass
+    yield Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    sim.cuda.forget()
+
+
+def _sim_lease(inventory: Inventory, key: str, memory: int):
+    return confine(make_lease(key, [1], memory, False, 0.0, inventory, f"tag-{key}"), inventory)
+
+
+def test_a_section_is_capped_at_its_own_budget_on_top_of_the_test(sim_machine):
+    """A gpu_request section on the main lease's GPU: its own budget on top of what the test holds
+    (its verdict judges it against that budget alone); ending it gives the main lease its own cap."""
+    main = _sim_lease(sim_machine, "m", 2 * GiB)
+    kept = sim.allocate("512MiB")  # the test's own, before the section
+    section = _sim_lease(sim_machine, "s", 1 * GiB)
+    sim.allocate("1GiB").free()  # the section's budget, on top of the test's 512MiB
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 1\.5GiB"):  # not main + section: 3GiB
+        sim.allocate("1.25GiB")
     section.undo()
-    with pytest.raises(sim.OutOfMemoryError, match="capped at 2GiB"):  # the main lease's own cap, not none
-        sim.allocate("2.5GiB")
+    sim.allocate("1.5GiB").free()  # the main lease's own cap again: 2GiB in all, its 512MiB counted
+    with pytest.raises(sim.OutOfMemoryError, match="capped at 2GiB"):
+        sim.allocate("1.75GiB")
+    kept.free()
     main.undo()
     with sim.allocate("2.5GiB"):  # no lease: no cap
         pass
-    sim.cuda.forget()
+
+
+def test_a_lease_beside_a_fixtures_gets_its_own_budget_on_top_of_it(sim_machine):
+    """Item 5: a fixture's lease in the same process does not raise a test's cap (the test's
+    verdict must not depend on -n): the test gets its own budget on top of the fixture's memory;
+    once the test ends, the fixture's own cap is back."""
+    fixture = _sim_lease(sim_machine, "f", 3 * GiB)
+    model = sim.allocate("2GiB")  # the fixture's tensors
+    test = _sim_lease(sim_machine, "t", 1 * GiB)
+    sim.allocate("1GiB").free()  # the test's budget, beside the fixture's 2GiB
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 3GiB"):  # 2 + 1, not 2 + 3 + 1
+        sim.allocate("1.5GiB")
+    test.undo()
+    sim.allocate("1GiB").free()  # the fixture's own 3GiB again (2GiB of it in use)
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 3GiB"):
+        sim.allocate("1.5GiB")
+    model.free()
+    fixture.undo()
+
+
+def test_a_fixture_set_up_during_a_test_leaves_the_test_its_own_budget(sim_machine):
+    """A module fixture leases during the first test's setup (after the test's lease began) and
+    outlives it: while it is set up its own cap holds; once the test resumes, the test's cap is its
+    own budget on top of what the fixture allocated (not squeezed by it, not widened by it)."""
+    test = _sim_lease(sim_machine, "t", 1 * GiB)
+    fixture = _sim_lease(sim_machine, "f", 3 * GiB)
+    model = sim.allocate("2.5GiB")  # the fixture's setup: within its 3GiB
+    test.resume()
+    sim.allocate("1GiB").free()
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 3\.5GiB"):
+        sim.allocate("1.25GiB")
+    test.undo()  # the test ends first, the fixture lives on
+    sim.allocate("512MiB").free()  # the fixture's cap: 3GiB of its own
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 3GiB"):
+        sim.allocate("768MiB")
+    model.free()
+    fixture.undo()
+    with sim.allocate("4GiB"):
+        pass
+
+
+def test_what_an_ended_lease_left_is_not_taken_from_the_next(sim_machine):
+    """Item 4: memory a test left behind (a leak, reported on it) is not taken from the next
+    test's budget: its cap is its own budget on top of what the process still holds."""
+    leaky = _sim_lease(sim_machine, "a", 1 * GiB)
+    leak = sim.allocate("600MiB")
+    leaky.undo()
+    after = _sim_lease(sim_machine, "b", 1 * GiB)
+    sim.allocate("1GiB").free()  # 600MiB + its own 1GiB: not "capped at 1GiB" with 424MiB free
+    with pytest.raises(sim.OutOfMemoryError, match=r"capped at 1\.6GiB"):
+        sim.allocate("1.25GiB")
+    after.undo()
+    leak.free()
 
 
 def test_a_failing_adapter_undoes_what_was_applied(clean_env, tmp_path):
@@ -383,29 +473,34 @@ def test_torch_sections_and_lazy_start(tmp_path):
         """
 main = confine(lease("m", [1], 4 * GiB), inv)
 out["started_by_confine"] = torch.cuda.is_initialized()  # deferred with torch.cuda._lazy_call
-torch_cuda.empty(GiB).free()  # the test starts CUDA: the confinement applies now
+kept = torch_cuda.empty(3 * GiB)  # the test starts CUDA: the confinement applies now
 out["current"] = torch.cuda.current_device()
 same = confine(lease("s", [1], 2 * GiB), inv)
-big = torch_cuda.empty(5 * GiB)  # main + section: 6GiB on GPU 1
-big.free()
+def fits(nbytes):
+    try:
+        torch_cuda.empty(nbytes).free()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+out["section"] = [fits(2 * GiB), fits(3 * GiB)]  # its own 2GiB on top of the test's 3GiB, not 4 + 2
 same.undo()
-try:
-    torch_cuda.empty(5 * GiB)
-    out["after_same"] = "allowed"
-except torch.OutOfMemoryError:
-    out["after_same"] = "refused"
-out["peak_kept"] = torch.cuda.max_memory_reserved(1) >= 5 * GiB  # the section did not reset the main peak
+out["section_peak"] = same.peaks[1]  # the section's own, above the test's 3GiB
+out["after_same"] = [fits(GiB), fits(2 * GiB)]  # the main lease's own cap again: 1GiB of it left
 other = confine(lease("o", [2], 2 * GiB), inv)
 torch_cuda.empty(GiB).free()
 other.undo()
 out["current_after_other"] = torch.cuda.current_device()  # back on the main lease's GPU
+kept.free()
 main.undo()
+out["main_peak"] = main.peaks[1]  # its own, the section's 2GiB window not in it
 """,
     )
     assert out["started_by_confine"] is False
     assert out["current"] == 1
-    assert out["after_same"] == "refused"
-    assert out["peak_kept"] is True
+    assert out["section"] == [True, False]
+    assert out["section_peak"] == 2 * GiB
+    assert out["after_same"] == [True, False]
+    assert out["main_peak"] == 4 * GiB  # 3GiB kept + 1GiB tried after the section
     assert out["current_after_other"] == 1
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from .isolation import Confinement, GpuLease, drop, hold
+from .isolation import Confinement, GpuLease, Settled, settle, share, unshare
 from .torchstats import torch_counters
 
 
@@ -99,22 +99,35 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
             return int(unchecked(ordinal).total_memory) or _capacity(done, index)
         return _capacity(done, index)
 
+    def settle_(ordinal: int, index: int, settled: Settled) -> None:
+        """Set the cap the books say on ``ordinal``; a lease that became active there starts its
+        peak afresh (its own peak is read from there on: Confinement.peaks)."""
+        fraction = 1.0 if settled.cap is None else min(1.0, settled.cap / total_of(ordinal, index))
+        cuda.set_per_process_memory_fraction(fraction, ordinal)
+        if settled.opened:
+            cuda.reset_peak_memory_stats(ordinal)
+
     def apply() -> None:
         if not state["active"] or state["applied"]:
             return  # the lease ended before torch started CUDA
         state["applied"] = True
         state["previous"] = cuda.current_device()
-        # Blocks an earlier test left in the cache would count as this test's peak
-        # (reset_peak_memory_stats sets the peak to the current reserve), and are memory
-        # the broker has given to someone else.
+        # Blocks an earlier test left in the cache would count as this test's peak, and are
+        # memory the broker has given to someone else.
         cuda.empty_cache()
         for ordinal, index in zip(ordinals, lease.indices, strict=True):
-            budget, first = hold("torch", ordinal, lease.memory)
-            cuda.set_per_process_memory_fraction(min(1.0, budget / total_of(ordinal, index)), ordinal)
-            if first:  # a section on the main lease's GPU must not erase the main lease's peak
-                cuda.reset_peak_memory_stats(ordinal)
-            state["base"][ordinal] = torch_counters(cuda, ordinal).allocated  # what undo's check compares with
+            counters = torch_counters(cuda, ordinal)
+            share("torch", ordinal, done.key, lease.memory)
+            settle_(ordinal, index, settle("torch", ordinal, counters.capped, counters.peak))
+            state["base"][ordinal] = counters.allocated  # what undo's check compares with
         cuda.set_device(ordinals[0])
+
+    def resume() -> None:
+        if not state["active"] or not state["applied"]:
+            return
+        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+            counters = torch_counters(cuda, ordinal)
+            settle_(ordinal, index, settle("torch", ordinal, counters.capped, counters.peak))
 
     def undo() -> None:
         state["active"] = False
@@ -130,8 +143,11 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
         collect_while(lambda: any(torch_counters(cuda, o).allocated > base.get(o, 0) for o in ordinals))
         cuda.empty_cache()  # give the lease's memory back for real, not to this worker's cache
         for ordinal, index in zip(ordinals, lease.indices, strict=True):
-            left = drop("torch", ordinal, lease.memory)
-            cuda.set_per_process_memory_fraction(min(1.0, left / total_of(ordinal, index)) if left else 1.0, ordinal)
+            counters = torch_counters(cuda, ordinal)
+            settled = unshare("torch", ordinal, done.key, counters.capped, counters.peak)
+            if settled.ended is not None:
+                done.peaks[index] = settled.ended.peak
+            settle_(ordinal, index, settled)
         # Old torch's setMemoryFraction switched the device and left it; go back where the
         # process was only if it has a context there (else CUDA 12 would open one).
         previous = state["previous"]
@@ -140,6 +156,7 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
         else:
             cuda.set_device(ordinals[0])
 
+    done.on_resume(resume)
     done.on_undo(undo)
     if cuda.is_initialized() or not _defer(cuda, apply):
         apply()
@@ -157,24 +174,32 @@ def _confine_cupy(cupy: ModuleType, lease: GpuLease, ordinals: list[int], done: 
     adapter leaves it.
     """
     pool = cupy.get_default_memory_pool()
-    previous: dict[int, int] = {}
+
+    def limit(settled: Settled) -> None:
+        pool.set_limit(size=settled.outside if settled.cap is None else settled.cap)
+
     for ordinal in ordinals:
         cupy.cuda.Device(ordinal).use()
         pool.free_all_blocks()
-        previous[ordinal] = pool.get_limit()
-        budget, _ = hold("cupy", ordinal, lease.memory)
-        pool.set_limit(size=budget)
+        share("cupy", ordinal, done.key, lease.memory, outside=pool.get_limit())
+        limit(settle("cupy", ordinal, pool.total_bytes()))
     cupy.cuda.Device(ordinals[0]).use()
 
     def undo() -> None:
         for ordinal in ordinals:
             cupy.cuda.Device(ordinal).use()
             pool.free_all_blocks()
-            left = drop("cupy", ordinal, lease.memory)
-            pool.set_limit(size=left or previous[ordinal])
+            limit(unshare("cupy", ordinal, done.key, pool.total_bytes()))
+        cupy.cuda.Device(ordinals[0]).use()
+
+    def resume() -> None:
+        for ordinal in ordinals:
+            cupy.cuda.Device(ordinal).use()
+            limit(settle("cupy", ordinal, pool.total_bytes()))
         cupy.cuda.Device(ordinals[0]).use()
 
     done.on_undo(undo)
+    done.on_resume(resume)
 
 
 def _capacity(done: Confinement, index: int) -> int:

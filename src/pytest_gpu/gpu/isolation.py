@@ -9,15 +9,20 @@ are built in (:mod:`pytest_gpu.gpu.adapters`), a conftest adds its own.
 
 Before anything is narrowed, the process's CUDA device list is pinned to the run's
 (:mod:`pytest_gpu.gpu.runtime`), so ordinals never depend on which test started CUDA.
+
+A lease's cap on a GPU is its own budget on top of what the rest of the process holds there
+(:func:`share`, :func:`settle`): a test's verdict never depends on a fixture's lease in the
+same process, nor on what an earlier test left behind.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 from .. import importhook, sim
@@ -31,6 +36,7 @@ VISIBILITY = vendors.VISIBILITY  # every variable a lease of any vendor sets to 
 XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 XLA_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 TF_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
+_keys = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -126,10 +132,32 @@ class Confinement:
     notes: list[str] = field(default_factory=list)
     ordinals: list[int] = field(default_factory=list)
     inventory: Inventory | None = None
+    # the lease as this process's books of caps know it (see share/settle), unique in the process
+    key: str = field(default_factory=lambda: f"lease-{next(_keys)}")
+    resume_steps: list[Callable[[], None]] = field(default_factory=list)
+    # GPU index -> the lease's own peak there, where a framework measured one (torch): what the
+    # process held above the rest of it while the lease was active, as the cap counts it
+    peaks: dict[int, int] = field(default_factory=dict)
 
     def on_undo(self, step: Callable[[], None]) -> None:
         """Run ``step`` when the lease ends (steps run last-added first)."""
         self.undo_steps.append(step)
+
+    def on_resume(self, step: Callable[[], None]) -> None:
+        """Run ``step`` when the process works for this lease again (:meth:`resume`): a
+        framework sets this lease's cap again on its GPUs."""
+        self.resume_steps.append(step)
+
+    def resume(self) -> None:
+        """The process works for this lease again (a fixture's setup, during which the fixture's
+        own lease was the active one, returned to the test): its caps apply again, on top of
+        what the rest of the process holds now. Errors become notes."""
+        activate(self.key)
+        for step in self.resume_steps:
+            try:
+                step()
+            except Exception as exc:
+                self.notes.append(f"could not set the lease's cap again: {exc!r}")
 
     def when_imported(self, name: str, apply: Callable[[ModuleType], None]) -> None:
         """``apply(module)`` now if module ``name`` is imported, else right after the test
@@ -157,12 +185,14 @@ class Confinement:
 
     def undo(self) -> None:
         """Put back what the confinement changed, last change first; errors become notes."""
+        deactivate(self.key)  # each framework's cap goes to the lease active before this one
         for step in reversed(self.undo_steps):
             try:
                 step()
             except Exception as exc:
                 self.notes.append(f"could not undo a confinement step: {exc!r}")
         self.undo_steps.clear()
+        self.resume_steps.clear()
         for name, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -182,6 +212,7 @@ def confine(lease: GpuLease, inventory: Inventory, frameworks: Callable[..., obj
     cannot address the lease; whatever was applied before an error is undone.
     """
     done = Confinement()
+    activate(done.key)
     try:
         runtime.pin(inventory)  # while CUDA_VISIBLE_DEVICES is still the run's
         ordinals = runtime.in_process(inventory, lease.indices)
@@ -212,15 +243,29 @@ def confine(lease: GpuLease, inventory: Inventory, frameworks: Callable[..., obj
 def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
     from ..sim import cuda
 
+    def used() -> dict[int, int]:
+        return sim.ledger().allocations([os.getpid()])
+
+    def cap(settled: Settled, unit: int) -> None:
+        cuda.set_memory_cap(unit, settled.cap)
+
     previous = cuda.current_device()
+    now = used()
     for index in lease.indices:
-        total, _ = hold("sim", index, lease.memory)
-        cuda.set_memory_cap(index, total)
+        share("sim", index, done.key, lease.memory)
+        cap(settle("sim", index, now.get(index, 0)), index)
 
         def lift(index: int = index) -> None:  # the default binds this iteration's index
-            cuda.set_memory_cap(index, drop("sim", index, lease.memory) or None)
+            cap(unshare("sim", index, done.key, used().get(index, 0)), index)
 
         done.undo_steps.append(lift)
+
+    def resume() -> None:
+        now = used()
+        for index in lease.indices:
+            cap(settle("sim", index, now.get(index, 0)), index)
+
+    done.on_resume(resume)
     cuda.set_device(ordinals[0])
     done.undo_steps.append(lambda: _restore_sim_device(previous))
 
@@ -234,24 +279,122 @@ def _restore_sim_device(previous: int) -> None:
         cuda.set_device(previous)
 
 
-# The budgets of the leases this process holds now, per (framework, device): a
-# gpu_request section on the GPU of the test's main lease adds to the cap, and ending it
-# gives the main lease its own cap back (not none, not the section's).
-_held: dict[tuple[str, int], list[int]] = {}
+# -- each lease's cap: its own budget on top of what the rest of the process holds ------------
+#
+# A process can hold several leases on one GPU: a test's, its gpu_request sections', fixtures'
+# of any scope. Its frameworks have one cap per device, which belongs to the lease the process
+# works for now, the *active* one: the lease begun (or resumed) last of those still held. The cap
+# is that lease's budget on top of what the rest of the process held when it became active (a
+# fixture's tensors, what an earlier test left behind), so a test's verdict and its cap never
+# depend on what else its process holds: under -n 2 or without xdist, beside a fixture's lease or
+# not, a test may allocate its own budget. Each framework counts the process's memory its own way
+# (the simulated ledger, torch's allocator, CuPy's pool), so each keeps its own book per device.
+
+_order: list[str] = []  # the process's confined leases (Confinement.key), in activation order
 
 
-def hold(kind: str, device: int, memory: int) -> tuple[int, bool]:
-    """Add a lease's budget on ``device``; (the process's total there now, whether it is the first)."""
-    stack = _held.setdefault((kind, device), [])
-    stack.append(memory)
-    return sum(stack), len(stack) == 1
+def activate(key: str) -> None:
+    """Lease ``key`` is the one the process works for now (it began, or a fixture's setup,
+    which worked for its own lease, returned to the test)."""
+    if key in _order:
+        _order.remove(key)
+    _order.append(key)
 
 
-def drop(kind: str, device: int, memory: int) -> int:
-    """Remove a lease's budget on ``device``; the total of the leases still held there (0: none)."""
-    stack = _held.get((kind, device), [])
-    if memory in stack:
-        stack.remove(memory)
-    if not stack:
-        _held.pop((kind, device), None)
-    return sum(stack)
+def deactivate(key: str) -> None:
+    """Lease ``key`` ended: the one active before it is active again."""
+    if key in _order:
+        _order.remove(key)
+
+
+@dataclass
+class Share:
+    """One lease's part of a device's cap, for one framework: ``own``, what it added to the
+    process's memory there (as the framework counts) while it was active; ``peak``, the most it
+    held at once while active, where the framework keeps a peak (torch)."""
+
+    key: str
+    memory: int
+    own: int = 0
+    peak: int = 0
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A device's cap after a change: ``cap`` for the active lease (``None``: no lease left
+    there, the framework's own setting ``outside`` goes back); ``opened``: a lease became
+    active there (a framework's peak counter is reset, so the next reading is that lease's);
+    ``ended``: the share that :func:`unshare` ended."""
+
+    cap: int | None
+    opened: bool
+    outside: int = 0
+    ended: Share | None = None
+
+
+@dataclass
+class _Book:
+    """One framework's book of one device."""
+
+    shares: dict[str, Share] = field(default_factory=dict)
+    current: str | None = None  # whose window is open
+    others: int = 0  # what the rest of the process held when that window opened
+    outside: int = 0  # the framework's own setting before any lease (CuPy's pool limit)
+
+
+_books: dict[tuple[str, int], _Book] = {}
+
+
+def share(kind: str, device: int, key: str, memory: int, outside: int = 0) -> None:
+    """Lease ``key`` (budget ``memory``) caps framework ``kind`` on ``device`` from now on,
+    while it is active (:func:`settle` says the cap); ``outside``: the framework's own setting,
+    put back once no lease is left there."""
+    book = _books.get((kind, device))
+    if book is None:
+        book = _books[(kind, device)] = _Book(outside=outside)
+    book.shares[key] = Share(key, memory)
+
+
+def _close(book: _Book, used: int, peak: int | None) -> None:
+    """The open window ends: what the process holds beyond the others is its lease's own."""
+    share_ = book.shares.get(book.current or "")
+    if share_ is not None:
+        share_.own = max(used - book.others, 0)
+        if peak is not None:
+            share_.peak = max(share_.peak, peak - book.others)
+    book.current = None
+
+
+def settle(kind: str, device: int, used: int, peak: int | None = None) -> Settled:
+    """The cap of framework ``kind`` on ``device`` now: ``used`` is what the process holds
+    there as the framework counts it, ``peak`` the framework's peak since its last reset."""
+    book = _books.get((kind, device))
+    if book is None:
+        return Settled(None, False)
+    active = next((k for k in reversed(_order) if k in book.shares), None)
+    if active is None and book.shares:  # shared outside confine(): the latest
+        active = list(book.shares)[-1]
+    if active == book.current and active is not None:
+        current = book.shares[active]
+        return Settled(book.others + current.memory, False, book.outside)
+    _close(book, used, peak)
+    if active is None:
+        del _books[(kind, device)]
+        return Settled(None, True, book.outside)
+    book.current = active
+    opened = book.shares[active]
+    book.others = max(used - opened.own, 0)
+    return Settled(book.others + opened.memory, True, book.outside)
+
+
+def unshare(kind: str, device: int, key: str, used: int, peak: int | None = None) -> Settled:
+    """Lease ``key`` no longer caps ``kind`` on ``device``: the cap now (:func:`settle`), and
+    its share as it ended (its own memory and peak)."""
+    book = _books.get((kind, device))
+    if book is None or key not in book.shares:
+        return settle(kind, device, used, peak)
+    if book.current == key:
+        _close(book, used, peak)
+    ended = book.shares.pop(key)
+    settled = settle(kind, device, used, None)
+    return replace(settled, ended=ended)

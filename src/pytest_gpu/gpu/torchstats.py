@@ -46,6 +46,7 @@ class TorchCounters:
     allocated: int  # memory_allocated
     reserved: int  # memory_reserved
     peak: int  # as the lease's cap counts it: see torch_peak
+    capped: int = 0  # what the memory fraction is checked against now: the reserve (allocated under cudaMallocAsync)
 
 
 def torch_counters(cuda: ModuleType, ordinal: int) -> TorchCounters:
@@ -67,9 +68,13 @@ def torch_counters(cuda: ModuleType, ordinal: int) -> TorchCounters:
     backend = getattr(cuda, "get_allocator_backend", lambda: "native")()
     raw = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     settings = dict(item.strip().partition(":")[::2] for item in raw.split(",") if item.strip())
-    used = backend == "cudaMallocAsync" or settings.get("expandable_segments", "").strip().lower() == "true"
+    pool = backend == "cudaMallocAsync"
+    used = pool or settings.get("expandable_segments", "").strip().lower() == "true"
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
     return TorchCounters(
-        allocated=int(stats.get("allocated_bytes.all.current", 0)),
-        reserved=int(stats.get("reserved_bytes.all.current", 0)),
+        allocated=allocated,
+        reserved=reserved,
         peak=int(stats.get("allocated_bytes.all.peak" if used else "reserved_bytes.all.peak", 0)),
+        capped=allocated if pool else reserved,
     )

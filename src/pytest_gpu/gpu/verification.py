@@ -55,10 +55,15 @@ class Verdict:
     # yet show the test at all (it ended sooner than that after the lease began, and nothing
     # waited: see NvmlVerifier.end); 0: no such blind spot. The run's summary counts these.
     unseen_lag: float = 0.0
+    # GPU index -> bytes the lease still held after the test (the "still holds" violations):
+    # what its process keeps charged to it until they are given back (see GpuRun.finish)
+    left: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: Verdict) -> None:
         self.measured = self.measured and other.measured
         self.unseen_lag = max(self.unseen_lag, other.unseen_lag)
+        for index, value in other.left.items():
+            self.left[index] = self.left.get(index, 0) + value
         for index, value in other.peak.items():
             self.peak[index] = max(self.peak.get(index, 0), value)
         self.violations.extend(other.violations)
@@ -105,6 +110,7 @@ def judge(
             verdict.violations.append(
                 f"still holds {format_size(current[index])} on GPU {index} after the test ({held})"
             )
+            verdict.left[index] = current[index]
     return verdict
 
 
@@ -192,7 +198,11 @@ class Verifier(Protocol):
 
     def begin(self, lease: GpuLease, owner: int) -> None: ...
 
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict: ...
+    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
+        """The verdict; ``peaks``: GPU index -> the lease's own peak where its confinement measured
+        one (:attr:`~pytest_gpu.gpu.isolation.Confinement.peaks`: torch's, above what the rest of
+        the process held), used in place of the process's peak."""
+        ...
 
 
 class SimVerifier:
@@ -208,8 +218,8 @@ class SimVerifier:
         self._thread = threading.get_ident()  # the test's thread, which the lease confined
         sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
 
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
-        usage = sim.ledger().tag_usage(lease.env[sim.TAG_ENV], drop=True)
+    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
+        usage = sim.ledger().tag_usage(lease.env[sim.TAG_ENV], drop=True)  # per lease already: peaks unused
         whence = threads_outside(usage, lease, self._thread)
         return judge(lease, usage.peak, usage.current, usage.touched, others, whence=whence)
 
@@ -287,6 +297,7 @@ class NvmlVerifier:
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
         self._untrusted = version_problem()  # its process lists are scrambled: measure nothing from them
+        self._peaks: dict[int, int] = {}  # the lease's own torch peaks, given to end()
 
     def _usage(self) -> _Sample | None:
         """Bytes the driver reports per GPU for this process and each live descendant (NVML's
@@ -400,9 +411,10 @@ class NvmlVerifier:
             started[pid] = used
         return mine, started
 
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
         """Judge the lease (:meth:`_judged`); on AMD GPUs each violation says how coarse the
         list it was seen in may be (a rank pool's verdict too)."""
+        self._peaks = dict(peaks or {})
         verdict = self._judged(lease, others)
         if self.inventory.vendor == "amd":
             verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
@@ -458,7 +470,9 @@ class NvmlVerifier:
         if device is not None and ordinals is not None:
             for index, ordinal in zip(lease.indices, ordinals, strict=True):
                 counted[index] = counters = torch_counters(device, ordinal)
-                peak[index] = counters.peak
+                # the lease's own (the adapter's, above what the rest of the process held: a fixture's
+                # tensors, an earlier test's leftovers), else torch's since the lease's start
+                peak[index] = self._peaks.get(index, counters.peak)
                 seen = seen or peak[index] > 0
                 left = counters.allocated - self._torch_base.get(index, 0)
                 if left > 0:
@@ -620,6 +634,36 @@ class NvmlRankVerifier(NvmlVerifier):
         return verdict
 
 
+def standing(inventory: Inventory, context: Mapping[int, int], indices: Iterable[int]) -> dict[int, int]:
+    """What this process holds on each of ``indices`` beyond its own context (``context``: its
+    size per GPU), with what the processes it started and no other holder claimed hold there,
+    whole: measured while no lease of the process is there, it is what earlier leases left. A
+    GPU that cannot be measured now is left out. Simulated GPUs: the ledger; real ones: the
+    driver's process lists (as :class:`NvmlVerifier` reads them)."""
+    wanted = list(indices)
+    me = os.getpid()
+    holders = claimed()
+    if inventory.simulated:
+        started = [pid for pid in descendants() if _claimant(pid, holders) is None]
+        found = sim.ledger().allocations([me], whole=started)
+        return {i: found.get(i, 0) for i in wanted}
+    verifier = NvmlVerifier(inventory, 0)
+    sample = verifier._usage()
+    if sample is None:
+        return {}
+    out: dict[int, int] = {}
+    for index in wanted:
+        if index in verifier._unmeasured:
+            continue
+        mine = sample.usage.get(me, {}).get(index, 0)
+        held = max(mine - context.get(index, 0) - _grown.get((me, index), 0), 0) if mine else 0
+        for pid, used in sample.usage.items():
+            if pid != me and _claimant(pid, holders) is None:
+                held += used.get(index, 0)
+        out[index] = held
+    return out
+
+
 def _sleep_until(deadline: float) -> None:
     """Wait until ``time.monotonic()`` reaches ``deadline`` (at once when it has)."""
     left = deadline - time.monotonic()
@@ -685,9 +729,9 @@ class SharedVerifier:
     def begin(self, lease_: GpuLease, owner: int) -> None:
         self.inner.begin(lease_, owner)
 
-    def end(self, lease_: GpuLease, others: Iterable[int] = ()) -> Verdict:
+    def end(self, lease_: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
         kept = tuple(i for i in lease_.indices if i not in self.shared)
-        verdict = self.inner.end(replace(lease_, indices=kept), {*others, *self.shared})
+        verdict = self.inner.end(replace(lease_, indices=kept), {*others, *self.shared}, peaks)
         verdict.measured = False
         verdict.notes.append(
             f"{numbered('GPU', sorted(self.shared))} shared with {self.whose} in this process: peak and "

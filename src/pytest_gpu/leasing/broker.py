@@ -20,7 +20,7 @@ and that ``abandon`` and ``release`` get none):
     ("acquire", {"key", "request", "test"})      -> ("granted", lease) | ("queued", key) | ("error", message)
     ("cancel", {"key"})                          -> ("cancelled", {"holders"}) | ("not-waiting", {})
     ("abandon", {"key"})                         -> no reply (one-way)
-    ("release", {"key", "contexts"})             -> no reply (one-way)
+    ("release", {"key", "contexts", "left"})     -> no reply (one-way)
     ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
     ("release_ports", {"owner"})                 -> ("ok", {})
     ("contexts", {"indices"})                    -> ("ok", {})
@@ -80,6 +80,7 @@ from .requests import GpuRequest
 EXIT_WAIT_S = 3.0
 # the scheduler's plans a worker may have that its tests did not ask for yet (it holds two tests)
 _HINTS_PER_WORKER = 4
+LEFT_BY_MAX = 400  # characters of "who left it" the broker keeps (node ids, joined)
 
 
 @dataclass
@@ -310,13 +311,14 @@ class Broker(AuthServer[ClientInfo]):
             release = cast(Release, body)
             key = scoped(info.client, release["key"])
             contexts = release.get("contexts")
+            left = self._leftovers(release.get("left"))
             with self._lock:
                 info.tests.pop(key, None)
                 self._placed.pop(key, None)
                 if contexts is not None:
                     info.contexts = set(contexts)
                 gpus = None if contexts is None else [self.uuids[i] for i in contexts if i in self.uuids]
-                self._machine().release(key, gpus)
+                self._machine().release(key, gpus, left)
             return None
         if kind == "ports":
             ask = cast(PortsAsk, body)
@@ -354,6 +356,23 @@ class Broker(AuthServer[ClientInfo]):
                 self.catalog.update(cast(Catalog, body)["tests"])
             return ("ok", {})
         return ("error", f"unknown request {kind!r}")
+
+    def _leftovers(self, body: Any) -> dict[str, tuple[int, str]] | None:
+        """A release's ``left`` (GPU index -> (bytes, who left them)) by GPU name; entries that
+        are not a GPU of this run and a size it can hold are dropped (``None``: not told)."""
+        if not isinstance(body, dict):
+            return None
+        found: dict[str, tuple[int, str]] = {}
+        for index, value in body.items():
+            if isinstance(index, bool) or not isinstance(index, int) or index not in self.capacities:
+                continue
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                continue
+            nbytes, who = value
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= self.capacities[index]:
+                continue
+            found[self.uuids[index]] = (nbytes, str(who)[:LEFT_BY_MAX])
+        return found
 
     def _context_size(self, info: ClientInfo, body: Any) -> Message:
         """A process measured one CUDA context on a GPU of the run: checked (a client is a

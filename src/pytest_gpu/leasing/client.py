@@ -252,7 +252,7 @@ class BrokerClient:
                 self._abandoned.add(key)
                 self._send("abandon", KeyBody(key=key), reply=False)
             elif pushed[0] == "push-granted":
-                self._send("release", Release(key=key, contexts=None), reply=False)
+                self._send("release", Release(key=key, contexts=None, left=None), reply=False)
         except BrokerError:
             pass  # disconnected meanwhile: the broker took everything back; the caller's exception stands
 
@@ -271,14 +271,21 @@ class BrokerClient:
             holders = describe_holders(cast(Cancelled, body).get("holders", []))
         raise WaitTimeout(f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}")
 
-    def release(self, key: str, contexts: set[int] | None = None) -> None:
+    def release(
+        self, key: str, contexts: set[int] | None = None, left: dict[int, tuple[int, str]] | None = None
+    ) -> None:
         """Give a lease back. One-way: the broker handles this connection's messages in
-        order, so anything this process asks next already sees the lease returned."""
+        order, so anything this process asks next already sees the lease returned.
+
+        ``left``: GPU index -> (bytes, who left them), what this process still holds of
+        leases that ended, on every GPU where it holds some (``None``: as told last); the
+        broker counts it as this process's until told otherwise or the process is gone."""
         with self._lock:
             if self._conn is None:
                 return  # the connection was dropped: the broker took this lease back then
             held = None if contexts is None else sorted(contexts)
-            self._send("release", Release(key=key, contexts=held), reply=False)
+            told = None if left is None else {int(i): (int(n), str(who)) for i, (n, who) in left.items()}
+            self._send("release", Release(key=key, contexts=held, left=told), reply=False)
 
     def context_size(self, index: int, nbytes: int) -> None:
         """Tell the broker one CUDA context on GPU ``index`` takes ``nbytes`` (measured);
@@ -323,6 +330,10 @@ def describe_holders(holders: list[dict[str, Any]]) -> str:
         return "no test held a GPU at that moment"
     parts = []
     for row in holders:
+        if row.get("left"):  # what a process still holds of a lease that ended
+            gpus = ",".join(map(str, row["gpus"]))
+            parts.append(f"{format_size(row['memory'])} on GPU {gpus} left by {row['test']} ({row['worker']})")
+            continue
         held = []
         if row["gpus"]:
             each = "whole GPU" if row["exclusive"] else format_size(row["memory"])

@@ -59,13 +59,20 @@ class GpuState:
     exclusive: bool = False  # held by an exclusive lease
     contexts: set[str] = field(default_factory=set)  # clients with a CUDA context here
     foreign: int = 0  # bytes that processes outside pytest-gpu use here (last sample)
+    # client -> (bytes, who left them): what its process still holds here of leases that ended
+    # (a test's leak), until a later release says it was given back or the process is gone
+    left: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    @property
+    def left_bytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self.left.values())
 
     def free_for(self, client: str, overhead: int) -> int:
         """Memory a new shared lease of ``client`` could still get here."""
         if self.exclusive:
             return 0
         contexts = len(self.contexts | {client})
-        return self.capacity - self.foreign - self.leased - contexts * overhead
+        return self.capacity - self.foreign - self.leased - self.left_bytes - contexts * overhead
 
 
 @dataclass
@@ -152,7 +159,7 @@ def place(
         if request.exclusive:
             if gpu.tenants:
                 continue
-            grant = gpu.capacity - gpu.foreign - contexts * policy.context(gpu.index)
+            grant = gpu.capacity - gpu.foreign - gpu.left_bytes - contexts * policy.context(gpu.index)
             if grant <= 0 or grant < (request.min_memory or 0):  # a minimum counts what the lease would get
                 continue
             # affinity first, then a GPU no foreign process uses, then the one with the most to give
@@ -343,7 +350,13 @@ class Allocator:
 
     def _blocked_forever(self, waiting: Waiting) -> str | None:
         drained = [
-            GpuState(g.index, g.capacity, contexts={c for c in g.contexts - self.exiting if self._lasting(c, waiting)})
+            GpuState(
+                g.index,
+                g.capacity,
+                contexts={c for c in g.contexts - self.exiting if self._lasting(c, waiting)},
+                # its own process's leftovers stay while it waits: no release of its can say they went
+                left={c: n for c, n in g.left.items() if c == waiting.client},
+            )
             for g in self.gpus.values()
         ]
         if (
@@ -351,6 +364,24 @@ class Allocator:
             is not None
         ):
             return None
+        own = [(g.index, g.left[waiting.client]) for g in drained if waiting.client in g.left]
+        if own:
+            for gpu in drained:
+                gpu.left.clear()
+            if (
+                place(
+                    drained, waiting.request, waiting.client, self.policy, within_budget=False, allowed=waiting.allowed
+                )
+                is not None
+            ):
+                held = "; ".join(
+                    f"{format_size(n)} on GPU {i}, left by {who or 'an earlier test'}" for i, (n, who) in own
+                )
+                return (
+                    f"{waiting.request.describe()} cannot fit beside what its own process still holds of leases "
+                    f"that ended ({held}: reported there), which no release of that process can give back "
+                    "while it waits"
+                )
         busy = ", ".join(f"GPU {g.index}: {len(g.contexts)}" for g in self.gpus.values() if g.contexts)
         return (
             f"{waiting.request.describe()} cannot fit beside the CUDA contexts that other processes "
@@ -379,8 +410,9 @@ class Allocator:
             return None
         asks = Counter(w.client for w in self.queue)
         stuck = {client for client, n in asks.items() if n == 1}
-        if not any(lease.client in stuck for lease in self.leases.values()):
-            return None  # a cycle needs a lease held through a wait (contexts alone: blocked_forever)
+        holding = any(lease.client in stuck for lease in self.leases.values())
+        if not holding and not any(c in stuck for g in self.gpus.values() for c in g.left):
+            return None  # a cycle needs a lease (or a leftover) held through a wait (contexts alone: blocked_forever)
         pool = self._what_if(stuck)
         served = True
         while served:
@@ -400,6 +432,7 @@ class Allocator:
         pool = Allocator({i: g.capacity for i, g in self.gpus.items()}, self.policy)
         for index, gpu in self.gpus.items():
             pool.gpus[index].contexts = gpu.contexts & clients
+            pool.gpus[index].left = {c: n for c, n in gpu.left.items() if c in clients}
         if self.host is not None:
             pool.host = HostState(self.host.cpus, self.host.memory)
         for lease in self.leases.values():
@@ -413,6 +446,7 @@ class Allocator:
         self.queue = [w for w in self.queue if w.client != client]
         for gpu in self.gpus.values():
             gpu.contexts.discard(client)
+            gpu.left.pop(client, None)
         for key in [key for key, lease in self.leases.items() if lease.client == client]:
             self._unlease(key)
 
@@ -452,14 +486,31 @@ class Allocator:
         self._budget_cache.pop(key, None)
         self._forever_cache.pop(key, None)
 
-    def release(self, key: str, contexts: set[int] | None = None) -> list[Lease]:
-        """Return a lease; ``contexts`` is where its client really has contexts now, if known."""
-        lease = self._unlease(key)
+    def release(
+        self, key: str, contexts: set[int] | None = None, left: dict[int, tuple[int, str]] | None = None
+    ) -> list[Lease]:
+        """Return a lease; ``contexts`` is where its client really has contexts now, if known;
+        ``left``, what its process still holds of leases that ended, if told (:meth:`set_left`)."""
+        lease = self.leases.get(key)
         if lease is None:
             return []
+        if left is not None:  # before the lease goes: no grant may take what is still held
+            self.set_left(lease.client, left)
+        self._unlease(key)
         if contexts is not None:
             self.set_contexts(lease.client, contexts)
         return self.serve()
+
+    def set_left(self, client: str, left: dict[int, tuple[int, str]]) -> None:
+        """What ``client``'s process still holds of leases that ended: GPU -> (bytes, who left
+        them), on every GPU where it holds some (any other: none). Counted like a lease's
+        memory until it is said again, or the client is forgotten (its process is gone)."""
+        for gpu in self.gpus.values():
+            nbytes, who = left.get(gpu.index, (0, ""))
+            if nbytes > 0:
+                gpu.left[client] = (nbytes, who)
+            else:
+                gpu.left.pop(client, None)
 
     def _unlease(self, key: str) -> Lease | None:
         lease = self.leases.pop(key, None)
@@ -496,6 +547,7 @@ class Allocator:
         held = [lease for lease in self.leases.values() if lease.client == client]
         for gpu in self.gpus.values():
             gpu.contexts.discard(client)
+            gpu.left.pop(client, None)
         granted: list[Lease] = []
         for lease in held:
             granted.extend(self.release(lease.key))  # release() serves the queue: keep its grants
@@ -562,7 +614,8 @@ class Allocator:
         if not self._foreign:
             return None
         return [
-            GpuState(g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts)) for g in self.gpus.values()
+            GpuState(g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts), left=dict(g.left))
+            for g in self.gpus.values()
         ]
 
     def _fits_without_foreign(self, waiting: Waiting) -> bool:
@@ -588,8 +641,9 @@ class Allocator:
         return tuple(sorted(set(alt.indices) - set(placement.indices))) if alt is not None else ()
 
     def _signature(self) -> tuple[tuple[frozenset[str], ...], frozenset[str]]:
-        """What the drained-GPU questions depend on: who has contexts where."""
-        return tuple(frozenset(g.contexts) for g in self.gpus.values()), frozenset(self.exiting)
+        """What the drained-GPU questions depend on: who has contexts (and leftovers) where."""
+        gpus = tuple(frozenset(g.contexts) | {f"{c}={n}" for c, (n, _) in g.left.items()} for g in self.gpus.values())
+        return gpus, frozenset(self.exiting)
 
     def blocked_within_budget(self, waiting: Waiting) -> bool:
         """True if the context budget alone keeps ``waiting`` out, even on drained GPUs."""
@@ -622,7 +676,7 @@ class Allocator:
     def used(self, index: int) -> int:
         """Bytes committed on a GPU: shared leases, exclusive grants, contexts."""
         gpu = self.gpus[index]
-        committed = gpu.leased + len(gpu.contexts) * self.policy.context(index)
+        committed = gpu.leased + gpu.left_bytes + len(gpu.contexts) * self.policy.context(index)
         for lease in self.leases.values():
             if lease.placement.exclusive and index in lease.placement.indices:
                 committed += lease.placement.memory

@@ -35,6 +35,9 @@ class KeyBody(TypedDict):
 class Release(TypedDict):
     key: str
     contexts: list[int] | None  # GPUs this process now has contexts on (None: unknown, unchanged)
+    # GPU index -> (bytes, who left them): what this process still holds of leases that ended,
+    # on every GPU where it holds some (None: as told last)
+    left: dict[int, tuple[int, str]] | None
 
 
 class PortsAsk(TypedDict):

@@ -343,13 +343,15 @@ class Arbiter:
         ports: dict[int, str] | None = None,
         contexts: dict[str, list[str]] | None = None,
         exiting: dict[str, list[str]] | None = None,
+        left: dict[str, dict[str, tuple[int, str]]] | None = None,
     ) -> None:
         """A run joins with its GPUs (UUID -> capacity) and its view of the machine's CPUs
         and RAM (``host``: the first run's view is kept); after a failover it brings the
         leases it holds (taken over as they were), the requests it waits on (queued again,
         in their order), the ports it holds, and where its clients' processes have CUDA
         contexts (``contexts``; ``exiting``: of clients gone whose processes have not exited
-        yet, see :meth:`exiting`), all counted before any grant can resume.
+        yet, see :meth:`exiting`) and what they still hold of leases that ended (``left``:
+        client -> GPU -> (bytes, who left them)), all counted before any grant can resume.
 
         Raises :class:`ValueError` (nothing changed) for a run attached already, a GPU that
         is not on this machine, or a lease that names a GPU the run did not bring or does
@@ -359,7 +361,7 @@ class Arbiter:
                 raise ValueError(f"run {run} is attached already")
             capacities = self._checked_gpus(gpus)
             self._check_held(held, capacities)
-            if len((contexts or {}).keys() | (exiting or {}).keys()) > MAX_CLIENTS_PER_RUN:
+            if len((contexts or {}).keys() | (exiting or {}).keys() | (left or {}).keys()) > MAX_CLIENTS_PER_RUN:
                 raise ValueError(f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
             if uid is None:  # in this process: the run's id says it, else it is this process's user's
                 uid = run_uid(run)
@@ -395,6 +397,9 @@ class Arbiter:
                 self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, uuids))
             for client, uuids in (exiting or {}).items():
                 self._exiting_locked(run, client, uuids)
+            for client, kept in (left or {}).items():
+                entry.workers.setdefault(f"{run}|{client}", "?")
+                self.allocator.set_left(f"{run}|{client}", self._own_left(run, kept) or {})
             self.pending -= {run, roster_digest(run)}
             if not self.pending:
                 self.allocator.paused = False
@@ -575,7 +580,8 @@ class Arbiter:
                 return None
             self._forget_key_locked(pool_key)
             entry = self.runs.get(run)
-            holders = self._holders_locked(entry.uid if entry is not None else None)
+            viewer = entry.uid if entry is not None else None
+            holders = self._holders_locked(viewer) + self._left_rows_locked(viewer)
             self._deliver_locked(self.allocator.serve(), out)
             return holders
 
@@ -587,16 +593,29 @@ class Arbiter:
             granted = self.allocator.serve() if self.allocator.cancel(pool_key) else self.allocator.release(pool_key)
             self._deliver_locked(granted, out)
 
-    def release(self, run: str, key: str, contexts: list[str] | None = None) -> None:
-        """Give a lease back; ``contexts``: the GPUs its process really has contexts on now, if known."""
+    def release(
+        self, run: str, key: str, contexts: list[str] | None = None, left: dict[str, tuple[int, str]] | None = None
+    ) -> None:
+        """Give a lease back; ``contexts``: the GPUs its process really has contexts on now, if
+        known; ``left``: GPU -> (bytes, who left them), what its process still holds of leases
+        that ended, on every GPU where it holds some, if told (counted like leases, see
+        :meth:`~pytest_gpu.leasing.placement.Allocator.set_left`)."""
         out: dict[str, list[Event]] = defaultdict(list)
         with self._lock:
             pool_key = f"{run}|{key}"
             self._forget_key_locked(pool_key)
             known = None if contexts is None else self._own_mids(run, contexts)
-            self._deliver_locked(self.allocator.release(pool_key, known), out)
+            self._deliver_locked(self.allocator.release(pool_key, known, self._own_left(run, left)), out)
             sinks = self._sinks_locked(out)
         self._dispatch(out, sinks)
+
+    def _own_left(self, run: str, left: dict[str, tuple[int, str]] | None) -> dict[int, tuple[int, str]] | None:
+        """``left`` in the allocator's numbers, on the GPUs ``run`` brought only."""
+        if left is None:
+            return None
+        entry = self.runs.get(run)
+        brought = entry.gpus if entry is not None else frozenset()
+        return {self._mids[u]: n for u, n in left.items() if u in brought and u in self._mids}
 
     def _own_mids(self, run: str, uuids: list[str]) -> set[int]:
         """The allocator's numbers of ``uuids``, those ``run`` brought only."""
@@ -671,9 +690,9 @@ class Arbiter:
     # -- questions ----------------------------------------------------------------------
 
     def room(self, gpus: list[str]) -> list[int]:
-        """What each of ``gpus`` can give leases now beside the CUDA contexts open there and
-        foreign usage (a lease of a process without a context there also opens one: the
-        scheduler counts that per worker)."""
+        """What each of ``gpus`` can give leases now beside the CUDA contexts open there, what
+        processes still hold of leases that ended, and foreign usage (a lease of a process
+        without a context there also opens one: the scheduler counts that per worker)."""
         policy = self.allocator.policy
         with self._lock:
             rows = []
@@ -683,7 +702,7 @@ class Arbiter:
                     rows.append(0)
                     continue
                 overhead = policy.context(gpu.index)
-                rows.append(max(gpu.capacity - gpu.foreign - overhead * len(gpu.contexts), 0))
+                rows.append(max(gpu.capacity - gpu.foreign - gpu.left_bytes - overhead * len(gpu.contexts), 0))
             return rows
 
     def _sees(self, viewer: int | None, entry: RunEntry | None) -> bool:
@@ -713,6 +732,33 @@ class Arbiter:
                 user = row["user"]
                 row.update(run="", run_label="", test=f"a test of user {user}", worker="another run", since=None)
             rows.append(row)
+        return rows
+
+    def _left_rows_locked(self, viewer: int | None = None) -> list[dict[str, Any]]:
+        """What processes still hold of leases that ended, as holder rows (``left``: True, the
+        holder named in ``test``)."""
+        rows = []
+        for index, gpu in self.allocator.gpus.items():
+            for client, (nbytes, who) in gpu.left.items():
+                run, _ = self._split(client)
+                entry = self.runs.get(run)
+                seen = self._sees(viewer, entry)
+                rows.append(
+                    {
+                        "run": run if seen else "",
+                        "run_label": (entry.label if entry else "?") if seen else "",
+                        "user": entry.user if entry else "?",
+                        "test": (who or "?") if seen else f"a test of user {entry.user if entry else '?'}",
+                        "worker": (entry.workers.get(client, "?") if entry else "?") if seen else "another run",
+                        "gpus": [self._uuids[index]],
+                        "memory": nbytes,
+                        "exclusive": False,
+                        "cpus": 0,
+                        "host_memory": 0,
+                        "since": None,
+                        "left": True,
+                    }
+                )
         return rows
 
     def holders(self, viewer: int | None = None) -> list[dict[str, Any]]:
@@ -764,6 +810,7 @@ class Arbiter:
                         "leased": self.allocator.used(i),
                         "foreign": g.foreign,
                         "contexts": len(g.contexts),
+                        "left": g.left_bytes,
                         "clients": sorted(
                             c for c in g.contexts if self._sees(viewer, self.runs.get(self._split(c)[0]))
                         ),

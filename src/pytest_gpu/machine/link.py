@@ -266,6 +266,7 @@ class MachineLink:
             ports=mine.ports,
             contexts=mine.contexts,
             exiting=mine.exiting,
+            left=mine.left,
         )
 
     def _private(self, remote: Remote | None = None) -> bool:
@@ -296,6 +297,7 @@ class MachineLink:
             ports=[[port, self._said(owner, remote)] for port, owner in mine.ports.items()],
             contexts=mine.contexts,
             exiting=mine.exiting,
+            left={c: {u: [n, "" if private else who] for u, (n, who) in g.items()} for c, g in mine.left.items()},
         )
 
     def _remote_lost(self, remote: Remote) -> None:
@@ -423,14 +425,23 @@ class MachineLink:
             self._mirror.drop(key)
             self._tell("abandon", lambda a: a.abandon(self.run, key), key=key)
 
-    def release(self, key: str, contexts: list[str] | None = None) -> None:
+    def release(
+        self, key: str, contexts: list[str] | None = None, left: dict[str, tuple[int, str]] | None = None
+    ) -> None:
+        """Give a lease back; ``left``: GPU -> (bytes, who left them), what its client's process
+        still holds of leases that ended (see :meth:`Arbiter.release`)."""
         with self._lock:
             arbiter = self._arbiter
             if arbiter is not None:
-                arbiter.release(self.run, key, contexts)
+                arbiter.release(self.run, key, contexts, left)
                 return
-            self._mirror.release(key, contexts)
-            self._tell("release", lambda a: a.release(self.run, key, contexts), key=key, contexts=contexts)
+            self._mirror.release(key, contexts, left)
+            extra: dict[str, Any] = {}
+            if left is not None:  # another user's arbiter is not told who left it
+                extra["left"] = {u: [n, "" if self._private() else who] for u, (n, who) in left.items()}
+            self._tell(
+                "release", lambda a: a.release(self.run, key, contexts, left), key=key, contexts=contexts, **extra
+            )
 
     def set_contexts(self, client: str, contexts: list[str]) -> None:
         with self._lock:

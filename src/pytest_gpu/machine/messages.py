@@ -173,6 +173,7 @@ class Attach:
     ports: dict[int, str]
     contexts: dict[str, list[str]]  # client -> GPUs where its process has contexts
     exiting: dict[str, list[str]]  # the same, of clients gone whose processes have not exited yet
+    left: dict[str, dict[str, tuple[int, str]]]  # client -> what its process holds of leases that ended
 
 
 def attach(m: dict[str, Any]) -> Attach:
@@ -204,7 +205,36 @@ def attach(m: dict[str, Any]) -> Attach:
         ports=ports,
         contexts=client_gpus(m.get("contexts", {}), "contexts"),
         exiting=client_gpus(m.get("exiting", {}), "exiting"),
+        left=client_left(m.get("left", {})),
     )
+
+
+def client_left(value: Any) -> dict[str, dict[str, tuple[int, str]]]:
+    """Client -> what its process still holds of leases that ended (:func:`left`)."""
+    found = _dict(value, "left")
+    if len(found) > LIST_MAX:
+        raise WireError(f"left names more than {LIST_MAX} clients")
+    return {name(client, "a client of left"): left({"left": held}) or {} for client, held in found.items()}
+
+
+def left(m: dict[str, Any]) -> dict[str, tuple[int, str]] | None:
+    """A release's ``left``: GPU -> [bytes, who left them] (absent: not told)."""
+    value = m.get("left")
+    if value is None:
+        return None
+    found = _dict(value, "left")
+    if len(found) > MAX_GPUS:
+        raise WireError(f"left names more than {MAX_GPUS} GPUs")
+    out = {}
+    for uuid, row in found.items():
+        pair = _list(row, "a GPU's leftover", 2)
+        if len(pair) != 2:
+            raise WireError("a GPU's leftover must be [bytes, who left them]")
+        out[gpu(uuid, "a GPU of left")] = (
+            integer(pair[0], "a leftover's bytes", 1, MAX_BYTES),
+            text(pair[1], "who left it", TEST_MAX),
+        )
+    return out
 
 
 def client_gpus(value: Any, what: str) -> dict[str, list[str]]:

@@ -28,6 +28,7 @@ class Snapshot:
     contexts: dict[str, list[str]]  # client -> GPUs where its process has contexts
     exiting: dict[str, list[str]]  # the same, of clients gone whose processes have not exited yet
     ports: dict[int, str]  # port -> owner
+    left: dict[str, dict[str, tuple[int, str]]]  # client -> GPU -> what its process holds of leases that ended
 
 
 class Mirror:
@@ -44,6 +45,7 @@ class Mirror:
         # their run knows when they exit, so only their run can tell a new arbiter of them
         self.exiting_contexts: dict[str, list[str]] = {}
         self.ports: dict[int, str] = {}  # port -> owner
+        self.left: dict[str, dict[str, tuple[int, str]]] = {}  # client -> GPU -> (bytes, who left them)
         self.inflight: set[str] = set()  # keys whose submit awaits its answer
         self.early: dict[str, Event] = {}  # their events, held back till then
 
@@ -56,6 +58,7 @@ class Mirror:
                 dict(self.contexts),
                 dict(self.exiting_contexts),
                 dict(self.ports),
+                {client: dict(gpus) for client, gpus in self.left.items()},
             )
 
     def took_ports(self, ports: list[int], owner: str) -> None:
@@ -112,12 +115,18 @@ class Mirror:
             self.asked.pop(key, None)
             self.held.pop(key, None)
 
-    def release(self, key: str, contexts: list[str] | None) -> None:
-        """A lease went back; ``contexts``: the GPUs its client has contexts on now, if known."""
+    def release(self, key: str, contexts: list[str] | None, left: dict[str, tuple[int, str]] | None = None) -> None:
+        """A lease went back; ``contexts``: the GPUs its client has contexts on now, if known;
+        ``left``: what its client's process still holds of leases that ended, if told."""
         with self._lock:
             held = self.held.pop(key, None)
             if contexts is not None and held is not None:
                 self.contexts[held.client] = list(contexts)
+            if left is not None and held is not None:
+                if left:
+                    self.left[held.client] = dict(left)
+                else:
+                    self.left.pop(held.client, None)
 
     def set_contexts(self, client: str, contexts: list[str]) -> None:
         with self._lock:
@@ -137,6 +146,7 @@ class Mirror:
                 for key in [k for k, v in mirror.items() if v.client == client]:
                     del mirror[key]
             self.contexts.pop(client, None)
+            self.left.pop(client, None)
 
 
 def held_from(asked: Asked, body: dict[str, Any]) -> Held:

@@ -373,7 +373,7 @@ class ArbiterServer:
         if op == "abandon":
             return arbiter.abandon(run, messages.name(m.get("key"), "key"))
         if op == "release":
-            return arbiter.release(run, messages.name(m.get("key"), "key"), messages.contexts(m))
+            return arbiter.release(run, messages.name(m.get("key"), "key"), messages.contexts(m), messages.left(m))
         if op == "set_contexts":
             return arbiter.set_contexts(run, messages.name(m.get("client"), "client"), messages.contexts(m) or [])
         if op == "forget_client":
@@ -418,6 +418,7 @@ class ArbiterServer:
             ports=body.ports,
             contexts=body.contexts,
             exiting=body.exiting,
+            left=body.left,
         )
         peer.run = body.run
         self._tell_rosters()

@@ -275,7 +275,20 @@ def setting_up(fixturedef: Any, request: Any) -> Iterator[None]:
         if frame.holding is not None and frame.holding.leases:
             _restore(frame.saved_env)
             if reg.item is not None and reg.tearing is None:
+                _resume(reg.item)
                 apply_view(reg.item, _run(request.config))
+
+
+def _resume(item: pytest.Item) -> None:
+    """The fixture's lease was the one its process worked for while it was set up; the test
+    works for its own again (the latest last): each of its caps is its own budget on top of
+    what the process holds now, the fixture's tensors included."""
+    state = item.stash.get(STATE_KEY, None)
+    if state is None:
+        return
+    for held in [state.main, *state.sections]:
+        if held is not None and held.active.confined:
+            held.active.confinement.resume()
 
 
 def _restore(saved: dict[str, str | None]) -> None:

@@ -18,7 +18,7 @@ violations and ``--gpu-trace`` draws their GPUs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -27,7 +27,7 @@ import pytest
 from .. import sim
 from ..gpu.isolation import GpuLease
 from ..gpu.verification import SharedVerifier, Verdict, judge
-from ..leasing.requests import GpuRequest
+from ..leasing.requests import GpuRequest, format_size
 from ..leasing.spans import HeldRow, LeaseSpan
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Holding:
         """Undo the confinement, verify, give the lease back; ``others``: GPUs that other
         holdings of this process held meanwhile (their usage is theirs to judge)."""
         try:
-            return run.finish(self.active, set(others))
+            return run.finish(self.active, set(others), self.owner.name)
         finally:
             self.span = self.spans_since(self.active.granted, self.active.released or time.time())
 
@@ -85,6 +85,77 @@ class Holding:
         lease = self.lease
         asked = self.active.asked if start <= self.active.granted else start
         return LeaseSpan(tuple(lease.indices), lease.memory, lease.exclusive, asked, start, stop)
+
+
+@dataclass
+class Leftover:
+    """Memory a holder left in this process: ``nbytes`` on one GPU, left by ``holder`` (a
+    test's node id, a fixture's label), whose verdict reported it."""
+
+    holder: str
+    nbytes: int
+
+
+@dataclass
+class Leftovers:
+    """What this process still holds of the leases that ended, per GPU, oldest first.
+
+    The verdict of each lease says what it left (:attr:`~pytest_gpu.gpu.verification.Verdict.left`);
+    the process keeps it charged to that holder, at the broker too (every release of a
+    confined lease says what is left, :meth:`wire`), so no lease is placed in that memory and
+    the next test's cap is its own budget on top of it. A later measure of what the process
+    holds there shrinks it (:meth:`shrink`: given back, oldest first); the process's exit ends
+    it all."""
+
+    by_gpu: dict[int, list[Leftover]] = field(default_factory=dict)
+    _sent: dict[int, tuple[int, str]] = field(default_factory=dict)  # what the broker was told last
+
+    def add(self, index: int, holder: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.by_gpu.setdefault(index, []).append(Leftover(holder, nbytes))
+
+    def on(self, index: int) -> int:
+        """Bytes left on GPU ``index``."""
+        return sum(left.nbytes for left in self.by_gpu.get(index, []))
+
+    def shrink(self, index: int, held: int) -> None:
+        """The process holds ``held`` bytes on GPU ``index`` beyond its contexts while no lease of
+        it is there: what is left can be no more (the oldest leftovers went first)."""
+        gone = self.on(index) - max(held, 0)
+        rows = self.by_gpu.get(index, [])
+        while gone > 0 and rows:
+            take = min(rows[0].nbytes, gone)
+            rows[0].nbytes -= take
+            gone -= take
+            if rows[0].nbytes == 0:
+                rows.pop(0)
+        if not rows:
+            self.by_gpu.pop(index, None)
+
+    def wire(self) -> dict[int, tuple[int, str]] | None:
+        """What to tell the broker: GPU index -> (bytes, who left them) for every GPU where
+        something is left, or ``None`` when that is what it was told last."""
+        now = {index: (self.on(index), _holders(rows)) for index, rows in self.by_gpu.items()}
+        if now == self._sent:
+            return None
+        self._sent = now
+        return dict(now)
+
+    def described(self, indices: Iterable[int]) -> list[str]:
+        """One line per GPU of ``indices`` where something is left, naming who left it."""
+        lines = []
+        for index in sorted(set(indices)):
+            for left in self.by_gpu.get(index, []):
+                lines.append(
+                    f"this process still held {format_size(left.nbytes)} on GPU {index} left by {left.holder} "
+                    "(reported there)"
+                )
+        return lines
+
+
+def _holders(rows: list[Leftover]) -> str:
+    names = list(dict.fromkeys(left.holder for left in rows))
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def broke(owner: Owner, violations: list[str], during: str = "") -> str:
@@ -125,7 +196,7 @@ class RankVerifier:
     def begin(self, lease: GpuLease, owner: int) -> None:
         sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
 
-    def end(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
+    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
         led = sim.ledger()
         usage = led.tag_usage(lease.env[sim.TAG_ENV], drop=True)
         contexts: dict[int, int] = {}

@@ -372,6 +372,8 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun, faile
     if state is None or report.when != "teardown":
         if state is not None and failed is not None:
             state.failures.append(failed)
+            if out_of_memory(failed):
+                _name_leftovers(report, run, state)
         return
     if state.notes:
         report.sections.append(("pytest-gpu verification", "\n".join(state.notes)))
@@ -388,6 +390,34 @@ def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun, faile
         report.sections.append(("pytest-gpu verification", text))
         if run.settings.verify == "warn":
             item.warn(pytest.PytestWarning(text))
+
+
+LEFTOVERS_SECTION = "pytest-gpu: memory left by earlier tests"
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a GPU's out-of-memory error: torch's and CuPy's
+    ``OutOfMemoryError``, the simulated GPUs', or a framework's "out of memory" text (JAX's
+    ``RESOURCE_EXHAUSTED``, torch before 1.13's ``RuntimeError``)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        found = pending.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if type(found).__name__ == "OutOfMemoryError" or "out of memory" in str(found)[:300].lower():
+            return True
+        pending += [found.__cause__, found.__context__]
+    return False
+
+
+def _name_leftovers(report: pytest.TestReport, run: GpuRun, state: TestState) -> None:
+    """The test ran out of GPU memory while its process still held what earlier tests left
+    there: name them in its report (their own reports said so), so it is not taken for the cause."""
+    lines = run.leftovers.described(state.indices | state.fixture_gpus)
+    if lines:
+        report.sections.append((LEFTOVERS_SECTION, "\n".join(lines)))
 
 
 # -- fixtures ------------------------------------------------------------------------

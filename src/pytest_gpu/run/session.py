@@ -24,13 +24,13 @@ from ..gpu.calibration import Calibration
 from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, make_lease
 from ..gpu.isolation import confine as confine_lease
-from ..gpu.verification import NvmlRankVerifier, NvmlVerifier, SimVerifier, Verdict, Verifier
+from ..gpu.verification import NvmlRankVerifier, NvmlVerifier, SimVerifier, Verdict, Verifier, standing
 from ..leasing.host import HostCapacity, confine_threads
 from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
 from ..options import Settings
 from . import quarantine as quarantine_
-from .holding import Holding, Owner, RankVerifier
+from .holding import Holding, Leftovers, Owner, RankVerifier
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
     from ..launched.detect import LaunchContext
@@ -225,6 +225,9 @@ class GpuRun:
     # checked against it, not this node's: the scheduler keeps it off nodes too small for it)
     largest_node: tuple[str, int] | None = None
     node: str | None = None  # --gpu-nodes: the node whose run this is (its inventory is that node's)
+    # what this process still holds of leases that ended (their verdicts' leaks), charged to them
+    leftovers: Leftovers = field(default_factory=Leftovers)
+    _confined: dict[str, ActiveLease] = field(default_factory=dict)  # lease key -> one this process is confined to
 
     def __repr__(self) -> str:
         # short: a traceback's locals show it, and the settings and inventory fill a screen
@@ -451,7 +454,10 @@ class GpuRun:
         except BaseException:
             self.client.release(grant.key)
             raise
-        return Holding(owner, ActiveLease(lease, confinement, verifier, asked, granted, 0.0, os.getpid(), confine))
+        active = ActiveLease(lease, confinement, verifier, asked, granted, 0.0, os.getpid(), confine)
+        if confine and grant.indices:
+            self._confined[grant.key] = active
+        return Holding(owner, active)
 
     def _verifier(self, confined: bool) -> Verifier:
         """What checks a lease: this process's (confined), or that of the processes it starts (a
@@ -473,15 +479,15 @@ class GpuRun:
             gave = give_up() or gave
         return gave
 
-    def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset()) -> Verdict:
+    def finish(self, active: ActiveLease, others: set[int] | frozenset[int] = frozenset(), holder: str = "") -> Verdict:
         """Undo the confinement, measure, and give the lease back; ``others``: GPUs other
-        leases of the same process held (their usage is theirs). Called by :meth:`Holding.release`."""
+        leases of the same process held (their usage is theirs); ``holder``: who held it (its
+        leftovers are named after it). Called by :meth:`Holding.release`."""
+        verdict = Verdict()
         try:
             active.confinement.undo()
-            if self.settings.verify == "off" or active.verifier is None:
-                verdict = Verdict()
-            else:
-                verdict = active.verifier.end(active.lease, others)
+            if self.settings.verify != "off" and active.verifier is not None:
+                verdict = active.verifier.end(active.lease, others, active.confinement.peaks)
             verdict.notes.extend(active.confinement.notes)
             if self.quarantine is not None:  # what broken CUDA still holds is the quarantine's to report
                 verdict = Verdict()
@@ -490,12 +496,38 @@ class GpuRun:
                     active.lease, self.inventory, self.client.context_size, self.settings.context_overhead
                 )
         finally:
+            self._confined.pop(active.lease.key, None)
             # this process's contexts stay charged until it exits; a pool's ranks were killed first
             contexts = sim.cuda.contexts() if active.confined and runtime.simulated(self.inventory) else None
             active.released = time.time()
             if self.quarantine is None:  # quarantined: the memory is held until the process exits, and so is the lease
-                self.client.release(active.lease.key, contexts)
+                left = None
+                if active.confined:
+                    try:
+                        left = self._left_behind(active, verdict, holder)
+                    except Exception:  # the lease goes back whatever its accounting met
+                        left = None
+                self.client.release(active.lease.key, contexts, left)
         return verdict
+
+    def _left_behind(self, active: ActiveLease, verdict: Verdict, holder: str) -> dict[int, tuple[int, str]] | None:
+        """What this process still holds of the leases that ended, as the broker is to count
+        it beside the leases (``None``: what it was told last): the lease's own leftovers are
+        added; where no other lease of the process is on one of its GPUs, what the process
+        holds there is measured, and what was given back since is forgotten."""
+        for index, nbytes in verdict.left.items():
+            self.leftovers.add(index, holder or active.lease.key, nbytes)
+        busy = {i for other in self._confined.values() for i in other.lease.indices}
+        check = [i for i in active.lease.indices if i not in busy and self.leftovers.on(i)]
+        if check:
+            context = {i: self.calibration.measured.get(i, self.settings.context_overhead) for i in check}
+            try:
+                held = standing(self.inventory, context, check)
+            except Exception:  # the driver cannot say now: what is left stays charged
+                held = {}
+            for index, nbytes in held.items():
+                self.leftovers.shrink(index, nbytes)
+        return self.leftovers.wire()
 
     def new_key(self) -> str:
         return f"{self.worker}-{next(self._keys)}"

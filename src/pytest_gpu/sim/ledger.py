@@ -38,7 +38,7 @@ import errno
 import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -351,6 +351,22 @@ class Ledger:
             if drop:
                 state["tags"].pop(tag, None)
             return result
+
+    def allocations(self, pids: Iterable[int], whole: Iterable[int] = ()) -> dict[int, int]:
+        """Bytes that processes ``pids`` hold per device unit, their contexts not counted, and
+        processes ``whole`` hold, their contexts counted (a unit where none holds anything is absent)."""
+        wanted = {str(pid) for pid in pids}
+        entire = {str(pid) for pid in whole}
+        found: dict[int, int] = {}
+        with self._state(write=False, prune=False) as state:
+            for pid, proc in state["procs"].items():
+                if pid in entire:
+                    for unit in proc["ctx"]:
+                        found[int(unit)] = found.get(int(unit), 0) + state["overhead"]
+                if pid in wanted or pid in entire:
+                    for unit, nbytes, _ in proc["allocs"].values():
+                        found[unit] = found.get(unit, 0) + nbytes
+        return found
 
     def contexts_of(self, pid: int) -> set[int]:
         """Device units on which process ``pid`` has a context."""
