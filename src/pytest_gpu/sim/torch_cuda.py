@@ -84,6 +84,7 @@ from typing import Any, NoReturn
 
 from ..leasing.requests import parse_size
 from . import cuda as sim_cuda
+from . import torch_tensors
 from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
@@ -158,12 +159,15 @@ class _Stats:
 
     def change(self, name: str, small: bool, amount: int) -> None:
         """Add ``amount`` (negative: remove) to stat ``name`` in "all" and in the block's pool."""
-        for key in ("all", "small_pool" if small else "large_pool"):
-            stat = self.arrays[name][key]
+        array = self.arrays[name]  # (every tensor's allocation and free comes here: kept lean)
+        for stat in (array["all"], array["small_pool" if small else "large_pool"]):
+            stat.current += amount
             if amount >= 0:
-                stat.increase(amount)
+                stat.allocated += amount
+                if stat.current > stat.peak:
+                    stat.peak = stat.current
             else:
-                stat.decrease(-amount)
+                stat.freed -= amount
 
     def current(self, name: str) -> int:
         return self.arrays[name]["all"].current
@@ -786,8 +790,55 @@ class _Settings:
     kind: str = "cuda"  # the device module the double serves: torch.cuda, or torch.xpu on Intel GPUs
 
 
+class _Mutex:
+    """The caching allocator's mutex. A tensor freed while it is held (by the garbage collector
+    inside an allocation, or in another thread, from a destructor, which must not wait) is
+    queued and freed by the holder before it lets go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()  # .held: this thread holds the lock
+        self._queued: list[int] = []
+
+    def _held_here(self) -> bool:
+        return bool(getattr(self._local, "held", False))
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._local.held = True
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            while self._queued:
+                self._release(self._queued.pop())
+        finally:
+            self._local.held = False
+            self._lock.release()
+        if self._queued and self._lock.acquire(blocking=False):  # queued while we let go
+            self._local.held = True
+            self.__exit__()
+
+    def free(self, key: int, *, wait: bool) -> None:
+        """Free a :class:`Block`'s memory now, or queue it for the holder of the lock."""
+        if self._held_here() or not self._lock.acquire(blocking=wait):
+            self._queued.append(key)
+            return
+        self._local.held = True
+        try:
+            self._release(key)
+        finally:
+            self.__exit__()
+
+    @staticmethod
+    def _release(key: int) -> None:
+        entry = _proc.blocks.pop(key, None)
+        if entry is not None and entry[0].alive:
+            entry[0].free(entry[1])
+
+
 _proc = _Process()
 _settings = _Settings()
+_mutex = _Mutex()
 
 
 NOT_INSTALLED = (
@@ -1006,8 +1057,9 @@ def _c_synchronize() -> None:
 
 def _c_empty_cache(*_mempool: object) -> None:
     _check_sticky()  # emptyCache synchronizes and cudaFrees: the memory stays held
-    for allocator in _proc.allocators:
-        allocator.release_cached_blocks()
+    with _mutex:
+        for allocator in _proc.allocators:
+            allocator.release_cached_blocks()
 
 
 def _c_memory_stats(device: object) -> dict[str, Any]:
@@ -1144,6 +1196,8 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
     "_cuda_getMemoryFraction": _c_get_memory_fraction,
     "_cuda_getAllocatorBackend": lambda: _settings.backend,
     "_cuda_ipc_collect": lambda: None,
+    # the default stream's handle (NULL): torch._dynamo imports it from a build with CUDA
+    "_cuda_getCurrentRawStream": lambda device: 0,
 }
 
 
@@ -1212,6 +1266,7 @@ def install(
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
+    torch_tensors.install(torch, "cuda", empty)
 
 
 # -- torch.xpu (torch/csrc/xpu/Module.cpp, c10/xpu/XPUFunctions.h) -------------------------------
@@ -1273,6 +1328,7 @@ _XPU_BINDINGS: dict[str, Callable[..., Any]] = {
     "_xpu_setMemoryFraction": _c_set_memory_fraction,
     "_xpu_getMemoryFraction": _c_get_memory_fraction,
     "_xpu_getMemoryInfo": _x_memory_info,
+    "_xpu_getCurrentRawStream": lambda device: 0,  # as _cuda_getCurrentRawStream
 }
 
 
@@ -1310,6 +1366,7 @@ def install_xpu(torch: ModuleType) -> None:
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
+    torch_tensors.install(torch, "xpu", empty)
 
 
 def reset() -> None:
@@ -1321,9 +1378,10 @@ def reset() -> None:
     """
     global _proc
     sim_cuda.clear_sticky()  # a new process starts without the old one's sticky error
-    for allocator in _proc.allocators:
-        allocator.release_all()
-    _proc = _Process()
+    with _mutex:
+        for allocator in _proc.allocators:
+            allocator.release_all()
+        _proc = _Process()
     sim_cuda.forget()
     if _settings.torch is not None:
         cuda = getattr(_settings.torch, _settings.kind)  # torch.cuda, or torch.xpu on a fake Intel machine
@@ -1356,18 +1414,19 @@ class Block:
 
     def free(self) -> None:
         """Return the memory to the cache (idempotent; a no-op in a forked child or after :func:`reset`)."""
+        self._free(wait=True)
+
+    def _free(self, *, wait: bool) -> None:
         key, self._key = self._key, None
         if key is None or os.getpid() != self._pid:
             return  # a forked child cannot free its parent's memory
-        entry = _proc.blocks.pop(key, None)
-        if entry is not None and entry[0].alive:
-            entry[0].free(entry[1])
+        _mutex.free(key, wait=wait)
 
     def __del__(self) -> None:
         if sys.is_finalizing():
             return  # the process is going: the ledger frees its memory with it
         with contextlib.suppress(Exception):  # a destructor must not raise; the ledger prunes the dead
-            self.free()
+            self._free(wait=False)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
@@ -1410,7 +1469,8 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
             raise RuntimeError(f"Allocator not initialized for device {ordinal}: did you call init?")
         _check_sticky()  # the allocator's event queries and cudaMalloc fail with it
         allocator = _proc.allocators[ordinal]
-        block = allocator.malloc(size)
-        key = next(_proc.keys)
-        _proc.blocks[key] = (allocator, block)
+        with _mutex:
+            block = allocator.malloc(size)
+            key = next(_proc.keys)
+            _proc.blocks[key] = (allocator, block)
         return Block(size, ordinal, key, block.size)
