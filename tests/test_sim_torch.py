@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -767,3 +768,66 @@ def test_empty_before_import_torch_on_fake_gpus_imports_torch_and_works(tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(2**20), "True"]
+
+
+# -- tracebacks: the double's frames stay out of them ------------------------------------------
+
+TORCH_OOM_SUITE = """
+import pytest
+import torch
+from pytest_gpu import sim
+from pytest_gpu.sim import torch_cuda
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_factory(gpu):
+    torch.ones(2**31, dtype=torch.uint8, device="cuda")  # the user's line: factory
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_result(gpu):
+    x = torch.ones(2**29, dtype=torch.uint8, device="cuda")
+    torch.cat([x, x])  # the user's line: result
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_empty(gpu):
+    torch_cuda.empty("2GiB")  # the user's line: empty
+
+
+@pytest.mark.gpu
+def test_device_full(gpu):
+    with sim.allocate("3GiB"):
+        torch.empty(2**30, dtype=torch.uint8, device="cuda")  # the user's line: full
+
+
+@pytest.mark.gpu
+def test_shapes(gpu):
+    torch.ones(3, device="cuda") + torch.ones(4, device="cuda")  # the user's line: shapes
+"""
+
+
+def test_torch_s_errors_on_simulated_gpus_show_the_test_s_line(gpu_pytester: pytest.Pytester, run_inner) -> None:
+    """As torch's errors, which come from C++: the test's line and torch's message, no frame of
+    the double, and no simulator error chained to an OOM whose message says it all."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_oom=TORCH_OOM_SUITE)
+    result = run_inner("--gpus", "sim:1x4GiB", "-p", "no:xdist", subprocess=True, timeout=180)
+    result.assert_outcomes(failed=5)
+    output = result.stdout.str()
+    parts = re.split(r"^_{3,} (test_\w+) _{3,}$", output, flags=re.MULTILINE)
+    pairs = zip(parts[1::2], parts[2::2], strict=True)
+    sections = {name: text.split("short test summary info")[0] for name, text in pairs}
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    expected = {
+        "test_factory": ("factory", f"{oom} 2.00 GiB"),
+        "test_result": ("result", f"{oom} 1024.00 MiB"),
+        "test_empty": ("empty", f"{oom} 2.00 GiB"),
+        "test_device_full": ("full", f"{oom} 1024.00 MiB"),
+        "test_shapes": ("shapes", "RuntimeError: The size of tensor a (3) must match the size of tensor b (4)"),
+    }
+    for name, (line, error) in expected.items():
+        text = sections[name]
+        assert re.search(rf"^>\s+.*# the user's line: {line}$", text, flags=re.MULTILINE), text
+        assert re.search(rf"^E\s+{re.escape(error)}", text, flags=re.MULTILINE), text
+        assert "pytest_gpu/sim/" not in text and "direct cause" not in text, text

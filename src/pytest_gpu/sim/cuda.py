@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..leasing.requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
@@ -51,6 +52,20 @@ __all__ = [
     "synchronize",
     "usage",
 ]
+
+#: What the simulator raises as the runtime it models would (out of memory, an invalid ordinal,
+#: a sticky error, and torch's and CuPy's errors that the doubles raise or let through).
+MODELLED_ERRORS = (RuntimeError, MemoryError, IndexError, ValueError, TypeError)
+
+
+def hidden_in_tracebacks(excinfo: Any) -> bool:
+    """pytest's ``__tracebackhide__`` for the simulator's modules: a modelled error shows the
+    test's line and its message, not the simulator's frames, as the real runtime's errors (which
+    come from C) do; any other exception (a bug of the simulator) keeps its frames."""
+    return excinfo is not None and bool(excinfo.errisinstance(MODELLED_ERRORS))
+
+
+__tracebackhide__ = hidden_in_tracebacks
 
 # cudaGetErrorString of the errors that corrupt a context for good, and their cudaGetErrorName
 STICKY_ERRORS = {
@@ -352,7 +367,10 @@ def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool
     ordinal = _view().index(unit)
     led = ledger()
     cap = _rt.caps.get(unit) if capped else None
-    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
+    try:
+        handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
+    except OutOfMemoryError as exc:
+        raise exc.with_traceback(None) from None  # cudaMalloc's error: from here, not the ledger's insides
     _known_contexts().add(unit)
     return Allocation(led, handle, size, ordinal, unit)
 

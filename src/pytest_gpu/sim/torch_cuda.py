@@ -89,6 +89,8 @@ from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
 
+__tracebackhide__ = sim_cuda.hidden_in_tracebacks  # an OOM shows the test's line, as torch's (from C++) does
+
 KiB, MiB = 2**10, 2**20
 MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of it
 SMALL_SIZE = 1 * MiB  # kSmallSize: largest request served from the small pool
@@ -459,7 +461,10 @@ class _DeviceAllocator:
             " Memory Management "
             " (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
         )
-        raise _require_torch().OutOfMemoryError(message) from cause
+        error = _require_torch().OutOfMemoryError(message)
+        if cause is not None and free >= alloc_size:  # the device had room: the lease's cap refused it
+            raise error from cause  # which torch's message cannot say; the simulator's does
+        raise error from None  # as torch's, from C++: its message says it all
 
 
 # -- PYTORCH_CUDA_ALLOC_CONF: expandable segments and the cudaMallocAsync backend ------------
@@ -695,9 +700,9 @@ class _AsyncAllocator(_DeviceAllocator):
             size = ROUND_LARGE * -(-orig_size // ROUND_LARGE)
             try:
                 charge = sim_cuda.allocate(size, device=self.ordinal, capped=False)
-            except OutOfMemoryError as exc:
+            except OutOfMemoryError:  # the device is full, as torch's message says
                 self.stats.counters["num_ooms"] += 1
-                raise self._async_out_of_memory(orig_size, None) from exc
+                raise self._async_out_of_memory(orig_size, None) from None
             chunk = _PoolChunk(size, charge)
             self.chunks.append(chunk)
             self.reserved += size

@@ -56,9 +56,14 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from .cuda import hidden_in_tracebacks
+
 __all__ = ["install"]
 
 BLOCK_ATTR = "_pytest_gpu_block"  # the charge, on the storage's Python object
+
+
+__tracebackhide__ = hidden_in_tracebacks  # an op's error shows the test's line, as torch's (from C++) does
 
 
 @dataclass
