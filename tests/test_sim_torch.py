@@ -549,6 +549,26 @@ def test_to_cuda_and_cpu_follow_torch_s_rules_on_simulated_tensors(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_torchscript_still_compiles_torch_tensor(tmp_path: Path) -> None:
+    """torch.tensor, as_tensor and asarray are wrapped (to resolve a bare "cuda"): TorchScript,
+    which compiles them by identity, still knows them as its builtins."""
+    (tmp_path / "scripted.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+
+            @torch.jit.script
+            def plus_three(x: torch.Tensor) -> torch.Tensor:
+                return x + torch.tensor([1.0]) + torch.as_tensor([2.0])
+            """
+        )
+    )
+    out = run_script(tmp_path, 'import scripted\nout["sum"] = scripted.plus_three(torch.ones(1)).tolist()')
+    assert out["sum"] == [4.0]
+
+
+@pytest.mark.slow
 def test_modules_autograd_and_optimizers_run_on_simulated_gpus(tmp_path: Path) -> None:
     """Parameters moved to a simulated GPU, their gradients (made by the autograd engine) and the
     optimizer's state are charged there, as on CUDA; moving the model back frees them."""

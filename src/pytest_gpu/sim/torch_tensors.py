@@ -41,7 +41,8 @@ What differs from CUDA (what a test on simulated GPUs should not rely on):
   simulated GPUs in one operation fail as on CUDA; a CPU tensor and a simulated-GPU one mix
   without torch's error (the result is on the simulated GPU). No CUDA kernel, stream,
   cuBLAS workspace, CUDA graph or ``torch.Generator(device="cuda")`` exists (such memory is
-  not charged).
+  not charged). TorchScript and C++ extensions see host tensors (in them ``.cpu()`` leaves a
+  tensor where it is, and a bare ``"cuda"`` fails).
 - ``torch.save`` writes such a tensor as a CPU tensor; ``torch.load`` gives it back on the
   CPU (``map_location``/``.to("cuda")`` put it on a simulated GPU).
 - Only dense (strided) tensors: sparse and nested ones on "cuda" fail as the CPU build fails.
@@ -110,9 +111,14 @@ def install(torch: ModuleType, kind: str, empty: Callable[..., Any]) -> None:
     _state.methods = {name: getattr(tensor, name) for name in ("to", "cuda", "xpu", "cpu", "new_tensor")}
     tensor.to, tensor.cpu, tensor.new_tensor = _to, _cpu, _new_tensor
     tensor.cuda, tensor.xpu = _device_method("cuda"), _device_method("xpu")
+    builtins = torch.jit._builtins  # TorchScript compiles these by identity: the wrappers are the same ops
     for name in ("tensor", "as_tensor", "asarray"):  # their bindings need the device's index
-        _state.methods[name] = getattr(torch, name)
-        setattr(torch, name, _with_index(name))
+        _state.methods[name] = original = getattr(torch, name)
+        wrapper = _with_index(name)
+        setattr(torch, name, wrapper)
+        op = builtins._find_builtin(original)
+        if op is not None:
+            builtins._register_builtin(wrapper, op)
     _state.special = {
         tensor.device.__get__: _device_of_tensor,
         tensor.is_cuda.__get__: lambda self: _is(self, "cuda"),
