@@ -55,17 +55,20 @@ torch/csrc/cuda/Module.cpp):
   ``torch.AcceleratorError`` with ``C10_CUDA_CHECK``'s message, as torch 2.13 does
   (c10/cuda/CUDAException.cpp); the statistics, which are host-side, still answer.
 
-The CPU build cannot make CUDA tensors: :func:`empty` stands for
-``torch.empty(nbytes, dtype=torch.uint8, device=...)`` and returns a :class:`Block` whose
-memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected.
-State is per process; :func:`reset` forgets it (tests of the double only).
+Tensors on the simulated GPUs (``torch.ones(n, device="cuda")``, ``x.to("cuda:1")``, every
+op on them) are host tensors charged through this allocator: :mod:`pytest_gpu.sim.torch_tensors`,
+which :func:`install` installs. :func:`empty` stands for ``torch.empty(nbytes,
+dtype=torch.uint8, device=...)`` without the host's bytes and returns a :class:`Block` whose
+memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected. The
+allocator has torch's mutex: a block freed while another thread (or the garbage collector,
+inside an allocation) holds it is freed by the holder. State is per process; :func:`reset`
+forgets it (tests of the double only).
 
-Left out: streams, events and CUDA graphs (one stream per device), the other allocator
-settings (max_split_size, rounding divisions, garbage collection,
-``_set_allocator_settings`` at run time), ``memory_snapshot``,
-memory pools, ``caching_allocator_alloc``, peer access, and real CUDA tensors or
-kernels (``torch.cuda.is_available()`` is True, so library code that then launches CUDA
-work fails as the CPU build does).
+Left out: streams, events and CUDA graphs (one stream per device; ``_cuda_getCurrentRawStream``
+answers the default stream, 0, for torch._dynamo's import), the other allocator settings
+(max_split_size, rounding divisions, garbage collection, ``_set_allocator_settings`` at run
+time), ``memory_snapshot``, memory pools, ``caching_allocator_alloc``, peer access, and CUDA
+kernels (the CPU computes what tensors on the simulated GPUs hold).
 """
 
 from __future__ import annotations
@@ -1242,6 +1245,9 @@ def install(
     ``get_device_name`` and ``can_device_access_peer`` assert ``device < device_count()``
     against it; ``torch.cuda._get_device_properties`` (defined by lazy init) checks the
     driver's count. Refuses a torch built with CUDA.
+
+    Tensors asked for on "cuda" then live on the simulated GPUs
+    (:func:`pytest_gpu.sim.torch_tensors.install`).
     """
     binding = getattr(torch._C, "_cuda_getDeviceCount", None)
     if binding is not None and binding is not _c_get_device_count:
@@ -1351,7 +1357,8 @@ def install_xpu(torch: ModuleType) -> None:
     ``reset_peak_memory_stats``, ``set_per_process_memory_fraction``, ``empty_cache``,
     ``mem_get_info``. Out-of-memory errors say "XPU out of memory". ``torch.cuda`` stays the
     CPU build's (no CUDA on an Intel machine). Left out: streams, events, memory snapshots
-    and pools, custom allocators. Refuses a torch built with XPU support.
+    and pools, custom allocators. Refuses a torch built with XPU support. Tensors asked for on
+    "xpu" live on the simulated GPUs (:func:`pytest_gpu.sim.torch_tensors.install`).
     """
     binding = getattr(torch._C, "_xpu_getDeviceCount", None)
     if getattr(torch._C, "_has_xpu", False) and binding is not _c_get_device_count:
