@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -676,3 +677,68 @@ def test_default_ledger_is_the_simulated_machines_per_user_and_per_spec(
     assert sim.ledger().path == mine / f"sim-{user}-sim_1x1GiB" / "sim-ledger"
     monkeypatch.setenv("PYTEST_GPU_SIM_MACHINE", "ci")  # a named machine, whatever the spec
     assert sim.ledger().path == sim.machine_ledger_dir("sim:2x1GiB") == mine / "sim-ci" / "sim-ledger"
+
+
+# -- tracebacks: the simulator's frames stay out of them -----------------------------------
+
+OOM_SUITE = """
+import pytest
+from pytest_gpu import sim
+from pytest_gpu.sim import cuda, cupy_cuda
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_allocate(gpu):
+    sim.allocate("2GiB")  # the user's line: allocate
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_hold(gpu):
+    sim.hold("2GiB", seconds=0.1)  # the user's line: hold
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_bad_ordinal(gpu):
+    sim.allocate("1MiB", device=5)  # the user's line: ordinal
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_cupy(gpu):
+    cupy_cuda.module().get_default_memory_pool().malloc(64 * 2**30)  # the user's line: cupy
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_a_bug_of_the_simulator(gpu, monkeypatch):
+    monkeypatch.setattr(cuda, "thread_label", lambda: None.missing)
+    sim.allocate("1MiB")  # the user's line: bug
+"""
+
+
+def failure_sections(output: str) -> dict[str, str]:
+    """Each failed test's traceback in pytest's output, by test name."""
+    parts = re.split(r"^_{3,} (test_\w+) _{3,}$", output, flags=re.MULTILINE)
+    sections = dict(zip(parts[1::2], parts[2::2], strict=True))
+    return {name: text.split("short test summary info")[0] for name, text in sections.items()}
+
+
+def test_an_oom_shows_the_test_s_line_not_the_simulator_s(gpu_pytester: pytest.Pytester, run_inner) -> None:
+    """As the real runtime's errors, which come from C: the test's line and the error, no frame
+    of the simulator (``__tracebackhide__`` for the errors it models); a bug of the simulator
+    still shows where it is."""
+    gpu_pytester.makepyfile(test_oom=OOM_SUITE)
+    result = run_inner("--gpus", "sim:1x4GiB", "-p", "no:xdist", subprocess=True)
+    result.assert_outcomes(failed=5)
+    sections = failure_sections(result.stdout.str())
+    expected = {
+        "test_allocate": ("allocate", "pytest_gpu.sim.OutOfMemoryError: Simulated CUDA out of memory on GPU 0"),
+        "test_hold": ("hold", "pytest_gpu.sim.OutOfMemoryError: Simulated CUDA out of memory on GPU 0"),
+        "test_bad_ordinal": ("ordinal", "pytest_gpu.sim.SimDeviceError: invalid device ordinal 5"),
+        "test_cupy": ("cupy", "pytest_gpu.sim.cupy_cuda.OutOfMemoryError: Out of memory allocating"),
+    }
+    for name, (line, error) in expected.items():
+        text = sections[name]
+        assert re.search(rf"^>\s+.*# the user's line: {line}$", text, flags=re.MULTILINE), text
+        assert re.search(rf"^E\s+{re.escape(error)}", text, flags=re.MULTILINE), text
+        assert "pytest_gpu/sim/" not in text and "def " not in text.split(f"the user's line: {line}")[1], text
+    bug = sections["test_a_bug_of_the_simulator"]
+    assert "src/pytest_gpu/sim/cuda.py" in bug and "AttributeError" in bug, bug

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -49,9 +50,15 @@ def contexts():
 
 
 def run_script(
-    tmp_path: Path, body: str, *, sim_spec: str = "sim:4x16GiB", visible: str | None = None, **extra: str
+    tmp_path: Path,
+    body: str,
+    *,
+    sim_spec: str = "sim:4x16GiB",
+    visible: str | None = None,
+    prelude: str = PRELUDE,
+    **extra: str,
 ) -> Any:
-    """Run ``body`` after PRELUDE in a fresh interpreter on a private ledger; return its ``out``."""
+    """Run ``body`` after ``prelude`` in a fresh interpreter on a private ledger; return its ``out``."""
     require("torch", module="torch")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
     env.update(
@@ -63,7 +70,7 @@ def run_script(
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     env.update(extra)
-    script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    script = prelude + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=patience(120)
     )
@@ -408,6 +415,339 @@ def test_install_refuses_a_torch_built_with_cuda() -> None:
     assert not vars(cuda_torch.cuda)  # nothing was patched
 
 
+# -- tensors on a simulated GPU (pytest_gpu.sim.torch_tensors) -------------------------------
+
+
+@pytest.mark.slow
+def test_factories_put_tensors_on_the_simulated_gpus_through_the_caching_allocator(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        MiB = 2**20
+        torch.cuda.set_device(1)
+        x = torch.ones(1024, device="cuda")  # a bare "cuda": the current device
+        out["x"] = [str(x.device), x.is_cuda, x.get_device(), torch.cuda.memory_allocated(1),
+                    torch.cuda.memory_reserved(1), torch.cuda.memory_allocated(0)]
+        y = torch.zeros(1, device="cuda:2")  # 4 bytes: a 512-byte block of a 2 MiB segment
+        out["y"] = [str(y.device), torch.cuda.memory_allocated(2), torch.cuda.memory_reserved(2)]
+        big = torch.empty(3 * MiB, dtype=torch.uint8, device=torch.device("cuda", 2))  # a 20 MiB segment
+        out["big"] = torch.cuda.memory_reserved(2) // MiB
+        out["made"] = [
+            str(t.device)
+            for t in (
+                torch.tensor([1.0, 2.0], device="cuda"),
+                torch.as_tensor([1, 2], device="cuda:3"),
+                torch.arange(10, device="cuda:3"),
+                torch.randn(2, 3, device="cuda:3"),
+                torch.full((2,), 7.0, device="cuda:3"),
+                torch.tril_indices(3, 3, device="cuda:3"),
+                torch.zeros(3).to("cuda"),
+                torch.zeros(3).to("cuda:3"),
+                torch.zeros(3).cuda(),
+                torch.zeros(3).cuda(3),
+                torch.zeros(3).new_tensor([1], device="cuda"),
+                x.new_zeros(2),
+                torch.zeros_like(x),
+            )
+        ]
+        out["values"] = [x.sum().item(), torch.full((2,), 7.0, device="cuda:3").tolist()]
+        with torch.device("cuda:3"):  # torch's default-device context reaches the factories too
+            out["default_device"] = str(torch.zeros(2).device)
+        out["ledger"] = ledger().used()  # contexts (512 MiB) and segments, as NVML sees them
+        out["contexts"] = contexts()
+        del x
+        out["freed"] = [torch.cuda.memory_allocated(1), torch.cuda.memory_reserved(1)]  # back to the cache
+        del y, big
+        torch.cuda.empty_cache()
+        out["emptied"] = ledger().used()
+        """,
+    )
+    assert out["x"] == ["cuda:1", True, 1, 4096, 2 * MiB, 0]
+    assert out["y"] == ["cuda:2", 512, 2 * MiB]
+    assert out["big"] == 22  # 2 MiB (small pool) + 20 MiB (large pool)
+    assert out["made"] == ["cuda:1"] + ["cuda:3"] * 5 + ["cuda:1", "cuda:3"] * 2 + ["cuda:1"] * 3
+    assert out["values"] == [1024.0, [7.0, 7.0]]
+    assert out["default_device"] == "cuda:3"
+    assert out["ledger"] == {"0": 0, "1": OVERHEAD + 2 * MiB, "2": OVERHEAD + 22 * MiB, "3": OVERHEAD + 2 * MiB}
+    assert out["contexts"] == [1, 2, 3]  # none on GPU 0: nothing asked for it
+    assert out["freed"] == [0, 2 * MiB]
+    assert out["emptied"] == {"0": 0, "1": OVERHEAD, "2": OVERHEAD, "3": OVERHEAD}
+
+
+@pytest.mark.slow
+def test_operations_on_simulated_tensors_take_memory_as_on_cuda(tmp_path: Path) -> None:
+    """A result that takes a new buffer on CUDA takes one here (rounded as torch rounds it); a
+    view or an in-place change takes none; the memory goes back when the last view dies."""
+    out = run_script(
+        tmp_path,
+        """
+        MiB = 2**20
+        x = torch.ones(256 * 1024, device="cuda:1")  # 1 MiB of float32
+        base = torch.cuda.memory_allocated(1)
+        views = [x[10:], x.view(512, 512).t(), x.reshape(1024, 256), x.unsqueeze(0), x.detach(), x.data]
+        x.mul_(2)
+        out["views"] = [torch.cuda.memory_allocated(1) - base, [str(v.device) for v in views]]
+        y = x * 3  # 1 MiB more
+        s = y.sum()  # a 0-dim result: one 512-byte block
+        b = x > 1  # 256 KiB of bool
+        out["results"] = [torch.cuda.memory_allocated(1) - base, str(y.device), str(s.device), s.item(), b.all().item()]
+        out["peak"] = torch.cuda.max_memory_allocated(1) - base
+        del x
+        out["views_keep_it"] = torch.cuda.memory_allocated(1) - base
+        del views
+        out["last_view_gone"] = torch.cuda.memory_allocated(1)
+        out["resized"] = y.resize_(512 * 1024).shape[0]  # grown in place: reallocated
+        out["after_resize"] = torch.cuda.memory_allocated(1)
+        """,
+    )
+    MiB = 2**20
+    assert out["views"] == [0, ["cuda:1"] * 6]
+    assert out["results"] == [MiB + 512 + MiB // 4, "cuda:1", "cuda:1", 1572864.0, True]
+    assert out["peak"] == MiB + 512 + MiB // 4 + 512  # b.all()'s result came and went
+    assert out["views_keep_it"] == MiB + 512 + MiB // 4
+    assert out["last_view_gone"] == MiB + 512 + MiB // 4
+    assert out["resized"] == 512 * 1024
+    assert out["after_resize"] == 2 * MiB + 512 + MiB // 4
+
+
+@pytest.mark.slow
+def test_to_cuda_and_cpu_follow_torch_s_rules_on_simulated_tensors(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        x = torch.arange(4.0, device="cuda:1")
+        out["alias"] = [x.to("cuda:1") is x, x.cuda(1) is x, x.to(torch.float32) is x, x.to(x) is x,
+                        x.to("cuda:1", copy=True) is x]
+        c = x.cpu()
+        c += 1  # a copy on the host: x keeps its values
+        out["cpu"] = [str(c.device), type(c) is torch.Tensor, x.tolist(), c.tolist()]
+        z = x.to("cuda:3")
+        h = x.half()
+        out["moved"] = [str(z.device), torch.cuda.memory_allocated(3), str(h.device), str(h.dtype)]
+        out["to_other"] = str(torch.ones(2).to(z).device)  # .to(tensor): that tensor's device
+        out["mismatch"] = error(lambda: x + z)
+        out["copy_across"] = z.copy_(x).tolist()  # copies may cross devices
+        out["numpy"] = error(lambda: x.numpy())
+        out["repr"] = repr(x)
+        out["format"] = f"{x.sum():.1f}"
+        """,
+    )
+    assert out["alias"] == [True, True, True, True, False]
+    assert out["cpu"] == ["cpu", True, [0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]]
+    assert out["moved"] == ["cuda:3", 512, "cuda:1", "torch.float16"]
+    assert out["to_other"] == "cuda:3"
+    assert out["mismatch"] == (
+        "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+        "cuda:1 and cuda:3!"
+    )
+    assert out["copy_across"] == [0.0, 1.0, 2.0, 3.0]
+    assert out["numpy"] == (
+        "TypeError: can't convert cuda:1 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host "
+        "memory first."
+    )
+    assert out["repr"] == "tensor([0., 1., 2., 3.], device='cuda:1')"
+    assert out["format"] == "6.0"
+
+
+@pytest.mark.slow
+def test_torchscript_still_compiles_torch_tensor(tmp_path: Path) -> None:
+    """torch.tensor, as_tensor and asarray are wrapped (to resolve a bare "cuda"): TorchScript,
+    which compiles them by identity, still knows them as its builtins."""
+    (tmp_path / "scripted.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+
+            @torch.jit.script
+            def plus_three(x: torch.Tensor) -> torch.Tensor:
+                return x + torch.tensor([1.0]) + torch.as_tensor([2.0])
+            """
+        )
+    )
+    out = run_script(tmp_path, 'import scripted\nout["sum"] = scripted.plus_three(torch.ones(1)).tolist()')
+    assert out["sum"] == [4.0]
+
+
+@pytest.mark.slow
+def test_modules_autograd_and_optimizers_run_on_simulated_gpus(tmp_path: Path) -> None:
+    """Parameters moved to a simulated GPU, their gradients (made by the autograd engine) and the
+    optimizer's state are charged there, as on CUDA; moving the model back frees them."""
+    out = run_script(
+        tmp_path,
+        """
+        import copy
+        model = torch.nn.Linear(1024, 1024).to("cuda")  # 4 MiB of weight, 4 KiB of bias
+        weights = torch.cuda.memory_allocated()
+        out["params"] = [str(p.device) for p in model.parameters()] + [
+            isinstance(model.weight, torch.nn.Parameter), model.weight.requires_grad, weights]
+        model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+        out["grads"] = [str(p.grad.device) for p in model.parameters()]
+        with_grads = torch.cuda.memory_allocated()
+        optimizer = torch.optim.Adam(model.parameters())
+        optimizer.step()
+        state = optimizer.state[model.weight]
+        out["adam"] = [str(state["exp_avg"].device), str(state["exp_avg_sq"].device)]
+        with_state = torch.cuda.memory_allocated()
+        twin = copy.deepcopy(model)
+        out["deepcopy"] = [str(twin.weight.device), torch.cuda.memory_allocated() - with_state]
+        del twin, optimizer, state
+        model.cpu()
+        gc.collect()
+        out["back"] = [str(model.weight.device), str(model.weight.grad.device), torch.cuda.memory_allocated()]
+        out["sizes"] = [with_grads - weights, with_state - with_grads]
+        """,
+    )
+    weights = 1024 * 1024 * 4 + 4096
+    assert out["params"] == ["cuda:0", "cuda:0", True, True, weights]
+    assert out["grads"] == ["cuda:0", "cuda:0"]
+    assert out["adam"] == ["cuda:0", "cuda:0"]
+    assert out["deepcopy"][0] == "cuda:0" and out["deepcopy"][1] >= 2 * weights  # the weights and their grads
+    assert out["back"] == ["cpu", "cpu", 0]
+    grads, state = out["sizes"]
+    assert grads == weights and state == 2 * weights  # exp_avg and exp_avg_sq (step stays on the host)
+
+
+@pytest.mark.slow
+def test_simulated_tensors_fail_as_cuda_does(tmp_path: Path) -> None:
+    """torch's OutOfMemoryError (its message, a cap from set_per_process_memory_fraction) for
+    factories, charged before the host is asked for the bytes, and for op results alike;
+    c10's invalid ordinal."""
+    out = run_script(
+        tmp_path,
+        """
+        MiB = 2**20
+        torch.cuda.set_per_process_memory_fraction(0.01, 0)  # 163.84 MiB
+        out["factory"] = error(lambda: torch.ones(2**40, dtype=torch.uint8, device="cuda:0"))  # never on the host
+        x = torch.ones(64 * MiB, dtype=torch.uint8, device="cuda:0")
+        out["result"] = error(lambda: torch.cat([x, x]))  # 128 MiB more, past the cap
+        out["ooms"] = torch.cuda.memory_stats(0)["num_ooms"]
+        out["allocated"] = torch.cuda.memory_allocated(0) // MiB
+        out["factory_ordinal"] = error(lambda: torch.ones(1, device="cuda:7"))
+        out["to_ordinal"] = error(lambda: torch.ones(1).to("cuda:7"))
+        """,
+    )
+    total = 16 * GiB
+    assert out["factory"].startswith(
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 16.00 GiB "
+        f"of which {(total - OVERHEAD) / GiB:.2f} GiB is free. Including non-PyTorch memory, this process has "
+        f"512.00 MiB memory in use. {int(0.01 * total) / MiB:.2f} MiB allowed;"
+    ), out["factory"]
+    assert out["result"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 MiB.")
+    assert out["ooms"] == 2
+    assert out["allocated"] == 64  # nothing charged for what failed
+    for key in ("factory_ordinal", "to_ordinal"):
+        assert out[key].startswith(
+            "AcceleratorError: CUDA error: invalid device ordinal\nGPU device may be out of range"
+        ), out[key]
+
+
+@pytest.mark.slow
+def test_a_thread_s_bare_cuda_is_its_own_current_device(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        import threading
+        torch.cuda.set_device(2)
+        seen = {}
+
+        def work():
+            seen["new"] = str(torch.ones(1, device="cuda").device)  # a new thread is on ordinal 0
+            torch.cuda.set_device(3)
+            seen["set"] = str(torch.ones(1, device="cuda").device)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        out["thread"] = seen
+        out["main"] = str(torch.ones(1, device="cuda").device)
+        """,
+    )
+    assert out["thread"] == {"new": "cuda:0", "set": "cuda:3"}
+    assert out["main"] == "cuda:2"
+
+
+@pytest.mark.slow
+def test_the_allocator_keeps_its_books_when_threads_allocate_and_free_tensors(tmp_path: Path) -> None:
+    """The caching allocator's mutex: tensors freed in other threads (or by the garbage collector
+    during an allocation) wait for it, so the blocks and the statistics stay consistent."""
+    out = run_script(
+        tmp_path,
+        """
+        import sys, threading
+        sys.setswitchinterval(1e-6)  # switch threads as often as possible
+        torch.ones(1, device="cuda")
+        errors = []
+
+        def work():
+            try:
+                for i in range(1500):
+                    a = torch.empty(512 * (1 + i % 7), dtype=torch.uint8, device="cuda")
+                    b = a[1:]
+                    del a, b
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        gc.collect()
+        stats = torch.cuda.memory_stats()
+        out["errors"] = errors
+        out["books"] = [stats["allocated_bytes.all.current"], stats["active.all.current"],
+                        stats["allocation.all.current"]]
+        """,
+    )
+    assert out["errors"] == []
+    assert out["books"] == [0, 0, 0]
+
+
+XPU_PRELUDE = PRELUDE.replace("torch_cuda.install(torch)", "torch_cuda.install_xpu(torch)")
+
+
+@pytest.mark.slow
+def test_tensors_on_a_fake_intel_machine_are_xpu_tensors(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        x = torch.ones(1024, device="xpu:1")
+        y = torch.zeros(4).xpu()
+        out["xpu"] = [str(x.device), x.is_xpu, x.is_cuda, str(y.device), str((x + 1).device),
+                      torch.xpu.memory_allocated(1), torch.xpu.memory_allocated(0)]
+        out["cuda"] = error(lambda: torch.ones(1, device="cuda"))  # no CUDA on an Intel machine
+        out["oom"] = error(lambda: torch.empty(2**40, dtype=torch.uint8, device="xpu")).split(".")[0]
+        """,
+        sim_spec="xpu:sim:2x64GiB",
+        prelude=XPU_PRELUDE,
+    )
+    assert out["xpu"] == ["xpu:1", True, False, "xpu:0", "xpu:1", 4096, 512]
+    assert out["cuda"].startswith("AssertionError: Torch not compiled with CUDA enabled")
+    assert out["oom"] == "OutOfMemoryError: XPU out of memory"
+
+
+@pytest.mark.slow
+def test_torch_save_writes_a_simulated_tensor_as_a_cpu_tensor(tmp_path: Path) -> None:
+    out = run_script(
+        tmp_path,
+        """
+        import io
+        model = torch.nn.Linear(4, 2).cuda()
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        out["loaded"] = [str(loaded["weight"].device), type(loaded["weight"]) is torch.Tensor,
+                         torch.equal(loaded["weight"], model.weight.detach().cpu())]
+        model.load_state_dict(loaded)
+        out["model"] = str(model.weight.device)
+        """,
+    )
+    assert out["loaded"] == ["cpu", True, True]
+    assert out["model"] == "cuda:0"
+
+
 # -- the double before torch is imported --------------------------------------------------
 
 
@@ -449,3 +789,66 @@ def test_empty_before_import_torch_on_fake_gpus_imports_torch_and_works(tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(2**20), "True"]
+
+
+# -- tracebacks: the double's frames stay out of them ------------------------------------------
+
+TORCH_OOM_SUITE = """
+import pytest
+import torch
+from pytest_gpu import sim
+from pytest_gpu.sim import torch_cuda
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_factory(gpu):
+    torch.ones(2**31, dtype=torch.uint8, device="cuda")  # the user's line: factory
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_result(gpu):
+    x = torch.ones(2**29, dtype=torch.uint8, device="cuda")
+    torch.cat([x, x])  # the user's line: result
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_empty(gpu):
+    torch_cuda.empty("2GiB")  # the user's line: empty
+
+
+@pytest.mark.gpu
+def test_device_full(gpu):
+    with sim.allocate("3GiB"):
+        torch.empty(2**30, dtype=torch.uint8, device="cuda")  # the user's line: full
+
+
+@pytest.mark.gpu
+def test_shapes(gpu):
+    torch.ones(3, device="cuda") + torch.ones(4, device="cuda")  # the user's line: shapes
+"""
+
+
+def test_torch_s_errors_on_simulated_gpus_show_the_test_s_line(gpu_pytester: pytest.Pytester, run_inner) -> None:
+    """As torch's errors, which come from C++: the test's line and torch's message, no frame of
+    the double, and no simulator error chained to an OOM whose message says it all."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_oom=TORCH_OOM_SUITE)
+    result = run_inner("--gpus", "sim:1x4GiB", "-p", "no:xdist", subprocess=True, timeout=180)
+    result.assert_outcomes(failed=5)
+    output = result.stdout.str()
+    parts = re.split(r"^_{3,} (test_\w+) _{3,}$", output, flags=re.MULTILINE)
+    pairs = zip(parts[1::2], parts[2::2], strict=True)
+    sections = {name: text.split("short test summary info")[0] for name, text in pairs}
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    expected = {
+        "test_factory": ("factory", f"{oom} 2.00 GiB"),
+        "test_result": ("result", f"{oom} 1024.00 MiB"),
+        "test_empty": ("empty", f"{oom} 2.00 GiB"),
+        "test_device_full": ("full", f"{oom} 1024.00 MiB"),
+        "test_shapes": ("shapes", "RuntimeError: The size of tensor a (3) must match the size of tensor b (4)"),
+    }
+    for name, (line, error) in expected.items():
+        text = sections[name]
+        assert re.search(rf"^>\s+.*# the user's line: {line}$", text, flags=re.MULTILINE), text
+        assert re.search(rf"^E\s+{re.escape(error)}", text, flags=re.MULTILINE), text
+        assert "pytest_gpu/sim/" not in text and "direct cause" not in text, text

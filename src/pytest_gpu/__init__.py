@@ -63,6 +63,7 @@ that this map names every module).
         hip             a fake libamdhip64.so: the devices HIP enumerates, built from C
         zes             a fake Level Zero loader (Sysman), built from C
         torch_cuda      torch.cuda (torch.xpu on Intel GPUs) for the CPU build of torch
+        torch_tensors   tensors on a simulated GPU: host tensors charged to it through torch_cuda's allocator
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch
     run/                one run in each of its processes

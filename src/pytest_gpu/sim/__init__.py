@@ -7,6 +7,7 @@
   contexts, allocations) — the public API below comes from here;
 - :mod:`.nvml`: a fake ``libnvidia-ml.so.1`` built from C and loaded by nvidia-ml-py;
 - :mod:`.torch_cuda`: ``torch.cuda`` of torch's CPU build given these semantics;
+- :mod:`.torch_tensors`: tensors on the simulated GPUs (host tensors charged through torch_cuda's allocator);
 - :mod:`.cupy_cuda`: a CuPy stand-in (``Device``, the default memory pool) on the same runtime;
 - :mod:`.fake`: the one switch, ``PYTEST_GPU_FAKE_GPUS=<spec>``, that turns them all on;
 - ``python -m pytest_gpu.sim hold``: a process outside any run holding simulated memory.

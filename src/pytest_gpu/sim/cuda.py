@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..leasing.requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
@@ -51,6 +52,20 @@ __all__ = [
     "synchronize",
     "usage",
 ]
+
+#: What the simulator raises as the runtime it models would (out of memory, an invalid ordinal,
+#: a sticky error, and torch's and CuPy's errors that the doubles raise or let through).
+MODELLED_ERRORS = (RuntimeError, MemoryError, IndexError, ValueError, TypeError)
+
+
+def hidden_in_tracebacks(excinfo: Any) -> bool:
+    """pytest's ``__tracebackhide__`` for the simulator's modules: a modelled error shows the
+    test's line and its message, not the simulator's frames, as the real runtime's errors (which
+    come from C) do; any other exception (a bug of the simulator) keeps its frames."""
+    return excinfo is not None and bool(excinfo.errisinstance(MODELLED_ERRORS))
+
+
+__tracebackhide__ = hidden_in_tracebacks
 
 # cudaGetErrorString of the errors that corrupt a context for good, and their cudaGetErrorName
 STICKY_ERRORS = {
@@ -109,6 +124,7 @@ def _check_sticky() -> None:
 @dataclass
 class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
+    ledger: Ledger | None = None  # that ledger's object in this process (the same key, found faster)
     view: list[int] | None = None  # units, in ordinal order; None until first use
     visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
     started: str = ""  # another vendor's visibility variables when the view was fixed (AMD: ROCm's)
@@ -121,19 +137,33 @@ class _Runtime:
 _rt = _Runtime()
 
 
-def _runtime() -> _Runtime:
-    key = str(ledger().path)
+def _runtime(led: Ledger | None = None) -> _Runtime:
+    led = led or ledger()
+    if _rt.ledger is led:  # asked on every call: ledger() gives one object per ledger and process
+        return _rt
+    key = str(led.path)
     if _rt.key != key:
         # Another ledger is another machine (in-process test runs): start as a new process would.
         forget()
         _rt.key = key
+    _rt.ledger = led
     return _rt
+
+
+def _view() -> list[int]:
+    """The process's device list (units, by ordinal), fixed now if it is not yet."""
+    view = _runtime().view
+    return _fix_view() if view is None else view
 
 
 def init() -> list[int]:
     """Fix this process's device list now (no context is opened); return it as units."""
-    _runtime()
+    return list(_view())
+
+
+def _fix_view() -> list[int]:
     led = ledger()
+    _runtime(led)
     if _rt.view is None:
         from ..gpu import vendors  # the one model of each runtime's enumeration
         from ..gpu.devices import Device
@@ -149,7 +179,7 @@ def init() -> list[int]:
         _rt.view = vendor.view(tuple(units), started)
         _rt.visible = visible
         _rt.started = ", ".join(f"{k}={v!r}" for k, v in started) if vendor is not vendors.NVIDIA else ""
-    return list(_rt.view)
+    return _rt.view
 
 
 def initialized() -> bool:
@@ -163,7 +193,7 @@ def visible_at_init() -> str | None:
 
 
 def device_count() -> int:
-    return len(init())
+    return len(_view())
 
 
 def _current() -> int:
@@ -173,13 +203,13 @@ def _current() -> int:
 
 
 def current_device() -> int:
-    init()
+    _view()
     return _current()
 
 
 def unit_of(ordinal: int | str | None = None) -> int:
     """The ledger unit behind ``ordinal`` (default: the current device)."""
-    view = init()
+    view = _view()
     chosen = _current() if ordinal is None else _ordinal(ordinal)
     if isinstance(chosen, bool) or not isinstance(chosen, int):
         raise SimDeviceError(f"device must be an int ordinal, got {ordinal!r}")
@@ -208,7 +238,7 @@ def _ordinal(device: object) -> object:
 
 def ordinal_of(unit: int) -> int | None:
     """This process's ordinal for ledger unit ``unit``, or ``None`` if it cannot see it."""
-    view = init()
+    view = _view()
     return view.index(unit) if unit in view else None
 
 
@@ -237,7 +267,7 @@ def set_device(ordinal: int | str) -> None:
     _check_sticky()
     unit = unit_of(ordinal)
     _open_context(unit)
-    _rt.local.current = init().index(unit)
+    _rt.local.current = _view().index(unit)
 
 
 def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
@@ -334,10 +364,13 @@ def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool
         raise ValueError(f"allocate: expected a positive size, got {nbytes!r}")
     _check_sticky()
     unit = unit_of(device)
-    ordinal = init().index(unit)
+    ordinal = _view().index(unit)
     led = ledger()
     cap = _rt.caps.get(unit) if capped else None
-    handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
+    try:
+        handle = led.allocate(size, unit, os.environ.get(TAG_ENV), cap, thread=thread_label())
+    except OutOfMemoryError as exc:
+        raise exc.with_traceback(None) from None  # cudaMalloc's error: from here, not the ledger's insides
     _known_contexts().add(unit)
     return Allocation(led, handle, size, ordinal, unit)
 

@@ -40,6 +40,8 @@ from . import cuda as sim_cuda
 
 __all__ = ["Device", "MemoryPointer", "MemoryPool", "OutOfMemoryError", "module"]
 
+__tracebackhide__ = sim_cuda.hidden_in_tracebacks  # an OOM shows the test's line, as CuPy's (from Cython) does
+
 ALLOCATION_UNIT = 512  # cupy.cuda.memory: every size rounds up to a multiple of it
 
 

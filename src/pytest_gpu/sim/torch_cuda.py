@@ -55,17 +55,20 @@ torch/csrc/cuda/Module.cpp):
   ``torch.AcceleratorError`` with ``C10_CUDA_CHECK``'s message, as torch 2.13 does
   (c10/cuda/CUDAException.cpp); the statistics, which are host-side, still answer.
 
-The CPU build cannot make CUDA tensors: :func:`empty` stands for
-``torch.empty(nbytes, dtype=torch.uint8, device=...)`` and returns a :class:`Block` whose
-memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected.
-State is per process; :func:`reset` forgets it (tests of the double only).
+Tensors on the simulated GPUs (``torch.ones(n, device="cuda")``, ``x.to("cuda:1")``, every
+op on them) are host tensors charged through this allocator: :mod:`pytest_gpu.sim.torch_tensors`,
+which :func:`install` installs. :func:`empty` stands for ``torch.empty(nbytes,
+dtype=torch.uint8, device=...)`` without the host's bytes and returns a :class:`Block` whose
+memory goes back to the cache on :meth:`Block.free` or when it is garbage-collected. The
+allocator has torch's mutex: a block freed while another thread (or the garbage collector,
+inside an allocation) holds it is freed by the holder. State is per process; :func:`reset`
+forgets it (tests of the double only).
 
-Left out: streams, events and CUDA graphs (one stream per device), the other allocator
-settings (max_split_size, rounding divisions, garbage collection,
-``_set_allocator_settings`` at run time), ``memory_snapshot``,
-memory pools, ``caching_allocator_alloc``, peer access, and real CUDA tensors or
-kernels (``torch.cuda.is_available()`` is True, so library code that then launches CUDA
-work fails as the CPU build does).
+Left out: streams, events and CUDA graphs (one stream per device; ``_cuda_getCurrentRawStream``
+answers the default stream, 0, for torch._dynamo's import), the other allocator settings
+(max_split_size, rounding divisions, garbage collection, ``_set_allocator_settings`` at run
+time), ``memory_snapshot``, memory pools, ``caching_allocator_alloc``, peer access, and CUDA
+kernels (the CPU computes what tensors on the simulated GPUs hold).
 """
 
 from __future__ import annotations
@@ -84,9 +87,12 @@ from typing import Any, NoReturn
 
 from ..leasing.requests import parse_size
 from . import cuda as sim_cuda
+from . import torch_tensors
 from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
+
+__tracebackhide__ = sim_cuda.hidden_in_tracebacks  # an OOM shows the test's line, as torch's (from C++) does
 
 KiB, MiB = 2**10, 2**20
 MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of it
@@ -158,12 +164,15 @@ class _Stats:
 
     def change(self, name: str, small: bool, amount: int) -> None:
         """Add ``amount`` (negative: remove) to stat ``name`` in "all" and in the block's pool."""
-        for key in ("all", "small_pool" if small else "large_pool"):
-            stat = self.arrays[name][key]
+        array = self.arrays[name]  # (every tensor's allocation and free comes here: kept lean)
+        for stat in (array["all"], array["small_pool" if small else "large_pool"]):
+            stat.current += amount
             if amount >= 0:
-                stat.increase(amount)
+                stat.allocated += amount
+                if stat.current > stat.peak:
+                    stat.peak = stat.current
             else:
-                stat.decrease(-amount)
+                stat.freed -= amount
 
     def current(self, name: str) -> int:
         return self.arrays[name]["all"].current
@@ -455,7 +464,10 @@ class _DeviceAllocator:
             " Memory Management "
             " (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
         )
-        raise _require_torch().OutOfMemoryError(message) from cause
+        error = _require_torch().OutOfMemoryError(message)
+        if cause is not None and free >= alloc_size:  # the device had room: the lease's cap refused it
+            raise error from cause  # which torch's message cannot say; the simulator's does
+        raise error from None  # as torch's, from C++: its message says it all
 
 
 # -- PYTORCH_CUDA_ALLOC_CONF: expandable segments and the cudaMallocAsync backend ------------
@@ -691,9 +703,9 @@ class _AsyncAllocator(_DeviceAllocator):
             size = ROUND_LARGE * -(-orig_size // ROUND_LARGE)
             try:
                 charge = sim_cuda.allocate(size, device=self.ordinal, capped=False)
-            except OutOfMemoryError as exc:
+            except OutOfMemoryError:  # the device is full, as torch's message says
                 self.stats.counters["num_ooms"] += 1
-                raise self._async_out_of_memory(orig_size, None) from exc
+                raise self._async_out_of_memory(orig_size, None) from None
             chunk = _PoolChunk(size, charge)
             self.chunks.append(chunk)
             self.reserved += size
@@ -786,8 +798,55 @@ class _Settings:
     kind: str = "cuda"  # the device module the double serves: torch.cuda, or torch.xpu on Intel GPUs
 
 
+class _Mutex:
+    """The caching allocator's mutex. A tensor freed while it is held (by the garbage collector
+    inside an allocation, or in another thread, from a destructor, which must not wait) is
+    queued and freed by the holder before it lets go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()  # .held: this thread holds the lock
+        self._queued: list[int] = []
+
+    def _held_here(self) -> bool:
+        return bool(getattr(self._local, "held", False))
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._local.held = True
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            while self._queued:
+                self._release(self._queued.pop())
+        finally:
+            self._local.held = False
+            self._lock.release()
+        if self._queued and self._lock.acquire(blocking=False):  # queued while we let go
+            self._local.held = True
+            self.__exit__()
+
+    def free(self, key: int, *, wait: bool) -> None:
+        """Free a :class:`Block`'s memory now, or queue it for the holder of the lock."""
+        if self._held_here() or not self._lock.acquire(blocking=wait):
+            self._queued.append(key)
+            return
+        self._local.held = True
+        try:
+            self._release(key)
+        finally:
+            self.__exit__()
+
+    @staticmethod
+    def _release(key: int) -> None:
+        entry = _proc.blocks.pop(key, None)
+        if entry is not None and entry[0].alive:
+            entry[0].free(entry[1])
+
+
 _proc = _Process()
 _settings = _Settings()
+_mutex = _Mutex()
 
 
 NOT_INSTALLED = (
@@ -1006,8 +1065,9 @@ def _c_synchronize() -> None:
 
 def _c_empty_cache(*_mempool: object) -> None:
     _check_sticky()  # emptyCache synchronizes and cudaFrees: the memory stays held
-    for allocator in _proc.allocators:
-        allocator.release_cached_blocks()
+    with _mutex:
+        for allocator in _proc.allocators:
+            allocator.release_cached_blocks()
 
 
 def _c_memory_stats(device: object) -> dict[str, Any]:
@@ -1144,6 +1204,8 @@ _C_BINDINGS: dict[str, Callable[..., Any]] = {
     "_cuda_getMemoryFraction": _c_get_memory_fraction,
     "_cuda_getAllocatorBackend": lambda: _settings.backend,
     "_cuda_ipc_collect": lambda: None,
+    # the default stream's handle (NULL): torch._dynamo imports it from a build with CUDA
+    "_cuda_getCurrentRawStream": lambda device: 0,
 }
 
 
@@ -1183,6 +1245,9 @@ def install(
     ``get_device_name`` and ``can_device_access_peer`` assert ``device < device_count()``
     against it; ``torch.cuda._get_device_properties`` (defined by lazy init) checks the
     driver's count. Refuses a torch built with CUDA.
+
+    Tensors asked for on "cuda" then live on the simulated GPUs
+    (:func:`pytest_gpu.sim.torch_tensors.install`).
     """
     binding = getattr(torch._C, "_cuda_getDeviceCount", None)
     if binding is not None and binding is not _c_get_device_count:
@@ -1212,6 +1277,7 @@ def install(
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
+    torch_tensors.install(torch, "cuda", empty)
 
 
 # -- torch.xpu (torch/csrc/xpu/Module.cpp, c10/xpu/XPUFunctions.h) -------------------------------
@@ -1273,6 +1339,7 @@ _XPU_BINDINGS: dict[str, Callable[..., Any]] = {
     "_xpu_setMemoryFraction": _c_set_memory_fraction,
     "_xpu_getMemoryFraction": _c_get_memory_fraction,
     "_xpu_getMemoryInfo": _x_memory_info,
+    "_xpu_getCurrentRawStream": lambda device: 0,  # as _cuda_getCurrentRawStream
 }
 
 
@@ -1290,7 +1357,8 @@ def install_xpu(torch: ModuleType) -> None:
     ``reset_peak_memory_stats``, ``set_per_process_memory_fraction``, ``empty_cache``,
     ``mem_get_info``. Out-of-memory errors say "XPU out of memory". ``torch.cuda`` stays the
     CPU build's (no CUDA on an Intel machine). Left out: streams, events, memory snapshots
-    and pools, custom allocators. Refuses a torch built with XPU support.
+    and pools, custom allocators. Refuses a torch built with XPU support. Tensors asked for on
+    "xpu" live on the simulated GPUs (:func:`pytest_gpu.sim.torch_tensors.install`).
     """
     binding = getattr(torch._C, "_xpu_getDeviceCount", None)
     if getattr(torch._C, "_has_xpu", False) and binding is not _c_get_device_count:
@@ -1310,6 +1378,7 @@ def install_xpu(torch: ModuleType) -> None:
     if not _settings.fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
+    torch_tensors.install(torch, "xpu", empty)
 
 
 def reset() -> None:
@@ -1321,9 +1390,10 @@ def reset() -> None:
     """
     global _proc
     sim_cuda.clear_sticky()  # a new process starts without the old one's sticky error
-    for allocator in _proc.allocators:
-        allocator.release_all()
-    _proc = _Process()
+    with _mutex:
+        for allocator in _proc.allocators:
+            allocator.release_all()
+        _proc = _Process()
     sim_cuda.forget()
     if _settings.torch is not None:
         cuda = getattr(_settings.torch, _settings.kind)  # torch.cuda, or torch.xpu on a fake Intel machine
@@ -1356,18 +1426,19 @@ class Block:
 
     def free(self) -> None:
         """Return the memory to the cache (idempotent; a no-op in a forked child or after :func:`reset`)."""
+        self._free(wait=True)
+
+    def _free(self, *, wait: bool) -> None:
         key, self._key = self._key, None
         if key is None or os.getpid() != self._pid:
             return  # a forked child cannot free its parent's memory
-        entry = _proc.blocks.pop(key, None)
-        if entry is not None and entry[0].alive:
-            entry[0].free(entry[1])
+        _mutex.free(key, wait=wait)
 
     def __del__(self) -> None:
         if sys.is_finalizing():
             return  # the process is going: the ledger frees its memory with it
         with contextlib.suppress(Exception):  # a destructor must not raise; the ledger prunes the dead
-            self.free()
+            self._free(wait=False)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
@@ -1410,7 +1481,8 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
             raise RuntimeError(f"Allocator not initialized for device {ordinal}: did you call init?")
         _check_sticky()  # the allocator's event queries and cudaMalloc fail with it
         allocator = _proc.allocators[ordinal]
-        block = allocator.malloc(size)
-        key = next(_proc.keys)
-        _proc.blocks[key] = (allocator, block)
+        with _mutex:
+            block = allocator.malloc(size)
+            key = next(_proc.keys)
+            _proc.blocks[key] = (allocator, block)
         return Block(size, ordinal, key, block.size)
