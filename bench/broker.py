@@ -68,12 +68,12 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
 
+from pytest_gpu.base.requests import GpuRequest, format_size
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.requests import GpuRequest, format_size
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.machine.placement import Policy
 
 GIB = 2**30
 WARMUP_CYCLES = 20

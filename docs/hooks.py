@@ -1,7 +1,7 @@
 """MkDocs hooks of the documentation site (``hooks:`` in mkdocs.yml).
 
 The options reference is written from the options table in code: :func:`options_table`
-runs :func:`pytest_gpu.options.register` against a recorder of pytest's parser and
+runs :func:`pytest_gpu.run.options.register` against a recorder of pytest's parser and
 renders every option, flag and ini key it declares, with the default and help text the
 code gives pytest. A page that contains :data:`PLACEHOLDER` gets the table there, so
 ``pytest --help``, the ini file and the site can never disagree. The home page is the
@@ -78,8 +78,8 @@ class _Recorder:
 
 
 def option_entries() -> list[Entry]:
-    """Every option, flag and ini key of :func:`pytest_gpu.options.register`, in its order."""
-    from pytest_gpu import options
+    """Every option, flag and ini key of :func:`pytest_gpu.run.options.register`, in its order."""
+    from pytest_gpu.run import options
 
     recorder = _Recorder()
     options.register(recorder)  # type: ignore[arg-type]  # the recorder has the parser's methods

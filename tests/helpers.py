@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.base.requests import GpuRequest
 
 T = TypeVar("T")
 

@@ -253,8 +253,8 @@ def test_judge_names_a_context_outside_the_lease_by_the_vendors_runtime(vendor: 
 
 @pytest.mark.parametrize(("vendor", "runtime"), [("nvidia", "CUDA"), ("amd", "HIP"), ("xpu", "Level Zero")])
 def test_the_context_is_named_by_the_inventorys_runtime(vendor: str, runtime: str) -> None:
-    from pytest_gpu.gpu.devices import Inventory
     from pytest_gpu.report.summary import context_lines
+    from pytest_gpu.vendors.devices import Inventory
 
     inventory = Inventory(devices=(), source="test", vendor=vendor)
     assert inventory.runtime == runtime
@@ -326,7 +326,7 @@ def test_usage_nvml_does_not_give_is_said_not_guessed(gpu_pytester, monkeypatch)
 def test_a_pools_ranks_outside_this_process_tree_are_sampled_too() -> None:
     """An ``srun`` step's tasks are children of Slurm's step daemon, not of pytest: a rank
     that is not a descendant is sampled with its own descendants all the same."""
-    from pytest_gpu.gpu.devices import Inventory
+    from pytest_gpu.vendors.devices import Inventory
 
     shell = subprocess.run(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
     orphan = int(shell.stdout)  # re-parented once its shell ended

@@ -23,17 +23,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import patience, shared, wait_for, whole
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.ports import PortAllocator
 from pytest_gpu.machine import link as links_module
 from pytest_gpu.machine import messages
 from pytest_gpu.machine import server as server_module
 from pytest_gpu.machine.arbiter import Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.machine.messages import Held, WireError, request_from_wire
+from pytest_gpu.machine.messages import Held, request_from_wire
+from pytest_gpu.machine.placement import Policy
+from pytest_gpu.machine.ports import PortAllocator
 from pytest_gpu.machine.server import ArbiterServer
-from pytest_gpu.machine.wire import MAX_REPLY, FrameReader, decode, encode, reachable
+from pytest_gpu.wire.frames import MAX_REPLY, FrameReader, WireError, decode, encode
+from pytest_gpu.wire.sockets import reachable
 
 GiB = 2**30
 OTHER = 40002  # a uid no one uses: "another user"

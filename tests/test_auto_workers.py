@@ -14,7 +14,7 @@ import pytest
 
 from conftest import INNER_ARGS
 from helpers import patience
-from pytest_gpu import options
+from pytest_gpu.run import options
 from pytest_gpu.scheduling import autoworkers
 from pytest_gpu.scheduling.autoworkers import choose
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from helpers import patience
+from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker, CrashRecord
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout, describe_holders
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.ports import PortAllocator
-from pytest_gpu.leasing.requests import GpuRequest
 from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.machine.placement import Policy
+from pytest_gpu.machine.ports import PortAllocator
 
 MiB, GiB = 2**20, 2**30
 OVERHEAD = 500 * MiB
@@ -463,7 +463,7 @@ def test_this_process_keeps_its_contexts_counted_until_the_run_leaves_the_machin
 CHILD = """
 import sys, time
 from pytest_gpu.leasing.client import BrokerClient
-from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.base.requests import GpuRequest
 
 address, key, worker, test, count = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 client = BrokerClient(address, key, worker)

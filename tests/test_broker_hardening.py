@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-import pytest_gpu.service.authserver as broker_module
+import pytest_gpu.wire.authserver as broker_module
+from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.machine.placement import Policy
 
 GiB = 2**30
 SERVED_WITHIN = 1.0  # seconds: far below the default handshake timeout (5 s)

@@ -20,10 +20,10 @@ import pytest
 
 from conftest import require
 from helpers import wait_for
+from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, WaitTimeout
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.machine.placement import Policy
 
 GiB = 2**30
 WHOLE = GpuRequest(count=1, memory=None, exclusive=True)

@@ -23,10 +23,10 @@ import pytest
 
 from conftest import require
 from helpers import patience, rank_processes
+from pytest_gpu.base.distspec import DistSpec
 from pytest_gpu.distributed import pool as pool_module
 from pytest_gpu.distributed.pool import DistSettings, RankPool
 from pytest_gpu.distributed.runner import PoolManager
-from pytest_gpu.distributed.spec import DistSpec
 
 MARK_VAR = "COMPAT_TIMEOUT_RUN_MARK"
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")

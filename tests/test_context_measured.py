@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from helpers import patience
+from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError
-from pytest_gpu.leasing.placement import Allocator, Policy
-from pytest_gpu.leasing.ports import PortAllocator
-from pytest_gpu.leasing.requests import GpuRequest
 from pytest_gpu.machine import messages
 from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.machine.placement import Allocator, Policy
+from pytest_gpu.machine.ports import PortAllocator
 from pytest_gpu.sim.spec import SpecError, parse
 
 GiB, MiB = 2**30, 2**20
@@ -145,7 +145,7 @@ import torch
 from pytest_gpu.sim import fake, torch_cuda
 assert fake.activate()
 from pytest_gpu.gpu.calibration import Calibration
-from pytest_gpu.gpu.devices import discover
+from pytest_gpu.vendors.devices import discover
 from pytest_gpu.gpu.isolation import make_lease
 inv = discover("auto")
 lease = make_lease("a", [1], 2 * 2**30, False, 0.0, inv, "tag-a")

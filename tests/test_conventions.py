@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.leasing.requests import DefaultMemory, GpuRequest, build_request
+from pytest_gpu.base.requests import DefaultMemory, GpuRequest, build_request
 from pytest_gpu.run.conventions import MAP_FORM, MarkerMapError, parse_marker_map
 
 GiB, MiB = 2**30, 2**20

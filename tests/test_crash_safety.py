@@ -239,10 +239,10 @@ def test_broker_socket_is_private(gpu_pytester, run_inner):
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfds (Linux)")
 def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
     """A worker that closed its connection still has CUDA contexts until its process exits."""
+    from pytest_gpu.base.requests import GpuRequest
     from pytest_gpu.leasing.broker import Broker
     from pytest_gpu.leasing.client import BrokerClient
-    from pytest_gpu.leasing.placement import Policy
-    from pytest_gpu.leasing.requests import GpuRequest
+    from pytest_gpu.machine.placement import Policy
 
     gib = 2**30
     run_dir = Path(tempfile.mkdtemp(prefix="pytest-gpu-broker-test-"))
@@ -253,7 +253,7 @@ def test_exiting_worker_keeps_its_contexts_counted_until_it_exits():
             "-c",
             "import sys\n"
             "from pytest_gpu.leasing.client import BrokerClient\n"
-            "from pytest_gpu.leasing.requests import GpuRequest\n"
+            "from pytest_gpu.base.requests import GpuRequest\n"
             f"c = BrokerClient({str(run_dir / 'b.sock')!r}, b'k' * 32, 'gw-exiting')\n"
             "g = c.acquire(GpuRequest(1, 2 * 2**30, False), 't', 10)\n"
             "c.release(g.key, {0})\n"

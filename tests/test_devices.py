@@ -1,11 +1,12 @@
-"""pytest_gpu.gpu.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
+"""pytest_gpu.vendors.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
 
 from __future__ import annotations
 
 import pytest
 
-from pytest_gpu.gpu import devices
-from pytest_gpu.gpu.devices import (
+from pytest_gpu.base.requests import SIZE_FORM
+from pytest_gpu.vendors import devices
+from pytest_gpu.vendors.devices import (
     GPUS_FORM,
     Device,
     DeviceSpecError,
@@ -16,7 +17,6 @@ from pytest_gpu.gpu.devices import (
     select_visible,
     sim_uuid,
 )
-from pytest_gpu.leasing.requests import SIZE_FORM
 
 GiB = 2**30
 

@@ -15,9 +15,9 @@ import pytest
 
 from conftest import require, with_amdsmi
 from helpers import patience
-from pytest_gpu.gpu.devices import Device, DeviceSpecError, Inventory
 from pytest_gpu.gpu.discovery import discover, split
 from pytest_gpu.sim.spec import amd_uuid
+from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
 
 GiB = 1 << 30
 
@@ -230,7 +230,7 @@ def test_amd_index_lists_are_amdsmi_indices_visible_to_rocm(tmp_path: Path) -> N
         DESCRIBE
         + textwrap.dedent(
             """
-            from pytest_gpu.gpu.devices import DeviceSpecError
+            from pytest_gpu.vendors.devices import DeviceSpecError
             out["picked"] = describe(discover("amd:2,0"))
             for spec in ("amd:7", "amd:1,1", "amd:1"):
                 try:
@@ -269,8 +269,9 @@ def test_an_ordinal_hip_cannot_see_names_rocms_variables(tmp_path: Path) -> None
 def test_auto_on_a_machine_with_both_takes_nvidias_and_names_amds(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from pytest_gpu.gpu import discovery, vendors
-    from pytest_gpu.gpu.devices import parse_sim_spec
+    from pytest_gpu.gpu import discovery
+    from pytest_gpu.vendors import registry as vendors
+    from pytest_gpu.vendors.devices import parse_sim_spec
 
     nvidia = parse_sim_spec("sim:2x80GiB")
     amd = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(8))

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from pytest_gpu.base.distspec import LAUNCHERS, DistSettings, DistSpec
 from pytest_gpu.distributed.launchers import LAUNCH_VARS, Launcher, exit_text, launcher_for
 from pytest_gpu.distributed.pool import PoolError, RankPool
-from pytest_gpu.distributed.spec import LAUNCHERS, DistSettings, DistSpec
 
 RANKMAIN = [sys.executable, "-m", "pytest_gpu.distributed.rankmain"]
 POOL_ENV = {"PYTEST_GPU_RANK_ADDRESS": "/run/ctl.sock", "PYTEST_GPU_RANK_BACKEND": "gloo"}

@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 
 import pytest
 
+from pytest_gpu.base.distspec import DistSettings, DistSpec, group_timeout
 from pytest_gpu.distributed import pool as pool_module
 from pytest_gpu.distributed.pool import RankPool, RankRun
 from pytest_gpu.distributed.runner import PoolManager
-from pytest_gpu.distributed.spec import DistSettings, DistSpec, group_timeout
 
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from pytest_gpu.base.distspec import DistSettings, DistSpec
 from pytest_gpu.distributed import protocol
 from pytest_gpu.distributed.pool import PoolError, RankPool
 from pytest_gpu.distributed.rankmain import Rank
-from pytest_gpu.distributed.spec import DistSettings, DistSpec
 
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
 Answer = Callable[[int, str, dict[str, Any]], "protocol.Message | None"]

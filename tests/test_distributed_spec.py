@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpu.distributed.spec import DIST_MARKER_FORM, DistSpec, build_spec
-from pytest_gpu.leasing.requests import GpuRequestError
+from pytest_gpu.base.distspec import DIST_MARKER_FORM, DistSpec, build_spec
+from pytest_gpu.base.requests import GpuRequestError
 
 FORM = '@pytest.mark.distributed(world_size, *, backend="auto", gpus_per_rank=None, launcher="spawn", timeout=None)'
 WHAT = "distributed marker"

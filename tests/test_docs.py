@@ -1,7 +1,7 @@
 """The documentation is true: the README and the site under docs/ (MkDocs, mkdocs.yml).
 
 - The options reference is generated from the options table in code (docs/hooks.py runs
-  ``pytest_gpu.options.register`` against a recorder); these tests hold the generator to
+  ``pytest_gpu.run.options.register`` against a recorder); these tests hold the generator to
   pytest's own parser and keep the hand-written text around it (the README's short table,
   the notes) to options that exist, with the defaults the code gives.
 - A code block whose first line names a file (``# test_tour.py``, ``# conftest.py``) is part
@@ -27,7 +27,7 @@ from types import ModuleType
 import pytest
 
 from conftest import require
-from pytest_gpu import options
+from pytest_gpu.run import options
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -19,11 +19,11 @@ import pytest
 
 from conftest import require
 from helpers import patience
-from pytest_gpu.gpu.devices import Device
-from pytest_gpu.gpu.rocm import rocm_view
 from pytest_gpu.sim import hip as fake_hip
 from pytest_gpu.sim.ledger import render_state
 from pytest_gpu.sim.spec import amd_uuid, parse
+from pytest_gpu.vendors.amd import rocm_view
+from pytest_gpu.vendors.devices import Device
 
 GiB = 1 << 30
 SPEC = "amd:sim:4x16GiB;rocr-order=3,0,1,2"  # ROCr enumerates amdsmi's GPU 3 first
@@ -33,7 +33,7 @@ VARS = ("ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "HIP_VISIBLE_DEVICES", "CU
 PRELUDE = """\
 import ctypes, json, os
 from pytest_gpu.gpu import runtime
-from pytest_gpu.gpu.devices import Device, Inventory
+from pytest_gpu.vendors.devices import Device, Inventory
 from pytest_gpu.sim.spec import amd_uuid
 if os.environ.get("PRELOAD"):
     from pytest_gpu.sim.hip import preload

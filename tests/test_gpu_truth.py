@@ -220,8 +220,8 @@ def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake_run):
 
 def test_one_mig_instance_per_process():
     """CUDA lets a process use one MIG instance, the first it sees; other GPUs stay visible."""
-    from pytest_gpu.gpu.devices import Device, Inventory, cuda_view, process_view, sim_machine
     from pytest_gpu.sim.spec import parse
+    from pytest_gpu.vendors.devices import Device, Inventory, cuda_view, process_view, sim_machine
 
     units = tuple(
         Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent)
@@ -238,8 +238,8 @@ def test_one_mig_instance_per_process():
 
 def test_a_mig_lease_this_process_cannot_use_is_for_subprocesses(tmp_path, monkeypatch):
     from pytest_gpu import sim
-    from pytest_gpu.gpu.devices import Inventory, sim_machine
     from pytest_gpu.gpu.isolation import confine, make_lease
+    from pytest_gpu.vendors.devices import Inventory, sim_machine
 
     monkeypatch.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     monkeypatch.setenv(sim.SPEC_ENV, "sim:1x80GiB;mig:0=2x20GiB")
@@ -261,7 +261,7 @@ def test_import_hook_keeps_the_module_whole(tmp_path, monkeypatch):
     """The wrapped loader is given back; a failing callback never breaks the import."""
     import importlib.resources
 
-    from pytest_gpu import importhook
+    from pytest_gpu.base import importhook
 
     pkg = tmp_path / "hooked_pkg"
     pkg.mkdir()
@@ -280,7 +280,7 @@ def test_import_hook_keeps_the_module_whole(tmp_path, monkeypatch):
             import hooked_pkg  # type: ignore[import-not-found]
         assert seen == [1]
         assert importlib.resources.files("hooked_pkg").joinpath("data.txt").read_text() == "payload"
-        assert type(hooked_pkg.__loader__).__module__ != "pytest_gpu.importhook"
+        assert type(hooked_pkg.__loader__).__module__ != "pytest_gpu.base.importhook"
     finally:
         sys.modules.pop("hooked_pkg", None)
 

@@ -9,10 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from pytest_gpu.gpu.isolation import Confinement
-from pytest_gpu.leasing import host
-from pytest_gpu.leasing.placement import Allocator, Policy, Unsatisfiable
-from pytest_gpu.leasing.requests import (
+from pytest_gpu.base.requests import (
     DefaultMemory,
     GpuRequest,
     GpuRequestError,
@@ -20,8 +17,12 @@ from pytest_gpu.leasing.requests import (
     build_request,
     with_host,
 )
+from pytest_gpu.gpu.isolation import Confinement
+from pytest_gpu.leasing import host
 from pytest_gpu.machine.arbiter import Arbiter
-from pytest_gpu.machine.messages import WireError, request_from_wire, request_to_wire
+from pytest_gpu.machine.messages import request_from_wire, request_to_wire
+from pytest_gpu.machine.placement import Allocator, Policy, Unsatisfiable
+from pytest_gpu.wire.frames import WireError
 
 GiB = 2**30
 SHARED = DefaultMemory(exclusive=False, memory=GiB)

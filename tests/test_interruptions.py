@@ -20,13 +20,13 @@ import pytest
 
 from conftest import INNER_ARGS
 from helpers import patience
+from pytest_gpu.base.distspec import DistSpec
+from pytest_gpu.base.requests import DefaultMemory
+from pytest_gpu.base.wording import join, numbered, plural, verb
 from pytest_gpu.distributed.pool import DistSettings, RankPool
-from pytest_gpu.distributed.spec import DistSpec
 from pytest_gpu.leasing.broker import CrashRecord
-from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.report.timeline import Timeline
-from pytest_gpu.report.wording import join, numbered, plural, verb
 from pytest_gpu.run.session import GpuRun
 
 T0 = 1_700_000_000.0

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from pytest_gpu.base.distspec import isolated_spec
+from pytest_gpu.base.requests import GpuRequest, GpuRequestError, split_isolate
+from pytest_gpu.base.spans import LeaseSpan
 from pytest_gpu.distributed.runner import with_torch_peaks
-from pytest_gpu.distributed.spec import isolated_spec
 from pytest_gpu.gpu.verification import Verdict
-from pytest_gpu.leasing.requests import GpuRequest, GpuRequestError, split_isolate
-from pytest_gpu.leasing.spans import LeaseSpan
 from pytest_gpu.run.conventions import MarkerMapError, parse_marker_map
 
 # -- the marker's keyword ------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from conftest import require
 from helpers import patience
 from pytest_gpu import sim
 from pytest_gpu.gpu import runtime
-from pytest_gpu.gpu.devices import Device, Inventory, parse_sim_spec
 from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, confine, make_lease
 from pytest_gpu.sim import cupy_cuda
+from pytest_gpu.vendors.devices import Device, Inventory, parse_sim_spec
 
 GiB, MiB = 2**30, 2**20
 
@@ -51,7 +51,7 @@ import torch
 from pytest_gpu.sim import fake, torch_cuda, cuda as simcuda
 assert fake.activate()
 from pytest_gpu.gpu import runtime
-from pytest_gpu.gpu.devices import discover
+from pytest_gpu.vendors.devices import discover
 from pytest_gpu.gpu.isolation import confine, make_lease
 GiB, MiB = 2**30, 2**20
 inv = discover(os.environ.get("GPUS", "auto"))

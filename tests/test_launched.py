@@ -416,7 +416,7 @@ import json
 
 import pytest
 
-from pytest_gpu.launched.detect import detect
+from pytest_gpu.base.launch import detect
 
 
 @pytest.mark.gpu(exclusive=True)

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpu.gpu.devices import Device, Inventory, sim_uuid
+from pytest_gpu.base.launch import LaunchContext, detect
+from pytest_gpu.gpu.share import node_share, share
 from pytest_gpu.launched import gather, torchenv
-from pytest_gpu.launched.detect import LaunchContext, detect
 from pytest_gpu.launched.markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
 from pytest_gpu.launched.session import outcome_table, rank_logs, rank_nodeid
 from pytest_gpu.launched.shard import partition
-from pytest_gpu.launched.share import node_share, share
+from pytest_gpu.vendors.devices import Device, Inventory, sim_uuid
 
 # -- detect() ----------------------------------------------------------------------------
 

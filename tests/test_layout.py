@@ -123,7 +123,7 @@ def _reach(module: str, modules: dict[str, Path]) -> dict[str, str]:
 
 def test_the_map_calls_some_modules_pure() -> None:
     _, pure = _map()
-    assert {"leasing.requests", "leasing.placement", "scheduling.planner"} <= pure
+    assert {"base.requests", "machine.placement", "scheduling.planner"} <= pure
 
 
 @pytest.mark.parametrize("module", sorted(_map()[1]))
@@ -135,8 +135,8 @@ def test_pure_modules_import_neither_pytest_nor_io(module: str) -> None:
 
 def test_the_purity_check_sees_a_transitive_import() -> None:
     """The check itself: an I/O import two modules away is found (not only direct ones)."""
-    assert "os" in _reach("gpu.devices", _modules())  # devices imports os
-    assert "os" in _reach("launched.share", _modules())  # share imports devices
+    assert "os" in _reach("vendors.devices", _modules())  # devices imports os
+    assert "os" in _reach("gpu.share", _modules())  # share imports devices
 
 
 def _layers() -> dict[str, int]:
@@ -192,25 +192,34 @@ def test_every_module_is_in_a_layer() -> None:
     assert [n for n in layers if _resolve(n, _modules()) != n] == [], "the layers name what does not exist"
 
 
+# Upward imports the redesign (issue 29) removes in its next steps; each must still exist, so
+# the list only ever shrinks, and it is empty when the redesign is done.
+KNOWN_UPWARD = {
+    "vendors.devices (4) -> sim.spec (5)",  # sim_machine: moves to sim/ with the vendor objects
+    "run.lifecycle (8) -> distributed.backends (9)",  # the nccl check: the distributed feature's own hook
+}
+
+
 def test_imports_run_one_way_between_layers() -> None:
     layers = _layers()
-    upward = [line for module, path in _modules().items() for line in upward_imports(module, path, layers)]
-    assert upward == [], "imports from a higher layer (move the code down, or the module to another layer)"
+    upward = {line for module, path in _modules().items() for line in upward_imports(module, path, layers)}
+    assert upward - KNOWN_UPWARD == set(), "imports from a higher layer (move the code down, or the module elsewhere)"
+    assert KNOWN_UPWARD - upward == set(), "fixed: remove it from KNOWN_UPWARD"
 
 
 def test_the_layer_check_catches_an_upward_import() -> None:
     """The check itself: a low module importing a high one, at module level or in a function."""
     layers = _layers()
-    path = PACKAGE / "leasing" / "requests.py"
-    assert upward_imports("leasing.requests", path, layers) == []
+    path = PACKAGE / "base" / "requests.py"
+    assert upward_imports("base.requests", path, layers) == []
     top = "from ..run.session import GpuRun\n"
-    assert upward_imports("leasing.requests", path, layers, top) == ["leasing.requests (1) -> run.session (6)"]
+    assert upward_imports("base.requests", path, layers, top) == ["base.requests (1) -> run.session (8)"]
     local = "def f():\n    from ..plugin import gpu\n    return gpu\n"
-    assert upward_imports("leasing.requests", path, layers, local) == ["leasing.requests (1) -> plugin (9)"]
+    assert upward_imports("base.requests", path, layers, local) == ["base.requests (1) -> plugin (13)"]
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n"
-    assert upward_imports("leasing.requests", path, layers, typing_only) == []
+    assert upward_imports("base.requests", path, layers, typing_only) == []
     absolute = "import pytest_gpu.roles.owner\n"
-    assert upward_imports("leasing.requests", path, layers, absolute) == ["leasing.requests (1) -> roles.owner (8)"]
+    assert upward_imports("base.requests", path, layers, absolute) == ["base.requests (1) -> roles.owner (12)"]
 
 
 # Modules that import each other, and why they may (none may hide it in a function-local import).

@@ -20,12 +20,13 @@ from helpers import patience, shared, whole
 from pytest_gpu.gpu.isolation import GpuLease
 from pytest_gpu.gpu.verification import judge
 from pytest_gpu.leasing.client import describe_holders
-from pytest_gpu.leasing.placement import Allocator, Policy
 from pytest_gpu.machine.arbiter import Arbiter
-from pytest_gpu.machine.messages import WireError, attach, left
+from pytest_gpu.machine.messages import attach, left
 from pytest_gpu.machine.mirror import Mirror
+from pytest_gpu.machine.placement import Allocator, Policy
 from pytest_gpu.run.holding import Leftovers
 from pytest_gpu.run.lifecycle import out_of_memory
+from pytest_gpu.wire.frames import WireError
 
 MiB, GiB = 2**20, 2**30
 
@@ -155,7 +156,7 @@ def test_leftovers_travel_on_the_wire_checked():
 
 
 def test_a_runs_mirror_keeps_what_its_processes_left_for_a_new_arbiter():
-    from pytest_gpu.leasing.requests import GpuRequest
+    from pytest_gpu.base.requests import GpuRequest
     from pytest_gpu.machine.messages import Asked
 
     mirror = Mirror()

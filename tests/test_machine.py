@@ -21,14 +21,14 @@ from conftest import MISSING
 from helpers import patience, shared, throwaway_user, wait_for, whole
 from pytest_gpu.cli import format_status, gpu_labels
 from pytest_gpu.cli import main as cli_main
-from pytest_gpu.leasing.placement import Policy
 from pytest_gpu.machine.arbiter import PART, Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.machine.messages import Held
-from pytest_gpu.machine.wire import reachable
+from pytest_gpu.machine.placement import Policy
 from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
 from pytest_gpu.sim.spec import mig_uuid
+from pytest_gpu.wire.sockets import reachable
 
 GiB = 2**30
 
@@ -347,8 +347,8 @@ sys.path[:0] = {paths!r}
 os.environ[{env!r}] = {root!r}
 from pytest_gpu.machine.domain import Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.requests import GpuRequest
+from pytest_gpu.machine.placement import Policy
+from pytest_gpu.base.requests import GpuRequest
 {become}
 link = MachineLink(Domain.{kind}({name!r}), Policy(overhead=0))
 link.attach({{"U": 16 * 2**30}}, lambda events: None)
@@ -360,7 +360,7 @@ time.sleep(60)
 # Another user, from here on: imports are done first (this interpreter may live where only
 # root can read, e.g. /root/.pyenv), then the process gives up root for good.
 BECOME = """
-import pwd, pytest_gpu.leasing.placement, pytest_gpu.machine.server
+import pwd, pytest_gpu.machine.placement, pytest_gpu.machine.server
 entry = pwd.getpwnam({user!r})
 os.setgroups([]); os.setgid(entry.pw_gid); os.setuid(entry.pw_uid)
 assert os.getuid() == entry.pw_uid
@@ -492,8 +492,8 @@ def test_status_names_each_gpu_by_its_index_beside_its_uuid(domain, links, capsy
 
 
 def test_gpu_labels_ask_nvml_for_real_gpus_only_where_told(monkeypatch):
-    from pytest_gpu.gpu import devices
-    from pytest_gpu.gpu.devices import Device
+    from pytest_gpu.vendors import devices
+    from pytest_gpu.vendors.devices import Device
 
     found = (Device(3, "GPU-real-3", 80 * GiB, "H100"), Device(9, "MIG-real", 10 * GiB, "H100 MIG", parent=3))
     monkeypatch.setattr(devices, "nvml_devices", lambda: (found, ""))

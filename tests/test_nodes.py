@@ -873,8 +873,8 @@ def test_run_time_skips_name_the_node_s_gpus(
 def test_a_run_time_skip_that_says_no_why_is_not_worded_from_the_controller_s_inventory() -> None:
     """Under ``--gpu-nodes`` the controller's inventory is no GPU: a skip a worker sent
     without its words (a rank pool's, say) takes the words the controller sets."""
-    from pytest_gpu.gpu.devices import Inventory
     from pytest_gpu.report.summary import Summary
+    from pytest_gpu.vendors.devices import Inventory
 
     summary = Summary(unsaid_why="larger than the GPUs of the node it ran on")
     report = pytest.TestReport(

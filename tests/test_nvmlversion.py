@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.gpu import nvmlversion
-from pytest_gpu.gpu.nvmlversion import MINIMUM, nvml_version_problem
+from pytest_gpu.vendors import nvmlversion
+from pytest_gpu.vendors.nvmlversion import MINIMUM, nvml_version_problem
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -1,4 +1,4 @@
-"""pytest_gpu.leasing.placement: examples and hypothesis properties of the pure placement policy.
+"""pytest_gpu.machine.placement: examples and hypothesis properties of the pure placement policy.
 
 The properties drive a :class:`Allocator` the way the broker does (after every change, turn
 away what :meth:`Allocator.blocked_forever` says can never be placed) and check, with their
@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from helpers import shared, whole
-from pytest_gpu.leasing.placement import (
+from pytest_gpu.base.requests import GpuRequest
+from pytest_gpu.machine.placement import (
     Allocator,
     Deadlock,
     GpuState,
@@ -33,7 +34,6 @@ from pytest_gpu.leasing.placement import (
     checked_preference,
     place,
 )
-from pytest_gpu.leasing.requests import GpuRequest
 
 MiB, GiB = 2**20, 2**30
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient
-from pytest_gpu.leasing.placement import Policy
-from pytest_gpu.leasing.ports import PortAllocator
-from pytest_gpu.leasing.requests import GpuRequest
 from pytest_gpu.machine.link import MachineLink
+from pytest_gpu.machine.placement import Policy
+from pytest_gpu.machine.ports import PortAllocator
 
 GiB, MiB = 2**30, 2**20
 

@@ -1,4 +1,4 @@
-"""pytest_gpu.leasing.ports: run-unique TCP ports, checked bindable when handed out."""
+"""pytest_gpu.machine.ports: run-unique TCP ports, checked bindable when handed out."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pytest_gpu.leasing.ports import DEFAULT_RANGE, PortAllocator, bindable, parse_port_range
+from pytest_gpu.machine.ports import DEFAULT_RANGE, PortAllocator, bindable, parse_port_range
 
 
 def always_free(port: int) -> bool:

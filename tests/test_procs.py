@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from helpers import patience
-from pytest_gpu import procs
-from pytest_gpu.procs import CTIME_TOLERANCE_S, kill_and_wait, owner_alive
+from pytest_gpu.base import procs
+from pytest_gpu.base.procs import CTIME_TOLERANCE_S, kill_and_wait, owner_alive
 
 ME = os.getpid()
 

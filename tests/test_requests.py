@@ -1,4 +1,4 @@
-"""pytest_gpu.leasing.requests: sizes, the default-memory setting and marker arguments."""
+"""pytest_gpu.base.requests: sizes, the default-memory setting and marker arguments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import re
 
 import pytest
 
-from pytest_gpu.gpu.devices import DeviceSpecError, parse_sim_spec
-from pytest_gpu.leasing.requests import (
+from pytest_gpu.base.requests import (
     GPU_MARKER_FORM,
     SIZE_FORM,
     UNITS_FORM,
@@ -19,6 +18,7 @@ from pytest_gpu.leasing.requests import (
     format_size,
     parse_size,
 )
+from pytest_gpu.vendors.devices import DeviceSpecError, parse_sim_spec
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 EXCLUSIVE = DefaultMemory(exclusive=True)

@@ -1,4 +1,4 @@
-"""AMD ROCm (:mod:`pytest_gpu.gpu.rocm`): ROCm's visibility variables, and GPUs and process lists
+"""AMD ROCm (:mod:`pytest_gpu.vendors.amd`): ROCm's visibility variables, and GPUs and process lists
 through the real ``amdsmi`` package on a fake AMD machine (``PYTEST_GPU_FAKE_GPUS=amd:sim:…``)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from conftest import Holder, require, with_amdsmi
 from helpers import patience
-from pytest_gpu.gpu.devices import Device
-from pytest_gpu.gpu.rocm import lease_env, rocm_view, select
 from pytest_gpu.sim.spec import amd_uuid
+from pytest_gpu.vendors.amd import lease_env, rocm_view, select
+from pytest_gpu.vendors.devices import Device
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -121,7 +121,7 @@ def test_discovery_through_amdsmi_skips_a_gpu_it_cannot_query(tmp_path: Path) ->
         tmp_path,
         "amd:sim:4x192GiB;fault:2=no_permission",
         """
-        from pytest_gpu.gpu.rocm import amdsmi_devices
+        from pytest_gpu.vendors.amd import amdsmi_devices
         devices, note = amdsmi_devices()
         out["devices"] = [[d.index, d.uuid, d.total_memory, d.name] for d in devices]
         out["note"] = note
@@ -140,7 +140,7 @@ def test_an_nvidia_machine_has_no_amd_driver(tmp_path: Path) -> None:
         tmp_path,
         "sim:2x16GiB",
         """
-        from pytest_gpu.gpu.rocm import AmdSmiUnavailable, amdsmi_devices
+        from pytest_gpu.vendors.amd import AmdSmiUnavailable, amdsmi_devices
         try:
             amdsmi_devices()
         except AmdSmiUnavailable as exc:
@@ -159,7 +159,7 @@ def test_usage_sees_this_process_allocations_with_the_driver_granularity(tmp_pat
         f"""
         import os
         from pytest_gpu.sim.ledger import ledger
-        from pytest_gpu.gpu.rocm import amdsmi_usage
+        from pytest_gpu.vendors.amd import amdsmi_usage
         ledger().allocate({GiB + 12345}, 1, None, None)
         usage = amdsmi_usage(["{amd_uuid(0)}", "{amd_uuid(1).upper()}", "GPU-ffffffffffffffff"])
         out["pid"] = os.getpid()
@@ -260,7 +260,7 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
         tmp_path,
         "amd:sim:1x16GiB;reserved=1GiB",
         f"""
-        from pytest_gpu.gpu import sampling
+        from pytest_gpu.vendors import sampling
         from pytest_gpu.gpu.foreign import ForeignSampler
 
         def refuse(self, uuid):
@@ -281,7 +281,7 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
 
 def test_auto_backend_on_amd_gpus_names_rccl(monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_gpu.distributed import backends
-    from pytest_gpu.gpu.devices import Inventory
+    from pytest_gpu.vendors.devices import Inventory
 
     monkeypatch.setattr(backends, "torch_nccl_missing", lambda: None)  # a ROCm build of torch
     inventory = Inventory(MACHINE, "amdsmi", "", MACHINE, None, "amd")

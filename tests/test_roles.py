@@ -80,7 +80,7 @@ def test_a_lone_process_registers_the_lone_role_and_unregisters_it(
 
 def test_the_launch_is_detected_once_per_process(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_gpu import plugin
-    from pytest_gpu.launched import detect as detect_module
+    from pytest_gpu.base import launch as detect_module
 
     pytester.makepyfile("def test_a():\n    pass\n")
     calls: list[int] = []

@@ -1,4 +1,4 @@
-"""Files in directories other users can write: nothing planted there redirects us (pytest_gpu.safefiles)."""
+"""Files in directories other users can write: nothing planted there redirects us (pytest_gpu.base.safefiles)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpu.safefiles import (
+from pytest_gpu.base.safefiles import (
     Unsafe,
     create_file,
     group_dir,

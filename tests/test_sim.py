@@ -17,7 +17,6 @@ import pytest
 
 from helpers import patience, user_dir
 from pytest_gpu import sim
-from pytest_gpu.gpu.devices import sim_uuid
 from pytest_gpu.sim import (
     LEDGER_ENV,
     OVERHEAD_ENV,
@@ -29,6 +28,7 @@ from pytest_gpu.sim import (
     SimDeviceError,
     TagUsage,
 )
+from pytest_gpu.vendors.devices import sim_uuid
 
 MiB, GiB = 2**20, 2**30
 OVERHEAD = 512 * MiB

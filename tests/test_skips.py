@@ -24,6 +24,7 @@ import pytest
 
 from conftest import require
 from helpers import patience
+from pytest_gpu.base.requests import DefaultMemory
 from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import (
     AUTO_PROPERTY,
@@ -33,11 +34,10 @@ from pytest_gpu.distributed.backends import (
     fit_ranks,
     nccl_missing,
 )
-from pytest_gpu.gpu.devices import Device, Inventory, discover
-from pytest_gpu.leasing.requests import DefaultMemory
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.sim import fake
+from pytest_gpu.vendors.devices import Device, Inventory, discover
 
 GiB = 2**30
 
@@ -349,7 +349,7 @@ def test_gpu_required_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner):
 
 
 def test_gpu_required_is_in_the_options_table_as_a_flag():
-    from pytest_gpu.options import FLAGS, OPTIONS
+    from pytest_gpu.run.options import FLAGS, OPTIONS
 
     rows = {ini: (option, default) for option, ini, default, _ in OPTIONS}
     assert rows["gpu_required"] == ("--gpu-required", "false")

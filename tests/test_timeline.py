@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pytest_gpu.base.wording import duration
 from pytest_gpu.report import trace
 from pytest_gpu.report.timeline import SUGGEST_FLOOR, LeaseSpan, Timeline, suggest
-from pytest_gpu.report.wording import duration
 
 MIB = 2**20
 GIB = 2**30
@@ -559,7 +559,7 @@ def test_summary_leaves_out_a_parallel_factor_below_one() -> None:
 def test_other_holders_leases_are_drawn_and_busy_under_their_own_name() -> None:
     """A pool's (or fixture's) lease judged during a test: on its GPU's track, named after the
     holder, with the test it was judged during; it makes the GPU busy too."""
-    from pytest_gpu.leasing.spans import HeldRow, format_held
+    from pytest_gpu.base.spans import HeldRow, format_held
 
     pool = HeldRow("pool", "the rank pool of 2 ranks", (LeaseSpan((1,), GIB, False, T0, T0, T0 + 2.0),), 1)
     tl = Timeline()

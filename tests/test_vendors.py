@@ -1,4 +1,4 @@
-"""The vendor interface (:mod:`pytest_gpu.gpu.vendors`): NVIDIA's implementation is the code the
+"""The vendor interface (:mod:`pytest_gpu.vendors.registry`): NVIDIA's implementation is the code the
 NVIDIA path always ran, AMD's is ROCm's model; both answer the same questions."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from pytest_gpu.gpu import vendors
-from pytest_gpu.gpu.devices import Device, Inventory, cuda_view, parse_sim_spec
 from pytest_gpu.sim.spec import amd_uuid
+from pytest_gpu.vendors import registry as vendors
+from pytest_gpu.vendors.devices import Device, Inventory, cuda_view, parse_sim_spec
 
 GiB = 1 << 30
 NV = parse_sim_spec("sim:4x16GiB")

@@ -22,8 +22,8 @@ import pytest
 
 from conftest import INNER_ARGS, MISSING, require
 from helpers import patience
-from pytest_gpu import options
-from pytest_gpu.gpu import libraries
+from pytest_gpu.run import options
+from pytest_gpu.vendors import libraries
 
 PYNVML_ENV = "PYNVML_TEST_SITE"
 PYNVML_PIN = "13.0.1"  # the shim with the FutureWarning (.ci/run installs this one)
@@ -119,7 +119,7 @@ def test_the_inner_runs_fail_on_the_plugins_own_deprecations(
     """The suite's inner runs (conftest.INNER_ARGS, and PYTEST_ADDOPTS for every pytest that
     gpu_pytester starts) fail on a deprecated pytest API in the plugin's code: here the old
     reading of --gpu-context-overhead's ini key through config.inicfg, put back in
-    pytest_gpu.options' namespace; a deprecation of another module's stays a warning."""
+    pytest_gpu.run.options' namespace; a deprecation of another module's stays a warning."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _ = request.config.inicfg

@@ -12,14 +12,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpu.gpu.devices import Inventory, parse_sim_spec
-from pytest_gpu.gpu.verification import Verdict
-from pytest_gpu.leasing.broker import Broker, ClientInfo, scoped, unscoped
-from pytest_gpu.leasing.client import Grant
-from pytest_gpu.leasing.ports import PortOwner
-from pytest_gpu.leasing.protocol import LeaseMessage
-from pytest_gpu.leasing.requests import DefaultMemory, GpuRequest
-from pytest_gpu.leasing.spans import (
+from pytest_gpu.base.requests import DefaultMemory, GpuRequest
+from pytest_gpu.base.spans import (
     GpuProperties,
     HeldRow,
     LeaseSpan,
@@ -31,11 +25,17 @@ from pytest_gpu.leasing.spans import (
     parse_peaks,
     parse_spans,
 )
-from pytest_gpu.options import Settings
+from pytest_gpu.gpu.verification import Verdict
+from pytest_gpu.leasing.broker import Broker, ClientInfo, scoped, unscoped
+from pytest_gpu.leasing.client import Grant
+from pytest_gpu.leasing.protocol import LeaseMessage
+from pytest_gpu.machine.ports import PortOwner
 from pytest_gpu.report.timeline import Timeline
 from pytest_gpu.run.lifecycle import TestState, report_properties
+from pytest_gpu.run.options import Settings
 from pytest_gpu.run.session import WIRE_KEY, GpuRun, RunWire
 from pytest_gpu.scheduling.planner import Need
+from pytest_gpu.vendors.devices import Inventory, parse_sim_spec
 
 GIB = 2**30
 T0 = 1_700_000_000.0

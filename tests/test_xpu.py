@@ -15,13 +15,14 @@ import pytest
 
 from conftest import Holder, require
 from helpers import patience
+from pytest_gpu.base.distspec import build_spec
+from pytest_gpu.base.requests import GpuRequestError
 from pytest_gpu.distributed.backends import auto_backend, build_xccl_missing, fit_ranks
-from pytest_gpu.distributed.spec import build_spec
-from pytest_gpu.gpu import vendors, xpu
-from pytest_gpu.gpu.devices import Device, DeviceSpecError, Inventory
 from pytest_gpu.gpu.discovery import discover
-from pytest_gpu.leasing.requests import GpuRequestError
 from pytest_gpu.sim.spec import SpecError, parse, xpu_uuid
+from pytest_gpu.vendors import intel as xpu
+from pytest_gpu.vendors import registry as vendors
+from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
 
 GiB, MiB = 2**30, 2**20
 MACHINE = tuple(Device(i, xpu_uuid(i), 64 * GiB) for i in range(4))
@@ -171,7 +172,7 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
         "xpu:sim:4x64GiB;reserved=1GiB",
         """
         from pytest_gpu.gpu.discovery import discover
-        from pytest_gpu.gpu.devices import DeviceSpecError
+        from pytest_gpu.vendors.devices import DeviceSpecError
         auto = discover("auto")
         out["auto"] = [auto.vendor, auto.source, auto.describe(), [d.index for d in auto.devices]]
         out["outer"] = [list(p) for p in auto.outer]
@@ -230,7 +231,7 @@ def test_foreign_usage_through_sysman_where_there_is_neither_nvml_nor_amdsmi(tmp
 
 
 def test_a_tile_is_not_verified_from_card_wide_figures() -> None:
-    from pytest_gpu.gpu.sampling import Refused, XpuSampler
+    from pytest_gpu.vendors.sampling import Refused, XpuSampler
 
     sampler = XpuSampler.__new__(XpuSampler)  # no driver needed: a tile is refused before asking it
     sampler._handles = {}

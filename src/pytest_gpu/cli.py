@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .gpu.devices import DeviceSpecError
+from .base.requests import format_size
 from .gpu.discovery import discover
-from .leasing.requests import format_size
+from .vendors.devices import DeviceSpecError
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -110,7 +110,7 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
         else:
             real.append(uuid)
     if real and ask_nvml:
-        from .gpu.devices import NvmlUnavailable, nvml_devices
+        from .vendors.devices import NvmlUnavailable, nvml_devices
 
         try:
             devices = nvml_devices()[0]
@@ -128,7 +128,7 @@ def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
 
 def _amd_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
     """Where NVML cannot answer: amdsmi's names (``AMD GPU 2``, its index) for the AMD GPUs of ``uuids``."""
-    from .gpu.rocm import AmdSmiUnavailable, amdsmi_devices
+    from .vendors.amd import AmdSmiUnavailable, amdsmi_devices
 
     try:
         known = {d.uuid: f"AMD GPU {d.index}" for d in amdsmi_devices()[0]}
@@ -146,7 +146,7 @@ def _xpu_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
     ``ZE_AFFINITY_MASK`` counts) for the Intel GPUs of ``uuids``."""
     import os
 
-    from .gpu.xpu import ZesUnavailable, sysman_devices
+    from .vendors.intel import ZesUnavailable, sysman_devices
 
     left = [uuid for uuid in uuids if uuid not in labels]
     if not left:

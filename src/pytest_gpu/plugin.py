@@ -14,20 +14,19 @@ from typing import Any
 
 import pytest
 
-from . import options, raycluster, roles
+from . import raycluster, roles
+from .base.launch import LaunchContext, detect
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
-from .gpu import libraries
-from .gpu.devices import DeviceSpecError
 from .gpu.isolation import GpuLease
 from .launched import selection
-from .launched.detect import LaunchContext, detect
 from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
-from .roles.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY
-from .run import fixture_leases, lifecycle
+from .run import fixture_leases, history, lifecycle, options
+from .run.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY
 from .run.record import RUN_KEY
 from .run.session import WIRE_KEY, GpuRun
-from .scheduling import history
+from .vendors import libraries
+from .vendors.devices import DeviceSpecError
 
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False, cpus=None, host_memory=None): the test needs COUNT GPUs "

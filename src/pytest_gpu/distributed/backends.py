@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..gpu.devices import Inventory
+    from ..vendors.devices import Inventory
 
 # the user property of a test whose marker left the backend to "auto": what auto chose, and why
 AUTO_PROPERTY = "dist_backend_auto"

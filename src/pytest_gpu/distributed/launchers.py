@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import psutil
 
-from ..procs import kill_and_wait
-from .spec import DistSpec
+from ..base.distspec import DistSpec
+from ..base.procs import kill_and_wait
 
 RANK_MODULE = "pytest_gpu.distributed.rankmain"
 # What a rank reads to learn its place, set by the pool's own launcher (spawn) or by the

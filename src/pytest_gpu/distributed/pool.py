@@ -28,17 +28,17 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import sim
+from ..base.distspec import DistSettings, DistSpec, group_timeout
+from ..base.spans import LeaseSpan
+from ..base.wording import numbered
 from ..gpu.isolation import VISIBILITY
 from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.host import THREAD_VARS
-from ..leasing.spans import LeaseSpan
-from ..report.wording import numbered
 from ..run.holding import Holding, Owner, RankVerifier
 from ..run.session import GpuRun
 from . import cover, protocol
 from .launchers import launcher_for
 from .protocol import Message
-from .spec import DistSettings, DistSpec, group_timeout
 
 _ids = itertools.count()
 

@@ -29,7 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from .. import importhook
+from ..base import importhook
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -107,7 +107,7 @@ class Rank:
         mine = slices.split(";")[self.rank] if slices is not None else ""
         # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
         # would show it every GPU of the machine, leased to others or excluded by the user
-        from ..gpu import vendors  # AMD's: ROCR_VISIBLE_DEVICES by UUID, HIP's counting into it
+        from ..vendors import registry as vendors  # AMD's: ROCR_VISIBLE_DEVICES by UUID, HIP's counting into it
 
         os.environ.update(
             vendors.of(os.environ.get(protocol.RANK_VENDOR_ENV, "nvidia")).lease_env(mine.split(",") if mine else [])

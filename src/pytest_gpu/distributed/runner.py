@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest._code.code import ReprEntry, ReprExceptionInfo, ReprFileLocation, ReprTraceback
 
-from ..leasing.requests import GpuRequestError, format_size
-from ..report.wording import plural
+from ..base.distspec import DistSettings, DistSpec, build_spec, isolated_spec
+from ..base.requests import GpuRequestError, format_size
+from ..base.wording import plural
 from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
 from ..run.record import effective, needs, record
 from .backends import AUTO_PROPERTY, auto_backend, fit_ranks
 from .rankinfo import RankPlaceholder
-from .spec import DistSettings, DistSpec, build_spec, isolated_spec
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
+    from ..base.spans import LeaseSpan
     from ..gpu.verification import Verdict
-    from ..leasing.spans import LeaseSpan
     from ..run.session import GpuRun
     from .pool import RankPool, RankRun
 

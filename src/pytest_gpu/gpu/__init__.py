@@ -1,2 +1,3 @@
-"""Real GPUs: what the machine has (``devices``), the process's CUDA (``runtime``), applying a
-lease (``isolation``) and checking it afterwards (``verification``)."""
+"""A process and its GPUs: which GPUs the run uses (``discovery``), the process's runtime
+(``runtime``), applying a lease (``isolation``, ``adapters``) and checking it afterwards
+(``verification``, ``calibration``, ``foreign``)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .devices import Inventory
+    from ..vendors.devices import Inventory
     from .isolation import GpuLease
 
 
@@ -122,8 +122,8 @@ def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int]
 def _driver_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
     """This process's line in the driver's compute lists (NVML's; amdsmi's on AMD GPUs, whose
     figure may be rounded: docs-incoming/vendors.md) on each of ``indices``."""
-    from . import vendors
-    from .sampling import Unavailable
+    from ..vendors import registry as vendors
+    from ..vendors.sampling import Unavailable
 
     try:
         driver = vendors.of(inventory.vendor).sampler()

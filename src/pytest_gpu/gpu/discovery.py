@@ -1,6 +1,6 @@
 """``--gpus`` resolved by vendor: NVIDIA through NVML, AMD through amdsmi, Intel through Level Zero Sysman.
 
-``auto`` finds NVIDIA GPUs as it always has (:func:`pytest_gpu.gpu.devices.discover`); on a
+``auto`` finds NVIDIA GPUs as it always has (:func:`pytest_gpu.vendors.devices.discover`); on a
 machine where NVML reports none, it asks amdsmi (when the ``rocm`` extra is installed). A
 vendor prefix picks one on a machine that has both: ``nvidia:auto`` (NVML only, exactly
 ``auto`` on an NVIDIA machine; also ``nvidia:0,2``), ``amd:auto``. Where ``auto`` finds both
@@ -9,13 +9,13 @@ request that names two vendors (``nvidia:0,amd:1``) is refused, naming both: a r
 vendor's GPUs.
 ``amd:0,2`` picks AMD GPUs by amdsmi's index, as ``0,2`` picks NVIDIA's by NVML's.
 
-Intel GPUs (:mod:`pytest_gpu.gpu.xpu`): ``xpu:auto`` and ``xpu:0,2`` (indices as
+Intel GPUs (:mod:`pytest_gpu.vendors.intel`): ``xpu:auto`` and ``xpu:0,2`` (indices as
 ``ZE_AFFINITY_MASK`` counts devices), ``xpu:sim:4x64GiB`` (simulated); ``auto`` asks Level Zero
 Sysman last, on a machine where neither NVML nor amdsmi finds a GPU.
 
 An AMD inventory keeps the ROCm visibility variables the run started with
 (:attr:`Inventory.outer`) and lists the machine in ROCr's order
-(:mod:`pytest_gpu.gpu.rocm`), so that a process's view of it can be computed as ROCm's
+(:mod:`pytest_gpu.vendors.amd`), so that a process's view of it can be computed as ROCm's
 runtime enumerates it.
 """
 
@@ -27,8 +27,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .devices import GPUS_FORM, DeviceSpecError, Inventory
-from .devices import discover as nvidia_discover
+from ..vendors.devices import GPUS_FORM, DeviceSpecError, Inventory
+from ..vendors.devices import discover as nvidia_discover
 
 VENDORS = ("nvidia", "amd", "xpu")
 FORM = f"{GPUS_FORM}; or one vendor's: nvidia:auto, nvidia:0,2, amd:auto, amd:0,2, xpu:auto, xpu:0,2, xpu:sim:4x64GiB"
@@ -136,7 +136,7 @@ def _said(started: tuple[tuple[str, str], ...]) -> str:
 def _by_indices(words: _Words, spec: str, wanted: list[int], environ: Mapping[str, str]) -> Inventory:
     """``amd:0,2`` / ``xpu:0,2``: these GPUs by the driver's index, each one that the run's
     visibility variables leave visible."""
-    from .vendors import UNAVAILABLE, of
+    from ..vendors.registry import UNAVAILABLE, of
 
     vendor = of(words.vendor)
     try:
@@ -168,7 +168,7 @@ def _visible(words: _Words, environ: Mapping[str, str], required: bool) -> Inven
     """The GPUs the driver reports that the run's visibility variables leave it; ``required``
     (``amd:auto``, ``xpu:auto``): the driver being unavailable is said in the empty inventory's
     note, as NVML's is for ``auto``."""
-    from .vendors import UNAVAILABLE, of
+    from ..vendors.registry import UNAVAILABLE, of
 
     vendor = of(words.vendor)
     try:
@@ -207,8 +207,8 @@ def xpu_inventory(environ: Mapping[str, str], *, required: bool) -> Inventory:
 def _xpu_sim(spec: str, rest: str, environ: Mapping[str, str]) -> Inventory:
     """``xpu:sim:4x64GiB``: simulated Intel GPUs (the run makes them its fake machine, so torch.xpu
     and the simulated runtime follow ``ZE_AFFINITY_MASK``), narrowed by the run's mask."""
-    from .devices import sim_machine
-    from .vendors import XPU
+    from ..vendors.devices import sim_machine
+    from ..vendors.registry import XPU
 
     source = f"xpu:{rest}"
     found, note = sim_machine(source)  # DeviceSpecError names the spec and the expected form

@@ -23,8 +23,8 @@ nothing can be known about it. Nothing here raises for NVML's sake: what cannot 
 is said in the note, and the sample goes on.
 
 On AMD GPUs (no NVML) the same judgement is made from amdsmi's per-process list
-(:class:`pytest_gpu.gpu.sampling.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
-On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.gpu.sampling.XpuSampler`).
+(:class:`pytest_gpu.vendors.sampling.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
+On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.vendors.sampling.XpuSampler`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..leasing.requests import format_size
-from .sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable, XpuSampler
+from ..base.requests import format_size
+from ..vendors.sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable, XpuSampler
 
 #: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
 #: their ``psutil`` create times (a recycled root pid is then not ours).
@@ -81,7 +81,7 @@ def descends_from(pid: int, roots: Collection[int] | Mapping[int, float]) -> boo
         return True
     import psutil
 
-    from ..procs import started_at
+    from ..base.procs import started_at
 
     try:
         proc: psutil.Process | None = psutil.Process(pid)
@@ -105,7 +105,7 @@ def _predicate(ours: Ours) -> Callable[[int], bool]:
 
 class ForeignSampler:
     """Samples foreign GPU usage through the machine's driver: NVML, else amdsmi
-    (:mod:`pytest_gpu.gpu.sampling`), opened once; :meth:`close` shuts it down.
+    (:mod:`pytest_gpu.vendors.sampling`), opened once; :meth:`close` shuts it down.
 
     ``uuids``: the GPUs (or MIG instances) to sample by default. ``accounted``: a callable
     returning what pytest-gpu's own leases and contexts account for per UUID, used where

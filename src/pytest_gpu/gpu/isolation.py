@@ -3,7 +3,7 @@
 Only the leased GPUs are ever touched. A framework is used only if the test process
 imports it: if it is loaded when the lease starts it is confined at once, and if the test
 imports it while holding the lease it is confined right after its import
-(:mod:`pytest_gpu.importhook`); the plugin never imports torch or CuPy itself. Which
+(:mod:`pytest_gpu.base.importhook`); the plugin never imports torch or CuPy itself. Which
 frameworks are confined, and how, is the ``pytest_gpu_confine`` hook's: torch and CuPy
 are built in (:mod:`pytest_gpu.gpu.adapters`), a conftest adds its own.
 
@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 
-from .. import importhook, sim
-from . import runtime, vendors
-from .devices import Inventory
+from .. import sim
+from ..base import importhook
+from ..vendors import registry as vendors
+from ..vendors.devices import Inventory
+from . import runtime
 
 VISIBLE_VARS = vendors.NVIDIA_VARS
 VISIBILITY = vendors.VISIBILITY  # every variable a lease of any vendor sets to say which GPUs a process sees
@@ -114,7 +116,7 @@ def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
     """The variables that make a subprocess see exactly the GPUs ``visible`` (UUIDs, or a simulated
     machine's indices), in this order: ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` for
     NVIDIA's; ``ROCR_VISIBLE_DEVICES`` and the variables that count into it for AMD's
-    (:meth:`pytest_gpu.gpu.vendors.Vendor.lease_env`)."""
+    (:meth:`pytest_gpu.vendors.registry.Vendor.lease_env`)."""
     return vendors.of(vendor).lease_env(visible)
 
 

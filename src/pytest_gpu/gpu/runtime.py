@@ -8,8 +8,8 @@ that test's narrow list for life and every later lease would land on a wrong or
 invalid ordinal. So before the first lease is applied in a process, :func:`pin`
 initialises the driver with the run's own ``CUDA_VISIBLE_DEVICES``: ``cuInit(0)`` opens
 no context and allocates no GPU memory, and nothing is imported. From then on the
-process numbers devices as :func:`pytest_gpu.gpu.devices.process_view` says (its vendor's
-:meth:`~pytest_gpu.gpu.vendors.Vendor.view`), and a
+process numbers devices as :func:`pytest_gpu.vendors.devices.process_view` says (its vendor's
+:meth:`~pytest_gpu.vendors.registry.Vendor.view`), and a
 lease's GPU ``i`` is ``cuda:<view.index(i)>`` in the worker, ``cuda:0`` in subprocesses.
 
 On simulated or fake GPUs the driver is :mod:`pytest_gpu.sim.cuda`, whose view is read
@@ -25,7 +25,7 @@ On AMD GPUs (an inventory of vendor ``amd``) HIP is read back the same way throu
 ``GPU-<16 hex>`` UUID: ROCm/clr ``rocdevice.cpp`` at f9f995c6), matched to amdsmi's UUIDs; the
 library torch bundles is preferred, so that the process has one HIP runtime. Without it the
 view is predicted from the ROCm visibility variables the process pinned with
-(:func:`pytest_gpu.gpu.rocm.rocm_view`). CI reads back the fake ``libamdhip64.so``
+(:func:`pytest_gpu.vendors.amd.rocm_view`). CI reads back the fake ``libamdhip64.so``
 (:mod:`pytest_gpu.sim.hip`); no AMD GPU ran it here.
 
 A process that has pinned has initialised CUDA's driver: like any process that used
@@ -38,8 +38,8 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from . import vendors
-from .devices import Inventory
+from ..vendors import registry as vendors
+from ..vendors.devices import Inventory
 
 
 class LeaseUnreachable(RuntimeError):

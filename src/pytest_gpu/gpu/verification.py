@@ -33,13 +33,13 @@ from types import ModuleType
 from typing import Protocol
 
 from .. import sim
-from ..leasing.requests import format_size
-from ..procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
-from ..report.wording import numbered
+from ..base.procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
+from ..base.requests import format_size
+from ..base.wording import numbered
+from ..vendors.devices import Inventory, addressable, runtime_name
+from ..vendors.sampling import version_problem
 from . import runtime
-from .devices import Inventory, addressable, runtime_name
 from .isolation import GpuLease
-from .sampling import version_problem
 from .torchstats import TorchCounters, torch_counters
 
 
@@ -230,7 +230,7 @@ class SimVerifier:
 # memory of the test during which it happened; beyond it, growth that outlives the test is held.
 CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
-# AMD: amdsmi's process list (pytest_gpu.gpu.sampling.AmdSampler) is the driver's, which some
+# AMD: amdsmi's process list (pytest_gpu.vendors.sampling.AmdSampler) is the driver's, which some
 # drivers give in whole MB and refresh about once a second (what the issue reports; amdsmi.h says
 # bytes, and the 2024 source reads KFD's sysfs live). A list that old errs both ways at a lease's
 # end: on AMD a violation is judged again from a list read the lag after the test ended
@@ -304,8 +304,8 @@ class NvmlVerifier:
         compute lists; amdsmi's process list on AMD GPUs); ``None`` (and a note) when it cannot tell."""
         import psutil
 
-        from . import vendors
-        from .sampling import Unavailable, Unlistable
+        from ..vendors import registry as vendors
+        from ..vendors.sampling import Unavailable, Unlistable
 
         other = self.inventory.vendor != "nvidia"
         if self._untrusted and not other:  # the installed nvidia-ml-py's, which amdsmi and Sysman do not use

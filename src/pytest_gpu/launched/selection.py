@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from .detect import LaunchContext
+from ..base.launch import LaunchContext
 from .markers import DEFAULT_MAPPING, SELECTED, LauncherMarkerError, allowed, parse_mapping
 
 REASONS_KEY = pytest.StashKey[Counter[str]]()

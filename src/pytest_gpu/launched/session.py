@@ -25,11 +25,11 @@ from typing import Any, cast
 
 import pytest
 
-from ..report.wording import numbered
-from ..scheduling import history
-from ..scheduling.history import DURATIONS_KEY
+from ..base.launch import LaunchContext
+from ..base.wording import numbered
+from ..run import history
+from ..run.history import DURATIONS_KEY
 from . import gather
-from .detect import LaunchContext
 from .shard import partition
 
 

@@ -4,7 +4,7 @@ torchrun gives each rank ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD
 ``MASTER_ADDR`` and ``MASTER_PORT``; mpirun and srun give only their own (``OMPI_COMM_WORLD_*``,
 ``SLURM_*``), so ``init_process_group(init_method="env://")`` fails under them with
 "RANK expected, but not set". Each rank sets the variables that are absent from its
-place in the launch (:class:`~pytest_gpu.launched.detect.LaunchContext`). The master is
+place in the launch (:class:`~pytest_gpu.base.launch.LaunchContext`). The master is
 rank 0's host, and its port one rank 0 found free there: rank 0 publishes both through the
 gather directory, every other rank reads them (so all agree, on one node or many).
 """
@@ -16,8 +16,8 @@ import socket
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from ..base.launch import LaunchContext
 from . import gather
-from .detect import LaunchContext
 
 LAUNCHERS = ("mpirun", "srun")  # torchrun sets the variables itself
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -1,2 +1,2 @@
-"""What a test asks for and how a run grants it: requests, placement (pure), the host's CPUs
-and RAM, ports, the broker, its protocol and its client, and the leases a report carries."""
+"""A run's lease service: the broker (in the run's owner), its protocol and its client (in
+every test process), and the machine's CPUs and RAM as leases."""

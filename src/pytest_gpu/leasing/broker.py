@@ -1,6 +1,6 @@
 """The lease service: one per run, hands out GPUs and ports to the test processes.
 
-Transport: :class:`pytest_gpu.service.authserver.AuthServer` (an authenticated Unix socket in the
+Transport: :class:`pytest_gpu.wire.authserver.AuthServer` (an authenticated Unix socket in the
 run's private 0700 directory, one thread serving every client, handshakes apart); this
 module is what the messages mean. GPU decisions are made by the machine's arbiter
 (:mod:`pytest_gpu.machine`): in this process when this run is the arbiter or has the GPUs
@@ -49,13 +49,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
+from ..base.requests import GpuRequest
 from ..machine.arbiter import Event
 from ..machine.link import MachineLink
 from ..machine.messages import request_from_wire
+from ..machine.placement import Policy
+from ..machine.ports import DEFAULT_RANGE, PortOwner
 from ..machine.remote import MachineError
-from ..service.authserver import HANDSHAKE_TIMEOUT, AuthServer
-from .placement import Policy
-from .ports import DEFAULT_RANGE, PortOwner
+from ..wire.authserver import HANDSHAKE_TIMEOUT, AuthServer
 from .protocol import (
     Acquire,
     Cancelled,
@@ -73,7 +74,6 @@ from .protocol import (
     Release,
     Welcome,
 )
-from .requests import GpuRequest
 
 # at the run's end: how long it waits for processes of its clients that are still exiting,
 # whose contexts the machine forgets once the run has left it (xdist's workers are gone by then)

@@ -12,6 +12,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any, cast
 
+from ..base.requests import GpuRequest, format_size
 from ..machine.messages import request_to_wire
 from .protocol import (
     Acquire,
@@ -30,7 +31,6 @@ from .protocol import (
     Release,
     Welcome,
 )
-from .requests import GpuRequest, format_size
 
 
 class BrokerError(RuntimeError):

@@ -1,8 +1,8 @@
-"""The machine's arbiter: one :class:`~pytest_gpu.leasing.placement.Allocator` for every run on these GPUs.
+"""The machine's arbiter: one :class:`~pytest_gpu.machine.placement.Allocator` for every run on these GPUs.
 
 Each run's broker still serves its own workers, but every decision about GPU memory is
 made here, for all runs at once: the capacity rule, the context budget and the bounded
-bypass of :mod:`pytest_gpu.leasing.placement` therefore hold machine-wide, so no byte is promised
+bypass of :mod:`pytest_gpu.machine.placement` therefore hold machine-wide, so no byte is promised
 twice, an exclusive lease is exclusive across runs, and a waiting request is overtaken by
 at most ``max_bypass`` later ones, whichever run they come from.
 
@@ -39,7 +39,7 @@ waits, and what each waits for only the others could give back: two workers whos
 module-scoped fixtures hold a GPU each while their tests wait for a whole GPU) would wait
 until ``--gpu-wait-timeout``. The latest of them whose client holds a lease is refused at
 once instead, naming who holds what and waits for what
-(:meth:`~pytest_gpu.leasing.placement.Allocator.deadlock`).
+(:meth:`~pytest_gpu.machine.placement.Allocator.deadlock`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, checked_preference
-from ..leasing.ports import PortAllocator
-from ..leasing.requests import GpuRequest, format_size
+from ..base.requests import GpuRequest, format_size
 from .messages import Asked, Held
+from .placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, checked_preference
+from .ports import PortAllocator
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
@@ -457,7 +457,7 @@ class Arbiter:
             return [[e.run, e.pid] if e.uid == viewer else [roster_digest(e.run), 0] for e in self.runs.values()]
 
     def _waiting(self, pool_key: str, client: str, request: GpuRequest, allowed: frozenset[int]) -> Any:
-        from ..leasing.placement import Waiting
+        from .placement import Waiting
 
         reason = self.allocator.never_fits(request, allowed)
         if reason:
@@ -521,7 +521,7 @@ class Arbiter:
         ``key`` only: grants of other requests this one made possible go out as events.
 
         ``prefer``: the GPUs the run's scheduler planned for the request, a hint
-        (:func:`~pytest_gpu.leasing.placement.checked_preference`): one that does not name
+        (:func:`~pytest_gpu.machine.placement.checked_preference`): one that does not name
         ``request.count`` distinct GPUs of the run is ignored, and counted in
         :attr:`preferences_ignored` with why."""
         out: dict[str, list[Event]] = defaultdict(list)
@@ -599,7 +599,7 @@ class Arbiter:
         """Give a lease back; ``contexts``: the GPUs its process really has contexts on now, if
         known; ``left``: GPU -> (bytes, who left them), what its process still holds of leases
         that ended, on every GPU where it holds some, if told (counted like leases, see
-        :meth:`~pytest_gpu.leasing.placement.Allocator.set_left`)."""
+        :meth:`~pytest_gpu.machine.placement.Allocator.set_left`)."""
         out: dict[str, list[Event]] = defaultdict(list)
         with self._lock:
             pool_key = f"{run}|{key}"

@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..procs import owner_alive, read_owner, write_owner
-from ..safefiles import group_dir, private_dir, shared_dir
+from ..base.procs import owner_alive, read_owner, write_owner
+from ..base.safefiles import group_dir, private_dir, shared_dir
 
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
@@ -247,7 +247,7 @@ def machine_dir() -> Path:
 
 def shared_machine_dir() -> Path:
     """The machine directory, made sticky and world-writable if missing; :class:`OSError`
-    (:class:`~pytest_gpu.safefiles.Unsafe` among them) where it cannot be used so."""
+    (:class:`~pytest_gpu.base.safefiles.Unsafe` among them) where it cannot be used so."""
     return shared_dir(machine_dir())
 
 

@@ -36,15 +36,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..leasing.placement import Policy
-from ..leasing.ports import PortAllocator
-from ..leasing.requests import GpuRequest
-from ..procs import owner_alive
-from ..safefiles import open_or_create
+from ..base.procs import owner_alive
+from ..base.requests import GpuRequest
+from ..base.safefiles import open_or_create
 from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth
 from .domain import Domain, user_name, warn_once
 from .messages import LABEL_MAX, TEST_MAX, Asked, request_to_wire
 from .mirror import Mirror, to_wire
+from .placement import Policy
+from .ports import PortAllocator
 from .remote import Lost, MachineError, Remote
 from .server import ArbiterServer
 

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..leasing.requests import GpuRequest
+from ..base.requests import GpuRequest
+from ..wire.frames import WireError
 
 MAX_BYTES = 1 << 50  # a size that no GPU or host has (1 PiB): beyond it a size is a lie
 MAX_GPUS = 256  # GPUs (and parts of GPUs) one run may name
@@ -29,10 +30,6 @@ LIST_MAX = 4096  # leases or requests one run re-declares
 PORTS_MAX = 1024  # ports one request asks for
 _RUN = re.compile(r"\d{1,10}\.[A-Za-z0-9_-]{1,64}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-class WireError(ValueError):
-    """A frame that is too large, too deep or not JSON, or a field that is not what it must be."""
 
 
 def integer(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:

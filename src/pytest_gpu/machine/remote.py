@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..wire.frames import MAX_REPLY, FrameReader, WireError, encode
+from ..wire.sockets import peer_credentials, reachable
 from .arbiter import Event
-from .messages import WireError
-from .wire import MAX_REPLY, FrameReader, encode, peer_credentials, reachable
 
 TIMEOUT_ENV = "PYTEST_GPU_ARBITER_TIMEOUT"
 

@@ -41,11 +41,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..wire.frames import MAX_REPLY, FrameReader, WireError, encode
+from ..wire.sockets import peer_credentials, reachable
 from . import messages
 from .arbiter import Arbiter, Event, roster_digest, run_uid
 from .domain import user_name
-from .messages import WireError, integer
-from .wire import MAX_REPLY, FrameReader, encode, peer_credentials, reachable
+from .messages import integer
 
 MAX_OUTBOX = 4 << 20
 MAX_PEERS = 512  # connections in all (the process's descriptors are the run's too)

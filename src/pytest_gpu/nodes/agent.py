@@ -127,13 +127,13 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
             f"node {node}: imports pytest_gpu from {package}, the controller from {body['package']}; "
             "node mode needs the suite and its environment on a filesystem every node shares",
         )
-    from ..gpu.devices import DeviceSpecError
     from ..machine import domain
-    from ..options import Settings
+    from ..run.options import Settings
     from ..run.rundir import RunDirError
     from ..run.session import GpuRun
     from ..sim import fake
     from ..sim.ledger import LedgerWriteError
+    from ..vendors.devices import DeviceSpecError
 
     domain.hold_warnings()  # the controller's summary is where the run speaks, not this node's stderr
     try:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..launched.detect import LaunchContext
-from ..options import Settings
+from ..base.launch import LaunchContext
+from ..run.options import Settings
 from . import spec as spec_
 from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
 
@@ -336,7 +336,7 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
     value = config.getoption("gpu_nodes", None)
     if not value:
         return None
-    from ..roles.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY
+    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY
 
     given_tx: list[str] = config.stash.get(TX_GIVEN_KEY, [])
     try:

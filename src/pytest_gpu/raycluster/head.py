@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .. import sim
 from ..gpu.isolation import TF_GROWTH, VISIBILITY, XLA_FRACTION, XLA_PREALLOCATE
-from ..gpu.vendors import AMD
+from ..vendors.registry import AMD
 
 # in the run directory, shared by the controller and its xdist workers
 STATE_FILE = "ray-head.json"

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+from ..base.procs import kill_and_wait, owner_alive
 from ..gpu.verification import release_processes
-from ..procs import kill_and_wait, owner_alive
 from ..run.holding import Owner
 from .head import STATE_FILE
 from .readiness import disconnect

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..procs import owner_alive
+from ..base.procs import owner_alive
 from .stop import STOP_GRACE, kill_session
 
 

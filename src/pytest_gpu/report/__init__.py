@@ -1,2 +1,2 @@
-"""What the run tells its user: the terminal summary, its wording, the timeline of leases,
-the Perfetto trace and the Gantt chart."""
+"""What the run tells its user: the terminal summary, the timeline of leases, the Perfetto
+trace and the Gantt chart."""

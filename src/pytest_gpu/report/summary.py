@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from ..base.spans import gpu_properties, parse_held
+from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
-from ..leasing.spans import gpu_properties, parse_held
 from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
 from .timeline import Timeline
-from .wording import duration, join, numbered, plural, verb
 
 if TYPE_CHECKING:
-    from ..gpu.devices import Inventory
     from ..leasing.broker import CrashRecord
     from ..run.quarantine import Quarantine
+    from ..vendors.devices import Inventory
 
 
 @dataclass(eq=False)  # registered as a plugin: must stay hashable
@@ -276,7 +276,7 @@ def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtim
     """What one context of ``runtime`` (the inventory's: CUDA, HIP, Level Zero) took on each GPU, as
     the run's processes measured it (right after it opened), beside the size assumed until then;
     or that the size was given."""
-    from ..leasing.requests import format_size
+    from ..base.requests import format_size
 
     if given:
         given_as = "as --gpu-context-overhead gives it"
@@ -290,8 +290,8 @@ def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtim
 def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:
     """Summary lines for grants that avoided a GPU or waited because processes outside
     pytest-gpu used memory there (the broker's ``foreign`` records)."""
-    from ..leasing.requests import format_size
-    from .wording import plural, verb
+    from ..base.requests import format_size
+    from ..base.wording import plural, verb
 
     avoided: dict[int, list[Mapping[str, object]]] = {}
     waited: list[Mapping[str, object]] = []

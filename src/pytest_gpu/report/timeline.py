@@ -3,7 +3,7 @@
 Records are built from test reports, so the xdist controller sees every worker's
 tests: the reports carry wall-clock phase times, and pytest-gpu adds each lease's
 times and GPUs as user properties (written by :mod:`pytest_gpu.run.lifecycle`, typed in
-:mod:`pytest_gpu.leasing.spans`).
+:mod:`pytest_gpu.base.spans`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..leasing.requests import format_size
-from ..leasing.spans import HeldRow, LeaseSpan, gpu_properties, parse_held, parse_peaks, parse_spans
-from .wording import duration, plural
+from ..base.requests import format_size
+from ..base.spans import HeldRow, LeaseSpan, gpu_properties, parse_held, parse_peaks, parse_spans
+from ..base.wording import duration, plural
 
 MIB = 2**20
 SUGGEST_FLOOR = 256 * MIB  # as --gpu-learn: never suggest less

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..leasing.requests import format_size
+from ..base.requests import format_size
 from .timeline import TestRecord, Timeline
 
 WORKERS_PID = 1

@@ -19,10 +19,10 @@ import os
 
 import pytest
 
+from ..run.keys import LAUNCH_KEY, Role
 from ..run.record import RUN_KEY
 from ..run.session import GpuRun
 from .base import RoleBase, register
-from .keys import LAUNCH_KEY, Role
 
 __all__ = ["Role", "decide", "expected_role", "install", "register_early", "role_of"]
 

@@ -6,11 +6,11 @@ from typing import ClassVar
 
 import pytest
 
-from ..launched.detect import LaunchContext
+from ..base.launch import LaunchContext
 from ..machine import domain
+from ..run.keys import Role
 from ..run.record import RUN_KEY
 from ..run.session import GpuRun
-from .keys import Role
 
 
 class RoleBase:

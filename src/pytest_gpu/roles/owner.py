@@ -16,11 +16,10 @@ from ..machine import domain
 from ..nodes.hosts import NODES_KEY, NodeHosts, configure_node, guard_replacements, node_of
 from ..nodes.hosts import raise_reported as nodes_required
 from ..report.summary import Summary, context_lines, foreign_lines
-from ..run import required
+from ..run import history, required
+from ..run.keys import DIST_CHOSEN_KEY, SCHEDULE_KEY, Role
 from ..run.session import WIRE_KEY, GpuRun
-from ..scheduling import history
 from .base import RoleBase, register
-from .keys import DIST_CHOSEN_KEY, SCHEDULE_KEY, Role
 
 
 class RunOwner(RoleBase):

@@ -19,9 +19,9 @@ from ..launched import selection
 from ..launched.session import select_share
 from ..nodes import worker as node_worker
 from ..run import fixture_leases, lifecycle, quarantine, required
+from ..run.keys import SCHEDULE_KEY, Role
 from ..run.record import needs
 from .base import RoleBase
-from .keys import SCHEDULE_KEY, Role
 from .owner import RunOwner
 
 

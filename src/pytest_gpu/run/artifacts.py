@@ -20,8 +20,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ..procs import owner_alive
-from ..scheduling import history
+from ..base.procs import owner_alive
+from . import history
 
 
 class ArtifactBuildError(RuntimeError):

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ..leasing.requests import (
+from ..base.requests import (
     HOST_KWARGS,
     ISOLATE,
     DefaultMemory,
@@ -144,7 +144,7 @@ def _error(raw: str, detail: str) -> MarkerMapError:
 
 def marker_map(config: pytest.Config, default: DefaultMemory) -> dict[str, dict[str, Any]]:
     """The run's ``gpu_marker_map``, read once per process (checked at start-up by
-    :func:`pytest_gpu.options.read`; an xdist worker reads the same ini)."""
+    :func:`pytest_gpu.run.options.read`; an xdist worker reads the same ini)."""
     found = config.stash.get(MAP_KEY, None)
     if found is None:
         found = parse_marker_map(config.getini(MAP_INI), default)

@@ -51,11 +51,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..base.requests import GpuRequestError, build_request
+from ..base.spans import LeaseSpan
 from ..gpu.isolation import GpuLease, visibility_env
 from ..gpu.verification import Verdict
-from ..leasing.ports import PortOwner
-from ..leasing.requests import GpuRequestError, build_request
-from ..leasing.spans import LeaseSpan
+from ..machine.ports import PortOwner
 from .holding import STATE_KEY, Holding, Owner, broke, separate
 from .record import RUN_KEY, skip_at_run_time
 

@@ -11,7 +11,7 @@ a holding's violations, whoever the owner.
 
 Other holders' holdings are reported with the test during which they were judged (a
 fixture's at the teardown that ended it, a pool's after each test it ran) as
-:class:`~pytest_gpu.leasing.spans.HeldRow` rows, so the summary counts their
+:class:`~pytest_gpu.base.spans.HeldRow` rows, so the summary counts their
 violations and ``--gpu-trace`` draws their GPUs.
 """
 
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Literal
 import pytest
 
 from .. import sim
+from ..base.requests import GpuRequest, format_size
+from ..base.spans import HeldRow, LeaseSpan
 from ..gpu.isolation import GpuLease
 from ..gpu.verification import SharedVerifier, Verdict, judge
-from ..leasing.requests import GpuRequest, format_size
-from ..leasing.spans import HeldRow, LeaseSpan
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun

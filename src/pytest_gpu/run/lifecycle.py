@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..leasing.ports import PortOwner
-from ..leasing.requests import (
+from ..base.requests import (
     GpuRequest,
     GpuRequestError,
     build_host_request,
@@ -19,11 +18,12 @@ from ..leasing.requests import (
     split_isolate,
     with_host,
 )
-from ..leasing.spans import GpuProperties, format_held, format_peaks, format_spans
-from ..roles.keys import SCHEDULE_KEY
+from ..base.spans import GpuProperties, format_held, format_peaks, format_spans
+from ..machine.ports import PortOwner
 from . import fixture_leases, quarantine
 from .conventions import convention_request, item_kwargs
 from .holding import STATE_KEY, Holding, Owner, TestState, broke
+from .keys import SCHEDULE_KEY
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
 from .record import SKIP_PROPERTY, effective, needs, record, skip_at_run_time, skip_why
 

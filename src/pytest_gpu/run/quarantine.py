@@ -139,7 +139,7 @@ def end_worker(config: pytest.Config, run: GpuRun, close_pools: Callable[[], obj
 def _ends_itself(config: pytest.Config) -> bool:
     """Whether this process is an xdist worker that may end itself: under pytest-gpu's
     scheduler, which gives the test it holds back to pending instead of calling it crashed."""
-    from ..roles.keys import SCHEDULE_KEY
+    from .keys import SCHEDULE_KEY
 
     workerinput = getattr(config, "workerinput", None)
     return bool(workerinput is not None and workerinput.get(SCHEDULE_KEY))

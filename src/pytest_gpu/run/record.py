@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..distributed.spec import DistSpec
-from ..leasing.requests import GpuRequest
+from ..base.distspec import DistSpec
+from ..base.requests import GpuRequest
 
 if TYPE_CHECKING:
-    from ..gpu.devices import Inventory
+    from ..vendors.devices import Inventory
     from .session import GpuRun
 
 RUN_KEY: pytest.StashKey[GpuRun] = pytest.StashKey()

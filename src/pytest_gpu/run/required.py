@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ..report.wording import plural
+from ..base.wording import plural
 from .fixture_leases import FACTORY
 from .record import needs
 

@@ -25,7 +25,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from ..procs import owner_alive, read_owner, write_owner
+from ..base.procs import owner_alive, read_owner, write_owner
 
 OWNER_FILE = "owner.json"
 GRACE_S = 60.0  # a run directory younger than this without an owner file is being created

@@ -19,21 +19,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import sim
+from ..base.requests import GpuRequest, format_size
 from ..gpu import runtime
 from ..gpu.calibration import Calibration
-from ..gpu.devices import Inventory
 from ..gpu.isolation import Confinement, GpuLease, make_lease
 from ..gpu.isolation import confine as confine_lease
 from ..gpu.verification import NvmlRankVerifier, NvmlVerifier, SimVerifier, Verdict, Verifier, standing
 from ..leasing.host import HostCapacity, confine_threads
-from ..leasing.requests import GpuRequest, format_size
 from ..machine.arbiter import PART
-from ..options import Settings
+from ..vendors.devices import Inventory
 from . import quarantine as quarantine_
 from .holding import Holding, Leftovers, Owner, RankVerifier
+from .options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
-    from ..launched.detect import LaunchContext
+    from ..base.launch import LaunchContext
     from ..leasing.broker import Broker
     from ..leasing.client import BrokerClient
     from ..machine.link import MachineLink
@@ -98,9 +98,9 @@ def _refuse_tiny_gpus(inventory: Inventory, settings: Settings) -> None:
     """A simulated or fake machine whose GPUs are no larger than the CUDA context the run
     assumes (``--gpu-context-overhead``, unless the spec's ``context=`` says) is a typo
     (``sim:4x1KiB``): a usage error now, not "-500MiB after the CUDA context" at every test."""
-    from ..gpu.devices import DeviceSpecError
     from ..sim import fake
     from ..sim.spec import SpecError, check_context, parse
+    from ..vendors.devices import DeviceSpecError
 
     source = inventory.source if inventory.simulated else fake.requested()
     if not source:
@@ -151,7 +151,7 @@ class MachineTruth:
         """Capacities of the ``uuids`` this process knows; ``None`` where it cannot measure at all."""
         if not self._looked and any(u not in self._known for u in uuids):
             self._looked = True
-            from ..gpu.devices import DeviceSpecError, NvmlUnavailable, nvml_devices, sim_machine
+            from ..vendors.devices import DeviceSpecError, NvmlUnavailable, nvml_devices, sim_machine
 
             try:
                 found = sim_machine(self._spec)[0] if self._spec else nvml_devices()[0]
@@ -167,7 +167,7 @@ class MachineTruth:
 def machine_names(inventory: Inventory, local_rank: int) -> dict[int, str]:
     """What the machine's arbiter calls each GPU of the run: its UUID; or, for a launched
     rank's fixed part of a GPU it shares with other ranks of the node (see
-    :mod:`pytest_gpu.launched.share`), a name of that part alone, since the ranks run each
+    :mod:`pytest_gpu.gpu.share`), a name of that part alone, since the ranks run each
     test together and must each get their own part at once."""
     physical = {d.uuid: d.capacity for d in inventory.machine}
     return {
@@ -241,10 +241,10 @@ class GpuRun:
 
         ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
         from ..gpu.discovery import discover
-        from ..launched.share import node_share
+        from ..gpu.share import node_share
         from ..leasing import host
         from ..leasing.broker import Broker
-        from ..leasing.placement import Policy
+        from ..machine.placement import Policy
         from ..sim import fake
         from . import rundir
 
@@ -271,8 +271,8 @@ class GpuRun:
             # per run and spec, gone with the run): runs naming the same one share its GPUs'
             # memory, as runs on one real machine share its GPUs. Every process of the run
             # (workers, ranks, subprocesses) sees it through the fake-GPU switch.
-            from ..gpu.devices import DeviceSpecError
             from ..machine.domain import claim_run_machines
+            from ..vendors.devices import DeviceSpecError
 
             try:
                 try:
@@ -392,7 +392,7 @@ class GpuRun:
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory (and machine) can never satisfy ``request``, or ``None``."""
         if request.host:
-            from ..leasing.placement import HostState
+            from ..machine.placement import HostState
 
             reason = HostState(self.host.cpus, self.host.memory).never_fits(request)
             if reason is not None:

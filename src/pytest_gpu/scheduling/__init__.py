@@ -1,2 +1,2 @@
 """Which worker runs which test when: the plan (pure), xdist's scheduler, the catalog of
-requests, dependencies between tests, durations and peaks from earlier runs, ``-n auto``."""
+requests, dependencies between tests, ``-n auto``."""

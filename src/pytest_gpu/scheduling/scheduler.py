@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from . import catalog, history
+from ..run import history
+from . import catalog
 from .planner import Grant, Order, Planner
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..leasing.requests import SizeError, format_size, parse_size
+from ..base.requests import SizeError, format_size, parse_size
 
 
 def _parser() -> argparse.ArgumentParser:

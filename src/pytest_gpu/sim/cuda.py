@@ -2,7 +2,7 @@
 
 - The device list is fixed at the process's first CUDA use (:func:`init`, the analogue
   of ``cuInit``, which every other call implies), from ``CUDA_VISIBLE_DEVICES`` as CUDA
-  parses it (:func:`pytest_gpu.gpu.devices.cuda_view`). Changing the variable later
+  parses it (:func:`pytest_gpu.vendors.devices.cuda_view`). Changing the variable later
   changes nothing in this process, only in its future subprocesses.
 - There is a current device per host thread, as in CUDA: ordinal 0 in every thread until
   that thread calls :func:`set_device` (a thread a test starts is on ordinal 0, whatever
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.requests import format_size, parse_size
+from ..base.requests import format_size, parse_size
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = [
@@ -165,8 +165,8 @@ def _fix_view() -> list[int]:
     led = ledger()
     _runtime(led)
     if _rt.view is None:
-        from ..gpu import vendors  # the one model of each runtime's enumeration
-        from ..gpu.devices import Device
+        from ..vendors import registry as vendors  # the one model of each runtime's enumeration
+        from ..vendors.devices import Device
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]

@@ -35,7 +35,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..leasing.requests import parse_size
+from ..base.requests import parse_size
 from . import cuda as sim_cuda
 
 __all__ = ["Device", "MemoryPointer", "MemoryPool", "OutOfMemoryError", "module"]

@@ -27,7 +27,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ..gpu import libraries
+from ..vendors import libraries
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
 from .spec import parse
 
@@ -102,7 +102,7 @@ def activate(spec: str | None = None) -> bool:
             note = f"fake Level Zero loader unavailable: {exc}"
             if note not in notes:
                 notes.append(note)
-    from ..importhook import on_import
+    from ..base.importhook import on_import
 
     on_import("torch", _install_torch)
     _active = spec
@@ -171,7 +171,7 @@ def deactivate() -> None:
         return
     from contextlib import suppress
 
-    from ..importhook import cancel
+    from ..base.importhook import cancel
     from . import cuda
 
     with suppress(OSError):  # a ledger that cannot be written keeps the record until this process exits

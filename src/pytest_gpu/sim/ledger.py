@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..leasing.requests import format_size, parse_size
-from ..procs import owner_alive
+from ..base.procs import owner_alive
+from ..base.requests import format_size, parse_size
 from . import spec as specs
 
 LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
@@ -105,8 +105,8 @@ def machine_ledger_dir(spec: str) -> Path:
     Raises :class:`LedgerWriteError` when it cannot be made or used safely, and
     :class:`SimMachineError` for a ``PYTEST_GPU_SIM_GROUP`` this user is not in.
     """
+    from ..base.safefiles import private_dir
     from ..machine.domain import Domain
-    from ..safefiles import private_dir
 
     try:
         domain = Domain.sim(spec)
@@ -183,7 +183,7 @@ class Ledger:
     @contextmanager
     def _lock(self) -> Iterator[None]:
         """The ledger's ``flock`` (a new descriptor each time: threads of a process exclude each other too)."""
-        from ..safefiles import locked
+        from ..base.safefiles import locked
 
         try:
             with locked(self.path / LOCK_FILE, self.file_mode):
@@ -195,7 +195,7 @@ class Ledger:
 
     def _read(self) -> dict[str, Any] | None:
         """``ledger.json``, or ``None`` where there is none (or none that is whole JSON: it is written anew)."""
-        from ..safefiles import read_bytes
+        from ..base.safefiles import read_bytes
 
         try:
             state = json.loads(read_bytes(self.path / "ledger.json", MAX_LEDGER))
@@ -228,7 +228,7 @@ class Ledger:
 
     def _replace(self, name: str, text: str) -> None:
         """Write ``name`` whole: aside (a name no one can foresee), then renamed over it."""
-        from ..safefiles import replace_file
+        from ..base.safefiles import replace_file
 
         try:
             replace_file(self.path / name, text.encode(), self.file_mode)

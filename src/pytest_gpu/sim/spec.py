@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..leasing.requests import SizeError, format_size, parse_size
+from ..base.requests import SizeError, format_size, parse_size
 
 PREFIX = "sim:"
 #: The vendors a fake machine can be (``amd:sim:8x192GiB``); the first is the default.

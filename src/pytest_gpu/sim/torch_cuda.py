@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NoReturn
 
-from ..leasing.requests import parse_size
+from ..base.requests import parse_size
 from . import cuda as sim_cuda
 from . import torch_tensors
 from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
@@ -869,7 +869,7 @@ def _import_torch() -> None:
     """On fake GPUs, this double's functions may come before the test's ``import torch``: import
     it here, and the fake-GPU switch (which waits for torch's import) installs the double as it
     does for the test's import."""
-    from ..importhook import waiting
+    from ..base.importhook import waiting
 
     if "torch" in sys.modules or not waiting("torch"):  # no switch waits to install it (or torch is a CUDA build)
         return
@@ -1231,7 +1231,7 @@ def install(
     ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``, by torch's ``_parse_visible_devices``,
     whose rules are not HIP's: an empty value hides all, a repeat empties the list), asking
     amdsmi, which the fake ``libamd_smi.so`` answers. Once CUDA has started, the count is the
-    simulated HIP's (:func:`pytest_gpu.gpu.rocm.rocm_view`), as torch's is HIP's then.
+    simulated HIP's (:func:`pytest_gpu.vendors.amd.rocm_view`), as torch's is HIP's then.
 
     ``legacy_memory_fraction=True`` models torch < 2.10, whose
     ``set_per_process_memory_fraction(f, d)`` made ``d`` the current device (opening its

@@ -6,7 +6,7 @@ The library is compiled on demand from ``fake_hip.c`` (next to this file), as th
 file of the simulated machine (``$PYTEST_GPU_SIM_LEDGER/nvml.state``, an AMD machine's), with
 the device list ROCr and HIP leave a process under its ``ROCR_VISIBLE_DEVICES`` and
 ``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``, fixed at its first call as HIP's is, by the
-rules :func:`pytest_gpu.gpu.rocm.rocm_view` predicts. Which sources (ROCm/clr, ROCR-Runtime)
+rules :func:`pytest_gpu.vendors.amd.rocm_view` predicts. Which sources (ROCm/clr, ROCR-Runtime)
 it follows, at which commits, is said at the top of ``fake_hip.c``.
 :func:`pytest_gpu.gpu.runtime.pin` reads it back on AMD GPUs (``runtime._hip_init``).
 """

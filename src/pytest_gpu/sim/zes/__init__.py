@@ -1,5 +1,5 @@
 """A fake Level Zero loader, ``libze_loader.so.1``, for simulated Intel GPUs: the Sysman calls
-:mod:`pytest_gpu.gpu.xpu` makes through ctypes, answered from the simulated ledger.
+:mod:`pytest_gpu.vendors.intel` makes through ctypes, answered from the simulated ledger.
 
 Compiled on demand from ``fake_zes.c`` (next to this file) as the fake NVML is
 (:func:`pytest_gpu.sim.nvml.build_library`: ``cc`` or ``$CC``, cached per user). It reads the
@@ -21,7 +21,7 @@ from ..nvml import FakeLibrary, build_library
 
 __all__ = ["LIBRARY", "SOURCE", "library_dir", "preload"]
 
-#: The loader's soname, as :mod:`pytest_gpu.gpu.xpu` (and torch's ``pyzes``) load it.
+#: The loader's soname, as :mod:`pytest_gpu.vendors.intel` (and torch's ``pyzes``) load it.
 LIBRARY = "libze_loader.so.1"
 #: The C source of the fake library.
 SOURCE = Path(__file__).with_name("fake_zes.c")

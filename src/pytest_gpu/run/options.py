@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from .gpu.discovery import FORM as GPUS_FORM
-from .gpu.verification import AMD_PROCESS_LAG_S
-from .leasing.ports import DEFAULT_RANGE, parse_port_range
-from .leasing.requests import DefaultMemory, SizeError, parse_size
-from .run.conventions import MarkerMapError, marker_map
+from ..base.requests import DefaultMemory, SizeError, parse_size
+from ..gpu.discovery import FORM as GPUS_FORM
+from ..gpu.verification import AMD_PROCESS_LAG_S
+from ..machine.ports import DEFAULT_RANGE, parse_port_range
+from .conventions import MarkerMapError, marker_map
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..gpu.devices import Inventory
-from .detect import LaunchContext
+from ..base.launch import LaunchContext
+from ..vendors.devices import Inventory
 
 
 def share(inventory: Inventory, local_rank: int, local_size: int) -> Inventory:

@@ -1,4 +1,4 @@
-"""Frames between runs and the arbiter: a 4-byte length, then JSON; and the Unix sockets they travel on.
+"""Frames between runs and the arbiter: a 4-byte length, then JSON (pure: the sockets are :mod:`.sockets`).
 
 JSON, not pickle: the arbiter may serve another user's runs, and nothing received from a
 socket may run code. A frame is at most ``MAX_FRAME`` bytes one way (to the arbiter) and
@@ -9,16 +9,15 @@ A reader that is fed bytes as they arrive never blocks on a peer that stops half
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import socket
 import struct
-from collections.abc import Iterator
 from typing import Any
 
-from .messages import WireError
+
+class WireError(ValueError):
+    """A frame that is too large, too deep or not JSON, or a field that is not what it must be."""
+
 
 MAX_FRAME = 1 << 20  # a run's message to the arbiter (an attach with a thousand leases is ~300 KiB)
 MAX_REPLY = 16 << 20  # the arbiter's answer (a status of a busy machine)
@@ -101,32 +100,3 @@ class FrameReader:
             del self._buffer[: _HEADER.size + size]
             messages.append(decode(raw))
         return messages
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket, as the kernel says
-    (Linux); (0, -1) where it cannot."""
-    so_peercred = getattr(socket, "SO_PEERCRED", None)
-    if so_peercred is None:
-        return 0, -1
-    try:
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, so_peercred, struct.calcsize("3i")))
-    except OSError:
-        return 0, -1
-    return pid, uid
-
-
-@contextlib.contextmanager
-def reachable(address: str) -> Iterator[str]:
-    """``address`` as ``bind``/``connect`` can take it: an abstract name as it is, a socket
-    file through its directory's descriptor when its path is longer than a socket address
-    may be (108 bytes; temporary directories of tests are deep)."""
-    if address.startswith("\0") or len(os.fsencode(address)) < 100:
-        yield address
-        return
-    directory, name = os.path.split(address)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{name}"
-    finally:
-        os.close(fd)

@@ -4,13 +4,13 @@ A :class:`Sampler` answers, for a GPU named by UUID, how much memory is in use t
 (:meth:`~Sampler.memory`) and what each process uses (:meth:`~Sampler.processes`). What the
 driver will not say is an exception whose message says why, in words a report can show:
 :class:`Refused` (the GPU cannot be queried at all), :class:`Unlistable` (its processes cannot
-be listed). :meth:`pytest_gpu.gpu.vendors.Vendor.sampler` opens a vendor's.
+be listed). :meth:`pytest_gpu.vendors.registry.Vendor.sampler` opens a vendor's.
 
 The NVML code is what pytest-gpu always ran, moved here unchanged: the foreign sampler's
 (:meth:`~NvmlSampler.processes`: compute and graphics lists, v3 records where the driver has
 them; v2 memory with the driver's reserve) and the verifier's and calibration's
 (:meth:`~NvmlSampler.compute`: pynvml's own compute list). amdsmi's reads the per-process
-list of :mod:`pytest_gpu.gpu.rocm`; Level Zero Sysman's, :mod:`pytest_gpu.gpu.xpu`'s.
+list of :mod:`pytest_gpu.vendors.amd`; Level Zero Sysman's, :mod:`pytest_gpu.vendors.intel`'s.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class AmdSampler:
     name = "amdsmi"
 
     def __init__(self) -> None:
-        from .rocm import AmdSmiUnavailable, open_amdsmi
+        from .amd import AmdSmiUnavailable, open_amdsmi
 
         try:
             self._amdsmi, self._handles = open_amdsmi()
@@ -207,7 +207,7 @@ class AmdSampler:
         pass  # handles stay valid while the device is present; a vanished one is not found again
 
     def _handle(self, uuid: str) -> Any:
-        from .rocm import uuid_key
+        from .amd import uuid_key
 
         handle = self._handles.get(uuid_key(uuid))
         if handle is None:
@@ -239,13 +239,13 @@ class AmdSampler:
 
 class XpuSampler:
     """Level Zero Sysman, initialised (:class:`Unavailable` when it cannot be); GPUs named by the
-    UUIDs :func:`pytest_gpu.gpu.xpu.sysman_devices` gives. Memory and processes are per card: a
+    UUIDs :func:`pytest_gpu.vendors.intel.sysman_devices` gives. Memory and processes are per card: a
     tile (``<uuid>/tile<T>``) is refused, so its lease shows as not verified."""
 
     name = "Level Zero Sysman"
 
     def __init__(self) -> None:
-        from .xpu import Sysman, ZesError, ZesUnavailable
+        from .intel import Sysman, ZesError, ZesUnavailable
 
         try:
             self._zes = Sysman()
@@ -298,6 +298,6 @@ def _mismatch(pynvml: ModuleType) -> type[Exception]:
 
 
 def _said(exc: Exception) -> str:
-    from .rocm import said
+    from .amd import said
 
     return said(exc)

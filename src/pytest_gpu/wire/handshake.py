@@ -4,7 +4,7 @@ What :class:`multiprocessing.connection.Listener` with an ``authkey`` does in bl
 calls (:func:`~multiprocessing.connection.deliver_challenge`, then
 :func:`~multiprocessing.connection.answer_challenge`), cut where it waits for the other
 side, so that one thread can drive many handshakes over non-blocking sockets
-(:mod:`pytest_gpu.service.authserver`). The challenge and the answer are the standard library's
+(:mod:`pytest_gpu.wire.authserver`). The challenge and the answer are the standard library's
 own, whatever its version: its functions are run against a stand-in connection
 (:class:`_Script`), and an answer is checked by its rule (its ``_verify_challenge`` on
 Python 3.12+, where the client may name the digest; before, an HMAC-MD5 compared).

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..leasing.requests import format_size
+from ..base.requests import format_size
 from . import libraries
 
 SIM_PREFIX = "sim:"

@@ -3,11 +3,11 @@ sees, how a process numbers them, and what a lease sets.
 
 :class:`Vendor` is the interface; :data:`NVIDIA` (NVML, ``CUDA_VISIBLE_DEVICES``) and
 :data:`AMD` (amdsmi, ``ROCR_VISIBLE_DEVICES`` then HIP's) and :data:`XPU` (Level Zero Sysman,
-``ZE_AFFINITY_MASK``) implement it, over the code of :mod:`pytest_gpu.gpu.devices`,
-:mod:`pytest_gpu.gpu.rocm` and :mod:`pytest_gpu.gpu.xpu`. A run's inventory names its
+``ZE_AFFINITY_MASK``) implement it, over the code of :mod:`pytest_gpu.vendors.devices`,
+:mod:`pytest_gpu.vendors.amd` and :mod:`pytest_gpu.vendors.intel`. A run's inventory names its
 vendor (:attr:`Inventory.vendor`); :func:`of` gives the implementation.
 
-Memory and per-process samples come from :meth:`Vendor.sampler` (:mod:`pytest_gpu.gpu.sampling`).
+Memory and per-process samples come from :meth:`Vendor.sampler` (:mod:`pytest_gpu.vendors.sampling`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from . import rocm, xpu
+from . import amd as rocm
+from . import intel as xpu
 from .devices import Device, Inventory, NvmlUnavailable, cuda_view, nvml_devices
 from .sampling import AmdSampler, NvmlSampler, Sampler, XpuSampler
 
@@ -52,7 +53,7 @@ class Vendor(Protocol):
 
     def sampler(self) -> Sampler:
         """The driver, open for memory and process samples (the caller closes it);
-        :class:`pytest_gpu.gpu.sampling.Unavailable` says why not."""
+        :class:`pytest_gpu.vendors.sampling.Unavailable` says why not."""
         ...
 
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..leasing.requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
-from ..report.wording import plural
+from .requests import DefaultMemory, GpuRequest, GpuRequestError, build_request
+from .wording import plural
 
 BACKENDS = ("auto", "gloo", "nccl", "xccl", "ccl", "mpi", "none")
 GPU_BACKENDS = ("nccl", "xccl", "ccl")  # a GPU for each rank (xccl, ccl: Intel GPUs)

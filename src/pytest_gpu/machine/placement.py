@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .requests import GpuRequest, format_size
+from ..base.requests import GpuRequest, format_size
 
 
 @dataclass

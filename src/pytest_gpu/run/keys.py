@@ -6,7 +6,7 @@ import enum
 
 import pytest
 
-from ..launched.detect import LaunchContext
+from ..base.launch import LaunchContext
 
 # The launcher this process is a rank of (None: none), read once, before conftests load.
 LAUNCH_KEY = pytest.StashKey[LaunchContext | None]()
