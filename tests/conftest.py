@@ -37,6 +37,7 @@ import importlib.util
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,48 @@ def _is_slow(item: pytest.Item) -> bool:
         return False
     names = SLOW_TESTS[module]
     return names is None or getattr(item, "originalname", item.name) in names
+
+
+# -- what a test may not leave behind in this process ---------------------------------------
+# Every later test, and every process it starts, would inherit it: a lease's visibility
+# variables left set (an inner run's GPUs then match nothing), a SIGINT ignored or blocked
+# (Ctrl-C never reaches the runs a later test starts). A test that leaves one changed fails
+# at teardown, naming it, and the process is put back.
+_WATCHED_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL",
+                 "ZE_AFFINITY_MASK", "CUDA_DEVICE_ORDER", "PYTEST_ADDOPTS", "LD_LIBRARY_PATH")  # fmt: skip
+
+
+def _process_state() -> dict[str, object]:
+    state: dict[str, object] = {
+        name: value for name, value in os.environ.items() if name in _WATCHED_VARS or name.startswith("PYTEST_GPU_")
+    }
+    state["SIGINT handler"] = signal.getsignal(signal.SIGINT)
+    state["blocked signals"] = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_process_as_it_found_it() -> Iterator[None]:
+    before = _process_state()
+    yield
+    after = _process_state()
+    if after == before:
+        return
+    changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    for name, (was, _) in changed.items():
+        if name == "SIGINT handler":
+            signal.signal(signal.SIGINT, was)
+        elif name == "blocked signals":
+            signal.pthread_sigmask(signal.SIG_SETMASK, was)
+        elif was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(was)
+    pytest.fail(
+        "this test left the process changed for the tests after it (before -> after): "
+        + "; ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in sorted(changed.items())),
+        pytrace=False,
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects

@@ -278,10 +278,10 @@ from pytest_gpu.gpu import verification
 
 _end = verification.NvmlVerifier.end
 
-def _timed(self, lease, others=()):
+def _timed(self, lease, *args, **kwargs):
     start = time.monotonic()
     try:
-        return _end(self, lease, others)
+        return _end(self, lease, *args, **kwargs)
     finally:
         with open(Path(__file__).with_name("verify-seconds.txt"), "a") as out:
             out.write(f"{time.monotonic() - start}\\n")

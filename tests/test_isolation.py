@@ -39,7 +39,10 @@ def real_inventory(indices=(0, 1, 2, 3), total: int = 16 * GiB) -> Inventory:
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", sim.TAG_ENV, XLA_FRACTION):
-        monkeypatch.delenv(name, raising=False)
+        # set first, so that monkeypatch restores each as it was, absent included: a test that ends
+        # its leases out of order (a fixture's outliving the test's) must not leave them set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     runtime.forget()  # each test is a new process: its CUDA not yet pinned
     yield monkeypatch
     runtime.forget()
