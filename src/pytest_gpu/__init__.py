@@ -12,6 +12,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         safefiles       files in directories other users can write, never following their links
         importhook      run a callback right after a module is imported
         launch          is this process a rank of a launcher (srun, mpirun, torchrun)
+        privates        pytest's and pytest-xdist's private names, each used through here (tested on the floors)
     wire/               how processes talk
         frames          length-prefixed JSON frames, bounded (pure)
         sockets         the Unix sockets frames travel on: peer credentials, reachable addresses
