@@ -375,6 +375,9 @@ def test_usage_errors_name_the_option(
         (("-n", "1", "--gpu-nodes=pbs"), "--gpu-nodes=pbs: expected slurm, ssh:HOST[,HOST...] or local:N"),
         (("-n", "1", "--gpu-nodes=slurm"), "--gpu-nodes=slurm: not inside a SLURM allocation"),
         (("--gpu-nodes=local:2",), "--gpu-nodes: needs -n N"),
+        # as given: by the time node mode starts, xdist has turned it into this machine's count
+        (("-n", "auto", "--gpu-nodes=local:2"), "--gpu-nodes: -n auto is not supported yet"),
+        (("-n", "logical", "--gpu-nodes=local:2"), "--gpu-nodes: -n logical is not supported yet"),
         (("-n", "1", "--dist", "loadfile", "--gpu-nodes=local:2"), "--gpu-nodes: --dist loadfile"),
         (("-n", "1", "--tx", "popen", "--gpu-nodes=local:2"), "--gpu-nodes: --tx given too"),
     ]

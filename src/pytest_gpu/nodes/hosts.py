@@ -310,13 +310,15 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
     value = config.getoption("gpu_nodes", None)
     if not value:
         return None
-    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY
+    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 
     given_tx: list[str] = config.stash.get(TX_GIVEN_KEY, [])
+    # -n as given: by now xdist has turned -n auto into the controller's own count
+    given_n = config.stash.get(WORKERS_GIVEN_KEY, None)
     try:
         form = spec_.parse(str(value))
         per_node = spec_.check_xdist(
-            numprocesses=getattr(config.option, "numprocesses", None),
+            numprocesses=given_n if given_n in ("auto", "logical") else getattr(config.option, "numprocesses", None),
             tx=given_tx,
             dist=str(getattr(config.option, "dist", "no")),
             user_dist=config.stash.get(DIST_CHOSEN_KEY, False),
