@@ -86,7 +86,7 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
             keep.append(item)
             continue
         try:
-            verdict = allowed(
+            admission = allowed(
                 names,
                 [m.args for m in item.iter_markers("launcher")],
                 table,
@@ -96,11 +96,11 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
             )
         except LauncherMarkerError as exc:
             raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
-        if verdict.keep:
+        if admission.keep:
             keep.append(item)
         else:
             drop.append(item)
-            reasons[verdict.reason] += 1
+            reasons[admission.reason] += 1
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
