@@ -255,6 +255,8 @@ class Planner:
     def _ever(self, worker: str, need: Need) -> bool:
         """Whether ``worker`` may ever be given a test of ``need``: its node can hold it some
         day, or no node can (its broker says why); not when only other nodes can."""
+        if len(self._views) < 2:
+            return True  # no other node to leave it to (a pick asks this for every need)
         node = self._node_of.get(worker, "")
         key = (node, need)
         if key not in self._ever_memo:
