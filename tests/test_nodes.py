@@ -964,3 +964,31 @@ def test_a_node_s_crash_and_quarantine_records_reach_the_controller(tmp_path: Pa
     assert crashes == [crash]
     assert quarantined == {"gw3": quarantine.Quarantine(**record)}
     assert list(hosts.faults()) == ["node1"]
+
+
+def test_a_node_s_view_crosses_its_channel_and_translates_its_gpu_indices() -> None:
+    """What a node host sends of its broker (:meth:`NodeView.to_wire`) survives execnet and
+    comes back as the same view; its GPU indices (``--gpus 4,7`` there) are the planner's
+    positions 0 and 1, both ways, and a plan for a GPU the node lacks goes nowhere."""
+    from pytest_gpu.leasing.view import NodeView
+
+    view = NodeView(
+        room=(1 << 30, 16 << 30),
+        order=(4, 7),
+        placements={"gw1": [((7,), 2 << 30)], "gw2": [((4, 7), None)]},
+        contexts={"gw1": frozenset({7})},
+        context_sizes=(500 << 20, 500 << 20),
+        limits=((16 << 30) - (500 << 20),) * 2,
+    )
+    catalog = {"t.py::x": {"gpus": 1}}
+    back = NodeView.from_wire(execnet.loads(execnet.dumps(view.to_wire())), catalog)
+    assert back == view and back.catalog is catalog
+    assert back.placed == {"gw1": [((1,), 2 << 30)], "gw2": [((0, 1), None)]}
+    assert back.opened == {"gw1": frozenset({1})}
+    assert back.indices((1,)) == (7,) and back.indices((0, 1)) == (4, 7)
+    assert back.indices((2,)) is None  # not a GPU of this node
+    assert back.positions((7, 3)) == (1,)
+    assert back.can_ever(2, 8 << 30) and not back.can_ever(1, 16 << 30) and not back.can_ever(3, None)
+    assert NodeView((8, 8)).order == (0, 1) and NodeView((8,)).can_ever(1, 1 << 40)  # no limits known
+    with pytest.raises(ValueError, match="2 GPUs' room names 1 GPU indices"):
+        NodeView((8, 8), order=(3,))
