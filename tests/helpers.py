@@ -7,13 +7,14 @@ needs stays in that file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pwd
 import secrets
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +22,8 @@ import psutil
 import pytest
 
 from pytest_gpu.base.requests import GpuRequest
+from pytest_gpu.leasing.view import NodeView
+from pytest_gpu.scheduling.planner import Grant, Job, Order, Planner
 
 T = TypeVar("T")
 
@@ -154,3 +157,27 @@ def throwaway_user(prefix: str) -> Iterator[pwd.struct_passwd]:
         )
         subprocess.run(["userdel", name], check=True, capture_output=True)
         subprocess.run(["groupdel", name], capture_output=True)  # gone with the user where USERGROUPS_ENAB
+
+
+# -- the planner ---------------------------------------------------------------------------
+
+NODE = "m"  # the one node of a planner made by one_node (a run on one machine)
+
+
+def one_node(jobs: Iterable[Job], room: Sequence[int], order: Order | None = None) -> Planner:
+    """A planner of ``jobs`` over one node whose GPUs have ``room``: a run on one machine."""
+    planner = Planner(jobs, order)
+    planner.nodes = {NODE: NodeView(tuple(room))}
+    return planner
+
+
+def see(
+    planner: Planner, node: str = NODE, *, placed: Mapping[str, Sequence[Grant]] | None = None, **changes: Any
+) -> None:
+    """``node``'s view changed as the scheduler's next refresh reads it: ``changes`` to its
+    :class:`NodeView` fields, ``placed`` its grants (worker -> Grants at the planner's positions)."""
+    if placed is not None:
+        changes["placements"] = {w: [(g.gpus, g.memory) for g in grants] for w, grants in placed.items()}
+    if "room" in changes and "order" not in changes:
+        changes["order"] = ()  # positions as the new room's
+    planner.nodes = {**planner.nodes, node: dataclasses.replace(planner.nodes[node], **changes)}

@@ -150,6 +150,25 @@ def test_placements_name_each_workers_granted_leases_until_released(run: Run) ->
     wait_for(lambda: not broker.placements(), what="gw0's leases forgotten")
 
 
+def test_the_broker_serves_its_node_s_view_in_its_gpu_indices(run: Run) -> None:
+    """A run on one machine is a run of one node: its broker's view is what the scheduler
+    reads (``--gpus 0,2``: the planner's positions 0 and 1 are the broker's GPUs 0 and 2)."""
+    broker = run.broker({0: 16 * GiB, 2: 8 * GiB})
+    a = run.client("gw0")
+    grant = a.acquire(shared(4 * GiB), "t::a", timeout=5)
+    broker.catalog["t::a"] = {"gpus": 1, "memory": 4 * GiB}
+    view = broker.view()
+    assert view.order == (0, 2)
+    assert view.room == tuple(broker.room())
+    assert view.placements == {"gw0": [(grant.indices, 4 * GiB)]}
+    assert view.contexts == {"gw0": frozenset(grant.indices)}
+    assert view.context_sizes == (OVERHEAD, OVERHEAD)
+    assert view.limits == (16 * GiB - OVERHEAD, 8 * GiB - OVERHEAD)
+    assert view.catalog is broker.catalog  # live: what workers send later is read there
+    assert view.placed == {"gw0": [(view.positions(grant.indices), 4 * GiB)]}
+    assert view.indices((1,)) == (2,) and view.positions((2,)) == (1,)
+
+
 def test_the_schedulers_plan_is_where_the_lease_goes_when_it_fits(run: Run) -> None:
     """The controller tells the broker where the planner planned a test (``prefer``): that test's
     acquire of the planned shape goes there; a lease of another shape places by the broker's rule."""

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from conftest import require
+from helpers import NODE, one_node
 from pytest_gpu.scheduling.catalog import HeldNeeds, _groups, firsts
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.scheduling.catalog import jobs as catalog_jobs
-from pytest_gpu.scheduling.planner import Job, Need, Planner
+from pytest_gpu.scheduling.planner import Job, Need
 
 GiB = 2**30
 Run = Callable[..., pytest.RunResult]
@@ -737,10 +738,10 @@ def test_planner_counts_what_a_groups_fixtures_hold_while_its_tests_run() -> Non
     jobs = [Job(0, 5.0, None, "m"), Job(1, 5.0, None, "m"), Job(2, 1.0, Need(1, 8)), Job(3, 1.0, None)]
 
     def second_pick(held: dict[str, tuple[Need, ...]]) -> int | None:
-        planner = Planner(jobs, [16])
+        planner = one_node(jobs, [16])
         planner.held = held
-        planner.add_worker("A")
-        planner.add_worker("B")
+        planner.add_worker("A", NODE)
+        planner.add_worker("B", NODE)
         assert planner.pick("A", 0.0) == 0  # the group, longest first
         return planner.pick("B", 0.0)
 
@@ -752,10 +753,10 @@ def test_planner_counts_what_a_groups_fixtures_hold_while_its_tests_run() -> Non
 def test_planner_predicts_a_group_test_fits_only_with_its_fixtures_memory() -> None:
     # worker B runs an 8-unit test; the group's next test needs 4 of its own plus the model's 6
     jobs = [Job(0, 10.0, Need(1, 8)), Job(1, 1.0, Need(1, 4), "m"), Job(2, 0.5, None)]
-    planner = Planner(jobs, [16])
+    planner = one_node(jobs, [16])
     planner.held = {"m": (Need(1, 6),)}
-    planner.add_worker("B")
-    planner.add_worker("A")
+    planner.add_worker("B", NODE)
+    planner.add_worker("A", NODE)
     assert planner.pick("B", 0.0) == 0
     assert planner.pick("A", 0.0) == 2  # 8 + 4 + 6 > 16: the CPU test first
     planner.held = {"m": (Need(1, 3),)}

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from conftest import INNER_ARGS
-from helpers import load_trace, patience
-from pytest_gpu.scheduling.planner import Job, Need, Planner
+from helpers import NODE, load_trace, one_node, patience
+from pytest_gpu.scheduling.planner import Job, Need
 
 Run = Callable[..., pytest.RunResult]
 
@@ -34,9 +34,9 @@ def alone(index: int, duration: float = 1.0, **kw: Any) -> Job:
 def test_tests_that_run_alone_go_first_one_after_another_on_one_worker() -> None:
     # collected last, and shorter than the rest: they still go first
     jobs = [Job(0, 9.0), Job(1, 8.0, Need(1, 4)), Job(2, 7.0), alone(3, 0.5), alone(4, 2.0)]
-    planner = Planner(jobs, [16, 16])
+    planner = one_node(jobs, [16, 16])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 4  # longest first among them
     assert planner.pick("B", 0.0) is None  # the run is 4's alone
     assert planner.pick("C", 0.0) is None
@@ -53,9 +53,9 @@ def test_tests_that_run_alone_go_first_one_after_another_on_one_worker() -> None
 def test_a_pending_test_that_runs_alone_waits_until_no_worker_runs_a_test() -> None:
     # a test that runs alone pending while others run (a rerun put it back): drain first
     jobs = [alone(0, 1.0), Job(1, 3.0), Job(2, 2.0), Job(3, 1.0), Job(4, 1.0)]
-    planner = Planner(jobs, [16, 16])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [16, 16])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 1
     planner.complete("A", 0, 1.0)
@@ -76,9 +76,9 @@ def test_a_pending_test_that_runs_alone_waits_until_no_worker_runs_a_test() -> N
 
 def test_a_group_with_a_test_that_runs_alone_runs_alone_as_a_whole_in_order() -> None:
     jobs = [Job(0, 5.0), Job(1, 1.0, group="g"), alone(2, 1.0, group="g"), Job(3, 1.0, group="g"), Job(4, 5.0)]
-    planner = Planner(jobs, [16, 16])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [16, 16])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.alone == {1, 2, 3}
     assert planner.pick("A", 0.0) == 1  # the group's first test, though it needs no GPU
     assert planner.pick("B", 0.0) is None
@@ -94,9 +94,9 @@ def test_a_group_with_a_test_that_runs_alone_runs_alone_as_a_whole_in_order() ->
 
 
 def test_a_test_that_runs_alone_goes_back_to_pending_when_its_worker_dies() -> None:
-    planner = Planner([alone(0), alone(1), Job(2, 1.0), Job(3, 1.0)], [16, 16])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node([alone(0), alone(1), Job(2, 1.0), Job(3, 1.0)], [16, 16])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 1
     assert planner.remove_worker("A") == [0, 1]  # 0 crashed, 1 goes back
@@ -105,9 +105,9 @@ def test_a_test_that_runs_alone_goes_back_to_pending_when_its_worker_dies() -> N
 
 
 def test_a_suite_without_such_tests_is_planned_as_before() -> None:
-    planner = Planner([Job(0, 1.0), Job(1, 2.0)], [16])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node([Job(0, 1.0), Job(1, 2.0)], [16])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.alone == frozenset()
     assert (planner.pick("A", 0.0), planner.pick("B", 0.0)) == (1, 0)
 

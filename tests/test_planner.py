@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import NODE, one_node, see
+from pytest_gpu.leasing.view import NodeView
 from pytest_gpu.scheduling.planner import Grant, Job, Need, Order, Planner
 
 EXCLUSIVE = None  # Need.memory for whole GPUs
@@ -28,7 +30,7 @@ def drain(planner: Planner, workers: Sequence[str]) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {w: [] for w in workers}
     now = 0.0
     for w in workers:
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     for _ in range(1000):
         for w in workers:
             while len(planner.queue(w)) < 2 and (index := planner.pick(w, now)) is not None:
@@ -46,8 +48,8 @@ def drain(planner: Planner, workers: Sequence[str]) -> dict[str, list[int]]:
 
 
 def test_longest_first_among_cpu_jobs() -> None:
-    planner = Planner([cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 5.0)], [])
-    planner.add_worker("A")
+    planner = one_node([cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 5.0)], [])
+    planner.add_worker("A", NODE)
     assert planner.pick("A", 0.0) == 1
     assert planner.pick("A", 0.0) == 3  # a tie goes to the first collected
     planner.complete("A", 1, 5.0)
@@ -59,9 +61,9 @@ def test_longest_first_among_cpu_jobs() -> None:
 
 def test_gpu_job_only_when_predicted_to_fit_at_the_workers_start() -> None:
     jobs = [cpu(0, 6.0), gpu(1, 4.0, 8), gpu(2, 3.0, 8), cpu(3, 1.0), cpu(4, 0.5)]
-    planner = Planner(jobs, [10])
+    planner = one_node(jobs, [10])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0  # A is busy until 6
     assert planner.pick("B", 0.0) == 1  # GPU 0: 8 of 10 until 4
     assert planner.pick("C", 0.0) == 3  # 2 would start now, next to 1: CPU work instead
@@ -71,9 +73,9 @@ def test_gpu_job_only_when_predicted_to_fit_at_the_workers_start() -> None:
 def test_fit_is_checked_over_the_whole_predicted_run() -> None:
     # A holds its group: 1 is predicted on GPU 0 from 2 to 12; 2 would fit at B's start (0), not at 2
     jobs = [cpu(0, 2.0, group="g"), gpu(1, 10.0, 8, group="g"), gpu(2, 5.0, 8), cpu(3, 1.0)]
-    planner = Planner(jobs, [10])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [10])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 1
     assert planner.pick("B", 0.0) == 3
@@ -82,9 +84,9 @@ def test_fit_is_checked_over_the_whole_predicted_run() -> None:
 def test_nothing_fits_a_holding_worker_gets_the_soonest_fit() -> None:
     # GPU 0 busy until 40, GPU 1 until 30: 3 (two GPUs, higher priority) fits at 40, 4 at 30
     jobs = [gpu(0, 40.0, 8), gpu(1, 30.0, 8), cpu(2, 1.0), gpu(3, 20.0, 8, count=2), gpu(4, 5.0, 8)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) == 1
     assert planner.pick("C", 0.0) == 2
@@ -94,22 +96,22 @@ def test_nothing_fits_a_holding_worker_gets_the_soonest_fit() -> None:
 
 
 def test_idle_worker_waits_while_another_is_busy_but_never_deadlocks() -> None:
-    planner = Planner([gpu(0, 10.0, 8), gpu(1, 5.0, 8)], [10])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node([gpu(0, 10.0, 8), gpu(1, 5.0, 8)], [10])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) is None  # A's completion will ask again
     assert planner.queue("B") == [] and planner.pending == 1
     planner.complete("A", 0, 10.0)
-    planner.capacities = [6]  # memory taken outside the run: 1 fits nowhere now
+    see(planner, room=(6,))  # memory taken outside the run: 1 fits nowhere now
     assert planner.pick("B", 10.0) == 1  # nobody is busy: given anyway (the broker waits if need be)
 
 
 def test_exclusive_needs_a_whole_empty_gpu() -> None:
     jobs = [gpu(0, 10.0, 1), gpu(1, 9.0, EXCLUSIVE), gpu(2, 8.0, EXCLUSIVE), cpu(3, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABCD":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0  # 1 byte on one GPU
     assert planner.pick("B", 0.0) == 1  # the other GPU, whole
     assert planner.pick("C", 0.0) == 3  # no empty GPU left for 2
@@ -118,9 +120,9 @@ def test_exclusive_needs_a_whole_empty_gpu() -> None:
 
 def test_count_two_needs_two_gpus() -> None:
     jobs = [gpu(0, 10.0, 8), gpu(1, 9.0, 4, count=2), gpu(2, 8.0, 2, count=2), cpu(3, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) == 2  # 4 GiB on two GPUs is not there, 2 GiB is
     assert planner.pick("C", 0.0) == 3
@@ -128,9 +130,9 @@ def test_count_two_needs_two_gpus() -> None:
 
 def test_count_two_is_refused_when_only_one_gpu_has_room() -> None:
     jobs = [gpu(0, 10.0, EXCLUSIVE), gpu(1, 9.0, 1, count=2), gpu(2, 8.0, 1), cpu(3, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0  # GPU 0, whole
     assert planner.pick("B", 0.0) == 2  # 1 needs room on two GPUs
     assert planner.pick("C", 0.0) == 3
@@ -138,21 +140,21 @@ def test_count_two_is_refused_when_only_one_gpu_has_room() -> None:
 
 def test_capacity_respected_with_several_concurrent_needs() -> None:
     jobs = [gpu(0, 10.0, 3), gpu(1, 9.0, 3), gpu(2, 8.0, 3), gpu(3, 7.0, 3), cpu(4, 1.0)]
-    planner = Planner(jobs, [10])
+    planner = one_node(jobs, [10])
     for w in "ABCD":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert [planner.pick(w, 0.0) for w in "ABCD"] == [0, 1, 2, 4]  # a fourth 3 would make 12 of 10
 
 
 def test_refreshed_capacities_are_used() -> None:
-    planner = Planner([gpu(0, 5.0, 8), cpu(1, 1.0), cpu(2, 0.5)], [16])
+    planner = one_node([gpu(0, 5.0, 8), cpu(1, 1.0), cpu(2, 0.5)], [16])
     for w in "ABC":
-        planner.add_worker(w)
-    planner.capacities = [4]
+        planner.add_worker(w, NODE)
+    see(planner, room=(4,))
     assert planner.pick("A", 0.0) == 1
     assert planner.pick("B", 0.0) == 2  # 0 fits no GPU of 4 bytes
     assert planner.pick("C", 0.0) is None
-    planner.capacities = [16]
+    see(planner, room=(16,))
     assert planner.pick("C", 0.0) == 0
 
 
@@ -162,11 +164,11 @@ def test_granted_leases_stay_on_their_gpus() -> None:
     jobs = [gpu(0, 10.0, 4), gpu(1, 10.0, 4), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, 8), cpu(5, 1.0)]
 
     def third_pick(placed: dict[str, list[Grant]]) -> int | None:
-        planner = Planner(jobs, [10, 10])
+        planner = one_node(jobs, [10, 10])
         for w in "ABC":
-            planner.add_worker(w)
+            planner.add_worker(w, NODE)
         assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]  # A and B hold two: 0 and 1 run
-        planner.placed = placed
+        see(planner, placed=placed)
         return planner.pick("C", 0.0)
 
     assert third_pick({}) == 4  # nothing known of the placement: packed freely, 4 + 4 and 8
@@ -176,11 +178,11 @@ def test_granted_leases_stay_on_their_gpus() -> None:
 
 def test_a_whole_gpu_needs_one_no_grant_is_on() -> None:
     jobs = [gpu(0, 10.0, 1), gpu(1, 10.0, 1), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, EXCLUSIVE), cpu(5, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]
-    planner.placed = {"A": [Grant((0,), 1)], "B": [Grant((1,), 1)]}  # one small lease on each GPU
+    see(planner, placed={"A": [Grant((0,), 1)], "B": [Grant((1,), 1)]})  # one small lease on each GPU
     assert planner.pick("C", 0.0) == 5  # repacked, both 1s would share a GPU and leave the other empty
 
 
@@ -188,11 +190,11 @@ def test_a_grant_is_only_where_its_worker_runs_a_test() -> None:
     # a worker that holds one test has not started it (xdist waits for its successor): a stale
     # grant under its name is not counted, its test's own need is
     jobs = [gpu(0, 10.0, 8), gpu(1, 5.0, 8), cpu(2, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "AB":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert planner.pick("A", 0.0) == 0
-    planner.placed = {"A": [Grant((0,), 8), Grant((1,), 8)]}
+    see(planner, placed={"A": [Grant((0,), 8), Grant((1,), 8)]})
     assert planner.pick("B", 0.0) == 1  # A's 8 counts once (not started: packed), GPU 1 is free
 
 
@@ -201,9 +203,9 @@ def test_a_round_plans_each_test_beside_the_ones_planned_before_it() -> None:
     # (the whole GPU on one, 12 + 1 on another); the plan says where, and the 1 is counted beside the
     # 12, never on the GPU the whole-GPU test was planned on
     jobs = [gpu(0, 3.0, EXCLUSIVE), gpu(1, 2.0, 12), gpu(2, 1.0, 1), cpu(3, 0.5)]
-    planner = Planner(jobs, [16, 16, 16])
+    planner = one_node(jobs, [16, 16, 16])
     for w in "ABC":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert [planner.pick(w, 0.0) for w in "ABC"] == [0, 1, 2]
     whole, twelve, one = (planner.planned(i) for i in range(3))
     assert whole == Grant((0,), EXCLUSIVE)
@@ -218,14 +220,14 @@ def test_a_planned_test_is_held_where_it_was_planned_until_granted() -> None:
     # Repacked freely, 4 + 4 would share a GPU and leave the other to C's 8; where they are
     # planned (and will be granted: the broker is told), no GPU has 8 free: CPU work instead
     jobs = [gpu(0, 10.0, 4), gpu(1, 10.0, 4), cpu(2, 10.0), cpu(3, 10.0), gpu(4, 5.0, 8), cpu(5, 1.0)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "ABC":
-        planner.add_worker(w)
-    planner.contexts, planner.context_size = {"A": {0}, "B": {1}, "C": {0, 1}}, [1, 1]
+        planner.add_worker(w, NODE)
+    see(planner, contexts={"A": frozenset({0}), "B": frozenset({1}), "C": frozenset({0, 1})}, context_sizes=(1, 1))
     assert [planner.pick(w, 0.0) for w in "ABAB"] == [0, 1, 2, 3]
     assert (planner.planned(0), planner.planned(1)) == (Grant((0,), 4, (0,)), Grant((1,), 4, (0,)))
     assert planner.pick("C", 0.0) == 5
-    planner.placed = {"A": [Grant((0,), 4)], "B": [Grant((0,), 4)]}  # granted elsewhere: the grant wins
+    see(planner, placed={"A": [Grant((0,), 4)], "B": [Grant((0,), 4)]})  # granted elsewhere: the grant wins
     assert planner.pick("C", 0.0) == 4
 
 
@@ -233,9 +235,9 @@ def test_a_test_handed_out_to_wait_is_planned_where_it_will_fit() -> None:
     # B's successor, a pair of 6s, fits nowhere when B is free (A's 8 holds GPU 0 till 10): rule 4
     # hands it out anyway, planned on the GPUs it fits once A's test ended
     jobs = [gpu(0, 10.0, 8), gpu(1, 4.0, 8), gpu(2, 3.0, 6, count=2)]
-    planner = Planner(jobs, [10, 10])
+    planner = one_node(jobs, [10, 10])
     for w in "AB":
-        planner.add_worker(w)
+        planner.add_worker(w, NODE)
     assert [planner.pick(w, 0.0) for w in "ABB"] == [0, 1, 2]
     assert planner.planned(2) == Grant((0, 1), 6, (0, 0))
 
@@ -246,12 +248,12 @@ def test_a_worker_without_a_context_on_a_gpu_needs_room_for_one() -> None:
     jobs = [gpu(0, 10.0, 800), cpu(1, 10.0), gpu(2, 5.0, 725), cpu(3, 1.0)]
 
     def b_picks(contexts: dict[str, set[int]], sizes: list[int]) -> int | None:
-        planner = Planner(jobs, [1550])
+        planner = one_node(jobs, [1550])
         for w in "AB":
-            planner.add_worker(w)
+            planner.add_worker(w, NODE)
         assert [planner.pick("A", 0.0) for _ in range(2)] == [0, 1]
-        planner.placed = {"A": [Grant((0,), 800)]}
-        planner.contexts, planner.context_size = contexts, sizes
+        see(planner, placed={"A": [Grant((0,), 800)]})
+        see(planner, contexts={w: frozenset(gpus) for w, gpus in contexts.items()}, context_sizes=tuple(sizes))
         return planner.pick("B", 0.0)
 
     assert b_picks({}, []) == 2  # contexts not counted (as before)
@@ -273,7 +275,7 @@ def test_group_goes_to_one_worker_in_collection_order() -> None:
         cpu(6, 0.5, group="h"),
         cpu(7, 0.5, group="h"),
     ]
-    got = drain(Planner(jobs, []), ["A", "B", "C"])
+    got = drain(one_node(jobs, []), ["A", "B", "C"])
     assert sorted(itertools.chain(*got.values())) == list(range(8))
     owner = next(w for w, indices in got.items() if 0 in indices)
     assert [i for i in got[owner] if i in (0, 2, 4)] == [0, 2, 4]
@@ -283,9 +285,9 @@ def test_group_goes_to_one_worker_in_collection_order() -> None:
 
 
 def test_bound_group_is_not_eligible_elsewhere_until_its_worker_goes() -> None:
-    planner = Planner([cpu(0, 5.0, group="g"), cpu(1, 5.0, group="g"), cpu(2, 1.0)], [])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node([cpu(0, 5.0, group="g"), cpu(1, 5.0, group="g"), cpu(2, 1.0)], [])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0  # the group weighs 10
     assert planner.pick("B", 0.0) == 2
     assert not planner.eligible("B") and planner.eligible("A")
@@ -298,9 +300,9 @@ def test_bound_group_is_not_eligible_elsewhere_until_its_worker_goes() -> None:
 def test_group_runs_back_to_back_on_its_worker() -> None:
     # after 0, the group weighs 2 against singles of 5: its worker still finishes it first
     jobs = [cpu(0, 10.0, group="g"), cpu(1, 1.0, group="g"), cpu(2, 1.0, group="g"), cpu(3, 5.0), cpu(4, 5.0)]
-    planner = Planner(jobs, [])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) == 3
     assert planner.pick("A", 0.0) == 1
@@ -311,9 +313,9 @@ def test_group_runs_back_to_back_on_its_worker() -> None:
 
 def test_group_worker_takes_other_work_while_its_next_test_does_not_fit() -> None:
     jobs = [cpu(0, 10.0, group="g"), gpu(1, 1.0, 12, group="g"), gpu(2, 20.0, 12), cpu(3, 4.0), cpu(4, 3.0)]
-    planner = Planner(jobs, [GPU_MEMORY])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [GPU_MEMORY])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 2  # GPU 0 until 20
     assert planner.pick("B", 0.0) == 0
     assert planner.pick("A", 0.0) == 3
@@ -328,9 +330,9 @@ def test_fallback_tie_goes_by_priority_a_group_by_its_weight() -> None:
     # (1 s + 20 s = 21 s) and the single 3 (10 s) both fit at 30: B must get g's head.
     # Ordering by own duration delayed a group's chain (2.57x the lower bound in the simulation).
     jobs = [gpu(0, 30.0, 8), gpu(1, 1.0, 8, group="g"), cpu(2, 20.0, group="g"), gpu(3, 10.0, 8), cpu(4, 0.5)]
-    planner = Planner(jobs, [10])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [10])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0  # GPU 0 until 30
     assert planner.pick("B", 0.0) == 4
     assert planner.pick("B", 0.0) == 1  # actual: 3
@@ -342,9 +344,9 @@ def test_fallback_tie_goes_by_priority_a_group_by_its_weight() -> None:
 def test_pool_owner_prefers_its_pool_others_avoid_it_then_steal() -> None:
     jobs = [cpu(0, 20.0, pool="K"), cpu(1, 18.0), cpu(2, 15.0, pool="K"), cpu(3, 10.0), cpu(4, 12.0, pool="K")]
     jobs.append(cpu(5, 2.0))
-    planner = Planner(jobs, [])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 2  # its warm pool before the longer 1
     assert planner.pick("B", 0.0) == 1
@@ -357,10 +359,10 @@ def test_pool_owner_prefers_its_pool_others_avoid_it_then_steal() -> None:
 
 def test_pool_preference_needs_a_fit() -> None:
     jobs = [gpu(0, 20.0, 8, pool="K"), gpu(1, 15.0, 8, pool="K"), cpu(2, 1.0)]
-    planner = Planner(jobs, [10])
-    planner.add_worker("A")
-    planner.add_worker("B")
-    planner.add_worker("C")
+    planner = one_node(jobs, [10])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
+    planner.add_worker("C", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) == 2  # 1 does not fit next to 0
     assert planner.pick("A", 0.0) == 1  # after 0, on A
@@ -371,8 +373,8 @@ def test_pool_preference_needs_a_fit() -> None:
 
 def test_remove_worker_returns_held_running_first_and_requeues_in_priority_order() -> None:
     jobs = [cpu(0, 10.0, pool="K"), cpu(1, 8.0), cpu(2, 3.0, pool="K"), cpu(3, 5.0), cpu(4, 1.0)]
-    planner = Planner(jobs, [])
-    planner.add_worker("A")
+    planner = one_node(jobs, [])
+    planner.add_worker("A", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 2  # pool K: ahead of longer tests
     assert planner.remove_worker("A") == [0, 2]
@@ -384,9 +386,9 @@ def test_remove_worker_returns_held_running_first_and_requeues_in_priority_order
 
 
 def test_remove_worker_keeps_group_order() -> None:
-    planner = Planner([cpu(i, 1.0, group="g") for i in range(4)] + [cpu(4, 0.5)], [])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node([cpu(i, 1.0, group="g") for i in range(4)] + [cpu(4, 0.5)], [])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("A", 0.0) == 1
     assert planner.pick("B", 0.0) == 4
@@ -401,7 +403,7 @@ def test_remove_worker_keeps_group_order() -> None:
 
 
 def test_requeue_puts_singles_back_by_priority() -> None:
-    planner = Planner([cpu(0, 5.0), cpu(1, 3.0), cpu(2, 1.0), cpu(3, 4.0)], [])
+    planner = one_node([cpu(0, 5.0), cpu(1, 3.0), cpu(2, 1.0), cpu(3, 4.0)], [])
     got = drain(planner, ["A"])
     assert got["A"] == [0, 3, 1, 2]
     for index in (1, 0, 3):  # reruns, in any order
@@ -419,33 +421,33 @@ def test_requeue_puts_singles_back_by_priority() -> None:
 
 def test_default_order_is_longest_first() -> None:
     jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 5.0, group="g"), cpu(4, 0.5, group="g")]
-    assert drain(Planner(jobs, [], Order()), ["A"]) == drain(Planner(jobs, []), ["A"]) == {"A": [3, 4, 1, 2, 0]}
+    assert drain(one_node(jobs, [], Order()), ["A"]) == drain(one_node(jobs, []), ["A"]) == {"A": [3, 4, 1, 2, 0]}
 
 
 def test_last_failures_are_handed_out_first() -> None:
     # the quick test that failed last time (3) goes out first, then longest first as before
     jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 0.1), cpu(4, 4.0), cpu(5, 0.2)]
-    assert drain(Planner(jobs, [], Order({3: 1, 5: 1})), ["A"]) == {"A": [5, 3, 1, 4, 2, 0]}
-    assert drain(Planner(jobs, [], Order({3: 1, 5: 1})), ["A", "B"]) == {"A": [5, 3, 2], "B": [1, 4, 0]}
+    assert drain(one_node(jobs, [], Order({3: 1, 5: 1})), ["A"]) == {"A": [5, 3, 1, 4, 2, 0]}
+    assert drain(one_node(jobs, [], Order({3: 1, 5: 1})), ["A", "B"]) == {"A": [5, 3, 2], "B": [1, 4, 0]}
 
 
 def test_stop_early_hands_out_shortest_first_after_the_failures() -> None:
     jobs = [cpu(0, 1.0), cpu(1, 5.0), cpu(2, 3.0), cpu(3, 4.0), cpu(4, 0.5), cpu(5, 0.2)]
-    assert drain(Planner(jobs, [], Order(shortest_first=True)), ["A"]) == {"A": [5, 4, 0, 2, 3, 1]}
-    assert drain(Planner(jobs, [], Order({3: 1}, shortest_first=True)), ["A"]) == {"A": [3, 5, 4, 0, 2, 1]}
+    assert drain(one_node(jobs, [], Order(shortest_first=True)), ["A"]) == {"A": [5, 4, 0, 2, 3, 1]}
+    assert drain(one_node(jobs, [], Order({3: 1}, shortest_first=True)), ["A"]) == {"A": [3, 5, 4, 0, 2, 1]}
 
 
 def test_new_tests_go_before_last_failures() -> None:
     # --nf --ff: new (2), then failed (1), a new test that also failed (3) first
     jobs = [cpu(i, d) for i, d in enumerate([5.0, 1.0, 2.0, 3.0])]
-    assert drain(Planner(jobs, [], Order({1: 1, 2: 2, 3: 3})), ["A"]) == {"A": [3, 2, 1, 0]}
+    assert drain(one_node(jobs, [], Order({1: 1, 2: 2, 3: 3})), ["A"]) == {"A": [3, 2, 1, 0]}
 
 
 def test_a_group_with_a_last_failure_goes_first_in_collection_order() -> None:
     jobs = [cpu(0, 9.0), cpu(1, 1.0, group="g"), cpu(2, 0.5, group="g"), cpu(3, 8.0)]
-    planner = Planner(jobs, [], Order({2: 1}))
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [], Order({2: 1}))
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 1  # the group's head, then the failure, on one worker
     assert planner.pick("B", 0.0) == 0
     assert planner.pick("A", 0.0) == 2
@@ -455,9 +457,9 @@ def test_a_group_with_a_last_failure_goes_first_in_collection_order() -> None:
 def test_a_last_failure_that_does_not_fit_waits_for_its_gpu() -> None:
     # the fit rules stand: 0 and 2 (both failed last time) each need 12 of the one GPU
     jobs = [gpu(0, 10.0, 12), cpu(1, 1.0), gpu(2, 0.5, 12), cpu(3, 2.0)]
-    planner = Planner(jobs, [GPU_MEMORY], Order({0: 1, 2: 1}, shortest_first=True))
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [GPU_MEMORY], Order({0: 1, 2: 1}, shortest_first=True))
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 2
     assert planner.pick("B", 0.0) == 1  # 0 would overlap 2 on the GPU
     assert planner.pick("A", 0.0) == 0  # on A, after 2
@@ -466,9 +468,9 @@ def test_a_last_failure_that_does_not_fit_waits_for_its_gpu() -> None:
 
 def test_a_warm_pool_waits_for_a_last_failure() -> None:
     jobs = [cpu(0, 5.0, pool="K"), cpu(1, 4.0, pool="K"), cpu(2, 1.0), cpu(3, 0.5)]
-    planner = Planner(jobs, [], Order({2: 1}))
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [], Order({2: 1}))
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert planner.pick("A", 0.0) == 2
     assert planner.pick("A", 0.0) == 0
     assert planner.pick("B", 0.0) == 3  # leaves K's test to A
@@ -477,14 +479,14 @@ def test_a_warm_pool_waits_for_a_last_failure() -> None:
 
 
 def test_requeued_failure_goes_first_again() -> None:
-    planner = Planner([cpu(0, 5.0), cpu(1, 0.1), cpu(2, 3.0, pool="K"), cpu(3, 4.0, pool="K")], [], Order({1: 1}))
-    planner.add_worker("A")
+    planner = one_node([cpu(0, 5.0), cpu(1, 0.1), cpu(2, 3.0, pool="K"), cpu(3, 4.0, pool="K")], [], Order({1: 1}))
+    planner.add_worker("A", NODE)
     assert [planner.pick("A", 0.0), planner.pick("A", 0.0)] == [1, 0]
     assert planner.remove_worker("A") == [1, 0]
-    planner.add_worker("B")
+    planner.add_worker("B", NODE)
     assert planner.pick("B", 1.0) == 0  # the running test was reported; 0 came back
     planner.requeue(1)  # a rerun of the failure
-    planner.add_worker("C")
+    planner.add_worker("C", NODE)
     assert planner.pick("C", 1.0) == 1
 
 
@@ -531,7 +533,7 @@ class Sim:
         spread: bool = False,
     ) -> None:
         self.jobs = {j.index: j for j in jobs}
-        self.planner = Planner(jobs, capacities, order)
+        self.planner = one_node(jobs, capacities, order)
         self.fixtures = dict(fixtures or {})
         self.learned: dict[str, tuple[Need, ...]] = {}
         self.planner.held = self.learned
@@ -557,7 +559,7 @@ class Sim:
         self.assigned: list[tuple[int, str, frozenset[str]]] = []  # index, worker, workers gone by then
         self._names = itertools.count()
         for _ in range(workers):
-            self.planner.add_worker(f"gw{next(self._names)}")
+            self.planner.add_worker(f"gw{next(self._names)}", NODE)
 
     def run(self) -> float:
         self._fill()
@@ -651,7 +653,7 @@ class Sim:
         self._teardown(worker)
         self.shut.discard(worker)
         self.gone.add(worker)
-        self.planner.add_worker(f"gw{next(self._names)}")  # xdist starts a replacement
+        self.planner.add_worker(f"gw{next(self._names)}", NODE)  # xdist starts a replacement
 
     def _acquire(self, need: Need | None) -> list[int] | None:
         if need is None:
@@ -870,14 +872,14 @@ def test_tests_that_go_before_a_group_hold_it_back_and_take_its_rank() -> None:
     # 5 s GPU test elsewhere: by their own rank 2 and 3 would go last, by m's they go first
     before = [Job(i, 1.0, Need(1, 4), before=("m",)) for i in (2, 3)]
     jobs = [cpu(0, 4.0, group="m"), cpu(1, 4.0, group="m"), *before, gpu(4, 5.0, 4)]
-    planner = Planner(jobs, [GPU_MEMORY])
-    planner.add_worker("A")
-    planner.add_worker("B")
+    planner = one_node(jobs, [GPU_MEMORY])
+    planner.add_worker("A", NODE)
+    planner.add_worker("B", NODE)
     assert [planner.pick("A", 0.0), planner.pick("A", 0.0)] == [2, 3]
     planner.remove_worker("A")  # it crashed running 2: 3 goes back to pending, and holds m back again
     assert planner.pick("B", 0.0) == 3
     assert planner.pick("B", 0.0) == 0  # all handed out: m may start
-    planner.add_worker("C")
+    planner.add_worker("C", NODE)
     assert planner.pick("C", 0.0) == 4  # m is B's
 
 
@@ -928,8 +930,8 @@ def test_workers_of_different_nodes_pack_onto_their_own_node_s_gpus() -> None:
     so y's worker starts one at once; a second worker on x must wait for x's GPU."""
     whole = Need(1, None)
     jobs = [Job(i, 10.0, whole) for i in range(4)]
-    planner = Planner(jobs, capacities=[])
-    planner.node_capacities = {"x": [16], "y": [16]}
+    planner = Planner(jobs)
+    planner.nodes = {"x": NodeView((16,)), "y": NodeView((16,))}
     planner.add_worker("x1", "x")
     planner.add_worker("x2", "x")
     planner.add_worker("y1", "y")
@@ -943,13 +945,13 @@ def test_a_node_s_granted_leases_and_capacities_are_its_own() -> None:
     removed forgets its node."""
     half = Need(1, 8)
     jobs = [Job(i, 10.0, half) for i in range(3)]
-    planner = Planner(jobs, capacities=[])
-    planner.node_capacities = {"x": [8], "y": [8]}
+    planner = Planner(jobs)
+    planner.nodes = {"x": NodeView((8,)), "y": NodeView((8,))}
     planner.add_worker("x1", "x")
     planner.add_worker("y1", "y")
     first = planner.pick("x1", 0.0)
     assert first is not None
-    planner.placed = {"x1": [Grant((0,), 8)]}
+    see(planner, "x", placed={"x1": [Grant((0,), 8)]})
     assert planner.pick("y1", 0.0) is not None  # x1's grant is on x's GPU 0, not y's
     assert planner.remove_worker("x1") == [first]
     planner.add_worker("x1", "y")  # a worker of the same name on another node: packs with y
@@ -962,9 +964,8 @@ def test_a_test_that_can_never_fit_a_worker_s_node_is_left_to_other_nodes() -> N
     left it is no longer eligible (it stops); y's worker takes them."""
     big, small = Need(1, 30), Need(1, 4)
     jobs = [Job(0, 10.0, big), Job(1, 10.0, big), Job(2, 1.0, small)]
-    planner = Planner(jobs, capacities=[])
-    planner.node_capacities = {"x": [16, 16], "y": [40]}
-    planner.node_limits = {"x": [16, 16], "y": [40]}
+    planner = Planner(jobs)
+    planner.nodes = {"x": NodeView((16, 16), limits=(16, 16)), "y": NodeView((40,), limits=(40,))}
     planner.add_worker("x1", "x")
     planner.add_worker("y1", "y")
     assert planner.pick("x1", 0.0) == 2  # the small one: the big ones are longer, but never fit x
@@ -974,9 +975,28 @@ def test_a_test_that_can_never_fit_a_worker_s_node_is_left_to_other_nodes() -> N
     assert not planner.eligible("x1") and planner.eligible("y1")
     assert planner.pick("x1", 1.0) is None
     # two GPUs of x give a two-GPU need that y's one GPU never can
-    pair = Planner([Job(0, 1.0, Need(2, 4))], capacities=[])
-    pair.node_capacities = pair.node_limits = {"x": [16, 16], "y": [40]}
+    pair = Planner([Job(0, 1.0, Need(2, 4))])
+    pair.nodes = {"x": NodeView((16, 16), limits=(16, 16)), "y": NodeView((40,), limits=(40,))}
     pair.add_worker("y1", "y")
     pair.add_worker("x1", "x")
     assert pair.pick("y1", 0.0) is None and not pair.eligible("y1")
     assert pair.pick("x1", 0.0) == 0
+
+
+def test_a_test_no_node_can_ever_hold_goes_to_a_worker_all_the_same() -> None:
+    """A need beyond every node's limits is left to no one: any worker takes it (its broker
+    then says why it can never be placed) and the run does not end with it pending. A run
+    on one machine is such a run of one node: its limits leave every test to its workers."""
+    huge = Need(1, 60)
+    planner = Planner([Job(0, 1.0, huge), Job(1, 1.0, Need(1, 4))])
+    planner.nodes = {"x": NodeView((16, 16), limits=(16, 16)), "y": NodeView((40,), limits=(40,))}
+    planner.add_worker("x1", "x")
+    planner.add_worker("y1", "y")
+    assert planner.eligible("x1") and planner.eligible("y1")
+    assert planner.pick("x1", 0.0) == 1
+    assert planner.pick("x1", 0.0) == 0  # rule 4's successor, though it fits nowhere ever
+    assert not planner.pending
+    alone = one_node([Job(0, 1.0, Need(1, 12))], [16])
+    see(alone, limits=(8,))
+    alone.add_worker("A", NODE)
+    assert alone.eligible("A") and alone.pick("A", 0.0) == 0

@@ -12,6 +12,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         safefiles       files in directories other users can write, never following their links
         importhook      run a callback right after a module is imported
         launch          is this process a rank of a launcher (srun, mpirun, torchrun)
+        privates        pytest's and pytest-xdist's private names, each used through here (tested on the floors)
     wire/               how processes talk
         frames          length-prefixed JSON frames, bounded (pure)
         sockets         the Unix sockets frames travel on: peer credentials, reachable addresses
@@ -60,6 +61,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
     leasing/            the run's lease service
         host            the machine's CPUs and RAM as leases, thread counts
         broker          a run's lease service (its protocol: protocol)
+        view            one node's GPUs as the scheduler reads them, the broker's GPU indices translated (pure)
         protocol        the bodies of the broker's messages
         client          the broker's test-process side
     run/                one run in each of its processes
@@ -105,17 +107,18 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         trace           the Perfetto trace
         gantt           the Gantt chart of a trace
     scheduling/         which worker runs which test when
-        planner         the plan (pure)
-        scheduler       xdist's scheduler, driven by the planner
+        planner         the plan over each node's view (pure)
+        scheduler       xdist's scheduler, driven by the planner, reading the run's nodes (one or many)
         catalog         what each collected test needs
         dependencies    tests that depend on others
         autoworkers     GPU-aware ``-n auto``
-    nodes/              one run over several nodes (--gpu-nodes)
+    nodes/              the run's nodes: one machine's, or several (--gpu-nodes)
         spec            the option, the nodes, the workers' execnet specs (pure)
         sshgate         a process started on a host through ssh, quoted for its shell
         agent           a node's host: that node's run (inventory, broker, arbiter link)
         hosts           the controller's side: the node hosts, each worker's node and run
         worker          a worker's node: checked, its temp directory there
+        feature         the run's nodes as its owner drives them, one or many; node mode's hooks
     roles/              one plugin object per role a process plays
         base            what every role shares: its run, ending it
         owner           the run's owner (controller, lone): summary, history, trace

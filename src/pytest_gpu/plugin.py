@@ -22,7 +22,7 @@ from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
 from .run import fixture_leases, history, lifecycle, options
-from .run.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY
+from .run.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 from .run.record import RUN_KEY
 from .run.session import WIRE_KEY, GpuRun
 from .vendors import libraries
@@ -58,6 +58,7 @@ def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
     # before xdist turns "-n N" into "--dist load": did the user choose a distribution mode?
     config.stash[DIST_CHOSEN_KEY] = getattr(config.option, "dist", "no") != "no"
     config.stash[TX_GIVEN_KEY] = list(getattr(config.option, "tx", None) or [])  # --gpu-nodes refuses --tx
+    config.stash[WORKERS_GIVEN_KEY] = getattr(config.option, "numprocesses", None)  # and -n auto
     if hasattr(config, "workerinput"):
         from .nodes import worker as node_worker
 

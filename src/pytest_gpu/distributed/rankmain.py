@@ -29,7 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from ..base import importhook
+from ..base import importhook, privates
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -374,12 +374,9 @@ def _reseed(seed: int) -> None:
 def _pytest_config(body: dict[str, Any]) -> Any:
     """A pytest config like the parent's, for assertion rewriting of the test modules."""
     try:
-        from _pytest.assertion import install_importhook
-        from _pytest.config import _prepareconfig
-
         args = ["-p", "no:gpu", "-p", "no:cacheprovider", "-p", "no:xdist", *body["config_args"]]
-        config = _prepareconfig(args)
-        install_importhook(config)
+        config = privates.prepare_config(args)
+        privates.rewrite_asserts(config)
         return config
     except Exception:
         sys.stderr.write("pytest-gpu rank: assertion rewriting unavailable:\n" + traceback.format_exc())
@@ -387,39 +384,27 @@ def _pytest_config(body: dict[str, Any]) -> Any:
 
 
 def _import_module(body: dict[str, Any], config: Any) -> Any:
-    from _pytest.pathlib import import_path
-
     if config is not None:
         mode = config.getoption("importmode")
         root = Path(config.rootpath)
     else:
         mode, root = "prepend", Path(body["cwd"])
     try:
-        return import_path(body["module_file"], mode=mode, root=root, consider_namespace_packages=False)
-    except TypeError:  # pytest < 8.1 has no consider_namespace_packages
-        return import_path(body["module_file"], mode=mode, root=root)  # type: ignore[call-arg]
+        return privates.import_test_module(body["module_file"], mode, root)
     except Exception:
         return importlib.import_module(body["module_name"])
 
 
 def _outcome(exc: BaseException, module_file: str | None, tbstyle: str) -> dict[str, Any]:
     import pytest
-    from _pytest._code import ExceptionInfo
-    from _pytest._code.code import Traceback
 
     if isinstance(exc, pytest.skip.Exception):
         return {"outcome": "skipped", "message": str(exc.msg)}
     if isinstance(exc, pytest.xfail.Exception):
         return {"outcome": "xfailed", "message": str(exc.msg)}
-    info = ExceptionInfo.from_exception(exc)
-    if module_file:
-        cut = info.traceback.cut(path=Path(module_file))
-        if cut:
-            info.traceback = cut
+    info = pytest.ExceptionInfo.from_exception(exc)
     style = "long" if tbstyle == "auto" else tbstyle
-    if tbstyle == "auto" and len(info.traceback) > 2:  # as pytest does: first and last frame in full
-        tb = info.traceback
-        info.traceback = Traceback((tb[0], *(e.with_repr_style("short") for e in tb[1:-1]), tb[-1]))
+    privates.trim_traceback(info, module_file, full_ends=tbstyle == "auto")  # as pytest does
     if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
         longrepr = str(exc.msg)
     else:

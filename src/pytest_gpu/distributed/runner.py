@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from _pytest._code.code import ReprEntry, ReprExceptionInfo, ReprFileLocation, ReprTraceback
 
+from ..base import privates
 from ..base.distspec import DistSettings, DistSpec, build_spec, isolated_spec
 from ..base.requests import GpuRequestError, format_size
 from ..base.wording import plural
@@ -152,7 +152,8 @@ def isolated_item_spec(item: pytest.Item) -> DistSpec:
         # a unittest.TestCase's method runs through unittest, never through the body runner
         raise GpuRequestError(f"{what} only applies to test functions and methods of plain test classes")
     view = []
-    info = item._fixtureinfo
+    info = privates.fixture_info(item)
+    assert info is not None  # a pytest.Function's
     # what the body's fixture values are built from (autouse fixtures it does not ask for aside):
     # fixtures holding a lease of their own (gpu_lease_factory) hold it in the test process
     for name in sorted(_reached(info, info.argnames)):
@@ -219,7 +220,9 @@ def close(config: pytest.Config) -> None:
 def _payload(item: pytest.Function, isolated: bool = False) -> dict[str, Any]:
     where = "the test's own process (isolate=True)" if isolated else "the ranks"
     kwargs: dict[str, Any] = {}
-    for name in item._fixtureinfo.argnames:
+    info = privates.fixture_info(item)
+    assert info is not None  # a pytest.Function's
+    for name in info.argnames:
         value = item.funcargs[name]
         kwargs[name] = value
         problem = None
@@ -420,7 +423,9 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
         if exc.isolated:
             report.longrepr = _own_failure(item, exc)
             return
-        crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, exc.crash or summary.splitlines()[0])
+        crash = privates.file_location(
+            str(item.path), (item.location[1] or 0) + 1, exc.crash or summary.splitlines()[0]
+        )
         report.longrepr = FailureRepr(summary, exc.detail, crash)  # type: ignore[assignment]
     elif ABANDONED_KEY in item.stash and report.longrepr is not None:
         detail = _sections_text(item.stash[ABANDONED_KEY], None)
@@ -430,7 +435,7 @@ def make_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.T
             # waited for the pool: one line for where the pool was, then the ranks' stacks (the
             # report's sections; the full text's detail), instead of the plugin's frames
             line = interrupted_line(call.excinfo.value, where)
-            crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, line)
+            crash = privates.file_location(str(item.path), (item.location[1] or 0) + 1, line)
             report.longrepr = FailureRepr(line, detail, crash)  # type: ignore[assignment]
         elif detail:
             report.longrepr = FailureRepr(report.longrepr, detail)  # type: ignore[assignment]
@@ -447,14 +452,13 @@ def interrupted_line(exc: BaseException, where: str) -> str:
     return f"pytest-gpu: {what} while {where} ({message})"
 
 
-def _own_failure(item: pytest.Item, exc: DistributedFailure) -> ReprExceptionInfo:
+def _own_failure(item: pytest.Item, exc: DistributedFailure) -> Any:
     """An isolated test's failure as pytest reports a test's own: its body's traceback (as its
     process formatted it), and the exception's line in the short summary, also from an xdist
     worker (a representation pytest serialises whole, with its crash line)."""
     text = f"{exc}\n\n{exc.detail}" if exc.detail else str(exc)
-    entry = ReprEntry(lines=text.splitlines(), reprfuncargs=None, reprlocals=None, reprfileloc=None, style="value")
-    crash = ReprFileLocation(str(item.path), (item.location[1] or 0) + 1, exc.crash or text.splitlines()[0])
-    return ReprExceptionInfo(reprtraceback=ReprTraceback([entry], None, "value"), reprcrash=crash)
+    crash = privates.file_location(str(item.path), (item.location[1] or 0) + 1, exc.crash or text.splitlines()[0])
+    return privates.text_failure(text.splitlines(), crash)
 
 
 def _is_stack_section(title: str) -> bool:

@@ -53,7 +53,9 @@ def parse_mapping(lines: Sequence[str]) -> dict[str, tuple[str, ...]]:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Admission:
+    """Whether a test may run here (``keep``), and why not (``reason``: the deselection's words)."""
+
     keep: bool
     reason: str = ""
 
@@ -66,7 +68,7 @@ def allowed(
     *,
     selected_by_m: bool,
     runs_on_pool: bool,
-) -> Verdict:
+) -> Admission:
     """May a test with these markers run under launcher ``current`` (``None``: no launcher)?
 
     ``ray`` stands for "no process launcher, a Ray cluster": ray_dist tests run outside a
@@ -98,8 +100,8 @@ def allowed(
         launchers = sorted(ok - {SELECTED})
         if current is None and SELECTED in ok:
             where_else = f"a launcher ({' or '.join(launchers)}) or " if launchers else ""
-            return Verdict(False, f"{label} needs {where_else}-m selecting it")
+            return Admission(False, f"{label} needs {where_else}-m selecting it")
         if current is None:
-            return Verdict(False, f"{label} needs a launcher ({' or '.join(launchers)})")
-        return Verdict(False, f"{label} cannot run under {current} (allowed: {' '.join(launchers) or 'none'})")
-    return Verdict(True)
+            return Admission(False, f"{label} needs a launcher ({' or '.join(launchers)})")
+        return Admission(False, f"{label} cannot run under {current} (allowed: {' '.join(launchers) or 'none'})")
+    return Admission(True)

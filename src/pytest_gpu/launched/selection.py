@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
+from ..base import privates
 from ..base.launch import LaunchContext
 from .markers import DEFAULT_MAPPING, SELECTED, LauncherMarkerError, allowed, parse_mapping
 
@@ -20,11 +21,8 @@ def m_expression(config: pytest.Config) -> Callable[[Iterable[pytest.Mark]], boo
     text = (config.getoption("markexpr", "") or "").strip()
     if not text:
         return None
-    from _pytest.mark.expression import Expression  # pytest's own -m grammar
-
-    try:
-        expression = Expression.compile(text)
-    except Exception:  # ParseError (pytest 8), SyntaxError (pytest 9)
+    evaluate_with = privates.mark_matcher(text)  # pytest's own -m grammar
+    if evaluate_with is None:
         return None  # pytest's own -m deselection reports the bad expression
 
     def evaluate(marks: Iterable[pytest.Mark]) -> bool:
@@ -36,7 +34,7 @@ def m_expression(config: pytest.Config) -> Callable[[Iterable[pytest.Mark]], boo
         def matcher(name: str, /, **kwargs: object) -> bool:
             return any(all(m.kwargs.get(k, _NOT_GIVEN) == v for k, v in kwargs.items()) for m in by_name.get(name, []))
 
-        return bool(expression.evaluate(matcher))
+        return bool(evaluate_with(matcher))
 
     return evaluate
 
@@ -88,7 +86,7 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
             keep.append(item)
             continue
         try:
-            verdict = allowed(
+            admission = allowed(
                 names,
                 [m.args for m in item.iter_markers("launcher")],
                 table,
@@ -98,11 +96,11 @@ def deselect(config: pytest.Config, items: list[pytest.Item], ctx: LaunchContext
             )
         except LauncherMarkerError as exc:
             raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
-        if verdict.keep:
+        if admission.keep:
             keep.append(item)
         else:
             drop.append(item)
-            reasons[verdict.reason] += 1
+            reasons[admission.reason] += 1
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import pytest
 
+from ..base import privates
 from ..base.launch import LaunchContext
 from ..base.wording import numbered
 from ..run import history
@@ -263,18 +264,16 @@ class LaunchedRank:
         """One ``testcase`` per test in rank 0's junitxml: other ranks' failures move into
         their test's case, each message prefixed with its rank ("rank 1: AssertionError ...").
         No testcase property: the default junit_family (xunit2) allows none."""
-        from _pytest.junitxml import mangle_test_address, xml_key
-
-        logxml = self.config.stash.get(xml_key, None)
-        if logxml is None or not self.merged:
+        logfile = privates.junitxml_file(self.config)
+        if logfile is None or not self.merged:
             return
-        path = Path(logxml.logfile)
+        path = Path(logfile)
         try:
             tree = ET.parse(path)
         except (OSError, ET.ParseError):
             return  # junitxml said why it could not write; the terminal has every failure
         names = {
-            mangle_test_address(rank_id)[-1]: (mangle_test_address(base)[-1], rank)
+            privates.junitxml_name(rank_id): (privates.junitxml_name(base), rank)
             for rank_id, (base, rank) in self.merged.items()
         }
         prefixed: set[int] = set()  # cases whose own (this rank's) failures already name the rank

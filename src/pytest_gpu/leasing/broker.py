@@ -74,6 +74,7 @@ from .protocol import (
     Release,
     Welcome,
 )
+from .view import NodeView
 
 # at the run's end: how long it waits for processes of its clients that are still exiting,
 # whose contexts the machine forgets once the run has left it (xdist's workers are gone by then)
@@ -586,6 +587,21 @@ class Broker(AuthServer[ClientInfo]):
             for worker, indices, memory in self._placed.values():
                 out.setdefault(worker, []).append((indices, memory))
         return out
+
+    def view(self) -> NodeView:
+        """This run's GPUs as the scheduler reads them: the one node of a run on one machine
+        (a node host sends its broker's under ``--gpu-nodes``). The catalog is this broker's own,
+        live."""
+        sizes = self.context_sizes()
+        return NodeView(
+            room=tuple(self.room()),
+            order=tuple(self.capacities),
+            placements=self.placements(),
+            contexts=self.contexts(),
+            context_sizes=tuple(sizes),
+            limits=tuple(capacity - size for capacity, size in zip(self.capacities.values(), sizes, strict=True)),
+            catalog=self.catalog,
+        )
 
     def room(self) -> list[int]:
         """What each GPU can give leases now beside the CUDA contexts open there and foreign

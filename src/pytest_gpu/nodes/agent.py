@@ -40,7 +40,8 @@ def state(
     refused: int = 0,
     faults: bool = False,
 ) -> dict[str, Any]:
-    """What the controller reads of this node's broker (plain values, for execnet);
+    """What the controller reads of this node's broker (plain values, for execnet): its
+    view (:meth:`Broker.view`, the scheduler's), its counts, and what the summary asks;
     ``worker``: also what that worker found for ``--gpu-required`` (``required``: ``None``, none).
     ``catalog``: the entries of the broker's catalog (what the node's workers collected, what
     their fixtures hold) not in ``sent`` or changed since, which ``sent`` then records.
@@ -51,15 +52,8 @@ def state(
 
     broker = run.broker
     assert broker is not None  # a node host owns its node's broker
-    sizes = list(broker.context_sizes())
-    placements = {w: [[list(gpus), memory] for gpus, memory in rows] for w, rows in broker.placements().items()}
     figures = {
-        "room": list(broker.room()),
-        "order": list(broker.capacities),
-        "placements": placements,
-        "contexts": {w: sorted(gpus) for w, gpus in broker.contexts().items()},
-        "context_sizes": sizes,
-        "limits": [capacity - size for capacity, size in zip(broker.capacities.values(), sizes, strict=True)],
+        **broker.view().to_wire(),  # room, order, placements, contexts, context_sizes, limits
         "refused_plans": refused,
         "grants": broker.grants,
         "crashes": len(broker.crashes),

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..base import privates
 from ..base.launch import LaunchContext
+from ..leasing.view import NodeView
 from ..run.options import Settings
 from . import spec as spec_
 from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
@@ -77,37 +79,6 @@ class NodeHost:
     lost: str | None = None  # why it stopped answering during the run
 
 
-@dataclass(frozen=True)
-class NodeView:
-    """One node's broker as the scheduler reads it (its ``state`` reply): ``room``, usable
-    bytes per GPU in ``order`` (the broker's GPU indices); what each worker holds now
-    (``placements``) and where it has CUDA contexts, in those indices; what a new context
-    takes on each GPU (``context_sizes``, in ``order``); the most a lease can ever get on each
-    (``limits``: its capacity less one context, in ``order``)."""
-
-    room: tuple[int, ...]
-    order: tuple[int, ...]
-    placements: dict[str, list[tuple[tuple[int, ...], int | None]]]
-    contexts: dict[str, frozenset[int]]
-    context_sizes: tuple[int, ...]
-    limits: tuple[int, ...] = ()  # the most one lease can ever get on each GPU (capacity less a context)
-
-    @classmethod
-    def from_state(cls, figures: dict[str, Any]) -> NodeView:
-        room = tuple(int(b) for b in figures["room"])
-        return cls(
-            room=room,
-            order=tuple(int(i) for i in figures.get("order", range(len(room)))),
-            placements={
-                str(w): [(tuple(int(i) for i in gpus), None if m is None else int(m)) for gpus, m in rows]
-                for w, rows in figures["placements"].items()
-            },
-            contexts={str(w): frozenset(int(i) for i in gpus) for w, gpus in (figures.get("contexts") or {}).items()},
-            context_sizes=tuple(int(b) for b in figures.get("context_sizes", ())),
-            limits=tuple(int(b) for b in figures.get("limits", ())),
-        )
-
-
 class NodeHosts:
     """Every node's host: started once per run, closed at its end (see :mod:`.agent`)."""
 
@@ -117,8 +88,8 @@ class NodeHosts:
         self.hosts = {name: NodeHost(name, specs[name]) for name in plan.names}
         self._cleanup = cleanup
         self._group: Any = None
-        # every node's broker catalog, merged (the scheduler's; kept up to date by state())
-        self.catalog: dict[str, Any] = {}
+        # each node's broker catalog (its views'; kept up to date by every state reply)
+        self.catalogs: dict[str, dict[str, Any]] = {name: {} for name in plan.names}
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start every node's host (all at once, then wait for each)."""
@@ -179,12 +150,13 @@ class NodeHosts:
         """``node``'s reply to a ``state`` already sent (the catalog's news taken in)."""
         kind, body = self.hosts[node].channel.receive(timeout)
         assert kind == "state", body
-        self.catalog.update(body.get("catalog") or {})
+        self.catalogs[node].update(body.get("catalog") or {})
         return dict(body)
 
-    def refresh(self) -> dict[str, NodeView]:
-        """Every live node's broker now (the scheduler's view before each fill; the catalog
-        is brought up to date too). A node that no longer answers is marked lost and left out.
+    def views(self) -> dict[str, NodeView]:
+        """Every live node's broker now (the scheduler's view before each fill; each node's
+        catalog is brought up to date too). A node that no longer answers is marked lost and
+        left out.
 
         Every node is asked before any answer is read, so a fill waits for the slowest node's
         round trip, not for the sum of them."""
@@ -206,7 +178,7 @@ class NodeHosts:
             except Exception as exc:  # gone: its workers' removal follows from xdist
                 self.hosts[name].lost = _short(exc)
                 continue
-            views[name] = NodeView.from_state(figures)
+            views[name] = NodeView.from_wire(figures, self.catalogs[name])
         return views
 
     def prefer(self, node: str, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
@@ -221,9 +193,11 @@ class NodeHosts:
         except Exception as exc:  # its channel closed: the node is gone
             host.lost = _short(exc)
 
-    def node_of(self, worker: Any) -> str | None:
+    def node_of(self, worker: Any) -> str:
         """The node of an xdist ``WorkerController`` (its spec's ``env:PYTEST_GPU_NODE``)."""
-        return node_of(worker)
+        node = node_of(worker)
+        assert node is not None, f"worker {privates.worker_id(worker)} has no node of this run"
+        return node
 
     def alive(self, node: str) -> bool:
         """Whether ``node``'s host still answers (a node whose host is gone is lost: its
@@ -336,13 +310,15 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
     value = config.getoption("gpu_nodes", None)
     if not value:
         return None
-    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY
+    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 
     given_tx: list[str] = config.stash.get(TX_GIVEN_KEY, [])
+    # -n as given: by now xdist has turned -n auto into the controller's own count
+    given_n = config.stash.get(WORKERS_GIVEN_KEY, None)
     try:
         form = spec_.parse(str(value))
         per_node = spec_.check_xdist(
-            numprocesses=getattr(config.option, "numprocesses", None),
+            numprocesses=given_n if given_n in ("auto", "logical") else getattr(config.option, "numprocesses", None),
             tx=given_tx,
             dist=str(getattr(config.option, "dist", "no")),
             user_dist=config.stash.get(DIST_CHOSEN_KEY, False),
@@ -399,16 +375,13 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
 
 def node_of(worker: Any) -> str | None:
     """The node an xdist ``WorkerController`` runs on (its spec's ``env:PYTEST_GPU_NODE``)."""
-    spec = getattr(getattr(worker, "gateway", None), "spec", None)
-    return spec_.node_of_spec(getattr(spec, "env", None) or {})
+    return spec_.node_of_spec(privates.worker_env(worker))
 
 
 def raise_reported(hosts: NodeHosts, worker: Any) -> None:
     """As ``worker``'s collection comes in: raise what it found for ``--gpu-required`` (its
     node's host reads it where the worker wrote it, in that node's run directory)."""
-    node = node_of(worker)
-    assert node is not None
-    message = hosts.state(node, str(worker.gateway.id)).get("required")
+    message = hosts.state(hosts.node_of(worker), privates.worker_id(worker)).get("required")
     if message:
         raise pytest.UsageError(str(message))
 
@@ -419,35 +392,30 @@ def guard_replacements(config: pytest.Config, hosts: NodeHosts) -> None:
     xdist replaces a crashed worker with a new one from the same spec; on a lost node its
     launcher cannot start one and xdist ends the whole run with an INTERNALERROR. By then
     xdist has reported the worker's running test crashed and returned its queued tests to
-    the others; so a worker whose node's host is gone is not replaced and the run goes on
-    with the other nodes. (xdist has no hook for this: its ``DSession._clone_node`` is
-    wrapped, on this run's session object only; without it, as in an xdist that renamed it,
-    xdist's own behaviour stays.)"""
-    dsession = config.pluginmanager.getplugin("dsession")
-    clone = getattr(dsession, "_clone_node", None)
-    if clone is None or getattr(clone, "pytest_gpu_guard", False):
-        return
+    the others; so a worker whose node's host is gone is not replaced, xdist's "replacing
+    crashed worker" line says so instead, and the run goes on with the other nodes (see
+    :func:`pytest_gpu.base.privates.refuse_replacements`; where xdist lacks what that wraps,
+    xdist's own behaviour stays)."""
 
-    def clone_unless_lost(worker: Any) -> Any:
+    def refusal(worker: Any) -> str | None:
         node = node_of(worker)
-        if node is not None and node in hosts.hosts and not hosts.alive(node):
-            dsession.report_line(
-                f"pytest-gpu: node {node} lost ({hosts.hosts[node].lost}): {worker.gateway.id} not replaced"
-            )
+        if node is None or node not in hosts.hosts or hosts.alive(node):
             return None
-        return clone(worker)
+        return f"pytest-gpu: node {node} lost ({hosts.hosts[node].lost}): {privates.worker_id(worker)} not replaced"
 
-    clone_unless_lost.pytest_gpu_guard = True  # type: ignore[attr-defined]
-    dsession._clone_node = clone_unless_lost
+    privates.refuse_replacements(config, refusal)
 
 
-def configure_node(hosts: NodeHosts, worker: Any) -> None:
-    """A new worker's ``workerinput``: its node's run, and the node it was started on."""
+def workerinput(hosts: NodeHosts, worker: Any) -> dict[str, Any]:
+    """What a new worker's ``workerinput`` carries of its node: its node's run, the node it
+    was started on, and every node's inventory."""
     from ..run.session import WIRE_KEY
 
-    node = node_of(worker)
-    assert node is not None and node in hosts.hosts, f"worker {worker.gateway.id} has no node of this run"
-    worker.workerinput[WIRE_KEY] = hosts.wire(node)
-    worker.workerinput[NODE_KEY] = node
-    # a test too large for this node but not for another is left to the other's workers
-    worker.workerinput[INVENTORIES_KEY] = {name: hosts.wire(name)["inventory"] for name in hosts.up}
+    node = hosts.node_of(worker)
+    assert node in hosts.hosts, f"worker {privates.worker_id(worker)} has no node of this run"
+    return {
+        WIRE_KEY: hosts.wire(node),
+        NODE_KEY: node,
+        # a test too large for this node but not for another is left to the other's workers
+        INVENTORIES_KEY: {name: hosts.wire(name)["inventory"] for name in hosts.up},
+    }

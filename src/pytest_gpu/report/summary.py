@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from ..base import privates
 from ..base.spans import gpu_properties, parse_held
 from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
@@ -60,8 +61,8 @@ class Summary:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.add(report)
-        node = getattr(report, "node", None)  # xdist: the WorkerController that ran it
-        worker = str(node.gateway.id) if node is not None else "main"
+        node = privates.report_worker(report)  # xdist: the WorkerController that ran it
+        worker = privates.worker_id(node) if node is not None else "main"
         # xdist: the test its worker was running when it went down (a `when` outside pytest's Literal)
         if cast(str, report.when) == "???":
             self.cut_short.setdefault(worker, []).append(report.nodeid)
@@ -91,7 +92,7 @@ class Summary:
         # xdist calls this while its loop runs: a worker that went down with an error then
         # died while the run went on (or, "keyboard-interrupt", was itself interrupted)
         if error is not None:
-            self.down[str(node.gateway.id)] = str(error)
+            self.down[privates.worker_id(node)] = str(error)
 
     def peaks(self) -> dict[str, int]:
         """Node id -> highest peak measured on one of its GPUs (for ``--gpu-learn``)."""

@@ -14,6 +14,8 @@ LAUNCH_KEY = pytest.StashKey[LaunchContext | None]()
 DIST_CHOSEN_KEY = pytest.StashKey[bool]()
 # --tx as the user gave it (read before xdist turns -n N into popen specs): --gpu-nodes refuses both
 TX_GIVEN_KEY = pytest.StashKey[list[str]]()
+# -n as the user gave it (read before xdist turns "auto" into a number): --gpu-nodes refuses -n auto
+WORKERS_GIVEN_KEY = pytest.StashKey[object]()
 # workerinput: True when the controller hands tests out with GpuScheduling.
 SCHEDULE_KEY = "pytest_gpu_schedule"
 

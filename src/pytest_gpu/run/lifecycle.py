@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..base import privates
 from ..base.requests import (
     GpuRequest,
     GpuRequestError,
@@ -118,7 +119,7 @@ def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
             f"{item.nodeid}: both {SERIAL_MARKER} and a distributed marker: a distributed test's rank "
             f"pool leases GPUs of its own, which {holds} would keep from it; remove one of the two"
         )
-    info = getattr(item, "_fixtureinfo", None)
+    info = privates.fixture_info(item)
     leasing = ["gpu_request"] if "gpu_request" in getattr(item, "fixturenames", ()) else []
     if info is not None:
         for name in info.names_closure:

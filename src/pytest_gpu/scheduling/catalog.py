@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..base import privates
 from ..run import fixture_leases
 from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED, HELD_PREFIX
 from ..run.lifecycle import never_runs
@@ -225,7 +226,7 @@ class HeldNeeds(Mapping[str, tuple[Need, ...]]):
 def group_tags(item: pytest.Item) -> list[str]:
     """Group tags of ``item``: one per module-, class- or package-scoped fixture instance it
     uses that requests ``gpu_lease_factory`` (known at collection: the factory is an argument)."""
-    info = getattr(item, "_fixtureinfo", None)
+    info = privates.fixture_info(item)
     if info is None:
         return []
     tags: list[str] = []

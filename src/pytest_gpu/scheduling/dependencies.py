@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-
-if TYPE_CHECKING:
-    from _pytest.nodes import Node  # the base of Session, Package, Module, Class: pytest does not export it
 
 __all__ = ["GROUP_PREFIX", "automark_enabled", "dependency_groups", "depends_active"]
 
@@ -39,7 +36,7 @@ MARKER = "dependency"
 AUTOMARK_INI = "automark_dependency"
 
 # pytest-dependency's DependencyManager.ScopeCls: one results table per node of these types.
-_SCOPE_TYPES: dict[str, type[Node]] = {
+_SCOPE_TYPES: dict[str, type[pytest.Collector]] = {
     "session": pytest.Session,
     "package": pytest.Package,
     "module": pytest.Module,
@@ -118,7 +115,7 @@ def dependency_groups(
             parent[max(ra, rb)] = min(ra, rb)
 
     # (scope, scope node, recorded name) -> items recording that name there.
-    recorded: dict[tuple[str, Node, Hashable], list[int]] = {}
+    recorded: dict[tuple[str, pytest.Collector, Hashable], list[int]] = {}
     # (item, scope, names it depends on), checked once every name is known.
     dependents: list[tuple[int, Any, list[Hashable]]] = []
     for index, item in enumerate(items):
@@ -140,7 +137,7 @@ def dependency_groups(
                 dependents.append((index, scope, _depend_names(depends)))
 
     linked: list[int] = []
-    joined: set[tuple[str, Node, Hashable]] = set()  # keys whose recorders are one set already
+    joined: set[tuple[str, pytest.Collector, Hashable]] = set()  # keys whose recorders are one set already
     for index, scope, names in dependents:
         scope_type = _SCOPE_TYPES.get(scope) if isinstance(scope, str) else None
         node = items[index].getparent(scope_type) if scope_type is not None else None

@@ -45,8 +45,8 @@ Predictions: every test a worker holds is laid out back to back from when its ru
 test started, each for its expected duration (a test running over its estimate is
 assumed to end now). A candidate fits when, at its start and at every later start of
 a predicted test it overlaps, all predicted needs then active plus its own can be
-packed onto the GPUs' capacities. What a worker's running test holds already
-(:attr:`Planner.placed`, the broker's grants) stays on the GPUs it was granted until the
+packed onto the room of its node's GPUs. What a worker's running test holds already
+(:attr:`NodeView.placements`, the broker's grants) stays on the GPUs it was granted until the
 test is predicted to end: only what is not granted yet is packed freely. (Repacking a
 granted lease would let a test through that no GPU has room for at the moment: it would
 then wait at the broker, its worker idle.)
@@ -58,8 +58,15 @@ its worker has a CUDA context on first (the broker's affinity), then the tightes
 the broker grants its lease, every later pick counts it there, as if granted; the scheduler
 passes the plan to the broker as a preference, which it honours when the request fits there
 (so the tests of one round do not land where the planner counted another one). A worker's
-first lease on a GPU also opens its CUDA context there (:attr:`Planner.context_size`): a test
+first lease on a GPU also opens its CUDA context there (:attr:`NodeView.context_sizes`): a test
 fits a GPU its worker has no context on only with room for that context too.
+
+Nodes: the planner reads each node's GPUs from its view (:attr:`Planner.nodes`, node ->
+:class:`~pytest_gpu.leasing.view.NodeView`, refreshed by the scheduler before its picks); a
+run on one machine is a run with one node. A worker packs onto its node's GPUs beside its
+node's workers only, and a plan names its node's GPUs (by position: the view translates). A
+test whose need its worker's node can never hold (:meth:`NodeView.can_ever`) is left to the
+workers of a node that can; one that no node can hold goes to any worker, whose broker says why.
 """
 
 from __future__ import annotations
@@ -68,8 +75,10 @@ import bisect
 import heapq
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from ..leasing.view import NodeView
 
 # A test predicted to be running past its estimate is assumed to end this much later.
 _OVERDUE = 0.05
@@ -139,12 +148,11 @@ class _Span:
 
 
 class Planner:
-    """Online list scheduling of ``jobs`` onto workers over GPUs of ``capacities`` bytes."""
+    """Online list scheduling of ``jobs`` onto workers over the GPUs of their nodes (:attr:`nodes`)."""
 
-    def __init__(self, jobs: Iterable[Job], capacities: Sequence[int], order: Order | None = None) -> None:
+    def __init__(self, jobs: Iterable[Job], order: Order | None = None) -> None:
         jobs = list(jobs)
         self.jobs: dict[int, Job] = {}
-        self.capacities = list(capacities)  # usable bytes per GPU; the scheduler may refresh these
         self.order = order if order is not None else Order()
         self._sign = 1.0 if self.order.shortest_first else -1.0
         # pending ungrouped tests, by priority (rule 3): CPU-only and GPU ones apart (a CPU test
@@ -163,24 +171,15 @@ class Planner:
         # group -> needs its fixtures hold while its tests run, besides their own (a live
         # mapping: the scheduler learns them as workers set those fixtures up)
         self.held: Mapping[str, Sequence[Need]] = {}
-        # worker -> the leases its processes hold now (the scheduler refreshes it before picks);
-        # a worker's running test is predicted to hold these, where they are, until it ends
-        self.placed: Mapping[str, Sequence[Grant]] = {}
-        # worker -> GPUs its processes have a CUDA context on, and what a new context takes on
-        # each GPU (the scheduler refreshes both; empty: contexts are not counted)
-        self.contexts: Mapping[str, Collection[int]] = {}
-        self.context_size: Sequence[int] = ()
         self._plans: dict[int, Grant] = {}  # held test -> the GPUs planned for its own need (see planned)
-        # --gpu-nodes: node -> usable bytes per GPU of that node, and what a new context takes
-        # on each (the scheduler refreshes both); a worker added with a node packs against its
-        # node's GPUs and its node's workers only, and its plans name its node's GPUs
-        self.node_capacities: Mapping[str, Sequence[int]] = {}
-        self.node_context_size: Mapping[str, Sequence[int]] = {}
-        # node -> the most one lease can ever get on each of its GPUs (its capacity less a
-        # context): a test whose need exceeds it on that node is never picked by its workers
-        # (heterogeneous nodes; another node's workers run it)
-        self.node_limits: Mapping[str, Sequence[int]] = {}
-        self._node_of: dict[str, str | None] = {}
+        self._node_of: dict[str, str] = {}  # worker -> its node
+        self._views: Mapping[str, NodeView] = {}
+        # from the views, at the planner's positions: worker -> the leases its processes hold
+        # now (its running test is predicted to hold these, where they are, until it ends), and
+        # the GPUs its processes have a CUDA context on
+        self._placed: dict[str, list[Grant]] = {}
+        self._opened: dict[str, frozenset[int]] = {}
+        self._ever_memo: dict[tuple[str, Need], bool] = {}
         for job in sorted(jobs, key=lambda j: j.index):
             self.jobs[job.index] = job
             if job.group is not None:
@@ -227,27 +226,52 @@ class Planner:
 
     # -- workers --------------------------------------------------------------------
 
-    def add_worker(self, worker: str, node: str | None = None) -> None:
-        """A new worker; ``node``: the node it runs on (``--gpu-nodes``; ``None``: the one machine)."""
+    @property
+    def nodes(self) -> Mapping[str, NodeView]:
+        """Node -> its GPUs now (room, grants, contexts and their sizes, limits); the scheduler
+        sets it before its picks. A node without a view (lost) has no GPUs to pack onto."""
+        return self._views
+
+    @nodes.setter
+    def nodes(self, views: Mapping[str, NodeView]) -> None:
+        self._views = views
+        self._placed = {
+            w: [Grant(gpus, memory) for gpus, memory in rows]
+            for view in views.values()
+            for w, rows in view.placed.items()
+        }
+        self._opened = {w: gpus for view in views.values() for w, gpus in view.opened.items()}
+        self._ever_memo = {}
+
+    def add_worker(self, worker: str, node: str) -> None:
+        """A new worker, on ``node`` (a run on one machine has one)."""
         self._workers.setdefault(worker, _Worker())
         self._node_of[worker] = node
 
     def node_of(self, worker: str) -> str | None:
-        """The node ``worker`` was added with (``None``: the one machine)."""
+        """The node ``worker`` was added with (``None``: no such worker)."""
         return self._node_of.get(worker)
 
     def _ever(self, worker: str, need: Need) -> bool:
-        """Whether ``need`` can ever fit ``worker``'s node (always, without nodes or limits)."""
-        node = self._node_of.get(worker)
-        limits = self.node_limits.get(node) if node is not None else None
-        if limits is None:
-            return True
-        return sum(need.memory is None or limit >= need.memory for limit in limits) >= need.count
+        """Whether ``worker`` may ever be given a test of ``need``: its node can hold it some
+        day, or no node can (its broker says why); not when only other nodes can."""
+        if len(self._views) < 2:
+            return True  # no other node to leave it to (a pick asks this for every need)
+        node = self._node_of.get(worker, "")
+        key = (node, need)
+        if key not in self._ever_memo:
+            view = self._views.get(node)
+            self._ever_memo[key] = (
+                view is None
+                or view.can_ever(need.count, need.memory)
+                or not any(v.can_ever(need.count, need.memory) for n, v in self._views.items() if n != node)
+            )
+        return self._ever_memo[key]
 
     def _capacities(self, worker: str) -> Sequence[int]:
-        """The GPUs ``worker``'s tests are packed onto: its node's, or the run's."""
-        node = self._node_of.get(worker)
-        return self.capacities if node is None else self.node_capacities.get(node, ())
+        """The GPUs ``worker``'s tests are packed onto: its node's room."""
+        view = self._views.get(self._node_of.get(worker, ""))
+        return view.room if view is not None else ()
 
     def remove_worker(self, worker: str) -> list[int]:
         """Forget ``worker``; its held tests except the running one go back to pending.
@@ -460,8 +484,7 @@ class Planner:
     # -- prediction -----------------------------------------------------------------
 
     def _forecast(self, worker: str, now: float) -> tuple[list[_Span], float]:
-        """Predicted GPU spans of every held test on ``worker``'s node (the one machine's
-        GPUs, without nodes), and when ``worker`` is free."""
+        """Predicted GPU spans of every held test on ``worker``'s node, and when ``worker`` is free."""
         spans: list[_Span] = []
         free_at = now
         node = self._node_of.get(worker)
@@ -474,7 +497,7 @@ class Planner:
                 end = t + job.duration
                 if position == 0:
                     end = max(end, now + _OVERDUE)
-                grants = self.placed.get(name, ()) if position == 0 and state.head_since is not None else ()
+                grants = self._placed.get(name, ()) if position == 0 and state.head_since is not None else ()
                 plan = self._plans.get(index)
                 if grants:  # running and granted: what it holds stays where it is
                     spans += [_Span(t, end, Need(len(g.gpus), g.memory), g) for g in grants]
@@ -497,11 +520,11 @@ class Planner:
         """Per GPU: what a lease of ``worker`` adds there besides its memory, a new CUDA
         context (0 where it has one, or will once a test it holds got its planned GPUs);
         ``None`` when contexts are not counted."""
-        node = self._node_of.get(worker)
-        sizes = self.context_size if node is None else self.node_context_size.get(node, ())
+        view = self._views.get(self._node_of.get(worker, ""))
+        sizes = view.context_sizes if view is not None else ()
         if not sizes:
             return None
-        have = set(self.contexts.get(worker, ()))
+        have = set(self._opened.get(worker, ()))
         for index in self._workers[worker].queue:
             plan = self._plans.get(index)
             if plan is not None:
@@ -510,7 +533,7 @@ class Planner:
 
     def _unopened(self, plan: Grant, worker: str) -> Grant:
         """``plan`` less the contexts ``worker`` opened since it was made (the room counts those now)."""
-        have = self.contexts.get(worker, ())
+        have = self._opened.get(worker, frozenset())
         if not plan.contexts or not any(i in have for i in plan.gpus):
             return plan
         return Grant(

@@ -17,10 +17,14 @@ worker runs a test yet, so the drain costs nothing. The worker's next test is ha
 it with the last of them (xdist starts a test only once its worker holds the next one)
 and starts once that one finished; then every worker gets work again.
 
-Where the planner planned a GPU test's lease (:meth:`Planner.planned`), the broker is told
-as the test is handed out, and places the lease there when it fits (:meth:`Broker.prefer`).
-Under ``--gpu-nodes`` the plan names GPUs of the worker's node and goes to that node's
-broker only, through its node host (:meth:`Nodes.prefer`).
+The run's GPUs are its nodes' (:class:`Nodes`): a run on one machine is a run with one
+node, whose view the run's own broker serves; under ``--gpu-nodes`` each node's host sends
+its broker's. Before each round the scheduler reads every node's view (room, grants,
+contexts and their sizes, limits, catalog: :class:`~pytest_gpu.leasing.view.NodeView`) and
+the planner packs each worker's tests onto its node's GPUs. Where the planner planned a GPU
+test's lease (:meth:`Planner.planned`), the plan goes to the broker of the worker's node as
+the test is handed out (:meth:`Nodes.prefer`, in that broker's GPU indices: the view
+translates), which places the lease there when it fits (:meth:`Broker.prefer`).
 
 A worker that dies gives back what it held: xdist reports the test it was running,
 the rest returns to pending and goes to the other workers (or xdist's replacement). No
@@ -30,11 +34,14 @@ test waits for a dead worker, so the run cannot hang on one.
 from __future__ import annotations
 
 import time
+from collections import ChainMap
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
+from ..base import privates
+from ..leasing.view import NodeView
 from ..run import history
 from . import catalog
 from .planner import Grant, Order, Planner
@@ -42,50 +49,35 @@ from .planner import Grant, Order, Planner
 if TYPE_CHECKING:
     from xdist.workermanage import WorkerController
 
-    from ..nodes.hosts import NodeView
     from ..run.session import GpuRun
 
 
 class Nodes(Protocol):
-    """The run's nodes under ``--gpu-nodes`` (:class:`pytest_gpu.nodes.hosts.NodeHosts`):
-    each node's broker, as the scheduler reads it instead of the run's own."""
+    """The run's nodes as the scheduler drives them: one, served by the run's own broker
+    (:class:`pytest_gpu.nodes.feature.OneMachine`), or those of ``--gpu-nodes``
+    (:class:`pytest_gpu.nodes.feature.NodesFeature`)."""
 
-    @property
-    def catalog(self) -> Mapping[str, Any]:
-        """Every node's catalog, merged; brought up to date by :meth:`refresh`."""
-        ...
-
-    def refresh(self) -> Mapping[str, NodeView]:
-        """Each live node's broker now: room, grants by worker, contexts (the node's GPU indices)."""
+    def views(self) -> Mapping[str, NodeView]:
+        """Each live node's broker now (a node that stopped answering is left out)."""
         ...
 
     def prefer(self, node: str, worker: str, test: str, gpus: tuple[int, ...], memory: int | None) -> None:
         """:meth:`Broker.prefer` on ``node``'s broker (``gpus``: that broker's indices)."""
         ...
 
-    def node_of(self, worker: Any) -> str | None:
+    def node_of(self, worker: Any) -> str:
         """The node an xdist worker runs on."""
         ...
 
 
 class GpuScheduling:
-    """xdist ``Scheduling`` for pytest-gpu (see the module docstring). ``nodes``: under
-    ``--gpu-nodes``, the nodes whose brokers place the tests (each worker packs onto its
-    node's GPUs, see :meth:`Planner.add_worker`)."""
+    """xdist ``Scheduling`` for pytest-gpu (see the module docstring): the tests of the
+    run's ``nodes``' workers, each worker's packed onto its node's GPUs."""
 
-    def __init__(
-        self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float], nodes: Nodes | None = None
-    ) -> None:
-        from xdist.remote import Producer
-
-        try:
-            from xdist.workermanage import parse_tx_spec_config
-        except ImportError:  # pytest-xdist < 3.7 (the floor is 3.5) names it parse_spec_config
-            from xdist.workermanage import parse_spec_config as parse_tx_spec_config
-
-        self.numnodes = len(parse_tx_spec_config(config))
+    def __init__(self, config: pytest.Config, log: Any, run: GpuRun, durations: dict[str, float], nodes: Nodes) -> None:
+        self.numnodes = privates.tx_count(config)
         self.config = config
-        self.log = log.gpusched if log is not None else Producer("gpusched")
+        self.log = privates.scheduler_log(log, "gpusched")
         self.run = run
         self.durations = durations
         self.node2collection: dict[WorkerController, list[str]] = {}
@@ -93,7 +85,7 @@ class GpuScheduling:
         self.collection: list[str] | None = None
         self.planner: Planner | None = None
         self.gpu_nodes = nodes
-        self._node: dict[WorkerController, str | None] = {}
+        self._node: dict[WorkerController, str] = {}
 
     # -- what xdist asks ------------------------------------------------------------
 
@@ -120,17 +112,16 @@ class GpuScheduling:
         return bool(self.planner.pending) or any(self.planner.queue(name) for name in self._names.values())
 
     def add_node(self, node: WorkerController) -> None:
-        self._names[node] = str(node.gateway.id)
-        self._node[node] = self.gpu_nodes.node_of(node) if self.gpu_nodes is not None else None
+        self._names[node] = privates.worker_id(node)
+        self._node[node] = self.gpu_nodes.node_of(node)
         if self.planner is not None:
             self.planner.add_worker(self._names[node], self._node[node])
 
     def add_node_collection(self, node: WorkerController, collection: Sequence[str]) -> None:
         if self.collection is not None and list(collection) != self.collection:
-            from xdist.report import report_collection_diff
-
             other = next(iter(self.node2collection))
-            self.log(report_collection_diff(self.collection, list(collection), other.gateway.id, node.gateway.id))
+            ids = privates.worker_id(other), privates.worker_id(node)
+            self.log(privates.collection_diff(self.collection, list(collection), *ids))
             return
         self.node2collection[node] = list(collection)
 
@@ -174,24 +165,15 @@ class GpuScheduling:
                 self.log("**Different tests collected, aborting run**")
                 return
             self.collection = next(iter(self.node2collection.values()))
-            known: Mapping[str, Any] | None = self.run.broker.catalog if self.run.broker is not None else None
-            if self.gpu_nodes is not None:
-                self.gpu_nodes.refresh()  # every node's catalog, as its workers sent it
-                known = self.gpu_nodes.catalog
-            jobs = catalog.jobs(self.collection, known or {}, self.durations)
-            self.planner = Planner(jobs, self._room(), order_from(self.config, self.collection))
-            if known is not None:  # what leasing fixtures hold, as workers set them up (a live mapping)
-                self.planner.held = catalog.HeldNeeds(known)
+            known = _catalog(self.gpu_nodes.views())  # every node's, as its workers sent it (live)
+            jobs = catalog.jobs(self.collection, known, self.durations)
+            self.planner = Planner(jobs, order_from(self.config, self.collection))
+            self.planner.held = catalog.HeldNeeds(known)  # what leasing fixtures hold, as workers set them up
             for node, name in self._names.items():
-                self.planner.add_worker(name, self._node.get(node))
+                self.planner.add_worker(name, self._node[node])
         self._fill_all()
 
     # -- handing out ----------------------------------------------------------------
-
-    def _room(self) -> list[int]:
-        if self.run.broker is None or self.gpu_nodes is not None:  # nodes: each node's room (_fill_all)
-            return []
-        return self.run.broker.room()
 
     def _fill_all(self) -> None:
         """Top every live worker up to two held tests; stop the ones with nothing left to do.
@@ -200,38 +182,9 @@ class GpuScheduling:
         so a handful of tests spreads over the workers instead of queueing on the first."""
         planner = self.planner
         assert planner is not None
-        planner.capacities = self._room()
-        broker = self.run.broker
-        # the planner numbers GPUs as the room lists them; the run's GPU indices need not be 0..n-1
-        # (``--gpus 0,2,3``): the broker's indices are translated both ways (each node's, by node)
-        order = list(broker.capacities) if broker is not None else []
-        orders: dict[str | None, list[int]] = {None: order}
-        if self.gpu_nodes is not None:  # each node's room, grants and contexts, from its broker
-            views = self.gpu_nodes.refresh()
-            orders = {node: list(view.order) for node, view in views.items()}
-            planner.node_capacities = {node: list(view.room) for node, view in views.items()}
-            planner.node_context_size = {node: list(view.context_sizes) for node, view in views.items()}
-            planner.node_limits = {node: list(view.limits) for node, view in views.items()}
-            placed: dict[str, list[Grant]] = {}
-            contexts: dict[str, set[int]] = {}
-            for view in views.values():
-                at = {index: k for k, index in enumerate(view.order)}
-                for w, rows in view.placements.items():
-                    placed[w] = [Grant(tuple(at[i] for i in gpus if i in at), memory) for gpus, memory in rows]
-                for w, gpus in view.contexts.items():
-                    contexts[w] = {at[i] for i in gpus if i in at}
-            planner.placed, planner.contexts = placed, contexts
-        elif broker is not None:  # what running tests hold, and where: never repacked
-            at = {index: k for k, index in enumerate(order)}
-            planner.placed = {
-                w: [Grant(tuple(at[i] for i in gpus if i in at), memory) for gpus, memory in rows]
-                for w, rows in broker.placements().items()
-            }
-            # where each worker has a CUDA context: a lease elsewhere opens one, beside its memory
-            planner.contexts = {w: {at[i] for i in gpus if i in at} for w, gpus in broker.contexts().items()}
-            planner.context_size = broker.context_sizes()
+        views = planner.nodes = self.gpu_nodes.views()  # each node's room, grants and contexts, from its broker
         now = time.monotonic()
-        live = [node for node in self._names if not node.shutting_down]
+        live = [node for node in self._names if not privates.shutting_down(node)]
         sent: dict[WorkerController, list[int]] = {node: [] for node in live}
         for target in (1, 2):
             for node in live:
@@ -245,41 +198,41 @@ class GpuScheduling:
                     if plan is not None and self.collection is not None:
                         # where its lease should go: the broker's own rule would not know what
                         # the planner counted there for the other tests of this round
-                        self._prefer(name, self.collection[index], plan, orders)
+                        self._prefer(name, self.collection[index], plan, views)
         for node in live:
             if sent[node]:
-                node.send_runtest_some(sent[node])
+                privates.send_tests(node, sent[node])
             if not planner.pending or not planner.eligible(self._names[node]):
-                node.shutdown()  # what is left belongs to other workers' groups, or nothing is
+                privates.stop_worker(node)  # what is left belongs to other workers' groups, or nothing is
 
-    def _prefer(self, worker: str, test: str, plan: Grant, orders: Mapping[str | None, Sequence[int]]) -> None:
-        """Tell the broker of ``worker``'s node (the run's own, without nodes) where ``test``'s
-        lease was planned, in that broker's GPU indices; a plan whose node has no view (lost
-        since) goes nowhere: a preference is only ever sent to the node the planner packed."""
+    def _prefer(self, worker: str, test: str, plan: Grant, views: Mapping[str, NodeView]) -> None:
+        """Tell the broker of ``worker``'s node where ``test``'s lease was planned, in that
+        broker's GPU indices; a plan whose node has no view (lost since) goes nowhere: a
+        preference is only ever sent to the node the planner packed."""
         node = self.planner.node_of(worker) if self.planner is not None else None
-        order = orders.get(node)
-        if not order or any(k >= len(order) for k in plan.gpus):
-            return
-        gpus = tuple(order[k] for k in plan.gpus)
-        if node is None:
-            if self.run.broker is not None:
-                self.run.broker.prefer(worker, test, gpus, plan.memory)
-        elif self.gpu_nodes is not None:
+        view = views.get(node) if node is not None else None
+        gpus = view.indices(plan.gpus) if view is not None else None
+        if node is not None and gpus:
             self.gpu_nodes.prefer(node, worker, test, gpus, plan.memory)
 
     def _same_collections(self) -> bool:
-        from xdist.report import report_collection_diff
-
         (first, col), *rest = self.node2collection.items()
         same = True
         for node, collection in rest:
-            message = report_collection_diff(col, collection, first.gateway.id, node.gateway.id)
+            message = privates.collection_diff(col, collection, privates.worker_id(first), privates.worker_id(node))
             if message:
                 same = False
                 self.log(message)
-                report = pytest.CollectReport(nodeid=node.gateway.id, outcome="failed", longrepr=message, result=[])
+                where = privates.worker_id(node)
+                report = pytest.CollectReport(nodeid=where, outcome="failed", longrepr=message, result=[])
                 self.config.hook.pytest_collectreport(report=report)
         return same
+
+
+def _catalog(views: Mapping[str, NodeView]) -> Mapping[str, Any]:
+    """What the scheduler knows of the tests: every node's catalog (each a live mapping), as one."""
+    catalogs = list({id(v.catalog): v.catalog for v in views.values()}.values())
+    return catalogs[0] if len(catalogs) == 1 else ChainMap(*catalogs)  # type: ignore[arg-type]
 
 
 # -- what goes first ------------------------------------------------------------------
