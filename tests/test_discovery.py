@@ -270,12 +270,12 @@ def test_auto_on_a_machine_with_both_takes_nvidias_and_names_amds(monkeypatch: p
     import importlib.util
 
     from pytest_gpu.gpu import discovery
+    from pytest_gpu.sim.spec import parse
     from pytest_gpu.vendors import registry as vendors
-    from pytest_gpu.vendors.devices import parse_sim_spec
 
-    nvidia = parse_sim_spec("sim:2x80GiB")
+    nvidia = parse("sim:2x80GiB").devices()[0]
     amd = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(8))
-    monkeypatch.setattr(discovery, "nvidia_discover", lambda spec, env: Inventory(nvidia, "nvml", "", nvidia))
+    monkeypatch.setattr(vendors.NVIDIA, "devices", lambda: (nvidia, ""))
     monkeypatch.setattr(vendors.AMD, "devices", lambda: (amd, ""))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

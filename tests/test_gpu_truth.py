@@ -221,31 +221,31 @@ def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake_run):
 def test_one_mig_instance_per_process():
     """CUDA lets a process use one MIG instance, the first it sees; other GPUs stay visible."""
     from pytest_gpu.sim.spec import parse
-    from pytest_gpu.vendors.devices import Device, Inventory, cuda_view, process_view, sim_machine
+    from pytest_gpu.vendors.devices import Inventory
+    from pytest_gpu.vendors.nvidia import NVIDIA, cuda_view
 
-    units = tuple(
-        Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent)
-        for u in parse("sim:2x80GiB;mig:0=3x20GiB").units()
-    )
+    machine = parse("sim:2x80GiB;mig:0=3x20GiB")
+    units = machine.all_devices()
     assert cuda_view(units, None) == [1, 2]  # GPU 1 and the first instance
     assert cuda_view(units, f"{mig_uuid(0, 2)},{mig_uuid(0, 1)}") == [4]
     assert cuda_view(units, f"1,{gpu_uuid(0)}") == [1]  # a GPU in MIG mode is invalid, by UUID too
-    found, _ = sim_machine("sim:2x80GiB;mig:0=3x20GiB")
+    found, _ = machine.devices()
     inventory = Inventory(found, "nvml", machine=found)
     assert [d.index for d in inventory.devices] == [1, 2, 3, 4]  # every instance can be leased
-    assert process_view(inventory) == [1, 2]  # but this process's CUDA uses one
+    assert NVIDIA.view(found, NVIDIA.started_with(inventory)) == [1, 2]  # but this process's CUDA uses one
 
 
 def test_a_mig_lease_this_process_cannot_use_is_for_subprocesses(tmp_path, monkeypatch):
     from pytest_gpu import sim
     from pytest_gpu.gpu.isolation import confine, make_lease
-    from pytest_gpu.vendors.devices import Inventory, sim_machine
+    from pytest_gpu.sim.spec import parse
+    from pytest_gpu.vendors.devices import Inventory
 
     monkeypatch.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     monkeypatch.setenv(sim.SPEC_ENV, "sim:1x80GiB;mig:0=2x20GiB")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     sim.cuda.forget()
-    found, _ = sim_machine("sim:1x80GiB;mig:0=2x20GiB")
+    found, _ = parse("sim:1x80GiB;mig:0=2x20GiB").devices()
     inventory = Inventory(found, "sim:1x80GiB;mig:0=2x20GiB", machine=found)
     lease = make_lease("k", [2], 4 * 2**30, False, 0.0, inventory, "tag")  # the second instance
     assert lease.device == "" and lease.devices == ()

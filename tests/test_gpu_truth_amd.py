@@ -181,7 +181,7 @@ import os
 import time
 import pytest
 from pytest_gpu import sim
-from pytest_gpu.vendors.sampling import AmdSampler
+from pytest_gpu.vendors.amd import AmdSampler
 
 @pytest.mark.gpu(memory="2GiB")
 def test_freed_at_the_end(gpu):

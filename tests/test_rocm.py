@@ -159,20 +159,26 @@ def test_usage_sees_this_process_allocations_with_the_driver_granularity(tmp_pat
         f"""
         import os
         from pytest_gpu.sim.ledger import ledger
-        from pytest_gpu.vendors.amd import amdsmi_usage
+        from pytest_gpu.vendors.amd import AmdSampler
+        from pytest_gpu.vendors.sampling import Refused
         ledger().allocate({GiB + 12345}, 1, None, None)
-        usage = amdsmi_usage(["{amd_uuid(0)}", "{amd_uuid(1).upper()}", "GPU-ffffffffffffffff"])
+        driver = AmdSampler()
+        uuids = ["{amd_uuid(0)}", "{amd_uuid(1).upper()}"]
         out["pid"] = os.getpid()
-        out["processes"] = {{u: {{str(p): n for p, n in procs.items()}} for u, procs in usage.processes.items()}}
-        out["used"] = usage.used
-        out["notes"] = usage.notes
+        out["processes"] = {{u: {{str(p): n for p, n in driver.processes(u).items()}} for u in uuids}}
+        out["used"] = {{u: driver.memory(u) for u in uuids}}
+        try:
+            driver.memory("GPU-ffffffffffffffff")
+        except Refused as exc:
+            out["refused"] = str(exc)
+        driver.close()
         """,
     )
     pid = str(out["pid"])
     held = 512 * MiB + GiB + 12345
     assert out["processes"] == {amd_uuid(0): {}, amd_uuid(1).upper(): {pid: held - held % MiB}}
-    assert out["used"] == {amd_uuid(0): 0, amd_uuid(1).upper(): held}  # device totals stay exact
-    assert out["notes"] == ["amdsmi cannot query GPU-ffffffffffffffff"]
+    assert out["used"] == {amd_uuid(0): [0, None], amd_uuid(1).upper(): [held, None]}  # device totals stay exact
+    assert out["refused"] == "amdsmi does not report it"
 
 
 def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> None:
@@ -246,7 +252,9 @@ def test_a_ray_head_on_amd_gpus_counts_hip_ids_into_the_runs_gpus() -> None:
     from pytest_gpu.raycluster.head import head_env
 
     environ = {"ROCR_VISIBLE_DEVICES": amd_uuid(2), "HIP_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}  # a lease's
-    env = head_env(environ, (1, 3), amd_uuids=[amd_uuid(1), amd_uuid(3)])
+    from pytest_gpu.vendors.amd import AMD
+
+    env = head_env(environ, gpu_env=AMD.ray_env([Device(i, amd_uuid(i), 192 * GiB) for i in (1, 3)]))
     assert env["ROCR_VISIBLE_DEVICES"] == f"{amd_uuid(1)},{amd_uuid(3)}"
     # ray 2.60 reads HIP_VISIBLE_DEVICES on AMD (and refuses ROCR_VISIBLE_DEVICES without it)
     assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == env["GPU_DEVICE_ORDINAL"] == "0,1"
@@ -260,13 +268,13 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
         tmp_path,
         "amd:sim:1x16GiB;reserved=1GiB",
         f"""
-        from pytest_gpu.vendors import sampling
+        from pytest_gpu.vendors import amd, sampling
         from pytest_gpu.gpu.foreign import ForeignSampler
 
         def refuse(self, uuid):
             raise sampling.Unlistable("amdsmi cannot list the processes there (AMDSMI_STATUS_NO_PERM)")
 
-        sampling.AmdSampler.processes = refuse
+        amd.AmdSampler.processes = refuse
         found = ForeignSampler(["{amd_uuid(0)}"]).sample(set(), {{"{amd_uuid(0)}": 0}})["{amd_uuid(0)}"]
         out["bytes"], out["note"] = found.bytes, found.note
         """,

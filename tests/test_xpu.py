@@ -149,6 +149,98 @@ def test_the_fake_loader_is_as_strict_as_zes_api_h(tmp_path: Path) -> None:
     assert (out["procs_rc"], out["procs"], out["procs_elsewhere"]) == (0, 1, 0)
 
 
+# -- Level Zero's device list, pinned ------------------------------------------------------
+
+ZE = """
+import ctypes, json, os
+from pytest_gpu.sim import zes
+zes.preload()
+lib = ctypes.CDLL("libze_loader.so.1")
+U32 = ctypes.c_uint32
+
+def enumerated():
+    # what a framework that starts Level Zero (torch's SYCL runtime) enumerates in this process
+    assert lib.zeInit(U32(0)) == 0
+    n = U32(0)
+    drivers = (ctypes.c_void_p * 1)()
+    lib.zeDriverGet(ctypes.byref(n), drivers)
+    count = U32(0)
+    lib.zeDeviceGet(ctypes.c_void_p(drivers[0]), ctypes.byref(count), None)
+    return count.value
+
+out = {}
+"""
+
+
+def run_level_zero(tmp_path: Path, code: str, **env: str) -> dict[str, Any]:
+    """``code`` in a fresh interpreter (Level Zero reads its mask once per process) that loads the
+    fake loader over a fake Intel machine's state, without the fake-GPU switch: the real path."""
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
+    from pytest_gpu.sim.ledger import render_state
+
+    machine = parse("xpu:sim:4x64GiB")
+    folder = tmp_path / "ledger"
+    folder.mkdir(exist_ok=True)
+    state = {"spec": machine.spec, "overhead": 0, "procs": {}, "tags": {}, "users": {}}
+    (folder / "nvml.state").write_text(render_state(machine, state))
+    full = {**os.environ, "PYTEST_GPU_SIM_LEDGER": str(folder), **env}
+    for name in ("PYTEST_GPU_FAKE_GPUS", "PYTEST_GPU_SIM", *(n for n in ("ZE_AFFINITY_MASK",) if n not in env)):
+        full.pop(name, None)
+    script = ZE + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=patience(120)
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_level_zero_keeps_the_mask_of_its_first_init(tmp_path: Path) -> None:
+    """The fake loader is the real runtime's double here: compute-runtime reads ZE_AFFINITY_MASK when
+    the first zeInit creates its driver, and a later mask changes nothing in the process."""
+    out = run_level_zero(
+        tmp_path,
+        """
+        out["first"] = enumerated()
+        os.environ["ZE_AFFINITY_MASK"] = "0,1,2"
+        out["later"] = enumerated()
+        out["flags"] = lib.zeInit(U32(4))
+        """,
+        ZE_AFFINITY_MASK="9, 2",
+    )
+    assert (out["first"], out["later"]) == (1, 1)  # 9 names no device: skipped; " 2" is device 2
+    assert out["flags"] == 0x7800000C  # ZE_RESULT_ERROR_INVALID_ENUMERATION
+
+
+@pytest.mark.parametrize(("mask", "view"), [(None, [0, 1, 2, 3]), ("3,1", [1, 3])])
+def test_the_worker_pins_level_zeros_device_list_before_a_lease(tmp_path: Path, mask: str | None, view: list[int]) -> None:
+    """Issue 29: the Intel worker pins Level Zero's device list under the run's ZE_AFFINITY_MASK, as
+    CUDA's is pinned, and reads it back: a framework that starts Level Zero inside a test (under the
+    lease's mask) still enumerates the run's devices, so the lease's xpu:N is the device leased."""
+    out = run_level_zero(
+        tmp_path,
+        f"""
+        from pytest_gpu.gpu import runtime
+        from pytest_gpu.sim.spec import xpu_uuid
+        from pytest_gpu.vendors.devices import Device, Inventory
+        from pytest_gpu.vendors.intel import XPU
+        machine = tuple(Device(i, xpu_uuid(i), 64 << 30) for i in range(4))
+        outer = XPU.outer(os.environ)
+        inventory = Inventory(tuple(machine[i] for i in XPU.view(machine, outer)), "sysman", "", machine, None,
+                              "xpu", outer)
+        out["pinned"] = runtime.pin(inventory)
+        out["read_back"] = runtime._state.uuids is not None
+        os.environ["ZE_AFFINITY_MASK"] = "3"  # a lease's, as the test process has it during the test
+        out["enumerated"] = enumerated()
+        out["ordinal"] = runtime.in_process(inventory, [3])
+        """,
+        **({} if mask is None else {"ZE_AFFINITY_MASK": mask}),
+    )
+    assert out["enumerated"] == len(view)  # not the lease's one device: the list was pinned
+    assert out["ordinal"] == [view.index(3)]
+    assert out["pinned"] == view and out["read_back"]  # what Level Zero enumerates, read back
+
+
 def test_sysman_is_unavailable_on_another_vendors_machine(tmp_path: Path) -> None:
     out = run_fake(
         tmp_path,
@@ -231,7 +323,8 @@ def test_foreign_usage_through_sysman_where_there_is_neither_nvml_nor_amdsmi(tmp
 
 
 def test_a_tile_is_not_verified_from_card_wide_figures() -> None:
-    from pytest_gpu.vendors.sampling import Refused, XpuSampler
+    from pytest_gpu.vendors.intel import XpuSampler
+    from pytest_gpu.vendors.sampling import Refused
 
     sampler = XpuSampler.__new__(XpuSampler)  # no driver needed: a tile is refused before asking it
     sampler._handles = {}
@@ -298,13 +391,13 @@ def test_auto_backend_on_intel_gpus_is_xccl_where_torch_has_it(monkeypatch: pyte
 
 
 def test_xccl_missing_from_a_torch_version_file() -> None:
-    assert build_xccl_missing("__version__ = '2.13.0+cpu'\nxpu: Optional[str] = None\n") == (
+    assert build_xccl_missing("__version__ = '2.13.0+cpu'\nxpu: Optional[str] = None\n", "xpu") == (
         "torch 2.13.0+cpu has no XCCL (not an XPU build)"
     )
-    assert build_xccl_missing("__version__ = '2.7.0+xpu'\nxpu: Optional[str] = '20250101'\n") == (
+    assert build_xccl_missing("__version__ = '2.7.0+xpu'\nxpu: Optional[str] = '20250101'\n", "xpu") == (
         "torch 2.7.0+xpu has no XCCL (torch >= 2.8)"
     )
-    assert build_xccl_missing("__version__ = '2.9.0+xpu'\nxpu: Optional[str] = '20250101'\n") is None
+    assert build_xccl_missing("__version__ = '2.9.0+xpu'\nxpu: Optional[str] = '20250101'\n", "xpu") is None
 
 
 def test_xccl_and_ccl_pools_give_each_rank_a_gpu() -> None:
