@@ -28,11 +28,11 @@ from helpers import patience
 from pytest_gpu.base.procs import owner_alive
 from pytest_gpu.base.requests import DefaultMemory
 from pytest_gpu.raycluster.head import HeadSpec, driver_search_path, head_env, host_port, temp_dir_for
-from pytest_gpu.sim.spec import parse
-from pytest_gpu.vendors.nvidia import NVIDIA
 from pytest_gpu.raycluster.startonce import WATCHDOG_MODULE
 from pytest_gpu.raycluster.stop import STOP_GRACE, kill_session, session_processes
 from pytest_gpu.run.options import Settings
+from pytest_gpu.sim.spec import parse
+from pytest_gpu.vendors.nvidia import NVIDIA
 
 # Inner suite. It lives in tests/ below the inner rootdir, so Ray workers can import the
 # helper it calls only through the PYTHONPATH the plugin gives the head.

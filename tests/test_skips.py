@@ -29,15 +29,14 @@ from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import (
     AUTO_PROPERTY,
     AutoChoice,
-    auto_backend,
     build_nccl_missing,
     fit_ranks,
     nccl_missing,
 )
+from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.sim import fake
-from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.vendors.devices import Device, Inventory
 
 GiB = 2**30
@@ -443,18 +442,6 @@ def test_an_imported_torch_is_asked(monkeypatch, version, cuda, nccl, missing):
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "torch.distributed", dist)
     assert backends.torch_nccl_missing() == missing
-
-
-def test_auto_picks_nccl_only_on_real_gpus_with_a_torch_that_has_it(monkeypatch):
-    real = Inventory((Device(0, "GPU-a", 16 * GiB), Device(1, "GPU-b", 16 * GiB)), "nvml")
-    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: None)
-    assert auto_backend(real) == AutoChoice("nccl", "2 GPUs (2x16GiB) and a torch with NCCL")
-    assert auto_backend(real).describe() == "nccl: 2 GPUs (2x16GiB) and a torch with NCCL"
-    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: "torch 2.3.0+cpu has no NCCL (a CPU build)")
-    assert auto_backend(real) == AutoChoice("gloo", "torch 2.3.0+cpu has no NCCL (a CPU build)")
-    assert auto_backend(Inventory((), "auto", "NVML unavailable: NVML Shared Library Not Found")) == AutoChoice(
-        "gloo", "this run has no GPUs (NVML unavailable: NVML Shared Library Not Found)"
-    )
 
 
 def test_auto_takes_gloo_for_more_ranks_than_gpus():

@@ -8,14 +8,15 @@ import os
 
 import pytest
 
-from pytest_gpu.sim.spec import amd_uuid, parse, xpu_uuid
+from conftest import Holder, run_fake_python, with_amdsmi
+from pytest_gpu.sim.spec import amd_uuid, gpu_uuid, parse, xpu_uuid
 from pytest_gpu.vendors import amd, kinds
 from pytest_gpu.vendors import registry as vendors
 from pytest_gpu.vendors.devices import Device, Inventory
 from pytest_gpu.vendors.nvidia import cuda_view
 
 GiB = 1 << 30
-NV = parse("sim:4x16GiB").devices()[0]
+NV = tuple(Device(i, gpu_uuid(i), 16 * GiB) for i in range(4))  # as NVML reports a machine: not simulated
 AMD = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(4))
 XPU = tuple(Device(i, xpu_uuid(i), 64 * GiB) for i in range(4))
 MACHINES = {"nvidia": NV, "amd": AMD, "xpu": XPU}
@@ -148,3 +149,136 @@ def test_every_amd_verdict_says_how_coarse_its_list_is(monkeypatch, vendor: str,
         monkeypatch.setattr(cls, "_end", found)
         verifier = cls(Inventory(devices=MACHINES[vendor], source="driver", vendor=vendor), 0, lag=0.0)
         assert verifier.end(None).violations == [f"GPU 1 outside the lease{caveat}"], cls  # type: ignore[arg-type]
+
+
+INVENTORY = """
+import contextlib, io
+from pytest_gpu.cli import gpu_labels, main
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    main(["inventory", *{args!r}])
+out["inventory"] = printed.getvalue().splitlines()
+out["labels"] = gpu_labels([{uuid!r}, {unknown!r}], ask_nvml=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("spec", "args", "narrow", "lines"),
+    [
+        (
+            "amd:sim:2x192GiB",
+            [],
+            {"ROCR_VISIBLE_DEVICES": "1"},
+            [
+                "--gpus auto: 1 AMD GPU (1x192GiB)",
+                f"  GPU 1  {amd_uuid(1)}    192GiB  Simulated AMD GPU 192GiB (0000:25:00.0)",
+                "  started with: ROCR_VISIBLE_DEVICES=1",
+            ],
+        ),
+        (
+            "xpu:sim:2x64GiB",
+            ["--gpus", "xpu:auto"],
+            {"ZE_AFFINITY_MASK": "1"},
+            [
+                "--gpus xpu:auto: 1 Intel GPU (1x64GiB)",
+                f"  GPU 1  {xpu_uuid(1)}     64GiB  Simulated Intel GPU 64GiB",
+                "  started with: ZE_AFFINITY_MASK=1",
+            ],
+        ),
+    ],
+    ids=["amd", "xpu"],
+)
+def test_the_inventory_command_and_status_labels_name_the_vendors_gpus(
+    tmp_path, spec: str, args: list[str], narrow: dict[str, str], lines: list[str]
+) -> None:
+    kind = kinds.of(parse(spec).vendor)
+    unknown = kind.sim_uuid(1).replace("51a", "fff", 1)  # a UUID of its form that no GPU here has
+    code = INVENTORY.format(args=args, uuid=kind.sim_uuid(1), unknown=unknown)
+    out = run_fake_python(tmp_path, spec, code, amdsmi=kind is kinds.AMD, **narrow)
+    assert out["inventory"] == lines
+    assert out["labels"] == {kind.sim_uuid(1): kind.gpu_label(1)}
+
+
+@pytest.mark.parametrize("vendor", ["amd", "xpu"])
+def test_foreign_usage_through_the_vendors_driver_where_there_is_no_nvml(tmp_path, vendor: str) -> None:
+    """The foreign sampler takes the first vendor's driver that opens (amdsmi, else Level Zero
+    Sysman) where NVML answers "Driver Not Loaded", and names another process's memory there."""
+    kind = kinds.of(vendor)
+    spec = f"{vendor}:sim:2x64GiB;context=512MiB"
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    env["PYTEST_GPU_SIM"] = spec  # the ledger's spec, as a run's subprocess has it
+    if kind is kinds.AMD:
+        env = with_amdsmi(env)
+    holder = Holder("--gpu", "1", "--memory", "2GiB", env=env)  # not a descendant of the sampling process
+    uuids = [kind.sim_uuid(0), kind.sim_uuid(1)]
+    try:
+        out = run_fake_python(
+            tmp_path,
+            spec,
+            f"""
+            import os
+            from pytest_gpu.sim.ledger import ledger
+            from pytest_gpu.gpu.foreign import ForeignSampler
+            ledger().allocate({GiB}, 0, None, None)  # ours
+            sampler = ForeignSampler({uuids!r})
+            found = sampler.sample({{os.getpid()}})
+            out["nvml"] = sampler.unavailable
+            out["found"] = {{u: [f.bytes, [[p.pid, p.bytes] for p in f.processes], f.note] for u, f in found.items()}}
+            sampler.close()
+            out["closed"] = sampler.sample({{os.getpid()}})[{uuids[0]!r}].note
+            """,
+            amdsmi=kind is kinds.AMD,
+        )
+    finally:
+        holder.kill()
+    held = 512 * 2**20 + 2 * GiB
+    assert out["found"] == {uuids[0]: [0, [], None], uuids[1]: [held, [[holder.pid, held]], None]}
+    assert out["nvml"].startswith("NVML unavailable (Driver Not Loaded)")
+    assert out["closed"].endswith("foreign GPU usage is unknown")  # closed: no other driver is asked either
+
+
+@pytest.mark.parametrize(
+    ("vendor", "described", "words", "lacking"),
+    [
+        ("nvidia", "2 GPUs (2x16GiB)", "NCCL", "torch 2.3.0+cpu has no NCCL (a CPU build)"),
+        (
+            "amd",
+            "2 AMD GPUs (2x192GiB)",
+            "RCCL (its nccl backend on ROCm)",
+            "torch 2.3.0+cpu has no NCCL (a CPU build)",
+        ),
+        ("xpu", "2 Intel GPUs (2x64GiB)", "XCCL", "torch 2.13.0+cpu has no XCCL (not an XPU build)"),
+    ],
+)
+def test_auto_picks_the_vendors_collective_only_on_real_gpus_with_a_torch_that_has_it(
+    monkeypatch, vendor: str, described: str, words: str, lacking: str
+) -> None:
+    """``backend="auto"``: the vendor's collective (NCCL, RCCL as torch's nccl, XCCL) where torch has
+    it, gloo where it lacks it, where the run has no GPUs, and for more ranks than GPUs."""
+    from pytest_gpu.distributed import backends
+
+    implementation = vendors.of(vendor)
+    inventory = Inventory(MACHINES[vendor][:2], "driver", machine=MACHINES[vendor], vendor=vendor)
+
+    def lacks(said: str | None) -> None:
+        if implementation.collective == "xccl":
+            monkeypatch.setattr(backends, "xccl_missing", lambda inv: said)
+        else:
+            monkeypatch.setattr(backends, "torch_nccl_missing", lambda: said)
+
+    lacks(None)
+    choice = backends.auto_backend(inventory)
+    assert choice == backends.AutoChoice(implementation.collective, f"{described} and a torch with {words}")
+    assert choice.describe() == f"{implementation.collective}: {described} and a torch with {words}"
+    assert backends.fit_ranks(choice, 2, inventory) is choice
+    assert backends.fit_ranks(choice, 3, inventory) == backends.AutoChoice(
+        "gloo", f"3 ranks would need 3 GPUs for {implementation.collective} and this run has {described}"
+    )
+    lacks(lacking)
+    assert backends.auto_backend(inventory) == backends.AutoChoice("gloo", lacking)
+    assert backends.fit_ranks(backends.AutoChoice("gloo", lacking), 3, inventory).backend == "gloo"
+    monkeypatch.undo()  # torch as it is here: a run without GPUs has no use for it
+    none = Inventory((), "auto", "NVML unavailable: NVML Shared Library Not Found", vendor=vendor)
+    assert backends.auto_backend(none) == backends.AutoChoice(
+        "gloo", "this run has no GPUs (NVML unavailable: NVML Shared Library Not Found)"
+    )
