@@ -186,7 +186,7 @@ class Sysman:
         try:
             self._lib = ctypes.CDLL(LIBRARY)
         except OSError as exc:
-            raise ZesUnavailable(f"no Level Zero loader ({LIBRARY}: {exc})") from None
+            raise ZesUnavailable(f"no Level Zero loader ({exc})") from None  # the OSError names the library
         code = self._lib.zesInit(ctypes.c_uint32(0))
         if code != ZE_RESULT_SUCCESS:
             raise ZesUnavailable(f"Level Zero Sysman unavailable (zesInit returned {_RESULTS.get(code, hex(code))})")
@@ -397,7 +397,7 @@ def ze_init() -> tuple[list[str] | None, str]:
     try:
         lib = ctypes.CDLL(LIBRARY)
     except OSError as exc:
-        return None, f"{said}: no Level Zero loader ({LIBRARY}: {exc})"
+        return None, f"{said}: no Level Zero loader ({exc})"
     code = lib.zeInit(ctypes.c_uint32(0))
     if code != ZE_RESULT_SUCCESS:
         return None, f"{said}: zeInit returned {_RESULTS.get(code, hex(code))}"
