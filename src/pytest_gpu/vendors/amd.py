@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..base.requests import format_size
+from ..base.wording import verb
 from . import kinds, libraries
 from .devices import Device
 from .sampling import Refused, Sampler, Unavailable, Unlistable
@@ -428,6 +429,14 @@ class Amd(Vendor):
 
     def caveat(self, lag: float) -> str:
         return caveat(lag)
+
+    def unseen(self, tests: int, lag: float) -> str:
+        ran = verb(tests, "test ran", "tests ran")
+        they = verb(tests, "it took in its", "they took in their")
+        return (
+            f"pytest-gpu: {tests} AMD GPU {ran} shorter than amdsmi's process-list lag ({lag:g} s): memory "
+            f"{they} last moments may not have been seen (--gpu-amd-lag-wait waits it out)"
+        )
 
 
 AMD = Amd()

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
+from ..base.wording import verb
 from .devices import Device, DeviceSpecError, Inventory
 from .kinds import Kind
 from .sampling import Unavailable
@@ -250,3 +251,9 @@ class Vendor(ABC):
     def caveat(self, lag: float) -> str:
         """What a violation seen in its process list may be off by, said beside it ("": nothing)."""
         return ""
+
+    def unseen(self, tests: int, lag: float) -> str:
+        """The run summary's line for ``tests`` verified from a process list up to ``lag`` seconds
+        old that may not show them yet (only a vendor with a :meth:`lag` has such tests)."""
+        ran = verb(tests, "test ran", "tests ran")
+        return f"pytest-gpu: {tests} {self.label} GPU {ran} shorter than the process list's lag ({lag:g} s)"
