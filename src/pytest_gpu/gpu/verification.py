@@ -682,13 +682,16 @@ def _sleep_until(deadline: float) -> None:
 
 
 def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dict[int, str]:
-    """Real GPUs: NVML reports per process, not per thread. Where this process grew on its own
-    cuda:0 outside the lease, say what that may be (a thread left on its default device) and
-    that it cannot be told. Runs against the fake NVML; not run on a real GPU here."""
+    """Real GPUs: the driver reports per process, not per thread. Where this process grew on its
+    own device 0 (``cuda:0``, ``xpu:0``) outside the lease, say what that may be (a thread left on
+    its default device) and that it cannot be told. Runs against the fake drivers; not run on a
+    real GPU here."""
     view = runtime.view(inventory)
     if not view or view[0] in lease.indices or view[0] not in grew:
         return {}
-    return {view[0]: "this process's cuda:0: perhaps from another thread, which NVML cannot tell apart"}
+    vendor = vendors.of(inventory.vendor)
+    where = f"this process's {vendor.device_kind}:0"
+    return {view[0]: f"{where}: perhaps from another thread, which {vendor.driver} cannot tell apart"}
 
 
 def _claimant(pid: int, holders: dict[int, str]) -> str | None:

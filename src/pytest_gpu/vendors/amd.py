@@ -380,6 +380,7 @@ class Amd(Vendor):
 
     kind = kinds.AMD
     source = "amdsmi"
+    driver = AmdSampler.name
     visibility = VISIBILITY_VARS
     forms = "amd:auto or amd: and amdsmi's indices such as amd:0,2"
     gives_gpus = "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES"

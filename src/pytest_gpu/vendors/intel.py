@@ -438,6 +438,7 @@ class Intel(Vendor):
 
     kind = kinds.XPU
     source = "sysman"
+    driver = XpuSampler.name
     visibility = VISIBILITY_VARS
     forms = (
         "xpu:auto, xpu: and device indices as ZE_AFFINITY_MASK counts them (such as xpu:0,2), "

@@ -331,6 +331,7 @@ class Nvidia(Vendor):
 
     kind = kinds.NVIDIA
     source = "nvml"
+    driver = NvmlSampler.name
     visibility = VISIBILITY_VARS
     forms = GPUS_FORM
     gives_gpus = "the NVIDIA driver, CUDA_VISIBLE_DEVICES"

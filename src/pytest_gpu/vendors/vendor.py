@@ -41,6 +41,8 @@ class Vendor(ABC):
     kind: ClassVar[Kind]
     #: :attr:`Inventory.source` when its driver answered: "nvml", "amdsmi", "sysman".
     source: ClassVar[str]
+    #: Its driver's library as messages name it (its sampler's name): "NVML", "amdsmi", "Level Zero Sysman".
+    driver: ClassVar[str]
     #: The variables that narrow what a process sees, outermost first (a lease sets them).
     visibility: ClassVar[tuple[str, ...]]
     #: What ``--gpus <name>:…`` takes, after "expected".
