@@ -192,6 +192,8 @@ class Summary:
         shorter than its lag, nothing waited: :meth:`~pytest_gpu.gpu.verification.NvmlVerifier.end`),
         once per run, so that the blind spot is said rather than waited out for every test; in
         the words of the run's vendor (:meth:`~pytest_gpu.vendors.vendor.Vendor.unseen`)."""
+        if not self.unseen:
+            return []
         vendor = vendors.of(inventory.vendor)
         return [vendor.unseen(tests, lag) for lag, tests in sorted(self.unseen.items())]
 
