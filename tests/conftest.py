@@ -34,6 +34,7 @@ the run: mark it, or make it faster.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shlex
 import shutil
@@ -41,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -394,6 +396,65 @@ def fake_run(
         )
 
     return run
+
+
+#: The variables that narrow a run's GPUs on AMD and Intel machines, and where ROCm is (cleared for a fake machine).
+VENDOR_VARS = (
+    "ROCM_HOME",
+    "ROCM_PATH",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "ZE_AFFINITY_MASK",
+    "ZE_FLAT_DEVICE_HIERARCHY",
+)
+
+
+@pytest.fixture
+def vendor_run(
+    fake_run: Callable[..., pytest.RunResult], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., pytest.RunResult]:
+    """``vendor_run(vendor, spec, *args, **env)``: :func:`fake_run` for a test of ``vendor``'s GPUs
+    ("nvidia", "amd", "xpu") on the fake machine ``spec``, under ``env`` (no outer AMD or Intel
+    variable else); AMD's has the ``amdsmi`` package (:func:`amdsmi_site`; skips without it)."""
+    for name in VENDOR_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def run(vendor: str, spec: str, *args: str, **env: str) -> pytest.RunResult:
+        if vendor == "amd":
+            site, rest = amdsmi_site(), os.environ.get("PYTHONPATH", "")
+            monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, rest]) if rest else site)  # the inner run's amdsmi
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return fake_run(spec, *args)
+
+    return run
+
+
+def run_fake_python(
+    tmp_path: Path, spec: str, code: str, *, amdsmi: bool = False, quiet: bool = False, **extra: str
+) -> dict[str, Any]:
+    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger, fake GPUs
+    switched on, no outer visibility variable but ``extra``'s); the dict it fills, ``out``.
+    ``amdsmi``: the interpreter has the amdsmi package (:func:`with_amdsmi`); ``quiet``: it prints
+    nothing else (the amdsmi package prints its load failures)."""
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
+    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
+    if amdsmi:
+        env = with_amdsmi(env)
+    for name in ("PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", *VENDOR_VARS):
+        env.pop(name, None)
+    env.update(extra)
+    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
+    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    lines = done.stdout.strip().splitlines()
+    assert not quiet or len(lines) == 1, done.stdout  # nothing printed on the way
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 # -- foreign processes on simulated GPUs -------------------------------------------------

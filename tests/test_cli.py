@@ -32,6 +32,26 @@ def test_inventory_none(capsys):
     assert capsys.readouterr().out == "--gpus none: no GPUs (--gpus none)\n"
 
 
+def test_inventory_without_gpus_says_what_every_vendor_lacks(capsys, monkeypatch):
+    """Issue 29: `pytest-gpu inventory` on a machine without GPUs names every vendor's missing piece."""
+    from pytest_gpu.vendors import amd, intel, nvidia
+
+    def missing(error: type[Exception], said: str):
+        def raise_(*args: object) -> None:
+            raise error(said)
+
+        return raise_
+
+    monkeypatch.setattr(nvidia, "nvml_devices", missing(nvidia.NvmlUnavailable, "NVML unavailable: no driver"))
+    monkeypatch.setattr(amd, "amdsmi_devices", missing(amd.AmdSmiUnavailable, "amdsmi is not installed"))
+    monkeypatch.setattr(intel, "sysman_devices", missing(intel.ZesUnavailable, "no Level Zero loader"))
+    monkeypatch.delenv("PYTEST_GPU_FAKE_GPUS", raising=False)
+    assert main(["inventory", "--gpus", "auto"]) == 0
+    assert capsys.readouterr().out == (
+        "--gpus auto: no GPUs (NVML unavailable: no driver; amdsmi is not installed; no Level Zero loader)\n"
+    )
+
+
 def test_inventory_sub_gib_sizes(capsys):
     assert main(["inventory", "--gpus", "sim:1x512MiB"]) == 0
     assert capsys.readouterr().out.splitlines()[1] == (

@@ -145,7 +145,7 @@ import torch
 from pytest_gpu.sim import fake, torch_cuda
 assert fake.activate()
 from pytest_gpu.gpu.calibration import Calibration
-from pytest_gpu.vendors.devices import discover
+from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.gpu.isolation import make_lease
 inv = discover("auto")
 lease = make_lease("a", [1], 2 * 2**30, False, 0.0, inv, "tag-a")

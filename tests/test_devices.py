@@ -1,22 +1,17 @@
-"""pytest_gpu.vendors.devices: --gpus values, simulated devices, CUDA_VISIBLE_DEVICES selection, the wire form."""
+"""--gpus values (:mod:`pytest_gpu.gpu.discovery`), simulated devices (:mod:`pytest_gpu.sim.spec`),
+CUDA_VISIBLE_DEVICES selection (:mod:`pytest_gpu.vendors.nvidia`), the wire form (:mod:`pytest_gpu.vendors.devices`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pytest_gpu.base.requests import SIZE_FORM
-from pytest_gpu.vendors import devices
-from pytest_gpu.vendors.devices import (
-    GPUS_FORM,
-    Device,
-    DeviceSpecError,
-    Inventory,
-    NvmlUnavailable,
-    discover,
-    parse_sim_spec,
-    select_visible,
-    sim_uuid,
-)
+from pytest_gpu.gpu.discovery import discover, simulated
+from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
+from pytest_gpu.sim.spec import parse
+from pytest_gpu.vendors import amd, intel, nvidia
+from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
+from pytest_gpu.vendors.nvidia import GPUS_FORM, NVIDIA, NvmlUnavailable, select_visible
 
 GiB = 2**30
 
@@ -32,17 +27,33 @@ def _no_nvml() -> tuple[Device, ...]:
     raise NvmlUnavailable("NVML unavailable: NVML Shared Library Not Found")
 
 
+def _no_amdsmi() -> tuple[Device, ...]:
+    raise amd.AmdSmiUnavailable("amdsmi is not installed (No module named 'amdsmi')")
+
+
+def _no_level_zero(environ: object) -> tuple[Device, ...]:
+    raise intel.ZesUnavailable("no Level Zero loader (libze_loader.so.1: cannot open shared object file)")
+
+
 @pytest.fixture
 def without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "nvml_devices", _no_nvml)
+    """No GPU driver of any vendor: NVML, amdsmi and Level Zero's loader are all missing."""
+    monkeypatch.setattr(nvidia, "nvml_devices", _no_nvml)
+    monkeypatch.setattr(amd, "amdsmi_devices", _no_amdsmi)
+    monkeypatch.setattr(intel, "sysman_devices", _no_level_zero)
 
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "nvml_devices", lambda: (MACHINE, ""))
+    monkeypatch.setattr(nvidia, "nvml_devices", lambda: (MACHINE, ""))
 
 
-# -- parse_sim_spec --------------------------------------------------------------------
+def parse_sim_spec(spec: str) -> tuple[Device, ...]:
+    """The usable devices of a simulated machine (what its driver reports)."""
+    return parse(spec).devices()[0]
+
+
+# -- simulated machines ------------------------------------------------------------------
 
 
 def test_sim_spec_uniform() -> None:
@@ -135,7 +146,7 @@ def test_sim_uuids_are_unique_and_nvml_shaped() -> None:
 )
 def test_sim_spec_errors(spec: str, message: str) -> None:
     with pytest.raises(DeviceSpecError) as info:
-        parse_sim_spec(spec)
+        simulated(NVIDIA, spec, {})
     assert str(info.value) == message
 
 
@@ -185,12 +196,20 @@ def test_discover_bad_sim_spec_raises() -> None:
         discover("sim:nope")
 
 
-def test_discover_auto_without_a_driver_is_empty_with_a_note(without_nvml: None) -> None:
+def test_discover_auto_without_a_driver_is_empty_and_says_every_vendors_reason(without_nvml: None) -> None:
+    """Issue 29: `auto` with no GPUs at all names what each vendor's GPUs lack, not NVIDIA's alone."""
     inventory = discover("auto")
     assert inventory.devices == ()
     assert inventory.source == "auto"
-    assert inventory.note == "NVML unavailable: NVML Shared Library Not Found"
-    assert inventory.describe() == "no GPUs (NVML unavailable: NVML Shared Library Not Found)"
+    reasons = (
+        "NVML unavailable: NVML Shared Library Not Found; "
+        "amdsmi is not installed (No module named 'amdsmi'); "
+        "no Level Zero loader (libze_loader.so.1: cannot open shared object file)"
+    )
+    assert inventory.note == reasons
+    assert inventory.describe() == f"no GPUs ({reasons})"
+    # a vendor asked for by name: its own reason only
+    assert discover("nvidia:auto").note == "NVML unavailable: NVML Shared Library Not Found"
 
 
 def test_discover_auto_on_this_machine_never_raises() -> None:

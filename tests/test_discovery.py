@@ -4,17 +4,13 @@ amdsmi on a fake AMD machine, and what a lease of them sets."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import require, with_amdsmi
-from helpers import patience
+from conftest import run_fake_python
 from pytest_gpu.gpu.discovery import discover, split
 from pytest_gpu.sim.spec import amd_uuid
 from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
@@ -37,9 +33,15 @@ def test_split(spec: str, expected: tuple[str | None, str]) -> None:
     assert split(spec) == expected
 
 
-def test_a_mixed_request_names_both_vendors() -> None:
-    with pytest.raises(DeviceSpecError, match=r"names amd and nvidia GPUs; a run leases one vendor's GPUs"):
-        split("nvidia:0,amd:1")
+def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
+    """``code`` on the fake machine ``spec`` (:func:`conftest.run_fake_python`)."""
+    return run_fake_python(tmp_path, spec, code, amdsmi=True, **extra)
+
+
+@pytest.mark.parametrize(("spec", "both"), [("nvidia:0,amd:1", "amd and nvidia"), ("nvidia:0,xpu:1", "nvidia and xpu")])
+def test_a_mixed_request_names_both_vendors(spec: str, both: str) -> None:
+    with pytest.raises(DeviceSpecError, match=f"names {both} GPUs; a run leases one vendor's GPUs"):
+        discover(spec)
 
 
 @pytest.mark.parametrize(
@@ -60,23 +62,6 @@ def test_an_amd_inventory_crosses_the_wire_with_its_vendor_and_variables() -> No
     device = Device(0, amd_uuid(0), 192 * GiB, "MI300X")
     inventory = Inventory((device,), "amdsmi", "", (device,), None, "amd", (("ROCR_VISIBLE_DEVICES", "0"),))
     assert Inventory.from_wire(json.loads(json.dumps(inventory.to_wire()))) == inventory
-
-
-def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
-    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
-    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
-    env = with_amdsmi({**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")})
-    for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-        env.pop(name, None)
-    env.update(extra)
-    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
-    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 DESCRIBE = """
@@ -174,31 +159,6 @@ def test_a_subprocess_under_a_lease_env_sees_exactly_the_lease(tmp_path: Path) -
     assert out["view"] == [2, 0]
 
 
-def test_the_inventory_command_and_status_labels_name_amd_gpus(tmp_path: Path) -> None:
-    out = run_fake(
-        tmp_path,
-        "amd:sim:2x192GiB",
-        textwrap.dedent(
-            f"""
-            import contextlib, io
-            from pytest_gpu.cli import gpu_labels, main
-            printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                main(["inventory"])
-            out["inventory"] = printed.getvalue().splitlines()
-            out["labels"] = gpu_labels(["{amd_uuid(1)}", "GPU-ffffffffffffffff"], ask_nvml=True)
-            """
-        ),
-        ROCR_VISIBLE_DEVICES="1",
-    )
-    assert out["inventory"] == [
-        "--gpus auto: 1 AMD GPU (1x192GiB)",
-        f"  GPU 1  {amd_uuid(1)}    192GiB  Simulated AMD GPU 192GiB (0000:25:00.0)",
-        "  started with: ROCR_VISIBLE_DEVICES=1",
-    ]
-    assert out["labels"] == {amd_uuid(1): "AMD GPU 1"}
-
-
 def test_rocr_indices_count_in_rocr_order_where_it_differs_from_amdsmi(tmp_path: Path) -> None:
     """amdsmi's GPU 3 is ROCr's first: ROCR_VISIBLE_DEVICES=0 means it, and leases name UUIDs."""
     out = run_fake(
@@ -270,12 +230,12 @@ def test_auto_on_a_machine_with_both_takes_nvidias_and_names_amds(monkeypatch: p
     import importlib.util
 
     from pytest_gpu.gpu import discovery
+    from pytest_gpu.sim.spec import parse
     from pytest_gpu.vendors import registry as vendors
-    from pytest_gpu.vendors.devices import parse_sim_spec
 
-    nvidia = parse_sim_spec("sim:2x80GiB")
+    nvidia = parse("sim:2x80GiB").devices()[0]
     amd = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(8))
-    monkeypatch.setattr(discovery, "nvidia_discover", lambda spec, env: Inventory(nvidia, "nvml", "", nvidia))
+    monkeypatch.setattr(vendors.NVIDIA, "devices", lambda: (nvidia, ""))
     monkeypatch.setattr(vendors.AMD, "devices", lambda: (amd, ""))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require
+from conftest import require, with_amdsmi
 from helpers import patience
 from pytest_gpu.report import gantt
 
@@ -37,27 +37,38 @@ def _demo(tmp_path: Path, gpus: str, env: dict[str, str] | None = None) -> subpr
 
 
 @pytest.mark.parametrize(
-    ("gpus", "fake"),
+    ("gpus", "fake", "found"),
     [
-        ("sim:4x16GiB", None),
+        ("sim:4x16GiB", None, "pytest-gpu: 4 simulated GPUs (4x16GiB) "),
         # the README's promise for GPU-less CI: the same suite through NVML (the fake
         # libnvidia-ml.so.1), the NVML verifier and UUID leases, exactly as on a real machine
-        ("auto", "sim:4x16GiB"),
+        ("auto", "sim:4x16GiB", "pytest-gpu: 4 GPUs (4x16GiB) [nvml]"),
+        # unchanged on a fake AMD machine: amdsmi's discovery, ROCm's leases, amdsmi's verification
+        # (the fake libamd_smi.so through the real amdsmi package)
+        ("auto", "amd:sim:4x16GiB", "pytest-gpu: 4 AMD GPUs (4x16GiB) [amdsmi]"),
+        # and on a fake Intel machine: Level Zero Sysman's discovery (the fake libze_loader.so.1),
+        # ZE_AFFINITY_MASK leases, Sysman's verification
+        ("xpu:auto", "xpu:sim:4x64GiB", "pytest-gpu: 4 Intel GPUs (4x64GiB) [sysman]"),
     ],
-    ids=["sim-spec", "fake-nvml-auto"],
+    ids=["sim-spec", "fake-nvml-auto", "fake-amd", "fake-intel"],
 )
-def test_the_demo_suite_passes_on_simulated_gpus(tmp_path: Path, gpus: str, fake: str | None) -> None:
+def test_the_demo_suite_passes_on_simulated_gpus(tmp_path: Path, gpus: str, fake: str | None, found: str) -> None:
     if fake:
-        require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
-    env = {"PYTEST_GPU_FAKE_GPUS": fake, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")} if fake else None
-    result = _demo(tmp_path, gpus, env)
+        require("C compiler", executable="cc")  # the fake driver libraries are built from C
+    env = {"PYTEST_GPU_FAKE_GPUS": fake, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")} if fake else {}
+    if fake and fake.startswith("amd:"):
+        env = with_amdsmi({**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    result = _demo(tmp_path, gpus, env or None)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "42 passed, 1 skipped" in out, out
     assert "· 0 violations" in out, out
     assert "OutOfMemoryError" not in out, out
     assert "needs 8 GPUs" in out or "needs 8 GPU" in out, out  # the one intended skip says why
-    assert ("[nvml]" in out) == (fake is not None), out
+    assert found in out, out
+    assert [source for source in ("[nvml]", "[amdsmi]", "[sysman]") if source in out] == [
+        source for source in ("[nvml]", "[amdsmi]", "[sysman]") if source in found
+    ], out  # the vendor's driver, and no other's
 
 
 # what varies from run to run in a quoted line: durations ("4.4s", "15ms", "<1ms"), ratios

@@ -1,5 +1,5 @@
 """The fake ``libamdhip64.so`` (:mod:`pytest_gpu.sim.hip`) and the HIP read-back of
-:func:`pytest_gpu.gpu.runtime.pin` on AMD GPUs (``runtime._hip_init``).
+:func:`pytest_gpu.gpu.runtime.pin` on AMD GPUs (:func:`pytest_gpu.vendors.amd.hip_init`).
 
 Each scenario runs in a fresh ``python -c`` process: HIP fixes its device list at its first call.
 """
@@ -33,6 +33,7 @@ VARS = ("ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "HIP_VISIBLE_DEVICES", "CU
 PRELUDE = """\
 import ctypes, json, os
 from pytest_gpu.gpu import runtime
+from pytest_gpu.vendors.amd import hip_init
 from pytest_gpu.vendors.devices import Device, Inventory
 from pytest_gpu.sim.spec import amd_uuid
 if os.environ.get("PRELOAD"):
@@ -82,7 +83,7 @@ def run_py(cache_dir: Path, folder: Path, code: str, env: dict[str, str], preloa
 
 
 READ_BACK = """
-out["hip"], out["note"] = runtime._hip_init()
+out["hip"], out["note"] = hip_init()
 runtime.forget()
 out["view"] = runtime.pin(inventory)
 """
@@ -178,7 +179,7 @@ def test_no_amd_gpu_for_hip(
     n = ctypes.c_int(-1)
     out["init"] = lib.hipInit(0)
     out["count"] = [lib.hipGetDeviceCount(ctypes.byref(n)), n.value]
-    out["hip"], out["note"] = runtime._hip_init()
+    out["hip"], out["note"] = hip_init()
     """
     out = run_py(cache_dir, ledger(tmp_path, spec), code, env)
     assert out["init"] == init and out["count"] == count

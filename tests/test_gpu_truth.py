@@ -1,46 +1,222 @@
-"""Real-GPU paths end to end, on fake GPUs as strict as CUDA and NVML (``PYTEST_GPU_FAKE_GPUS``).
+"""Real-GPU paths end to end, on fake GPUs as strict as CUDA, NVML, amdsmi and Level Zero
+(``PYTEST_GPU_FAKE_GPUS``).
 
-Each inner run is a fresh pytest process whose nvidia-ml-py loads the fake
-``libnvidia-ml.so.1``: ``--gpus auto``, index lists, MIG, NVML faults and the NVML
-verifier take exactly the code path of a real machine.
+Each inner run is a fresh pytest process whose driver libraries are the fake ones (nvidia-ml-py
+loads the fake ``libnvidia-ml.so.1``, the real ``amdsmi`` package the fake ``libamd_smi.so``, the
+plugin the fake Level Zero loader): ``--gpus auto``, index lists, MIG, NVML faults and each
+vendor's verifier take exactly the code path of a real machine. What every vendor does alike is
+one test parametrized over the vendors; what one vendor alone has is below it (AMD's and Intel's
+own in tests/test_gpu_truth_amd.py and tests/test_gpu_truth_xpu.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from conftest import require
 from helpers import patience
 from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
+from pytest_gpu.vendors import kinds
+from pytest_gpu.vendors import registry as vendors
+
+# -- every vendor's GPUs: the same behaviour through NVML, amdsmi and Level Zero Sysman --------
 
 
-def test_index_list_leases_land_on_the_physical_gpu_and_outside_use_is_seen(gpu_pytester, fake_run):
-    """Item 1: --gpus 0,2,3 without an outer CUDA_VISIBLE_DEVICES; CUDA still numbers all 4 GPUs."""
+@dataclass(frozen=True)
+class Case:
+    """One vendor's fake machine in the tests that every vendor passes alike."""
+
+    vendor: str
+    prefix: str  # of a fake machine's spec: "", "amd:", "xpu:"
+    kind: str  # torch's device type
+    narrow: str  # the outer variable that narrows a run to some GPUs
+    summary: str  # how an inventory names its GPUs: "GPUs", "AMD GPUs", "Intel GPUs"
+    source: str
+    runtime: str
+
+    def uuid(self, index: int) -> str:
+        return kinds.of(self.vendor).sim_uuid(index)
+
+
+CASES = [
+    Case("nvidia", "", "cuda", "CUDA_VISIBLE_DEVICES", "GPUs", "nvml", "CUDA"),
+    Case("amd", "amd:", "cuda", "ROCR_VISIBLE_DEVICES", "AMD GPUs", "amdsmi", "HIP"),
+    Case("xpu", "xpu:", "xpu", "ZE_AFFINITY_MASK", "Intel GPUs", "sysman", "Level Zero"),
+]
+EVERY_VENDOR = pytest.mark.parametrize("case", CASES, ids=[c.vendor for c in CASES])
+
+LANDING = """
+import os
+import pytest
+from pytest_gpu import sim
+
+SEEN = {seen!r}  # the GPUs this worker's runtime numbers, in its order
+
+@pytest.mark.parametrize("n", range(3))
+@pytest.mark.gpu(exclusive=True)
+def test_on_the_lease(gpu, n):
+    assert gpu.device == f"{kind}:{{SEEN.index(gpu.indices[0])}}"
+    variables = {{k: v for k, v in gpu.env.items() if k in {names!r}}}
+    assert variables == {{k: os.environ[k] for k in variables}}  # the test process has the lease's too
+    {check}
+    with sim.allocate("1GiB") as block:  # the current device: the lease's
+        assert block.physical == gpu.indices[0]
+
+@pytest.mark.gpu(memory="1GiB")
+def test_outside(gpu):
+    sim.allocate("256MiB", device=SEEN.index({outside})).free()
+"""
+# (how a run takes GPUs 0, 2 and 3 of four; what this worker's runtime then numbers; the lease's variables
+#  checked; the GPU outside every lease that test_outside touches)
+LANDINGS = {
+    # --gpus 0,2,3 without an outer CUDA_VISIBLE_DEVICES: CUDA still numbers all 4 GPUs
+    "nvidia": (("--gpus", "0,2,3"), {}, [0, 1, 2, 3], "assert gpu.visible_devices == gpu.uuids[0]", "1"),
+    # ROCR_VISIBLE_DEVICES=0,2,3 outside: this worker's HIP numbers GPUs 0, 2, 3 as 0, 1, 2
+    "amd": (
+        ("--gpus", "auto"),
+        {"ROCR_VISIBLE_DEVICES": "0,2,3"},
+        [0, 2, 3],
+        'assert gpu.env["ROCR_VISIBLE_DEVICES"] == gpu.env["HIP_VISIBLE_DEVICES"] == gpu.visible_devices'
+        " == gpu.uuids[0]",
+        "next(i for i in SEEN if i != gpu.indices[0])",
+    ),
+    # ZE_AFFINITY_MASK=3,0,2 outside: the worker's Level Zero numbers devices 0, 2, 3 as 0, 1, 2
+    "xpu": (
+        ("--gpus", "xpu:auto"),
+        {"ZE_AFFINITY_MASK": "3,0,2"},
+        [0, 2, 3],
+        'assert gpu.env["ZE_AFFINITY_MASK"] == gpu.visible_devices == str(gpu.indices[0])',
+        "next(i for i in SEEN if i != gpu.indices[0])",
+    ),
+}
+
+
+@EVERY_VENDOR
+def test_leases_land_on_the_leased_gpu_and_use_outside_the_lease_is_seen(gpu_pytester, vendor_run, case):
+    """Item 1 (NVIDIA: --gpus 0,2,3), and every vendor: three GPUs of four, each lease on its own
+    GPU as the worker's runtime numbers them, and memory used outside the lease seen by the driver."""
+    args, env, seen, check, outside = LANDINGS[case.vendor]
+    names = vendors.of(case.vendor).visibility
     gpu_pytester.makepyfile(
-        test_idx="""
-        import pytest
-        from pytest_gpu import sim
-
-        @pytest.mark.parametrize("n", range(3))
-        @pytest.mark.gpu(exclusive=True)
-        def test_on_the_lease(gpu, n):
-            assert gpu.device == f"cuda:{gpu.indices[0]}"
-            with sim.allocate("1GiB") as block:  # the current device: the lease's
-                assert block.physical == gpu.indices[0]
-
-        @pytest.mark.gpu(memory="1GiB")
-        def test_on_the_excluded_gpu(gpu):
-            sim.allocate("256MiB", device=1).free()  # physical GPU 1, which --gpus left out
-        """
+        test_landing=LANDING.format(seen=seen, kind=case.kind, names=names, check=check, outside=outside)
     )
-    result = fake_run("sim:4x16GiB", "--gpus", "0,2,3", "-p", "no:xdist")
+    result = vendor_run(case.vendor, f"{case.prefix}sim:4x64GiB", *args, "-p", "no:xdist", **env)
     result.assert_outcomes(passed=4, errors=1)
-    result.stdout.fnmatch_lines(["*used memory on GPU 1 (*) outside its lease*"])
-    result.stdout.fnmatch_lines(["pytest-gpu: 3 GPUs (3x16GiB) [[]nvml[]]*"])
+    result.stdout.fnmatch_lines([f"pytest-gpu: 3 {case.summary} (3x64GiB) [[]{case.source}[]]*"])
+    result.stdout.fnmatch_lines(["*used memory on GPU * outside its lease (GPU *)*"])
+    if case.vendor == "amd":  # amdsmi's list may be coarse: the violation says so
+        result.stdout.fnmatch_lines(["*outside its lease (GPU *) (seen in amdsmi's per-process list, which may be*"])
+    if case.vendor == "nvidia":
+        result.stdout.fnmatch_lines(["*used memory on GPU 1 (*) outside its lease*"])  # the GPU --gpus left out
+    assert "not verified" not in result.stdout.str()
+
+
+@EVERY_VENDOR
+def test_gpu_required_without_the_vendors_gpus_says_what_gives_a_job_them(gpu_pytester, vendor_run, case):
+    gpu_pytester.makepyfile("import pytest\n\n@pytest.mark.gpu\ndef test_gpu(gpu):\n    pass\n")
+    other = "amd:sim:2x16GiB" if case.vendor == "nvidia" else "sim:2x16GiB"  # another vendor's machine
+    result = vendor_run(case.vendor, other, "--gpus", f"{case.vendor}:auto", "--gpu-required")
+    assert result.ret != 0
+    out = result.stdout.str() + result.stderr.str()
+    assert f"give the job its GPUs ({vendors.of(case.vendor).gives_gpus}, --gpus)" in out, out
+
+
+RANKS = """
+import json, os
+import pytest
+
+@pytest.mark.distributed(world_size=2, backend="none", gpus_per_rank=1)
+def test_ranks(rank):
+    from pytest_gpu.sim import cuda
+
+    got = {{name: os.environ.get(name) for name in {names!r}}}
+    got["units"] = cuda.init()
+    got["device"] = rank.device
+    with open(os.path.join({seen!r}, str(rank.rank)), "w") as f:
+        json.dump(got, f)
+"""
+
+
+@EVERY_VENDOR
+def test_a_rank_pool_gives_each_rank_its_gpu(gpu_pytester, vendor_run, case, tmp_path):
+    """Each rank sees its own GPU through every variable its vendor's lease sets: by UUID (ROCr's on
+    AMD GPUs), by index where the variable takes indices only (ZE_AFFINITY_MASK)."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    gpu_pytester.makepyfile(test_pool=RANKS.format(names=list(vendors.VISIBILITY), seen=str(seen)))
+    result = vendor_run(case.vendor, f"{case.prefix}sim:2x64GiB", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    units = []
+    for r in (0, 1):
+        got = json.loads((seen / str(r)).read_text())
+        unit = got.pop("units")
+        units += unit
+        lease = vendors.of(case.vendor).lease_env([str(unit[0]) if case.vendor == "xpu" else case.uuid(unit[0])])
+        assert got == {**dict.fromkeys(vendors.VISIBILITY), **lease, "device": f"{case.kind}:0"}
+    assert sorted(units) == [0, 1]  # one GPU each
+
+
+CONFINED = """
+import pytest
+import torch
+from pytest_gpu.sim import torch_cuda
+
+@pytest.mark.gpu(memory="2GiB")
+def test_confined(gpu):
+    device = getattr(torch, gpu.device.split(":")[0])  # torch.cuda (torch on ROCm too), torch.xpu
+    {check}
+    assert device.current_device() == int(gpu.device.split(":")[1])
+    kept = torch_cuda.empty(1 << 30)  # torch.empty(..., device=gpu.device) in the CPU build's stead
+    with pytest.raises(torch.OutOfMemoryError):
+        torch_cuda.empty(2 << 30)  # beyond the lease's 2GiB
+    assert device.max_memory_allocated() >= 1 << 30
+    kept.free()
+
+@pytest.mark.gpu(memory="2GiB")
+def test_leaked(gpu):
+    test_leaked.kept = torch_cuda.empty(1 << 30)  # a tensor kept after the test
+"""
+TORCH = {
+    "nvidia": "assert torch.version.hip is None",
+    "amd": "assert torch.version.hip  # torch on ROCm, to its Python side",
+    "xpu": "assert not torch.cuda.is_available()  # an Intel machine: torch.xpu",
+}
+
+
+@EVERY_VENDOR
+def test_torch_is_confined_to_the_lease(gpu_pytester, vendor_run, case):
+    """torch's device module for the vendor's GPUs is capped at the lease, and what it keeps after a
+    test is that test's leak: torch.cuda, torch on ROCm, torch.xpu."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_torch=CONFINED.format(check=TORCH[case.vendor]))
+    result = vendor_run(
+        case.vendor, f"{case.prefix}sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", **{case.narrow: "1,0"}
+    )
+    result.assert_outcomes(passed=2, errors=1)  # test_leaked passed, and its teardown's verdict errs
+    result.stdout.fnmatch_lines(["*torch still allocates it: a tensor kept after the test*"])
+    assert "not verified" not in result.stdout.str()
+
+
+@EVERY_VENDOR
+def test_a_request_no_gpu_can_hold_names_the_vendors_context(gpu_pytester, vendor_run, case):
+    gpu_pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.gpu(exclusive=True, memory='100GiB')\ndef test_big(gpu):\n    pass\n"
+    )
+    result = vendor_run(case.vendor, f"{case.prefix}sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [f"SKIPPED * offering 100GiB after the {case.runtime} context (2 {case.summary} (2x16GiB))"]
+    )
+    assert case.vendor == "nvidia" or "CUDA context" not in result.stdout.str()
+
+
+# -- NVIDIA's: NVML, MIG, CUDA ---------------------------------------------------------------
 
 
 def test_cuda_first_used_inside_a_test_does_not_strand_the_worker(gpu_pytester, fake_run):
@@ -221,31 +397,31 @@ def test_fake_switch_spec_errors_name_the_variable(gpu_pytester, fake_run):
 def test_one_mig_instance_per_process():
     """CUDA lets a process use one MIG instance, the first it sees; other GPUs stay visible."""
     from pytest_gpu.sim.spec import parse
-    from pytest_gpu.vendors.devices import Device, Inventory, cuda_view, process_view, sim_machine
+    from pytest_gpu.vendors.devices import Inventory
+    from pytest_gpu.vendors.nvidia import NVIDIA, cuda_view
 
-    units = tuple(
-        Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent)
-        for u in parse("sim:2x80GiB;mig:0=3x20GiB").units()
-    )
+    machine = parse("sim:2x80GiB;mig:0=3x20GiB")
+    units = machine.all_devices()
     assert cuda_view(units, None) == [1, 2]  # GPU 1 and the first instance
     assert cuda_view(units, f"{mig_uuid(0, 2)},{mig_uuid(0, 1)}") == [4]
     assert cuda_view(units, f"1,{gpu_uuid(0)}") == [1]  # a GPU in MIG mode is invalid, by UUID too
-    found, _ = sim_machine("sim:2x80GiB;mig:0=3x20GiB")
+    found, _ = machine.devices()
     inventory = Inventory(found, "nvml", machine=found)
     assert [d.index for d in inventory.devices] == [1, 2, 3, 4]  # every instance can be leased
-    assert process_view(inventory) == [1, 2]  # but this process's CUDA uses one
+    assert NVIDIA.view(found, NVIDIA.started_with(inventory)) == [1, 2]  # but this process's CUDA uses one
 
 
 def test_a_mig_lease_this_process_cannot_use_is_for_subprocesses(tmp_path, monkeypatch):
     from pytest_gpu import sim
     from pytest_gpu.gpu.isolation import confine, make_lease
-    from pytest_gpu.vendors.devices import Inventory, sim_machine
+    from pytest_gpu.sim.spec import parse
+    from pytest_gpu.vendors.devices import Inventory
 
     monkeypatch.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     monkeypatch.setenv(sim.SPEC_ENV, "sim:1x80GiB;mig:0=2x20GiB")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     sim.cuda.forget()
-    found, _ = sim_machine("sim:1x80GiB;mig:0=2x20GiB")
+    found, _ = parse("sim:1x80GiB;mig:0=2x20GiB").devices()
     inventory = Inventory(found, "sim:1x80GiB;mig:0=2x20GiB", machine=found)
     lease = make_lease("k", [2], 4 * 2**30, False, 0.0, inventory, "tag")  # the second instance
     assert lease.device == "" and lease.devices == ()

@@ -1,64 +1,21 @@
 """AMD ROCm end to end, on a fake AMD machine (``PYTEST_GPU_FAKE_GPUS=amd:sim:…``): the real
 ``amdsmi`` package loads the fake ``libamd_smi.so``; discovery, leases, the simulated HIP's
-device order and verification take the code path of a real AMD machine."""
+device order and verification take the code path of a real AMD machine. What AMD's GPUs alone
+have: ROCr's UUIDs in the outer variable, amdsmi's coarse and lagging process list. (What every
+vendor does alike, leases, pools, torch, --gpu-required, is tests/test_gpu_truth.py's, over vendors.)"""
 
 from __future__ import annotations
 
-import json
-import os
+import functools
 
 import pytest
 
-from conftest import amdsmi_site, require
 from pytest_gpu.sim.spec import amd_uuid
 
 
 @pytest.fixture
-def amd_run(fake_run, monkeypatch):
-    site = amdsmi_site()
-    rest = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, rest]) if rest else site)  # the inner run's amdsmi
-    for name in ("ROCM_HOME", "ROCM_PATH", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL"):
-        monkeypatch.delenv(name, raising=False)
-
-    def run(spec, *args, **env):
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        return fake_run(spec, *args)
-
-    return run
-
-
-def test_leases_are_rocr_uuids_and_memory_outside_the_lease_is_seen(gpu_pytester, amd_run):
-    gpu_pytester.makepyfile(
-        test_amd="""
-        import os
-        import pytest
-        from pytest_gpu import sim
-
-        @pytest.mark.parametrize("n", range(3))
-        @pytest.mark.gpu(exclusive=True)
-        def test_on_the_lease(gpu, n):
-            # ROCR_VISIBLE_DEVICES=0,2,3 outside: this worker's HIP numbers GPUs 0, 2, 3 as 0, 1, 2
-            assert gpu.device == f"cuda:{[0, 2, 3].index(gpu.indices[0])}"
-            assert os.environ["ROCR_VISIBLE_DEVICES"] == gpu.uuids[0]
-            assert gpu.env["HIP_VISIBLE_DEVICES"] == gpu.env["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices
-            with sim.allocate("1GiB") as block:  # the current device: the lease's
-                assert block.physical == gpu.indices[0]
-
-        @pytest.mark.gpu(memory="1GiB")
-        def test_outside(gpu):
-            other = next(o for o in range(3) if f"cuda:{o}" != gpu.device)
-            sim.allocate("256MiB", device=other).free()
-        """
-    )
-    result = amd_run("amd:sim:4x192GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="0,2,3")
-    result.assert_outcomes(passed=4, errors=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: 3 AMD GPUs (3x192GiB) [[]amdsmi[]]*"])
-    result.stdout.fnmatch_lines(
-        ["*used memory on GPU * outside its lease (GPU *) (seen in amdsmi's per-process list, which may be*"]
-    )
-    assert "not verified" not in result.stdout.str()
+def amd_run(vendor_run):
+    return functools.partial(vendor_run, "amd")
 
 
 def test_a_mixed_request_is_a_usage_error(gpu_pytester, amd_run):
@@ -82,97 +39,6 @@ def test_uuid_in_the_outer_rocr_variable(gpu_pytester, amd_run):
     result.assert_outcomes(passed=1)
 
 
-def test_a_rank_pool_gives_each_rank_its_gpu_by_rocr_uuid(gpu_pytester, amd_run, tmp_path):
-    seen = tmp_path / "seen"
-    seen.mkdir()
-    gpu_pytester.makepyfile(
-        test_pool=f"""
-        import json, os
-        import pytest
-
-        @pytest.mark.distributed(world_size=2, backend="none", gpus_per_rank=1)
-        def test_ranks(rank):
-            from pytest_gpu.sim import cuda
-
-            names = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
-            got = {{name: os.environ.get(name) for name in names}}
-            got["units"] = cuda.init()
-            with open(os.path.join({str(seen)!r}, str(rank.rank)), "w") as f:
-                json.dump(got, f)
-        """
-    )
-    result = amd_run("amd:sim:2x192GiB", "--gpus", "auto", "-p", "no:xdist")
-    result.assert_outcomes(passed=1)
-    units = []
-    for r in (0, 1):
-        got = json.loads((seen / str(r)).read_text())
-        unit = got.pop("units")
-        units += unit
-        assert got == {
-            "ROCR_VISIBLE_DEVICES": amd_uuid(unit[0]),
-            "HIP_VISIBLE_DEVICES": amd_uuid(unit[0]),
-            "CUDA_VISIBLE_DEVICES": amd_uuid(unit[0]),
-            "GPU_DEVICE_ORDINAL": "0",
-        }
-    assert sorted(units) == [0, 1]  # one GPU each
-
-
-def test_torch_on_rocm_is_confined_to_the_lease(gpu_pytester, amd_run):
-    require("torch", module="torch")
-    gpu_pytester.makepyfile(
-        test_torch="""
-        import pytest
-        import torch
-        from pytest_gpu.sim import torch_cuda
-
-        @pytest.mark.gpu(memory="2GiB")
-        def test_confined(gpu):
-            assert torch.version.hip  # torch on ROCm, to its Python side
-            assert torch.cuda.current_device() == int(gpu.device.split(":")[1])
-            kept = torch_cuda.empty(1 << 30)  # torch.empty(..., device="cuda") in the CPU build's stead
-            with pytest.raises(torch.OutOfMemoryError):
-                torch_cuda.empty(2 << 30)  # beyond the lease's 2GiB
-            assert torch.cuda.max_memory_allocated() >= 1 << 30
-            kept.free()
-        """
-    )
-    result = amd_run("amd:sim:2x16GiB", "--gpus", "auto", "-p", "no:xdist", ROCR_VISIBLE_DEVICES="1,0")
-    result.assert_outcomes(passed=1)
-    assert "not verified" not in result.stdout.str()
-
-
-def test_the_context_is_measured_through_amdsmi(gpu_pytester, amd_run):
-    gpu_pytester.makepyfile(
-        test_ctx="""
-        import pytest
-        from pytest_gpu import sim
-
-        @pytest.mark.gpu(memory="1GiB")
-        def test_gpu(gpu):
-            sim.allocate("256MiB").free()
-        """
-    )
-    result = amd_run("amd:sim:1x16GiB;context=700MiB", "--gpus", "auto", "-p", "no:xdist")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["pytest-gpu: HIP context measured: GPU 0: 700MiB (assumed 500MiB until measured)"])
-
-
-def test_gpu_required_without_amd_gpus_says_what_gives_a_job_amd_gpus(gpu_pytester, amd_run):
-    gpu_pytester.makepyfile(
-        test_req="""
-        import pytest
-
-        @pytest.mark.gpu
-        def test_gpu(gpu):
-            pass
-        """
-    )
-    result = amd_run("sim:2x16GiB", "--gpus", "amd:auto", "--gpu-required")  # an NVIDIA machine
-    assert result.ret != 0
-    out = result.stdout.str() + result.stderr.str()
-    assert "give the job its GPUs (the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES, --gpus)" in out, out
-
-
 # amdsmi's list as a driver that refreshes it every 2 s gives it (the fake's proc-refresh=): each
 # test below is pinned by a run that waits for it (--gpu-amd-process-lag=2 --gpu-amd-lag-wait), one
 # that only re-checks a violation (lag 2, the default: no wait) and one that does neither (lag 0)
@@ -181,7 +47,7 @@ import os
 import time
 import pytest
 from pytest_gpu import sim
-from pytest_gpu.vendors.sampling import AmdSampler
+from pytest_gpu.vendors.amd import AmdSampler
 
 @pytest.mark.gpu(memory="2GiB")
 def test_freed_at_the_end(gpu):

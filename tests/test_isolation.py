@@ -25,7 +25,10 @@ from pytest_gpu import sim
 from pytest_gpu.gpu import runtime
 from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, confine, make_lease
 from pytest_gpu.sim import cupy_cuda
-from pytest_gpu.vendors.devices import Device, Inventory, parse_sim_spec
+from pytest_gpu.sim.spec import parse
+from pytest_gpu.vendors import nvidia
+from pytest_gpu.vendors.devices import Device, Inventory
+from pytest_gpu.vendors.nvidia import NVIDIA
 
 GiB, MiB = 2**30, 2**20
 
@@ -54,7 +57,7 @@ import torch
 from pytest_gpu.sim import fake, torch_cuda, cuda as simcuda
 assert fake.activate()
 from pytest_gpu.gpu import runtime
-from pytest_gpu.vendors.devices import discover
+from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.gpu.isolation import confine, make_lease
 GiB, MiB = 2**30, 2**20
 inv = discover(os.environ.get("GPUS", "auto"))
@@ -202,7 +205,7 @@ def test_index_list_ordinals_are_physical_without_an_outer_list(clean_env):
 
 def test_lease_env_sets_jax_and_tensorflow_memory_behaviour(clean_env):
     """Item 14: JAX preallocates 75 % of every visible GPU, TF all of it, unless told otherwise."""
-    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    inventory = Inventory(parse("sim:2x16GiB").devices()[0], "sim:2x16GiB")
     lease = make_lease("k", [1], 4 * GiB, False, 0.0, inventory, "tag-1")
     assert lease.env[XLA_PREALLOCATE] == "false"
     assert lease.env[XLA_FRACTION] == "0.2500"
@@ -217,7 +220,7 @@ def test_simulated_lease_sets_the_tag_and_the_current_device(clean_env, tmp_path
     clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
     sim.cuda.forget()
-    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    inventory = Inventory(parse("sim:2x16GiB").devices()[0], "sim:2x16GiB")
     lease = make_lease("k", [1], 2 * GiB, False, 0.0, inventory, "tag-1")
     assert lease.visible_devices == "1"
     assert lease.env[sim.TAG_ENV] == "tag-1"
@@ -352,7 +355,7 @@ def sim_machine(clean_env, tmp_path):
     clean_env.setenv(sim.LEDGER_ENV, str(tmp_path / "ledger"))
     clean_env.setenv(sim.SPEC_ENV, "sim:2x16GiB")
     sim.cuda.forget()
-    yield Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    yield Inventory(parse("sim:2x16GiB").devices()[0], "sim:2x16GiB")
     sim.cuda.forget()
 
 
@@ -458,7 +461,7 @@ def test_a_failing_adapter_undoes_what_was_applied(clean_env, tmp_path):
     cupy.cuda = types.SimpleNamespace(Device=Device)
     cupy.get_default_memory_pool = lambda: Pool()
     clean_env.setitem(sys.modules, "cupy", cupy)
-    inventory = Inventory(parse_sim_spec("sim:2x16GiB"), "sim:2x16GiB")
+    inventory = Inventory(parse("sim:2x16GiB").devices()[0], "sim:2x16GiB")
     with pytest.raises(RuntimeError, match="cupy says no"):
         confine(make_lease("k", [1], GiB, False, 0.0, inventory, "tag-1"), inventory)
     assert sim.TAG_ENV not in os.environ
@@ -556,20 +559,20 @@ done.undo()
 def test_real_ordinals_come_from_what_the_driver_enumerates(clean_env, monkeypatch):
     """After cuInit the driver's own device UUIDs decide the ordinals (a GPU NVML refused still counts)."""
     inventory = real_inventory(indices=(0, 2))  # NVML gave GPUs 0 and 2 to the run; the machine has 4
-    hexes = {d.index: runtime._hex(d.uuid) for d in inventory.machine}
-    monkeypatch.setattr(runtime, "_cu_init", lambda: ([hexes[0], hexes[3], hexes[2]], ""))
+    hexes = {d.index: NVIDIA.runtime_id(d.uuid) for d in inventory.machine}
+    monkeypatch.setattr(nvidia, "cu_init", lambda: ([hexes[0], hexes[3], hexes[2]], ""))
     assert runtime.pin(inventory) == [0, 3, 2]
     assert make_lease("k", [2], GiB, False, 0.0, inventory, "t").device == "cuda:2"
     runtime.forget()
     # a UUID no NVML device has: the view is predicted from CUDA_VISIBLE_DEVICES at the pin
-    monkeypatch.setattr(runtime, "_cu_init", lambda: (["ff" * 16], ""))
+    monkeypatch.setattr(nvidia, "cu_init", lambda: (["ff" * 16], ""))
     assert runtime.pin(inventory) == [0, 1, 2, 3]
 
 
 def test_a_lease_names_the_ordinals_of_the_pinned_cuda(clean_env, monkeypatch):
     """The first lease of a process pins CUDA before naming its device, so device and confinement agree."""
     inventory = real_inventory(indices=(0, 2))
-    hexes = {d.index: runtime._hex(d.uuid) for d in inventory.machine}
-    monkeypatch.setattr(runtime, "_cu_init", lambda: ([hexes[2], hexes[0]], ""))  # the driver's own order
+    hexes = {d.index: NVIDIA.runtime_id(d.uuid) for d in inventory.machine}
+    monkeypatch.setattr(nvidia, "cu_init", lambda: ([hexes[2], hexes[0]], ""))  # the driver's own order
     lease = make_lease("k", [2], GiB, False, 0.0, inventory, "t")
     assert lease.device == "cuda:0"

@@ -20,7 +20,8 @@ from pytest_gpu.launched import gather, torchenv
 from pytest_gpu.launched.markers import DEFAULT_MAPPING, LauncherMarkerError, allowed, parse_mapping
 from pytest_gpu.launched.session import outcome_table, rank_logs, rank_nodeid
 from pytest_gpu.launched.shard import partition
-from pytest_gpu.vendors.devices import Device, Inventory, sim_uuid
+from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
+from pytest_gpu.vendors.devices import Device, Inventory
 
 # -- detect() ----------------------------------------------------------------------------
 

@@ -19,15 +19,16 @@ import pytest
 
 from conftest import MISSING
 from helpers import patience, shared, throwaway_user, wait_for, whole
-from pytest_gpu.cli import format_status, gpu_labels
+from pytest_gpu.cli import format_status, gpu_labels, identify
 from pytest_gpu.cli import main as cli_main
 from pytest_gpu.machine.arbiter import PART, Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.machine.messages import Held
 from pytest_gpu.machine.placement import Policy
+from pytest_gpu.sim.spec import amd_uuid, mig_uuid, xpu_uuid
 from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
-from pytest_gpu.sim.spec import mig_uuid
+from pytest_gpu.vendors.devices import Device
 from pytest_gpu.wire.sockets import reachable
 
 GiB = 2**30
@@ -491,17 +492,59 @@ def test_status_names_each_gpu_by_its_index_beside_its_uuid(domain, links, capsy
     assert {g["uuid"]: g["name"] for g in state[domain.name]["gpus"]}[gpu1] == "GPU 1"
 
 
-def test_gpu_labels_ask_nvml_for_real_gpus_only_where_told(monkeypatch):
-    from pytest_gpu.vendors import devices
-    from pytest_gpu.vendors.devices import Device
+@pytest.mark.parametrize(
+    ("vendor", "found", "labels"),
+    [
+        (
+            "nvidia",
+            (Device(3, "GPU-real-3", 80 * GiB, "H100"), Device(9, "MIG-real", 10 * GiB, "H100 MIG", parent=3)),
+            {"GPU-real-3": "GPU 3", "MIG-real": "GPU 3 MIG unit 9"},
+        ),
+        ("amd", (Device(3, "GPU-real-3", 192 * GiB, "MI300X"),), {"GPU-real-3": "AMD GPU 3"}),
+        ("xpu", (Device(3, "GPU-real-3", 64 * GiB, "Max 1550"),), {"GPU-real-3": "Intel GPU 3"}),
+    ],
+)
+def test_gpu_labels_ask_the_drivers_for_real_gpus_only_where_told(monkeypatch, vendor, found, labels):
+    """Real GPUs are named by whichever vendor's driver reports them (the others have none here)."""
+    from pytest_gpu.vendors import amd, intel, nvidia
+    from pytest_gpu.vendors.sampling import Unavailable
 
-    found = (Device(3, "GPU-real-3", 80 * GiB, "H100"), Device(9, "MIG-real", 10 * GiB, "H100 MIG", parent=3))
-    monkeypatch.setattr(devices, "nvml_devices", lambda: (found, ""))
-    assert gpu_labels(["GPU-real-3", "MIG-real", "GPU-gone"], ask_nvml=True) == {
-        "GPU-real-3": "GPU 3",
-        "MIG-real": "GPU 3 MIG unit 9",
-    }
+    def none(*args: object) -> None:
+        raise Unavailable("no driver")
+
+    patched = {"nvidia": (nvidia, "nvml_devices"), "amd": (amd, "amdsmi_devices"), "xpu": (intel, "sysman_devices")}
+    for name, (module, function) in patched.items():
+        answer = (lambda *args: (found, "")) if name == vendor else none
+        monkeypatch.setattr(module, function, answer)
+    assert gpu_labels([*labels, "GPU-gone"], ask_nvml=True) == labels
     assert gpu_labels(["GPU-real-3"], ask_nvml=False) == {}
+
+
+@pytest.mark.parametrize(
+    ("uuid", "label", "runtime"),
+    [
+        (sim_uuid(1), "GPU 1", "CUDA"),
+        (amd_uuid(1), "AMD GPU 1", "HIP"),
+        (xpu_uuid(1), "Intel GPU 1", "Level Zero"),
+    ],
+    ids=["nvidia", "amd", "xpu"],
+)
+def test_status_names_a_simulated_gpu_of_every_vendor(uuid, label, runtime):
+    """A simulated machine's GPUs are named as their vendor's (issue 29: ``AMD GPU 1``, not a bare
+    UUID), without asking any driver, and so are the contexts on them."""
+    assert gpu_labels([uuid, f"{uuid}{PART}2"], ask_nvml=False) == {uuid: label, f"{uuid}{PART}2": label}
+    state = {
+        "runs": [],
+        "grants": 0,
+        "gpus": [{"uuid": uuid, "capacity": 16 * GiB, "leased": 0, "foreign": 0, "contexts": 2, "exclusive": False}],
+        "leases": [],
+        "waiting": [],
+    }
+    known = identify([uuid], ask_drivers=False)
+    labels, runtimes = {u: n for u, (n, _) in known.items()}, {u: k.runtime for u, (_, k) in known.items()}
+    assert f"  {label} ({uuid}): 16GiB, 0B promised (2 {runtime} contexts)" in format_status(
+        "sim-x", state, 1.0, labels, runtimes
+    )
 
 
 def test_status_without_any_run(domain, capsys):

@@ -31,6 +31,8 @@ from pytest_gpu.raycluster.head import HeadSpec, driver_search_path, head_env, h
 from pytest_gpu.raycluster.startonce import WATCHDOG_MODULE
 from pytest_gpu.raycluster.stop import STOP_GRACE, kill_session, session_processes
 from pytest_gpu.run.options import Settings
+from pytest_gpu.sim.spec import parse
+from pytest_gpu.vendors.nvidia import NVIDIA
 
 # Inner suite. It lives in tests/ below the inner rootdir, so Ray workers can import the
 # helper it calls only through the PYTHONPATH the plugin gives the head.
@@ -398,7 +400,8 @@ def test_head_env_has_the_runs_gpus_not_a_tests_lease():
         "PYTHONPATH": "/already",
         "RAY_AUTH_MODE": "token",
     }
-    env = head_env(environ, (0, 1, 2, 3), ["/repo/tests", "/repo/tests"])
+    gpus = parse("sim:4x16GiB").devices()[0]
+    env = head_env(environ, ["/repo/tests", "/repo/tests"], gpu_env=NVIDIA.ray_env(gpus))
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "HIP_VISIBLE_DEVICES" not in env and "PYTEST_GPU_SIM_TAG" not in env

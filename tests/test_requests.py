@@ -18,7 +18,8 @@ from pytest_gpu.base.requests import (
     format_size,
     parse_size,
 )
-from pytest_gpu.vendors.devices import DeviceSpecError, parse_sim_spec
+from pytest_gpu.gpu.discovery import discover
+from pytest_gpu.vendors.devices import DeviceSpecError
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 EXCLUSIVE = DefaultMemory(exclusive=True)
@@ -125,7 +126,7 @@ def test_a_marker_size_and_a_sim_spec_size_follow_the_same_rule() -> None:
     with pytest.raises(GpuRequestError, match="write 'GiB'"):
         build_request((), {"memory": "16Gib"}, DefaultMemory.parse("exclusive"))
     with pytest.raises(DeviceSpecError, match="write 'GiB'"):
-        parse_sim_spec("sim:4x16Gib")
+        discover("sim:4x16Gib")
 
 
 @pytest.mark.parametrize("value", [0, 1, 4096, 80 * GiB])

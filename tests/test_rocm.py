@@ -3,18 +3,12 @@ through the real ``amdsmi`` package on a fake AMD machine (``PYTEST_GPU_FAKE_GPU
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Holder, require, with_amdsmi
-from helpers import patience
+from conftest import require, run_fake_python
 from pytest_gpu.sim.spec import amd_uuid
 from pytest_gpu.vendors.amd import lease_env, rocm_view, select
 from pytest_gpu.vendors.devices import Device
@@ -24,6 +18,11 @@ MiB = 1 << 20
 
 # ROCr's order (the tuple's) differs from amdsmi's indices, as it may on a real machine
 MACHINE = tuple(Device(index, amd_uuid(index), 192 * GiB) for index in (2, 0, 3, 1))
+
+
+def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
+    """``code`` on the fake machine ``spec`` (:func:`conftest.run_fake_python`)."""
+    return run_fake_python(tmp_path, spec, code, amdsmi=True, quiet=True, **extra)
 
 
 def view(**env: str) -> list[int]:
@@ -98,24 +97,6 @@ def test_a_lease_names_its_uuids_in_rocr_and_hips_variables() -> None:
 # -- through the real amdsmi package and the fake libamd_smi.so ---------------------------------
 
 
-def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
-    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
-    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
-    env = with_amdsmi({**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")})
-    for name in ("ROCM_HOME", "ROCM_PATH", "PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-        env.pop(name, None)
-    env.update(extra)
-    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
-    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert len(done.stdout.strip().splitlines()) == 1, done.stdout  # nothing printed on the way
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
-
-
 def test_discovery_through_amdsmi_skips_a_gpu_it_cannot_query(tmp_path: Path) -> None:
     out = run_fake(
         tmp_path,
@@ -159,50 +140,26 @@ def test_usage_sees_this_process_allocations_with_the_driver_granularity(tmp_pat
         f"""
         import os
         from pytest_gpu.sim.ledger import ledger
-        from pytest_gpu.vendors.amd import amdsmi_usage
+        from pytest_gpu.vendors.amd import AmdSampler
+        from pytest_gpu.vendors.sampling import Refused
         ledger().allocate({GiB + 12345}, 1, None, None)
-        usage = amdsmi_usage(["{amd_uuid(0)}", "{amd_uuid(1).upper()}", "GPU-ffffffffffffffff"])
+        driver = AmdSampler()
+        uuids = ["{amd_uuid(0)}", "{amd_uuid(1).upper()}"]
         out["pid"] = os.getpid()
-        out["processes"] = {{u: {{str(p): n for p, n in procs.items()}} for u, procs in usage.processes.items()}}
-        out["used"] = usage.used
-        out["notes"] = usage.notes
+        out["processes"] = {{u: {{str(p): n for p, n in driver.processes(u).items()}} for u in uuids}}
+        out["used"] = {{u: driver.memory(u) for u in uuids}}
+        try:
+            driver.memory("GPU-ffffffffffffffff")
+        except Refused as exc:
+            out["refused"] = str(exc)
+        driver.close()
         """,
     )
     pid = str(out["pid"])
     held = 512 * MiB + GiB + 12345
     assert out["processes"] == {amd_uuid(0): {}, amd_uuid(1).upper(): {pid: held - held % MiB}}
-    assert out["used"] == {amd_uuid(0): 0, amd_uuid(1).upper(): held}  # device totals stay exact
-    assert out["notes"] == ["amdsmi cannot query GPU-ffffffffffffffff"]
-
-
-def test_foreign_usage_through_amdsmi_where_there_is_no_nvml(tmp_path: Path) -> None:
-    spec = "amd:sim:2x192GiB;context=512MiB"
-    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
-    env["PYTEST_GPU_SIM"] = spec  # the ledger's spec, as a run's subprocess has it
-    holder = Holder("--gpu", "1", "--memory", "2GiB", env=env)  # not a descendant of the sampling process
-    try:
-        out = run_fake(
-            tmp_path,
-            spec,
-            f"""
-            import os
-            from pytest_gpu.sim.ledger import ledger
-            from pytest_gpu.gpu.foreign import ForeignSampler
-            ledger().allocate({GiB}, 0, None, None)  # ours
-            sampler = ForeignSampler(["{amd_uuid(0)}", "{amd_uuid(1)}"])
-            found = sampler.sample({{os.getpid()}})
-            out["nvml"] = sampler.unavailable
-            out["found"] = {{u: [f.bytes, [[p.pid, p.bytes] for p in f.processes], f.note] for u, f in found.items()}}
-            sampler.close()
-            out["closed"] = sampler.sample({{os.getpid()}})["{amd_uuid(0)}"].note
-            """,
-        )
-    finally:
-        holder.kill()
-    held = 512 * MiB + 2 * GiB
-    assert out["found"] == {amd_uuid(0): [0, [], None], amd_uuid(1): [held, [[holder.pid, held]], None]}
-    assert out["nvml"].startswith("NVML unavailable (Driver Not Loaded)")
-    assert out["closed"].endswith("foreign GPU usage is unknown")  # closed: amdsmi is not asked either
+    assert out["used"] == {amd_uuid(0): [0, None], amd_uuid(1).upper(): [held, None]}  # device totals stay exact
+    assert out["refused"] == "amdsmi does not report it"
 
 
 @pytest.mark.parametrize(
@@ -246,7 +203,9 @@ def test_a_ray_head_on_amd_gpus_counts_hip_ids_into_the_runs_gpus() -> None:
     from pytest_gpu.raycluster.head import head_env
 
     environ = {"ROCR_VISIBLE_DEVICES": amd_uuid(2), "HIP_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}  # a lease's
-    env = head_env(environ, (1, 3), amd_uuids=[amd_uuid(1), amd_uuid(3)])
+    from pytest_gpu.vendors.amd import AMD
+
+    env = head_env(environ, gpu_env=AMD.ray_env([Device(i, amd_uuid(i), 192 * GiB) for i in (1, 3)]))
     assert env["ROCR_VISIBLE_DEVICES"] == f"{amd_uuid(1)},{amd_uuid(3)}"
     # ray 2.60 reads HIP_VISIBLE_DEVICES on AMD (and refuses ROCR_VISIBLE_DEVICES without it)
     assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == env["GPU_DEVICE_ORDINAL"] == "0,1"
@@ -260,13 +219,13 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
         tmp_path,
         "amd:sim:1x16GiB;reserved=1GiB",
         f"""
-        from pytest_gpu.vendors import sampling
+        from pytest_gpu.vendors import amd, sampling
         from pytest_gpu.gpu.foreign import ForeignSampler
 
         def refuse(self, uuid):
             raise sampling.Unlistable("amdsmi cannot list the processes there (AMDSMI_STATUS_NO_PERM)")
 
-        sampling.AmdSampler.processes = refuse
+        amd.AmdSampler.processes = refuse
         found = ForeignSampler(["{amd_uuid(0)}"]).sample(set(), {{"{amd_uuid(0)}": 0}})["{amd_uuid(0)}"]
         out["bytes"], out["note"] = found.bytes, found.note
         """,
@@ -276,16 +235,4 @@ def test_foreign_usage_by_difference_where_amdsmi_cannot_list(tmp_path: Path) ->
         f"amdsmi cannot list the processes there (AMDSMI_STATUS_NO_PERM): foreign usage on {amd_uuid(0)} is its used "
         "memory less the 0B pytest-gpu accounts for (the driver's reserve, which this amdsmi does not report, "
         "counts as foreign)"
-    )
-
-
-def test_auto_backend_on_amd_gpus_names_rccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpu.distributed import backends
-    from pytest_gpu.vendors.devices import Inventory
-
-    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: None)  # a ROCm build of torch
-    inventory = Inventory(MACHINE, "amdsmi", "", MACHINE, None, "amd")
-    choice = backends.auto_backend(inventory)
-    assert choice == backends.AutoChoice(
-        "nccl", "4 AMD GPUs (4x192GiB) and a torch with RCCL (its nccl backend on ROCm)"
     )

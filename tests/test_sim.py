@@ -28,7 +28,7 @@ from pytest_gpu.sim import (
     SimDeviceError,
     TagUsage,
 )
-from pytest_gpu.vendors.devices import sim_uuid
+from pytest_gpu.sim.spec import gpu_uuid as sim_uuid
 
 MiB, GiB = 2**20, 2**30
 OVERHEAD = 512 * MiB

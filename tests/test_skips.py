@@ -29,15 +29,15 @@ from pytest_gpu.distributed import backends
 from pytest_gpu.distributed.backends import (
     AUTO_PROPERTY,
     AutoChoice,
-    auto_backend,
     build_nccl_missing,
     fit_ranks,
     nccl_missing,
 )
+from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.sim import fake
-from pytest_gpu.vendors.devices import Device, Inventory, discover
+from pytest_gpu.vendors.devices import Device, Inventory
 
 GiB = 2**30
 
@@ -226,6 +226,45 @@ def test_gpu_required_stops_a_run_with_gpu_tests_and_no_gpus(gpu_pytester, run_i
     assert "must not run" not in result.stdout.str()
 
 
+# no vendor's driver on the machine: NVML, amdsmi and Level Zero's loader all missing, whatever this one has
+NO_DRIVERS = """
+from pytest_gpu.vendors import amd, intel, nvidia
+
+
+def _no_nvml():
+    raise nvidia.NvmlUnavailable("NVML unavailable: NVML Shared Library Not Found")
+
+
+def _no_amdsmi():
+    raise amd.AmdSmiUnavailable("amdsmi is not installed (No module named 'amdsmi')")
+
+
+def _no_level_zero(environ):
+    raise intel.ZesUnavailable("no Level Zero loader (libze_loader.so.1: cannot open shared object file)")
+
+
+nvidia.nvml_devices, amd.amdsmi_devices, intel.sysman_devices = _no_nvml, _no_amdsmi, _no_level_zero
+"""
+EVERY_VENDOR = (
+    "ERROR: pytest-gpu: --gpu-required (ini gpu_required): this run has no GPUs (NVML unavailable: NVML Shared "
+    "Library Not Found; amdsmi is not installed (No module named 'amdsmi'); no Level Zero loader "
+    "(libze_loader.so.1: cannot open shared object file)), and 4 selected tests need GPUs "
+    "(test_suite.py::test_nccl_four, ...); give the job its GPUs (NVIDIA: the NVIDIA driver, CUDA_VISIBLE_DEVICES; "
+    "AMD: the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES; Intel: the Intel GPU driver and Level Zero loader "
+    "(libze_loader.so.1), ZE_AFFINITY_MASK, --gpus), or leave --gpu-required out to let GPU tests be skipped"
+)
+
+
+def test_gpu_required_with_auto_and_no_gpus_says_what_every_vendor_lacks(gpu_pytester, run_inner):
+    """Issue 29: `--gpus auto` on a machine without GPUs said NVIDIA's reason and means only, so an
+    AMD or Intel user was never told what is missing."""
+    gpu_pytester.makeconftest(NO_DRIVERS)
+    gpu_pytester.makepyfile(test_suite=SUITE)
+    result = run_inner("--gpus", "auto", "--gpu-required", subprocess=True)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([EVERY_VENDOR])
+
+
 def test_gpu_required_ini_key_and_what_it_leaves_alone(gpu_pytester, run_inner):
     gpu_pytester.makepyfile(test_suite=SUITE)
     gpu_pytester.makeini("[pytest]\ngpu_required = true\ngpus = none\n")
@@ -403,18 +442,6 @@ def test_an_imported_torch_is_asked(monkeypatch, version, cuda, nccl, missing):
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "torch.distributed", dist)
     assert backends.torch_nccl_missing() == missing
-
-
-def test_auto_picks_nccl_only_on_real_gpus_with_a_torch_that_has_it(monkeypatch):
-    real = Inventory((Device(0, "GPU-a", 16 * GiB), Device(1, "GPU-b", 16 * GiB)), "nvml")
-    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: None)
-    assert auto_backend(real) == AutoChoice("nccl", "2 GPUs (2x16GiB) and a torch with NCCL")
-    assert auto_backend(real).describe() == "nccl: 2 GPUs (2x16GiB) and a torch with NCCL"
-    monkeypatch.setattr(backends, "torch_nccl_missing", lambda: "torch 2.3.0+cpu has no NCCL (a CPU build)")
-    assert auto_backend(real) == AutoChoice("gloo", "torch 2.3.0+cpu has no NCCL (a CPU build)")
-    assert auto_backend(Inventory((), "auto", "NVML unavailable: NVML Shared Library Not Found")) == AutoChoice(
-        "gloo", "this run has no GPUs (NVML unavailable: NVML Shared Library Not Found)"
-    )
 
 
 def test_auto_takes_gloo_for_more_ranks_than_gpus():

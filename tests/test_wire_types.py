@@ -35,7 +35,8 @@ from pytest_gpu.run.lifecycle import TestState, report_properties
 from pytest_gpu.run.options import Settings
 from pytest_gpu.run.session import WIRE_KEY, GpuRun, RunWire
 from pytest_gpu.scheduling.planner import Need
-from pytest_gpu.vendors.devices import Inventory, parse_sim_spec
+from pytest_gpu.sim.spec import parse
+from pytest_gpu.vendors.devices import Inventory
 
 GIB = 2**30
 T0 = 1_700_000_000.0
@@ -245,7 +246,7 @@ def test_settings_from_wire_fills_defaults_once() -> None:
 
 def test_the_run_a_worker_joins_is_the_controllers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    inventory = Inventory(parse_sim_spec("sim:2x8GiB"), "sim:2x8GiB", "a note")
+    inventory = Inventory(parse("sim:2x8GiB").devices()[0], "sim:2x8GiB", "a note")
     settings = every_field_set()
     run = GpuRun(settings, inventory, str(tmp_path / "b.sock"), b"\x00secret", "main", tmp_path)
     wire = run.to_wire()

@@ -13,16 +13,15 @@ from typing import Any
 
 import pytest
 
-from conftest import Holder, require
+from conftest import require, run_fake_python
 from helpers import patience
 from pytest_gpu.base.distspec import build_spec
 from pytest_gpu.base.requests import GpuRequestError
-from pytest_gpu.distributed.backends import auto_backend, build_xccl_missing, fit_ranks
-from pytest_gpu.gpu.discovery import discover
+from pytest_gpu.distributed.backends import build_xccl_missing
 from pytest_gpu.sim.spec import SpecError, parse, xpu_uuid
 from pytest_gpu.vendors import intel as xpu
 from pytest_gpu.vendors import registry as vendors
-from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
+from pytest_gpu.vendors.devices import Device
 
 GiB, MiB = 2**30, 2**20
 MACHINE = tuple(Device(i, xpu_uuid(i), 64 * GiB) for i in range(4))
@@ -48,6 +47,11 @@ MACHINE = tuple(Device(i, xpu_uuid(i), 64 * GiB) for i in range(4))
 def test_the_mask_selects_as_compute_runtime_does(outer: dict[str, str], seen: list[int]) -> None:
     assert xpu.xpu_view(MACHINE, outer) == seen
     assert vendors.XPU.view(MACHINE, tuple(outer.items())) == seen
+
+
+def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
+    """``code`` on the fake machine ``spec`` (:func:`conftest.run_fake_python`)."""
+    return run_fake_python(tmp_path, spec, code, **extra)
 
 
 def test_tiles_are_devices_under_flat_and_cards_under_composite() -> None:
@@ -83,23 +87,6 @@ def test_an_xpu_spec_is_an_intel_machine() -> None:
         parse("xpu:sim:2x64GiB;mig:0=2x10GiB")
     with pytest.raises(SpecError, match="amdsmi's process list"):
         parse("xpu:sim:2x64GiB;proc-unit=1MiB")
-
-
-def run_fake(tmp_path: Path, spec: str, code: str, **extra: str) -> dict[str, Any]:
-    """``code`` in a fresh interpreter on the fake machine ``spec`` (its own ledger); its ``out``."""
-    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
-    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
-    for name in ("PYTEST_GPU_SIM", "CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY"):
-        env.pop(name, None)
-    env.update(extra)
-    script = "import json\nfrom pytest_gpu.sim import fake\nassert fake.activate()\nout = {}\n"
-    script += textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=patience(120)
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 STRICT = """
@@ -147,6 +134,100 @@ def test_the_fake_loader_is_as_strict_as_zes_api_h(tmp_path: Path) -> None:
     assert out["null_handle"] == 0x78000005  # ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     assert out["bad_driver"] == out["bad_device"] == 0x78000004  # ZE_RESULT_ERROR_INVALID_ARGUMENT
     assert (out["procs_rc"], out["procs"], out["procs_elsewhere"]) == (0, 1, 0)
+
+
+# -- Level Zero's device list, pinned ------------------------------------------------------
+
+ZE = """
+import ctypes, json, os
+from pytest_gpu.sim import zes
+zes.preload()
+lib = ctypes.CDLL("libze_loader.so.1")
+U32 = ctypes.c_uint32
+
+def enumerated():
+    # what a framework that starts Level Zero (torch's SYCL runtime) enumerates in this process
+    assert lib.zeInit(U32(0)) == 0
+    n = U32(0)
+    drivers = (ctypes.c_void_p * 1)()
+    lib.zeDriverGet(ctypes.byref(n), drivers)
+    count = U32(0)
+    lib.zeDeviceGet(ctypes.c_void_p(drivers[0]), ctypes.byref(count), None)
+    return count.value
+
+out = {}
+"""
+
+
+def run_level_zero(tmp_path: Path, code: str, **env: str) -> dict[str, Any]:
+    """``code`` in a fresh interpreter (Level Zero reads its mask once per process) that loads the
+    fake loader over a fake Intel machine's state, without the fake-GPU switch: the real path."""
+    require("C compiler", executable=os.environ.get("CC", "cc").split()[0] or "cc")
+    from pytest_gpu.sim.ledger import render_state
+
+    machine = parse("xpu:sim:4x64GiB")
+    folder = tmp_path / "ledger"
+    folder.mkdir(exist_ok=True)
+    state = {"spec": machine.spec, "overhead": 0, "procs": {}, "tags": {}, "users": {}}
+    (folder / "nvml.state").write_text(render_state(machine, state))
+    full = {**os.environ, "PYTEST_GPU_SIM_LEDGER": str(folder), **env}
+    for name in ("PYTEST_GPU_FAKE_GPUS", "PYTEST_GPU_SIM", *(n for n in ("ZE_AFFINITY_MASK",) if n not in env)):
+        full.pop(name, None)
+    script = ZE + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=patience(120)
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_level_zero_keeps_the_mask_of_its_first_init(tmp_path: Path) -> None:
+    """The fake loader is the real runtime's double here: compute-runtime reads ZE_AFFINITY_MASK when
+    the first zeInit creates its driver, and a later mask changes nothing in the process."""
+    out = run_level_zero(
+        tmp_path,
+        """
+        out["first"] = enumerated()
+        os.environ["ZE_AFFINITY_MASK"] = "0,1,2"
+        out["later"] = enumerated()
+        out["flags"] = lib.zeInit(U32(4))
+        """,
+        ZE_AFFINITY_MASK="9, 2",
+    )
+    assert (out["first"], out["later"]) == (1, 1)  # 9 names no device: skipped; " 2" is device 2
+    assert out["flags"] == 0x7800000C  # ZE_RESULT_ERROR_INVALID_ENUMERATION
+
+
+@pytest.mark.parametrize(("mask", "view"), [(None, [0, 1, 2, 3]), ("3,1", [1, 3])])
+def test_the_worker_pins_level_zeros_device_list_before_a_lease(
+    tmp_path: Path, mask: str | None, view: list[int]
+) -> None:
+    """Issue 29: the Intel worker pins Level Zero's device list under the run's ZE_AFFINITY_MASK, as
+    CUDA's is pinned, and reads it back: a framework that starts Level Zero inside a test (under the
+    lease's mask) still enumerates the run's devices, so the lease's xpu:N is the device leased."""
+    out = run_level_zero(
+        tmp_path,
+        """
+        from pytest_gpu.gpu import runtime
+        from pytest_gpu.sim.spec import xpu_uuid
+        from pytest_gpu.vendors.devices import Device, Inventory
+        from pytest_gpu.vendors.intel import XPU
+        machine = tuple(Device(i, xpu_uuid(i), 64 << 30) for i in range(4))
+        outer = XPU.outer(os.environ)
+        inventory = Inventory(tuple(machine[i] for i in XPU.view(machine, outer)), "sysman", "", machine, None,
+                              "xpu", outer)
+        out["pinned"] = runtime.pin(inventory)
+        out["read_back"] = runtime._state.uuids is not None
+        os.environ["ZE_AFFINITY_MASK"] = "3"  # a lease's, as the test process has it during the test
+        out["enumerated"] = enumerated()
+        out["ordinal"] = runtime.in_process(inventory, [3])
+        """,
+        **({} if mask is None else {"ZE_AFFINITY_MASK": mask}),
+    )
+    assert out["enumerated"] == len(view)  # not the lease's one device: the list was pinned
+    assert out["ordinal"] == [view.index(3)]
+    assert out["pinned"] == view and out["read_back"]  # what Level Zero enumerates, read back
 
 
 def test_sysman_is_unavailable_on_another_vendors_machine(tmp_path: Path) -> None:
@@ -199,39 +280,9 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
     assert "or simulated Intel GPUs such as xpu:sim:4x64GiB" in out["xpu:gpu"]
 
 
-def test_a_request_naming_two_vendors_is_refused() -> None:
-    with pytest.raises(DeviceSpecError, match="names nvidia and xpu GPUs; a run leases one vendor's GPUs"):
-        discover("nvidia:0,xpu:1")
-
-
-def test_foreign_usage_through_sysman_where_there_is_neither_nvml_nor_amdsmi(tmp_path: Path) -> None:
-    spec = "xpu:sim:2x64GiB;context=512MiB"
-    env = {**os.environ, "PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "ledger")}
-    env["PYTEST_GPU_SIM"] = spec  # the ledger's spec, as a run's subprocess has it
-    holder = Holder("--gpu", "1", "--memory", "2GiB", env=env)  # not a descendant of the sampling process
-    try:
-        out = run_fake(
-            tmp_path,
-            spec,
-            f"""
-            import os
-            from pytest_gpu.sim.ledger import ledger
-            from pytest_gpu.gpu.foreign import ForeignSampler
-            ledger().allocate({GiB}, 0, None, None)  # ours
-            sampler = ForeignSampler(["{xpu_uuid(0)}", "{xpu_uuid(1)}"])
-            found = sampler.sample({{os.getpid()}})
-            out["found"] = {{u: [f.bytes, [[p.pid, p.bytes] for p in f.processes], f.note] for u, f in found.items()}}
-            sampler.close()
-            """,
-        )
-    finally:
-        holder.kill()
-    held = 512 * MiB + 2 * GiB
-    assert out["found"] == {xpu_uuid(0): [0, [], None], xpu_uuid(1): [held, [[holder.pid, held]], None]}
-
-
 def test_a_tile_is_not_verified_from_card_wide_figures() -> None:
-    from pytest_gpu.vendors.sampling import Refused, XpuSampler
+    from pytest_gpu.vendors.intel import XpuSampler
+    from pytest_gpu.vendors.sampling import Refused
 
     sampler = XpuSampler.__new__(XpuSampler)  # no driver needed: a tile is refused before asking it
     sampler._handles = {}
@@ -285,26 +336,14 @@ def test_torch_xpu_of_the_cpu_build_runs_on_the_fake_machine(tmp_path: Path) -> 
 # -- pools ---------------------------------------------------------------------------------
 
 
-def test_auto_backend_on_intel_gpus_is_xccl_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    inventory = Inventory(MACHINE[:2], "sysman", machine=MACHINE, vendor="xpu")
-    from pytest_gpu.distributed import backends
-
-    monkeypatch.setattr(backends, "xccl_missing", lambda inv: None)
-    choice = auto_backend(inventory)
-    assert (choice.backend, choice.why) == ("xccl", "2 Intel GPUs (2x64GiB) and a torch with XCCL")
-    assert fit_ranks(choice, 4, inventory).backend == "gloo"
-    monkeypatch.setattr(backends, "xccl_missing", lambda inv: "torch 2.13.0+cpu has no XCCL (not an XPU build)")
-    assert auto_backend(inventory).describe() == "gloo: torch 2.13.0+cpu has no XCCL (not an XPU build)"
-
-
 def test_xccl_missing_from_a_torch_version_file() -> None:
-    assert build_xccl_missing("__version__ = '2.13.0+cpu'\nxpu: Optional[str] = None\n") == (
+    assert build_xccl_missing("__version__ = '2.13.0+cpu'\nxpu: Optional[str] = None\n", "xpu") == (
         "torch 2.13.0+cpu has no XCCL (not an XPU build)"
     )
-    assert build_xccl_missing("__version__ = '2.7.0+xpu'\nxpu: Optional[str] = '20250101'\n") == (
+    assert build_xccl_missing("__version__ = '2.7.0+xpu'\nxpu: Optional[str] = '20250101'\n", "xpu") == (
         "torch 2.7.0+xpu has no XCCL (torch >= 2.8)"
     )
-    assert build_xccl_missing("__version__ = '2.9.0+xpu'\nxpu: Optional[str] = '20250101'\n") is None
+    assert build_xccl_missing("__version__ = '2.9.0+xpu'\nxpu: Optional[str] = '20250101'\n", "xpu") is None
 
 
 def test_xccl_and_ccl_pools_give_each_rank_a_gpu() -> None:
@@ -313,26 +352,3 @@ def test_xccl_and_ccl_pools_give_each_rank_a_gpu() -> None:
         assert (spec.backend, spec.gpus_per_rank) == (backend, 1)
         with pytest.raises(GpuRequestError, match=f"backend='{backend}' needs gpus_per_rank >= 1"):
             build_spec((2,), {"backend": backend, "gpus_per_rank": 0})
-
-
-def test_the_inventory_command_and_status_labels_name_intel_gpus(tmp_path: Path) -> None:
-    out = run_fake(
-        tmp_path,
-        "xpu:sim:2x64GiB",
-        f"""
-        import contextlib, io
-        from pytest_gpu.cli import gpu_labels, main
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            main(["inventory", "--gpus", "xpu:auto"])
-        out["inventory"] = printed.getvalue().splitlines()
-        out["labels"] = gpu_labels(["{xpu_uuid(1)}", "ffffffff-0000-0000-0000-000000000000"], ask_nvml=True)
-        """,
-        ZE_AFFINITY_MASK="1",
-    )
-    assert out["inventory"] == [
-        "--gpus xpu:auto: 1 Intel GPU (1x64GiB)",
-        f"  GPU 1  {xpu_uuid(1)}     64GiB  Simulated Intel GPU 64GiB",
-        "  started with: ZE_AFFINITY_MASK=1",
-    ]
-    assert out["labels"] == {xpu_uuid(1): "Intel GPU 1"}

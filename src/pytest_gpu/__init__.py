@@ -28,32 +28,35 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         link            a run's side: lead, attach, fail over
         remote          a run's connection to the arbiter in another process
         mirror          what a run holds and waits for, brought to a new arbiter
-    vendors/            what each vendor's GPUs and drivers are
-        registry        one interface per vendor: devices, visibility variables, view, lease variables
-        devices         a machine's GPUs (Device, Inventory); NVML, index lists, MIG
-        amd             AMD ROCm: amdsmi's GPUs and process list, ROCm's visibility variables
-        intel           Intel XPU: Level Zero Sysman's GPUs and process list, ZE_AFFINITY_MASK
-        sampling        each vendor's driver opened for memory and process samples
+    vendors/            what each vendor's GPUs and drivers are: everything that differs by vendor
+        kinds           the one list of vendors: each one's name, words, simulated machine (pure)
+        devices         a machine's GPUs (Device) and the run's share of them (Inventory) (pure)
+        sampling        a driver opened for memory and process samples: what every one answers (pure)
+        vendor          the Vendor interface every vendor implements, and what they share (pure)
+        nvidia          NVIDIA: NVML's GPUs and process lists, CUDA_VISIBLE_DEVICES, MIG, cuInit
+        amd             AMD ROCm: amdsmi's GPUs and process list, ROCm's visibility variables, hipInit
+        intel           Intel XPU: Level Zero Sysman's GPUs and process list, ZE_AFFINITY_MASK, zeInit
+        registry        the vendor objects, one per vendor, by name
         nvmlversion     which NVML the driver has
         libraries       pynvml and amdsmi, imported when needed; their import warnings handed to pytest
-    sim/                simulated GPUs as strict as CUDA, NVML, AMD SMI and Level Zero Sysman
-        spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB``, ``xpu:sim:4x64GiB`` and their options (pure)
+    sim/                simulated GPUs as strict as CUDA, NVML, AMD SMI and Level Zero
+        spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB``, ``xpu:sim:4x64GiB``, their options and devices (pure)
         ledger          the machine's memory and contexts: the tests' physics
         cuda            a process's simulated CUDA runtime
         nvml            a fake libnvidia-ml.so.1, built from C
         amdsmi          a fake libamd_smi.so for the amdsmi package, built from C
         hip             a fake libamdhip64.so: the devices HIP enumerates, built from C
-        zes             a fake Level Zero loader (Sysman), built from C
+        zes             a fake Level Zero loader (Sysman, and the core API's devices), built from C
         torch_cuda      torch.cuda (torch.xpu on Intel GPUs) for the CPU build of torch
         torch_tensors   tensors on a simulated GPU: host tensors charged to it through torch_cuda's allocator
         cupy_cuda       a CuPy stand-in: devices and memory pools as CuPy drives CUDA
         fake            the PYTEST_GPU_FAKE_GPUS switch
     gpu/                a process and its GPUs
-        discovery       --gpus by vendor: NVIDIA's, AMD's or Intel's GPUs, never two vendors' at once
-        runtime         the process's CUDA, pinned before a lease
+        discovery       --gpus: one vendor's GPUs (NVIDIA's, AMD's or Intel's), or simulated ones
+        runtime         the process's GPU runtime (CUDA, HIP, Level Zero), pinned before a lease
         isolation       applying a lease in the test process
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
-        verification    did the test stay within its lease
+        verification    did a test (or a rank pool) stay within its lease: every verifier
         torchstats      torch's allocator counters, read once per device
         calibration     one runtime context's size (CUDA, HIP, Level Zero), measured on a GPU's first lease
         foreign         what processes outside pytest-gpu use, through NVML or amdsmi

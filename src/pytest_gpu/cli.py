@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from .base.requests import format_size
 from .gpu.discovery import discover
+from .sim.spec import gpu_of, mig_of
+from .vendors import kinds
+from .vendors import registry as vendors
 from .vendors.devices import DeviceSpecError
+from .vendors.kinds import Kind
+from .vendors.sampling import Unavailable
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -87,79 +93,46 @@ def _ago(then: float | None, now: float) -> str:
     return "?" if then is None else f"{max(now - then, 0.0):.1f}s"
 
 
-_SIM_GPU = re.compile(r"GPU-51a00000-0000-4000-8000-(\d{12})")  # sim.spec.gpu_uuid
-_SIM_MIG = re.compile(r"MIG-51a00000-0000-4000-9000-(\d{6})(\d{6})")  # sim.spec.mig_uuid
-
-
 def gpu_labels(uuids: list[str], ask_nvml: bool) -> dict[str, str]:
-    """NVML's name for each GPU of ``uuids`` that this process can tell: ``GPU 2`` (its index),
-    ``GPU 0 MIG 1`` (a MIG instance). Simulated and fake GPUs carry their index in their
-    UUID; real ones are looked up in NVML once (``ask_nvml``; nothing where it cannot answer).
-    A launched rank's part of a GPU is named as its GPU."""
+    """The driver's name for each GPU of ``uuids`` that this process can tell: ``GPU 2`` (its index),
+    ``GPU 0 MIG 1`` (a MIG instance), ``AMD GPU 2``, ``Intel GPU 2`` (:func:`identify`)."""
+    return {uuid: label for uuid, (label, _) in identify(uuids, ask_nvml).items()}
+
+
+def identify(uuids: list[str], ask_drivers: bool) -> dict[str, tuple[str, Kind]]:
+    """Each GPU of ``uuids`` that this process can tell: its name (:func:`gpu_labels`) and vendor.
+    Simulated and fake GPUs carry their vendor and index in their UUID; real ones are looked up
+    once (``ask_drivers``) in each vendor's driver in turn (:data:`pytest_gpu.vendors.registry.VENDORS`:
+    NVML, amdsmi, Level Zero Sysman) until every one is named, nothing where none answers. A
+    launched rank's part of a GPU is named as its GPU."""
     from .machine.arbiter import PART
 
-    labels: dict[str, str] = {}
+    found: dict[str, tuple[str, Kind]] = {}
     real: list[str] = []
     for uuid in uuids:
         base = uuid.partition(PART)[0]
-        gpu, mig = _SIM_GPU.fullmatch(base), _SIM_MIG.fullmatch(base)
-        if gpu:
-            labels[uuid] = f"GPU {int(gpu.group(1))}"
-        elif mig:
-            labels[uuid] = f"GPU {int(mig.group(1))} MIG {int(mig.group(2))}"
+        gpu, mig = gpu_of(base), mig_of(base)
+        if gpu is not None:
+            found[uuid] = gpu[0].gpu_label(gpu[1]), gpu[0]
+        elif mig is not None:
+            found[uuid] = f"GPU {mig[0]} MIG {mig[1]}", kinds.DEFAULT  # MIG: NVIDIA's
         else:
             real.append(uuid)
-    if real and ask_nvml:
-        from .vendors.devices import NvmlUnavailable, nvml_devices
-
+    for vendor in vendors.VENDORS.values() if ask_drivers else ():
+        left = [uuid for uuid in real if uuid not in found]
+        if not left:
+            break
         try:
-            devices = nvml_devices()[0]
-        except NvmlUnavailable:
-            return _xpu_labels(real, _amd_labels(real, labels))
-        known = {
-            d.uuid: f"GPU {d.index}" if d.parent is None else f"GPU {d.parent} MIG unit {d.index}" for d in devices
-        }
-        for uuid in real:
+            with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
+                devices = vendor.devices()[0]
+        except Unavailable:
+            continue
+        known = {d.uuid: vendor.gpu_label(d) for d in devices}
+        for uuid in left:
             label = known.get(uuid.partition(PART)[0])
             if label is not None:
-                labels[uuid] = label
-    return labels
-
-
-def _amd_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
-    """Where NVML cannot answer: amdsmi's names (``AMD GPU 2``, its index) for the AMD GPUs of ``uuids``."""
-    from .vendors.amd import AmdSmiUnavailable, amdsmi_devices
-
-    try:
-        known = {d.uuid: f"AMD GPU {d.index}" for d in amdsmi_devices()[0]}
-    except AmdSmiUnavailable:
-        return labels
-    for uuid in uuids:
-        label = known.get(uuid)
-        if label is not None:
-            labels[uuid] = label
-    return labels
-
-
-def _xpu_labels(uuids: list[str], labels: dict[str, str]) -> dict[str, str]:
-    """Where neither NVML nor amdsmi names them: Level Zero Sysman's (``Intel GPU 2``: the index
-    ``ZE_AFFINITY_MASK`` counts) for the Intel GPUs of ``uuids``."""
-    import os
-
-    from .vendors.intel import ZesUnavailable, sysman_devices
-
-    left = [uuid for uuid in uuids if uuid not in labels]
-    if not left:
-        return labels
-    try:
-        known = {d.uuid: f"Intel GPU {d.index}" for d in sysman_devices(os.environ)[0]}
-    except ZesUnavailable:
-        return labels
-    for uuid in left:
-        label = known.get(uuid)
-        if label is not None:
-            labels[uuid] = label
-    return labels
+                found[uuid] = label, vendor.kind
+    return found
 
 
 def _named(uuid: str, labels: dict[str, str]) -> str:
@@ -167,10 +140,18 @@ def _named(uuid: str, labels: dict[str, str]) -> str:
     return f"{label} ({uuid})" if label else uuid
 
 
-def format_status(name: str, state: dict[str, Any], now: float, labels: dict[str, str] | None = None) -> list[str]:
-    """``pytest-gpu status`` lines for one machine domain; ``labels``: NVML's name of each GPU
-    UUID known (:func:`gpu_labels`), shown beside it."""
+def format_status(
+    name: str,
+    state: dict[str, Any],
+    now: float,
+    labels: dict[str, str] | None = None,
+    runtimes: dict[str, str] | None = None,
+) -> list[str]:
+    """``pytest-gpu status`` lines for one machine domain; ``labels``: the driver's name of each GPU
+    UUID known (:func:`gpu_labels`), shown beside it; ``runtimes``: whose contexts each GPU's are
+    (``HIP``, ``Level Zero``; CUDA's where unknown)."""
     labels = labels or {}
+    runtimes = runtimes or {}
     runs = state["runs"]
     lines = [f"{name}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
     for run in runs:
@@ -188,7 +169,8 @@ def format_status(name: str, state: dict[str, Any], now: float, labels: dict[str
         whole = ", held whole" if gpu["exclusive"] else ""
         lines.append(
             f"  {_named(gpu['uuid'], labels)}: {format_size(gpu['capacity'])}, {format_size(gpu['leased'])} promised "
-            f"({gpu['contexts']} CUDA context{'' if gpu['contexts'] == 1 else 's'}){whole}{extra}"
+            f"({gpu['contexts']} {runtimes.get(gpu['uuid'], kinds.DEFAULT.runtime)} "
+            f"context{'' if gpu['contexts'] == 1 else 's'}){whole}{extra}"
         )
     lines.append(f"  leases ({len(state['leases'])}):")
     for row in sorted(state["leases"], key=lambda r: r.get("since") or 0):
@@ -251,6 +233,7 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     found = {}
     labels: dict[str, dict[str, str]] = {}
+    runtimes: dict[str, dict[str, str]] = {}
     for domain in domains:
         state = status(domain)
         if state is not None:
@@ -258,7 +241,9 @@ def _status(args: argparse.Namespace) -> int:
             key = f"{REAL} (this user's runs only)" if private else domain.name
             found[key] = state
             uuids = [g["uuid"] for g in state.get("gpus", [])] + [u for r in state.get("leases", []) for u in r["gpus"]]
-            labels[key] = gpu_labels(uuids, ask_nvml=domain.name == REAL)
+            known = identify(uuids, ask_drivers=domain.name == REAL)
+            labels[key] = {uuid: label for uuid, (label, _) in known.items()}
+            runtimes[key] = {uuid: kind.runtime for uuid, (_, kind) in known.items()}
             for gpu in state.get("gpus", []):
                 gpu["name"] = labels[key].get(gpu["uuid"])  # NVML's index, as the text shows it
     if args.json:
@@ -270,7 +255,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     for name, state in found.items():
-        print("\n".join(format_status(name, state, now, labels[name])))
+        print("\n".join(format_status(name, state, now, labels[name], runtimes[name])))
     return 0
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from helpers import patience
-from pytest_gpu.vendors.devices import discover
+from pytest_gpu.gpu.discovery import discover
 
 NO_GPU = "no GPU on this machine (real-GPU suite)"
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..vendors import registry as vendors
+
 if TYPE_CHECKING:
     from ..vendors.devices import Inventory
 
@@ -45,18 +47,13 @@ class AutoChoice:
 
 
 def auto_backend(inventory: Inventory) -> AutoChoice:
-    """``nccl`` where this run's GPUs are real and torch has NCCL (``xccl`` on Intel GPUs where
-    torch has XCCL), ``gloo`` otherwise."""
-    if inventory.vendor == "xpu":
-        lacking = xccl_missing(inventory)
-        if lacking is None:
-            return AutoChoice("xccl", f"{inventory.describe()} and a torch with XCCL")
-        return AutoChoice("gloo", lacking)
-    missing = nccl_missing(inventory)
-    if missing is None:
-        nccl = "RCCL (its nccl backend on ROCm)" if inventory.vendor == "amd" else "NCCL"
-        return AutoChoice("nccl", f"{inventory.describe()} and a torch with {nccl}")
-    return AutoChoice("gloo", missing)
+    """The vendor's collective backend (``nccl``; ``xccl`` on Intel GPUs) where this run's GPUs are
+    real and torch has it, ``gloo`` otherwise."""
+    vendor = vendors.of(inventory.vendor)
+    lacking = collective_missing(vendor.collective, inventory)
+    if lacking is None:
+        return AutoChoice(vendor.collective, f"{inventory.describe()} and a torch with {vendor.collective_label}")
+    return AutoChoice("gloo", lacking)
 
 
 def fit_ranks(choice: AutoChoice, world_size: int, inventory: Inventory) -> AutoChoice:
@@ -70,6 +67,12 @@ def fit_ranks(choice: AutoChoice, world_size: int, inventory: Inventory) -> Auto
             f"{inventory.describe()}",
         )
     return choice
+
+
+def collective_missing(backend: str, inventory: Inventory) -> str | None:
+    """The piece the collective ``backend`` (a vendor's, :attr:`~pytest_gpu.vendors.vendor.Vendor.collective`)
+    lacks here, in words; ``None``: none."""
+    return xccl_missing(inventory) if backend == "xccl" else nccl_missing(inventory)
 
 
 def nccl_missing(inventory: Inventory) -> str | None:
@@ -106,7 +109,7 @@ def xccl_missing(inventory: Inventory) -> str | None:
         if available is None:
             return f"torch {torch.__version__} has no XCCL (torch.distributed.is_xccl_available: torch >= 2.8)"
         return None if available() else f"torch {torch.__version__} has no XCCL (not an XPU build)"
-    return _installed_torch_xccl_missing()
+    return _installed_torch_xccl_missing(vendors.of(inventory.vendor).kind.torch_build)
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,20 +146,21 @@ def _said_version(found: dict[str, object]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _installed_torch_xccl_missing() -> str | None:
+def _installed_torch_xccl_missing(build: str) -> str | None:
     """The installed torch's answer for XCCL, from its ``version.py``."""
     installed, text = _installed_version_py()
     if not installed:
         return "torch is not installed"
-    return None if text is None else build_xccl_missing(text)  # unreadable: the ranks' torch says it
+    return None if text is None else build_xccl_missing(text, build)  # unreadable: the ranks' torch says it
 
 
-def build_xccl_missing(version_py: str) -> str | None:
+def build_xccl_missing(version_py: str, build: str) -> str | None:
     """What a torch whose ``torch/version.py`` reads ``version_py`` lacks for XCCL: not an XPU build
-    (``xpu = None``), or older than 2.8."""
+    (its field ``build``, the Intel vendor's :attr:`~pytest_gpu.vendors.kinds.Kind.torch_build`, is
+    ``xpu = None``), or older than 2.8."""
     found = _version_fields(version_py)
     said = _said_version(found)
-    if found.get("xpu") is None:
+    if found.get(build) is None:
         return f"torch {said} has no XCCL (not an XPU build)"
     numbers = re.match(r"(\d+)\.(\d+)", said)
     if numbers and (int(numbers.group(1)), int(numbers.group(2))) < (2, 8):

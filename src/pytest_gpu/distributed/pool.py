@@ -32,10 +32,11 @@ from ..base.distspec import DistSettings, DistSpec, group_timeout
 from ..base.spans import LeaseSpan
 from ..base.wording import numbered
 from ..gpu.isolation import VISIBILITY
-from ..gpu.verification import NvmlRankVerifier, Verdict, claim_processes, release_processes
+from ..gpu.verification import NvmlRankVerifier, SimRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.host import THREAD_VARS
-from ..run.holding import Holding, Owner, RankVerifier
+from ..run.holding import Holding, Owner
 from ..run.session import GpuRun
+from ..vendors import registry as vendors
 from . import cover, protocol
 from .launchers import launcher_for
 from .protocol import Message
@@ -176,13 +177,10 @@ class RankPool:
         if request is not None:
             # held for the ranks: this process is not confined to it; verified after each test
             self.holding = self.run.hold(self.owner, request, confine=False)
-            names = [
-                # ZE_AFFINITY_MASK (Intel's) takes indices only
-                str(i)
-                if self.run.inventory.simulated or self.run.inventory.vendor == "xpu"
-                else self.run.inventory.by_index(i).uuid
-                for i in self.holding.lease.indices
-            ]
+            inventory = self.run.inventory
+            names = vendors.of(inventory.vendor).lease_names(
+                [inventory.by_index(i) for i in self.holding.lease.indices]
+            )
             g = self.spec.gpus_per_rank
             slices = ";".join(",".join(names[r * g : (r + 1) * g]) for r in range(self.spec.world_size))
         authkey = secrets.token_bytes(32)
@@ -198,7 +196,7 @@ class RankPool:
         self._gather(arrivals)
         claim_processes(self._processes(), self.holder)  # the ranks, as they said hello
         verifier = self.holding.active.verifier if self.holding is not None else None
-        if isinstance(verifier, (RankVerifier, NvmlRankVerifier)):
+        if isinstance(verifier, (SimRankVerifier, NvmlRankVerifier)):
             verifier.pids = list(self.pids.values())  # their contexts are the pool's
         self._at("its ranks setting up: pytest's configuration and conftests, the process group")
         self._set_up(config_args)
@@ -271,8 +269,7 @@ class RankPool:
         }
         if slices is not None:
             env["PYTEST_GPU_RANK_GPUS"] = slices
-            if self.run.inventory.vendor != "nvidia":  # whose variables a rank sets for its slice
-                env[protocol.RANK_VENDOR_ENV] = self.run.inventory.vendor
+            env[protocol.RANK_VENDOR_ENV] = self.run.inventory.vendor  # whose variables a rank sets for its slice
         if self.holding is not None:
             lease = self.holding.lease
             env[protocol.RANK_MEMORY_ENV] = str(lease.memory)  # each rank's cap on each of its GPUs

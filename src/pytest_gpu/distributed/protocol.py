@@ -39,7 +39,7 @@ Message = tuple[str, dict[str, Any]]  # (kind, body)
 
 # a rank's budget on each of its GPUs (bytes): the pool's lease's per-GPU memory, set by the pool
 RANK_MEMORY_ENV = "PYTEST_GPU_RANK_MEMORY"
-RANK_VENDOR_ENV = "PYTEST_GPU_RANK_VENDOR"  # set for another vendor's GPUs (amd): which variables a rank sets
+RANK_VENDOR_ENV = "PYTEST_GPU_RANK_VENDOR"  # whose GPUs the ranks have: which variables a rank sets
 # set ("1") for an isolated test's one-rank pool: torch is capped at RANK_MEMORY_ENV on every GPU
 # of the rank once it starts CUDA, as the pytest_gpu_confine adapters cap a test process
 RANK_ISOLATED_ENV = "PYTEST_GPU_RANK_ISOLATED"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
+from ..vendors import registry as vendors
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -107,13 +108,9 @@ class Rank:
         mine = slices.split(";")[self.rank] if slices is not None else ""
         # a rank without GPUs gets "" (CUDA and HIP then see no GPU at all): an unset variable
         # would show it every GPU of the machine, leased to others or excluded by the user
-        from ..vendors import registry as vendors  # AMD's: ROCR_VISIBLE_DEVICES by UUID, HIP's counting into it
-
-        os.environ.update(
-            vendors.of(os.environ.get(protocol.RANK_VENDOR_ENV, "nvidia")).lease_env(mine.split(",") if mine else [])
-        )
-        xpu = os.environ.get(protocol.RANK_VENDOR_ENV) == "xpu"  # Intel GPUs: torch names them xpu:N
-        self.device = ("xpu:0" if xpu else "cuda:0") if mine else "cpu"
+        vendor = vendors.of(os.environ.get(protocol.RANK_VENDOR_ENV) or vendors.DEFAULT.name)
+        os.environ.update(vendor.lease_env(mine.split(",") if mine else []))  # AMD's: ROCR_VISIBLE_DEVICES by UUID, ...
+        self.device = f"{vendor.device_kind}:0" if mine else "cpu"  # Intel GPUs: torch names them xpu:N
         self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
             from ..sim import cuda, fake

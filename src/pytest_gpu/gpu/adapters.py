@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from ..vendors import registry as vendors
 from .isolation import Confinement, GpuLease, Settled, settle, share, unshare
 from .torchstats import torch_counters
 
@@ -82,10 +83,10 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
     # Intel GPUs: torch.xpu, whose Python API is torch.cuda's for everything done here
     # (torch/xpu/__init__.py, torch/xpu/memory.py: set_device, set_per_process_memory_fraction,
     # reset_peak_memory_stats, empty_cache, memory_stats, _lazy_call)
-    xpu = lease.vendor == "xpu"
-    cuda = getattr(torch, "xpu" if xpu else "cuda", None)
+    cuda = getattr(torch, vendors.of(lease.vendor).device_kind, None)
     if cuda is None or not cuda.is_available():
         return
+    xpu = cuda is not getattr(torch, "cuda", None)  # torch.xpu: no cuBLAS workspaces, no primary-context probe
     state: dict[str, Any] = {"active": True, "applied": False, "previous": None, "base": {}}
 
     def total_of(ordinal: int, index: int) -> int:

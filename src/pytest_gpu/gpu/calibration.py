@@ -23,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..vendors import registry as vendors
+from ..vendors.sampling import Unavailable
+
 if TYPE_CHECKING:
     from ..vendors.devices import Inventory
     from .isolation import GpuLease
@@ -122,9 +125,6 @@ def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int]
 def _driver_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
     """This process's line in the driver's compute lists (NVML's; amdsmi's on AMD GPUs, whose
     figure may be rounded: docs-incoming/vendors.md) on each of ``indices``."""
-    from ..vendors import registry as vendors
-    from ..vendors.sampling import Unavailable
-
     try:
         driver = vendors.of(inventory.vendor).sampler()
     except Unavailable:
@@ -145,9 +145,10 @@ def _driver_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | 
 
 
 def _framework_reserved(lease: GpuLease) -> dict[int, int]:
-    """Bytes torch's caching allocator reserves on the lease's GPUs (not context), if torch's CUDA started."""
+    """Bytes torch's caching allocator reserves on the lease's GPUs (not context), if torch's device
+    module (``torch.cuda``; ``torch.xpu`` on Intel GPUs) started."""
     torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
+    cuda = getattr(torch, vendors.of(lease.vendor).device_kind, None)
     held: dict[int, int] = {}
     try:
         if cuda is None or not cuda.is_initialized():

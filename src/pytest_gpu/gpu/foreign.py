@@ -23,21 +23,20 @@ nothing can be known about it. Nothing here raises for NVML's sake: what cannot 
 is said in the note, and the sample goes on.
 
 On AMD GPUs (no NVML) the same judgement is made from amdsmi's per-process list
-(:class:`pytest_gpu.vendors.sampling.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
-On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.vendors.sampling.XpuSampler`).
+(:class:`pytest_gpu.vendors.amd.AmdSampler`); amdsmi's used VRAM includes the driver's reserve.
+On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.vendors.intel.XpuSampler`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..base.requests import format_size
-from ..vendors.sampling import AmdSampler, NvmlSampler, Refused, Sampler, Unavailable, Unlistable, XpuSampler
+from ..vendors import registry as vendors
+from ..vendors.sampling import Refused, Sampler, Unavailable, Unlistable
 
 #: Which pids are pytest-gpu's: a predicate, the roots' pids, or the roots' pids mapped to
 #: their ``psutil`` create times (a recycled root pid is then not ours).
@@ -104,8 +103,9 @@ def _predicate(ours: Ours) -> Callable[[int], bool]:
 
 
 class ForeignSampler:
-    """Samples foreign GPU usage through the machine's driver: NVML, else amdsmi
-    (:mod:`pytest_gpu.vendors.sampling`), opened once; :meth:`close` shuts it down.
+    """Samples foreign GPU usage through the machine's driver: the first vendor's
+    (:data:`pytest_gpu.vendors.registry.VENDORS`: NVML, else amdsmi, else Level Zero Sysman)
+    that opens, once; :meth:`close` shuts it down.
 
     ``uuids``: the GPUs (or MIG instances) to sample by default. ``accounted``: a callable
     returning what pytest-gpu's own leases and contexts account for per UUID, used where
@@ -118,10 +118,11 @@ class ForeignSampler:
         self.accounted = accounted
         self._lock = threading.Lock()
         self._driver: Sampler | None = None
-        self.unavailable: str | None = None  # why NVML cannot be used, if it cannot
-        self._amd_tried = False  # amdsmi is asked once, at the first sample, where NVML cannot be used
+        self.unavailable: str | None = None  # why the first vendor's driver cannot be used, if it cannot
+        first, *others = vendors.VENDORS.values()
+        self._others: list[vendors.Vendor] = others  # asked once, at the first sample, where the first cannot be used
         try:
-            self._driver = NvmlSampler()
+            self._driver = first.sampler()
         except Unavailable as exc:
             self.unavailable = str(exc)
 
@@ -134,7 +135,7 @@ class ForeignSampler:
                 self._driver.close()
                 self._driver = None
                 self.unavailable = "the sampler was closed"
-            self._amd_tried = True  # closed: amdsmi is not asked either
+            self._others = []  # closed: no other vendor's is asked either
 
     def __enter__(self) -> ForeignSampler:
         return self
@@ -151,13 +152,11 @@ class ForeignSampler:
     def _open(self) -> Sampler | None:
         """The driver to sample with: NVML's, else (an AMD machine) amdsmi's, else (an Intel
         machine) Level Zero Sysman's, opened once."""
-        if self._driver is None and not self._amd_tried:
-            self._amd_tried = True
-            with contextlib.suppress(Unavailable), contextlib.redirect_stdout(io.StringIO()):
-                self._driver = AmdSampler()  # amdsmi prints its load failures
-            if self._driver is None:
-                with contextlib.suppress(Unavailable):
-                    self._driver = XpuSampler()
+        while self._driver is None and self._others:
+            try:
+                self._driver = self._others.pop(0).sampler()
+            except Unavailable:
+                continue
         return self._driver
 
     def sample(

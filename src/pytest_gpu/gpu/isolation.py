@@ -31,7 +31,6 @@ from ..vendors import registry as vendors
 from ..vendors.devices import Inventory
 from . import runtime
 
-VISIBLE_VARS = vendors.NVIDIA_VARS
 VISIBILITY = vendors.VISIBILITY  # every variable a lease of any vendor sets to say which GPUs a process sees
 # JAX preallocates 75 % of every visible GPU when its backend starts, TensorFlow all of it:
 # on demand, capped at the lease (JAX), or growing (TF) instead.
@@ -63,7 +62,7 @@ class GpuLease:
     waited: float
     simulated: bool = False
     devices: tuple[str, ...] = ()
-    vendor: str = "nvidia"  # whose GPUs (the inventory's): which variables ``env`` sets
+    vendor: str = vendors.DEFAULT.name  # whose GPUs (the inventory's): which variables ``env`` sets
 
     def __repr__(self) -> str:
         return f"GpuLease(indices={self.indices}, memory={self.memory}, device={self.device!r})"
@@ -79,11 +78,10 @@ def make_lease(
     tag: str,
 ) -> GpuLease:
     devices = [inventory.by_index(i) for i in indices]
-    if inventory.simulated or inventory.vendor == "xpu":  # ZE_AFFINITY_MASK takes indices only
-        visible = ",".join(str(d.index) for d in devices)
-    else:
-        visible = ",".join(d.uuid for d in devices)  # UUIDs: immune to any ordering mismatch
-    env = visibility_env(inventory.vendor, visible.split(","))
+    vendor = vendors.of(inventory.vendor)
+    names = vendor.lease_names(devices)  # UUIDs, immune to any ordering mismatch, where the runtime takes them
+    visible = ",".join(names)
+    env = vendor.lease_env(names)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # one fraction for every GPU: of the largest, so no GPU is given more than the lease
     largest = max(d.capacity for d in devices)
@@ -94,8 +92,9 @@ def make_lease(
         env[sim.TAG_ENV] = tag
     runtime.pin(inventory)  # the ordinals named here are those of the pinned CUDA, as confine's
     ordinals = runtime.in_process(inventory, [d.index for d in devices])
-    kind = "xpu" if inventory.vendor == "xpu" else "cuda"  # as torch names the devices
-    named = [f"{kind}:{o}" for o in ordinals] if ordinals is not None else []  # none: a MIG lease for subprocesses
+    named = (
+        [f"{vendor.device_kind}:{o}" for o in ordinals] if ordinals is not None else []
+    )  # none: MIG, for subprocesses
     return GpuLease(
         key=key,
         indices=tuple(indices),
@@ -113,10 +112,9 @@ def make_lease(
 
 
 def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
-    """The variables that make a subprocess see exactly the GPUs ``visible`` (UUIDs, or a simulated
-    machine's indices), in this order: ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` for
-    NVIDIA's; ``ROCR_VISIBLE_DEVICES`` and the variables that count into it for AMD's
-    (:meth:`pytest_gpu.vendors.registry.Vendor.lease_env`)."""
+    """The variables that make a subprocess see exactly the GPUs ``visible`` (a lease's names:
+    UUIDs, or indices), in this order, as ``vendor``'s lease sets them
+    (:meth:`pytest_gpu.vendors.vendor.Vendor.lease_env`)."""
     return vendors.of(vendor).lease_env(visible)
 
 

@@ -36,8 +36,9 @@ from .. import sim
 from ..base.procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
 from ..base.requests import format_size
 from ..base.wording import numbered
-from ..vendors.devices import Inventory, addressable, runtime_name
-from ..vendors.sampling import version_problem
+from ..vendors import registry as vendors
+from ..vendors.devices import Inventory, addressable
+from ..vendors.sampling import Unavailable, Unlistable
 from . import runtime
 from .isolation import GpuLease
 from .torchstats import TorchCounters, torch_counters
@@ -90,7 +91,7 @@ def judge(
     outside = sorted(set(touched) - leased - shared)
     if outside:
         how = whence or {}
-        context = f"a {runtime_name(lease.vendor)} context"  # the lease's vendor's: CUDA, HIP, Level Zero
+        context = f"a {vendors.of(lease.vendor).context}"  # the lease's vendor's: CUDA, HIP, Level Zero
         used = ", ".join(
             f"GPU {i} ({format_size(peak[i]) + ' at peak' if peak.get(i) else context}"
             + (f"; {how[i]})" if i in how else ")")
@@ -194,7 +195,8 @@ def claiming(holder: str) -> Iterator[None]:
 
 
 class Verifier(Protocol):
-    """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`."""
+    """What checks a lease: :class:`SimVerifier`, :class:`NvmlVerifier`, :class:`SharedVerifier`,
+    and a rank pool's: :class:`SimRankVerifier`, :class:`NvmlRankVerifier`."""
 
     def begin(self, lease: GpuLease, owner: int) -> None: ...
 
@@ -224,31 +226,41 @@ class SimVerifier:
         return judge(lease, usage.peak, usage.current, usage.touched, others, whence=whence)
 
 
+class SimRankVerifier:
+    """A rank pool's lease on simulated GPUs: its ranks' allocations carry the lease's tag.
+
+    Each rank keeps its CUDA context for the pool's life, as the test process keeps its own:
+    the contexts are the pool's standing cost (placement counts a context on each leased
+    GPU, beside the lease's budget), neither a test's peak nor a leak. ``pids``: the ranks'
+    processes (set once they have said hello), asked when the check runs.
+    """
+
+    def __init__(self, overhead: int, pids: Iterable[int] = ()) -> None:
+        self.overhead = overhead
+        self.pids: list[int] = list(pids)
+
+    def begin(self, lease: GpuLease, owner: int) -> None:
+        sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
+
+    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
+        led = sim.ledger()
+        usage = led.tag_usage(lease.env[sim.TAG_ENV], drop=True)
+        contexts: dict[int, int] = {}
+        for pid in self.pids:
+            for unit in led.contexts_of(pid):
+                contexts[unit] = contexts.get(unit, 0) + self.overhead
+        peak = {i: max(n - contexts.get(i, 0), 0) for i, n in usage.peak.items()}
+        current = {i: max(n - contexts.get(i, 0), 0) for i, n in usage.current.items()}
+        touched = {i for i in usage.touched if i in lease.indices or peak.get(i, 0) or current.get(i, 0)}
+        return judge(lease, peak, current, touched, others)
+
+
 # A process's CUDA context grows after it opens: kernels load lazily, cuBLAS, cuDNN, NCCL and
 # Triton load their modules on first use. NVML cannot tell that growth from an allocation held,
 # so up to this much growth per GPU over a process's life is taken as its context's, not as the
 # memory of the test during which it happened; beyond it, growth that outlives the test is held.
 CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
-# AMD: amdsmi's process list (pytest_gpu.vendors.sampling.AmdSampler) is the driver's, which some
-# drivers give in whole MB and refresh about once a second (what the issue reports; amdsmi.h says
-# bytes, and the 2024 source reads KFD's sysfs live). A list that old errs both ways at a lease's
-# end: on AMD a violation is judged again from a list read the lag after the test ended
-# (NvmlVerifier.end, --gpu-amd-process-lag, whose default this is), a test shorter than the lag
-# is counted for the summary (or, with --gpu-amd-lag-wait, waited for); every violation found
-# says how coarse the list may be.
-AMD_PROCESS_UNIT = 2**20
-AMD_PROCESS_LAG_S = 1.0
-
-
-def amd_caveat(lag: float) -> str:
-    """What a violation seen in amdsmi's list may be off by, said beside it (``lag``: the
-    seconds the list may be old; a violation is kept only when a list read that long after
-    the test ended still shows it, :meth:`NvmlVerifier.end`)."""
-    caveat = f"seen in amdsmi's per-process list, which may be rounded to {format_size(AMD_PROCESS_UNIT)}"
-    if lag > 0:
-        caveat += f", and still there {lag:g} s after the test ended (the list may be that old)"
-    return caveat
 
 
 @dataclass
@@ -285,9 +297,10 @@ class NvmlVerifier:
 
     def __init__(self, inventory: Inventory, overhead: int, lag: float = 0.0, wait: bool = False) -> None:
         self.inventory = inventory
+        self.vendor = vendors.of(inventory.vendor)
         self.overhead = overhead
-        # AMD: seconds amdsmi's process list may be old (NVIDIA's NVML reads live: never waited for)
-        self.lag = lag if inventory.vendor == "amd" else 0.0
+        # seconds the driver's process list may be old (AMD's; NVML and Sysman read live: never waited for)
+        self.lag = self.vendor.lag(lag)
         self.wait = wait  # --gpu-amd-lag-wait: a test shorter than the lag waits out the rest
         self._begun = -math.inf  # when the begin sample was taken (time.monotonic)
         self._baseline: dict[int, int] = {}
@@ -296,7 +309,7 @@ class NvmlVerifier:
         self._torch_reserved: dict[int, int] = {}
         self._notes: list[str] = []
         self._unmeasured: set[int] = set()
-        self._untrusted = version_problem()  # its process lists are scrambled: measure nothing from them
+        self._untrusted = self.vendor.untrusted()  # its process lists are scrambled: measure nothing from them
         self._peaks: dict[int, int] = {}  # the lease's own torch peaks, given to end()
 
     def _usage(self) -> _Sample | None:
@@ -304,18 +317,14 @@ class NvmlVerifier:
         compute lists; amdsmi's process list on AMD GPUs); ``None`` (and a note) when it cannot tell."""
         import psutil
 
-        from ..vendors import registry as vendors
-        from ..vendors.sampling import Unavailable, Unlistable
-
-        other = self.inventory.vendor != "nvidia"
-        if self._untrusted and not other:  # the installed nvidia-ml-py's, which amdsmi and Sysman do not use
+        if self._untrusted:
             self._give_up(self._untrusted)
             return None
         me = psutil.Process()
         sample = _Sample()
         sample.tree = self._tree()
         try:
-            driver = vendors.of(self.inventory.vendor).sampler()
+            driver = self.vendor.sampler()
         except Unavailable as exc:
             self._give_up(f"{exc}: memory outside the lease was not checked")
             return None
@@ -370,7 +379,7 @@ class NvmlVerifier:
     def _torch(self) -> ModuleType | None:
         """torch's device module (``torch.cuda``; ``torch.xpu`` on Intel GPUs), once it has started."""
         torch = sys.modules.get("torch")
-        device = getattr(torch, "xpu" if self.inventory.vendor == "xpu" else "cuda", None)
+        device = getattr(torch, self.vendor.device_kind, None)
         if device is not None and device.is_available() and device.is_initialized():
             module: ModuleType = device
             return module
@@ -412,12 +421,13 @@ class NvmlVerifier:
         return mine, started
 
     def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
-        """Judge the lease (:meth:`_judged`); on AMD GPUs each violation says how coarse the
-        list it was seen in may be (a rank pool's verdict too)."""
+        """Judge the lease (:meth:`_judged`); where the driver's list is coarse (AMD's), each
+        violation says how coarse it may be (a rank pool's verdict too)."""
         self._peaks = dict(peaks or {})
         verdict = self._judged(lease, others)
-        if self.inventory.vendor == "amd":
-            verdict.violations = [f"{v} ({amd_caveat(self.lag)})" for v in verdict.violations]
+        caveat = self.vendor.caveat(self.lag)
+        if caveat:
+            verdict.violations = [f"{v} ({caveat})" for v in verdict.violations]
         return verdict
 
     def _judged(self, lease: GpuLease, others: Iterable[int] = ()) -> Verdict:
@@ -672,13 +682,16 @@ def _sleep_until(deadline: float) -> None:
 
 
 def _cuda0_whence(inventory: Inventory, lease: GpuLease, grew: list[int]) -> dict[int, str]:
-    """Real GPUs: NVML reports per process, not per thread. Where this process grew on its own
-    cuda:0 outside the lease, say what that may be (a thread left on its default device) and
-    that it cannot be told. Runs against the fake NVML; not run on a real GPU here."""
+    """Real GPUs: the driver reports per process, not per thread. Where this process grew on its
+    own device 0 (``cuda:0``, ``xpu:0``) outside the lease, say what that may be (a thread left on
+    its default device) and that it cannot be told. Runs against the fake drivers; not run on a
+    real GPU here."""
     view = runtime.view(inventory)
     if not view or view[0] in lease.indices or view[0] not in grew:
         return {}
-    return {view[0]: "this process's cuda:0: perhaps from another thread, which NVML cannot tell apart"}
+    vendor = vendors.of(inventory.vendor)
+    where = f"this process's {vendor.device_kind}:0"
+    return {view[0]: f"{where}: perhaps from another thread, which {vendor.driver} cannot tell apart"}
 
 
 def _claimant(pid: int, holders: dict[int, str]) -> str | None:

@@ -17,13 +17,12 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import sim
 from ..gpu.isolation import TF_GROWTH, VISIBILITY, XLA_FRACTION, XLA_PREALLOCATE
-from ..vendors.registry import AMD
 
 # in the run directory, shared by the controller and its xdist workers
 STATE_FILE = "ray-head.json"
@@ -115,30 +114,20 @@ def cpu_count() -> int:
 
 
 def head_env(
-    environ: Mapping[str, str],
-    gpus: Sequence[int],
-    search_path: Iterable[str] = (),
-    *,
-    amd_uuids: Sequence[str] | None = None,
+    environ: Mapping[str, str], search_path: Iterable[str] = (), *, gpu_env: Mapping[str, str]
 ) -> dict[str, str]:
     """The head's environment: the run's GPUs (not a test's lease), no auth, the driver's code.
 
-    Ray takes a node's GPU ids from ``CUDA_VISIBLE_DEVICES`` and hands each task a subset
-    of them, so listing the run's physical indices (in PCI bus order, as everywhere in the
-    plugin) makes a task's ``CUDA_VISIBLE_DEVICES`` name real (or simulated) devices.
-    On AMD GPUs (``amd_uuids``, the run's GPUs' ROCr UUIDs) Ray reads ``HIP_VISIBLE_DEVICES``
-    (ray 2.60's ``AMDGPUAcceleratorManager``, which refuses ``ROCR_VISIBLE_DEVICES`` without it):
-    the head gets the AMD lease variables of the run's GPUs, so a task's HIP ids count into
-    them. ``search_path`` goes in front of ``PYTHONPATH`` so that Ray workers can import the test
-    modules whose functions they run (pytest puts test directories on the driver's
-    ``sys.path`` only).
+    ``gpu_env``: the variables that give Ray the run's GPUs, as their vendor sets them
+    (:meth:`pytest_gpu.vendors.vendor.Vendor.ray_env`: Ray takes a node's GPU ids from
+    ``CUDA_VISIBLE_DEVICES``, or ``HIP_VISIBLE_DEVICES`` on AMD GPUs, and hands each task a
+    subset, so the run's physical indices make a task's variable name real or simulated devices).
+    Every lease variable of the environment is dropped first. ``search_path`` goes in front of
+    ``PYTHONPATH`` so that Ray workers can import the test modules whose functions they run
+    (pytest puts test directories on the driver's ``sys.path`` only).
     """
     env = {k: v for k, v in environ.items() if k not in _LEASE_VARS}
-    if amd_uuids is not None:  # AMD GPUs: Ray reads HIP_VISIBLE_DEVICES; its ids count into ROCR_VISIBLE_DEVICES
-        env.update(AMD.lease_env(amd_uuids))
-        env.update(dict.fromkeys(("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"), env["GPU_DEVICE_ORDINAL"]))
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
+    env.update(gpu_env)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env[AUTH_ENV] = "disabled"
     paths = list(dict.fromkeys(p for p in search_path if p))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..gpu.verification import claim_processes
 from ..run import rundir
+from ..vendors import registry as vendors
 from .head import (
     LOCK_FILE,
     LOG_FILE,
@@ -97,13 +98,6 @@ def _start_head(run: GpuRun) -> dict[str, Any]:
         run.client.release_ports(owner)
 
 
-def _amd_uuids(run: GpuRun) -> list[str] | None:
-    """The run's GPUs' ROCr UUIDs on AMD GPUs (the head's variables name them), else ``None``."""
-    if run.inventory.vendor != "amd":
-        return None
-    return [d.uuid if not d.simulated else str(d.index) for d in run.inventory.devices]
-
-
 def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
     import psutil
 
@@ -117,7 +111,9 @@ def _launch(run: GpuRun, ports: list[int]) -> dict[str, Any]:
         agent_port=ports[2],
         client_port=ports[3] if importlib.util.find_spec("grpc") is not None else None,
         temp_dir=temp_dir,
-        env=head_env(os.environ, gpus, driver_search_path(), amd_uuids=_amd_uuids(run)),
+        env=head_env(
+            os.environ, driver_search_path(), gpu_env=vendors.of(run.inventory.vendor).ray_env(run.inventory.devices)
+        ),
     )
     log = run.run_dir / LOG_FILE
     owner = json.loads((run.run_dir / rundir.OWNER_FILE).read_text())

@@ -14,6 +14,7 @@ from ..base.spans import gpu_properties, parse_held
 from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
 from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
+from ..vendors import registry as vendors
 from .timeline import Timeline
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class Summary:
     gpu_skipped: int = 0
     skipped_why: dict[str | None, int] = field(default_factory=dict)  # why, in a few words -> tests (None: unsaid)
     auto_backends: dict[str, set[str]] = field(default_factory=dict)  # "gloo: why" -> distributed tests
-    unseen: dict[float, int] = field(default_factory=dict)  # AMD process-list lag -> tests verified within it
+    unseen: dict[float, int] = field(default_factory=dict)  # process-list lag (AMD's) -> tests verified within it
     timeline: Timeline = field(default_factory=Timeline)
     trace_path: str = ""
     trace_error: str = ""
@@ -160,7 +161,7 @@ class Summary:
         ]
         if inventory.note and inventory.devices:  # what discovery left out (a GPU NVML refused, ...)
             out.append(f"pytest-gpu: note: {inventory.note}")
-        out += self.skipped_lines(inventory) + self.backend_lines() + self.unseen_lines()
+        out += self.skipped_lines(inventory) + self.backend_lines() + self.unseen_lines(inventory)
         for nodeid in self.violating[:10]:
             out.append(f"pytest-gpu: lease broken by {nodeid}")
         for note, tests in list(self.notes.items())[:10]:
@@ -187,19 +188,15 @@ class Summary:
         what = "test" if HOST_SKIP_WORDS in counts else "GPU test"
         return [f"pytest-gpu: {plural(self.gpu_skipped, what)} skipped: {reasons} (-rs lists them)"]
 
-    def unseen_lines(self) -> list[str]:
-        """AMD: how many tests were verified from a process list that may not show them yet
-        (shorter than its lag, nothing waited: :meth:`~pytest_gpu.gpu.verification.NvmlVerifier.end`),
-        once per run, so that the blind spot is said rather than waited out for every test."""
-        out = []
-        for lag, tests in sorted(self.unseen.items()):
-            ran = verb(tests, "test ran", "tests ran")
-            they = verb(tests, "it took in its", "they took in their")
-            out.append(
-                f"pytest-gpu: {tests} AMD GPU {ran} shorter than amdsmi's process-list lag ({lag:g} s): memory "
-                f"{they} last moments may not have been seen (--gpu-amd-lag-wait waits it out)"
-            )
-        return out
+    def unseen_lines(self, inventory: Inventory) -> list[str]:
+        """How many tests were verified from a process list that may not show them yet (AMD's:
+        shorter than its lag, nothing waited: :meth:`~pytest_gpu.gpu.verification.NvmlVerifier.end`),
+        once per run, so that the blind spot is said rather than waited out for every test; in
+        the words of the run's vendor (:meth:`~pytest_gpu.vendors.vendor.Vendor.unseen`)."""
+        if not self.unseen:
+            return []
+        vendor = vendors.of(inventory.vendor)
+        return [vendor.unseen(tests, lag) for lag, tests in sorted(self.unseen.items())]
 
     def backend_lines(self) -> list[str]:
         """What ``backend="auto"`` chose for the run's distributed tests, and why (one line a choice)."""

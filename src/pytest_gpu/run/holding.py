@@ -18,17 +18,16 @@ violations and ``--gpu-trace`` draws their GPUs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import pytest
 
-from .. import sim
 from ..base.requests import GpuRequest, format_size
 from ..base.spans import HeldRow, LeaseSpan
 from ..gpu.isolation import GpuLease
-from ..gpu.verification import SharedVerifier, Verdict, judge
+from ..gpu.verification import SharedVerifier, Verdict
 
 if TYPE_CHECKING:
     from .session import ActiveLease, GpuRun
@@ -178,35 +177,6 @@ def separate(active: ActiveLease, gpus: set[int], whose: str, run: GpuRun) -> No
     shared = set(active.lease.indices) & gpus
     if shared and active.verifier is not None and not isinstance(active.verifier, SharedVerifier):
         active.verifier = SharedVerifier(active.verifier, shared, whose)
-
-
-class RankVerifier:
-    """A rank pool's lease on simulated GPUs: its ranks' allocations carry the lease's tag.
-
-    Each rank keeps its CUDA context for the pool's life, as the test process keeps its own:
-    the contexts are the pool's standing cost (placement counts a context on each leased
-    GPU, beside the lease's budget), neither a test's peak nor a leak. ``pids``: the ranks'
-    processes (set once they have said hello), asked when the check runs.
-    """
-
-    def __init__(self, overhead: int, pids: Iterable[int] = ()) -> None:
-        self.overhead = overhead
-        self.pids: list[int] = list(pids)
-
-    def begin(self, lease: GpuLease, owner: int) -> None:
-        sim.ledger().begin_tag(lease.env[sim.TAG_ENV], owner)
-
-    def end(self, lease: GpuLease, others: Iterable[int] = (), peaks: Mapping[int, int] | None = None) -> Verdict:
-        led = sim.ledger()
-        usage = led.tag_usage(lease.env[sim.TAG_ENV], drop=True)
-        contexts: dict[int, int] = {}
-        for pid in self.pids:
-            for unit in led.contexts_of(pid):
-                contexts[unit] = contexts.get(unit, 0) + self.overhead
-        peak = {i: max(n - contexts.get(i, 0), 0) for i, n in usage.peak.items()}
-        current = {i: max(n - contexts.get(i, 0), 0) for i, n in usage.current.items()}
-        touched = {i for i in usage.touched if i in lease.indices or peak.get(i, 0) or current.get(i, 0)}
-        return judge(lease, peak, current, touched, others)
 
 
 @dataclass

@@ -10,8 +10,8 @@ import pytest
 
 from ..base.requests import DefaultMemory, SizeError, parse_size
 from ..gpu.discovery import FORM as GPUS_FORM
-from ..gpu.verification import AMD_PROCESS_LAG_S
 from ..machine.ports import DEFAULT_RANGE, parse_port_range
+from ..vendors.amd import PROCESS_LAG_S as AMD_PROCESS_LAG_S
 from .conventions import MarkerMapError, marker_map
 
 # (option, ini key, default, help)

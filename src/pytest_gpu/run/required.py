@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ..base.wording import plural
+from ..gpu.discovery import candidates
 from .fixture_leases import FACTORY
 from .record import needs
 
 if TYPE_CHECKING:
+    from ..vendors.devices import Inventory
     from .session import GpuRun
 
 OPTION = "--gpu-required (ini gpu_required)"
@@ -63,14 +65,6 @@ def _skipped_anyway(item: pytest.Item) -> bool:
     return False
 
 
-# what gives a job its GPUs, by vendor (the inventory's)
-_WHERE = {
-    "nvidia": "the NVIDIA driver, CUDA_VISIBLE_DEVICES",
-    "amd": "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES",
-    "xpu": "the Intel GPU driver and Level Zero loader (libze_loader.so.1), ZE_AFFINITY_MASK",
-}
-
-
 def problem(items: list[pytest.Item], run: GpuRun) -> str | None:
     """Why ``--gpu-required`` fails this run (it has GPU tests and no GPUs), or ``None``."""
     if not run.settings.required or run.inventory.devices:
@@ -82,9 +76,18 @@ def problem(items: list[pytest.Item], run: GpuRun) -> str | None:
     return (
         f"pytest-gpu: {OPTION}: this run has {run.inventory.describe()}, and "
         f"{plural(len(gpu_tests), 'selected test')} need{'s' if len(gpu_tests) == 1 else ''} GPUs ({first}); "
-        f"give the job its GPUs ({_WHERE.get(run.inventory.vendor, _WHERE['nvidia'])}, --gpus), "
+        f"give the job its GPUs ({gives_gpus(run.inventory)}, --gpus), "
         "or leave --gpu-required out to let GPU tests be skipped"
     )
+
+
+def gives_gpus(inventory: Inventory) -> str:
+    """What gives a job the GPUs ``inventory`` lacks: its vendor's means, or, where ``auto`` found
+    no vendor's GPUs, every vendor's, each named."""
+    could = candidates(inventory)
+    if len(could) == 1:
+        return could[0].gives_gpus
+    return "; ".join(f"{vendor.label}: {vendor.gives_gpus}" for vendor in could)
 
 
 def _finding(run: GpuRun, worker: str) -> Path:

@@ -24,12 +24,23 @@ from ..gpu import runtime
 from ..gpu.calibration import Calibration
 from ..gpu.isolation import Confinement, GpuLease, make_lease
 from ..gpu.isolation import confine as confine_lease
-from ..gpu.verification import NvmlRankVerifier, NvmlVerifier, SimVerifier, Verdict, Verifier, standing
+from ..gpu.verification import (
+    NvmlRankVerifier,
+    NvmlVerifier,
+    SimRankVerifier,
+    SimVerifier,
+    Verdict,
+    Verifier,
+    standing,
+)
 from ..leasing.host import HostCapacity, confine_threads
 from ..machine.arbiter import PART
+from ..sim.spec import SpecError, parse
+from ..vendors import registry as vendors
 from ..vendors.devices import Inventory
+from ..vendors.sampling import Unavailable
 from . import quarantine as quarantine_
-from .holding import Holding, Leftovers, Owner, RankVerifier
+from .holding import Holding, Leftovers, Owner
 from .options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
@@ -137,13 +148,15 @@ class MachineTruth:
     arbiter, every run's declared GPUs are checked against it (see :mod:`pytest_gpu.machine.arbiter`).
 
     The run's own record of the machine first; a UUID it lacks is looked up once in the
-    simulated machine's spec (``spec``) or through NVML (a run that is the arbiter may
-    itself have asked for no GPU). The NVML path runs against the fake NVML in CI; it was
-    not run on a real GPU machine (none was lent to the session that wrote it)."""
+    simulated machine's spec (``spec``) or through the run's vendor's driver (NVML, amdsmi,
+    Sysman: a run that is the arbiter may itself have asked for no GPU). The drivers' path runs
+    against the fake libraries in CI; it was not run on a real GPU machine (none was lent to
+    the session that wrote it)."""
 
     def __init__(self, inventory: Inventory, spec: str | None) -> None:
         self._known = {d.uuid: d.capacity for d in (inventory.machine or inventory.devices)}
         self._spec = spec
+        self._vendor = vendors.of(inventory.vendor)
         self._looked = False  # GPUs do not come and go: the machine is looked at once
         self._blind = False  # neither the run's record nor NVML could say
 
@@ -151,11 +164,9 @@ class MachineTruth:
         """Capacities of the ``uuids`` this process knows; ``None`` where it cannot measure at all."""
         if not self._looked and any(u not in self._known for u in uuids):
             self._looked = True
-            from ..vendors.devices import DeviceSpecError, NvmlUnavailable, nvml_devices, sim_machine
-
             try:
-                found = sim_machine(self._spec)[0] if self._spec else nvml_devices()[0]
-            except (DeviceSpecError, NvmlUnavailable):
+                found = parse(self._spec).devices()[0] if self._spec else self._vendor.devices()[0]
+            except (SpecError, Unavailable):
                 found = ()
                 self._blind = not self._known
             self._known.update({d.uuid: d.capacity for d in found})
@@ -465,7 +476,7 @@ class GpuRun:
         :func:`~pytest_gpu.gpu.verification.claim_processes`)."""
         overhead, lag, wait = self.settings.context_overhead, self.settings.amd_process_lag, self.settings.amd_lag_wait
         if self.inventory.simulated:
-            return SimVerifier() if confined else RankVerifier(overhead)
+            return SimVerifier() if confined else SimRankVerifier(overhead)
         if confined:  # lag and wait: AMD's only
             return NvmlVerifier(self.inventory, overhead, lag=lag, wait=wait)
         return NvmlRankVerifier(self.inventory, overhead, lag=lag, wait=wait)

@@ -2,8 +2,9 @@
 
 - The device list is fixed at the process's first CUDA use (:func:`init`, the analogue
   of ``cuInit``, which every other call implies), from ``CUDA_VISIBLE_DEVICES`` as CUDA
-  parses it (:func:`pytest_gpu.vendors.devices.cuda_view`). Changing the variable later
-  changes nothing in this process, only in its future subprocesses.
+  parses it (:func:`pytest_gpu.vendors.nvidia.cuda_view`; on another vendor's machine from
+  its variables, as its runtime reads them: :meth:`pytest_gpu.vendors.vendor.Vendor.view`).
+  Changing the variable later changes nothing in this process, only in its future subprocesses.
 - There is a current device per host thread, as in CUDA: ordinal 0 in every thread until
   that thread calls :func:`set_device` (a thread a test starts is on ordinal 0, whatever
   the thread that started it chose). Contexts are per process (the primary context).
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..base.requests import format_size, parse_size
+from ..vendors import registry as vendors
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = [
@@ -126,8 +128,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     ledger: Ledger | None = None  # that ledger's object in this process (the same key, found faster)
     view: list[int] | None = None  # units, in ordinal order; None until first use
-    visible: str | None = None  # CUDA_VISIBLE_DEVICES when the view was fixed
-    started: str = ""  # another vendor's visibility variables when the view was fixed (AMD: ROCm's)
+    started: str = ""  # the visibility variables when the view was fixed, as messages say them
     local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
     pid: int = 0  # whose contexts ``ctx`` knows
@@ -165,31 +166,21 @@ def _fix_view() -> list[int]:
     led = ledger()
     _runtime(led)
     if _rt.view is None:
-        from ..vendors import registry as vendors  # the one model of each runtime's enumeration
-        from ..vendors.devices import Device
-
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        units = [Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in led.units()]
         machine = led.machine()
-        vendor = vendors.of(machine.vendor)  # an AMD machine: ROCR_VISIBLE_DEVICES first, then HIP's
-        started = vendor.outer(os.environ)
+        vendor = vendors.of(machine.vendor)  # the one model of its runtime's enumeration (AMD: ROCr's, then HIP's)
+        units = list(machine.all_devices())
         if machine.rocr_order:  # ROCr enumerates in another order than amdsmi's indices (AMD has no MIG)
             rank = {index: n for n, index in enumerate(machine.rocr_order)}
             units.sort(key=lambda u: rank[u.index])
+        started = vendor.outer(os.environ)
         _rt.view = vendor.view(tuple(units), started)
-        _rt.visible = visible
-        _rt.started = ", ".join(f"{k}={v!r}" for k, v in started) if vendor is not vendors.NVIDIA else ""
+        _rt.started = vendor.said(started)
     return _rt.view
 
 
 def initialized() -> bool:
     """Whether this process's device list is fixed."""
     return _runtime().view is not None
-
-
-def visible_at_init() -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` as it was when the device list was fixed."""
-    return _rt.visible
 
 
 def device_count() -> int:
@@ -216,14 +207,14 @@ def unit_of(ordinal: int | str | None = None) -> int:
     if not 0 <= chosen < len(view):
         raise SimDeviceError(
             f"invalid device ordinal {chosen}: this process sees {len(view)} simulated GPU(s) "
-            f"(its CUDA started with {_rt.started or f'CUDA_VISIBLE_DEVICES={_rt.visible!r}'})"
+            f"(its CUDA started with {_rt.started})"
         )
     return view[chosen]
 
 
 def _device_type() -> str:
     """How torch names this machine's devices: ``xpu`` on a fake Intel machine, else ``cuda``."""
-    return "xpu" if ledger().machine().vendor == "xpu" else "cuda"
+    return vendors.of(ledger().machine().vendor).device_kind
 
 
 def _ordinal(device: object) -> object:

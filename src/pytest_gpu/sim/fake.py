@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..vendors import libraries
+from ..vendors import kinds, libraries
+from . import amdsmi, nvml, zes
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
-from .spec import parse
+from .spec import Machine, parse
 
 FAKE_ENV = "PYTEST_GPU_FAKE_GPUS"
 
@@ -71,37 +73,8 @@ def activate(spec: str | None = None) -> bool:
     if not os.environ.get(LEDGER_ENV):  # the simulated machine's: shared like a real one's GPUs
         os.environ[LEDGER_ENV] = str(machine_ledger(machine.spec).path)
     ledger().used()  # creates the ledger and its nvml.state if this is the first process
-    from . import nvml
-
-    try:
-        nvml.preload(no_v3=machine.no_v3)
-    except RuntimeError as exc:  # no C compiler: the simulated CUDA still works, NVML does not
-        note = f"fake NVML unavailable: {exc}"
-        if note not in notes:
-            notes.append(note)
-    if machine.vendor == "amd":
-        from . import amdsmi
-
-        try:
-            amdsmi.preload()
-        except RuntimeError as exc:
-            note = f"fake libamd_smi.so unavailable: {exc}"
-            if note not in notes:
-                notes.append(note)
-        shadow = amdsmi.shadowing_library()
-        if shadow is not None:
-            note = f"the amdsmi package loads {shadow} (ROCM_HOME/ROCM_PATH), not the fake libamd_smi.so"
-            if note not in notes:
-                notes.append(note)
-    if machine.vendor == "xpu":
-        from . import zes
-
-        try:
-            zes.preload()
-        except RuntimeError as exc:
-            note = f"fake Level Zero loader unavailable: {exc}"
-            if note not in notes:
-                notes.append(note)
+    for name in kinds.of(machine.vendor).fakes:
+        _FAKES[name](machine)
     from ..base.importhook import on_import
 
     on_import("torch", _install_torch)
@@ -109,49 +82,67 @@ def activate(spec: str | None = None) -> bool:
     return True
 
 
+def _note(note: str) -> None:
+    if note not in notes:
+        notes.append(note)
+
+
+def _fake_nvml(machine: Machine) -> None:
+    try:
+        nvml.preload(no_v3=machine.no_v3)
+    except RuntimeError as exc:  # no C compiler: the simulated CUDA still works, NVML does not
+        _note(f"fake NVML unavailable: {exc}")
+
+
+def _fake_amdsmi(machine: Machine) -> None:
+    try:
+        amdsmi.preload()
+    except RuntimeError as exc:
+        _note(f"fake libamd_smi.so unavailable: {exc}")
+    shadow = amdsmi.shadowing_library()
+    if shadow is not None:
+        _note(f"the amdsmi package loads {shadow} (ROCM_HOME/ROCM_PATH), not the fake libamd_smi.so")
+
+
+def _fake_zes(machine: Machine) -> None:
+    try:
+        zes.preload()
+    except RuntimeError as exc:
+        _note(f"fake Level Zero loader unavailable: {exc}")
+
+
+#: The fake libraries a machine's vendor has (:attr:`pytest_gpu.vendors.kinds.Kind.fakes`), each loaded
+#: into this process and its subprocesses (what cannot be is said in :data:`notes`).
+_FAKES: dict[str, Callable[[Machine], None]] = {"nvml": _fake_nvml, "amdsmi": _fake_amdsmi, "zes": _fake_zes}
+
+
 def _install_torch(torch: ModuleType) -> None:
     from . import torch_cuda
 
     spec = _active or requested()
-    if spec is not None and parse(spec).vendor == "xpu":  # a fake Intel machine: torch.xpu, not torch.cuda
-        try:
-            torch_cuda.install_xpu(torch)
-        except RuntimeError as exc:  # torch built with XPU: its own torch.xpu stays
-            note = f"torch.xpu left as it is: {exc}"
-            if note not in notes:
-                notes.append(note)
-        return
-    try:
-        rocm = _amdsmi_package()
-        if rocm is None:
-            torch_cuda.install(torch)
-        else:  # a fake AMD machine: torch on ROCm
-            torch_cuda.install(torch, rocm=rocm)
-    except RuntimeError as exc:  # torch built with CUDA: its own torch.cuda stays
-        note = f"torch.cuda left as it is: {exc}"
-        if note not in notes:
-            notes.append(note)
+    kind = kinds.of(parse(spec).vendor) if spec is not None else kinds.DEFAULT
+    try:  # torch.cuda (torch on ROCm on a fake AMD machine), torch.xpu on a fake Intel machine
+        torch_cuda.install_for(torch, kind.device_kind, rocm=_amdsmi_package(kind))
+    except RuntimeError as exc:  # torch built with CUDA (XPU): its own torch.cuda (torch.xpu) stays
+        _note(f"torch.{kind.device_kind} left as it is: {exc}")
 
 
-def _amdsmi_package() -> ModuleType | None:
-    """The ``amdsmi`` package on a fake AMD machine (torch on ROCm asks it); ``None`` elsewhere or
-    where it cannot load the fake library (said in :data:`notes`)."""
-    spec = _active or requested()
-    if spec is None or parse(spec).vendor != "amd":
+def _amdsmi_package(kind: kinds.Kind) -> ModuleType | None:
+    """The ``amdsmi`` package on a fake machine whose torch is a ROCm build (torch on ROCm asks it);
+    ``None`` elsewhere or where it cannot load the fake library (said in :data:`notes`)."""
+    if kind.torch_build != "hip":
         return None
     import contextlib
     import io
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its load failure is printed
-            amdsmi = libraries.load("amdsmi")
+            package = libraries.load("amdsmi")
     except Exception as exc:  # not installed, or no library: torch counts as torch on CUDA would
-        note = f"torch.cuda counts without amdsmi ({type(exc).__name__}: {exc})"
-        if note not in notes:
-            notes.append(note)
+        _note(f"torch.cuda counts without amdsmi ({type(exc).__name__}: {exc})")
         return None
-    package: ModuleType = amdsmi
-    return package
+    found: ModuleType = package
+    return found
 
 
 def deactivate() -> None:

@@ -501,8 +501,8 @@ def _holders(state: dict[str, Any], unit: int) -> str:
 def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
     """The ledger as the fake NVML reads it (format: see :mod:`pytest_gpu.sim.nvml`)."""
     lines = ["v1"]
-    if machine.vendor != "nvidia":  # the fake NVML refuses the machine, the fake libamd_smi.so serves it
-        lines.append(f"option vendor {machine.vendor}")
+    # whose machine: each fake library serves its own vendor's (another's: as without its driver)
+    lines.append(f"option vendor {machine.vendor}")
     if machine.proc_unit:
         lines.append(f"option amd_proc_unit {machine.proc_unit}")
     if machine.proc_refresh_ms:

@@ -3,10 +3,10 @@
 Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
 
     [VENDOR:][sim:]GROUP[,GROUP...][;OPTION...]
-    VENDOR   nvidia (the default), amd or xpu: whose driver libraries the fake machine has
-             (amd: a fake libamd_smi.so for the ``amdsmi`` package instead of a fake
-             NVML; xpu: a fake Level Zero loader, ``libze_loader.so.1``, answering
-             Sysman; MIG and the NVML-only options below do not apply)
+    VENDOR   nvidia (the default), amd or xpu (:data:`pytest_gpu.vendors.kinds.ALL`): whose
+             driver libraries the fake machine has (amd: a fake libamd_smi.so for the
+             ``amdsmi`` package instead of a fake NVML; xpu: a fake Level Zero loader,
+             ``libze_loader.so.1``; MIG and the NVML-only options below do not apply)
     GROUP    COUNTxSIZE or SIZE              e.g. 4x16GiB, 2x80GiB,2x24GiB
     OPTION   mig:I=COUNTxSIZE[,COUNTxSIZE]   GPU I is in MIG mode with these instances
              fault:I=KIND                    NVML refuses GPU I's handle: no_permission,
@@ -45,12 +45,10 @@ import re
 from dataclasses import dataclass
 
 from ..base.requests import SizeError, format_size, parse_size
+from ..vendors import kinds
+from ..vendors.devices import Device
 
 PREFIX = "sim:"
-#: The vendors a fake machine can be (``amd:sim:8x192GiB``); the first is the default.
-VENDORS = ("nvidia", "amd", "xpu")
-#: Options only NVIDIA's driver has: refused on another vendor's machine.
-NVIDIA_ONLY = ("mig:", "no-v3", "no-usage", "pidns")
 # The fake libnvidia-ml.so.1 has room for this many (fake_nvml.c's MAX_GPUS, MAX_MIG);
 # 7 is also what A100/H100 allow. Checked before expanding COUNTxSIZE: sim:30000x1GiB
 # would otherwise build a machine for minutes.
@@ -106,7 +104,7 @@ class Machine:
     no_v3: bool = False
     no_usage: bool = False
     context: int | None = None  # bytes of one CUDA context here (None: the ledger's configured overhead)
-    vendor: str = "nvidia"  # whose driver libraries the machine has (VENDORS)
+    vendor: str = kinds.DEFAULT.name  # whose driver libraries the machine has (pytest_gpu.vendors.kinds)
     proc_unit: int = 0  # amd: per-process figures rounded down to a multiple of this (0: exact bytes)
     proc_refresh_ms: int = 0  # amd: how stale amdsmi's process list may be
     rocr_order: tuple[int, ...] = ()  # amd: GPU indices in ROCr's enumeration order (empty: amdsmi's)
@@ -121,16 +119,32 @@ class Machine:
         mig_mode = {g.index for g in self.gpus if g.mig}
         return tuple(u for u in self.units() if u.index not in mig_mode)
 
+    def devices(self) -> tuple[tuple[Device, ...], str]:
+        """Every usable device (what its driver would report: NVML, amdsmi, Sysman), and a note on
+        what was left out: a GPU with a fault, which the driver refuses."""
+        refused = {g.index: g.fault for g in self.gpus if g.fault != "none"}
+        found = tuple(
+            Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent)
+            for u in self.addressable()
+            if u.index not in refused and u.parent not in refused
+        )
+        note = "; ".join(f"GPU {i} skipped: NVML refuses it ({kind})" for i, kind in refused.items())
+        return found, note
+
+    def all_devices(self) -> tuple[Device, ...]:
+        """Every unit as a device (GPUs in MIG mode included), as the simulated runtime enumerates them."""
+        return tuple(Device(u.index, u.uuid, u.total, u.name, True, u.reserved, u.parent) for u in self.units())
+
 
 def gpu_uuid(index: int) -> str:
     """UUID of simulated GPU ``index`` (shaped like NVML's ``GPU-…`` UUIDs)."""
-    return f"GPU-51a00000-0000-4000-8000-{index:012d}"
+    return kinds.NVIDIA.sim_uuid(index)
 
 
 def amd_uuid(index: int) -> str:
     """ROCr's UUID of simulated AMD GPU ``index``: ``GPU-`` and the 16 hex digits of its
     unique id (what ``ROCR_VISIBLE_DEVICES`` and amdsmi's ``hip_uuid`` name it by)."""
-    return f"GPU-{amd_serial(index):016x}"
+    return kinds.AMD.sim_uuid(index)
 
 
 def amd_serial(index: int) -> int:
@@ -142,16 +156,31 @@ def amd_serial(index: int) -> int:
 def xpu_uuid(index: int) -> str:
     """The UUID of simulated Intel GPU ``index``, as the fake Level Zero Sysman gives its 16 bytes
     (fake_zes.c's ``uuid_of``): hex digits in the 8-4-4-4-12 form, without a prefix."""
-    return f"51a0e000-0000-4000-8000-{index:012x}"
+    return kinds.XPU.sim_uuid(index)
 
 
 def split_vendor(spec: str) -> tuple[str, str]:
-    """``amd:sim:8x192GiB`` -> (``amd``, ``sim:8x192GiB``); no vendor named -> ``nvidia``."""
+    """``amd:sim:8x192GiB`` -> (``amd``, ``sim:8x192GiB``); no vendor named -> the default (``nvidia``)."""
     text = spec.strip()
     head, sep, rest = text.partition(":")
-    if sep and head.strip().lower() in VENDORS:
+    if sep and head.strip().lower() in kinds.NAMES:
         return head.strip().lower(), rest.strip()
-    return VENDORS[0], text
+    return kinds.DEFAULT.name, text
+
+
+def mig_of(uuid: str) -> tuple[int, int] | None:
+    """(GPU, slot) of the simulated MIG instance whose UUID is ``uuid`` (:func:`mig_uuid`), or ``None``."""
+    found = re.fullmatch(r"MIG-51a00000-0000-4000-9000-(\d{6})(\d{6})", uuid)
+    return None if found is None else (int(found.group(1)), int(found.group(2)))
+
+
+def gpu_of(uuid: str) -> tuple[kinds.Kind, int] | None:
+    """(vendor, index) of the simulated GPU whose UUID is ``uuid``, or ``None``."""
+    for kind in kinds.ALL:
+        index = kind.sim_index(uuid)
+        if index is not None:
+            return kind, index
+    return None
 
 
 def mig_uuid(parent: int, slot: int) -> str:
@@ -217,6 +246,7 @@ def parse(spec: str) -> Machine:
     """Parse a spec (with or without ``sim:``) into a :class:`Machine`; :class:`SpecError` names the problem."""
     text = spec.strip()
     vendor, rest = split_vendor(text)
+    whose = kinds.of(vendor)
     body = rest[len(PREFIX) :] if rest.lower().startswith(PREFIX) else rest
     groups, *options = body.split(";")
     sizes = _groups(spec, groups, "simulated devices", "GPU", "a simulated machine", MAX_GPUS)
@@ -236,11 +266,9 @@ def parse(spec: str) -> Machine:
             continue
         key, _, value = option.partition("=")
         key = key.strip().lower()
-        if vendor != "nvidia" and key.startswith(NVIDIA_ONLY):
-            raise SpecError(
-                f"{spec!r}: {option!r} is an NVIDIA driver's option; a fake {vendor} machine has no "
-                f"NVML (expected only reserved=, context= or fault: options there)"
-            )
+        owner = next((k for k in kinds.ALL if k.sim_options and key.startswith(k.sim_options)), whose)
+        if owner is not whose:  # another vendor's driver's option
+            raise SpecError(f"{spec!r}: " + owner.sim_option_refused.format(option=option, vendor=vendor))
         if key.startswith("mig:"):
             index = _gpu_index(spec, option, key[4:], len(sizes))
             mig[index] = _groups(spec, value, f"MIG instances for GPU {index}", "MIG instance", f"GPU {index}", MAX_MIG)
@@ -267,8 +295,6 @@ def parse(spec: str) -> Machine:
             no_v3 = True
         elif key == "no-usage" and not value:
             no_usage = True
-        elif key in ("proc-unit", "proc-refresh", "rocr-order") and vendor != "amd":
-            raise SpecError(f"{spec!r}: {option!r} describes amdsmi's process list; expected it on an amd: machine")
         elif key == "proc-unit":
             try:
                 proc_unit = parse_size(value.strip())
@@ -321,10 +347,10 @@ def parse(spec: str) -> Machine:
         gpus.append(
             Gpu(
                 index,
-                {"amd": amd_uuid, "xpu": xpu_uuid}.get(vendor, gpu_uuid)(index),
+                whose.sim_uuid(index),
                 size,
                 reserved,
-                f"Simulated {({'amd': 'AMD ', 'xpu': 'Intel '}).get(vendor, '')}GPU {format_size(size)}",
+                f"Simulated {whose.label + ' ' if whose.named else ''}GPU {format_size(size)}",
                 tuple(instances),
                 faults.get(index, "none"),
             )

@@ -1343,6 +1343,18 @@ _XPU_BINDINGS: dict[str, Callable[..., Any]] = {
 }
 
 
+def install_for(torch: ModuleType, device_kind: str, *, rocm: ModuleType | None = None) -> None:
+    """Give torch's device module for ``device_kind`` (a vendor's
+    :attr:`~pytest_gpu.vendors.kinds.Kind.device_kind`: ``torch.cuda`` or ``torch.xpu``) the
+    simulated GPUs: :func:`install` (``rocm``: torch on ROCm) or :func:`install_xpu`."""
+    if device_kind != "cuda":
+        install_xpu(torch)
+    elif rocm is None:
+        install(torch)
+    else:  # a fake AMD machine: torch on ROCm
+        install(torch, rocm=rocm)
+
+
 def install_xpu(torch: ModuleType) -> None:
     """Give ``torch.xpu`` of torch's CPU build the simulated GPUs of a fake Intel machine (idempotent).
 

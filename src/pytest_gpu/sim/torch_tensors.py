@@ -89,7 +89,7 @@ def install(torch: ModuleType, kind: str, empty: Callable[..., Any]) -> None:
     if _state.torch is not None and _state.torch is not torch:
         raise RuntimeError("pytest_gpu.sim.torch_tensors: installed for another torch module")
     _state.kind, _state.empty = kind, empty
-    key = "XPU" if kind == "xpu" else "CUDA"
+    key = kind.upper()  # torch's dispatch key for the device type: CUDA, XPU
     if key not in _state.libraries:  # what reaches this key is an op asked for on such a device: a factory
         library = torch.library.Library("_", "IMPL")
         library.fallback(_factory, key)

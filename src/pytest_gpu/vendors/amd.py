@@ -26,23 +26,37 @@ Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
 ``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
 list is: the verifier judges a violation again once the list's staleness has passed
 (``--gpu-amd-process-lag``; ``--gpu-amd-lag-wait`` also waits it out for a shorter test), and
-every violation judged from it says how coarse it may be (:func:`pytest_gpu.gpu.verification.amd_caveat`).
+every violation judged from it says how coarse it may be (:meth:`Amd.caveat`).
+
+HIP's device list is pinned and read back (:func:`hip_init`) through ``libamdhip64.so``
+(``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and ``hipDeviceGetUuid`` per ordinal,
+whose 16 bytes are the ASCII hex digits of ROCr's ``GPU-<16 hex>`` UUID: ROCm/clr
+``rocdevice.cpp`` at f9f995c6), matched to amdsmi's UUIDs; the library torch bundles is
+preferred, so that the process has one HIP runtime. Without it the view is predicted from
+the ROCm visibility variables the process pinned with (:func:`rocm_view`).
 
 Not run on an AMD machine here: CI runs it against the fake ``libamd_smi.so``
-(:mod:`pytest_gpu.sim.amdsmi`) through the real ``amdsmi`` package.
+(:mod:`pytest_gpu.sim.amdsmi`) through the real ``amdsmi`` package, and the fake
+``libamdhip64.so`` (:mod:`pytest_gpu.sim.hip`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib.util
 import io
+import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from . import libraries
+from ..base.requests import format_size
+from ..base.wording import verb
+from . import kinds, libraries
 from .devices import Device
+from .sampling import Refused, Sampler, Unavailable, Unlistable
+from .vendor import Vendor
 
 ROCR_VAR = "ROCR_VISIBLE_DEVICES"
 ORDINAL_VAR = "GPU_DEVICE_ORDINAL"  # ROCclr's for OpenCL: a lease sets it, HIP does not read it
@@ -51,7 +65,17 @@ HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # HIP's first: it wi
 VISIBILITY_VARS = (ROCR_VAR, ORDINAL_VAR, *HIP_VARS)
 
 
-class AmdSmiUnavailable(RuntimeError):
+# amdsmi's process list is the driver's, which some drivers give in whole MB and refresh about
+# once a second (amdsmi.h says bytes, and the 2024 source reads KFD's sysfs live). A list that
+# old errs both ways at a lease's end: a violation is judged again from a list read the lag
+# after the test ended (pytest_gpu.gpu.verification.NvmlVerifier.end, --gpu-amd-process-lag,
+# whose default this is), a test shorter than the lag is counted for the summary (or, with
+# --gpu-amd-lag-wait, waited for); every violation found says how coarse the list may be.
+PROCESS_UNIT = 2**20
+PROCESS_LAG_S = 1.0
+
+
+class AmdSmiUnavailable(Unavailable):
     """amdsmi is not installed, finds no ``libamd_smi.so``, or has no amdgpu driver to talk to."""
 
 
@@ -220,23 +244,6 @@ def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((name, environ[name]) for name in VISIBILITY_VARS if environ.get(name) is not None)
 
 
-@dataclass
-class AmdUsage:
-    """One look at amdsmi's memory figures for some GPUs (by ROCr UUID).
-
-    ``used``/``total``: VRAM in bytes (the driver's own reservation counts as used);
-    ``processes``: each process's VRAM in bytes as the process list gives it, for the GPUs
-    whose processes could be listed (``notes`` says why another could not). How fine and how
-    fresh the per-process figures are is the driver's: the list may be rounded and a moment
-    old, and its figures need not add up to ``used``.
-    """
-
-    used: dict[str, int] = field(default_factory=dict)
-    total: dict[str, int] = field(default_factory=dict)
-    processes: dict[str, dict[int, int]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
 def open_amdsmi() -> tuple[Any, dict[str, Any]]:
     """amdsmi, initialised (the caller shuts it down), and its GPUs' handles by ROCr UUID (a GPU
     it cannot query is left out); :class:`AmdSmiUnavailable` when it cannot be used."""
@@ -254,29 +261,183 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
     return amdsmi, handles
 
 
-def amdsmi_usage(uuids: tuple[str, ...] | list[str]) -> AmdUsage:
-    """VRAM used and per-process VRAM of the GPUs ``uuids`` (ROCr's), through amdsmi.
+class AmdSampler:
+    """amdsmi, initialised once (:class:`Unavailable` when it cannot be); GPUs named by ROCr UUID.
 
-    :class:`AmdSmiUnavailable` when amdsmi cannot be used at all; a GPU it cannot query, or
-    one no longer present, is named in ``notes``.
+    Its per-process figures are the driver's (bytes, possibly rounded and a moment old); the
+    used VRAM it reports includes the driver's own reservation (``reserved`` is not reported)."""
+
+    name = "amdsmi"
+
+    def __init__(self) -> None:
+        self._amdsmi, self._handles = open_amdsmi()  # AmdSmiUnavailable: an Unavailable
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._amdsmi.amdsmi_shut_down()
+        self._handles.clear()
+
+    def problem(self) -> str:
+        return ""
+
+    def forget(self, uuid: str) -> None:
+        pass  # handles stay valid while the device is present; a vanished one is not found again
+
+    def _handle(self, uuid: str) -> Any:
+        handle = self._handles.get(uuid_key(uuid))
+        if handle is None:
+            raise Refused("amdsmi does not report it")
+        return handle
+
+    def memory(self, uuid: str) -> tuple[int, int | None]:
+        handle = self._handle(uuid)
+        try:
+            return int(self._amdsmi.amdsmi_get_gpu_memory_usage(handle, self._amdsmi.AmdSmiMemoryType.VRAM)), None
+        except self._amdsmi.AmdSmiException as exc:
+            raise Refused(said(exc)) from None
+
+    def processes(self, uuid: str) -> dict[int, int | None]:
+        handle = self._handle(uuid)
+        try:
+            listed = self._amdsmi.amdsmi_get_gpu_process_list(handle)
+        except self._amdsmi.AmdSmiException as exc:
+            raise Unlistable(f"amdsmi cannot list the processes there ({said(exc)})", said(exc)) from None
+        return {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
+
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        """amdsmi's list is of compute (KFD) processes."""
+        try:
+            return list(self.processes(uuid).items())
+        except Refused as exc:
+            raise Unlistable(f"amdsmi cannot list the processes there ({exc})", str(exc)) from None
+
+
+#: HIP error codes named in notes (hip_runtime_api.h's hipError_t)
+_HIP_ERRORS = {1: "hipErrorInvalidValue", 100: "hipErrorNoDevice", 101: "hipErrorInvalidDevice"}
+
+
+def _hip_library() -> tuple[ctypes.CDLL | None, str]:
+    """HIP's runtime library: the one torch bundles (torch will load it: one HIP per process), else
+    the dynamic linker's (one already loaded included), else ``$ROCM_PATH``/``$ROCM_HOME``/``/opt/rocm``'s."""
+    names: list[str] = []
+    spec = importlib.util.find_spec("torch")  # found, not imported: the plugin never imports torch
+    if spec is not None and spec.origin:
+        names.append(os.path.join(os.path.dirname(spec.origin), "lib", "libamdhip64.so"))
+    names += ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"]
+    for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
+        if root:
+            names.append(os.path.join(root, "lib", "libamdhip64.so"))
+    failures = []
+    for name in names:
+        if os.sep in name and not os.path.exists(name):
+            continue
+        try:
+            return ctypes.CDLL(name), ""
+        except OSError as exc:
+            failures.append(str(exc))
+    return None, f"libamdhip64.so not loadable ({failures[0] if failures else 'not found'})"
+
+
+def hip_init() -> tuple[list[str] | None, str]:
+    """``hipInit(0)`` through libamdhip64.so, then the UUIDs of what HIP enumerates.
+
+    Returns (the UUIDs' 16 hex digits in ordinal order, or ``None``; a sentence when something failed).
     """
-    amdsmi, handles = open_amdsmi()
-    usage = AmdUsage()
-    try:
-        for uuid in uuids:
-            handle = handles.get(uuid_key(uuid))
-            if handle is None:
-                usage.notes.append(f"amdsmi cannot query {uuid}")
-                continue
-            try:
-                vram = amdsmi.AmdSmiMemoryType.VRAM
-                usage.used[uuid] = int(amdsmi.amdsmi_get_gpu_memory_usage(handle, vram))
-                usage.total[uuid] = int(amdsmi.amdsmi_get_gpu_memory_total(handle, vram))
-                listed = amdsmi.amdsmi_get_gpu_process_list(handle)
-            except amdsmi.AmdSmiException as exc:
-                usage.notes.append(f"amdsmi cannot list the processes on {uuid}: {said(exc)}")
-                continue
-            usage.processes[uuid] = {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
-    finally:
-        amdsmi.amdsmi_shut_down()
-    return usage
+    lib, why = _hip_library()
+    if lib is None:
+        return None, f"its HIP device list is predicted from ROCm's variables: {why}"
+    said_ = "its HIP device list is predicted from ROCm's variables"
+    result = lib.hipInit(0)
+    if result != 0:
+        return None, f"{said_}: hipInit failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    count = ctypes.c_int(0)
+    result = lib.hipGetDeviceCount(ctypes.byref(count))
+    if result != 0:
+        return None, f"{said_}: hipGetDeviceCount failed with {_HIP_ERRORS.get(result, f'hipError_t {result}')}"
+    uuids = []
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        raw = (ctypes.c_char * 16)()
+        if lib.hipDeviceGet(ctypes.byref(device), ordinal) != 0 or lib.hipDeviceGetUuid(raw, device) != 0:
+            return None, f"{said_}: could not read the UUID of HIP device {ordinal}"
+        # ROCr's unique id as text: 16 hex digits ("XX..." on a GPU without one: matches no device)
+        uuids.append(bytes(raw).decode("ascii", "replace").lower())
+    return uuids, ""
+
+
+def caveat(lag: float) -> str:
+    """What a violation seen in amdsmi's list may be off by, said beside it (``lag``: the
+    seconds the list may be old; a violation is kept only when a list read that long after
+    the test ended still shows it)."""
+    words = f"seen in amdsmi's per-process list, which may be rounded to {format_size(PROCESS_UNIT)}"
+    if lag > 0:
+        words += f", and still there {lag:g} s after the test ended (the list may be that old)"
+    return words
+
+
+class Amd(Vendor):
+    """AMD's GPUs: amdsmi, ROCm's visibility variables, HIP, RCCL."""
+
+    kind = kinds.AMD
+    source = "amdsmi"
+    driver = AmdSampler.name
+    visibility = VISIBILITY_VARS
+    forms = "amd:auto or amd: and amdsmi's indices such as amd:0,2"
+    gives_gpus = "the amdgpu driver, amdsmi, ROCR_VISIBLE_DEVICES"
+    collective = "nccl"
+    collective_label = "RCCL (its nccl backend on ROCm)"
+    _missing = "no usable AMD GPU with amdsmi index {missing}; this machine has {known}"
+    _hidden_kind = "AMD GPU"
+    _visible_by = "ROCm leaves visible"
+    _none_found = "amdsmi reports no usable AMD GPUs"
+    _none_left = "{said} leave none of the GPUs amdsmi reports"
+
+    def devices(self) -> tuple[tuple[Device, ...], str]:
+        return amdsmi_devices()
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec("amdsmi") is not None  # a ROCm install (the rocm extra)
+
+    def outer(self, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        return outer(environ)
+
+    def said(self, outer: Sequence[tuple[str, str]]) -> str:
+        return super().said(outer) or "no ROCm visibility variables"
+
+    def view(self, machine: tuple[Device, ...], outer: Sequence[tuple[str, str]]) -> list[int]:
+        return rocm_view(machine, dict(outer))
+
+    def lease_env(self, names: Sequence[str]) -> dict[str, str]:
+        return lease_env(names)
+
+    def ray_env(self, devices: Sequence[Device]) -> dict[str, str]:
+        """Ray reads ``HIP_VISIBLE_DEVICES`` (ray 2.60's ``AMDGPUAcceleratorManager``, which refuses
+        ``ROCR_VISIBLE_DEVICES`` without it): the head gets the lease variables of the run's GPUs,
+        so a task's HIP ids count into them."""
+        env = lease_env(self.lease_names(devices))
+        env.update(dict.fromkeys(HIP_VARS, env[ORDINAL_VAR]))
+        return env
+
+    def pin(self) -> tuple[list[str] | None, str]:
+        return hip_init()
+
+    def sampler(self) -> Sampler:
+        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its load failures
+            return AmdSampler()
+
+    def lag(self, setting: float) -> float:
+        return setting
+
+    def caveat(self, lag: float) -> str:
+        return caveat(lag)
+
+    def unseen(self, tests: int, lag: float) -> str:
+        ran = verb(tests, "test ran", "tests ran")
+        they = verb(tests, "it took in its", "they took in their")
+        return (
+            f"pytest-gpu: {tests} AMD GPU {ran} shorter than amdsmi's process-list lag ({lag:g} s): memory "
+            f"{they} last moments may not have been seen (--gpu-amd-lag-wait waits it out)"
+        )
+
+
+AMD = Amd()

@@ -36,18 +36,30 @@ devices selected keep the driver's order whatever the mask's order (a bitset per
 card X restricted to tile Y (counted here as card X). A lease sets the mask to its devices;
 its process numbers them in ascending order.
 
+The mask is read once per process, when Level Zero's driver initialises (compute-runtime's
+``parseAffinityMask``, called as the first ``zeInit`` creates the driver): a worker whose
+Level Zero first started inside a test would keep that test's lease for life. So the worker
+pins it as CUDA's is pinned (:func:`ze_init`, :meth:`Intel.pin`): ``zeInit`` under the run's
+mask before the first lease, then the core API's devices (``zeDriverGet``, ``zeDeviceGet``,
+``zeDeviceGetProperties``' 16-byte UUID) read back. CI runs it against the fake loader
+(:mod:`pytest_gpu.sim.zes`), which reads the mask at its first ``zeInit`` as compute-runtime does.
+
 Not run on an Intel machine here.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import kinds
 from .devices import Device
+from .sampling import Refused, Sampler, Unavailable, Unlistable
+from .vendor import Vendor
 
 MASK_VAR = "ZE_AFFINITY_MASK"
 HIERARCHY_VAR = "ZE_FLAT_DEVICE_HIERARCHY"
@@ -58,6 +70,7 @@ LIBRARY = "libze_loader.so.1"
 
 ZE_RESULT_SUCCESS = 0
 ZE_RESULT_ERROR_INVALID_SIZE = 0x78000008
+ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x3
 ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x1
 ZES_STRUCTURE_TYPE_PROCESS_STATE = 0x16
 ZES_STRUCTURE_TYPE_MEM_STATE = 0x1E
@@ -75,7 +88,7 @@ _RESULTS = {
 }
 
 
-class ZesUnavailable(RuntimeError):
+class ZesUnavailable(Unavailable):
     """No Level Zero loader, no Intel GPU driver, or Sysman refused to start."""
 
 
@@ -173,7 +186,7 @@ class Sysman:
         try:
             self._lib = ctypes.CDLL(LIBRARY)
         except OSError as exc:
-            raise ZesUnavailable(f"no Level Zero loader ({LIBRARY}: {exc})") from None
+            raise ZesUnavailable(f"no Level Zero loader ({exc})") from None  # the OSError names the library
         code = self._lib.zesInit(ctypes.c_uint32(0))
         if code != ZE_RESULT_SUCCESS:
             raise ZesUnavailable(f"Level Zero Sysman unavailable (zesInit returned {_RESULTS.get(code, hex(code))})")
@@ -319,3 +332,156 @@ def lease_env(names: Sequence[str]) -> dict[str, str]:
 def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """``ZE_AFFINITY_MASK`` and ``ZE_FLAT_DEVICE_HIERARCHY`` as set in ``environ`` (a run's start)."""
     return tuple((name, environ[name]) for name in (MASK_VAR, HIERARCHY_VAR) if environ.get(name) is not None)
+
+
+class XpuSampler:
+    """Level Zero Sysman, initialised (:class:`Unavailable` when it cannot be); GPUs named by the
+    UUIDs :func:`pytest_gpu.vendors.intel.sysman_devices` gives. Memory and processes are per card: a
+    tile (``<uuid>/tile<T>``) is refused, so its lease shows as not verified."""
+
+    name = "Level Zero Sysman"
+
+    def __init__(self) -> None:
+        self._zes = Sysman()  # ZesUnavailable: an Unavailable
+        try:
+            self._handles = {card.uuid: card.handle for card in self._zes.cards()}
+        except ZesError as exc:
+            raise ZesUnavailable(str(exc)) from None
+
+    def close(self) -> None:
+        self._handles.clear()  # Sysman has no shutdown call: the loader stays for the process
+
+    def problem(self) -> str:
+        return ""
+
+    def forget(self, uuid: str) -> None:
+        pass
+
+    def _handle(self, uuid: str) -> Any:
+        if "/tile" in uuid:
+            raise Refused("Level Zero Sysman reports memory and processes per card, not per tile")
+        handle = self._handles.get(uuid)
+        if handle is None:
+            raise Refused("Level Zero Sysman does not report it")
+        return handle
+
+    def memory(self, uuid: str) -> tuple[int, int | None]:
+        handle = self._handle(uuid)
+        try:
+            return self._zes.memory(handle)[0], None
+        except ZesError as exc:
+            raise Refused(str(exc)) from None
+
+    def processes(self, uuid: str) -> dict[int, int | None]:
+        try:
+            handle = self._handle(uuid)
+        except Refused as exc:
+            raise Unlistable(f"Level Zero Sysman cannot list the processes there ({exc})", str(exc)) from None
+        try:
+            return dict(self._zes.processes(handle))
+        except ZesError as exc:
+            raise Unlistable(f"Level Zero Sysman cannot list the processes there ({exc})", str(exc)) from None
+
+    def compute(self, uuid: str) -> list[tuple[int, int | None]]:
+        return list(self.processes(uuid).items())
+
+
+def ze_init() -> tuple[list[str] | None, str]:
+    """``zeInit(0)`` through the Level Zero loader, then the UUIDs of the devices its first driver
+    enumerates (``zeDeviceGet``, ``zeDeviceGetProperties``): the driver has read ``ZE_AFFINITY_MASK``
+    now, once for the process.
+
+    Returns (the UUIDs' 32 hex digits in ordinal order, or ``None``; a sentence when something failed).
+    """
+    said = "its Level Zero device list is predicted from ZE_AFFINITY_MASK"
+    try:
+        lib = ctypes.CDLL(LIBRARY)
+    except OSError as exc:
+        return None, f"{said}: no Level Zero loader ({exc})"
+    code = lib.zeInit(ctypes.c_uint32(0))
+    if code != ZE_RESULT_SUCCESS:
+        return None, f"{said}: zeInit returned {_RESULTS.get(code, hex(code))}"
+    try:
+        drivers = _handles(lib, "zeDriverGet", None)
+        if not drivers:
+            return None, f"{said}: zeDriverGet lists no driver"
+        devices = _handles(lib, "zeDeviceGet", drivers[0])
+        uuids = []
+        for handle in devices:
+            props = _CoreProperties()
+            props.stype = ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
+            code = lib.zeDeviceGetProperties(ctypes.c_void_p(handle), ctypes.byref(props))
+            if code != ZE_RESULT_SUCCESS:
+                raise ZesError("zeDeviceGetProperties", code)
+            uuids.append(bytes(props.uuid).hex())
+    except ZesError as exc:
+        return None, f"{said}: {exc}"
+    return uuids, ""
+
+
+def _handles(lib: ctypes.CDLL, name: str, owner: Any) -> list[Any]:
+    """The two-call count protocol of the core API: the number, then that many handles."""
+    count = ctypes.c_uint32(0)
+    head = () if owner is None else (ctypes.c_void_p(owner),)
+    code = getattr(lib, name)(*head, ctypes.byref(count), None)
+    if code != ZE_RESULT_SUCCESS:
+        raise ZesError(name, code)
+    handles = (ctypes.c_void_p * max(count.value, 1))()
+    code = getattr(lib, name)(*head, ctypes.byref(count), handles)
+    if code != ZE_RESULT_SUCCESS:
+        raise ZesError(name, code)
+    return [handles[i] for i in range(count.value)]
+
+
+class Intel(Vendor):
+    """Intel's GPUs: Level Zero Sysman, ``ZE_AFFINITY_MASK``, Level Zero, XCCL."""
+
+    kind = kinds.XPU
+    source = "sysman"
+    driver = XpuSampler.name
+    visibility = VISIBILITY_VARS
+    forms = (
+        "xpu:auto, xpu: and device indices as ZE_AFFINITY_MASK counts them (such as xpu:0,2), "
+        "or simulated Intel GPUs such as xpu:sim:4x64GiB"
+    )
+    gives_gpus = "the Intel GPU driver and Level Zero loader (libze_loader.so.1), ZE_AFFINITY_MASK"
+    collective = "xccl"
+    collective_label = "XCCL"
+    names_by_index = True  # ZE_AFFINITY_MASK takes indices only
+    _missing = "no Intel GPU device {missing}; Level Zero Sysman reports {known}"
+    _hidden_kind = "Intel GPU"
+    _visible_by = "the run's ZE_AFFINITY_MASK leaves visible"
+    _none_found = "Level Zero Sysman reports no Intel GPUs"
+    _none_left = "{said} leaves none of the devices Sysman reports"
+
+    def devices(self) -> tuple[tuple[Device, ...], str]:
+        return sysman_devices(os.environ)
+
+    def outer(self, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        return outer(environ)
+
+    def said(self, outer: Sequence[tuple[str, str]]) -> str:
+        return super().said(outer) or "no ZE_AFFINITY_MASK"
+
+    def view(self, machine: tuple[Device, ...], outer: Sequence[tuple[str, str]]) -> list[int]:
+        return xpu_view(machine, dict(outer))
+
+    def lease_env(self, names: Sequence[str]) -> dict[str, str]:
+        return lease_env(names)
+
+    def sim_spec(self, spec: str, rest: str, *, named: bool) -> str:
+        """``xpu:sim:4x64GiB``: simulated Intel GPUs."""
+        return f"{self.name}:{rest}"
+
+    def pin(self) -> tuple[list[str] | None, str]:
+        return ze_init()
+
+    def runtime_id(self, uuid: str) -> str:
+        """Level Zero's 16 bytes, as hex digits (a Sysman UUID is 8-4-4-4-12 of them)."""
+        return uuid.replace("-", "").lower()
+
+    def sampler(self) -> Sampler:
+        return XpuSampler()
+
+
+XPU = Intel()

@@ -8,7 +8,7 @@ the device list ROCr and HIP leave a process under its ``ROCR_VISIBLE_DEVICES`` 
 ``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``, fixed at its first call as HIP's is, by the
 rules :func:`pytest_gpu.vendors.amd.rocm_view` predicts. Which sources (ROCm/clr, ROCR-Runtime)
 it follows, at which commits, is said at the top of ``fake_hip.c``.
-:func:`pytest_gpu.gpu.runtime.pin` reads it back on AMD GPUs (``runtime._hip_init``).
+:func:`pytest_gpu.gpu.runtime.pin` reads it back on AMD GPUs (:func:`pytest_gpu.vendors.amd.hip_init`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ State file format (one record per line, space-separated; a name is the rest of i
     option pidns <offset>         # NVML reports pid + offset (host pids seen from a container)
     option no_v3 1                # the machine's driver lacks the *RunningProcesses_v3 symbols
     option no_usage 1             # process lists give usedGpuMemory as NVML_VALUE_NOT_AVAILABLE (WDDM)
-    option vendor amd             # another vendor's machine: nvmlInit answers "Driver Not Loaded"
+    option vendor amd             # whose machine; not nvidia: nvmlInit answers "Driver Not Loaded"
                                   # (the fake libamd_smi.so reads this file then: pytest_gpu.sim.amdsmi)
     gpu <nvml_index> <uuid> <total_bytes> <reserved_bytes> <used_bytes> <mig 0|1> <fault> <name...>
     mig <parent_nvml_index> <slot> <uuid> <total_bytes> <used_bytes> <name...>

@@ -1,5 +1,8 @@
 """A fake Level Zero loader, ``libze_loader.so.1``, for simulated Intel GPUs: the Sysman calls
-:mod:`pytest_gpu.vendors.intel` makes through ctypes, answered from the simulated ledger.
+:mod:`pytest_gpu.vendors.intel` makes through ctypes, answered from the simulated ledger, and the
+core API's device list (``zeInit``, ``zeDriverGet``, ``zeDeviceGet``, ``zeDeviceGetProperties``),
+which applies ``ZE_AFFINITY_MASK`` once, at the process's first ``zeInit``, as compute-runtime
+does: what the worker pins and reads back (:func:`pytest_gpu.vendors.intel.ze_init`).
 
 Compiled on demand from ``fake_zes.c`` (next to this file) as the fake NVML is
 (:func:`pytest_gpu.sim.nvml.build_library`: ``cc`` or ``$CC``, cached per user). It reads the

@@ -23,6 +23,19 @@
  * device has one memory module (HBM) whose size is the GPU's total less the driver's reserve
  * and whose free memory is that less what is used. Processes that are gone are not listed.
  * Devices have no sub-devices (numSubdevices 0): the fake models single-tile cards.
+ *
+ * The core API's device list (ze_api.h: zeInit, zeDriverGet, zeDeviceGet, zeDeviceGetProperties),
+ * which the runtime a test process uses (torch's SYCL) enumerates, and which pytest-gpu pins and
+ * reads back (pytest_gpu.vendors.intel.ze_init): the driver reads ZE_AFFINITY_MASK once, when the
+ * first zeInit of the process creates it (intel/compute-runtime, ExecutionEnvironment's
+ * parseAffinityMask), and keeps that list for the process's life, as here: a mask set after the
+ * first zeInit changes nothing in this process. The mask as compute-runtime applies it (the model
+ * is pytest_gpu.vendors.intel.xpu_view): unset or blank, every device; else each entry, trimmed,
+ * that names a device selects it, "X.Y" selecting card X under ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE
+ * and nothing under FLAT (the default), and any other entry is skipped; the devices selected keep
+ * the driver's order. zeInit's flags are 0, ZE_INIT_FLAG_GPU_ONLY or ZE_INIT_FLAG_VPU_ONLY (else
+ * ZE_RESULT_ERROR_INVALID_ENUMERATION); without an Intel machine zeInit answers
+ * ZE_RESULT_ERROR_UNINITIALIZED, and before a successful zeInit every other core call does too.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -278,6 +291,116 @@ static struct gpu *gpu_of_module(void *h) {
 }
 
 static int alive(long pid) { return kill((pid_t)pid, 0) == 0 || errno == EPERM; }
+
+/* ---- the core API's device list, fixed at the process's first zeInit ----------------- */
+struct core_device {
+    unsigned int gpu;
+};
+static pthread_once_t g_core_once = PTHREAD_ONCE_INIT;
+static int g_core_ok;                         /* an Intel machine: the driver initialised */
+static int g_core_init;                       /* zeInit succeeded in this process */
+static unsigned int g_core_count;             /* devices the mask leaves, in the driver's order */
+static struct core_device g_core[MAX_GPUS];
+static int g_core_driver;                     /* the one core driver handle points here */
+
+static char *trimmed(char *text) {
+    while (*text == ' ' || *text == '\t') text++;
+    size_t n = strlen(text);
+    while (n && (text[n - 1] == ' ' || text[n - 1] == '\t')) text[--n] = '\0';
+    return text;
+}
+
+static int digits(const char *text) { return *text && strspn(text, "0123456789") == strlen(text); }
+
+static void core_once(void) {
+    pthread_mutex_lock(&g_lock);
+    int ok = reload() == 0 && g_state.xpu;
+    unsigned int n = g_state.ngpus;
+    pthread_mutex_unlock(&g_lock);
+    if (!ok) return; /* no Intel driver */
+    int chosen[MAX_GPUS] = {0};
+    const char *mask = getenv("ZE_AFFINITY_MASK");
+    const char *hierarchy = getenv("ZE_FLAT_DEVICE_HIERARCHY");
+    int composite = hierarchy && !strcmp(hierarchy, "COMPOSITE");
+    char *copy = mask ? strdup(mask) : NULL;
+    if (!copy || !*trimmed(copy)) {
+        for (unsigned int i = 0; i < n; i++) chosen[i] = 1;
+    } else {
+        for (char *entry = copy, *next; entry; entry = next) {
+            next = strchr(entry, ',');
+            if (next) *next++ = '\0';
+            entry = trimmed(entry);
+            char *dot = strchr(entry, '.');
+            if (dot && composite) {
+                *dot = '\0';
+                if (!digits(entry) || !digits(dot + 1)) continue; /* card X restricted to tile Y */
+            } else if (dot || !digits(entry)) {
+                continue; /* X.Y under FLAT, or not a number: skipped */
+            }
+            unsigned long position = strtoul(entry, NULL, 10);
+            if (position < n) chosen[position] = 1;
+        }
+    }
+    free(copy);
+    for (unsigned int i = 0; i < n; i++)
+        if (chosen[i]) g_core[g_core_count++].gpu = i;
+    g_core_ok = 1;
+}
+
+static struct core_device *core_of(void *h) {
+    uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_core, size = sizeof(struct core_device);
+    if (p < base || p >= base + (uintptr_t)g_core_count * size || (p - base) % size) return NULL;
+    return h;
+}
+
+API ze_result_t zeInit(uint32_t flags) {
+    if (flags > 3) return ZE_RESULT_ERROR_INVALID_ENUMERATION; /* ZE_INIT_FLAG_GPU_ONLY | VPU_ONLY */
+    pthread_once(&g_core_once, core_once);
+    if (!g_core_ok) return ZE_RESULT_ERROR_UNINITIALIZED;
+    g_core_init = 1;
+    return ZE_RESULT_SUCCESS;
+}
+
+API ze_result_t zeDriverGet(uint32_t *pCount, void **phDrivers) {
+    if (!g_core_init) return ZE_RESULT_ERROR_UNINITIALIZED;
+    if (!pCount) return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+    if (*pCount == 0 || *pCount > 1) *pCount = 1;
+    if (phDrivers) phDrivers[0] = &g_core_driver;
+    return ZE_RESULT_SUCCESS;
+}
+
+API ze_result_t zeDeviceGet(void *hDriver, uint32_t *pCount, void **phDevices) {
+    if (!g_core_init) return ZE_RESULT_ERROR_UNINITIALIZED;
+    if (!hDriver) return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+    if (!pCount) return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+    if (hDriver != &g_core_driver) return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+    if (*pCount == 0 || *pCount > g_core_count) *pCount = g_core_count;
+    if (phDevices)
+        for (uint32_t i = 0; i < *pCount; i++) phDevices[i] = &g_core[i];
+    return ZE_RESULT_SUCCESS;
+}
+
+API ze_result_t zeDeviceGetProperties(void *hDevice, ze_device_properties_t *p) {
+    if (!g_core_init) return ZE_RESULT_ERROR_UNINITIALIZED;
+    if (!hDevice) return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+    if (!p) return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+    struct core_device *d = core_of(hDevice);
+    if (!d) return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_lock);
+    struct gpu *g = &g_state.gpus[d->gpu];
+    void *next = p->pNext; /* [in]: left as the caller set it */
+    int stype = p->stype;
+    memset(p, 0, sizeof *p);
+    p->stype = stype;
+    p->pNext = next;
+    p->type = ZE_DEVICE_TYPE_GPU;
+    p->vendorId = 0x8086;
+    p->deviceId = 0x0bd5; /* Data Center GPU Max 1550 */
+    p->maxMemAllocSize = g->total - g->reserved;
+    memcpy(p->uuid, g->raw, 16);
+    snprintf(p->name, sizeof p->name, "%s", g->name);
+    return leave(ZE_RESULT_SUCCESS);
+}
 
 /* ---- the API ---------------------------------------------------------------------- */
 
