@@ -119,6 +119,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if not hasattr(config, "workerinput"):
         _compile_the_package()
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # started in the background (`cmd &` in a script, nohup): the runs these tests start
+        # would inherit SIGINT ignored, and the Ctrl-C tests would test nothing; a handled
+        # signal is reset to its default in the processes started from here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _compile_the_package() -> None:
