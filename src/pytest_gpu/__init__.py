@@ -54,8 +54,9 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
     gpu/                a process and its GPUs
         discovery       --gpus: one vendor's GPUs (NVIDIA's, AMD's or Intel's), or simulated ones
         runtime         the process's GPU runtime (CUDA, HIP, Level Zero), pinned before a lease
-        isolation       applying a lease in the test process
+        isolation       a lease in the test process, what confining to it changed, each lease's cap
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
+        confine         applying a lease to the test process: pin, environment, the frameworks' hook
         verification    did a test (or a rank pool) stay within its lease: every verifier
         torchstats      torch's allocator counters, read once per device
         calibration     one runtime context's size (CUDA, HIP, Level Zero), measured on a GPU's first lease

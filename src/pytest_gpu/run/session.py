@@ -22,8 +22,8 @@ from .. import sim
 from ..base.requests import GpuRequest, format_size
 from ..gpu import runtime
 from ..gpu.calibration import Calibration
+from ..gpu.confine import confine as confine_lease
 from ..gpu.isolation import Confinement, GpuLease, make_lease
-from ..gpu.isolation import confine as confine_lease
 from ..gpu.verification import (
     NvmlRankVerifier,
     NvmlVerifier,
