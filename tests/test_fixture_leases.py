@@ -20,6 +20,7 @@ import pytest
 
 from conftest import require
 from helpers import NODE, one_node
+from pytest_gpu.run.lifecycle import never_runs
 from pytest_gpu.scheduling.catalog import HeldNeeds, _groups, firsts
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.scheduling.catalog import jobs as catalog_jobs
@@ -882,7 +883,7 @@ def test_a_modules_gpu_tests_that_use_no_leasing_fixture_go_before_its_group(gpu
     }
     # the catalog says so of the GPU tests only: the others wait for no GPU at the broker
     run = SimpleNamespace(settings=None, never_fits=lambda request: None)  # what entries() asks of the run
-    entries = catalog_entries(items, run)  # type: ignore[arg-type]
+    entries = catalog_entries(items, run, never_runs)  # type: ignore[arg-type]
     assert {nodeid: entry["before"] for nodeid, entry in entries.items() if "before" in entry} == {
         ids["test_large"]: [module],
         ids["TestOther2::test_small"]: [module, other2],

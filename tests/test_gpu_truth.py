@@ -413,7 +413,8 @@ def test_one_mig_instance_per_process():
 
 def test_a_mig_lease_this_process_cannot_use_is_for_subprocesses(tmp_path, monkeypatch):
     from pytest_gpu import sim
-    from pytest_gpu.gpu.isolation import confine, make_lease
+    from pytest_gpu.gpu.confine import confine
+    from pytest_gpu.gpu.isolation import make_lease
     from pytest_gpu.sim.spec import parse
     from pytest_gpu.vendors.devices import Inventory
 

@@ -23,7 +23,8 @@ from conftest import require
 from helpers import patience
 from pytest_gpu import sim
 from pytest_gpu.gpu import runtime
-from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, confine, make_lease
+from pytest_gpu.gpu.confine import confine
+from pytest_gpu.gpu.isolation import TF_GROWTH, XLA_FRACTION, XLA_PREALLOCATE, make_lease
 from pytest_gpu.sim import cupy_cuda
 from pytest_gpu.sim.spec import parse
 from pytest_gpu.vendors import nvidia
@@ -58,7 +59,8 @@ from pytest_gpu.sim import fake, torch_cuda, cuda as simcuda
 assert fake.activate()
 from pytest_gpu.gpu import runtime
 from pytest_gpu.gpu.discovery import discover
-from pytest_gpu.gpu.isolation import confine, make_lease
+from pytest_gpu.gpu.confine import confine
+from pytest_gpu.gpu.isolation import make_lease
 GiB, MiB = 2**30, 2**20
 inv = discover(os.environ.get("GPUS", "auto"))
 out = {}

@@ -62,16 +62,16 @@ def test_the_package_map_names_every_module_and_only_those() -> None:
     assert sorted(set(names) - set(modules)) == [], "the map names modules that do not exist"
 
 
-def _imports(path: Path, module: str, source: str | None = None) -> tuple[set[str], set[str]]:
-    """(outside top-level modules, package modules) ``path`` (or ``source``) imports at run time,
-    at module level or in a function (not under TYPE_CHECKING)."""
+def _imports(path: Path, module: str, source: str | None = None, *, typing: bool = False) -> tuple[set[str], set[str]]:
+    """(outside top-level modules, package modules) ``path`` (or ``source``) imports at module
+    level or in a function; under TYPE_CHECKING too with ``typing``."""
     tree = ast.parse(path.read_text() if source is None else source)
     package_parts = module.split(".")[:-1]
     outside: set[str] = set()
     inside: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -192,18 +192,10 @@ def test_every_module_is_in_a_layer() -> None:
     assert [n for n in layers if _resolve(n, _modules()) != n] == [], "the layers name what does not exist"
 
 
-# Upward imports the redesign (issue 29) removes in its next steps; each must still exist, so
-# the list only ever shrinks, and it is empty when the redesign is done.
-KNOWN_UPWARD = {
-    "run.lifecycle (8) -> distributed.backends (9)",  # the nccl check: the distributed feature's own hook
-}
-
-
 def test_imports_run_one_way_between_layers() -> None:
     layers = _layers()
     upward = {line for module, path in _modules().items() for line in upward_imports(module, path, layers)}
-    assert upward - KNOWN_UPWARD == set(), "imports from a higher layer (move the code down, or the module elsewhere)"
-    assert KNOWN_UPWARD - upward == set(), "fixed: remove it from KNOWN_UPWARD"
+    assert upward == set(), "imports from a higher layer (move the code down, or the module elsewhere)"
 
 
 def test_the_layer_check_catches_an_upward_import() -> None:
@@ -219,13 +211,6 @@ def test_the_layer_check_catches_an_upward_import() -> None:
     assert upward_imports("base.requests", path, layers, typing_only) == []
     absolute = "import pytest_gpu.roles.owner\n"
     assert upward_imports("base.requests", path, layers, absolute) == ["base.requests (1) -> roles.owner (12)"]
-
-
-# Modules that import each other, and why they may (none may hide it in a function-local import).
-CIRCLES = {
-    frozenset({"gpu.adapters", "gpu.isolation"}): "the built-in pytest_gpu_confine implementations and the "
-    "confinement they implement (not this change's to untangle: gpu/adapters.py is being reworked)",
-}
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -260,19 +245,41 @@ def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_modules_import_each_other_in_a_circle() -> None:
+def import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, every kind of import counted: at module level,
+    in a function, under TYPE_CHECKING (``sources``: module -> source instead of its file's)."""
     modules = _modules()
     graph = {}
     for module, path in modules.items():
-        _, inside = _imports(path, module if path.name != "__init__.py" else f"{module}.__init__")
+        source = (sources or {}).get(module)
+        name = module if path.name != "__init__.py" else f"{module}.__init__"
+        _, inside = _imports(path, name, source, typing=True)
         graph[module] = {t for n in inside if (t := _resolve(n, modules)) in modules and t != module}
-    circles = [c for c in import_circles(graph) if frozenset(c) not in CIRCLES]
-    assert circles == []
+    return graph
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    assert import_circles(import_graph()) == []
 
 
 def test_the_circle_check_catches_a_circle() -> None:
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from .session import GpuRun\n",
+        "def f():\n    from .session import GpuRun\n    return GpuRun\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .session import GpuRun\n",
+    ],
+)
+def test_the_circle_check_counts_every_kind_of_import(source: str) -> None:
+    """The check itself: run.session imports run.leftovers, which importing it back closes a
+    circle, whether at module level, in a function or for types only."""
+    assert "run.leftovers" in import_graph()["run.session"]
+    assert import_circles(import_graph({"run.leftovers": source})) == [{"run.leftovers", "run.session"}]
 
 
 def test_public_import_paths_keep_working() -> None:

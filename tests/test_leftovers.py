@@ -24,7 +24,7 @@ from pytest_gpu.machine.arbiter import Arbiter
 from pytest_gpu.machine.messages import attach, left
 from pytest_gpu.machine.mirror import Mirror
 from pytest_gpu.machine.placement import Allocator, Policy
-from pytest_gpu.run.holding import Leftovers
+from pytest_gpu.run.leftovers import Leftovers
 from pytest_gpu.run.lifecycle import out_of_memory
 from pytest_gpu.wire.frames import WireError
 

@@ -1,4 +1,6 @@
-"""One plugin object per role: decided once, registered where it applies, gone after unconfigure."""
+"""One plugin object per role, which registers the features that apply: each one hook object,
+registered only where its role needs it and only when it is enabled, in an order that keeps
+pytest's hook order (a conftest's hooks first); all gone after unconfigure."""
 
 from __future__ import annotations
 
@@ -14,25 +16,35 @@ from pytest_gpu.roles import Role, decide
 
 pytest_plugins = ["pytester"]
 
-ROLE_NAMES = ("pytest-gpu-controller", "pytest-gpu-worker", "pytest-gpu-lone", "pytest-gpu-launched-rank")
+ROLE_NAMES = ("pytest-gpu-controller", "pytest-gpu-worker", "pytest-gpu-lone")
+# the features every process that runs tests registers, in the order it registers them
+TESTER = ["pytest-gpu-selection", "pytest-gpu-leases", "pytest-gpu-quarantine", "pytest-gpu-distributed"]
+OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head"]  # and the process that owns the run
+LONE = ["pytest-gpu-lone", *OWNER, *TESTER]
 
-# a conftest that writes, per process, which of pytest-gpu's role objects are registered
-RECORDER = f"""
-import json, os
+# a conftest that writes, per process, which of pytest-gpu's objects are registered: when it is
+# imported (the initial conftests load: what was registered before them) and at the session's start
+RECORDER = """
+import json, os, sys
 
-NAMES = {ROLE_NAMES!r} + ("pytest-gpu-summary",)
 OUT = os.environ["ROLES_OUT"]
 
 
 def _write(config, when):
     who = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    present = [n for n in NAMES if config.pluginmanager.get_plugin(n) is not None]
-    with open(os.path.join(OUT, f"{{who}}-{{when}}.json"), "w") as f:
+    pm = config.pluginmanager
+    present = [name for name, _ in pm.list_name_plugin() if name and name.startswith("pytest-gpu-")]
+    with open(os.path.join(OUT, f"{who}-{when}.json"), "w") as f:
         json.dump(present, f)
 
 
 def pytest_sessionstart(session):
     _write(session.config, "session")
+
+
+def pytest_plugin_registered(plugin, manager):
+    if plugin is sys.modules[__name__]:  # this conftest, as the initial conftests load
+        _write(manager.get_plugin("pytestconfig"), "early")
 """
 
 
@@ -55,7 +67,7 @@ def _recorded(out: Path) -> dict[str, list[str]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
 
 
-def test_a_lone_process_registers_the_lone_role_and_unregisters_it(
+def test_a_lone_process_registers_its_role_and_features_and_unregisters_them(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = pytester.mkdir("out")
@@ -65,17 +77,54 @@ def test_a_lone_process_registers_the_lone_role_and_unregisters_it(
     calls: list[Any] = []
     real = roles.install
 
-    def spy(config: pytest.Config, run: Any) -> Role:
+    def spy(config: pytest.Config) -> Role:
         calls.append(config)
-        return real(config, run)
+        return real(config)
 
     monkeypatch.setattr(roles, "install", spy)
     result = pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist")
     result.assertoutcome(passed=1)
-    assert _recorded(out) == {"main-session": ["pytest-gpu-lone", "pytest-gpu-summary"]}
+    # registered before the initial conftests load (hook order), in this order
+    assert _recorded(out) == {"main-early": LONE, "main-session": LONE}
     (config,) = calls  # the role is decided once
-    for name in (*ROLE_NAMES, "pytest-gpu-summary"):
-        assert config.pluginmanager.get_plugin(name) is None, f"{name} still registered after unconfigure"
+    left = [name for name, _ in config.pluginmanager.list_name_plugin() if name and name.startswith("pytest-gpu-")]
+    assert left == [], "still registered after unconfigure"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--gpu-required",), [*LONE, "pytest-gpu-required"]),
+        (("-o", "gpu_required=true"), [*LONE, "pytest-gpu-required"]),  # the ini key foreseen too
+        (("--gpu-required", "--collect-only"), LONE),  # collecting only: nothing to require
+        (("--gpu-schedule=off", "--gpu-trace", "t.json"), LONE),  # the scheduler is the controller's only
+    ],
+)
+def test_a_feature_is_registered_only_when_it_is_enabled(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], expected: list[str]
+) -> None:
+    out = pytester.mkdir("out")
+    pytester.makeconftest(RECORDER)
+    monkeypatch.setenv("ROLES_OUT", str(out))
+    pytester.makepyfile("def test_a():\n    pass\n")
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", *args)
+    assert _recorded(out) == {"main-early": expected, "main-session": expected}
+
+
+def test_a_role_foreseen_wrongly_is_replaced_with_its_features(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest started from inside an xdist worker: foreseen as a worker (its environment says
+    so), it is a lone process; the worker's object and features go, the lone's come."""
+    out = pytester.mkdir("out")
+    pytester.makeconftest(RECORDER)
+    monkeypatch.setenv("ROLES_OUT", str(out))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", "-p", "no:benchmark").assertoutcome(passed=1)
+    recorded = _recorded(out)
+    assert recorded["gw7-early"] == ["pytest-gpu-worker", *TESTER, "pytest-gpu-catalog"]
+    assert recorded["gw7-session"] == ["pytest-gpu-lone", *OWNER, *TESTER]
 
 
 def test_the_launch_is_detected_once_per_process(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,20 +146,105 @@ def test_the_launch_is_detected_once_per_process(pytester: pytest.Pytester, monk
 
 
 @pytest.mark.slow
-def test_controller_and_workers_register_their_own_roles(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("args", "controller", "worker"),
+    [
+        (
+            (),
+            ["pytest-gpu-controller", *OWNER, "pytest-gpu-selection", "pytest-gpu-scheduling"],
+            ["pytest-gpu-worker", *TESTER, "pytest-gpu-catalog"],
+        ),
+        (  # the user's --dist: xdist hands the tests out, no catalog is sent
+            ("--dist", "load", "--gpu-required"),
+            ["pytest-gpu-controller", *OWNER, "pytest-gpu-selection", "pytest-gpu-required"],
+            ["pytest-gpu-worker", *TESTER, "pytest-gpu-required"],
+        ),
+    ],
+)
+def test_controller_and_workers_register_their_own_features(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    controller: list[str],
+    worker: list[str],
 ) -> None:
     out = pytester.mkdir("out")
     pytester.makeconftest(RECORDER)
     monkeypatch.setenv("ROLES_OUT", str(out))
     pytester.makepyfile("import pytest\n\n@pytest.mark.gpu(memory='1GiB')\ndef test_a():\n    pass\n")
-    result = pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "2")
+    result = pytester.runpytest_subprocess("--gpus", "sim:1x16GiB", "-n", "2", *args, timeout=patience(120))
     result.assert_outcomes(passed=1)
     assert _recorded(out) == {
-        "main-session": ["pytest-gpu-controller", "pytest-gpu-summary"],
-        "gw0-session": ["pytest-gpu-worker"],
-        "gw1-session": ["pytest-gpu-worker"],
+        "main-early": controller,
+        "main-session": controller,
+        **{f"gw{n}-{when}": worker for n in (0, 1) for when in ("early", "session")},
     }
+
+
+# a conftest that writes, per process, which of pytest-gpu's objects (and the conftest itself,
+# and xdist's worker) implement each hook, in the order pluggy calls them (for wrappers: the
+# outermost first, so the last one's code after its yield runs first)
+HOOK_ORDER = """
+import json, os
+
+OUT = os.environ["ROLES_OUT"]
+HOOKS = (
+    "pytest_runtest_setup", "pytest_runtest_teardown", "pytest_runtest_makereport",
+    "pytest_collection_modifyitems", "pytest_collection_finish", "pytest_unconfigure",
+)
+
+
+def pytest_runtest_setup(item):
+    pass
+
+
+def pytest_sessionstart(session):
+    pm = session.config.pluginmanager
+    order = {}
+    for hook in HOOKS:
+        names = []
+        for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
+            name = pm.get_name(impl.plugin) or ""
+            if name.startswith("pytest-gpu-"):
+                names.append(name.removeprefix("pytest-gpu-"))
+            elif name.endswith("conftest.py"):
+                names.append("conftest")
+            elif type(impl.plugin).__name__ == "WorkerInteractor":
+                names.append("xdist")
+        order[hook] = names
+    who = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(OUT, f"{who}.json"), "w") as f:
+        json.dump(order, f)
+"""
+
+
+@pytest.mark.slow
+def test_the_features_hooks_keep_their_order(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conftest's setup runs before the lease is taken; the lease feature's report wrapper is
+    the innermost of pytest-gpu's (the verdict is in the report before the quarantine and the
+    distributed tests look at it); deselection runs before the oversize check; pools and the
+    Ray head end before the role closes the run; a worker's catalog and its --gpu-required
+    finding are written before xdist sends the collection."""
+    out = pytester.mkdir("out")
+    pytester.makeconftest(HOOK_ORDER)
+    monkeypatch.setenv("ROLES_OUT", str(out))
+    pytester.makepyfile("def test_a():\n    pass\n")
+    pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", "--gpu-required").assertoutcome(passed=1)
+    lone = json.loads((out / "main.json").read_text())
+    assert lone["pytest_runtest_setup"] == ["conftest", "leases"]
+    assert lone["pytest_runtest_teardown"] == ["leases"]
+    assert lone["pytest_runtest_makereport"] == ["distributed", "quarantine", "leases"]
+    assert lone["pytest_collection_modifyitems"] == ["selection", "leases"]
+    assert lone["pytest_collection_finish"] == ["required"]
+    assert lone["pytest_unconfigure"] == ["distributed", "ray-head", "lone"]
+    result = pytester.runpytest_subprocess(
+        "--gpus", "sim:1x16GiB", "-n", "1", "--gpu-required", "-p", "no:randomly", timeout=patience(120)
+    )
+    result.assert_outcomes(passed=1)
+    worker = json.loads((out / "gw0.json").read_text())
+    finish = worker["pytest_collection_finish"]
+    assert finish.index("catalog") < finish.index("xdist") and finish.index("required") < finish.index("xdist")
+    assert worker["pytest_runtest_makereport"] == ["distributed", "quarantine", "leases"]
 
 
 def test_a_conftest_confinement_hook_runs_beside_the_builtin_adapters(pytester: pytest.Pytester) -> None:

@@ -33,8 +33,10 @@ from pytest_gpu.distributed.backends import (
     fit_ranks,
     nccl_missing,
 )
+from pytest_gpu.distributed.runner import never_runs as pool_never_runs
 from pytest_gpu.gpu.discovery import discover
 from pytest_gpu.report.summary import Summary
+from pytest_gpu.run.lifecycle import Leases
 from pytest_gpu.scheduling.catalog import entries as catalog_entries
 from pytest_gpu.sim import fake
 from pytest_gpu.vendors.devices import Device, Inventory
@@ -153,13 +155,14 @@ def test_the_scheduler_plans_what_cannot_run_here_as_cpu_work(gpu_pytester):
         never_fits=lambda request: None if request.count <= 2 else "too many",
         node=None,  # not a --gpu-nodes worker
     )
-    entries = catalog_entries(items, run)  # type: ignore[arg-type]
+    never = Leases(items[0].config, never=(pool_never_runs,)).never_runs  # as a worker's catalog is given it
+    entries = catalog_entries(items, run, never)  # type: ignore[arg-type]
     gpus = {item.name: entries.get(item.nodeid, {}).get("gpus", 0) for item in items}
     assert gpus == dict.fromkeys(
         ["test_nccl_four", "test_nccl_two", "test_gloo_two_gpus_each", "test_gpu_three", "test_auto", "test_cpu"], 0
     )
     run.never_fits = lambda request: None  # as on a machine where they all fit: the GPU tests ask for theirs
-    fitting = catalog_entries(items, run)  # type: ignore[arg-type]
+    fitting = catalog_entries(items, run, never)  # type: ignore[arg-type]
     assert fitting[items[2].nodeid]["gpus"] == 4  # test_gloo_two_gpus_each: 2 ranks x 2 GPUs
 
 

@@ -54,8 +54,9 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
     gpu/                a process and its GPUs
         discovery       --gpus: one vendor's GPUs (NVIDIA's, AMD's or Intel's), or simulated ones
         runtime         the process's GPU runtime (CUDA, HIP, Level Zero), pinned before a lease
-        isolation       applying a lease in the test process
+        isolation       a lease in the test process, what confining to it changed, each lease's cap
         adapters        torch's and CuPy's confinement (pytest_gpu_confine)
+        confine         applying a lease to the test process: pin, environment, the frameworks' hook
         verification    did a test (or a rank pool) stay within its lease: every verifier
         torchstats      torch's allocator counters, read once per device
         calibration     one runtime context's size (CUDA, HIP, Level Zero), measured on a GPU's first lease
@@ -71,16 +72,19 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         options         command-line options and ini keys, validated into Settings
         keys            what the plugin keeps in config.stash and hands to workers
         history         durations and peaks of earlier runs
+        leftovers       what a process still holds of the leases that ended, charged to their holders
         session         the run's state in one process (GpuRun); ``GpuRun.hold``: every lease
         record          a test's own record, built once at collection (TestNeeds)
-        holding         who holds leases (Owner) and how: Holding, a test's state, the verdicts' wording
-        lifecycle       one test's life with a lease; tests this run can never run, skipped
-        required        --gpu-required: GPU tests and no GPUs stop the run at start
+        holding         who holds leases (Owner) and how: hold, Holding, a test's state, the verdicts' wording
+        feature         what every feature's hook object shares: its config, the run it reads
+        lifecycle       one test's life with a lease; tests this run can never run, skipped (Leases)
+        required        --gpu-required: GPU tests and no GPUs stop the run at start (Required)
         conventions     requests from a suite's own markers and the item-request hook
         fixture_leases  leases held by fixtures of any scope
         rundir          the run directory and its owner
         artifacts       data built once per run (shared_artifact)
-        quarantine      a process a sticky CUDA error broke, until it exits; the probe
+        quarantine      a process a sticky CUDA error broke, until it exits: its record, the refusal, the probe
+        sticky          the quarantine's hooks: after each test, is CUDA still usable (StickyErrors)
     distributed/        distributed test bodies on a warm pool of ranks
         backends        what backend="auto" picks here; what nccl lacks where it cannot run
         protocol        what a pool and its ranks send each other, and the files they write
@@ -88,31 +92,32 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         pool            the warm pool of rank processes
         rankmain        a rank process
         rankinfo        the ``rank`` fixture's value
-        runner          a distributed test in the test process; the process's pools
+        runner          a distributed test in the test process (Distributed); the process's pools
         cover           coverage in rank processes
     launched/           pytest itself under srun, mpirun or torchrun
         markers         which tests may run where (pure)
-        selection       deselecting by those markers
+        selection       deselecting by those markers (Selection)
         shard           splitting a suite over the ranks (pure)
         torchenv        torch.distributed's variables (RANK, MASTER_ADDR, ...) under mpirun and srun
         gather          ranks publishing to each other through files
-        session         the launched-rank role (LaunchedRank)
+        session         a launched rank's main process (LaunchedRank)
     raycluster/         Ray clusters for tests (the ``ray_cluster`` fixture)
         head            what a head is: the fixture's value, command, environment, files
         readiness       this process's Ray driver: connect, wait, disconnect
         driver          the fixture: which cluster the driver joins
         startonce       the run's own head, started once
-        stop            stopping a head and its processes
+        stop            stopping a head and its processes; the run's owner stops its own (RayHead)
         watchdog        ``-m pytest_gpu.raycluster.watchdog``: runs the head, stops it if the run dies
     report/             what the run tells its user
         summary         the terminal summary
+        feature         the owner's report: summary, trace, history (RunReport)
         timeline        one record per test, the summary's figures (pure)
         trace           the Perfetto trace
         gantt           the Gantt chart of a trace
     scheduling/         which worker runs which test when
         planner         the plan over each node's view (pure)
-        scheduler       xdist's scheduler, driven by the planner, reading the run's nodes (one or many)
-        catalog         what each collected test needs
+        scheduler       xdist's scheduler, driven by the planner, reading the run's nodes (Scheduling)
+        catalog         what each collected test needs, told by each worker (Catalog)
         dependencies    tests that depend on others
         autoworkers     GPU-aware ``-n auto``
     nodes/              the run's nodes: one machine's, or several (--gpu-nodes)
@@ -120,21 +125,22 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         sshgate         a process started on a host through ssh, quoted for its shell
         agent           a node's host: that node's run (inventory, broker, arbiter link)
         hosts           the controller's side: the node hosts, each worker's node and run
-        worker          a worker's node: checked, its temp directory there
+        worker          a worker's node: checked, its temp directory there, named in its reports (NodeWorker)
         feature         the run's nodes as its owner drives them, one or many; node mode's hooks
-    roles/              one plugin object per role a process plays
-        base            what every role shares: its run, ending it
-        owner           the run's owner (controller, lone): summary, history, trace
+    roles/              one plugin object per role a process plays: who owns the run, which features apply
+        base            what every role shares: its features, foreseen then settled, its run, ending it
+        owner           the run's owner (controller, lone): starts the run, hands it to the workers
         tester          processes that run tests: worker, lone
     hookspecs           hooks for conftests: pytest_gpu_item_request, pytest_gpu_confine
     plugin              the ``pytest11`` entry point ``gpu``: options, markers, fixtures;
-                        registers the role's plugin object
+                        the role's registration, early and at pytest_configure
     cli                 the ``pytest-gpu`` command (inventory, report, status)
 
 Layers, lowest first. A module imports from its own layer and the layers below it, never
 from one above, at module level and inside functions alike (``TYPE_CHECKING`` imports
 aside: types only); tests/test_layout.py checks it, and that no modules import each other
-in a circle. A name is a folder (its modules) or one module:
+in a circle, counting every kind of import (``TYPE_CHECKING`` ones too). A name is a
+folder (its modules) or one module:
 
     1. base: base
     2. wire: wire

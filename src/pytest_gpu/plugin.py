@@ -1,15 +1,15 @@
-"""The ``pytest11`` entry point ``gpu``: options, markers, fixtures, and the role's plugin object.
+"""The ``pytest11`` entry point ``gpu``: a table of contents.
 
-Hooks that run before the role is known (options, hook specs, the command line, early
-conftest loading, ``-n auto``) live here; ``pytest_configure`` starts or joins the run and
-registers the controller's, a worker's or a lone process's hooks (:mod:`pytest_gpu.roles`).
+Options (:mod:`.run.options`), hook specs (:mod:`.hookspecs`), markers and fixtures are
+declared here; what happens before the role is known (the command line, early conftest
+loading, ``-n auto``) is wired here. Everything else is a feature's hook object, registered
+by the process's role (:mod:`pytest_gpu.roles`): before the initial conftests load, and at
+``pytest_configure``, where the role starts or joins the run.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,13 +20,12 @@ from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
 from .gpu.isolation import GpuLease
 from .launched import selection
-from .launched.session import early_gather_timeout, gather_dir, log_dir, redirect_output
-from .run import fixture_leases, history, lifecycle, options
+from .launched.session import early as launched_early
+from .run import fixture_leases, lifecycle, options
 from .run.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 from .run.record import RUN_KEY
-from .run.session import WIRE_KEY, GpuRun
+from .sim import fake
 from .vendors import libraries
-from .vendors.devices import DeviceSpecError
 
 MARKERS = (
     "gpu(count=1, memory=None, exclusive=False, cpus=None, host_memory=None): the test needs COUNT GPUs "
@@ -68,39 +67,18 @@ def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None, None, None]:
-    # Before output capturing starts (it keeps the terminal's descriptor): ranks other
-    # than 0 of a launch write everything to their log file instead of the terminal.
     ctx = early_config.stash[LAUNCH_KEY] = detect()  # read once per process
-    roles.register_early(early_config)  # before the initial conftests: their hooks run first
-    if ctx is not None and not ctx.is_root and "PYTEST_XDIST_WORKER" not in os.environ:
-        redirect_output(log_dir(early_config) / ctx.launcher / f"rank{ctx.rank}.log")
-    if ctx is not None and "PYTEST_XDIST_WORKER" not in os.environ:  # workers inherit them
-        from .launched import torchenv
-
-        # before conftests import torch: init_process_group(init_method="env://") works under mpirun/srun
-        torchenv.provide(ctx, gather_dir(early_config, ctx), early_gather_timeout(early_config))
-    from .sim import fake
-
+    roles.register_early(early_config)  # the role and its features before the initial conftests: their hooks run first
+    launched_early(early_config, ctx)  # before output capturing starts, and before conftests import torch
     if fake.requested():  # before conftest.py files import torch
-        from .machine.domain import claim_run_machines, release_run_machines
-        from .sim.ledger import LEDGER_ENV
-
-        # the run's own simulated machine unless one is named (or a ledger given): its workers,
-        # ranks and subprocesses inherit the name; it goes when the run ends
         try:
-            claimed = None if os.environ.get(LEDGER_ENV) else claim_run_machines(_launch_id(ctx))
-        except OSError as exc:
+            release = fake.start_for_run(_launch_id(ctx))
+        except fake.ClaimError as exc:
             raise pytest.UsageError(f"{fake.FAKE_ENV}: pytest-gpu: cannot make the run's own machine: {exc}") from None
-        try:
-            fake.activate()
-        except BaseException as exc:
-            if claimed is not None:
-                release_run_machines(claimed)
-            if isinstance(exc, ValueError):
-                raise pytest.UsageError(f"{fake.FAKE_ENV}: {exc}") from None
-            raise
-        if claimed is not None:
-            early_config.add_cleanup(lambda: release_run_machines(claimed))
+        except ValueError as exc:
+            raise pytest.UsageError(f"{fake.FAKE_ENV}: {exc}") from None
+        if release is not None:
+            early_config.add_cleanup(release)
     return (yield)
 
 
@@ -116,30 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     selection.register_markers(config)
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and WIRE_KEY in workerinput:
-        run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
-        from .nodes import worker as node_worker
-
-        run.largest_node = node_worker.largest(config, run)  # --gpu-nodes: requests are checked against it
-        run.node = node_worker.node(config)  # --gpu-nodes: what a request too large for its GPUs names
-    else:
-        settings = options.read(config)
-        from .nodes.hosts import configure as configure_nodes
-        from .run.rundir import RunDirError
-        from .sim.ledger import LedgerWriteError
-
-        if configure_nodes(config, settings, config.stash.get(LAUNCH_KEY, None)) is not None:
-            # --gpu-nodes: each node's host owns that node's GPUs; the controller leases none
-            settings = replace(settings, gpus="none")
-        try:
-            run = GpuRun.start(settings, launch=config.stash.get(LAUNCH_KEY, None))
-        except (DeviceSpecError, RunDirError, LedgerWriteError) as exc:
-            raise pytest.UsageError(str(exc)) from None
-    if run.settings.learn:
-        run.learned_peaks = history.load(config, history.PEAKS_KEY)
-    run.frameworks = config.hook.pytest_gpu_confine
-    roles.install(config, run)  # the controller's, a worker's or a lone process's hooks (see roles)
+    roles.install(config)  # the run started or joined; the role's features settled from it
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -34,7 +34,7 @@ from ..base.wording import numbered
 from ..gpu.isolation import VISIBILITY
 from ..gpu.verification import NvmlRankVerifier, SimRankVerifier, Verdict, claim_processes, release_processes
 from ..leasing.host import THREAD_VARS
-from ..run.holding import Holding, Owner
+from ..run.holding import Holding, Owner, hold
 from ..run.session import GpuRun
 from ..vendors import registry as vendors
 from . import cover, protocol
@@ -176,7 +176,7 @@ class RankPool:
         request = self.spec.gpu_request(self.run.settings.default_memory)
         if request is not None:
             # held for the ranks: this process is not confined to it; verified after each test
-            self.holding = self.run.hold(self.owner, request, confine=False)
+            self.holding = hold(self.run, self.owner, request, confine=False)
             inventory = self.run.inventory
             names = vendors.of(inventory.vendor).lease_names(
                 [inventory.by_index(i) for i in self.holding.lease.indices]

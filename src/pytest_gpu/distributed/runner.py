@@ -4,7 +4,10 @@ An *isolated* test (``gpu(..., isolate=True)``) runs the same way on a one-rank 
 holds the test's lease (:func:`isolated_item_spec`): its body sees exactly its GPUs, as
 ``cuda:0..count-1``, and the pool's check after it is the test's own verdict.
 
-The process's pools are its :class:`PoolManager`'s: at most one warm pool at a time.
+The feature's hook object is :class:`Distributed`, in every process that runs tests; it
+gives the lease feature its collection check (:func:`stash_spec`) and its reasons a test
+can never run here (:func:`never_runs`). The process's pools are its :class:`PoolManager`'s:
+at most one warm pool at a time.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from ..base import privates
 from ..base.distspec import DistSettings, DistSpec, build_spec, isolated_spec
 from ..base.requests import GpuRequestError, format_size
 from ..base.wording import plural
+from ..run.feature import Feature
 from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
-from ..run.record import effective, needs, record
-from .backends import AUTO_PROPERTY, auto_backend, fit_ranks
+from ..run.record import effective, needs, record, skip_why
+from .backends import AUTO_PROPERTY, auto_backend, fit_ranks, nccl_missing
 from .rankinfo import RankPlaceholder
 
 if TYPE_CHECKING:  # the pool machinery is imported when the first distributed test runs
@@ -80,6 +84,51 @@ class FailureRepr:
 
     def __str__(self) -> str:
         return f"{str(self.shown).rstrip()}\n\n{self.detail}" if self.detail else str(self.shown)
+
+
+class Distributed(Feature):
+    """Distributed (and isolated) tests in a process that runs tests: their bodies run on the
+    process's pools, their reports say every rank's outcome, and no pool outlives the session."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
+        if needs(pyfuncitem).dist is None:
+            return None
+        run_item(pyfuncitem, self.run)
+        return True
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        make_report(item, call, report)
+        return report
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        close(self.config)  # no rank outlives the session, also after Ctrl-C
+
+    def pytest_unconfigure(self) -> None:
+        close(self.config)  # before the role closes the run (registered after it: called first)
+
+
+def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
+    """Why ``run`` can never run the distributed test ``item``, and that in a few words for the
+    summary; ``None``: it can, or it is no distributed test. Checked as its pool is placed:
+    ``world_size`` x ``gpus_per_rank`` GPUs (the pool's lease), then the backend (nccl needs
+    real GPUs and a torch with NCCL); what the test leases itself is the lease feature's."""
+    dist = needs(item).dist
+    if dist is None:
+        return None
+    pool = dist.gpu_request(run.settings.default_memory)
+    reason = run.never_fits(pool) if pool is not None else None
+    if pool is not None and reason is not None:
+        return f"its pool of {dist.describe()} {reason}", skip_why(pool, run)
+    missing = nccl_missing(run.inventory) if dist.backend == "nccl" else None
+    if missing is not None:
+        instead = "; backend='auto' would take gloo here" if run.inventory.devices else ""
+        return f"backend='nccl' cannot run here: {missing}{instead}", f"nccl unavailable — {missing}"
+    return None
 
 
 def stash_spec(item: pytest.Item, run: GpuRun) -> None:

@@ -1,14 +1,9 @@
-"""Applying a lease inside the test process: environment, and the frameworks' confinement.
+"""A lease in the test process: the ``gpu`` fixture's value (:class:`GpuLease`), what confining
+the process to it changed (:class:`Confinement`, the ``pytest_gpu_confine`` hook's argument),
+and each lease's cap among the process's others.
 
-Only the leased GPUs are ever touched. A framework is used only if the test process
-imports it: if it is loaded when the lease starts it is confined at once, and if the test
-imports it while holding the lease it is confined right after its import
-(:mod:`pytest_gpu.base.importhook`); the plugin never imports torch or CuPy itself. Which
-frameworks are confined, and how, is the ``pytest_gpu_confine`` hook's: torch and CuPy
-are built in (:mod:`pytest_gpu.gpu.adapters`), a conftest adds its own.
-
-Before anything is narrowed, the process's CUDA device list is pinned to the run's
-(:mod:`pytest_gpu.gpu.runtime`), so ordinals never depend on which test started CUDA.
+Applying a lease is :func:`pytest_gpu.gpu.confine.confine`'s; the frameworks' own confinement
+(torch's and CuPy's built in: :mod:`pytest_gpu.gpu.adapters`) is written against this module.
 
 A lease's cap on a GPU is its own budget on top of what the rest of the process holds there
 (:func:`share`, :func:`settle`): a test's verdict never depends on a fixture's lease in the
@@ -120,7 +115,7 @@ def visibility_env(vendor: str, visible: Sequence[str]) -> dict[str, str]:
 
 @dataclass
 class Confinement:
-    """What :func:`confine` changed, so :meth:`undo` can put it back.
+    """What :func:`~pytest_gpu.gpu.confine.confine` changed, so :meth:`undo` can put it back.
 
     The ``pytest_gpu_confine`` hook receives it: an implementation confines its framework
     through :meth:`when_imported` and :meth:`on_undo`. ``ordinals`` are the leased GPUs as
@@ -199,84 +194,6 @@ class Confinement:
             else:
                 os.environ[name] = value
         self.saved_env.clear()
-
-
-def confine(lease: GpuLease, inventory: Inventory, frameworks: Callable[..., object] | None = None) -> Confinement:
-    """Apply ``lease`` to this process until :meth:`Confinement.undo`.
-
-    ``frameworks`` confines the frameworks the test uses: the ``pytest_gpu_confine`` hook
-    (``config.hook.pytest_gpu_confine``), whose built-in implementations are the torch and
-    CuPy adapters of :mod:`pytest_gpu.gpu.adapters`; ``None``: those two alone.
-
-    Raises :class:`pytest_gpu.gpu.runtime.LeaseUnreachable` when this process's CUDA
-    cannot address the lease; whatever was applied before an error is undone.
-    """
-    done = Confinement()
-    activate(done.key)
-    try:
-        runtime.pin(inventory)  # while CUDA_VISIBLE_DEVICES is still the run's
-        ordinals = runtime.in_process(inventory, lease.indices)
-        if ordinals is None:
-            done.notes.append(
-                f"GPU {','.join(map(str, lease.indices))} (MIG) cannot be used by this process's CUDA, which "
-                "uses one MIG instance per process: use the lease from a subprocess (gpu.env)"
-            )
-        else:
-            done.inventory, done.ordinals = inventory, ordinals
-            if runtime.simulated(inventory):
-                _confine_sim(lease, ordinals, done)
-            if frameworks is None:
-                from . import adapters
-
-                adapters.pytest_gpu_confine(lease, done)
-            else:
-                frameworks(lease=lease, confinement=done)
-        for name, value in lease.env.items():
-            done.saved_env[name] = os.environ.get(name)
-            os.environ[name] = value
-    except BaseException:
-        done.undo()
-        raise
-    return done
-
-
-def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
-    from ..sim import cuda
-
-    def used() -> dict[int, int]:
-        return sim.ledger().allocations([os.getpid()])
-
-    def cap(settled: Settled, unit: int) -> None:
-        cuda.set_memory_cap(unit, settled.cap)
-
-    previous = cuda.current_device()
-    now = used()
-    for index in lease.indices:
-        share("sim", index, done.key, lease.memory)
-        cap(settle("sim", index, now.get(index, 0)), index)
-
-        def lift(index: int = index) -> None:  # the default binds this iteration's index
-            cap(unshare("sim", index, done.key, used().get(index, 0)), index)
-
-        done.undo_steps.append(lift)
-
-    def resume() -> None:
-        now = used()
-        for index in lease.indices:
-            cap(settle("sim", index, now.get(index, 0)), index)
-
-    done.on_resume(resume)
-    cuda.set_device(ordinals[0])
-    done.undo_steps.append(lambda: _restore_sim_device(previous))
-
-
-def _restore_sim_device(previous: int) -> None:
-    from ..sim import cuda
-
-    # Going back to a device where this process has no context would open one there,
-    # outside any lease (CUDA 12's cudaSetDevice creates the primary context).
-    if cuda.has_context(cuda.unit_of(previous)):
-        cuda.set_device(previous)
 
 
 # -- each lease's cap: its own budget on top of what the rest of the process holds ------------

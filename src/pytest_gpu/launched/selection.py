@@ -1,19 +1,51 @@
-"""Deselect the tests that may not run here (launcher and strategy markers)."""
+"""Deselect the tests that may not run here (launcher and strategy markers).
+
+The feature's hook object is :class:`Selection`, in every process of a run: where tests are
+collected it deselects them (and, in an xdist worker of a launched rank under ``--shard``,
+keeps the rank's share); the xdist controller gathers its workers' reasons for its summary.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 
 from ..base import privates
 from ..base.launch import LaunchContext
 from .markers import DEFAULT_MAPPING, SELECTED, LauncherMarkerError, allowed, parse_mapping
+from .session import select_share
 
 REASONS_KEY = pytest.StashKey[Counter[str]]()
 WORKEROUTPUT_KEY = "pytest_gpu_deselected"  # an xdist worker's reasons, for the controller's summary
 _NOT_GIVEN = object()
+
+
+class Selection:
+    """The feature's hooks (see the module docstring); ``worker``: this process is an xdist worker."""
+
+    def __init__(self, config: pytest.Config, launch: LaunchContext | None, worker: bool = False) -> None:
+        self.config = config
+        self.launch = launch
+        self.worker = worker
+
+    @pytest.hookimpl(trylast=True)  # after pytest's -m/-k: the reasons count only the tests they kept
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        deselect(config, items, self.launch)
+        workeroutput = getattr(config, "workeroutput", None)
+        if workeroutput is not None:  # the controller prints the reasons (a worker's terminal is not shown)
+            workeroutput[WORKEROUTPUT_KEY] = dict(config.stash.get(REASONS_KEY, {}))
+        if self.worker and self.launch is not None and config.getoption("shard"):
+            select_share(config, self.launch, items)  # xdist workers collect: each takes the rank's share
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """A worker's deselection reasons, for this process's summary (a worker's terminal is not shown)."""
+        reasons = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
+        if reasons:
+            add_reasons(self.config, reasons)
 
 
 def m_expression(config: pytest.Config) -> Callable[[Iterable[pytest.Mark]], bool] | None:

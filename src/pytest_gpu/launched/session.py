@@ -30,7 +30,7 @@ from ..base.launch import LaunchContext
 from ..base.wording import numbered
 from ..run import history
 from ..run.history import DURATIONS_KEY
-from . import gather
+from . import gather, torchenv
 from .shard import partition
 
 
@@ -58,6 +58,34 @@ def early_gather_timeout(config: pytest.Config) -> float:
     return value if value > 0 else 300.0
 
 
+def early(config: pytest.Config, ctx: LaunchContext | None) -> None:
+    """Before the initial conftests load (and before output capturing starts: it keeps the
+    terminal's descriptor), in a launched rank's main process (xdist workers inherit it):
+    ranks other than 0 write everything to their log file instead of the terminal, and
+    torch.distributed's variables are set, so ``init_process_group(init_method="env://")``
+    works under mpirun and srun before a conftest imports torch."""
+    if ctx is None or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if not ctx.is_root:
+        redirect_output(log_dir(config) / ctx.launcher / f"rank{ctx.rank}.log")
+    torchenv.provide(ctx, gather_dir(config, ctx), early_gather_timeout(config))
+
+
+def launched_rank(config: pytest.Config, ctx: LaunchContext, timeout: float) -> LaunchedRank:
+    """At ``pytest_configure``, the launched-rank feature of a rank's main process (the
+    controller or a lone process): one junitxml at the path asked for, from rank 0; the
+    other ranks keep theirs by their log (junitxml reads the path after this)."""
+    if not ctx.is_root and getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = str(log_dir(config) / ctx.launcher / f"rank{ctx.rank}.xml")
+    return LaunchedRank(config, ctx, timeout, config.getoption("shard"))
+
+
+def check_shard(config: pytest.Config, ctx: LaunchContext | None) -> None:
+    """``--shard`` outside a launcher is a usage error."""
+    if config.getoption("shard") and ctx is None:
+        raise pytest.UsageError("--shard: not running under a launcher (srun, mpirun or torchrun), nothing to shard")
+
+
 def redirect_output(path: Path) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2) to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +96,7 @@ def redirect_output(path: Path) -> None:
 
 
 class LaunchedRank:
-    """The launched-rank role: registered beside the controller or lone object of each rank's main process."""
+    """The launched-rank feature: registered by the controller or lone role of each rank's main process."""
 
     def __init__(self, config: pytest.Config, ctx: LaunchContext, timeout: float, shard: bool) -> None:
         self.config = config

@@ -6,7 +6,9 @@ broker serves; under ``--gpu-nodes`` the nodes are those whose host started
 same questions: each node's view and where a plan goes (the scheduler's
 :class:`~pytest_gpu.scheduling.scheduler.Nodes`), what a new worker is handed, what it
 found for ``--gpu-required``, and what the summary and the trace say of the nodes. The
-owner registers the one it has as a plugin: node mode's own hooks are :class:`NodesFeature`'s.
+owner role holds the one it has and hands it to the features that read it (the report, the
+scheduler, ``--gpu-required``); under ``--gpu-nodes`` it registers :class:`NodesFeature`,
+whose hooks are node mode's own.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class OneMachine:
 
 class NodesFeature:
     """``--gpu-nodes`` at the controller: the nodes whose host started (see :mod:`.hosts`),
-    and node mode's hooks."""
+    and node mode's hooks (the feature's hook object, registered in node mode only)."""
 
     def __init__(self, config: pytest.Config, hosts: NodeHosts) -> None:
         self.config = config

@@ -1,4 +1,7 @@
-"""An xdist worker of ``--gpu-nodes`` mode: which node it is on, and its temp directory there."""
+"""An xdist worker of ``--gpu-nodes`` mode: which node it is on, and its temp directory there.
+
+:class:`NodeWorker` is the feature's hook object in such a worker.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,19 @@ from .spec import INVENTORIES_KEY, NODE_ENV, NODE_KEY
 
 if TYPE_CHECKING:
     from ..run.session import GpuRun
+
+
+class NodeWorker:
+    """``--gpu-nodes`` in a worker: each report (and junitxml's testcase) names the node it ran on."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        name = node(self.config)
+        if name is not None:
+            item.user_properties.append(("gpu_node", name))
 
 
 def node(config: pytest.Config) -> str | None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.procs import kill_and_wait, owner_alive
 from ..gpu.verification import release_processes
+from ..run.feature import Feature
 from ..run.holding import Owner
 from .head import STATE_FILE
 from .readiness import disconnect
@@ -37,6 +38,15 @@ RAY_HEAD = Owner("ray", "the run's Ray head")
 STOP_GRACE = 15.0  # seconds the head may take to drain after SIGTERM before it is killed
 # watchdogs this process started: reaped when stopped, so no "still running" ResourceWarning
 WATCHDOGS: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class RayHead(Feature):
+    """The feature's hook object in the process that owns the run: the head a test started is
+    stopped when the run ends, before the run (and its directory) closes."""
+
+    def pytest_unconfigure(self) -> None:
+        if self.has_run:  # (none when pytest_configure failed)
+            stop_head(self.run)
 
 
 def stop_head(run: GpuRun) -> None:

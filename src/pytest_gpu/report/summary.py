@@ -1,4 +1,8 @@
-"""The run's GPU summary, gathered from test reports (so it works under xdist too)."""
+"""The run's GPU summary, gathered from test reports (so it works under xdist too).
+
+The report feature (:class:`~pytest_gpu.report.feature.RunReport`, a :class:`Summary`) is the
+hook object that gathers them, in the process that owns the run.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ if TYPE_CHECKING:
     from ..vendors.devices import Inventory
 
 
-@dataclass(eq=False)  # registered as a plugin: must stay hashable
+@dataclass(eq=False)  # registered as a plugin (RunReport): must stay hashable
 class Summary:
     gpu_tests: int = 0
     violations: int = 0

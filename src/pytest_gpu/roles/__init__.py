@@ -1,16 +1,33 @@
-"""One plugin object per role a pytest process plays in a run, registered once the role is known.
+"""One plugin object per role a pytest process plays in a run; it registers the features that apply.
 
-    controller   (Controller)  the xdist controller: owns the run (broker, summary, history,
-                               trace), hands each worker the run, schedules tests by GPU need
-    worker       (Worker)      an xdist worker: joins the controller's run and runs tests
+    controller   (Controller)  the xdist controller: starts and owns the run (broker, or
+                               --gpu-nodes' node hosts), hands each worker the run
+    worker       (Worker)      an xdist worker: joins the controller's run
     lone         (Lone)        pytest without xdist workers: owns the run and runs its tests
-    launched rank (LaunchedRank, launched/session.py): beside the controller or lone object of
-                               each rank's main process under srun, mpirun or torchrun
 
-The role is foreseen before the initial conftests load (:func:`register_early`: hook order
-follows registration, and a conftest's hooks must run before the role's), confirmed and
-given the run in ``pytest_configure`` (:func:`install`); the objects are unregistered when
-the config is cleaned up, after ``pytest_unconfigure``.
+A role only says who owns the run; everything else is a feature: one hook object in its
+own folder (:class:`~pytest_gpu.run.feature.Feature`), registered only where its role needs
+it and only when it is enabled, under the name ``pytest-gpu-<name>``:
+
+    feature          controller  worker  lone   enabled
+    summary          x                   x      always (report/feature: summary, trace, history)
+    ray-head         x                   x      always (raycluster: the head a test started stops with the run)
+    launched-rank    x                   x      under srun, mpirun or torchrun (launched/session)
+    nodes            x                          --gpu-nodes (nodes/feature)
+    selection        x           x       x      always (launched/selection: launcher markers, their reasons)
+    required         x           x       x      --gpu-required, not --collect-only (run/required)
+    scheduling       x                          --gpu-schedule=on, no --dist chosen (scheduling/scheduler)
+    leases                       x       x      always (run/lifecycle: a test's leases, fixtures' leases)
+    quarantine                   x       x      always (run/sticky: sticky CUDA errors)
+    distributed                  x       x      always (distributed/runner: rank pools, isolate=True)
+    catalog                      x              the controller's GPU scheduler hands out the tests (scheduling/catalog)
+    node                         x              --gpu-nodes (nodes/worker)
+
+The role and the features it foresees from the command line are registered before the
+initial conftests load (:func:`register_early`: hook order follows registration, and a
+conftest's hooks must run before pytest-gpu's); at ``pytest_configure`` the role is
+confirmed, starts or joins the run, and settles its features from it (:func:`install`);
+each object is unregistered when the config is cleaned up, after ``pytest_unconfigure``.
 """
 
 from __future__ import annotations
@@ -19,10 +36,13 @@ import os
 
 import pytest
 
+from ..launched.session import check_shard
+from ..run import history
 from ..run.keys import LAUNCH_KEY, Role
 from ..run.record import RUN_KEY
-from ..run.session import GpuRun
-from .base import RoleBase, register
+from .base import RoleBase, foresee, register
+from .owner import Controller
+from .tester import Lone, Worker
 
 __all__ = ["Role", "decide", "expected_role", "install", "register_early", "role_of"]
 
@@ -62,45 +82,37 @@ def expected_role(config: pytest.Config) -> Role:
 
 
 def register_early(config: pytest.Config) -> None:
-    """Register the expected role's object before the initial conftests load.
+    """Register the expected role's object, and the features it foresees, before the initial
+    conftests load.
 
     Hook order follows registration: a conftest's plain hooks (a ``pytest_runtest_setup``
-    that skips or waits for a condition) run before the role's, as they ran before the
+    that skips or waits for a condition) run before the features', as they ran before the
     plugin module's, so a test a conftest skips never waits for its lease.
     """
-    _create(config, expected_role(config))
+    _create(config, expected_role(config)).settle(foresee(config))
 
 
-def install(config: pytest.Config, run: GpuRun) -> Role:
-    """At ``pytest_configure``: attach ``run`` to the role's object (replacing the early one
-    where the foresight was wrong, e.g. a pytest started from inside an xdist worker),
-    and register the launched-rank role where it applies."""
+def install(config: pytest.Config) -> Role:
+    """At ``pytest_configure``: confirm the role (replacing the early object where the
+    foresight was wrong, e.g. a pytest started from inside an xdist worker), start or join
+    the run, and settle the role's features from it."""
     role = role_of(config)
     plugin = config.stash.get(ROLE_KEY, None)
     if plugin is None or plugin.role is not role:
-        if plugin is not None and config.pluginmanager.is_registered(plugin):
-            config.pluginmanager.unregister(plugin)
+        if plugin is not None:
+            plugin.withdraw()
         plugin = _create(config, role)
+    check_shard(config, plugin.launch)
+    run = plugin.start()
+    if run.settings.learn:
+        run.learned_peaks = history.load(config, history.PEAKS_KEY)
+    run.frameworks = config.hook.pytest_gpu_confine
     config.stash[RUN_KEY] = run
     plugin.attach(run)
-    launch = plugin.launch
-    if role is not Role.WORKER and launch is not None:
-        from ..launched.session import LaunchedRank, log_dir
-
-        if not launch.is_root and getattr(config.option, "xmlpath", None):
-            # one junitxml at the path asked for, from rank 0; the others keep theirs by their log
-            config.option.xmlpath = str(log_dir(config) / launch.launcher / f"rank{launch.rank}.xml")
-        rank = LaunchedRank(config, launch, run.settings.rank_gather_timeout, config.getoption("shard"))
-        register(config, rank, "pytest-gpu-launched-rank")
-    elif config.getoption("shard") and launch is None:
-        raise pytest.UsageError("--shard: not running under a launcher (srun, mpirun or torchrun), nothing to shard")
     return role
 
 
 def _create(config: pytest.Config, role: Role) -> RoleBase:
-    from .owner import Controller
-    from .tester import Lone, Worker
-
     (kind,) = [k for k in (Controller, Worker, Lone) if k.role is role]
     plugin = kind(config, config.stash.get(LAUNCH_KEY, None))
     register(config, plugin, f"pytest-gpu-{role.value}")

@@ -1,138 +1,111 @@
 """The processes that run tests: an xdist worker, or pytest without workers (``Lone``).
 
-Each test's life (request, lease, confinement, verification, report) is
-:mod:`pytest_gpu.run.lifecycle`'s; distributed tests are :mod:`pytest_gpu.distributed.runner`'s.
-These hooks only call them in pytest's order.
+A test's life with its leases is the lease feature's (:class:`~pytest_gpu.run.lifecycle.Leases`);
+distributed tests are :class:`~pytest_gpu.distributed.runner.Distributed`'s, the quarantine
+:class:`~pytest_gpu.run.sticky.StickyErrors`', deselection
+:class:`~pytest_gpu.launched.selection.Selection`'s, ``--gpu-required``
+:class:`~pytest_gpu.run.required.Required`'s; a worker under the GPU scheduler adds its
+catalog (:class:`~pytest_gpu.scheduling.catalog.Catalog`), one of ``--gpu-nodes`` its node's
+(:class:`~pytest_gpu.nodes.worker.NodeWorker`). These role objects only register them, and
+hand each the others' parts it needs.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import pytest
 
 from ..distributed import runner
-from ..gpu import verification
-from ..launched import selection
-from ..launched.session import select_share
+from ..distributed.runner import Distributed
+from ..launched.selection import Selection
 from ..nodes import worker as node_worker
-from ..run import fixture_leases, lifecycle, quarantine, required
+from ..run import sticky
 from ..run.keys import SCHEDULE_KEY, Role
-from ..run.record import needs
-from .base import RoleBase
-from .owner import RunOwner
+from ..run.lifecycle import Leases
+from ..run.required import Required, WorkerRequired
+from ..run.session import WIRE_KEY, GpuRun
+from ..run.sticky import StickyErrors, WorkerStickyErrors
+from .base import RoleBase, Switches
+from .owner import RunOwner, start_run
 
 
 class TestProcess(RoleBase):
-    """Hooks of a process that collects and runs tests."""
+    """A process that collects and runs tests: the features every such process registers."""
 
     __test__ = False  # not a test class, whatever pytest's python_classes say
+    leases: Leases
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(
-        self, collector: pytest.Collector
-    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-        report = yield
-        lifecycle.collect_report(report, self.run, (runner.stash_spec,))
-        return report
+    def wanted(self, switches: Switches) -> dict[str, Callable[[], object]]:
+        out = super().wanted(switches)
+        # the order matters: among trylast hooks the first registered is called first (deselection
+        # before the oversize check); among plain hooks and wrappers the last registered is called
+        # first (the lease feature's makereport is the innermost: its verdict is in the report
+        # before the quarantine and the distributed tests read it)
+        out["selection"] = lambda: Selection(self.config, self.launch)
+        out["leases"] = self._leases
+        out["quarantine"] = lambda: StickyErrors(self.config)
+        out["distributed"] = lambda: Distributed(self.config)
+        if switches.required:
+            out["required"] = lambda: Required(self.config)
+        return out
 
-    @pytest.hookimpl(trylast=True)  # after pytest's -m/-k: the reasons count only the tests they kept
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        selection.deselect(config, items, self.launch)
-        workeroutput = getattr(config, "workeroutput", None)
-        if workeroutput is not None:  # the controller prints the reasons (a worker's terminal is not shown)
-            workeroutput[selection.WORKEROUTPUT_KEY] = dict(config.stash.get(selection.REASONS_KEY, {}))
-        self.select(items)
-        lifecycle.mark_oversize(items, self.run, node_worker.every_node(config, self.run))
-
-    def select(self, items: list[pytest.Item]) -> None:
-        """Narrow the collected tests further (a worker: its rank's shard)."""
-
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        required.check(session, self.run)  # --gpu-required: GPU tests and no GPUs stop the run here
-
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        # plain (not tryfirst): after the skip/skipif/xfail checks, before fixtures are set up
-        lifecycle.setup(item, self.run)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
-        __tracebackhide__ = True  # a fixture's teardown error passes through here: its traceback is the fixture's
-        fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
-        lifecycle.release_failure(item)  # a failed call's frames no longer hold the test's memory
-        try:
-            return (yield)
-        finally:
-            lifecycle.teardown(item, self.run)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
-        __tracebackhide__ = True  # a fixture's error passes through here: its traceback starts in the fixture
-        with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
-            if fixturedef.scope == "function":
-                return (yield)
-            # processes a longer-lived fixture starts are its own, not the test's it was set up for
-            with verification.claiming(f"fixture {fixturedef.argname}"):
-                return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item, call: pytest.CallInfo[None]
-    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
-        quarantine.note_call(item, call)
-        lifecycle.make_report(item, report, self.run, call.excinfo.value if call.excinfo is not None else None)
-        quarantine.make_report(item, report, self.run)
-        runner.make_report(item, call, report)
-        return report
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
-        if needs(pyfuncitem).dist is None:
-            return None
-        runner.run_item(pyfuncitem, self.run)
-        return True
-
-    def finish_session(self, session: pytest.Session) -> None:
-        runner.close(self.config)  # no rank outlives the session, also after Ctrl-C
-        super().finish_session(session)
-
-    def close(self) -> None:
-        runner.close(self.config)
-        super().close()
+    def _leases(self) -> Leases:
+        self.leases = Leases(
+            self.config,
+            checks=(runner.stash_spec,),  # the distributed marker, read with the request
+            never=(runner.never_runs,),  # a rank pool that cannot be placed here, nccl where it cannot run
+            before_release=(sticky.check,),  # broken CUDA keeps its memory: nothing is given back then
+            elsewhere=partial(node_worker.every_node, self.config),  # --gpu-nodes: a test another node can run
+        )
+        return self.leases
 
 
 class Worker(TestProcess):
-    """An xdist worker: runs the tests the controller sends it, in the controller's run."""
+    """An xdist worker: joins the controller's run and runs the tests it sends."""
 
     role = Role.WORKER
 
-    def select(self, items: list[pytest.Item]) -> None:
-        if self.launch is not None and self.config.getoption("shard"):
-            select_share(self.config, self.launch, items)  # xdist workers collect: each takes the rank's share
+    def start(self) -> GpuRun:
+        workerinput = self.config.workerinput  # type: ignore[attr-defined]
+        if WIRE_KEY not in workerinput:  # a controller without pytest-gpu: a run of its own
+            return start_run(self.config, self.launch)
+        run = GpuRun.join(workerinput[WIRE_KEY], str(workerinput.get("workerid", "worker")))
+        run.largest_node = node_worker.largest(self.config, run)  # --gpu-nodes: requests are checked against it
+        run.node = node_worker.node(self.config)  # --gpu-nodes: what a request too large for its GPUs names
+        return run
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        # xdist heard the last test complete: a worker whose CUDA it broke ends before this one
-        quarantine.end_worker(self.config, self.run, lambda: runner.close(self.config))
-        node = node_worker.node(self.config)
-        if node is not None:  # --gpu-nodes: each report (and junitxml's testcase) names the node it ran on
-            item.user_properties.append(("gpu_node", node))
+    def switches(self) -> Switches:
+        workerinput = self.config.workerinput  # type: ignore[attr-defined]
+        return replace(
+            super().switches(),
+            schedule=bool(workerinput.get(SCHEDULE_KEY)),  # the controller says so
+            nodes=node_worker.node(self.config) is not None,
+        )
 
-    @pytest.hookimpl(tryfirst=True)
+    def wanted(self, switches: Switches) -> dict[str, Callable[[], object]]:
+        out = super().wanted(switches)
+        out["quarantine"] = lambda: WorkerStickyErrors(self.config, partial(runner.close, self.config))
+        out["selection"] = lambda: Selection(self.config, self.launch, worker=True)
+        if switches.required:  # before xdist sends the collection
+            out["required"] = lambda: WorkerRequired(self.config)
+        if switches.schedule:
+            out["catalog"] = self._catalog
+        if switches.nodes:
+            out["node"] = lambda: node_worker.NodeWorker(self.config)
+        return out
+
+    def _catalog(self) -> object:
+        from ..scheduling.catalog import Catalog  # (the planner: loaded where the GPU scheduler runs)
+
+        return Catalog(self.config, self.leases.never_runs)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist sends the collection: the tests wait for it
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        super().pytest_collection_finish(session)  # before xdist sends the node ids too
         freeze_heap()
-        # tell the scheduler what each test needs before xdist sends the node ids
-        if not self.config.workerinput.get(SCHEDULE_KEY) or not session.items:  # type: ignore[attr-defined]
-            return
-        from ..scheduling.catalog import entries
-
-        tests = entries(session.items, self.run)
-        if tests:  # a CPU-only suite needs no entry, and so no connection to the broker
-            self.run.client.catalog(tests)
 
 
 def freeze_heap() -> None:

@@ -56,7 +56,7 @@ from ..base.spans import LeaseSpan
 from ..gpu.isolation import GpuLease, visibility_env
 from ..gpu.verification import Verdict
 from ..machine.ports import PortOwner
-from .holding import STATE_KEY, Holding, Owner, broke, separate
+from .holding import STATE_KEY, Holding, Owner, broke, hold, separate
 from .record import RUN_KEY, skip_at_run_time
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     holding = _holding(config, frame)
     problem = ""
     try:
-        held = run.hold(holding.owner, request)
+        held = hold(run, holding.owner, request)
     except BrokerError as exc:
         problem = f"could not get {request.describe()}: {exc}"
     except LeaseUnreachable as exc:

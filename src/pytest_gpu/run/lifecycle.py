@@ -1,8 +1,12 @@
-"""A test's life with a lease: read its marker, acquire before fixtures, verify after teardown."""
+"""A test's life with a lease: read its marker, acquire before fixtures, verify after teardown.
+
+:class:`Leases` is the feature's hook object, in every process that runs tests; other
+features hand it what it must also check (see its docstring).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -20,21 +24,111 @@ from ..base.requests import (
     with_host,
 )
 from ..base.spans import GpuProperties, format_held, format_peaks, format_spans
+from ..gpu import verification
 from ..machine.ports import PortOwner
-from . import fixture_leases, quarantine
+from . import fixture_leases
 from .conventions import convention_request, item_kwargs
-from .holding import STATE_KEY, Holding, Owner, TestState, broke
+from .feature import Feature
+from .holding import STATE_KEY, Holding, Owner, TestState, broke, hold
 from .keys import SCHEDULE_KEY
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
 from .record import SKIP_PROPERTY, effective, needs, record, skip_at_run_time, skip_why
+from .session import GpuRun
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
-    from .session import GpuRun
 
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
 HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.leasing.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
+
+# what other features give the lease feature (see Leases)
+CollectionCheck = Callable[[pytest.Item, GpuRun], None]  # raises GpuRequestError naming the test
+NeverRuns = Callable[[pytest.Item, GpuRun], tuple[str, str] | None]  # (reason, in a few words); None: it can
+BeforeRelease = Callable[[pytest.Item, GpuRun, TestState | None], None]
+Elsewhere = Callable[[GpuRun], Mapping[str, GpuRun] | None]
+
+
+class Leases(Feature):
+    """A test's leases, in a process that runs tests: its request read and checked at
+    collection, a test this run can never run skipped, its lease acquired before its fixtures
+    and verified and given back after their teardown, fixtures' leases (``gpu_lease_factory``)
+    and the verdict in the teardown report.
+
+    Other features give it ``checks`` (their markers, validated at collection with the
+    request: the distributed marker), ``never`` (their own reasons a test can never run here,
+    asked before its request's: a rank pool's), ``before_release`` (steps after a test's
+    fixtures are torn down, before anything is given back: the quarantine's probe) and
+    ``elsewhere`` (``--gpu-nodes``: every node's run, for the oversize check)."""
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        *,
+        checks: Sequence[CollectionCheck] = (),
+        never: Sequence[NeverRuns] = (),
+        before_release: Sequence[BeforeRelease] = (),
+        elsewhere: Elsewhere | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.checks = tuple(checks)
+        self.never = tuple(never)
+        self.before_release = tuple(before_release)
+        self.elsewhere = elsewhere
+
+    def never_runs(self, item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
+        """Why ``run`` can never run ``item``, and that in a few words; ``None``: it can
+        (the other features' reasons first, then its request's: :func:`never_runs`)."""
+        for check in self.never:
+            found = check(item, run)
+            if found is not None:
+                return found
+        return never_runs(item, run)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        report = yield
+        collect_report(report, self.run, self.checks)
+        return report
+
+    @pytest.hookimpl(trylast=True)  # after pytest's -m/-k and the launcher markers: only the tests they kept
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        run = self.run
+        mark_oversize(items, run, self.elsewhere(run) if self.elsewhere is not None else None, self.never_runs)
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # plain (not tryfirst): after the skip/skipif/xfail checks, before fixtures are set up
+        setup(item, self.run)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a fixture's teardown error passes through here: its traceback is the fixture's
+        fixture_leases.leave(item)  # fixtures torn down from here on are released once this test is verified
+        release_failure(item)  # a failed call's frames no longer hold the test's memory
+        try:
+            return (yield)
+        finally:
+            teardown(item, self.run, self.before_release)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
+        __tracebackhide__ = True  # a fixture's error passes through here: its traceback starts in the fixture
+        with fixture_leases.setting_up(fixturedef, request):  # gpu_lease_factory/ports_factory calls are its
+            if fixturedef.scope == "function":
+                return (yield)
+            # processes a longer-lived fixture starts are its own, not the test's it was set up for
+            with verification.claiming(f"fixture {fixturedef.argname}"):
+                return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        make_report(item, report, self.run, call.excinfo.value if call.excinfo is not None else None)
+        return report
 
 
 def item_needs(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]:
@@ -160,25 +254,31 @@ def collect_report(
         report.result = []
 
 
-def mark_oversize(items: list[pytest.Item], run: GpuRun, elsewhere: Mapping[str, GpuRun] | None = None) -> None:
-    """Skip (or flag to fail) tests this run can never run: a request larger than its GPUs or
-    machine, a distributed test whose rank pool cannot be placed on them or whose
-    ``backend="nccl"`` cannot run here (see :func:`never_runs`).
+def mark_oversize(
+    items: list[pytest.Item],
+    run: GpuRun,
+    elsewhere: Mapping[str, GpuRun] | None = None,
+    never: NeverRuns | None = None,
+) -> None:
+    """Skip (or flag to fail) tests this run can never run (``never``, :meth:`Leases.never_runs`:
+    a request larger than its GPUs or machine, a distributed test whose rank pool cannot be
+    placed on them or whose ``backend="nccl"`` cannot run here; default: :func:`never_runs`).
 
     ``elsewhere`` (``--gpu-nodes``: node -> that node's run, this worker's node included): a test
     one of them can run is left alone (the scheduler keeps it off the nodes it cannot fit); one
     none can run is skipped with the largest node's reason, naming that node."""
+    never = never or never_runs
     for item in items:
-        found = never_runs(item, run)
+        found = never(item, run)
         if found is None:
             continue
         if elsewhere:
-            if any(never_runs(item, other) is None for other in elsewhere.values()):
+            if any(never(item, other) is None for other in elsewhere.values()):
                 continue
             name, largest = max(
                 elsewhere.items(), key=lambda kv: (kv[1].usable_memory, len(kv[1].inventory.devices), kv[0])
             )
-            reason, _ = never_runs(item, largest) or found
+            reason, _ = never(item, largest) or found
             found = (
                 f"fits no node of the run, not even the largest: {reason}",  # the reason names the node
                 f"larger than the largest node's (node {name}: {largest.inventory.describe()})",
@@ -192,25 +292,10 @@ def mark_oversize(items: list[pytest.Item], run: GpuRun, elsewhere: Mapping[str,
 
 
 def never_runs(item: pytest.Item, run: GpuRun) -> tuple[str, str] | None:
-    """Why this run can never run ``item``, and that in a few words for the summary; ``None``: it can.
-
-    A distributed test is checked as its pool is placed: ``world_size`` x ``gpus_per_rank``
-    GPUs (the pool's lease), then the backend (nccl needs real GPUs and a torch with NCCL),
-    then whatever the test leases itself."""
-    from ..distributed.backends import nccl_missing
-
-    test = needs(item)
-    dist = test.dist
-    if dist is not None:
-        pool = dist.gpu_request(run.settings.default_memory)
-        reason = run.never_fits(pool) if pool is not None else None
-        if pool is not None and reason is not None:
-            return f"its pool of {dist.describe()} {reason}", skip_why(pool, run)
-        missing = nccl_missing(run.inventory) if dist.backend == "nccl" else None
-        if missing is not None:
-            instead = "; backend='auto' would take gloo here" if run.inventory.devices else ""
-            return f"backend='nccl' cannot run here: {missing}{instead}", f"nccl unavailable — {missing}"
-    request = test.request
+    """Why this run can never run ``item``'s request, and that in a few words for the summary;
+    ``None``: it can (or the test asks for nothing). A distributed test's pool is the
+    distributed feature's to check (:meth:`Leases.never_runs` asks it first)."""
+    request = needs(item).request
     if request is None:
         return None
     reason = run.never_fits(request)
@@ -273,7 +358,7 @@ def _hold(run: GpuRun, request: GpuRequest, item: pytest.Item) -> Holding:
     from ..leasing.client import BrokerError
 
     try:
-        return run.hold(Owner("test", item.nodeid, item.nodeid), request)
+        return hold(run, Owner("test", item.nodeid, item.nodeid), request)
     except BrokerError as exc:
         message = f"pytest-gpu: {item.nodeid} could not get {request.describe()}: {exc}"
     except LeaseUnreachable as exc:
@@ -310,10 +395,12 @@ def _clear_frames(tb: TracebackType | None) -> None:
         tb = tb.tb_next
 
 
-def teardown(item: pytest.Item, run: GpuRun) -> None:
-    """After fixtures are torn down: verify, give everything back, record properties."""
+def teardown(item: pytest.Item, run: GpuRun, before_release: Sequence[BeforeRelease] = ()) -> None:
+    """After fixtures are torn down: ``before_release`` (the quarantine's probe: broken CUDA
+    keeps its memory), then verify, give everything back, record properties."""
     state = item.stash.get(STATE_KEY, None)
-    quarantine.check(item, run, state)  # before anything is given back: broken CUDA keeps its memory
+    for step in before_release:
+        step(item, run, state)
     ended = fixture_leases.end(item, run)  # fixtures (any scope) torn down in this teardown
     if state is None and ended:
         state = item.stash[STATE_KEY] = TestState()

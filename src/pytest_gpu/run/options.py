@@ -295,6 +295,22 @@ def _flag(config: pytest.Config, ini: str) -> bool:
     return word in _TRUE
 
 
+def foreseen(config: pytest.Config, ini: str) -> str:
+    """An option's value before pytest has parsed the command line (``pytest_load_initial_conftests``,
+    where ``known_args_namespace`` holds it), else its ini key's, else its default; unchecked
+    (:func:`read` checks it): what the process's role foresees its features from."""
+    cli = getattr(getattr(config, "known_args_namespace", None), ini, None)
+    if cli is not None:
+        return str(cli)
+    value = config.getini(ini)
+    return _DEFAULTS[ini] if value is None else str(value)
+
+
+def foreseen_flag(config: pytest.Config, ini: str) -> bool:
+    """:func:`foreseen` of a flag (a key of :data:`FLAGS`): whether it is true."""
+    return foreseen(config, ini).strip().lower() in _TRUE
+
+
 def read(config: pytest.Config) -> Settings:
     """Validate every option; a bad value is a UsageError naming the option."""
     gpus, _ = _value(config, "gpus")

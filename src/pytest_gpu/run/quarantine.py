@@ -3,7 +3,7 @@
 After a device-side assert or an illegal address (see :func:`probe` below) the
 process's CUDA fails every call and keeps the memory it holds until the process exits.
 So, once a test leaves it so (found after its fixtures are torn down, before any lease is
-given back):
+given back: the hooks are :mod:`pytest_gpu.run.sticky`'s):
 
 - its leases are not given back: they stay charged to the process until it exits (the
   broker takes them back when its connection closes, and counts its contexts until the
@@ -11,38 +11,30 @@ given back):
 - its teardown report names the test and the error (an error of its own if the test
   passed);
 - an xdist worker under pytest-gpu's scheduler ends itself before its next test (after
-  xdist heard this one complete), leaving a record in the run directory: the scheduler
-  puts the test it held back into pending instead of reporting it as crashed, xdist
-  starts a replacement ("replacing crashed worker"), and the summary says what happened;
+  xdist heard this one complete), leaving a record in the run directory (:func:`write_record`):
+  the scheduler puts the test it held back into pending instead of reporting it as crashed,
+  xdist starts a replacement ("replacing crashed worker"), and the summary says what happened;
 - without that (no xdist, or ``--dist`` chosen, where xdist would report the held test as
   crashed) the process stays, and every later lease it asks for is refused with a message
-  naming the test that broke CUDA, never a raw CUDA error.
+  naming the test that broke CUDA, never a raw CUDA error (:func:`refuse`).
+
+This module is what the run's state (:attr:`GpuRun.quarantine <pytest_gpu.run.session.GpuRun.quarantine>`),
+the controller and the node hosts read: the record, the refusal, the probe.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import pytest
 
 from ..leasing.client import BrokerError
 from ..sim.cuda import STICKY_ERRORS
 
-if TYPE_CHECKING:
-    from .holding import TestState
-    from .session import GpuRun
-
 RECORDS = "quarantine"  # the run directory's folder of workers that ended themselves
 MAX_RECORD = 4096  # bytes of a record read at most: a larger one is not ours
 EXIT_STATUS = 75  # what a quarantined worker exits with (EX_TEMPFAIL: its tests run elsewhere)
-_CALL_ERROR = pytest.StashKey[str]()  # the sticky error the test's call raised, as it said it
-_CALL_FAILED = pytest.StashKey[bool]()  # the test's call raised: its failure is reported already
 
 
 @dataclass(frozen=True)
@@ -62,87 +54,15 @@ class Quarantined(BrokerError):
     """A lease asked for by a process whose CUDA a sticky error broke."""
 
 
-def note_call(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
-    """Remember the sticky CUDA error the test's call raised, if it raised one."""
-    if call.when == "call" and call.excinfo is not None:
-        item.stash[_CALL_FAILED] = True
-        found = sticky_message(call.excinfo.value)
-        if found is not None:
-            item.stash[_CALL_ERROR] = found
-
-
-def check(item: pytest.Item, run: GpuRun, state: TestState | None) -> None:
-    """After the test's fixtures are torn down and before its leases are given back: is
-    CUDA still usable? If not, quarantine this process (see the module docstring)."""
-    if run.quarantine is not None:
-        return
-    devices: list[str] = []
-    if state is not None:
-        for active in [*state.sections, *([state.main] if state.main is not None else [])]:
-            devices += [d for d in active.lease.devices if d not in devices]
-    error = item.stash.get(_CALL_ERROR, None)
-    if devices or error is not None:
-        error = probe(devices, run.inventory.simulated) or error
-    if error is None:
-        return
-    run.quarantine = Quarantine(item.nodeid, error, run.worker, _ends_itself(item.config))
-    _write_record(run)
-
-
-def refuse(run: GpuRun, test: str) -> None:
-    """Raise :class:`Quarantined` for a lease ``test`` asks for in a quarantined process."""
-    found = run.quarantine
+def refuse(found: Quarantine | None) -> None:
+    """Raise :class:`Quarantined` for a lease asked for in a process quarantined for ``found``
+    (``None``: not quarantined, nothing is raised)."""
     if found is not None:
         raise Quarantined(
             f"not run: {found.describe()}, and a sticky CUDA error lasts until the process exits "
             "(its GPU memory is held till then); under pytest-xdist (-n) with pytest-gpu's scheduler "
             "(no --dist) the worker ends itself and a fresh one takes the GPU tests after it"
         )
-
-
-def make_report(item: pytest.Item, report: pytest.TestReport, run: GpuRun) -> None:
-    """The quarantining test's teardown report names it and the error."""
-    found = run.quarantine
-    if found is None or report.when != "teardown" or found.test != item.nodeid:
-        return
-    then = (
-        f"worker {found.worker} ends itself after this test and xdist starts another"
-        if _ends_itself(item.config)
-        else "later GPU tests of this process are not run"
-    )
-    text = (
-        f"pytest-gpu: {found.describe()}: a sticky CUDA error lasts until the process exits. "
-        f"Its GPU memory and leases stay held till then; {then}."
-    )
-    if report.passed and not item.stash.get(_CALL_FAILED, False):  # it passed, yet broke CUDA: an error
-        report.outcome = "failed"
-        report.longrepr = text
-    else:
-        report.sections.append(("pytest-gpu quarantine", text))
-
-
-def end_worker(config: pytest.Config, run: GpuRun, close_pools: Callable[[], object]) -> None:
-    """Before a quarantined worker's next test: end the process, as a crash would end it,
-    so that xdist replaces it (its leases and memory go back when it has exited);
-    ``close_pools`` first: its rank pools must not outlive it."""
-    if run.quarantine is None or not _ends_itself(config):
-        return
-    try:
-        close_pools()
-    finally:
-        sys.stderr.write(f"pytest-gpu: worker {run.worker} ends: {run.quarantine.describe()}\n")
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(EXIT_STATUS)
-
-
-def _ends_itself(config: pytest.Config) -> bool:
-    """Whether this process is an xdist worker that may end itself: under pytest-gpu's
-    scheduler, which gives the test it holds back to pending instead of calling it crashed."""
-    from .keys import SCHEDULE_KEY
-
-    workerinput = getattr(config, "workerinput", None)
-    return bool(workerinput is not None and workerinput.get(SCHEDULE_KEY))
 
 
 # -- the probe: is this process's CUDA still usable -------------------------------------------
@@ -212,13 +132,12 @@ def _has_context(torch: object, device: str) -> bool:
 # -- records: what a worker that ended itself tells the controller ---------------------------
 
 
-def _write_record(run: GpuRun) -> None:
-    found = run.quarantine
-    assert found is not None
-    folder = run.run_dir / RECORDS
+def write_record(run_dir: Path, found: Quarantine) -> None:
+    """Leave ``found`` in the run directory, for the controller (see :func:`records`)."""
+    folder = run_dir / RECORDS
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
-        (folder / f"{_safe(run.worker)}.json").write_text(
+        (folder / f"{_safe(found.worker)}.json").write_text(
             json.dumps({"test": found.test, "error": found.error, "worker": found.worker, "ends": found.ends})
         )
     except OSError:

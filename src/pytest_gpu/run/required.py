@@ -19,13 +19,15 @@ calls it (counted here: only its run can tell).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..base.wording import plural
 from ..gpu.discovery import candidates
+from .feature import Feature
 from .fixture_leases import FACTORY
 from .record import needs
 
@@ -34,6 +36,33 @@ if TYPE_CHECKING:
     from .session import GpuRun
 
 OPTION = "--gpu-required (ini gpu_required)"
+
+
+class Required(Feature):
+    """The feature's hooks, registered where ``--gpu-required`` is on: in a process that
+    collects, the check after collection (:func:`check`); at the xdist controller,
+    ``reported`` raises what each worker found as its collection comes in (the run's nodes
+    know where: :meth:`pytest_gpu.nodes.feature.RunNodes.raise_required`)."""
+
+    def __init__(self, config: pytest.Config, reported: Callable[[Any], None] | None = None) -> None:
+        super().__init__(config)
+        self.reported = reported
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        check(session, self.run)  # GPU tests and no GPUs stop the run here
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: Any) -> None:
+        if self.reported is not None:
+            self.reported(node)  # as the worker found it, on its node
+
+
+class WorkerRequired(Required):
+    """An xdist worker's: its finding is written before xdist sends the worker's collection."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        super().pytest_collection_finish(session)
 
 
 def asks_for_gpus(item: pytest.Item) -> bool:

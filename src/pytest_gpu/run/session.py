@@ -22,8 +22,8 @@ from .. import sim
 from ..base.requests import GpuRequest, format_size
 from ..gpu import runtime
 from ..gpu.calibration import Calibration
+from ..gpu.confine import confine as confine_lease
 from ..gpu.isolation import Confinement, GpuLease, make_lease
-from ..gpu.isolation import confine as confine_lease
 from ..gpu.verification import (
     NvmlRankVerifier,
     NvmlVerifier,
@@ -40,7 +40,7 @@ from ..vendors import registry as vendors
 from ..vendors.devices import Inventory
 from ..vendors.sampling import Unavailable
 from . import quarantine as quarantine_
-from .holding import Holding, Leftovers, Owner
+from .leftovers import Leftovers
 from .options import Settings
 
 if TYPE_CHECKING:  # the broker and its transport are imported where they are used
@@ -430,13 +430,14 @@ class GpuRun:
                 )
         return None
 
-    def hold(self, owner: Owner, request: GpuRequest, *, confine: bool = True) -> Holding:
-        """Wait for ``request`` on behalf of ``owner``, confine this process to it (or, with
-        ``confine=False``, leave this process as it is: a lease for the processes it starts)
-        and start verifying; :meth:`Holding.release` is the one way it ends."""
+    def hold(self, holder: str, request: GpuRequest, *, confine: bool = True) -> ActiveLease:
+        """Wait for ``request`` on behalf of ``holder`` (as the broker names it), confine this
+        process to it (or, with ``confine=False``, leave this process as it is: a lease for the
+        processes it starts) and start verifying; :func:`pytest_gpu.run.holding.hold` is its
+        one caller, :meth:`finish` the one way it ends."""
         asked = time.time()
-        quarantine_.refuse(self, owner.name)  # a sticky CUDA error: no lease would be usable here
-        grant = self.client.acquire(request, owner.name, self.settings.wait_timeout, on_wait=self.waiting)
+        quarantine_.refuse(self.quarantine)  # a sticky CUDA error: no lease would be usable here
+        grant = self.client.acquire(request, holder, self.settings.wait_timeout, on_wait=self.waiting)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
@@ -468,7 +469,7 @@ class GpuRun:
         active = ActiveLease(lease, confinement, verifier, asked, granted, 0.0, os.getpid(), confine)
         if confine and grant.indices:
             self._confined[grant.key] = active
-        return Holding(owner, active)
+        return active
 
     def _verifier(self, confined: bool) -> Verifier:
         """What checks a lease: this process's (confined), or that of the processes it starts (a

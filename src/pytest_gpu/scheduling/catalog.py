@@ -29,8 +29,9 @@ import pytest
 
 from ..base import privates
 from ..run import fixture_leases
+from ..run.feature import Feature
 from ..run.fixture_leases import FACTORY, GROUP_PREFIX, GROUPED, HELD_PREFIX
-from ..run.lifecycle import never_runs
+from ..run.lifecycle import NeverRuns
 from ..run.record import effective, needs
 from . import dependencies
 from .planner import Job, Need
@@ -40,6 +41,25 @@ if TYPE_CHECKING:
 
 # Default for a test with no recorded duration when nothing at all is known.
 UNKNOWN_DURATION = 1.0
+
+
+class Catalog(Feature):
+    """The feature's hook object in an xdist worker the controller's GPU scheduler hands tests
+    to: what each collected test needs goes to the broker before xdist sends the node ids.
+    ``never_runs``: the lease feature's (:meth:`pytest_gpu.run.lifecycle.Leases.never_runs`),
+    a test this run can never run is no GPU work to the scheduler."""
+
+    def __init__(self, config: pytest.Config, never_runs: NeverRuns) -> None:
+        super().__init__(config)
+        self.never_runs = never_runs
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own: it sends the node ids
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not session.items:
+            return
+        tests = entries(session.items, self.run, self.never_runs)
+        if tests:  # a CPU-only suite needs no entry, and so no connection to the broker
+            self.run.client.catalog(tests)
 
 
 @dataclass(frozen=True)
@@ -98,8 +118,9 @@ class Entry:
         return Need(self.gpus, self.memory) if self.gpus else None
 
 
-def entries(items: Sequence[pytest.Item], run: GpuRun) -> dict[str, dict[str, Any]]:
-    """The wire entries (:meth:`Entry.to_wire`) of the tests of ``items`` that are not plain CPU work."""
+def entries(items: Sequence[pytest.Item], run: GpuRun, never_runs: NeverRuns) -> dict[str, dict[str, Any]]:
+    """The wire entries (:meth:`Entry.to_wire`) of the tests of ``items`` that are not plain CPU
+    work (``never_runs``: why ``run`` can never run a test, :meth:`~pytest_gpu.run.lifecycle.Leases.never_runs`)."""
     groups = _groups(items, dependencies.dependency_groups(items, dependencies.automark_enabled(items[0].config)))
     fixture_leases.remember_groups(items[0].config, groups)
     before = firsts(items, groups)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import ChainMap
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
@@ -43,6 +43,8 @@ import pytest
 from ..base import privates
 from ..leasing.view import NodeView
 from ..run import history
+from ..run.feature import Feature
+from ..run.keys import SCHEDULE_KEY
 from . import catalog
 from .planner import Grant, Order, Planner
 
@@ -68,6 +70,26 @@ class Nodes(Protocol):
     def node_of(self, worker: Any) -> str:
         """The node an xdist worker runs on."""
         ...
+
+
+class Scheduling(Feature):
+    """The feature's hook object at the xdist controller, registered where the GPU scheduler
+    hands the tests out (``--gpu-schedule=on``, the default, and no ``--dist`` chosen): each
+    worker is told so (its catalog, :class:`~pytest_gpu.scheduling.catalog.Catalog`), and
+    xdist is given :class:`GpuScheduling` over the run's ``nodes`` (known at ``pytest_configure``)."""
+
+    def __init__(self, config: pytest.Config, nodes: Callable[[], Nodes]) -> None:
+        super().__init__(config)
+        self._nodes = nodes
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput[SCHEDULE_KEY] = True  # each new worker (replacements too)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> GpuScheduling:
+        durations = history.load(config, history.DURATIONS_KEY)
+        return GpuScheduling(config, log, self.run, durations, self._nodes())
 
 
 class GpuScheduling:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
+from ..machine.domain import claim_run_machines, release_run_machines
 from ..vendors import kinds, libraries
 from . import amdsmi, nvml, zes
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
@@ -143,6 +145,31 @@ def _amdsmi_package(kind: kinds.Kind) -> ModuleType | None:
         return None
     found: ModuleType = package
     return found
+
+
+class ClaimError(Exception):
+    """The run's own simulated machine could not be made (its directory: the text says why)."""
+
+
+def start_for_run(launch_id: str | None) -> Callable[[], None] | None:
+    """Turn the switch on for a pytest run that starts in this process (before conftest.py
+    files import torch): on the run's own simulated machine, unless one is named or a ledger
+    given; its workers, ranks and subprocesses inherit the name. Returns what removes the
+    run's own machine when the run ends (``None``: it has none). ``launch_id``: the launch
+    this process is a rank of (see :func:`~pytest_gpu.machine.domain.claim_run_machines`).
+
+    Raises :class:`ClaimError`, or ``ValueError`` for a bad spec."""
+    try:
+        claimed = None if os.environ.get(LEDGER_ENV) else claim_run_machines(launch_id)
+    except OSError as exc:
+        raise ClaimError(str(exc)) from None
+    try:
+        activate()
+    except BaseException:
+        if claimed is not None:
+            release_run_machines(claimed)
+        raise
+    return None if claimed is None else partial(release_run_machines, claimed)
 
 
 def deactivate() -> None:
