@@ -222,7 +222,7 @@ class Broker(Server):
             raise Drop  # a client says hello first
 
     def error_text(self, kind: Any, exc: Exception) -> str:
-        if isinstance(exc, Refused):
+        if isinstance(exc, (Refused, MachineError)):  # the machine's arbiter's own words
             return str(exc)
         return f"pytest-gpu broker failed on {kind!r}: {exc!r}"  # a bug here must not stop the service
 

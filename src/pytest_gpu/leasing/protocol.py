@@ -75,6 +75,7 @@ REQUEST = Check(_request)
 INDEX = Int(0, MAX_INDEX)
 INDICES = List(INDEX, MAX_INDEX)
 PORT = Int(1, 65535)
+OWNER = Str(1 << 16)  # a test's node id (the arbiter is told a shortened one), a port owner
 
 
 class ForeignNote(TypedDict):
@@ -118,10 +119,10 @@ CATALOG_ENTRY = Obj(
     {
         "gpus": Int(0, MAX_INDEX),
         "memory": Opt(Int(1, MAX_BYTES)),
-        "pool": Opt(Str(4096)),
-        "group": Opt(Str(4096)),
+        "pool": Opt(Str(1 << 16)),
+        "group": Opt(Str(1 << 16)),
         "serial": Bool(),
-        "before": List(Str(4096), LIST_MAX),
+        "before": List(Str(1 << 16), LIST_MAX),
         "held": List(Row(Int(0, MAX_INDEX), Opt(Int(1, MAX_BYTES)), names=("gpus", "bytes each")), LIST_MAX),
     },
     name="a catalog entry",
@@ -156,7 +157,7 @@ BROKER_STATUS = Obj(
         "waiting": List(
             Obj({"key": Str(1024), "request": Str(1024), "bypassed": Int()}, name="a waiting request"), LIST_MAX
         ),
-        "ports": Dict(IntKey(1, 65535), Str(4096), LIST_MAX),
+        "ports": Dict(IntKey(1, 65535), Str(1 << 17), LIST_MAX),
         "used": Dict(IntKey(0, MAX_INDEX), BYTES, MAX_INDEX),
         "contexts": Dict(IntKey(0, MAX_INDEX), List(Str(1024), LIST_MAX), MAX_INDEX),
         "grants": Int(),
@@ -172,7 +173,7 @@ BROKER = Protocol(
     calls={
         "hello": Call(Obj({"worker": WORKER, "pid": Int(0, 1 << 31)}), Obj({"client": Str(64)})),
         "acquire": Call(
-            Obj({"key": NAME, "request": REQUEST, "test": TEST}),
+            Obj({"key": NAME, "request": REQUEST, "test": OWNER}),
             Tagged({"granted": LEASE, "queued": Null(), "refused": TEXT}),
         ),
         "cancel": Call(Obj({"key": NAME}), Tagged({"cancelled": List(LOCAL_HOLDER, LIST_MAX), "not-waiting": Null()})),
@@ -189,8 +190,8 @@ BROKER = Protocol(
                 {"contexts": None, "left": None},
             )
         ),
-        "ports": Call(Obj({"n": Int(1, 1024), "owner": Str(4096)}), List(PORT, 1024)),
-        "release_ports": Call(Obj({"owner": Str(4096)}), Null()),
+        "ports": Call(Obj({"n": Int(1, 1024), "owner": OWNER}), List(PORT, 1024)),
+        "release_ports": Call(Obj({"owner": OWNER}), Null()),
         "context_size": Call(Obj({"index": INDEX, "bytes": BYTES}), Null()),
         "status": Call(Obj(), BROKER_STATUS),
         "catalog": Call(Obj({"tests": Dict(StrKey(Str(1 << 16)), CATALOG_ENTRY, LIST_MAX)}), Null()),
