@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.base.distspec import DistSettings, DistSpec
 from pytest_gpu.distributed import protocol
 from pytest_gpu.distributed.pool import PoolError, RankPool
@@ -129,7 +130,7 @@ def _connecting(tmp_path: Path, *messages: tuple[str, dict[str, Any]]) -> tuple[
     for sent, (kind, fields) in enumerate(messages, 1):
         clients.append(rank_client(address, authkey))
         clients[-1].tell(kind, fields)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + patience(5)
         while pool.server.arrivals.qsize() < sent and time.monotonic() < deadline:  # in this order
             time.sleep(0.005)
     return pool, clients
