@@ -12,10 +12,10 @@ Two ways to read:
 
 - *in the caller's thread* (the default): a call reads until its answer has come, and
   hands the events that came first to ``on_event`` (or keeps them for :meth:`Client.receive`).
-  The wait is a ``select``: an exception raised in it (pytest-timeout's signal, Ctrl-C)
-  consumes nothing, and the answer of a call given up on is skipped when it comes. Only an
-  exception while a message is being written or filed (microseconds) leaves the stream in
-  doubt: then the connection is closed (:attr:`Client.lost`).
+  An exception raised in the wait (pytest-timeout's signal, Ctrl-C) consumes nothing,
+  and the answer of a call given up on is skipped when it comes. Only an exception while
+  a message is being written or filed (microseconds) leaves the stream in doubt: then the
+  connection is closed (:attr:`Client.lost`).
 - *a reader thread* (``threaded``): answers go to the calls that wait for them, events to
   ``on_event`` as they come (for a peer that speaks unasked at any time: the arbiter).
 
@@ -193,13 +193,15 @@ class Client:
         does) and file it; ``False`` when nothing came in time."""
         if self.lost is not None:
             raise Garbled(self.garbled) if self.garbled is not None else Closed(self.lost)
-        try:
-            ready, _, _ = select.select([self.sock], [], [], None if timeout is None else max(timeout, 0.0))
-        except (OSError, ValueError) as exc:
-            self._end(f"lost the connection: {exc!r}")
-            raise Closed(self.lost) from None
-        if not ready:
-            return False
+        if timeout is not None:  # (a blocking recv waits as well: a signal's exception in it consumes nothing)
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            try:
+                if not poller.poll(max(timeout, 0.0) * 1000):
+                    return False
+            except OSError as exc:
+                self._end(f"lost the connection: {exc!r}")
+                raise Closed(self.lost) from None
         try:
             self._take(self.sock.recv(READ_SIZE))
         except (Closed, Garbled):

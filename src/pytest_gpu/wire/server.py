@@ -493,30 +493,35 @@ class Server:
             self._close_pipe("_wake")
 
     def _turn(self) -> None:
-        spent: Counter[int] = Counter()  # bytes read per uid in this turn
         budget = self.bounds.turn_bytes_per_uid
         share = self.bounds.seconds_per_uid
+        fair = budget is not None or share is not None
+        spent: Counter[int] = Counter()  # bytes read per uid in this turn
         for key, events in self._selector.select(self._timeout()):
             peer: Peer | None = key.data
             if peer is None:
                 self._woken()
                 continue
             try:
-                if events & selectors.EVENT_READ and (budget is None or spent[peer.uid] < budget):
-                    if share is None:
-                        spent[peer.uid] += self._read(peer)
-                    elif not self._throttled(peer.uid):  # a user over its share: its turn comes again
-                        started = time.perf_counter()
-                        spent[peer.uid] += self._read(peer)
-                        self._used[peer.uid] += time.perf_counter() - started
-                        if self._throttled(peer.uid):
-                            self._dirty.update(p for p in self._peers if p.uid == peer.uid)
+                if events & selectors.EVENT_READ:
+                    if not fair:
+                        self._read(peer)
+                    elif budget is None or spent[peer.uid] < budget:
+                        if share is None:
+                            spent[peer.uid] += self._read(peer)
+                        elif not self._throttled(peer.uid):  # a user over its share: its turn comes again
+                            started = time.perf_counter()
+                            spent[peer.uid] += self._read(peer)
+                            self._used[peer.uid] += time.perf_counter() - started
+                            if self._throttled(peer.uid):
+                                self._dirty.update(p for p in self._peers if p.uid == peer.uid)
                 if events & selectors.EVENT_WRITE and not peer.closed:
                     self._flush(peer)
                     self._dirty.add(peer)
             except Exception as exc:  # whatever a peer made happen ends that peer alone
                 self._drop(peer, f"error: {type(exc).__name__}")
-        self._expire()
+        if self._deadlined or share is not None:
+            self._expire()
         if self._dirty:
             self._update_interest()
 
@@ -541,6 +546,8 @@ class Server:
             self._drop(peer, peer.doomed or "doomed")
 
     def _timeout(self) -> float | None:
+        if not self._deadlined and self.bounds.seconds_per_uid is None:
+            return None
         deadlines = [d for p in self._deadlined for d in (p.hello_by, p.frame_by) if d is not None]
         if self.bounds.seconds_per_uid is not None and any(self._throttled(uid) for uid in self._used):
             deadlines.append(self._second + self._window)  # a user waiting for its next second
