@@ -158,8 +158,7 @@ class MachineLink:
             if callable(self._domain) and self.domain is None:
                 self.domain = self._domain()
             if self.domain is None:  # a private pool: this run shares its GPUs with no one
-                self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
-                self._attach_here(self._arbiter)
+                self._alone()
             else:
                 self._elect_and_attach(expect=False)
             self._attached = True
@@ -182,6 +181,10 @@ class MachineLink:
                 why = str(exc)
         # not even a private domain: this run alone
         warn_once(f"alone:{self.domain.name}", f"{why}; this run shares its GPUs with no other run")
+        self._alone()
+
+    def _alone(self) -> None:
+        """This run is its own arbiter, in its own process, sharing its GPUs with no other run."""
         self.domain = None
         self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
         self._attach_here(self._arbiter)
@@ -338,9 +341,7 @@ class MachineLink:
                 self.domain = self.domain.fallback()
             else:
                 warn_once(f"garbled:{self.domain.name}", f"{why}; this run shares its GPUs with no other run")
-                self.domain = None
-                self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
-                self._attach_here(self._arbiter)
+                self._alone()
                 return
         elif self.domain is not None and self.domain.wide and self.failovers > MAX_FAILOVERS:
             # an arbiter that keeps breaking off (closing): not one to keep coming back to
