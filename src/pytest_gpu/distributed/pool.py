@@ -384,7 +384,6 @@ class RankPool:
                 self._file(*arrivals.get_nowait())
         return True
 
-
     def _protocol_error(
         self, rank: int, kind: str, reply: dict[str, Any], expected: tuple[str, ...]
     ) -> protocol.ProtocolError:
