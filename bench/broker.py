@@ -60,20 +60,20 @@ import statistics
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
 
 from pytest_gpu.base.requests import GpuRequest, format_size
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient
+from pytest_gpu.leasing.protocol import BROKER, MAX_FRAME
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.machine.placement import Policy
+from pytest_gpu.wire.server import Bounds, KeyAuth, Peer, Server
 
 GIB = 2**30
 WARMUP_CYCLES = 20
@@ -220,72 +220,29 @@ class ThreadProfiles:
         stats.strip_dirs().sort_stats("tottime").print_stats(limit)
 
 
-class EchoServer:
-    """Baseline: the broker's transport with a trivial handler (every acquire granted at once).
+class EchoServer(Server):
+    """Baseline: the broker's transport (the one wire: its server loop, the key, the
+    schemas) with a trivial handler: every acquire granted at once. The gap between this
+    and the real broker is the broker's own logic."""
 
-    ``threaded`` serves each client on its own thread, as the broker does; otherwise one
-    thread serves every connection through :func:`multiprocessing.connection.wait`. The
-    gap between these and the real broker is the broker's own logic; the gap between the
-    two is the cost of one thread per client on this machine.
-    """
+    protocol = BROKER
+    thread_prefix = "pytest-gpu-echo"
 
-    def __init__(self, address: str, authkey: bytes, threaded: bool) -> None:
-        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        self.threaded = threaded
-        self.conns: list[Connection] = []
-        self.closing = False
+    def __init__(self, address: str, authkey: bytes) -> None:
+        super().__init__(address, KeyAuth(authkey), Bounds(max_request=MAX_FRAME, max_brackets=None))
         self.ids = itertools.count()
-        threading.Thread(target=self._accept, daemon=True).start()
-        if not threaded:
-            threading.Thread(target=self._select_loop, daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                conn = self.listener.accept()
-            except OSError:
-                return
-            if self.threaded:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-            else:
-                self.conns = [*self.conns, conn]
+    def on_hello(self, peer: Peer, m: dict[str, Any]) -> dict[str, str]:
+        return {"client": f"e{next(self.ids)}"}
 
-    def _reply(self, conn: Connection) -> None:
-        kind, body = conn.recv()
-        if kind == "hello":
-            conn.send(("ok", {"client": f"e{next(self.ids)}"}))
-        elif kind == "acquire":
-            conn.send(("granted", {"key": body["key"], "indices": [0], "memory": 1, "exclusive": False, "waited": 0}))
-        elif kind != "release":  # release is one-way, as in the broker
-            conn.send(("ok", {}))
+    def on_acquire(self, peer: Peer, m: dict[str, Any]) -> tuple[str, Any]:
+        return ("granted", {"key": m["key"], "indices": [0], "memory": 1, "exclusive": False, "waited": 0.0})
 
-    def _serve(self, conn: Connection) -> None:
-        try:
-            while True:
-                self._reply(conn)
-        except (EOFError, OSError):
-            conn.close()
-
-    def _select_loop(self) -> None:
-        while not self.closing:
-            if not self.conns:
-                time.sleep(0.01)
-                continue
-            for ready in wait(self.conns, timeout=0.01):
-                conn = cast(Connection, ready)
-                try:
-                    self._reply(conn)
-                except (EOFError, OSError):
-                    self.conns = [c for c in self.conns if c is not conn]
-
-    def close(self) -> None:
-        self.closing = True
-        self.listener.close()
-        for conn in self.conns:
-            conn.close()
+    def on_message(self, kind: str, peer: Peer, body: Any) -> None:
+        return None  # release is one-way, as in the broker
 
 
-SERVERS = ("broker", "echo-threads", "echo-select")
+SERVERS = ("broker", "echo")
 LINKS = ("private", "machine", "follower")
 
 
@@ -336,7 +293,7 @@ def run_scenario(
                 broker._serve_loop = profiles.wrap(broker._serve_loop)  # type: ignore[method-assign]
             service = broker.start()
         else:
-            service = EchoServer(address, authkey, threaded=server == "echo-threads")
+            service = EchoServer(address, authkey).start()
         attackers: list[socket.socket] = []
         keyless: mp.process.BaseProcess | None = None
         if attack == "busy":  # the same stranger's CPU use without a message: what the machine's load costs
@@ -670,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--baseline",
         action="store_true",
-        help="also time the bare transport: echo servers that grant at once (thread per client, and one thread)",
+        help="also time the bare transport: an echo server that grants at once (the wire alone)",
     )
     parser.add_argument(
         "--link",

@@ -61,7 +61,7 @@ class Peer:
 
 
 def attach(peer: Peer, run: str | None = None, **fields: Any) -> Any:
-    body = {"run": run or f"{os.getuid()}.neighbour-{os.getpid()}", "pid": 1, "user": "root", "label": "n"}
+    body = {"run": run or f"{os.getuid()}.neighbour-{os.getpid()}", "label": "n"}
     body["gpus"] = {GPU: 16 * GiB}
     return peer.call("attach", **{**body, **fields})
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -22,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fake_arbiter import FakeArbiter
 from helpers import patience, shared, wait_for, whole
 from pytest_gpu.machine import link as links_module
 from pytest_gpu.machine import messages
@@ -496,8 +498,9 @@ def test_another_user_sees_only_that_a_run_exists(domain: Domain, made: list[Any
     assert state["runs"] == [{"user": "root", "leases": 1, "gpus": ["U"]}]
     assert state["leases"] == [] and state["waiting"] == [] and state["gpus"][0]["clients"] == []
     text = json.dumps(state)
-    for private in ("secret", arbiter.run, arbiter.label, str(os.getpid())):
+    for private in ("secret", arbiter.run, arbiter.label):
         assert private not in text
+    assert not re.search(rf"\b{os.getpid()}\b", text)  # a number of its own (pid 986 is in 17179869184)
     mine = arbiter.status()  # this user sees its own runs whole
     assert mine["runs"][0]["run"] == arbiter.run and len(mine["leases"]) == 1
 
@@ -631,7 +634,7 @@ def test_a_user_whose_messages_took_its_share_of_the_arbiter_waits_for_the_next_
     server = _server(arbiter)
     server._window = 3600.0  # this "second" lasts until the test ends it
     flooder = _raw(made, domain)
-    assert "ok" in flooder.call("status", pad="x" * (20 << 10))  # its share of this second, used up
+    assert "ok" in flooder.call("status")  # its share of this second, used up (any message takes more)
     # the server counts a message's time once it has answered it: the answer may come first
     deadline = time.monotonic() + patience(5)
     while not server._throttled(os.getuid()) and time.monotonic() < deadline:
@@ -674,3 +677,76 @@ def test_a_preference_crosses_the_wire_and_is_checked_there(domain: Domain, made
     for bad in ("B", [7], ["B"] * 1000):
         with pytest.raises(WireError, match="prefer"):
             messages.preference({"prefer": bad})
+
+
+# -- an arbiter whose answers and events are not what the protocol says ------------------------
+
+
+def _fake(made: list[Any], domain: Domain, **kwargs: Any) -> FakeArbiter:
+    fake = FakeArbiter(domain.address(), **kwargs)
+    made.append(fake)
+    return fake
+
+
+def _follower(made: list[Any], domain: Domain, events: list[Any] | None = None) -> MachineLink:
+    link = MachineLink(domain, Policy(overhead=0))
+    link.attach({"U": 16 * GiB}, (events.append if events is not None else lambda events: None))
+    made.append(link)
+    assert not link.is_arbiter and link.fell_back is None  # the fake is its arbiter
+    return link
+
+
+GARBLED = "is no usable arbiter: the machine's arbiter sent what its protocol does not allow"
+
+
+def test_an_answer_that_is_not_what_the_protocol_says_is_a_machine_error_and_the_arbiter_is_left(
+    domain: Domain, made: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer answering ``room`` with ``null`` (a run once took it in, and crashed with a
+    TypeError): the call fails with a MachineError, the run says so once and coordinates
+    with its own user's runs from then on."""
+    fake = _fake(made, domain, answers={"room": lambda m: None})
+    link = _follower(made, domain)
+    with pytest.raises(links_module.MachineError, match="its answer to 'room' must be a list of at most 256"):
+        link.room(["U"])
+    assert link.fell_back is not None and GARBLED in link.fell_back
+    assert link.domain is not None and not link.domain.wide  # its user's own domain now
+    assert link.room(["U"]) == [16 * GiB]  # answered there
+    assert fake.seen == ["attach", "room"]
+    err = capsys.readouterr().err
+    assert err.count(GARBLED) == 1 and "coordinates its GPUs with its own user's runs only" in err
+
+
+def test_a_grant_missing_a_field_is_a_machine_error(domain: Domain, made: list[Any]) -> None:
+    _fake(made, domain, answers={"submit": lambda m: ["granted", {"memory": GiB, "exclusive": False}]})
+    link = _follower(made, domain)
+    with pytest.raises(links_module.MachineError, match="a grant lacks 'gpus'"):
+        link.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["U"])
+    kind, body = link.submit("c0/k1", "c0", "gw0", "t::b", shared(GiB), ["U"])  # at its own arbiter
+    assert (kind, body["gpus"]) == ("granted", ["U"])
+
+
+def test_an_event_that_is_not_what_the_protocol_says_leaves_the_arbiter_and_the_request_is_served(
+    domain: Domain, made: list[Any]
+) -> None:
+    bad = {"ev": [["granted", "c0/k0", {"gpus": "U", "memory": GiB, "exclusive": False}]]}
+    _fake(made, domain, events={"submit": [bad]})
+    events: list[Any] = []
+    link = _follower(made, domain, events)
+    assert link.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["U"]) == ("queued", None)
+    # the run leaves that arbiter and brings its request to its own, which grants it
+    wait_for(lambda: events, what="the request granted by the run's own arbiter")
+    [[(kind, key, body)]] = events
+    assert (kind, key, body["gpus"]) == ("granted", "c0/k0", ["U"])
+    assert link.fell_back is not None and "a grant's gpus must be a list" in link.fell_back
+
+
+def test_a_roster_that_is_not_what_the_protocol_says_leaves_the_arbiter(domain: Domain, made: list[Any]) -> None:
+    _fake(made, domain, events={"attach": [{"roster": [["1.x", "pid"]], "arbiter": ""}]})
+    link = MachineLink(domain, Policy(overhead=0))
+    link.attach({"U": 16 * GiB}, lambda events: None)
+    made.append(link)
+    wait_for(lambda: link.fell_back is not None, what="the run to leave the arbiter")
+    assert "an item of roster must be an integer, got str" in link.fell_back
+    assert link.domain is not None and not link.domain.wide
+    assert link.submit("c0/k0", "c0", "gw0", "t::a", whole(), ["U"])[0] == "granted"

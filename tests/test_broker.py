@@ -415,7 +415,9 @@ def test_real_ports_are_bindable(run: Run) -> None:
 def test_reported_contexts_steer_placement(run: Run) -> None:
     broker = run.broker({0: 16 * GiB, 1: 16 * GiB, 2: 16 * GiB})
     client = run.client("gw0")
-    client.report_contexts({2})
+    grant = client.acquire(shared(GiB, count=3), "t::all", timeout=5)
+    client.release(grant.key, contexts={2})  # its process keeps a context on GPU 2 alone
+    client.status()  # release is one-way: a round trip on the same connection orders after it
     assert broker.status()["contexts"] == {0: [], 1: [], 2: [client.client_id]}
     assert client.acquire(shared(GiB), "t::home", timeout=5).indices == (2,)
 
@@ -486,7 +488,6 @@ from pytest_gpu.base.requests import GpuRequest
 
 address, key, worker, test, count = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 client = BrokerClient(address, key, worker)
-client.set_test(test)
 indices = ()
 if count:
     indices = client.acquire(GpuRequest(count=count, memory=None, exclusive=True), test, 30).indices

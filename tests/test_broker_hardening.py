@@ -9,6 +9,7 @@ regression fails, it never hangs the suite.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -20,14 +21,18 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-import pytest_gpu.wire.authserver as broker_module
+import pytest_gpu.wire.server as broker_module
 from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant
+from pytest_gpu.leasing.protocol import MAX_FRAME
 from pytest_gpu.machine.placement import Policy
+from pytest_gpu.wire.frames import decode, encode
+from pytest_gpu.wire.handshake import FAILURE, authenticate
 
 GiB = 2**30
 SERVED_WITHIN = 1.0  # seconds: far below the default handshake timeout (5 s)
@@ -218,9 +223,9 @@ def test_a_client_that_takes_a_little_time_is_still_accepted(run: Stalled) -> No
     try:
         answer_challenge(conn, run.authkey)  # what multiprocessing.connection.Client does
         deliver_challenge(conn, run.authkey)
-        conn.send(("hello", {"worker": "slow", "pid": 0}))
+        conn.send_bytes(json.dumps({"op": "hello", "id": 1, "worker": "slow", "pid": 0}).encode())
         assert conn.poll(5), "no reply to hello"
-        assert conn.recv()[0] == "ok"
+        assert json.loads(conn.recv_bytes()) == {"re": 1, "ok": {"client": "c0"}}
         assert [c["worker"] for c in broker.status()["clients"].values()] == ["slow"]
     finally:
         conn.close()
@@ -406,3 +411,77 @@ def test_wrong_key_is_refused_promptly_and_disturbs_no_one(run: Stalled) -> None
     assert isinstance(in_time(run, "gw1"), Grant)
     assert sorted(c["worker"] for c in broker.status()["clients"].values()) == ["gw0", "gw1"]
     assert broker.crashes == []
+
+
+# -- (6) what a client with the key sends is checked too --------------------------------------
+
+
+def keyed_raw(run: Stalled) -> socket.socket:
+    """A raw connection that proved the key (as a client does), then says what a test tells it."""
+    sock = run.connect_raw()
+    sock.setblocking(True)
+    authenticate(sock, run.authkey)
+    return sock
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack(">I", 9) + b"not json!",
+        struct.pack(">I", 12) + b'{"op":NaN}  ',
+        struct.pack(">I", 2) + b"[]",
+        struct.pack(">I", MAX_FRAME + 1),  # announced larger than a broker takes
+    ],
+    ids=["not json", "NaN", "not an object", "oversized"],
+)
+def test_a_frame_that_is_no_message_shuts_its_sender_out(run: Stalled, frame: bytes) -> None:
+    broker = run.start()
+    holder = run.client("gw0")
+    held = holder.acquire(WHOLE, "t::held", timeout=5)
+    sock = keyed_raw(run)
+    sock.sendall(frame)
+    eof_within(sock, 5.0)
+    assert broker.dropped["bad frame"] == 1
+    assert [row["test"] for row in broker.status()["leases"]] == ["t::held"]  # the others go on
+    holder.release(held.key)
+    assert isinstance(in_time(run, "gw1"), Grant)
+
+
+def test_a_message_that_is_not_what_the_protocol_says_is_refused(run: Stalled) -> None:
+    run.start()
+    sock = keyed_raw(run)
+
+    def said(message: dict[str, Any]) -> dict[str, Any]:
+        sock.sendall(encode(message))
+        return decode(read_frame(sock))
+
+    assert said({"op": "hello", "id": 1, "worker": "raw", "pid": 0}) == {"re": 1, "ok": {"client": "c0"}}
+    for bad, why in [
+        ({"op": "acquire", "id": 2, "key": "k", "request": [1, -1, False, None], "test": "t"}, "memory must be in"),
+        ({"op": "acquire", "id": 3, "key": "k", "request": [1, None, True, None]}, "'acquire' lacks 'test'"),
+        ({"op": "ports", "id": 4, "n": "2", "owner": "o"}, "n must be an integer, got str"),
+        ({"op": "status", "id": 5, "verbose": True}, "'status' has no field 'verbose'"),
+        ({"op": "contexts", "id": 6, "indices": [0]}, "unknown op 'contexts'"),  # report_contexts: gone
+        ({"op": "test", "id": 7, "nodeid": "t"}, "unknown op 'test'"),  # set_test: gone
+    ]:
+        answer = said(bad)
+        assert answer["re"] == bad["id"] and why in answer["error"], (bad, answer)
+    assert said({"op": "status", "id": 8})["ok"]["leases"] == []  # the connection is still in step
+
+
+def test_a_client_that_says_anything_before_hello_is_shut_out(run: Stalled) -> None:
+    broker = run.start()
+    sock = keyed_raw(run)
+    sock.sendall(encode({"op": "status", "id": 1}))
+    eof_within(sock, 5.0)
+    assert broker.status()["clients"] == {}
+
+
+def test_a_message_without_the_key_is_never_read(run: Stalled) -> None:
+    broker = run.start()
+    sock = run.connect_raw()
+    read_frame(sock)  # the broker's challenge; the message comes where its answer belongs
+    sock.sendall(encode({"op": "hello", "id": 1, "worker": "intruder", "pid": 0}))
+    assert read_frame(sock) == FAILURE
+    eof_within(sock, 5.0)
+    assert broker.status()["clients"] == {} and not broker._handshakes

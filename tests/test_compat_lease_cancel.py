@@ -109,7 +109,7 @@ def test_a_grant_already_on_its_way_is_released(one_gpu: Any) -> None:
     grant = other.acquire(WHOLE, "next", 3)
     assert held_by(broker) == ["next"]
     other.release(grant.key)
-    # the late push-granted was discarded, not taken for the answer to a later call
+    # the late granted event was discarded, not taken for the answer to a later call
     assert waiter.ports(1, "p") and waiter.status()["leases"] == []
     again = waiter.acquire(WHOLE, "after", 3)
     assert held_by(broker) == ["after"] and again.indices == (0,)

@@ -15,7 +15,6 @@ import time
 import types
 import uuid
 from collections.abc import Callable
-from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +26,7 @@ from pytest_gpu.base.distspec import DistSpec
 from pytest_gpu.distributed import pool as pool_module
 from pytest_gpu.distributed.pool import DistSettings, RankPool
 from pytest_gpu.distributed.runner import PoolManager
+from wired_ranks import body, connect
 
 MARK_VAR = "COMPAT_TIMEOUT_RUN_MARK"
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
@@ -185,33 +185,26 @@ def test_the_thread_method_dump_names_the_pool_the_test_waited_for(
 
 
 class PipeRankPool(RankPool):
-    """A pool whose ranks are threads at the other end of pipes, answering as ``answer`` says."""
+    """A pool whose ranks are threads at the other end of its socket, answering as ``answer`` says."""
 
-    answer: ClassVar[Callable[[int, Connection, dict[str, Any]], None]]
+    answer: ClassVar[Callable[[int, dict[str, Any]], list[tuple[str, dict[str, Any]]]]]
     made: ClassVar[list[PipeRankPool]] = []
 
     def start(self, config_args: list[str]) -> None:
         PipeRankPool.made.append(self)
-        for rank in range(self.spec.world_size):
-            ours, theirs = Pipe()
-            self.conns[rank] = ours
-            threading.Thread(target=self._serve, args=(rank, theirs), daemon=True).start()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        connect(self, self._answer)
 
-    def _serve(self, rank: int, conn: Connection) -> None:
-        try:
-            while True:
-                kind, body = conn.recv()
-                if kind == "run":
-                    type(self).answer(rank, conn, body)
-                elif kind == "close":
-                    conn.send(("closed", {"rank": rank}))
-                    return
-        except (EOFError, OSError):
-            return
+    def _answer(self, rank: int, kind: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        if kind == "run":
+            return type(self).answer(rank, body)
+        if kind == "close":
+            return [("closed", {"rank": rank})]
+        return []
 
 
 def result_of(rank: int, run_id: Any, value: str) -> tuple[str, dict[str, Any]]:
-    return ("result", {"rank": rank, "outcome": "passed", "message": "", "longrepr": "", "run_id": run_id, "v": value})
+    return ("result", {"rank": rank, "outcome": "passed", "message": value, "longrepr": "", "run_id": run_id})
 
 
 def make_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: Callable[..., None]) -> PoolManager:
@@ -223,17 +216,16 @@ def make_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: Callab
 
 
 def test_a_stale_result_is_never_taken_for_the_current_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def answer(rank: int, conn: Connection, body: dict[str, Any]) -> None:
-        if rank == 1:  # still busy with an earlier test: its result comes first
-            conn.send(result_of(rank, "an-earlier-run", "stale"))
-        conn.send(result_of(rank, body["run_id"], "own"))
+    def answer(rank: int, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        stale = [result_of(rank, "an-earlier-run", "stale")] if rank == 1 else []  # still busy with an earlier test
+        return [*stale, result_of(rank, body["run_id"], "own")]
 
     manager = make_manager(tmp_path, monkeypatch, answer)
     try:
-        result, _ = manager.execute(GLOO2, {"nodeid": "t"}, 30.0)
+        result, _ = manager.execute(GLOO2, body("t"), 30.0)
     finally:
         manager.close()
-    assert all(r["v"] == "own" for r in result.results.values()), result.results
+    assert all(r["message"] == "own" for r in result.results.values()), result.results
     assert result.outcome == "failed" and result.broken
     assert any("answered for another test run" in p for p in result.problems), result.problems
     assert manager.pool is None and PipeRankPool.made[0]._stopped  # an out-of-step pool is not reused
@@ -249,10 +241,10 @@ def test_an_interrupted_wait_kills_the_pool_and_the_next_test_gets_a_fresh_one(
 ) -> None:
     hang = threading.Event()
 
-    def answer(rank: int, conn: Connection, body: dict[str, Any]) -> None:
+    def answer(rank: int, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if body["nodeid"] == "hangs":
             hang.wait(30)
-        conn.send(result_of(rank, body["run_id"], body["nodeid"]))
+        return [result_of(rank, body["run_id"], body["nodeid"])]
 
     def alarm(signum: int, frame: Any) -> None:
         raise Interrupted("timeout")
@@ -262,17 +254,17 @@ def test_an_interrupted_wait_kills_the_pool_and_the_next_test_gets_a_fresh_one(
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)  # as pytest-timeout --timeout-method=signal
         with pytest.raises(Interrupted):
-            manager.execute(GLOO2, {"nodeid": "hangs"}, 30.0)
+            manager.execute(GLOO2, body("hangs"), 30.0)
         signal.setitimer(signal.ITIMER_REAL, 0)
         first = PipeRankPool.made[0]
         assert first._stopped and manager.pool is None  # killed at once, not left running the body
         assert manager.interrupted.startswith("its rank pool of 2 ranks (gloo via spawn) ran its body (ranks 0 and 1")
         hang.set()  # a rank that still answered now could only answer for the hung test
-        result, _ = manager.execute(GLOO2, {"nodeid": "next"}, 30.0)
+        result, _ = manager.execute(GLOO2, body("next"), 30.0)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         hang.set()
         manager.close()
     assert len(PipeRankPool.made) == 2
-    assert result.outcome == "passed" and {r["v"] for r in result.results.values()} == {"next"}
+    assert result.outcome == "passed" and {r["message"] for r in result.results.values()} == {"next"}

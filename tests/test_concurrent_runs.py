@@ -148,11 +148,13 @@ def test_a_new_arbiter_counts_every_context_of_the_runs_that_re_attach(gpu_pytes
     anything. 8 times, four runs, not one simulated OOM.
 
     Before the fix 11 of 20 trials ran out of memory, so 8 trials miss that bug once in
-    about 600 runs. A rarer race remains, on the tree before issue 19 as after it (measured
-    2026-11-26: 2 of 80 trials on this tree, 1 of 60 on the one before issue 19; an exiting
-    arbiter run's context apparently not counted); 8 trials keep the suite's chance of
-    meeting it lower, and a failing run is run again (at most twice), until it is found (see
-    the closing note of issue 19; under a full suite's load it failed 1 run of 8 trials in 2)."""
+    about 600 runs. A rarer race remained, on the tree before issue 19 as after it (measured
+    2026-11-26: 2 of 80 trials on this tree, 1 of 60 on the one before issue 19): the
+    arbiter's own run, leaving, had what it held granted before its exiting process's
+    context counted as foreign (Arbiter.detach; issue 29 found it when the arbiter's events
+    got faster, 6 trials of 48, and fixed it: 0 of 32 since; the unit test is test_machine's
+    test_what_a_leaving_run_held_is_granted_only_once_its_process_counts_as_foreign). A
+    failing run is still run again (at most twice)."""
     trials, at_once, failed, ooms = 8, 2, [], 0
     for batch in range(0, trials, at_once):
         running = []

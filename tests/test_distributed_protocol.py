@@ -1,25 +1,26 @@
 """The messages between a pool and its ranks: each side handles every kind it may get, and
-names any other as a protocol error (pools with ranks at the other end of pipes, no process)."""
+names any other, or one whose fields are not what the protocol says, as a protocol error
+(pools with ranks that are threads at the other end of the pool's socket, no process)."""
 
 from __future__ import annotations
 
-import queue
-import threading
+import pickle
+import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from helpers import patience
 from pytest_gpu.base.distspec import DistSettings, DistSpec
 from pytest_gpu.distributed import protocol
 from pytest_gpu.distributed.pool import PoolError, RankPool
 from pytest_gpu.distributed.rankmain import Rank
+from wired_ranks import Answer, body, connect, rank_client
 
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
-Answer = Callable[[int, str, dict[str, Any]], "protocol.Message | None"]
 
 
 @pytest.fixture
@@ -30,29 +31,14 @@ def make_pool(tmp_path: Path) -> Iterator[Callable[[Answer], RankPool]]:
     def make(answer: Answer) -> RankPool:
         run = SimpleNamespace(client=None)  # no port, no lease: nothing to give back
         pool = RankPool(GLOO2, run, DistSettings(grace=1.0, init_timeout=5.0), tmp_path, 10.0)  # type: ignore[arg-type]
-        for rank in range(GLOO2.world_size):
-            ours, theirs = Pipe()
-            pool.conns[rank] = ours
-            threading.Thread(target=_serve, args=(rank, theirs, answer), daemon=True).start()
+        pool.dir.mkdir(parents=True, exist_ok=True)
         pools.append(pool)
+        connect(pool, answer)
         return pool
 
     yield make
     for pool in pools:
         pool.close(graceful=False)
-
-
-def _serve(rank: int, conn: Connection, answer: Answer) -> None:
-    try:
-        while True:
-            kind, body = conn.recv()
-            reply = answer(rank, kind, body)
-            if reply is None:
-                conn.close()  # the rank died
-                return
-            conn.send(reply)
-    except (EOFError, OSError):
-        return
 
 
 def test_setup_replies_each_have_their_meaning(make_pool: Callable[[Answer], RankPool]) -> None:
@@ -91,7 +77,7 @@ def test_an_unknown_reply_to_a_test_fails_it_and_breaks_the_pool(make_pool: Call
             return ("resolt", {"rank": 1})
         return (protocol.RESULT, {"rank": 0, "outcome": "passed", "message": "", "run_id": body["run_id"]})
 
-    result = make_pool(answer).run_test({"nodeid": "t"}, 5.0)
+    result = make_pool(answer).run_test(body(), 5.0)
     assert list(result.results) == [0]
     assert result.problems == [
         "protocol error: rank 1 sent 'resolt' where only 'result' may come "
@@ -106,7 +92,7 @@ def test_a_rank_that_died_during_a_test_is_named(make_pool: Callable[[Answer], R
             return None
         return (protocol.RESULT, {"rank": 0, "outcome": "passed", "message": "", "run_id": body["run_id"]})
 
-    result = make_pool(answer).run_test({"nodeid": "t"}, 5.0)
+    result = make_pool(answer).run_test(body(), 5.0)
     assert result.problems == [
         "rank 1 died during the test: pid None is gone (launched by spawn; exit status not visible)"
     ]
@@ -134,39 +120,96 @@ def test_health_replies_each_have_their_meaning(make_pool: Callable[[Answer], Ra
     ]
 
 
-def test_an_unknown_first_message_of_a_connection_fails_the_start(make_pool: Callable[[Answer], RankPool]) -> None:
-    pool = make_pool(lambda rank, kind, body: None)
-    pool.conns.clear()
-    arrivals: queue.Queue[tuple[protocol.Message, Connection]] = queue.Queue()
-    ours, _theirs = Pipe()
-    arrivals.put(((protocol.HELLO, {"rank": 0, "pid": 11, "pgid": 11}), ours))
-    arrivals.put(((protocol.LIFELINE, {"rank": 0}), Pipe()[0]))
-    arrivals.put((("helo", {"rank": 1}), Pipe()[0]))
-    with pytest.raises(PoolError) as failed:
-        pool._gather(arrivals)
-    assert str(failed.value).startswith(
-        "could not start 2 ranks (gloo via spawn): protocol error: a connecting rank sent 'helo' "
-        "where only 'hello' or 'lifeline' may come"
-    )
-    assert pool.conns == {0: ours} and pool.pids == {0: 11} and len(pool.lifelines) == 1
+def _connecting(tmp_path: Path, *messages: tuple[str, dict[str, Any]]) -> tuple[RankPool, list[Any]]:
+    """A pool whose ranks connect, each connection saying one of ``messages`` first, in order."""
+    pool = RankPool(GLOO2, SimpleNamespace(client=None), DistSettings(init_timeout=5.0), tmp_path, 10.0)  # type: ignore[arg-type]
+    pool.dir.mkdir(parents=True)
+    address, authkey = pool._listen()
+    assert pool.server is not None
+    clients = []
+    for sent, (kind, fields) in enumerate(messages, 1):
+        clients.append(rank_client(address, authkey))
+        clients[-1].tell(kind, fields)
+        deadline = time.monotonic() + patience(5)
+        while pool.server.arrivals.qsize() < sent and time.monotonic() < deadline:  # in this order
+            time.sleep(0.005)
+    return pool, clients
+
+
+def test_an_unknown_first_message_of_a_connection_fails_the_start(tmp_path: Path) -> None:
+    hello = (protocol.HELLO, {"rank": 0, "pid": 11, "pgid": 11})
+    pool, clients = _connecting(tmp_path, hello, (protocol.LIFELINE, {"rank": 0}), ("helo", {"rank": 1}))
+    try:
+        with pytest.raises(PoolError) as failed:
+            pool._gather()
+        assert str(failed.value).startswith(
+            "could not start 2 ranks (gloo via spawn): protocol error: a connecting rank sent 'helo' "
+            "where only 'hello' or 'lifeline' may come"
+        )
+        assert list(pool.conns) == [0] and pool.pids == {0: 11} and len(pool.lifelines) == 1
+    finally:
+        pool.pids.clear()  # not a process of this test's to kill
+        pool.close(graceful=False)
+        for client in clients:
+            client.close()
+
+
+def test_a_first_message_that_is_not_what_the_protocol_says_fails_the_start(tmp_path: Path) -> None:
+    pool, clients = _connecting(tmp_path, (protocol.HELLO, {"rank": "0", "pid": 11, "pgid": 11}))
+    try:
+        with pytest.raises(PoolError) as failed:
+            pool._gather()
+        assert str(failed.value).startswith(
+            "could not start 2 ranks (gloo via spawn): protocol error: a connecting rank sent a 'hello' that is "
+            "not what the protocol says (rank must be an integer, got str)"
+        )
+        assert pool.conns == {}
+    finally:
+        pool.close(graceful=False)
+        for client in clients:
+            client.close()
+
+
+def test_a_reply_that_is_not_what_the_protocol_says_fails_the_test(make_pool: Callable[[Answer], RankPool]) -> None:
+    def answer(rank: int, kind: str, body: dict[str, Any]) -> protocol.Message:
+        outcome = "passed" if rank == 0 else "pased"
+        return (protocol.RESULT, {"rank": rank, "outcome": outcome, "message": "", "run_id": body["run_id"]})
+
+    result = make_pool(answer).run_test(body(), 5.0)
+    assert list(result.results) == [0]
+    (problem,) = result.problems
+    assert problem.startswith("protocol error: rank 1 sent a 'result' that is not what the protocol says (outcome ")
+    assert result.broken and result.outcome == "failed"
+
+
+def test_a_test_bodys_arguments_travel_pickled_and_opaque(make_pool: Callable[[Answer], RankPool]) -> None:
+    seen: list[Any] = []
+
+    def answer(rank: int, kind: str, body: dict[str, Any]) -> protocol.Message:
+        seen.append(body["kwargs"])
+        return (protocol.RESULT, {"rank": rank, "outcome": "passed", "message": "", "run_id": body["run_id"]})
+
+    sent = dict(body(), kwargs=pickle.dumps({"x": (1, 2)}))
+    assert make_pool(answer).run_test(sent, 5.0).outcome == "passed"
+    assert seen == [sent["kwargs"]] * 2  # bytes again at the rank, unpickled by it alone
 
 
 # -- the rank's side -----------------------------------------------------------------------------
 
 
 class Wire:
-    """The rank's connection: what the pool sent, then nothing more (EOF); what the rank answered."""
+    """The rank's connection: what the pool sent, then nothing more (closed); what the rank answered."""
 
     def __init__(self, *sent: protocol.Message) -> None:
         self.sent, self.answered = list(sent), list[protocol.Message]()
 
-    def recv(self) -> protocol.Message:
+    def receive(self) -> protocol.Message:
         if not self.sent:
-            raise EOFError  # the pool's end closed
+            raise ConnectionResetError("the pool's end closed")
         return self.sent.pop(0)
 
-    def send(self, message: protocol.Message) -> None:
-        self.answered.append(message)
+    def tell(self, kind: str, body: dict[str, Any]) -> None:
+        self.answered.append((kind, body))
 
 
 def _rank(wire: Wire) -> Rank:
@@ -208,3 +251,20 @@ def test_the_kinds_on_the_wire_are_unchanged() -> None:
     kinds += [protocol.RUN, protocol.RESULT, protocol.CHECK, protocol.CHECKED, protocol.CLOSE, protocol.CLOSED]
     assert kinds == "hello lifeline setup ready setup-failed run result check checked close closed".split()
     assert protocol.DIED not in kinds
+
+
+def test_the_rank_refuses_a_message_that_is_not_what_the_protocol_says(tmp_path: Path) -> None:
+    pool, clients = _connecting(tmp_path, (protocol.HELLO, {"rank": 1, "pid": 1, "pgid": 1}))
+    assert pool.server is not None
+    try:
+        peer, kind, _ = pool.server.arrivals.get(timeout=5)
+        assert kind == protocol.HELLO
+        rank = Rank.__new__(Rank)
+        rank.rank, rank.conn = 1, clients[0]
+        pool.server.tell(peer, protocol.RUN, {"nodeid": "t", "kwargs": "not base64!"})
+        with pytest.raises(protocol.ProtocolError, match=r"^protocol error: the rank pool sent what its protocol"):
+            rank._receive()  # nothing of it is unpickled
+    finally:
+        pool.close(graceful=False)
+        for client in clients:
+            client.close()

@@ -32,6 +32,7 @@ from pytest_gpu.vendors.devices import Device
 from pytest_gpu.wire.sockets import reachable
 
 GiB = 2**30
+MiB = 2**20
 
 
 class Events:
@@ -198,6 +199,40 @@ def test_foreign_usage_is_avoided_and_said():
     assert foreign.roots[-1] == {4242}  # the runs' processes are never foreign
     assert set(foreign.accounted) == {"A", "B"}  # what the pool promised there, for NVML without pids
     assert arbiter.room(["A", "B"]) == [6 * GiB, 16 * GiB]
+
+
+class Exiting(Foreign):
+    """NVML's view of a run's process that is exiting: what it holds on each GPU is foreign
+    once its pid is no run's (a root) any more."""
+
+    def __init__(self, pid: int, held: dict[str, int]) -> None:
+        super().__init__({})
+        self.pid, self.held = pid, held
+
+    def __call__(self, uuids: list[str], roots: set[int], accounted: dict[str, int]) -> dict[str, int]:
+        self.roots.append(set(roots))
+        return {u: 0 if self.pid in roots else self.held.get(u, 0) for u in uuids}
+
+
+def test_what_a_leaving_run_held_is_granted_only_once_its_process_counts_as_foreign():
+    """The arbiter's own run leaves while its process (and its CUDA context) is still exiting:
+    nothing it held may be granted before that context counts as foreign usage. Forgetting
+    its clients granted a waiting request at once, from the room its open context still
+    filled (test_concurrent_runs' simulated OOM, 1 trial in 8)."""
+    context = 500 * MiB
+    arbiter = Arbiter(Policy(overhead=context), foreign=Exiting(1111, {"A": context}), foreign_ttl=60)
+    attach(arbiter, "r1", {"A": 16 * GiB}, pid=1111)  # the arbiter's own run, leaving
+    r2 = attach(arbiter, "r2", {"A": 16 * GiB}, pid=2222)
+    big = shared(int(7.3 * GiB))
+    assert arbiter.submit("r1", "c0/k0", "c0", "gw0", "t::first", big, ["A"])[0] == "granted"
+    arbiter.release("r1", "c0/k0", ["A"])  # its process keeps its context
+    arbiter.exiting("r1", "c0", ["A"])
+    assert arbiter.submit("r2", "c0/k0", "c0", "gw0", "t::a", big, ["A"])[0] == "granted"
+    # 16GiB - 7.3GiB - three contexts (r1's, and r2's two) = 7.2GiB: too little
+    assert arbiter.submit("r2", "c1/k0", "c1", "gw1", "t::b", big, ["A"]) == ("queued", None)
+    arbiter.detach("r1")  # its context is no run's now: foreign, and still 500 MiB
+    assert [w["key"] for w in arbiter.status()["waiting"]] == ["c1/k0"]
+    assert r2.events == []
 
 
 def test_a_gpu_a_foreign_process_uses_comes_last_even_where_it_has_room():

@@ -33,10 +33,11 @@ from execnet.gateway_io import popen_args
 
 from conftest import INNER_ARGS, MISSING, require
 from helpers import patience
-from pytest_gpu.nodes import spec, sshgate
+from pytest_gpu.nodes import messages, spec, sshgate
 from pytest_gpu.nodes import worker as node_worker
 from pytest_gpu.nodes.hosts import unshare_works
 from pytest_gpu.nodes.spec import NodesError
+from pytest_gpu.wire.frames import WireError
 
 NO_NETNS = f"{MISSING}: a network namespace per simulated node (unshare -n and ip: util-linux, iproute2, root)"
 
@@ -754,8 +755,79 @@ def test_a_node_host_passes_plans_to_its_broker_and_counts_refusals() -> None:
     assert agent.prefer(run, {"worker": "gw1", "test": "t::x", "gpus": [7], "memory": 1024})
     assert agent.prefer(run, {"worker": "gw1", "test": "t::y", "gpus": [4, 7], "memory": None})
     assert not agent.prefer(run, {"worker": "gw1", "test": "t::z", "gpus": [1], "memory": None})
-    assert not agent.prefer(run, {"worker": "gw1", "test": "t::z"})  # no GPUs: a malformed message
+    with pytest.raises(WireError, match="'prefer' lacks 'gpus', 'memory'"):  # the host counts it refused
+        messages.request(("prefer", {"worker": "gw1", "test": "t::z"}))
     assert calls == [("gw1", "t::x", (7,), 1024), ("gw1", "t::y", (4, 7), None)]
+
+
+class Channel:
+    """An execnet channel's stand-in: what was sent, and the answers to give, in order."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.sent: list[Any] = []
+        self.answers = list(answers)
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+    def receive(self, timeout: float | None = None) -> Any:
+        if not self.answers:
+            raise EOFError("the other side is gone")
+        return self.answers.pop(0)
+
+
+FIGURES = {
+    "room": [16 << 30, 8 << 30],
+    "order": [0, 1],
+    "placements": {"gw0": [[[1], 1 << 30]]},
+    "contexts": {"gw0": [1]},
+    "context_sizes": [500 << 20, 500 << 20],
+    "limits": [15 << 30, 15 << 30],
+    "refused_plans": 0,
+    "grants": 3,
+    "crashes": 0,
+    "required": None,
+    "catalog": {"t.py::a": {"gpus": 1, "memory": None}},
+}
+
+
+@pytest.mark.parametrize(
+    "message, why",
+    [
+        (("prefer", {"worker": "w", "test": "t", "gpus": ["1"], "memory": None}), "an item of gpus must be an integer"),
+        (("state", {"faults": "yes"}), "faults must be true or false"),
+        (("state", {"worker": "gw0", "verbose": True}), "'state' has no field 'verbose'"),
+        (("stat", {}), "unknown message 'stat'"),
+        ("state", "must be \\(kind, body\\)"),
+    ],
+)
+def test_what_a_node_host_is_told_is_checked(message: Any, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        messages.request(message)
+
+
+def test_a_node_host_that_is_told_nonsense_says_so_and_starts_nothing() -> None:
+    from pytest_gpu.nodes import agent
+
+    channel = Channel(("start", {"node": "node0"}))
+    agent.serve(channel)
+    [(kind, why)] = channel.sent
+    assert kind == "error" and "'start' lacks 'settings', 'cwd', 'package'" in why
+
+
+def test_what_a_node_host_answers_is_checked_and_a_garbled_one_is_lost() -> None:
+    from pytest_gpu.nodes.hosts import NodeHosts
+
+    kind, figures = messages.answer("state", ("state", FIGURES))
+    assert kind == "state" and figures["placements"] == {"gw0": [([1], 1 << 30)]}
+    hosts = NodeHosts(SimpleNamespace(names=("node0", "node1")), None, {"node0": "", "node1": ""}, lambda: None)  # type: ignore[arg-type]
+    for name, answer in (("node0", ("state", FIGURES)), ("node1", ("state", {**FIGURES, "room": None}))):
+        hosts.hosts[name].info = {"node": name}
+        hosts.hosts[name].channel = Channel(answer)
+    views = hosts.views()
+    assert list(views) == ["node0"] and views["node0"].placements == {"gw0": [((1,), 1 << 30)]}
+    assert hosts.hosts["node1"].lost is not None and "room must be a list" in hosts.hosts["node1"].lost
+    assert hosts.catalogs["node0"] == {"t.py::a": {"gpus": 1, "memory": None}} and hosts.catalogs["node1"] == {}
 
 
 # -- nodes of different GPUs -------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import fields, replace
-from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,9 @@ from pytest_gpu.base.spans import (
 from pytest_gpu.gpu.verification import Verdict
 from pytest_gpu.leasing.broker import Broker, ClientInfo, scoped, unscoped
 from pytest_gpu.leasing.client import Grant
-from pytest_gpu.leasing.protocol import LeaseMessage
+from pytest_gpu.leasing.protocol import BROKER, CATALOG_ENTRY, FOREIGN, LEASE, ForeignNote, LeaseMessage
 from pytest_gpu.machine.ports import PortOwner
+from pytest_gpu.nodes.messages import RUN_WIRE
 from pytest_gpu.report.timeline import Timeline
 from pytest_gpu.run.lifecycle import TestState, report_properties
 from pytest_gpu.run.options import Settings
@@ -162,13 +162,25 @@ def test_scoped_keys_round_trip() -> None:
 
 def test_grant_reads_every_field_of_the_lease_message() -> None:
     assert {f.name for f in fields(Grant)} == set(LeaseMessage.__required_keys__)
+    # the message's schema (checked where it arrives) and its type agree
+    assert set(LEASE.required) == set(LeaseMessage.__required_keys__)
+    assert set(LEASE.optional) == set(LeaseMessage.__optional_keys__)
+    assert set(FOREIGN.required) == set(ForeignNote.__required_keys__)
+
+
+def test_a_catalog_entry_crosses_as_the_scheduler_wrote_it() -> None:
+    from pytest_gpu.scheduling.catalog import Entry
+
+    assert set(CATALOG_ENTRY.optional) == {f.name for f in fields(Entry)} | {"held"}
+    entry = Entry(gpus=2, memory=None, pool="p", group="g", serial=True, before=("a",)).to_wire()
+    arrived = BROKER.calls["catalog"].fields.check(json_trip({"tests": {"t::x": entry}}), "'catalog'")
+    assert Entry.from_wire(arrived["tests"]["t::x"]) == Entry.from_wire(entry)
 
 
 def test_what_the_broker_grants_the_client_reads(tmp_path: Path) -> None:
     broker = Broker({0: 16 * GIB, 1: 16 * GIB}, str(tmp_path / "b.sock"), b"key")
-    here, there = Pipe()
     try:
-        info = ClientInfo("c0", "gw0", 1, here)
+        info = ClientInfo("c0", "gw0", 1, None)  # type: ignore[arg-type]  # no connection: nothing is sent
         info.tests["c0/k0"] = "t.py::a"
         body = {
             "gpus": [broker.uuids[1]],
@@ -177,15 +189,14 @@ def test_what_the_broker_grants_the_client_reads(tmp_path: Path) -> None:
             "foreign": {"waited": True, "avoided": [broker.uuids[0]], "bytes": {broker.uuids[0]: GIB}},
         }
         message = broker._granted(info, "c0/k0", body, 1.5)
-        assert Grant.from_wire(message) == Grant("k0", (1,), 2 * GIB, False, 1.5)
-        assert Grant.from_wire(message, 0.25).waited == 0.25  # the client's own measure
-        assert message["foreign"] == {"waited": True, "avoided": [0], "bytes": {0: GIB}}
+        arrived = BROKER.event("granted", json_trip(message))  # as the client checks it: the GPU keys integers again
+        assert Grant.from_wire(arrived) == Grant("k0", (1,), 2 * GIB, False, 1.5)
+        assert Grant.from_wire(arrived, 0.25).waited == 0.25  # the client's own measure
+        assert arrived["foreign"] == message["foreign"] == {"waited": True, "avoided": [0], "bytes": {0: GIB}}
         assert broker.foreign == [
             {"test": "t.py::a", "seconds": 1.5, "waited": True, "avoided": [0], "bytes": {0: GIB}}
         ]
     finally:
-        here.close()
-        there.close()
         broker.close()
 
 
@@ -252,6 +263,7 @@ def test_the_run_a_worker_joins_is_the_controllers(tmp_path: Path, monkeypatch: 
     wire = run.to_wire()
     assert set(wire) == set(RunWire.__annotations__)
     assert json_trip(wire) == wire
+    assert RUN_WIRE.check(json_trip(wire), "") == wire  # as a node's host hands it to the controller
     joined = GpuRun.join(json_trip({WIRE_KEY: wire})[WIRE_KEY], "gw1")
     try:
         assert joined.settings == replace(settings, trace="", workers_per_gpu=None)

@@ -13,18 +13,20 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         importhook      run a callback right after a module is imported
         launch          is this process a rank of a launcher (srun, mpirun, torchrun)
         privates        pytest's and pytest-xdist's private names, each used through here (tested on the floors)
-    wire/               how processes talk
+    wire/               how processes talk: one framing, one server loop, one client, schemas both ways
         frames          length-prefixed JSON frames, bounded (pure)
-        sockets         the Unix sockets frames travel on: peer credentials, reachable addresses
-        authserver      an authenticated Unix-socket service: the listener, handshakes apart, one serving thread
-        handshake       multiprocessing.connection's key challenge and answer, a frame at a time
+        schema          what each message must be, declared per protocol, checked on arrival (pure)
+        sockets         the Unix sockets frames travel on: peer credentials, addresses of any length
+        handshake       the key's challenge and answer both ways, as multiprocessing.connection's
+        server          one server: authentication apart (key or peer credentials), one serving thread, bounds
+        client          one client: calls with ids and timeouts, one-way tells, events
     machine/            every run of a machine shares one view of its GPUs
         placement       which GPUs a request gets, fairness (pure)
         ports           run-unique TCP ports
         domain          where the runs of a machine meet, and who may meet there
         arbiter         the one allocator of the machine: GPUs, host resources, ports
-        messages        every field of a run's requests to the arbiter, checked (pure)
-        server          the arbiter's socket
+        messages        the arbiter's protocol: every message, both ways, declared (pure)
+        server          the arbiter's socket: a handler per message, the kernel's word for who is there
         link            a run's side: lead, attach, fail over
         remote          a run's connection to the arbiter in another process
         mirror          what a run holds and waits for, brought to a new arbiter
@@ -64,9 +66,9 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         share           a launched rank's share of the node's GPUs
     leasing/            the run's lease service
         host            the machine's CPUs and RAM as leases, thread counts
-        broker          a run's lease service (its protocol: protocol)
+        broker          a run's lease service: a handler per message of its protocol
         view            one node's GPUs as the scheduler reads them, the broker's GPU indices translated (pure)
-        protocol        the bodies of the broker's messages
+        protocol        the broker's protocol: every message, both ways, declared
         client          the broker's test-process side
     run/                one run in each of its processes
         options         command-line options and ini keys, validated into Settings
@@ -87,7 +89,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
         sticky          the quarantine's hooks: after each test, is CUDA still usable (StickyErrors)
     distributed/        distributed test bodies on a warm pool of ranks
         backends        what backend="auto" picks here; what nccl lacks where it cannot run
-        protocol        what a pool and its ranks send each other, and the files they write
+        protocol        what a pool and its ranks send each other (declared), and the files they write
         launchers       spawn, torchrun, mpirun, srun: commands, environments, ending them
         pool            the warm pool of rank processes
         rankmain        a rank process
@@ -123,6 +125,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
     nodes/              the run's nodes: one machine's, or several (--gpu-nodes)
         spec            the option, the nodes, the workers' execnet specs (pure)
         sshgate         a process started on a host through ssh, quoted for its shell
+        messages        what the controller and a node's host say to each other, declared (pure)
         agent           a node's host: that node's run (inventory, broker, arbiter link)
         hosts           the controller's side: the node hosts, each worker's node and run
         worker          a worker's node: checked, its temp directory there, named in its reports (NodeWorker)

@@ -20,12 +20,12 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from .. import sim
 from ..base.distspec import DistSettings, DistSpec, group_timeout
@@ -37,11 +37,41 @@ from ..leasing.host import THREAD_VARS
 from ..run.holding import Holding, Owner, hold
 from ..run.session import GpuRun
 from ..vendors import registry as vendors
+from ..wire.frames import WireError
+from ..wire.schema import blob
+from ..wire.server import Bounds, KeyAuth, Peer, Server
 from . import cover, protocol
 from .launchers import launcher_for
 from .protocol import Message
 
 _ids = itertools.count()
+
+
+class RankServer(Server):
+    """The pool's end of its ranks' connections (:data:`.protocol.POOL`): every message
+    that arrives, and every connection that closes (``DIED``), is filed in
+    :attr:`arrivals` for the pool's own thread, which waits for the ranks' replies."""
+
+    protocol = protocol.POOL
+    thread_prefix = "pytest-gpu-pool"
+
+    def __init__(self, address: str, authkey: bytes) -> None:
+        # its peers are the pool's own ranks, past the key: no share, no hello deadline
+        limit = protocol.MAX_FRAME
+        super().__init__(address, KeyAuth(authkey), Bounds(max_request=limit, max_brackets=None, max_answer=limit))
+        self.arrivals: queue.Queue[tuple[Peer, str, dict[str, Any]]] = queue.Queue()
+
+    def on_message(self, kind: str, peer: Peer, body: Any) -> None:
+        self.arrivals.put((peer, kind, body))
+
+    def unknown(self, peer: Peer, kind: Any, rid: int | None) -> None:
+        self.arrivals.put((peer, str(kind)[:40], {}))  # the pool names it: a protocol error
+
+    def invalid(self, peer: Peer, kind: str, rid: int | None, error: WireError) -> None:
+        self.arrivals.put((peer, protocol.INVALID, {"kind": kind, "error": str(error)}))
+
+    def disconnected(self, peer: Peer, why: str) -> None:
+        self.arrivals.put((peer, protocol.DIED, {}))
 
 
 class PoolError(RuntimeError):
@@ -95,14 +125,15 @@ class RankPool:
         )
         # port owners read "<who>@<unique>" (the broker names a dead worker's tests by what precedes the @)
         self.ports_owner = f"{self.holder}@{self.id}"
-        self.conns: dict[int, Connection] = {}
-        self.lifelines: list[Connection] = []
+        self.conns: dict[int, Peer] = {}  # each rank's control connection (its peer's data: the rank)
+        self.lifelines: list[Peer] = []
+        self._inbox: dict[int, deque[Message]] = {}  # what each rank said that no one has read yet
         self.pids: dict[int, int] = {}
         self.launcher = launcher_for(spec)  # starts (and ends) the rank processes
         self.owner = Owner("pool", self.holder, test)
         self.holding: Holding | None = None  # its GPUs, for every rank
         self.port: int | None = None
-        self.listener: Listener | None = None
+        self.server: RankServer | None = None
         self.last_used = time.monotonic()
         self.tests_run = 0
         self._runs = itertools.count()
@@ -183,17 +214,13 @@ class RankPool:
             )
             g = self.spec.gpus_per_rank
             slices = ";".join(",".join(names[r * g : (r + 1) * g]) for r in range(self.spec.world_size))
-        authkey = secrets.token_bytes(32)
-        address = str(self.dir / "ctl.sock")
-        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        arrivals: queue.Queue[tuple[Message, Connection]] = queue.Queue()
-        threading.Thread(target=self._accept, args=(arrivals,), daemon=True).start()
+        address, authkey = self._listen()
         self._at("starting its ranks")
         self.launcher.start(self._env(address, authkey, slices), port, self.dir / protocol.LAUNCHER_LOG)
         self._at("waiting for its ranks to connect")
         # the pool's processes outlive the test that starts them: their GPU use is the pool's
         claim_processes(self._processes(), self.holder)
-        self._gather(arrivals)
+        self._gather()
         claim_processes(self._processes(), self.holder)  # the ranks, as they said hello
         verifier = self.holding.active.verifier if self.holding is not None else None
         if isinstance(verifier, (SimRankVerifier, NvmlRankVerifier)):
@@ -207,8 +234,8 @@ class RankPool:
     def _set_up(self, config_args: list[str]) -> None:
         """Every rank joins the process group: one that could not (or not in time) fails the start."""
         body = self.setup_body(config_args)
-        for conn in self.conns.values():
-            conn.send((protocol.SETUP, body))
+        for rank in self.conns:
+            self._send(rank, protocol.SETUP, dict(body))
         replies = self._collect(set(self.conns), time.monotonic() + self.settings.init_timeout)
         errors = []
         for rank, (kind, reply) in sorted(replies.items()):
@@ -220,7 +247,7 @@ class RankPool:
                 case protocol.DIED:
                     error = f"it died while setting up: {self._exit_of(rank)}"
                 case _:
-                    error = str(protocol.unexpected(f"rank {rank}", kind, (protocol.READY, protocol.SETUP_FAILED)))
+                    error = str(self._protocol_error(rank, kind, reply, (protocol.READY, protocol.SETUP_FAILED)))
             errors.append(f"rank {rank}:\n{error}")
         missing = sorted(set(self.conns) - set(replies))
         if errors or missing:
@@ -286,25 +313,21 @@ class RankPool:
             env[cover.ENV] = measured
         return env
 
-    def _accept(self, arrivals: queue.Queue[tuple[Message, Connection]]) -> None:
-        assert self.listener is not None
-        while not self._stopped:
-            try:
-                conn = self.listener.accept()
-                message = conn.recv()
-            except Exception:
-                if self._stopped:
-                    return
-                continue
-            arrivals.put((message, conn))
+    def _listen(self) -> tuple[str, bytes]:
+        """Start the pool's server for its ranks; the address and key they connect with."""
+        authkey = secrets.token_bytes(32)
+        address = str(self.dir / "ctl.sock")  # reached through its directory, however deep
+        self.server = RankServer(address, authkey).start()
+        return address, authkey
 
-    def _gather(self, arrivals: queue.Queue[tuple[Message, Connection]]) -> None:
+    def _gather(self) -> None:
         """Wait for every rank's two connections, each opened with HELLO or LIFELINE."""
+        assert self.server is not None
         deadline = time.monotonic() + self.settings.init_timeout
         ws = self.spec.world_size
         while len(self.conns) < ws or len(self.lifelines) < ws:
             try:
-                (kind, body), conn = arrivals.get(timeout=0.2)
+                peer, kind, body = self.server.arrivals.get(timeout=0.2)
             except queue.Empty:
                 ended = self.launcher.ended()
                 if ended is not None or time.monotonic() > deadline:
@@ -313,14 +336,57 @@ class RankPool:
                 continue
             match kind:
                 case protocol.HELLO:
-                    self.conns[int(body["rank"])] = conn
-                    self.pids[int(body["rank"])] = int(body["pid"])
+                    peer.data = body["rank"]
+                    self.conns[body["rank"]] = peer
+                    self.pids[body["rank"]] = body["pid"]
+                    self._inbox[body["rank"]] = deque()
                 case protocol.LIFELINE:
-                    self.lifelines.append(conn)
+                    self.lifelines.append(peer)
+                case protocol.DIED:
+                    self._file(peer, kind, body)  # a rank's: its death shows when it is asked
                 case _:
-                    conn.close()
-                    error = protocol.unexpected("a connecting rank", kind, (protocol.HELLO, protocol.LIFELINE))
+                    self.server.drop(peer, "out of step")
+                    error = (
+                        protocol.garbled("a connecting rank", body["kind"], body["error"])
+                        if kind == protocol.INVALID
+                        else protocol.unexpected("a connecting rank", kind, (protocol.HELLO, protocol.LIFELINE))
+                    )
                     raise self._failed("start", f" {error}")
+
+    def _send(self, rank: int, kind: str, body: dict[str, Any]) -> None:
+        """Event ``kind`` to ``rank``; :class:`PoolDied` when its connection is gone."""
+        peer = self.conns[rank]
+        if peer.closed or self.server is None:
+            raise PoolDied(self._death_note())
+        self.server.tell(peer, kind, body)
+
+    def _file(self, peer: Peer, kind: str, body: dict[str, Any]) -> None:
+        """File what a rank said for whoever reads it (a lifeline's closing is its rank's)."""
+        rank = peer.data
+        if isinstance(rank, int) and rank in self._inbox:
+            self._inbox[rank].append((kind, body))
+
+    def _drain(self, timeout: float | None = None) -> bool:
+        """File what has arrived (waiting up to ``timeout`` for something); whether anything came."""
+        if self.server is None:
+            return False
+        arrivals = self.server.arrivals
+        try:
+            first = arrivals.get(timeout=timeout) if timeout else arrivals.get_nowait()
+        except queue.Empty:
+            return False
+        self._file(*first)
+        with suppress(queue.Empty):
+            while True:
+                self._file(*arrivals.get_nowait())
+        return True
+
+    def _protocol_error(
+        self, rank: int, kind: str, reply: dict[str, Any], expected: tuple[str, ...]
+    ) -> protocol.ProtocolError:
+        if kind == protocol.INVALID:
+            return protocol.garbled(f"rank {rank}", reply["kind"], reply["error"])
+        return protocol.unexpected(f"rank {rank}", kind, expected)
 
     # -- one test ------------------------------------------------------------------------
 
@@ -329,30 +395,21 @@ class RankPool:
             return False
         if self.launcher.ended() is not None:
             return False
-        for conn in self.conns.values():
-            try:
-                if conn.poll():  # an idle rank has nothing to say: data here means EOF
-                    return False
-            except (OSError, EOFError):
-                return False
-        return True
+        self._drain()
+        # an idle rank has nothing to say: anything from it (its connection closing) means trouble
+        return not any(self._inbox.get(rank) for rank in self.conns)
 
     def _collect(self, ranks: set[int], deadline: float) -> dict[int, Message]:
-        """Replies from ``ranks`` until ``deadline``; a closed connection gives ``(DIED, {})``."""
+        """The next reply of each of ``ranks`` until ``deadline``; a closed connection gives ``(DIED, {})``."""
         replies: dict[int, Message] = {}
-        by_conn = {self.conns[r]: r for r in ranks}
-        while by_conn:
+        while True:
+            for rank in ranks - replies.keys():
+                inbox = self._inbox.get(rank)
+                if inbox:
+                    replies[rank] = inbox.popleft()
             left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for ready in wait(list(by_conn), timeout=left):
-                conn = cast(Connection, ready)  # wait() returns some of what it was given
-                rank = by_conn.pop(conn)
-                try:
-                    replies[rank] = conn.recv()
-                except (EOFError, OSError):
-                    replies[rank] = (protocol.DIED, {})
-        return replies
+            if replies.keys() >= ranks or left <= 0 or not self._drain(left):
+                return replies
 
     def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
         """Run one test body on every rank; the pool is marked broken if it cannot be trusted.
@@ -375,11 +432,9 @@ class RankPool:
         try:
             with self._waiting():
                 self._label(f"running the body of {body.get('nodeid') or 'a test'}")
-                for conn in self.conns.values():
-                    try:
-                        conn.send((protocol.RUN, dict(body, run_id=run_id)))
-                    except OSError:
-                        raise PoolDied(self._death_note()) from None
+                sent = dict(body, run_id=run_id, kwargs=blob(body.get("kwargs", b"")))  # pickled: opaque on the wire
+                for rank in self.conns:
+                    self._send(rank, protocol.RUN, sent)
                 self._wait_for_results(run_id, outcome, started, timeout, offsets)
         except PoolDied:
             raise
@@ -409,7 +464,7 @@ class RankPool:
                 if kind == protocol.DIED:
                     outcome.problems.append(f"rank {rank} died during the test: {self._exit_of(rank)}")
                 elif kind != protocol.RESULT:
-                    error = protocol.unexpected(f"rank {rank}", kind, (protocol.RESULT,))
+                    error = self._protocol_error(rank, kind, reply, (protocol.RESULT,))
                     outcome.problems.append(f"{error}; the pool was killed")
                 elif reply.get("run_id") != run_id:
                     # the rank was still busy with an earlier body: its answer belongs to another test
@@ -473,8 +528,9 @@ class RankPool:
         return "the pool was killed" + (", the ranks' stacks follow" if stacks else "")
 
     def _health(self) -> tuple[bool, str]:
-        for conn in self.conns.values():
-            conn.send((protocol.CHECK, {"timeout": self.settings.grace}))
+        for rank in self.conns:
+            with suppress(PoolDied):  # gone since its result: its DIED is read below
+                self._send(rank, protocol.CHECK, {"timeout": self.settings.grace})
         replies = self._collect(set(self.conns), time.monotonic() + self.settings.grace + 5)
         bad = []
         for rank, (kind, reply) in replies.items():
@@ -486,7 +542,7 @@ class RankPool:
                 case protocol.DIED:
                     bad.append(f"rank {rank}: {kind}")
                 case _:
-                    bad.append(f"rank {rank}: {protocol.unexpected(f'rank {rank}', kind, (protocol.CHECKED,))}")
+                    bad.append(f"rank {rank}: {self._protocol_error(rank, kind, reply, (protocol.CHECKED,))}")
         missing = sorted(set(self.conns) - set(replies))
         if missing:
             bad.append(f"{numbered('rank', missing)} did not answer")
@@ -524,25 +580,17 @@ class RankPool:
         if self._stopped:
             return
         if graceful and self.conns and self.alive():
-            for conn in self.conns.values():
+            for rank in self.conns:
                 try:
-                    conn.send((protocol.CLOSE, {}))
-                except OSError:
+                    self._send(rank, protocol.CLOSE, {})
+                except PoolDied:
                     pass
             self._collect(set(self.conns), time.monotonic() + 5)  # CLOSED, or DIED: either way, the kill follows
         self._stopped = True
         self.launcher.kill(self.pids.values())
         release_processes(self._processes())
-        for conn in [*self.conns.values(), *self.lifelines]:
-            try:
-                conn.close()
-            except OSError:
-                pass
-        if self.listener is not None:
-            try:
-                self.listener.close()
-            except OSError:
-                pass
+        if self.server is not None:
+            self.server.close()  # every rank's connections with it
         client = self.run.client
         if self.holding is not None:
             # what the ranks used since the last test's check is nobody's: they were killed above

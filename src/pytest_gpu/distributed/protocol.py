@@ -1,10 +1,13 @@
 """What a pool (:mod:`.pool`) and its rank processes (:mod:`.rankmain`) say to each other.
 
-Transport: :mod:`multiprocessing.connection` over the pool's Unix socket, authenticated
-with a key the pool hands its ranks in their environment; every message is a pickled
-``(kind, body)`` tuple. Each rank opens two connections: its control connection, which
-carries everything below, and its lifeline, which carries only :data:`LIFELINE` and whose
-closing (the pytest process died) makes the rank kill its process group.
+Transport: :mod:`pytest_gpu.wire` over the pool's Unix socket, the key the pool hands its
+ranks in their environment proven both ways; every message is ``{"op": kind, ...body}``,
+checked on arrival against :data:`POOL` (a rank's one-way messages to the pool, the
+pool's events to a rank). The one binary field, a test body's pickled fixture values
+(``RunBody.kwargs``), travels as base64 and is unpickled by a rank only, which has
+authenticated its pool by then. Each rank opens two connections: its control connection,
+which carries everything below, and its lifeline, which carries only :data:`LIFELINE` and
+whose closing (the pytest process died) makes the rank kill its process group.
 
 A rank's life, one line per exchange (the pool waits for every rank's reply)::
 
@@ -19,8 +22,9 @@ A rank's life, one line per exchange (the pool waits for every rank's reply)::
     pool -> rank   CLOSE      a graceful end                       CloseBody
     rank -> pool   CLOSED     then the pool kills every rank       ClosedBody
 
-A kind the receiver does not expect at that point is a protocol error (:func:`unexpected`):
-the two sides are out of step, and the pool is not trusted any further.
+A kind the receiver does not expect at that point is a protocol error (:func:`unexpected`),
+and so is a message whose fields are not what :data:`POOL` says: the two sides are out of
+step, and the pool is not trusted any further.
 
 Output never travels over the connection: each rank sends its stdout and stderr to
 ``rank<N>.stdout`` and ``rank<N>.stderr`` in the pool's directory (not to a launcher's
@@ -34,6 +38,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
+
+from ..wire.client import Client
+from ..wire.schema import Blob, Bool, Call, Choice, Float, Int, List, Obj, Opt, Protocol, Str
 
 Message = tuple[str, dict[str, Any]]  # (kind, body)
 
@@ -68,6 +75,8 @@ CLOSED = "closed"
 """rank -> pool, reply to CLOSE, the rank's last message: the pool then kills the ranks."""
 DIED = "died"
 """Never sent: what the pool reads in place of a reply when a rank's connection closed."""
+INVALID = "invalid"
+"""Never sent: what the pool reads in place of a message whose fields are not what :data:`POOL` says."""
 
 
 class HelloBody(TypedDict):
@@ -143,8 +152,79 @@ class ClosedBody(TypedDict):
     rank: int
 
 
+MAX_FRAME = 1 << 30  # a test body's pickled fixture values are the largest message
+TEXT = Str(MAX_FRAME)  # a traceback, a test's output: no limit of its own
+RANK = Int(0, 1 << 20)
+PID = Int(0, 1 << 31)
+_RANK = {"rank": RANK}
+
+POOL = Protocol(
+    "the rank pool",
+    calls={  # a rank's, all one-way
+        HELLO: Call(Obj({**_RANK, "pid": PID, "pgid": PID})),
+        LIFELINE: Call(Obj(_RANK)),
+        READY: Call(Obj(_RANK)),
+        SETUP_FAILED: Call(Obj({**_RANK, "error": TEXT})),
+        RESULT: Call(
+            Obj(
+                {**_RANK, "outcome": Choice("passed", "failed", "skipped", "xfailed"), "message": TEXT},
+                {
+                    "run_id": Opt(Str(1024)),
+                    "longrepr": TEXT,
+                    "poisoned": Bool(),
+                    "body_started": Float(),
+                    "body_seconds": Float(),
+                    "torch_peaks": List(Int(), 4096),
+                },
+                {"run_id": None, "longrepr": "", "poisoned": False},
+            )
+        ),
+        CHECKED: Call(Obj({**_RANK, "ok": Bool(), "detail": TEXT})),
+        CLOSED: Call(Obj(_RANK)),
+    },
+    events={  # the pool's, to a rank
+        SETUP: Obj(
+            {
+                "sys_path": List(TEXT, 1 << 16),
+                "cwd": TEXT,
+                "config_args": List(TEXT, 1 << 16),
+                "group_timeout": Float(),
+            }
+        ),
+        RUN: Obj(
+            {
+                "module_file": TEXT,
+                "module_name": TEXT,
+                "cls": TEXT,
+                "func": TEXT,
+                "kwargs": Blob(MAX_FRAME),
+                "seed": Int(0, 1 << 64),
+                "nodeid": TEXT,
+                "tbstyle": Str(64),
+                "run_id": Str(1024),
+            }
+        ),
+        CHECK: Obj({"timeout": Float()}),
+        CLOSE: Obj(),
+    },
+)
+
+
+def connect(address: str, authkey: bytes) -> Client:
+    """A rank's connection to its pool (each side proves the key to the other)."""
+    return Client(address, POOL, key=authkey, limit=MAX_FRAME, max_request=MAX_FRAME, max_brackets=None)
+
+
 class ProtocolError(RuntimeError):
     """A message its receiver has no use for at that point: pool and rank are out of step."""
+
+
+def garbled(sender: str, kind: object, why: object) -> ProtocolError:
+    """The error for a message of ``kind`` from ``sender`` whose fields are not what :data:`POOL` says."""
+    return ProtocolError(
+        f"protocol error: {sender} sent a {str(kind)[:40]!r} that is not what the protocol says ({why}); "
+        "pool and rank out of step, or not the same pytest-gpu"
+    )
 
 
 def unexpected(sender: str, kind: object, expected: Iterable[str]) -> ProtocolError:

@@ -25,12 +25,12 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
 from ..vendors import registry as vendors
+from ..wire.client import Client, Garbled
 from . import cover, protocol
 from .rankinfo import RankInfo, RankPlaceholder
 
@@ -127,10 +127,10 @@ class Rank:
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         address = os.environ["PYTEST_GPU_RANK_ADDRESS"]
         authkey = bytes.fromhex(os.environ["PYTEST_GPU_RANK_AUTHKEY"])
-        self.conn: Connection = Client(address, family="AF_UNIX", authkey=authkey)
-        self.conn.send((protocol.HELLO, {"rank": self.rank, "pid": os.getpid(), "pgid": os.getpgrp()}))
-        lifeline = Client(address, family="AF_UNIX", authkey=authkey)
-        lifeline.send((protocol.LIFELINE, {"rank": self.rank}))
+        self.conn = protocol.connect(address, authkey)  # the pool proves the key too
+        self.conn.tell(protocol.HELLO, {"rank": self.rank, "pid": os.getpid(), "pgid": os.getpgrp()})
+        lifeline = protocol.connect(address, authkey)
+        lifeline.tell(protocol.LIFELINE, {"rank": self.rank})
         threading.Thread(target=self._watch, args=(lifeline,), daemon=True).start()
         self.group: Any = None
         self.modules: dict[str, Any] = {}
@@ -142,10 +142,11 @@ class Rank:
             os.dup2(target, fd)
             os.close(target)
 
-    def _watch(self, lifeline: Connection) -> None:
+    def _watch(self, lifeline: Client) -> None:
         try:
-            lifeline.recv()
-        except (EOFError, OSError):
+            while True:
+                lifeline.receive()  # the pool sends nothing here: until the connection closes
+        except (OSError, ValueError):  # closed, or garbled
             pass
         # The pytest process is gone: take the rank's whole process group down with it.
         if os.getpgrp() != int(os.environ.get("PYTEST_GPU_OWNER_PGID", "-1")):
@@ -209,7 +210,7 @@ class Rank:
         started = time.perf_counter()
         try:
             func = self._resolve(body)
-            kwargs = pickle.loads(body["kwargs"])
+            kwargs = pickle.loads(body["kwargs"])  # from the pool, which proved the key: see protocol
             kwargs = {k: (self.info if isinstance(v, RankPlaceholder) else v) for k, v in kwargs.items()}
             result["body_started"] = time.perf_counter() - started
             t0 = time.perf_counter()
@@ -303,34 +304,44 @@ class Rank:
     def serve(self) -> None:
         """Answer the pool's messages (see :mod:`.protocol`) until CLOSE.
 
-        A message it has no answer for raises :class:`~.protocol.ProtocolError`: the rank
-        exits with it in its stderr, and the pool, reading the rank's end as DIED, is killed
-        with that stderr in its report, instead of waiting for a reply that never comes.
+        A message it has no answer for, or whose fields are not what :data:`.protocol.POOL`
+        says, raises :class:`~.protocol.ProtocolError`: the rank exits with it in its stderr,
+        and the pool, reading the rank's end as DIED, is killed with that stderr in its
+        report, instead of waiting for a reply that never comes.
         """
-        kind, body = self.conn.recv()
+        kind, body = self._receive()
         if kind != protocol.SETUP:
             raise protocol.unexpected("the pool", kind, (protocol.SETUP,))
         try:
             self.setup(body)
         except BaseException:
-            self.conn.send((protocol.SETUP_FAILED, {"rank": self.rank, "error": traceback.format_exc()}))
+            self.conn.tell(protocol.SETUP_FAILED, {"rank": self.rank, "error": traceback.format_exc()})
             raise
-        self.conn.send((protocol.READY, {"rank": self.rank}))
+        self.conn.tell(protocol.READY, {"rank": self.rank})
         while True:
-            kind, body = self.conn.recv()
+            kind, body = self._receive()
             match kind:
                 case protocol.RUN:
-                    self.conn.send((protocol.RESULT, self.run(body)))
+                    self.conn.tell(protocol.RESULT, self.run(body))
                 case protocol.CHECK:
                     ok, detail = self.check(body["timeout"])
-                    self.conn.send((protocol.CHECKED, {"rank": self.rank, "ok": ok, "detail": detail}))
+                    self.conn.tell(protocol.CHECKED, {"rank": self.rank, "ok": ok, "detail": detail})
                 case protocol.CLOSE:
                     self.close()
                     cover.save_in_rank()  # before the reply: the pool kills the ranks once all have replied
-                    self.conn.send((protocol.CLOSED, {"rank": self.rank}))
+                    self.conn.tell(protocol.CLOSED, {"rank": self.rank})
                     return
                 case _:
                     raise protocol.unexpected("the pool", kind, (protocol.RUN, protocol.CHECK, protocol.CLOSE))
+
+    def _receive(self) -> tuple[str, dict[str, Any]]:
+        """The pool's next message (``OSError`` once its end closed)."""
+        try:
+            found = self.conn.receive()
+        except Garbled as exc:
+            raise protocol.ProtocolError(f"protocol error: {exc}") from None
+        assert found is not None  # no timeout: it waits
+        return found
 
 
 def _torch_peaks(reset: bool = False) -> list[int] | None:

@@ -1,40 +1,24 @@
 """The lease service: one per run, hands out GPUs and ports to the test processes.
 
-Transport: :class:`pytest_gpu.wire.authserver.AuthServer` (an authenticated Unix socket in the
-run's private 0700 directory, one thread serving every client, handshakes apart); this
-module is what the messages mean. GPU decisions are made by the machine's arbiter
-(:mod:`pytest_gpu.machine`): in this process when this run is the arbiter or has the GPUs
-to itself, else in the arbiter's run, over its socket.
+Transport: :class:`pytest_gpu.wire.server.Server` (a Unix socket in the run's private
+0700 directory, the run's key proven both ways, one thread serving every client,
+handshakes apart); the messages are :data:`pytest_gpu.leasing.protocol.BROKER`, each
+checked on arrival; this module is what they mean (a handler per kind). GPU decisions are
+made by the machine's arbiter (:mod:`pytest_gpu.machine`): in this process when this run
+is the arbiter or has the GPUs to itself, else in the arbiter's run, over its socket.
 
 Crash safety comes from the kernel: when a client process dies, for any reason, its end
-of the socket is closed, ``recv`` raises, and everything it held (leases, queued
+of the socket is closed, ``recv`` returns nothing, and everything it held (leases, queued
 requests, ports, assumed contexts) is returned at once and recorded for the report.
 There are no polling loops: a waiting request is answered the moment a release makes
 room for it.
 
-Protocol (pickled tuples; every message gets exactly one reply, in order, except that
-a queued ``acquire`` is later followed by a ``push-granted`` or ``push-error`` for its key,
-and that ``abandon`` and ``release`` get none):
-
-    ("hello", {"worker", "pid"})                 -> ("ok", {"client"})
-    ("acquire", {"key", "request", "test"})      -> ("granted", lease) | ("queued", key) | ("error", message)
-    ("cancel", {"key"})                          -> ("cancelled", {"holders"}) | ("not-waiting", {})
-    ("abandon", {"key"})                         -> no reply (one-way)
-    ("release", {"key", "contexts", "left"})     -> no reply (one-way)
-    ("ports", {"n", "owner"})                    -> ("ports", [int]) | ("error", message)
-    ("release_ports", {"owner"})                 -> ("ok", {})
-    ("contexts", {"indices"})                    -> ("ok", {})
-    ("context_size", {"index", "bytes"})         -> ("ok", {}) | ("error", message)   (a context measured)
-    ("test", {"nodeid"})                         -> ("ok", {})   (the test running now, None: none; for crash reports)
-    ("status", {})                               -> ("status", dict)
-    ("catalog", {"tests"})                       -> ("ok", {})   (an xdist worker's collection, for the scheduler)
-
 ``abandon`` withdraws an ``acquire`` its test gave up on while waiting (pytest-timeout
 raising in the wait, a KeyboardInterrupt): still queued, it is dropped; granted meanwhile
-(its ``push-granted`` possibly on its way), the lease is released at once, as if by
+(its ``granted`` event possibly on its way), the lease is released at once, as if by
 ``release``; already gone, nothing happens. It is idempotent and never waits, so it can
-be sent from an exception handler; the client discards a push that still arrives for an
-abandoned key (the broker handles it in order, after any push it sent for that key).
+be sent from an exception handler; the client discards an event that still arrives for an
+abandoned key (the broker handles it in order, after any event it sent for that key).
 """
 
 from __future__ import annotations
@@ -46,34 +30,17 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from typing import Any, cast
+from typing import Any
 
 from ..base.requests import GpuRequest
 from ..machine.arbiter import Event
 from ..machine.link import MachineLink
-from ..machine.messages import request_from_wire
 from ..machine.placement import Policy
 from ..machine.ports import DEFAULT_RANGE, PortOwner
 from ..machine.remote import MachineError
-from ..wire.authserver import HANDSHAKE_TIMEOUT, AuthServer
-from .protocol import (
-    Acquire,
-    Cancelled,
-    Catalog,
-    Contexts,
-    CurrentTest,
-    ForeignNote,
-    Hello,
-    KeyBody,
-    LeaseMessage,
-    Message,
-    PortsAsk,
-    PortsRelease,
-    PushError,
-    Release,
-    Welcome,
-)
+from ..wire.schema import Refused
+from ..wire.server import HANDSHAKE_TIMEOUT, Bounds, Drop, KeyAuth, Peer, Server
+from .protocol import BROKER, MAX_FRAME, ForeignNote, LeaseMessage
 from .view import NodeView
 
 # at the run's end: how long it waits for processes of its clients that are still exiting,
@@ -89,18 +56,9 @@ class ClientInfo:
     client: str
     worker: str
     pid: int
-    conn: Connection
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    peer: Peer
     tests: dict[str, str] = field(default_factory=dict)  # lease key -> test node id
-    current_test: str | None = None
     contexts: set[int] = field(default_factory=set)  # GPUs its process has (or is assumed to have) contexts on
-
-    def send(self, message: Message) -> None:
-        with self.send_lock:
-            try:
-                self.conn.send(message)
-            except OSError:
-                pass  # the reader thread sees the disconnect and cleans up
 
 
 def scoped(client: str, name: str) -> str:
@@ -127,15 +85,17 @@ class CrashRecord:
     at: float
 
 
-class Broker(AuthServer[ClientInfo]):
+class Broker(Server):
     """Owns the listener and this run's side of the machine's leases; start with
-    :meth:`start`, stop with :meth:`close`.
+    :meth:`start`, stop with :meth:`close`. A peer's ``data`` is its :class:`ClientInfo`
+    (from its ``hello`` on).
 
     GPU decisions are the machine's arbiter's (``link``, see :mod:`pytest_gpu.machine`):
     shared with every run of the machine when ``link`` has a domain; without a ``link``
     the run's GPUs are its own. ``uuids`` names each GPU index (default: private names).
     """
 
+    protocol = BROKER
     thread_prefix = "pytest-gpu-broker"
 
     def __init__(
@@ -150,7 +110,11 @@ class Broker(AuthServer[ClientInfo]):
         uuids: dict[int, str] | None = None,
         host: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(address, authkey, handshake_timeout)
+        # its clients are the run's own processes, past the key: no per-user share, no hello deadline
+        bounds = Bounds(max_request=MAX_FRAME, max_brackets=None, max_answer=MAX_FRAME, max_outbox=4 * MAX_FRAME)
+        super().__init__(address, KeyAuth(authkey, handshake_timeout), bounds)
+        self.authkey = authkey
+        self._lock = threading.RLock()  # all of the state below
         self.policy = policy or Policy()
         self.link = link if link is not None else MachineLink(None, self.policy)
         self.capacities = dict(sorted(capacities.items()))
@@ -158,7 +122,6 @@ class Broker(AuthServer[ClientInfo]):
         self._index = {uuid: i for i, uuid in self.uuids.items()}
         self._gpu_list = list(self.uuids.values())
         self.host = host  # this run's view of the machine's CPUs and RAM (see pytest_gpu.leasing.host)
-        self._requests: dict[tuple[Any, ...], GpuRequest] = {}
         self._attached = False
         self.foreign: list[dict[str, Any]] = []  # grants that waited for or avoided foreign usage
         # ports are the machine's arbiter's to hand out (no two runs hold one at once); these are this run's
@@ -248,115 +211,101 @@ class Broker(AuthServer[ClientInfo]):
                         self.grants += 1
                         continue  # gone meanwhile: forget_client gave it back
                     waited = now - (queued if queued is not None else now)
-                    info.send(("push-granted", self._granted(info, key, body, waited)))
+                    self.tell(info.peer, "granted", dict(self._granted(info, key, body, waited)))
                 elif info is not None:
                     info.tests.pop(key, None)
-                    info.send(("push-error", PushError(key=name, message=body["message"])))
+                    self.tell(info.peer, "refused", {"key": name, "message": body["message"]})
 
     # -- messages ------------------------------------------------------------------------
 
-    def _receive(self, conn: Connection, conns: dict[Connection, ClientInfo | None]) -> bool:
-        """Handle one message from ``conn``; ``False`` once the connection is gone."""
-        info = conns[conn]
-        try:
-            kind, body = conn.recv()
-        except (EOFError, OSError):
-            # the process closed its end or died (the kernel closed it): take everything back
-            self._drop(conn, conns)
-            if info is not None:
-                self._disconnect(info)
-            return False
-        if info is None:
-            if kind != "hello":
-                self._drop(conn, conns)
-                return False
-            hello = cast(Hello, body)
-            info = ClientInfo(f"c{next(self._ids)}", str(hello.get("worker", "?")), int(hello.get("pid", 0)), conn)
-            with self._lock:
-                self._clients[info.client] = info
-            conns[conn] = info
-            info.send(("ok", Welcome(client=info.client)))
-            return True
-        try:
-            reply = self._handle(info, kind, body)
-        except Exception as exc:  # a bug here must not stop the service for every worker
-            reply = ("error", f"pytest-gpu broker failed on {kind!r}: {exc!r}")
-        if reply is not None:  # "release" and "abandon" are one-way: a grant costs one round trip
-            info.send(reply)
-        return True
+    def admit(self, peer: Peer, kind: str) -> None:
+        if peer.data is None and kind != "hello":
+            raise Drop  # a client says hello first
 
-    def _handle(self, info: ClientInfo, kind: str, body: Any) -> Message | None:
-        """Serve one message; its ``body`` is the :mod:`~pytest_gpu.leasing.protocol` type of its ``kind``."""
-        if kind == "acquire":
-            return self._acquire(info, cast(Acquire, body))
-        if kind == "cancel":
-            key = scoped(info.client, cast(KeyBody, body)["key"])
-            with self._lock:
-                holders = self._machine().cancel(key)
-                if holders is not None:
-                    self._queued_at.pop(key, None)
-                    self._preferred.pop(key, None)
-                    info.tests.pop(key, None)
-                    return ("cancelled", Cancelled(holders=self._local_rows(holders)))
-            return ("not-waiting", {})
-        if kind == "abandon":
-            key = scoped(info.client, cast(KeyBody, body)["key"])
-            with self._lock:
-                info.tests.pop(key, None)
+    def error_text(self, kind: Any, exc: Exception) -> str:
+        if isinstance(exc, (Refused, MachineError)):  # the machine's arbiter's own words
+            return str(exc)
+        return f"pytest-gpu broker failed on {kind!r}: {exc!r}"  # a bug here must not stop the service
+
+    def disconnected(self, peer: Peer, why: str) -> None:
+        # the process closed its end or died (the kernel closed it), or the run ends: take everything back
+        if peer.data is not None:
+            self._disconnect(peer.data)
+
+    def on_hello(self, peer: Peer, m: dict[str, Any]) -> dict[str, str]:
+        if peer.data is not None:
+            raise Refused("hello: said already")
+        info = ClientInfo(f"c{next(self._ids)}", m["worker"] or "?", m["pid"], peer)
+        with self._lock:
+            self._clients[info.client] = info
+        peer.data = info
+        return {"client": info.client}
+
+    def on_acquire(self, peer: Peer, m: dict[str, Any]) -> tuple[str, Any]:
+        return self._acquire(peer.data, m["key"], m["request"], m["test"])
+
+    def on_cancel(self, peer: Peer, m: dict[str, Any]) -> tuple[str, Any]:
+        info: ClientInfo = peer.data
+        key = scoped(info.client, m["key"])
+        with self._lock:
+            holders = self._machine().cancel(key)
+            if holders is not None:
                 self._queued_at.pop(key, None)
-                self._placed.pop(key, None)
                 self._preferred.pop(key, None)
-                self._machine().abandon(key)
-            return None
-        if kind == "release":
-            release = cast(Release, body)
-            key = scoped(info.client, release["key"])
-            contexts = release.get("contexts")
-            left = self._leftovers(release.get("left"))
-            with self._lock:
                 info.tests.pop(key, None)
-                self._placed.pop(key, None)
-                if contexts is not None:
-                    info.contexts = set(contexts)
-                gpus = None if contexts is None else [self.uuids[i] for i in contexts if i in self.uuids]
-                self._machine().release(key, gpus, left)
-            return None
-        if kind == "ports":
-            ask = cast(PortsAsk, body)
-            owner = scoped(info.client, str(ask["owner"]))
-            with self._lock:
-                try:
-                    got = self._machine().take_ports(int(ask["n"]), owner, self.port_range)
-                except MachineError as exc:
-                    return ("error", str(exc))
-                self.ports.update(dict.fromkeys(got, owner))
-            return ("ports", got)
-        if kind == "release_ports":
-            owner = scoped(info.client, str(cast(PortsRelease, body)["owner"]))
-            with self._lock:
-                if owner in self.ports.values():
-                    self.link.give_back_ports(owner)
-                    self.ports = {p: o for p, o in self.ports.items() if o != owner}
-            return ("ok", {})
-        if kind == "contexts":
-            indices = cast(Contexts, body)["indices"]
-            with self._lock:
-                info.contexts = set(indices)
-                self._machine().set_contexts(info.client, [self.uuids[i] for i in indices if i in self.uuids])
-            return ("ok", {})
-        if kind == "context_size":
-            return self._context_size(info, body)
-        if kind == "test":
-            info.current_test = cast(CurrentTest, body).get("nodeid")
-            return ("ok", {})
-        if kind == "status":
-            with self._lock:
-                return ("status", self.status_locked())
-        if kind == "catalog":
-            with self._lock:
-                self.catalog.update(cast(Catalog, body)["tests"])
-            return ("ok", {})
-        return ("error", f"unknown request {kind!r}")
+                return ("cancelled", self._local_rows(holders))
+        return ("not-waiting", None)
+
+    def on_abandon(self, peer: Peer, m: dict[str, Any]) -> None:
+        info: ClientInfo = peer.data
+        key = scoped(info.client, m["key"])
+        with self._lock:
+            info.tests.pop(key, None)
+            self._queued_at.pop(key, None)
+            self._placed.pop(key, None)
+            self._preferred.pop(key, None)
+            self._machine().abandon(key)
+
+    def on_release(self, peer: Peer, m: dict[str, Any]) -> None:
+        info: ClientInfo = peer.data
+        key = scoped(info.client, m["key"])
+        contexts = m["contexts"]
+        left = self._leftovers(m["left"])
+        with self._lock:
+            info.tests.pop(key, None)
+            self._placed.pop(key, None)
+            if contexts is not None:
+                info.contexts = set(contexts)
+            gpus = None if contexts is None else [self.uuids[i] for i in contexts if i in self.uuids]
+            self._machine().release(key, gpus, left)
+
+    def on_ports(self, peer: Peer, m: dict[str, Any]) -> list[int]:
+        owner = scoped(peer.data.client, m["owner"])
+        with self._lock:
+            try:
+                got = self._machine().take_ports(m["n"], owner, self.port_range)
+            except MachineError as exc:
+                raise Refused(str(exc)) from None
+            self.ports.update(dict.fromkeys(got, owner))
+        return got
+
+    def on_release_ports(self, peer: Peer, m: dict[str, Any]) -> None:
+        owner = scoped(peer.data.client, m["owner"])
+        with self._lock:
+            if owner in self.ports.values():
+                self.link.give_back_ports(owner)
+                self.ports = {p: o for p, o in self.ports.items() if o != owner}
+
+    def on_context_size(self, peer: Peer, m: dict[str, Any]) -> None:
+        self._context_size(m["index"], m["bytes"])
+
+    def on_status(self, peer: Peer, m: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self.status_locked()
+
+    def on_catalog(self, peer: Peer, m: dict[str, Any]) -> None:
+        with self._lock:
+            self.catalog.update(m["tests"])
 
     def _leftovers(self, body: Any) -> dict[str, tuple[int, str]] | None:
         """A release's ``left`` (GPU index -> (bytes, who left them)) by GPU name; entries that
@@ -375,37 +324,27 @@ class Broker(AuthServer[ClientInfo]):
             found[self.uuids[index]] = (nbytes, str(who)[:LEFT_BY_MAX])
         return found
 
-    def _context_size(self, info: ClientInfo, body: Any) -> Message:
-        """A process measured one CUDA context on a GPU of the run: checked (a client is a
-        stranger's claim until then), kept for the summary, and used by the arbiter for that
-        GPU's placement. The largest measured on a GPU counts (contexts grow)."""
-        if not isinstance(body, dict):
-            return ("error", "context_size: expected {'index': int, 'bytes': int}")
-        index, nbytes = body.get("index"), body.get("bytes")
-        if isinstance(index, bool) or not isinstance(index, int) or index not in self.capacities:
-            return ("error", f"context_size: {index!r:.40} is not a GPU of this run")
+    def _context_size(self, index: int, nbytes: int) -> None:
+        """A process measured one CUDA context on a GPU of the run: checked against the GPU
+        (a client is a stranger's claim until then), kept for the summary, and used by the
+        arbiter for that GPU's placement. The largest measured on a GPU counts (contexts grow)."""
+        if index not in self.capacities:
+            raise Refused(f"context_size: {index!r:.40} is not a GPU of this run")
         capacity = self.capacities[index]
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes < capacity:
-            return ("error", f"context_size: expected bytes in (0, {capacity}) for GPU {index}, got {nbytes!r:.40}")
+        if not 0 < nbytes < capacity:
+            raise Refused(f"context_size: expected bytes in (0, {capacity}) for GPU {index}, got {nbytes!r:.40}")
         with self._lock:
             if nbytes <= self.measured.get(index, 0):
-                return ("ok", {})
+                return
             self.measured[index] = nbytes
             try:
                 self._machine().measure_context(self.uuids[index], nbytes)
             except (MachineError, ValueError) as exc:
-                return ("error", f"context_size: {exc}")
-        return ("ok", {})
+                raise Refused(f"context_size: {exc}") from None
 
-    def _acquire(self, info: ClientInfo, body: Acquire) -> Message:
-        shape = tuple(body["request"])
-        request = self._requests.get(shape)
-        if request is None:  # a suite asks for a handful of shapes: build each once
-            request = request_from_wire(shape)  # (count, memory, exclusive, min_memory[, cpus, host_memory])
-            if len(self._requests) < 4096:
-                self._requests[shape] = request
-        key = scoped(info.client, body["key"])
-        test = str(body.get("test") or "?")
+    def _acquire(self, info: ClientInfo, name: str, request: GpuRequest, test: str) -> tuple[str, Any]:
+        key = scoped(info.client, name)
+        test = test or "?"
         with self._lock:
             info.tests[key] = test
             self._queued_at[key] = time.monotonic()
@@ -417,12 +356,12 @@ class Broker(AuthServer[ClientInfo]):
                 prefer = [self.uuids[i] for i in hint]
             kind, value = self._machine().submit(key, info.client, info.worker, test, request, self._gpu_list, prefer)
             if kind == "queued":
-                return ("queued", body["key"])
+                return ("queued", None)
             self._queued_at.pop(key, None)
             if kind != "granted":  # "error" or "rejected": it can never be placed
                 info.tests.pop(key, None)
                 self._preferred.pop(key, None)
-                return ("error", value)
+                return ("refused", str(value))
             return ("granted", self._granted(info, key, value, 0.0))
 
     def _hint(self, worker: str, test: str, request: GpuRequest) -> tuple[int, ...] | None:
@@ -503,7 +442,7 @@ class Broker(AuthServer[ClientInfo]):
                 del self._preferred[key]
             if (held or ports) and not self._closing:
                 tests = sorted({info.tests.get(key, "?") for key, _ in held})
-                test = ", ".join(tests) if tests else info.current_test or ", ".join(port_tests) or None
+                test = ", ".join(tests) if tests else ", ".join(port_tests) or None
                 gpus = tuple(sorted({i for _, uuids in held for i in self._indices(list(uuids))}))
                 self.crashes.append(CrashRecord(info.worker, info.pid, test, gpus, tuple(sorted(ports)), time.time()))
 

@@ -1,4 +1,9 @@
-"""The test-process side of the broker: ask for GPUs and ports, give them back."""
+"""The test-process side of the broker: ask for GPUs and ports, give them back.
+
+Over :class:`pytest_gpu.wire.client.Client`, read in the calling thread (no thread of its
+own): the messages are :data:`pytest_gpu.leasing.protocol.BROKER`, every answer and event
+checked on arrival.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,17 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection
-from typing import Any, cast
+from typing import Any
 
 from ..base.requests import GpuRequest, format_size
 from ..machine.messages import request_to_wire
-from .protocol import (
-    Acquire,
-    Cancelled,
-    Catalog,
-    Contexts,
-    ContextSize,
-    CurrentTest,
-    Hello,
-    KeyBody,
-    LeaseMessage,
-    Message,
-    PortsAsk,
-    PortsRelease,
-    PushError,
-    Release,
-    Welcome,
-)
+from ..wire.client import Client, Closed, Garbled
+from ..wire.frames import WireError
+from ..wire.schema import Refused
+from .protocol import BROKER, MAX_FRAME, LeaseMessage
 
 
 class BrokerError(RuntimeError):
@@ -57,7 +48,7 @@ class Grant:
     waited: float
 
     @classmethod
-    def from_wire(cls, body: LeaseMessage, waited: float | None = None) -> Grant:
+    def from_wire(cls, body: LeaseMessage | dict[str, Any], waited: float | None = None) -> Grant:
         """``waited``: as this process measured it, in place of the broker's figure."""
         return cls(
             key=str(body["key"]),
@@ -74,11 +65,11 @@ class BrokerClient:
     A call abandoned half-way (pytest-timeout's signal method raising inside the wait, a
     KeyboardInterrupt) leaves the connection usable: an abandoned acquire is withdrawn at
     the broker (``abandon``: dropped from the queue, or released if it was granted
-    meanwhile), a push that still arrives for it is discarded, and the reply of an
-    interrupted call is skipped when it comes. Only an interruption in the middle of a
-    message (a few microseconds of copying, never the wait) leaves the stream in doubt:
-    then the connection is closed, the broker takes back everything this process held
-    (as after a crash), and the next call connects afresh.
+    meanwhile), an event that still arrives for it is discarded, and the answer of an
+    interrupted call is skipped when it comes (answers name their call). Only an
+    interruption in the middle of a message (a few microseconds of copying, never the
+    wait) leaves the stream in doubt: then the connection is closed, the broker takes back
+    everything this process held (as after a crash), and the next call connects afresh.
     """
 
     def __init__(self, address: str, authkey: bytes, worker: str) -> None:
@@ -87,40 +78,41 @@ class BrokerClient:
         # re-entrant: an acquire's on_wait may give leases back through this client while it waits
         self._lock = threading.RLock()
         self._keys = itertools.count()
-        self._pushed: dict[str, Message] = {}  # acquire key -> its push-granted or push-error
-        self._abandoned: set[str] = set()  # acquire keys given up on: a push for them is dropped
-        self._owed = 0  # replies still to come for calls sent; those of interrupted calls are skipped
-        self._answer: Message | None = None  # the reply to the call under way, once read
+        self._pushed: dict[str, tuple[str, Any]] = {}  # acquire key -> its granted or refused event
+        self._abandoned: set[str] = set()  # acquire keys given up on: an event for them is dropped
         self.worker = worker
-        self._conn: Connection | None = None
+        self._conn: Client | None = None
         self._closed = False
         self._connect()
 
     def _connect(self) -> None:
         try:
-            conn = Client(self._address, family="AF_UNIX", authkey=self._authkey)
+            conn = Client(
+                self._address,
+                BROKER,
+                key=self._authkey,
+                limit=MAX_FRAME,
+                max_brackets=None,
+                max_request=MAX_FRAME,
+                on_event=self._stash,
+            )
         except (OSError, EOFError, AuthenticationError) as exc:  # a wrong key is refused: BrokerError too
             raise BrokerError(f"cannot reach the pytest-gpu broker at {self._address}: {exc}") from None
         self._conn = conn
         self._pushed.clear()
         self._abandoned.clear()
-        self._owed = 0
-        self._answer = None
-        reply = self._call("hello", Hello(worker=self.worker, pid=os.getpid()))
-        self.client_id = cast(Welcome, reply[1])["client"]
+        self.client_id = self._call("hello", worker=self.worker, pid=os.getpid())["client"]
 
     def _broken(self) -> None:
-        """The stream is in doubt (interrupted mid-message): drop the connection; the broker
-        takes everything back, and the next call reconnects."""
+        """The stream is in doubt (interrupted mid-message) or gone: drop the connection; the
+        broker takes everything back, and the next call reconnects."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
+            conn.close()
 
-    def _connection(self) -> Connection:
-        if self._conn is None:
+    def _connection(self) -> Client:
+        if self._conn is None or self._conn.lost is not None:
+            self._broken()
             if self._closed:
                 raise BrokerError("the connection to the pytest-gpu broker was closed")
             self._connect()
@@ -131,65 +123,40 @@ class BrokerClient:
         self._closed = True
         self._broken()
 
-    def _pump(self, timeout: float | None = None) -> bool:
-        """Read one message into this client's state; ``False`` on timeout.
+    def _lost(self, exc: BaseException) -> BrokerError:
+        self._broken()
+        return BrokerError(f"lost the connection to the pytest-gpu broker: {exc}")
 
-        It waits in ``poll`` (also without a timeout), so an exception raised during the
-        wait consumes nothing; one raised while a message is read and filed leaves the
-        stream in doubt, and the connection is dropped.
-        """
-        conn = self._connection()
-        try:
-            if not conn.poll(None if timeout is None else max(timeout, 0.0)):
-                return False
-        except (EOFError, OSError) as exc:
-            self._broken()
-            raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
-        try:
-            message = conn.recv()
-            if message[0].startswith("push-"):
-                self._stash(message)
-            else:
-                self._owed -= 1
-                if self._owed == 0:  # earlier ones answer calls that were interrupted: skipped
-                    self._answer = message
-        except (EOFError, OSError) as exc:
-            self._broken()
-            raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
-        except BaseException:
-            self._broken()
-            raise
-        return True
-
-    def _stash(self, message: Message) -> None:
-        """Keep a push for its acquire, or drop it if that acquire was abandoned (the broker
+    def _stash(self, kind: str, body: dict[str, Any]) -> None:
+        """Keep an event for its acquire, or drop it if that acquire was abandoned (the broker
         takes such a late grant back itself: it handles ``abandon`` after sending it)."""
-        key = cast("LeaseMessage | PushError", message[1])["key"]
+        key = body["key"]
         if key in self._abandoned:
             self._abandoned.discard(key)
         else:
-            self._pushed[key] = message
+            self._pushed[key] = (kind, body)
 
-    def _send(self, kind: str, body: Mapping[str, object], reply: bool = True) -> None:
+    def _call(self, kind: str, **fields: Any) -> Any:
         conn = self._connection()
         try:
-            if reply:
-                self._answer = None
-                self._owed += 1
-            conn.send((kind, body))
-        except (OSError, EOFError) as exc:
-            self._broken()
-            raise BrokerError(f"lost the connection to the pytest-gpu broker: {exc!r}") from None
-        except BaseException:
-            self._broken()  # possibly half a message written
-            raise
+            return conn.call(kind, fields)
+        except Refused as exc:
+            raise BrokerError(str(exc)) from None
+        except (Closed, Garbled) as exc:
+            raise self._lost(exc) from None
 
-    def _call(self, kind: str, body: Mapping[str, object]) -> Message:
-        self._send(kind, body)
-        while self._answer is None:
-            self._pump()
-        answer, self._answer = self._answer, None
-        return answer
+    def _tell(self, kind: str, **fields: Any) -> None:
+        conn = self._connection()
+        try:
+            conn.tell(kind, fields)
+        except (Closed, WireError) as exc:
+            raise self._lost(exc) from None
+
+    def _pump(self, timeout: float | None) -> bool:
+        try:
+            return self._connection().pump(timeout)
+        except (Closed, Garbled) as exc:
+            raise self._lost(exc) from None
 
     # -- public API -----------------------------------------------------------------
 
@@ -223,13 +190,10 @@ class BrokerClient:
         self, key: str, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None
     ) -> Grant:
         started = time.monotonic()
-        kind, body = self._call(
-            "acquire",
-            Acquire(key=key, request=tuple(request_to_wire(request)), test=test),  # 4 fields, or 6 with a host part
-        )
+        kind, body = self._call("acquire", key=key, request=request_to_wire(request), test=test)
         if kind == "granted":
             return Grant.from_wire(body, 0.0)
-        if kind == "error":
+        if kind == "refused":
             if on_wait is not None and on_wait():  # refused (waiting for what this process holds)
                 raise _GaveBack
             raise BrokerError(str(body))
@@ -244,31 +208,31 @@ class BrokerClient:
 
     def _abandon(self, key: str) -> None:
         """Withdraw an acquire given up on: whatever the broker did with it is undone."""
-        if self._conn is None:
+        if self._conn is None or self._conn.lost is not None:
             return  # disconnected: the broker has taken everything back already
         pushed = self._pushed.pop(key, None)
         try:  # one-way: it must not wait (a second interruption, a process on its way out)
             if pushed is None:
                 self._abandoned.add(key)
-                self._send("abandon", KeyBody(key=key), reply=False)
-            elif pushed[0] == "push-granted":
-                self._send("release", Release(key=key, contexts=None, left=None), reply=False)
+                self._tell("abandon", key=key)
+            elif pushed[0] == "granted":
+                self._tell("release", key=key, contexts=None, left=None)
         except BrokerError:
             pass  # disconnected meanwhile: the broker took everything back; the caller's exception stands
 
     def _take_push(self, key: str, started: float) -> Grant:
         kind, body = self._pushed.pop(key)
-        if kind == "push-error":
-            raise BrokerError(str(cast(PushError, body)["message"]))
+        if kind == "refused":
+            raise BrokerError(str(body["message"]))
         return Grant.from_wire(body, time.monotonic() - started)
 
     def _give_up(self, key: str, request: GpuRequest, timeout: float, started: float) -> Grant:
-        kind, body = self._call("cancel", KeyBody(key=key))
+        kind, body = self._call("cancel", key=key)
         if kind == "not-waiting" and key in self._pushed:
             return self._take_push(key, started)  # granted just as we gave up: keep it
         holders = "unknown holders"
         if kind == "cancelled":
-            holders = describe_holders(cast(Cancelled, body).get("holders", []))
+            holders = describe_holders(body)
         raise WaitTimeout(f"waited {timeout:g}s for {request.describe()} (--gpu-wait-timeout); {holders}")
 
     def release(
@@ -281,48 +245,34 @@ class BrokerClient:
         leases that ended, on every GPU where it holds some (``None``: as told last); the
         broker counts it as this process's until told otherwise or the process is gone."""
         with self._lock:
-            if self._conn is None:
+            if self._conn is None or self._conn.lost is not None:
                 return  # the connection was dropped: the broker took this lease back then
             held = None if contexts is None else sorted(contexts)
-            told = None if left is None else {int(i): (int(n), str(who)) for i, (n, who) in left.items()}
-            self._send("release", Release(key=key, contexts=held, left=told), reply=False)
+            told = None if left is None else {int(i): [int(n), str(who)] for i, (n, who) in left.items()}
+            self._tell("release", key=key, contexts=held, left=told)
 
     def context_size(self, index: int, nbytes: int) -> None:
         """Tell the broker one CUDA context on GPU ``index`` takes ``nbytes`` (measured);
         :class:`BrokerError` when it refuses the figure."""
         with self._lock:
-            kind, body = self._call("context_size", ContextSize(index=index, bytes=nbytes))
-            if kind == "error":
-                raise BrokerError(str(body))
-
-    def report_contexts(self, indices: set[int]) -> None:
-        with self._lock:
-            self._call("contexts", Contexts(indices=sorted(indices)))
-
-    def set_test(self, nodeid: str | None) -> None:
-        """Tell the broker which test runs now, so a crash report can name it."""
-        with self._lock:
-            self._call("test", CurrentTest(nodeid=nodeid))
+            self._call("context_size", index=index, bytes=nbytes)
 
     def ports(self, n: int, owner: str) -> list[int]:
         with self._lock:
-            kind, body = self._call("ports", PortsAsk(n=n, owner=owner))
-        if kind == "error":
-            raise BrokerError(str(body))
-        return list(body)
+            return list(self._call("ports", n=n, owner=owner))
 
     def release_ports(self, owner: str) -> None:
         with self._lock:
-            self._call("release_ports", PortsRelease(owner=owner))
+            self._call("release_ports", owner=owner)
 
     def catalog(self, tests: dict[str, Any]) -> None:
         """Tell the controller's scheduler what this worker collected (before xdist does)."""
         with self._lock:
-            self._call("catalog", Catalog(tests=tests))
+            self._call("catalog", tests=tests)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._call("status", {})[1])
+            return dict(self._call("status"))
 
 
 def describe_holders(holders: list[dict[str, Any]]) -> str:

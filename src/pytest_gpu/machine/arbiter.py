@@ -493,15 +493,21 @@ class Arbiter:
             clients |= {lease.client for lease in self.allocator.leases.values() if lease.key.startswith(f"{run}|")}
             clients |= {c for g in self.allocator.gpus.values() for c in g.contexts if c.startswith(f"{run}|")}
             granted: list[Lease] = []
-            for client in sorted(clients):
-                self.allocator.exiting.discard(client)
-                leases, more = self.allocator.forget_client(client)
-                held.extend(self._named(lease) for lease in leases)
-                granted.extend(more)
+            # nothing is granted from what it held until its processes (orphans, an exiting one:
+            # the arbiter's own run's, leaving) count as foreign usage: its contexts are still open
+            paused, self.allocator.paused = self.allocator.paused, True
+            try:
+                for client in sorted(clients):
+                    self.allocator.exiting.discard(client)
+                    leases, more = self.allocator.forget_client(client)
+                    held.extend(self._named(lease) for lease in leases)
+                    granted.extend(more)
+            finally:
+                self.allocator.paused = paused
             self.ports.give_back_prefix(f"{run}|")
             if entry is not None:
                 self._sample_locked(force=True)  # its orphans, if any, are foreign from now on
-                self._deliver_locked(granted + self.allocator.serve(), out)
+            self._deliver_locked(granted + self.allocator.serve(), out)
             return held
 
     # -- requests -----------------------------------------------------------------------

@@ -19,7 +19,10 @@ again: one wins, the rest connect to it, and each brings what it holds and waits
 (the mirror of its own run it keeps, :mod:`.mirror`). The new arbiter grants nothing
 until every run of the last roster it heard of (the arbiter tells every run who is
 attached) has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is
-promised twice. A run that is not the arbiter reaches it over :mod:`.remote`.
+promised twice. A run that is not the arbiter reaches it over :mod:`.remote`; an arbiter
+that answers or tells what the protocol does not allow (:mod:`.messages`) fails that call
+with a :class:`MachineError` and is used no more: the run coordinates with its own user's
+runs only (one warning line), as it does beside a squatter.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from .messages import LABEL_MAX, TEST_MAX, Asked, request_to_wire
 from .mirror import Mirror, to_wire
 from .placement import Policy
 from .ports import PortAllocator
-from .remote import Lost, MachineError, Remote
+from .remote import Garbled, Lost, MachineError, Remote
 from .server import ArbiterServer
 
 ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
@@ -155,8 +158,7 @@ class MachineLink:
             if callable(self._domain) and self.domain is None:
                 self.domain = self._domain()
             if self.domain is None:  # a private pool: this run shares its GPUs with no one
-                self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
-                self._attach_here(self._arbiter)
+                self._alone()
             else:
                 self._elect_and_attach(expect=False)
             self._attached = True
@@ -179,6 +181,10 @@ class MachineLink:
                 why = str(exc)
         # not even a private domain: this run alone
         warn_once(f"alone:{self.domain.name}", f"{why}; this run shares its GPUs with no other run")
+        self._alone()
+
+    def _alone(self) -> None:
+        """This run is its own arbiter, in its own process, sharing its GPUs with no other run."""
         self.domain = None
         self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
         self._attach_here(self._arbiter)
@@ -209,13 +215,25 @@ class MachineLink:
                     raise Squatter(f"the machine's arbiter of {domain.name!r} keeps closing on this run") from None
                 time.sleep(0.005)
                 continue
-            except MachineError as exc:  # silent, or refused this run: not an arbiter to use
+            except MachineError as exc:  # silent, refused this run or garbled: not an arbiter to use
                 remote.close()
-                who = f"pid {remote.peer_pid}, user {user_name(remote.peer_uid)}"
-                why = f"the process at the machine's arbiter address ({who}) is no usable arbiter: {exc}"
-                raise Squatter(why) from None
+                raise Squatter(f"{self._who(remote)} is no usable arbiter: {exc}") from None
             self._remote = remote
+            if remote.lost:  # it ended just as it answered: its reader thread found no arbiter to leave
+                self._remote = None
+                remote.close(wait=False)
+                if remote.garbled is not None:
+                    raise Squatter(f"{self._who(remote)} is no usable arbiter: {remote.garbled}")
+                if time.monotonic() > deadline:
+                    raise Squatter(f"the machine's arbiter of {domain.name!r} keeps closing on this run")
+                time.sleep(0.005)
+                continue
             return
+
+    @staticmethod
+    def _who(remote: Remote) -> str:
+        who = f"pid {remote.peer_pid}, user {user_name(remote.peer_uid)}"
+        return f"the process at the machine's arbiter address ({who})"
 
     def _try_lead(self, domain: Domain, expect: bool) -> bool:
         fd = -1
@@ -312,11 +330,21 @@ class MachineLink:
     def _failover(self) -> None:
         old, self._remote = self._remote, None
         if old is not None:
-            old.closing = True
-            old.close()
+            old.close(wait=False)  # its reader thread may wait for this link's lock, held here
         self.failovers += 1
-        if self.domain is not None and self.domain.wide and self.failovers > MAX_FAILOVERS:
-            # an arbiter that keeps breaking off (garbage, closing): not one to keep coming back to
+        if old is not None and old.garbled is not None and self.domain is not None:
+            # it said what its protocol does not allow: not an arbiter to come back to
+            why = f"{self._who(old)} is no usable arbiter: {old.garbled}"
+            if self.domain.wide:
+                self.fell_back = why
+                warn_once(f"garbled:{self.domain.name}", f"{why}; {OWN_RUNS_ONLY}")
+                self.domain = self.domain.fallback()
+            else:
+                warn_once(f"garbled:{self.domain.name}", f"{why}; this run shares its GPUs with no other run")
+                self._alone()
+                return
+        elif self.domain is not None and self.domain.wide and self.failovers > MAX_FAILOVERS:
+            # an arbiter that keeps breaking off (closing): not one to keep coming back to
             self.domain = self.domain.fallback()
             warn_once("failovers", f"the machine's arbiter went away {self.failovers} times; {OWN_RUNS_ONLY}")
         self._elect_and_attach(expect=True)
@@ -364,6 +392,9 @@ class MachineLink:
                     return self._remote.call(op, **fields)
                 except Lost:
                     self._failover()
+                except Garbled:
+                    self._failover()  # to an arbiter of this user's own: the next call goes there
+                    raise
             raise MachineError(f"pytest-gpu: the machine's arbiter kept going away during {op!r}")
 
     def _tell(self, op: str, local: Callable[[Arbiter], Any], **fields: Any) -> None:
@@ -493,9 +524,9 @@ class MachineLink:
                 owner=self._said(owner),
                 range=list(port_range),
             )
-            if not isinstance(answer, dict) or "refused" in answer:
-                raise MachineError(str(answer.get("refused") if isinstance(answer, dict) else answer))
-            ports = [int(p) for p in answer.get("ports", [])]
+            if "refused" in answer:
+                raise MachineError(str(answer["refused"]))
+            ports = list(answer["ports"])
             if len(ports) != n or not all(port_range[0] <= p <= port_range[1] for p in ports):
                 raise MachineError(f"the machine's arbiter handed out ports {ports[:8]} for {n} in {port_range}")
             self._mirror.took_ports(ports, owner)

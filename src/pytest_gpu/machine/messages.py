@@ -1,13 +1,24 @@
-"""What a run may send the arbiter: every field of every request, checked (pure).
+"""The arbiter's protocol: every message between a run and the arbiter, declared (pure).
 
-The arbiter may serve other users' runs, so a request is a stranger's claim until each of
-its fields is what it must be: a string of bounded length (names without ``|``, which the
-arbiter uses to join a run's id and its keys), an integer in its range (a JSON bool or
-float is not one), a list of bounded length. Anything else is a :class:`WireError` that
-names the field; the server answers it to its sender alone.
+:data:`ARBITER` is the whole of it: each call a run may send (its fields, its answer) and
+each event the arbiter sends unasked. Both ends check what arrives against it
+(:mod:`pytest_gpu.wire`): the arbiter may serve other users' runs, so a request is a
+stranger's claim until each of its fields is what it must be: a string of bounded length
+(names without ``|``, which the arbiter uses to join a run's id and its keys), an integer
+in its range (a JSON bool or float is not one), a list of bounded length, no field the
+message does not have. An arbiter may be another user's process, so its answers and
+events are checked as strictly. Anything else is a :class:`WireError` that names the
+field; the server answers it to its sender alone, a run takes it for an arbiter it cannot
+use (:mod:`.link`).
 
 What depends on the arbiter's state (a GPU the run did not bring, a key in use, a size
 larger than the GPU) is checked by :class:`~.arbiter.Arbiter` itself.
+
+The wire form (older than the other protocols' events, and kept): a call is
+``{"op": kind, "id": n, ...fields}`` (``release``, ``abandon``, ``give_back_ports*`` are
+sent one-way, without ``id``), answered ``{"re": n, "ok": answer}`` or ``{"re": n, "error":
+why}``; events are ``{"ev": [[kind, key, body], ...]}`` (a waiting request granted or
+rejected) and, after a run attaches or detaches, ``{"roster": [[run, pid], ...], "arbiter": run}``.
 """
 
 from __future__ import annotations
@@ -18,6 +29,28 @@ from typing import Any
 
 from ..base.requests import GpuRequest
 from ..wire.frames import WireError
+from ..wire.schema import (
+    Bool,
+    Call,
+    Check,
+    Dict,
+    Either,
+    Float,
+    Int,
+    List,
+    Null,
+    Obj,
+    Opt,
+    Protocol,
+    Row,
+    Str,
+    StrKey,
+    Tagged,
+    integer,
+    text,
+)
+
+__all__ = ["ARBITER", "WireError", "integer", "text"]
 
 MAX_BYTES = 1 << 50  # a size that no GPU or host has (1 PiB): beyond it a size is a lie
 MAX_GPUS = 256  # GPUs (and parts of GPUs) one run may name
@@ -28,23 +61,15 @@ LABEL_MAX = 512
 UUID_MAX = 160  # a UUID, or a rank's part of one ("<uuid>#part-of-rank-<n>")
 LIST_MAX = 4096  # leases or requests one run re-declares
 PORTS_MAX = 1024  # ports one request asks for
+RUN_MAX = 80  # a run's id, or another user's run as a digest ("#...")
+TEXT_MAX = 1 << 16  # an error, a deadlock's explanation
 _RUN = re.compile(r"\d{1,10}\.[A-Za-z0-9_-]{1,64}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def integer(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
-    """``value`` as an int in ``[lo, hi]`` (a JSON bool is not one); :class:`WireError` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise WireError(f"{what} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise WireError(f"{what} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def context_size(value: Any) -> int:
+def context_size(value: Any, what: str = "a context's size") -> int:
     """A measured CUDA context's size: an integer above 0 within what any GPU has (the
     arbiter checks it against the GPU's own capacity)."""
-    return integer(value, "a context's size", 1, MAX_BYTES)
+    return integer(value, what, 1, MAX_BYTES)
 
 
 def request_to_wire(request: GpuRequest) -> list[Any]:
@@ -56,27 +81,61 @@ def request_to_wire(request: GpuRequest) -> list[Any]:
     return shape
 
 
-def request_from_wire(data: Any) -> GpuRequest:
+def request_from_wire(data: Any, what: str = "a request") -> GpuRequest:
     """The inverse of :func:`request_to_wire`: 4 fields (no host part) or 6, each checked
     (counts and sizes non-negative integers within what any machine has)."""
     if not isinstance(data, (list, tuple)) or len(data) not in (4, 6):
         raise WireError(f"a request has 4 or 6 fields, got {data!r:.80}")
     count_, memory_, exclusive, min_memory_ = data[:4]
     count = integer(count_, "a request's count", 0, MAX_GPUS)
-    memory = None if memory_ is None else integer(memory_, "a request's memory")
+    memory = None if memory_ is None else integer(memory_, "a request's memory", 0, MAX_BYTES)
     if not isinstance(exclusive, bool):
         raise WireError("a request's exclusive must be true or false")
-    min_memory = None if min_memory_ is None else integer(min_memory_, "a request's min_memory")
+    min_memory = None if min_memory_ is None else integer(min_memory_, "a request's min_memory", 0, MAX_BYTES)
     cpus, host_memory = 0, 0
     if len(data) == 6:
         cpus = integer(data[4], "a request's cpus", 0, 1 << 20)
-        host_memory = integer(data[5], "a request's host_memory")
+        host_memory = integer(data[5], "a request's host_memory", 0, MAX_BYTES)
     if (memory is None) != exclusive:
         raise WireError("a request has memory exactly when it is not exclusive")
     try:
         return GpuRequest(count, memory, exclusive, min_memory, cpus, host_memory)
     except ValueError as exc:
         raise WireError(str(exc)) from None
+
+
+def name(value: Any, what: str) -> str:
+    """A key or client name: a non-empty string, at most ``NAME_MAX`` characters, no ``|``."""
+    found = text(value, what, NAME_MAX)
+    if not found or "|" in found:
+        raise WireError(f"{what} must be a non-empty name without '|'")
+    return found
+
+
+def run_id(value: Any, what: str = "run") -> str:
+    """A run's id: ``<uid>.<letters, digits, - or _>``."""
+    if not isinstance(value, str) or not _RUN.fullmatch(value):
+        raise WireError("run must be '<uid>.<id>' (letters, digits, '-', '_')")
+    return value
+
+
+def gpu(value: Any, what: str) -> str:
+    """A GPU's name: its UUID, or a rank's part of it."""
+    found = name(value, what)
+    if len(found) > UUID_MAX:
+        raise WireError(f"{what} is longer than {UUID_MAX} characters")
+    return found
+
+
+NAME = Check(name)
+GPU = Check(gpu)
+GPUS = List(GPU, MAX_GPUS, each="a GPU of {what}")
+GPU_TUPLE = Check(lambda value, what: tuple(GPUS.check(value, what)))
+REQUEST = Check(request_from_wire)
+BYTES = Int(0, MAX_BYTES)
+TEST = Str(TEST_MAX, plain=True)
+WORKER = Str(WORKER_MAX, plain=True)
+TEXT = Str(TEXT_MAX)
 
 
 @dataclass(frozen=True)
@@ -105,56 +164,21 @@ class Asked:
     gpus: tuple[str, ...]  # the GPUs the run can see
 
 
-def text(value: Any, what: str, limit: int) -> str:
-    """A string of at most ``limit`` characters, without control characters."""
-    if not isinstance(value, str):
-        raise WireError(f"{what} must be a string, got {type(value).__name__}")
-    if len(value) > limit:
-        raise WireError(f"{what} is longer than {limit} characters")
-    if _CONTROL.search(value):
-        raise WireError(f"{what} holds control characters")
-    return value
+_ASKED = {"key": NAME, "client": NAME, "request": REQUEST, "gpus": GPU_TUPLE}
+_NAMES = {"worker": WORKER, "test": TEST}
+_UNNAMED = {"worker": "", "test": ""}
+HELD = Obj({**_ASKED, "memory": BYTES, "exclusive": Bool()}, _NAMES, _UNNAMED, name="a held lease", into=Held)
+ASKED = Obj(_ASKED, _NAMES, _UNNAMED, name="a waiting request", into=Asked)
 
-
-def name(value: Any, what: str) -> str:
-    """A key or client name: a non-empty string, at most ``NAME_MAX`` characters, no ``|``."""
-    found = text(value, what, NAME_MAX)
-    if not found or "|" in found:
-        raise WireError(f"{what} must be a non-empty name without '|'")
-    return found
-
-
-def run_id(value: Any) -> str:
-    """A run's id: ``<uid>.<letters, digits, - or _>``."""
-    if not isinstance(value, str) or not _RUN.fullmatch(value):
-        raise WireError("run must be '<uid>.<id>' (letters, digits, '-', '_')")
-    return value
-
-
-def gpu(value: Any, what: str) -> str:
-    """A GPU's name: its UUID, or a rank's part of it."""
-    found = name(value, what)
-    if len(found) > UUID_MAX:
-        raise WireError(f"{what} is longer than {UUID_MAX} characters")
-    return found
-
-
-def uuids(value: Any, what: str) -> list[str]:
-    if not isinstance(value, list) or len(value) > MAX_GPUS:
-        raise WireError(f"{what} must be a list of at most {MAX_GPUS} GPU names")
-    return [gpu(u, f"a GPU of {what}") for u in value]
-
-
-def _dict(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise WireError(f"{what} must be an object")
-    return value
-
-
-def _list(value: Any, what: str, limit: int = LIST_MAX) -> list[Any]:
-    if not isinstance(value, list) or len(value) > limit:
-        raise WireError(f"{what} must be a list of at most {limit} entries")
-    return value
+# GPU -> [bytes, who left them] (see Arbiter.release)
+LEFT = Dict(
+    StrKey(Check(lambda v, w: gpu(v, "a GPU of left"))),
+    Row(Int(1, MAX_BYTES), TEST, names=("bytes", "who left them")),
+    MAX_GPUS,
+    each="a GPU's leftover",
+)
+CLIENT_GPUS = Dict(StrKey(NAME), GPUS, LIST_MAX, each="the GPUs of a client of {what}")
+CLIENT_LEFT = Dict(StrKey(NAME), LEFT, LIST_MAX, each="left")
 
 
 @dataclass(frozen=True)
@@ -173,131 +197,196 @@ class Attach:
     left: dict[str, dict[str, tuple[int, str]]]  # client -> what its process holds of leases that ended
 
 
+def _attach(ports: list[tuple[int, str]], **fields: Any) -> Attach:
+    return Attach(ports=dict(ports), **fields)
+
+
+ATTACH = Obj(
+    {
+        "run": Check(run_id),
+        "gpus": Dict(StrKey(Check(lambda v, w: gpu(v, "a GPU of gpus"))), Int(1, MAX_BYTES), MAX_GPUS),
+    },
+    {
+        "label": Str(LABEL_MAX, plain=True),
+        "held": List(HELD, LIST_MAX),
+        "asked": List(ASKED, LIST_MAX),
+        "host": Opt(Row(Int(1, 1 << 20), Int(1, MAX_BYTES), names=("cpus", "bytes"))),
+        "ports": List(Row(Int(1, 65535), TEST, names=("port", "owner")), LIST_MAX),
+        "contexts": CLIENT_GPUS,
+        "exiting": CLIENT_GPUS,
+        "left": CLIENT_LEFT,
+    },
+    {"label": "", "held": [], "asked": [], "host": None, "ports": [], "contexts": {}, "exiting": {}, "left": {}},
+    into=_attach,
+)
+
+
 def attach(m: dict[str, Any]) -> Attach:
-    gpus_ = _dict(m.get("gpus"), "gpus")
-    if len(gpus_) > MAX_GPUS:
-        raise WireError(f"gpus names more than {MAX_GPUS} GPUs")
-    gpus = {}
-    for uuid, capacity in gpus_.items():
-        gpus[gpu(uuid, "a GPU of gpus")] = integer(capacity, f"the capacity of GPU {uuid[:40]}", 1, MAX_BYTES)
-    host = None
-    if m.get("host") is not None:
-        pair = _list(m["host"], "host", 2)
-        if len(pair) != 2:
-            raise WireError("host must be [cpus, bytes]")
-        host = (integer(pair[0], "host cpus", 1, 1 << 20), integer(pair[1], "host memory", 1, MAX_BYTES))
-    ports = {}
-    for row in _list(m.get("ports", []), "ports"):
-        pair = _list(row, "a port", 2)
-        if len(pair) != 2:
-            raise WireError("a port must be [port, owner]")
-        ports[integer(pair[0], "a port", 1, 65535)] = text(pair[1], "a port's owner", TEST_MAX)
-    return Attach(
-        run=run_id(m.get("run")),
-        label=text(m.get("label", ""), "label", LABEL_MAX),
-        gpus=gpus,
-        held=[held(h) for h in _list(m.get("held", []), "held")],
-        asked=[asked(a) for a in _list(m.get("asked", []), "asked")],
-        host=host,
-        ports=ports,
-        contexts=client_gpus(m.get("contexts", {}), "contexts"),
-        exiting=client_gpus(m.get("exiting", {}), "exiting"),
-        left=client_left(m.get("left", {})),
-    )
-
-
-def client_left(value: Any) -> dict[str, dict[str, tuple[int, str]]]:
-    """Client -> what its process still holds of leases that ended (:func:`left`)."""
-    found = _dict(value, "left")
-    if len(found) > LIST_MAX:
-        raise WireError(f"left names more than {LIST_MAX} clients")
-    return {name(client, "a client of left"): left({"left": held}) or {} for client, held in found.items()}
+    """An ``attach``'s fields (without ``op`` and ``id``), checked."""
+    found: Attach = ATTACH.check(m, "'attach'")
+    return found
 
 
 def left(m: dict[str, Any]) -> dict[str, tuple[int, str]] | None:
-    """A release's ``left``: GPU -> [bytes, who left them] (absent: not told)."""
+    """A release's ``left``: GPU -> (bytes, who left them) (absent: not told)."""
     value = m.get("left")
-    if value is None:
-        return None
-    found = _dict(value, "left")
-    if len(found) > MAX_GPUS:
-        raise WireError(f"left names more than {MAX_GPUS} GPUs")
-    out = {}
-    for uuid, row in found.items():
-        pair = _list(row, "a GPU's leftover", 2)
-        if len(pair) != 2:
-            raise WireError("a GPU's leftover must be [bytes, who left them]")
-        out[gpu(uuid, "a GPU of left")] = (
-            integer(pair[0], "a leftover's bytes", 1, MAX_BYTES),
-            text(pair[1], "who left it", TEST_MAX),
-        )
-    return out
+    return None if value is None else LEFT.check(value, "left")
 
 
-def client_gpus(value: Any, what: str) -> dict[str, list[str]]:
-    """Client -> GPU names (where its process has CUDA contexts)."""
-    found = _dict(value, what)
-    if len(found) > LIST_MAX:
-        raise WireError(f"{what} names more than {LIST_MAX} clients")
-    return {name(client, f"a client of {what}"): uuids(gpus, f"{what} of a client") for client, gpus in found.items()}
-
-
-def held(h: Any) -> Held:
-    h = _dict(h, "a held lease")
-    request = request_from_wire(h.get("request"))
-    memory = integer(h.get("memory"), "a held lease's memory")
-    exclusive = h.get("exclusive")
-    if not isinstance(exclusive, bool):
-        raise WireError("a held lease's exclusive must be true or false")
-    return Held(
-        name(h.get("key"), "a held lease's key"),
-        name(h.get("client"), "a held lease's client"),
-        text(h.get("worker", ""), "a held lease's worker", WORKER_MAX),
-        text(h.get("test", ""), "a held lease's test", TEST_MAX),
-        request,
-        tuple(uuids(h.get("gpus"), "a held lease's gpus")),
-        memory,
-        exclusive,
-    )
-
-
-def asked(a: Any) -> Asked:
-    a = _dict(a, "a waiting request")
-    return Asked(
-        name(a.get("key"), "a waiting request's key"),
-        name(a.get("client"), "a waiting request's client"),
-        text(a.get("worker", ""), "a waiting request's worker", WORKER_MAX),
-        text(a.get("test", ""), "a waiting request's test", TEST_MAX),
-        request_from_wire(a.get("request")),
-        tuple(uuids(a.get("gpus"), "a waiting request's gpus")),
-    )
-
-
-def submit(m: dict[str, Any]) -> Asked:
-    """A request to place (the fields of :class:`~.arbiter.Asked`)."""
-    return asked(m)
-
-
-def preference(m: dict[str, Any]) -> list[str] | None:
-    """A submit's ``prefer``: the GPUs its run's scheduler planned for it (absent: none);
-    whether they suit the request is the arbiter's to check."""
-    value = m.get("prefer")
-    return None if value is None else uuids(value, "prefer")
-
-
-def contexts(m: dict[str, Any]) -> list[str] | None:
-    value = m.get("contexts")
-    return None if value is None else uuids(value, "contexts")
-
-
-def port_range(value: Any) -> tuple[int, int]:
-    pair = _list(value, "range", 2)
-    if len(pair) != 2:
+def _port_range(value: Any, what: str) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise WireError("range must be [low, high]")
-    lo = integer(pair[0], "range low", 1024, 65535)
-    hi = integer(pair[1], "range high", lo, 65535)
+    lo = integer(value[0], "range low", 1024, 65535)
+    hi = integer(value[1], "range high", lo, 65535)
     return lo, hi
 
 
-def port_count(value: Any) -> int:
-    return integer(value, "n", 1, PORTS_MAX)
+PREFER = Opt(GPUS)  # the GPUs a submit's scheduler planned (absent: none); whether they suit is the arbiter's to check
+
+
+def preference(m: dict[str, Any]) -> list[str] | None:
+    """A submit's ``prefer``, checked."""
+    found: list[str] | None = PREFER.check(m.get("prefer"), "prefer")
+    return found
+
+
+# -- what the arbiter answers and tells --------------------------------------------------------
+
+GRANT = Obj(
+    {"gpus": GPUS, "memory": BYTES, "exclusive": Bool()},
+    {
+        "foreign": Obj(
+            {"waited": Bool(), "avoided": GPUS, "bytes": Dict(StrKey(GPU), BYTES, MAX_GPUS)},
+            name="a grant's foreign usage",
+        )
+    },
+    name="a grant",
+)
+REJECTED = Obj({"message": TEXT}, name="a rejection")
+HOLDER = Obj(
+    {
+        "run": Str(RUN_MAX),
+        "run_label": Str(LABEL_MAX),
+        "user": Str(NAME_MAX),
+        "test": TEST,
+        "worker": Str(NAME_MAX + WORKER_MAX),
+        "gpus": GPUS,
+        "memory": BYTES,
+        "exclusive": Bool(),
+        "cpus": Int(0, 1 << 20),
+        "host_memory": BYTES,
+        "since": Opt(Float()),
+    },
+    {"left": Bool()},
+    name="a holder",
+)
+HOLDERS = List(HOLDER, 4 * LIST_MAX)
+
+
+def _event(value: Any, what: str) -> tuple[str, str, Any]:
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise WireError(f"{what} must be [kind, key, body]")
+    kind, key, body = value
+    if kind not in ("granted", "rejected"):
+        raise WireError(f"{what}'s kind must be granted or rejected, got {kind!r:.40}")
+    return kind, name(key, f"{what}'s key"), (GRANT if kind == "granted" else REJECTED).check(body, f"{what}'s body")
+
+
+STATUS = Obj(
+    {
+        "runs": List(
+            Obj(
+                {"user": Str(NAME_MAX), "leases": Int(), "gpus": GPUS},
+                {"run": Str(RUN_MAX), "pid": Int(0, 1 << 31), "label": Str(LABEL_MAX), "attached": Float()},
+                name="a run",
+            ),
+            LIST_MAX,
+        ),
+        "gpus": List(
+            Obj(
+                {
+                    "uuid": GPU,
+                    "capacity": BYTES,
+                    "leased": BYTES,
+                    "foreign": BYTES,
+                    "contexts": Int(),
+                    "left": BYTES,
+                    "clients": List(Str(RUN_MAX + NAME_MAX + 16), 4 * LIST_MAX),
+                    "exclusive": Bool(),
+                },
+                name="a GPU",
+            ),
+            LIST_MAX,
+        ),
+        "leases": HOLDERS,
+        "waiting": List(
+            Obj(
+                {
+                    "run": Str(RUN_MAX),
+                    "key": Str(NAME_MAX),
+                    "test": TEST,
+                    "worker": Str(NAME_MAX + WORKER_MAX),
+                    "request": Str(LABEL_MAX),
+                    "since": Opt(Float()),
+                    "bypassed": Int(),
+                    "foreign": Bool(),
+                },
+                name="a waiting request",
+            ),
+            4 * LIST_MAX,
+        ),
+        "grants": Int(),
+    },
+    {
+        "pending": List(Str(RUN_MAX), LIST_MAX),
+        "host": Opt(
+            Obj({"cpus": Int(), "memory": BYTES, "leased_cpus": Int(), "leased_memory": BYTES}, name="the host")
+        ),
+        "error": TEXT,  # a run's own status when the arbiter did not answer (Broker.status_locked)
+    },
+    name="a status",
+)
+
+_KEY = {"key": NAME}
+_CLIENT = {"client": NAME}
+_CONTEXTS = {"contexts": Opt(GPUS)}
+
+ARBITER = Protocol(
+    "the machine's arbiter",
+    calls={
+        "status": Call(Obj(), STATUS),
+        "attach": Call(ATTACH, Bool()),
+        "submit": Call(
+            Obj({**_ASKED}, {**_NAMES, "prefer": PREFER}, _UNNAMED),
+            Tagged({"granted": GRANT, "queued": Null(), "error": TEXT, "rejected": TEXT}),
+        ),
+        "cancel": Call(Obj(_KEY), Opt(HOLDERS)),
+        "abandon": Call(Obj(_KEY), Null()),
+        "release": Call(Obj(_KEY, {**_CONTEXTS, "left": Opt(LEFT)}), Null()),
+        "set_contexts": Call(Obj(_CLIENT, _CONTEXTS), Null()),
+        "forget_client": Call(Obj(_CLIENT), List(Row(NAME, GPU_TUPLE, names=("key", "gpus")), LIST_MAX)),
+        "exiting": Call(Obj(_CLIENT, _CONTEXTS), Null()),
+        "exited": Call(Obj(_CLIENT), Null()),
+        "measure_context": Call(Obj({"uuid": GPU, "bytes": Check(context_size)}), Bool()),
+        "room": Call(Obj({"gpus": GPUS}), List(BYTES, MAX_GPUS)),
+        "take_ports": Call(
+            Obj({"n": Int(1, PORTS_MAX), "owner": TEST, "range": Check(_port_range)}),
+            Either(
+                Obj({"ports": List(Int(1, 65535), PORTS_MAX)}, name="ports taken"),
+                Obj({"refused": TEXT}, name="ports refused"),
+            ),
+        ),
+        "give_back_ports": Call(Obj({"owner": TEST}), List(Int(1, 65535), LIST_MAX)),
+        "give_back_ports_prefix": Call(Obj({"prefix": NAME}), List(Int(1, 65535), LIST_MAX)),
+    },
+    events={
+        "ev": Obj({"ev": List(Check(_event), 4 * LIST_MAX, each="an event")}),
+        "roster": Obj(
+            {
+                "roster": List(Row(Str(RUN_MAX), Int(0, 1 << 31), names=("run", "pid")), LIST_MAX),
+                "arbiter": Str(RUN_MAX),
+            }
+        ),
+    },
+    keyed=True,
+)

@@ -8,16 +8,8 @@ socket there and links to the node's machine arbiter. The broker's key is made h
 goes to the controller over the channel only (the controller hands it to the node's
 workers in ``workerinput``).
 
-Messages (plain values; see docs-incoming/nodes-design.md)::
-
-    -> sys.path (a list: :data:`BOOTSTRAP` imports this module with it)
-    -> ("start", {"settings", "node", "cwd", "package"})
-    <- ("started", {"wire", "node", "hostname", "pid", "inventory", "gpus"}) | ("error", message)
-    -> ("state", {"worker"?, "faults"?})   <- ("state", {"room", "order", "placements", "contexts",
-                                              "context_sizes", "limits", "grants", "crashes", "required",
-                                              "catalog", "refused_plans", "faults"?})
-    -> ("prefer", {"worker", "test", "gpus", "memory"})   (no reply: Broker.prefer on this node)
-    -> ("close", {})   <- ("closed", state)
+The messages, each checked as it arrives (here and at the controller), are
+:data:`.messages.AGENT`.
 
 The run ends on ``close`` and when the channel closes (the controller is gone: Ctrl-C,
 killed); execnet then gives this thread five seconds before it interrupts the process.
@@ -28,6 +20,9 @@ from __future__ import annotations
 import os
 import socket
 from typing import TYPE_CHECKING, Any
+
+from ..wire.frames import WireError
+from . import messages
 
 if TYPE_CHECKING:
     from ..run.session import GpuRun
@@ -86,10 +81,8 @@ def prefer(run: GpuRun, body: dict[str, Any]) -> bool:
     broker = run.broker
     assert broker is not None
     try:
-        gpus = tuple(int(i) for i in body["gpus"])
-        memory = None if body.get("memory") is None else int(body["memory"])
-        broker.prefer(str(body["worker"]), str(body["test"]), gpus, memory)
-    except (ValueError, KeyError, TypeError):
+        broker.prefer(body["worker"], body["test"], tuple(body["gpus"]), body["memory"])
+    except ValueError:
         return False
     return True
 
@@ -149,7 +142,11 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
 
 def serve(channel: Any) -> None:
     """The node host's life: start, answer, end the run when told or when the channel goes."""
-    kind, body = channel.receive()
+    try:
+        kind, body = messages.request(channel.receive())
+    except WireError as exc:
+        channel.send(("error", f"a node host: {exc}"))
+        return
     if kind != "start":
         channel.send(("error", f"expected start, got {kind!r}"))
         return
@@ -162,18 +159,24 @@ def serve(channel: Any) -> None:
     try:
         while True:
             try:
-                kind, body = channel.receive()
+                said = channel.receive()
             except EOFError:  # the controller is gone
                 return
+            try:
+                kind, body = messages.request(said)
+            except WireError as exc:
+                if isinstance(said, tuple) and said[:1] == ("prefer",):
+                    refused += 1  # no answer: the controller reads none
+                else:
+                    channel.send(("error", f"node {run.node or '?'}: {exc}"))
+                continue
             if kind == "state":
-                channel.send(("state", state(run, body.get("worker"), sent, refused, bool(body.get("faults")))))
+                channel.send(("state", state(run, body.get("worker"), sent, refused, body.get("faults", False))))
             elif kind == "prefer":  # no reply: the scheduler does not wait on a node per test
                 refused += not prefer(run, body)
-            elif kind == "close":
+            else:  # close
                 channel.send(("closed", state(run, None, sent, refused, faults=True)))
                 return
-            else:
-                channel.send(("error", f"unknown message {kind!r}"))
     finally:
         run.close()
 

@@ -25,6 +25,8 @@ from ..base import privates
 from ..base.launch import LaunchContext
 from ..leasing.view import NodeView
 from ..run.options import Settings
+from ..wire.frames import WireError
+from . import messages
 from . import spec as spec_
 from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
 
@@ -115,7 +117,10 @@ class NodeHosts:
             if host.error is not None:
                 continue
             try:
-                kind, body = host.channel.receive(timeout)
+                kind, body = messages.answer("start", host.channel.receive(timeout))
+            except WireError as exc:
+                host.error = f"node {host.name}: its node host answered what the protocol does not allow: {exc}"
+                continue
             except Exception as exc:  # RemoteError (an import failed there), TimeoutError, EOFError
                 host.error = f"node {host.name}: its node host did not start: {_short(exc)}"
                 continue
@@ -147,10 +152,12 @@ class NodeHosts:
         return self._answer(node, timeout)
 
     def _answer(self, node: str, timeout: float | None) -> dict[str, Any]:
-        """``node``'s reply to a ``state`` already sent (the catalog's news taken in)."""
-        kind, body = self.hosts[node].channel.receive(timeout)
-        assert kind == "state", body
-        self.catalogs[node].update(body.get("catalog") or {})
+        """``node``'s reply to a ``state`` already sent (the catalog's news taken in);
+        :class:`WireError` for one that is not what the protocol says."""
+        kind, body = messages.answer("state", self.hosts[node].channel.receive(timeout))
+        if kind == "error":
+            raise RuntimeError(f"node {node}: {body}")
+        self.catalogs[node].update(body["catalog"])
         return dict(body)
 
     def views(self) -> dict[str, NodeView]:
@@ -283,7 +290,7 @@ class NodeHosts:
                 continue
             with contextlib.suppress(Exception):  # a node lost meanwhile: its host ended with its channel
                 host.channel.send(("close", {}))
-                kind, body = host.channel.receive(CLOSE_TIMEOUT_S)
+                kind, body = messages.answer("close", host.channel.receive(CLOSE_TIMEOUT_S))
                 if kind == "closed":
                     host.final = dict(body)
 

@@ -7,7 +7,6 @@ port, so a CPU-only suite pays for one idle thread in the controller and nothing
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
 import sys
@@ -220,7 +219,6 @@ class GpuRun:
     broker: Broker | None = None
     _client: BrokerClient | None = None
     _client_lock: threading.Lock = field(default_factory=threading.Lock)
-    _keys: itertools.count[int] = field(default_factory=itertools.count)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     _sim_run: str | None = None  # the run name of the simulated machines this run made its own
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
@@ -540,6 +538,3 @@ class GpuRun:
             for index, nbytes in held.items():
                 self.leftovers.shrink(index, nbytes)
         return self.leftovers.wire()
-
-    def new_key(self) -> str:
-        return f"{self.worker}-{next(self._keys)}"

@@ -1,13 +1,18 @@
-"""The key's challenge and answer of :mod:`multiprocessing.connection`, a frame at a time.
+"""The key's challenge and answer, both ways, as :mod:`multiprocessing.connection` does them.
 
-What :class:`multiprocessing.connection.Listener` with an ``authkey`` does in blocking
-calls (:func:`~multiprocessing.connection.deliver_challenge`, then
-:func:`~multiprocessing.connection.answer_challenge`), cut where it waits for the other
-side, so that one thread can drive many handshakes over non-blocking sockets
-(:mod:`pytest_gpu.wire.authserver`). The challenge and the answer are the standard library's
-own, whatever its version: its functions are run against a stand-in connection
-(:class:`_Script`), and an answer is checked by its rule (its ``_verify_challenge`` on
-Python 3.12+, where the client may name the digest; before, an HMAC-MD5 compared).
+The server's side (:class:`Handshake`) is what :class:`multiprocessing.connection.Listener`
+with an ``authkey`` does in blocking calls (:func:`~multiprocessing.connection.deliver_challenge`,
+then :func:`~multiprocessing.connection.answer_challenge`), cut where it waits for the
+other side, so that one thread can drive many handshakes over non-blocking sockets
+(:mod:`pytest_gpu.wire.server`). The client's side (:func:`authenticate`) is
+:func:`multiprocessing.connection.Client`'s, over a blocking socket. The challenge and the
+answer are the standard library's own, whatever its version: its functions are run
+against a stand-in connection (:class:`_Script`, :class:`_Blocking`), and an answer is
+checked by its rule (its ``_verify_challenge`` on Python 3.12+, where the client may name
+the digest; before, an HMAC-MD5 compared). Each side proves the key to the other: a
+client never takes a message from a server that could not answer its challenge.
+
+The frames are the wire's own 4-byte length (:func:`.frames.frame`) with raw bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Any, cast
+
+from .frames import frame
 
 # The handshake's wire words, as multiprocessing.connection has them (unchanged since Python 2)
 CHALLENGE, WELCOME, FAILURE = b"#CHALLENGE#", b"#WELCOME#", b"#FAILURE#"
@@ -91,18 +98,38 @@ def answer(authkey: bytes, challenge: bytes) -> bytes:
     return _first_sent(answer_challenge, authkey, challenge)
 
 
-def frame(payload: bytes) -> bytes:
-    """``payload`` as :meth:`multiprocessing.connection.Connection.send_bytes` frames it."""
-    return struct.pack("!i", len(payload)) + payload
+class _Blocking:
+    """A blocking socket as the standard library's handshake functions use a connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(frame(bytes(data)))
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        (size,) = struct.unpack("!i", self._exactly(4))
+        if not 0 <= size <= (MAX_FRAME if maxlength is None else maxlength):
+            raise EOFError(f"a handshake frame of {size} bytes")
+        return self._exactly(size)
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError("closed by the other side during the handshake")
+            data += chunk
+        return data
 
 
-def peer_pid(sock: socket.socket) -> int:
-    """The process that connected ``sock`` (``SO_PEERCRED``); -1 where it cannot be told."""
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (AttributeError, OSError):  # no SO_PEERCRED on this platform
-        return -1
-    return int(pid)
+def authenticate(sock: socket.socket, authkey: bytes) -> None:
+    """The client's side, over a blocking (or timed) socket: answer the server's challenge,
+    then have it answer this side's. Raises :class:`~multiprocessing.AuthenticationError`
+    for a wrong key (either side's), ``EOFError`` or ``OSError`` when the other side went."""
+    conn = _Blocking(sock)
+    answer_challenge(conn, authkey)  # type: ignore[arg-type]
+    deliver_challenge(conn, authkey)  # type: ignore[arg-type]
 
 
 # the steps of a handshake, in order: the frame awaited at each
