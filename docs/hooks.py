@@ -6,7 +6,7 @@ renders every option, flag and ini key it declares, with the default and help te
 code gives pytest. A page that contains :data:`PLACEHOLDER` gets the table there, so
 ``pytest --help``, the ini file and the site can never disagree. The home page is the
 README (:data:`README_PLACEHOLDER`), so the README is written once, for GitHub and the site.
-tests/test_docs.py checks the table against the code the same way.
+tests/project/test_docs.py checks the table against the code the same way.
 """
 
 from __future__ import annotations

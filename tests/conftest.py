@@ -4,7 +4,9 @@ Tests that need an optional component (torch, Open MPI, SLURM, Ray, ...) call
 ``require("name")``: when it is absent the test is skipped with the reason
 ``missing component: name``. `.ci/run` installs every component and fails the build if
 any test is skipped with that reason. Helper functions shared by several test files
-(no fixtures) live in ``tests/helpers.py``.
+(no fixtures) live in ``tests/helpers.py``. Test files sit in a folder per subsystem
+(CONTRIBUTING.md, "Where a test goes") and import these two by name: pytest's default
+"prepend" import mode puts this folder on ``sys.path`` when it loads this conftest.
 
 Tiers (for contributors)
 ------------------------
@@ -50,7 +52,7 @@ from typing import Any
 import psutil
 import pytest
 
-from helpers import patience
+from helpers import TESTS, patience
 
 pytest_plugins = ["pytester"]
 
@@ -287,7 +289,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # compatibility tests) are theirs. An ini filter, given by -o: it matches the module as a
 # regular expression, so "pytest_gpu" is every module of the package (-W matches one module
 # exactly). It replaces an inner ini's own filterwarnings: an inner test that writes one adds
-# this line to it (tests/test_warnings.py does).
+# this line to it (tests/compat/test_warnings.py does).
 PLUGIN_DEPRECATIONS = "error::pytest.PytestDeprecationWarning:pytest_gpu"
 DEPRECATIONS_ARGS = ("-o", f"filterwarnings={PLUGIN_DEPRECATIONS}")
 
@@ -514,7 +516,7 @@ def hold() -> Iterator[Callable[..., Holder]]:
 
 # -- a one-node SLURM cluster, shared by every test of the session that needs one ---------
 
-SLURM_SCRIPT = Path(__file__).parent / "tools" / "slurm-single-node.sh"
+SLURM_SCRIPT = TESTS / "tools" / "slurm-single-node.sh"
 
 
 @pytest.fixture(scope="session")

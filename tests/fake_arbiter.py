@@ -1,7 +1,7 @@
 """A stand-in for the machine's arbiter: a thread at a domain's address that speaks the
 arbiter's frames by hand, answering each op well-formed unless told to answer something
-else, and sending events after the ops it is told to (tests/test_arbiter_hardening.py,
-tests/test_garbled_arbiter.py). It binds the address first, so a run that comes after it
+else, and sending events after the ops it is told to (tests/machine/test_arbiter_hardening.py,
+tests/machine/test_garbled_arbiter.py). It binds the address first, so a run that comes after it
 attaches to it as its arbiter."""
 
 from __future__ import annotations

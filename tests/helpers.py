@@ -27,6 +27,13 @@ from pytest_gpu.scheduling.planner import Grant, Job, Order, Planner
 
 T = TypeVar("T")
 
+# -- where things are ------------------------------------------------------------------------
+
+#: The suite's folder (tests/): its shared modules, tools/, and a folder per subsystem.
+TESTS = Path(__file__).resolve().parent
+#: The repository: src/, docs/, examples/, bench/, pyproject.toml.
+ROOT = TESTS.parent
+
 # -- bounds on waits, scaled by the machine's load ----------------------------------------
 
 # A loaded machine stretches a bound at most this much: a hang still fails, in finite time.
@@ -52,7 +59,7 @@ def patience(seconds: float) -> float:
     event) is ``patience(idle figure)``: a shared 2-core runner under load is no failure, and
     a hang still is one (the bound stays finite). Not for a timeout the test hands the plugin
     (``--timeout=3``, ``acquire(timeout=...)``, ``--gpu-wait-timeout``): that is what it tests.
-    ``tests/test_patience.py`` checks that no process wait in tests/ has a bare number."""
+    ``tests/project/test_patience.py`` checks that no process wait in tests/ has a bare number."""
     return seconds * slowdown()
 
 

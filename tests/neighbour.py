@@ -1,6 +1,6 @@
 """A hostile neighbour: another local user's process attacking a run's machine-wide coordination.
 
-Run as the attacking user by tests/test_hostile_neighbours.py:
+Run as the attacking user by tests/security/test_hostile_neighbours.py:
 ``python neighbour.py ATTACK DOMAIN [ARG ...]``; prints one JSON object (what it saw) and exits,
 or, for the attacks that hold something (``squat``, ``flood``), prints ``ready`` and holds it
 until killed.

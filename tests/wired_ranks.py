@@ -1,6 +1,6 @@
 """Ranks that are threads at the other end of a pool's real socket (no process): the pool's
-side of its protocol, over the wire it uses (tests/test_distributed_protocol.py,
-tests/test_compat_timeout.py)."""
+side of its protocol, over the wire it uses (tests/distributed/test_distributed_protocol.py,
+tests/compat/test_compat_timeout.py)."""
 
 from __future__ import annotations
 

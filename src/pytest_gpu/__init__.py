@@ -1,7 +1,7 @@
 """pytest-gpu: run GPU-heavy test suites in parallel on every GPU, without OOMs or port clashes.
 
 The package, one folder per layer, lowest first. "(pure)": no pytest and no I/O,
-transitively (tests/test_layout.py checks it, and that this map names every module).
+transitively (tests/project/test_layout.py checks it, and that this map names every module).
 
     base/               words and the operating system, used by every layer
         requests        sizes and GPU requests (pure)
@@ -141,7 +141,7 @@ transitively (tests/test_layout.py checks it, and that this map names every modu
 
 Layers, lowest first. A module imports from its own layer and the layers below it, never
 from one above, at module level and inside functions alike (``TYPE_CHECKING`` imports
-aside: types only); tests/test_layout.py checks it, and that no modules import each other
+aside: types only); tests/project/test_layout.py checks it, and that no modules import each other
 in a circle, counting every kind of import (``TYPE_CHECKING`` ones too). A name is a
 folder (its modules) or one module:
 

@@ -6,7 +6,7 @@ loads the fake ``libnvidia-ml.so.1``, the real ``amdsmi`` package the fake ``lib
 plugin the fake Level Zero loader): ``--gpus auto``, index lists, MIG, NVML faults and each
 vendor's verifier take exactly the code path of a real machine. What every vendor does alike is
 one test parametrized over the vendors; what one vendor alone has is below it (AMD's and Intel's
-own in tests/test_gpu_truth_amd.py and tests/test_gpu_truth_xpu.py).
+own in tests/confine/test_gpu_truth_amd.py and tests/confine/test_gpu_truth_xpu.py).
 """
 
 from __future__ import annotations

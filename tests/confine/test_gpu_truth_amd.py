@@ -2,7 +2,7 @@
 ``amdsmi`` package loads the fake ``libamd_smi.so``; discovery, leases, the simulated HIP's
 device order and verification take the code path of a real AMD machine. What AMD's GPUs alone
 have: ROCr's UUIDs in the outer variable, amdsmi's coarse and lagging process list. (What every
-vendor does alike, leases, pools, torch, --gpu-required, is tests/test_gpu_truth.py's, over vendors.)"""
+vendor does alike, leases, pools, torch, --gpu-required, is tests/confine/test_gpu_truth.py's, over vendors.)"""
 
 from __future__ import annotations
 

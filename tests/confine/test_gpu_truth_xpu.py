@@ -2,7 +2,7 @@
 Level Zero loader answers Sysman; discovery, ZE_AFFINITY_MASK leases, the simulated runtime's
 device order, torch.xpu's confinement and Sysman's verification take the code path of a real
 Intel machine. What Intel's GPUs alone have: the mask's rules, Sysman's process list, simulated
-Intel GPUs from --gpus. (What every vendor does alike is tests/test_gpu_truth.py's, over vendors.)"""
+Intel GPUs from --gpus. (What every vendor does alike is tests/confine/test_gpu_truth.py's, over vendors.)"""
 
 from __future__ import annotations
 

@@ -428,7 +428,7 @@ def test_a_test_needing_its_own_idle_pools_gpus_gets_them_at_once(
     )
     # the warm pool keeps its GPU after test_a: test_b, in the same process, would wait for it
     # for ever (the broker refuses that at once, a cycle of hold-and-wait); instead the process
-    # closes its idle pool and asks again (issue 19: tests/test_pool_wait.py)
+    # closes its idle pool and asks again (issue 19: tests/distributed/test_pool_wait.py)
     result = run_inner("--gpus", "sim:1x16GiB", "--gpu-wait-timeout", "600", subprocess=True, timeout=60)
     result.assert_outcomes(passed=2)
     assert "deadlock" not in result.stdout.str()

@@ -32,7 +32,7 @@ import pytest
 from execnet.gateway_io import popen_args
 
 from conftest import INNER_ARGS, MISSING, require
-from helpers import patience
+from helpers import TESTS, patience
 from pytest_gpu.nodes import messages, spec, sshgate
 from pytest_gpu.nodes import worker as node_worker
 from pytest_gpu.nodes.hosts import unshare_works
@@ -393,7 +393,7 @@ def test_usage_errors_name_the_option(
 
 # -- through SLURM: two nodes of a cluster on this machine ---------------------------------
 
-SLURM_NODES_SCRIPT = Path(__file__).parent / "tools" / "slurm-nodes.sh"
+SLURM_NODES_SCRIPT = TESTS / "tools" / "slurm-nodes.sh"
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import patience
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, patience
 
 
 def broken_env(tmp_path: Path) -> dict[str, str]:
@@ -65,3 +63,24 @@ def test_first_failure_stops_at_a_run_that_pytest_itself_ended(tmp_path: Path) -
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "not a test outcome" in out and "broken on purpose" in out
+
+
+def test_the_suite_bench_finds_a_test_file_where_a_revision_keeps_it(tmp_path: Path) -> None:
+    """bench/suite.py runs the same tests at both revisions, across the move into folders."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_suite", ROOT / "bench" / "suite.py")
+    assert spec is not None and spec.loader is not None
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    old, new = tmp_path / "old", tmp_path / "new"
+    (old / "tests").mkdir(parents=True)
+    (old / "tests" / "test_moved.py").write_text("")
+    (new / "tests" / "leasing").mkdir(parents=True)
+    (new / "tests" / "leasing" / "test_moved.py").write_text("")
+    target = "tests/leasing/test_moved.py::test_x"
+    assert suite.locate(new, target) == target
+    assert suite.locate(old, target) == "tests/test_moved.py::test_x"
+    assert suite.locate(new, "tests/test_moved.py") == "tests/leasing/test_moved.py"
+    assert suite.locate(old, "tests/leasing/test_gone.py::test_x") == "tests/leasing/test_gone.py::test_x"
+    assert suite.locate(old, "tests") == "tests"  # a folder, or the whole suite: as given

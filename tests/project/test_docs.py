@@ -6,8 +6,8 @@
   the notes) to options that exist, with the defaults the code gives.
 - A code block whose first line names a file (``# test_tour.py``, ``# conftest.py``) is part
   of a suite, and every such block is run by a test: the README's tour here, the migration
-  guide in tests/test_migration_guide.py, the ``gpu_marker_map`` example in
-  tests/test_conventions.py. A new one fails :func:`test_every_suite_in_the_docs_is_run`
+  guide in tests/project/test_migration_guide.py, the ``gpu_marker_map`` example in
+  tests/run/test_conventions.py. A new one fails :func:`test_every_suite_in_the_docs_is_run`
   until it is given a test.
 - ``mkdocs build --strict`` (in .ci/run) checks every link and anchor of the site, the
   README's included (it is the site's home page).
@@ -21,15 +21,14 @@ import re
 import shlex
 import sys
 import textwrap
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from conftest import require
+from helpers import ROOT
 from pytest_gpu.run import options
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 300
@@ -203,12 +202,14 @@ FILE_BLOCK = re.compile(r"^```(?:python|ini)\n# ([\w.]+\.(?:py|ini))\n(.*?)^```$
 
 # (page, file) -> the test that runs it
 SUITES = {
-    ("README.md", "test_tour.py"): "tests/test_docs.py::test_the_readme_tour_passes_on_simulated_gpus",
-    ("docs/migration.md", "test_llm.py"): "tests/test_migration_guide.py",
-    ("docs/migration.md", "conftest.py"): "tests/test_migration_guide.py",
-    ("docs/migration.md", "pytest.ini"): "tests/test_migration_guide.py",
-    ("docs/requests.md", "conftest.py"): "tests/test_conventions.py::test_the_readme_example",
-    ("docs/real-gpus.md", "conftest.py"): "tests/test_docs.py::test_the_confine_hook_example_confines_a_framework",
+    ("README.md", "test_tour.py"): "tests/project/test_docs.py::test_the_readme_tour_passes_on_simulated_gpus",
+    ("docs/migration.md", "test_llm.py"): "tests/project/test_migration_guide.py",
+    ("docs/migration.md", "conftest.py"): "tests/project/test_migration_guide.py",
+    ("docs/migration.md", "pytest.ini"): "tests/project/test_migration_guide.py",
+    ("docs/requests.md", "conftest.py"): "tests/run/test_conventions.py::test_the_readme_example",
+    ("docs/real-gpus.md", "conftest.py"): (
+        "tests/project/test_docs.py::test_the_confine_hook_example_confines_a_framework"
+    ),
 }
 
 

@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 
 from conftest import require, with_amdsmi
-from helpers import patience
+from helpers import ROOT, patience
 from pytest_gpu.report import gantt
 
 pytestmark = pytest.mark.slow  # every test here runs pytest (or a launcher) in a subprocess
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _demo(tmp_path: Path, gpus: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
-GUIDE = Path(__file__).parent.parent / "docs" / "migration.md"
+from helpers import ROOT
+
+GUIDE = ROOT / "docs" / "migration.md"
 TITLE = "# Adopting pytest-gpu in an existing suite"
 
 MYLIB = '''

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 import pytest_gpu
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(pytest_gpu.__file__).parent
 
 

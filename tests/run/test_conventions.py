@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ROOT
 from pytest_gpu.base.requests import DefaultMemory, GpuRequest, build_request
 from pytest_gpu.run.conventions import MAP_FORM, MarkerMapError, parse_marker_map
 
@@ -570,7 +571,7 @@ def test_the_readme_example(gpu_pytester, run_inner):
         t + "test_both_mapped": _req(),  # large's line comes first: one whole GPU
         t + "test_cpu": None,
     }
-    page = (Path(__file__).parent.parent / "docs" / "requests.md").read_text()
+    page = (ROOT / "docs" / "requests.md").read_text()
     assert README_HOOK.strip() in page
     assert "\n".join(README_INI.strip().splitlines()[1:]) in page
 

@@ -34,12 +34,11 @@ import psutil
 import pytest
 
 from conftest import MISSING
-from helpers import patience, throwaway_user, wait_for
+from helpers import TESTS, patience, throwaway_user, wait_for
 from pytest_gpu.sim.spec import gpu_uuid
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
 SPEC = "sim:2x16GiB"
 MACHINE = "shared"  # the simulated machine A's runs share with A's group: coordinated machine-wide
 
@@ -104,14 +103,14 @@ class Machine:
 
     def attack(self, attack: str, *args: str) -> Any:
         env = self.b.env(self.machines, NEIGHBOUR_GPU=gpu_uuid(0))
-        proc = self.b.popen([sys.executable, str(HERE / "neighbour.py"), attack, f"sim-{MACHINE}", *args], env)
+        proc = self.b.popen([sys.executable, str(TESTS / "neighbour.py"), attack, f"sim-{MACHINE}", *args], env)
         out, err = proc.communicate(timeout=patience(60))
         assert proc.returncode == 0, err
         return json.loads(out)
 
     def hold(self, attack: str, *args: str) -> subprocess.Popen[str]:
         env = self.b.env(self.machines, NEIGHBOUR_GPU=gpu_uuid(0))
-        proc = self.b.popen([sys.executable, str(HERE / "neighbour.py"), attack, f"sim-{MACHINE}", *args], env)
+        proc = self.b.popen([sys.executable, str(TESTS / "neighbour.py"), attack, f"sim-{MACHINE}", *args], env)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
         return proc

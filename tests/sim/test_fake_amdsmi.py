@@ -218,7 +218,7 @@ def test_the_ledger_renders_an_amd_machine_and_the_fake_nvml_refuses_it() -> Non
     assert "option amd_proc_unit 1048576\n" in text and "option amd_proc_refresh_ms 1000\n" in text
     assert "option amd_rocr_order 1,0\n" in text
     assert f"gpu 1 {amd_uuid(1)} {192 * GiB} 0 0 0 none Simulated AMD GPU 192GiB" in text
-    # every machine names its vendor: the fake NVML serves NVIDIA's alone (tests/test_fake_nvml.py)
+    # every machine names its vendor: the fake NVML serves NVIDIA's alone (tests/sim/test_fake_nvml.py)
     assert "option vendor nvidia\n" in render_state(parse("sim:1x16GiB"), {**state, "spec": "sim:1x16GiB"})
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import require
-from helpers import patience
+from helpers import ROOT, patience
 from pytest_gpu.sim import spec, torch_cuda
 
 MiB, GiB = 2**20, 2**30
@@ -65,7 +65,7 @@ def run_script(
         PYTEST_GPU_SIM_LEDGER=str(tmp_path / "ledger"),
         PYTEST_GPU_SIM=sim_spec,
         PYTEST_GPU_CONTEXT_OVERHEAD="512MiB",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
     )
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
@@ -754,7 +754,7 @@ def test_torch_save_writes_a_simulated_tensor_as_a_cpu_tensor(tmp_path: Path) ->
 def _fresh(tmp_path: Path, code: str, **extra: str) -> subprocess.CompletedProcess[str]:
     require("torch", module="torch")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("PYTEST_GPU_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")]))
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
     env.update(extra)
     command = [sys.executable, "-c", textwrap.dedent(code)]
     return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=patience(120))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from pathlib import Path
 
 import pytest
 
+from helpers import ROOT
 from pytest_gpu.vendors import nvmlversion
 from pytest_gpu.vendors.nvmlversion import MINIMUM, nvml_version_problem
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = ROOT / "pyproject.toml"
 
 
 def test_pyproject_floor_excludes_the_scrambling_releases() -> None:

@@ -2,7 +2,7 @@
 
 Neither project promises these names (a leading underscore, or an attribute their docs do
 not list), and each release may change them. Each function below wraps one, so a change
-breaks one place, and tests/test_privates.py, which runs on the floors pyproject.toml
+breaks one place, and tests/base/test_privates.py, which runs on the floors pyproject.toml
 declares (pytest 8.0, pytest-xdist 3.5, see .ci/floors) and on the newest releases, fails
 naming it. Where a public API does the same it is used instead (``pytest.ExceptionInfo``,
 ``pytest.Collector``, ``item.fixturenames``).

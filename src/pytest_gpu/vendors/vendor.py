@@ -8,7 +8,7 @@ how its GPUs are found and picked by ``--gpus``, which variables narrow what a p
 what a lease sets and how it names GPUs, how its runtime is pinned and read back, how its
 driver is sampled and what a verdict from it can and cannot see, its collective backend,
 Ray's variables, and what gives a job its GPUs. Nothing outside ``vendors/`` compares vendor
-names (tests/test_layout.py checks it): callers ask the object.
+names (tests/project/test_layout.py checks it): callers ask the object.
 """
 
 from __future__ import annotations
