@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import require
+from conftest import Holder, require
 from helpers import patience
 from pytest_gpu.sim.spec import gpu_uuid, mig_uuid
 from pytest_gpu.vendors import kinds
@@ -214,6 +214,106 @@ def test_a_request_no_gpu_can_hold_names_the_vendors_context(gpu_pytester, vendo
         [f"SKIPPED * offering 100GiB after the {case.runtime} context (2 {case.summary} (2x16GiB))"]
     )
     assert case.vendor == "nvidia" or "CUDA context" not in result.stdout.str()
+
+
+# (the machine, the outer variable in the vendor's own form, the run's GPUs, their devices, the summary)
+OUTER = {
+    # CUDA takes UUIDs, and an entry naming no GPU ends the list
+    "nvidia": ("sim:4x64GiB", lambda c: f"{c.uuid(3)},{c.uuid(1)},9,2", (1, 3), ("cuda:1", "cuda:0"), "2 GPUs"),
+    # ROCr takes its UUIDs (and HIP counts into what ROCr left)
+    "amd": ("amd:sim:4x64GiB", lambda c: f"{c.uuid(3)},{c.uuid(1)}", (1, 3), ("cuda:1", "cuda:0"), "2 AMD GPUs"),
+    # the mask takes indices only, skips an entry naming no device, and keeps the driver's order
+    "xpu": ("xpu:sim:4x64GiB", lambda c: "9,3,1", (1, 3), ("xpu:0", "xpu:1"), "2 Intel GPUs"),
+}
+
+
+@EVERY_VENDOR
+def test_an_outer_variable_in_the_vendors_own_form_narrows_the_run(gpu_pytester, vendor_run, case):
+    spec, value, indices, devices, summary = OUTER[case.vendor]
+    gpu_pytester.makepyfile(
+        test_one=f"""
+        import pytest
+
+        @pytest.mark.gpu(count=2)
+        def test_gpus(gpu):
+            assert gpu.indices == {indices!r} and gpu.devices == {devices!r}
+        """
+    )
+    result = vendor_run(case.vendor, spec, "--gpus", "auto", "-p", "no:xdist", **{case.narrow: value(case)})
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"pytest-gpu: {summary} (2x64GiB) [[]{case.source}[]]*"])
+
+
+ELSEWHERE = """
+import os, subprocess, sys
+import pytest
+
+# a child still holding its memory when the test ends (the drivers list live processes only)
+HOLD = (
+    "import time; from pytest_gpu import sim; b = sim.allocate('1GiB'); print('held', flush=True); "
+    "time.sleep(5)"
+)
+ELSEWHERE = {elsewhere!r}  # by GPU: a lease's variables of the other GPU
+
+def start(env):
+    child = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+@pytest.mark.gpu(memory="2GiB")
+def test_inside(gpu):
+    child = start({{**os.environ, **gpu.env}})
+    child.kill()  # gone before the test ends: nothing held after it
+    child.wait()
+
+@pytest.mark.gpu(memory="2GiB")
+def test_elsewhere(gpu):
+    start({{**os.environ, **gpu.env, **ELSEWHERE[gpu.indices[0]]}})  # a child that picks its own device
+"""
+
+
+@EVERY_VENDOR
+def test_a_subprocess_outside_its_lease_is_caught_through_the_vendors_driver(gpu_pytester, vendor_run, case):
+    """A test's child process that uses another GPU than the lease's is seen in that GPU's process
+    list (NVML's, amdsmi's, Sysman's); one gone before the test ends is no violation."""
+    implementation = vendors.of(case.vendor)
+    names = [str(i) if case.vendor == "xpu" else case.uuid(i) for i in (0, 1)]
+    elsewhere = {mine: implementation.lease_env([names[1 - mine]]) for mine in (0, 1)}
+    gpu_pytester.makepyfile(test_sub=ELSEWHERE.format(elsewhere=elsewhere))
+    # amdsmi's list read live (no lag to wait out): this test is about whose process it lists
+    lag = ["--gpu-amd-process-lag=0"] if case.vendor == "amd" else []
+    result = vendor_run(case.vendor, f"{case.prefix}sim:2x64GiB", "--gpus", "auto", "-p", "no:xdist", *lag)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_elsewhere*", "*used memory on GPU * outside its lease*"])
+
+
+BIG = """
+import json
+import pytest
+
+@pytest.mark.parametrize("n", range(2))
+@pytest.mark.gpu(memory="8GiB")
+def test_big(gpu, n):
+    with open({where!r} + str(n), "w") as f:
+        json.dump(gpu.indices, f)
+"""
+
+
+@EVERY_VENDOR
+def test_a_gpu_another_process_fills_is_avoided(gpu_pytester, vendor_run, case, tmp_path):
+    """A process outside any run holds most of GPU 0 (seen through NVML, amdsmi or Sysman): the
+    leases go to GPU 1."""
+    spec = f"{case.prefix}sim:2x64GiB"
+    env = {"PYTEST_GPU_FAKE_GPUS": spec, "PYTEST_GPU_SIM_LEDGER": str(tmp_path / "fake-ledger"), "PYTEST_GPU_SIM": spec}
+    holder = Holder("--gpu", "0", "--memory", "60GiB", env={**os.environ, **env})  # on fake_run's ledger
+    try:
+        gpu_pytester.makepyfile(test_big=BIG.format(where=str(tmp_path / "where")))
+        result = vendor_run(case.vendor, spec, "--gpus", "auto", "-p", "no:xdist")
+    finally:
+        holder.kill()
+    result.assert_outcomes(passed=2)
+    for n in range(2):
+        assert json.loads((tmp_path / f"where{n}").read_text()) == [1]  # GPU 0 is taken by another process
 
 
 # -- NVIDIA's: NVML, MIG, CUDA ---------------------------------------------------------------

@@ -679,28 +679,6 @@ def test_a_sim_run_with_a_read_only_home_passes(
     assert list((temp / f"pytest-gpu-{os.getuid()}" / "fake-nvml").glob(f"*/{nvml.LIBRARY}"))
 
 
-def test_spec_bounds_are_the_librarys_room() -> None:
-    """A spec within :mod:`pytest_gpu.sim.spec`'s bounds must fit the library's fixed arrays."""
-    from pytest_gpu.sim import spec
-
-    source = nvml.SOURCE.read_text()
-    assert f"#define MAX_GPUS {spec.MAX_GPUS}\n" in source
-    assert f"#define MAX_MIG {spec.MAX_MIG} " in source
-
-
-@pytest.mark.slow
-def test_source_compiles_without_warnings(tmp_path: Path) -> None:
-    strict = ("-std=c11", "-Wall", "-Wextra", "-Werror")
-    for flag in ((), ("-DFAKE_NVML_NO_V3",)):
-        done = subprocess.run(
-            ["cc", "-shared", "-fPIC", "-O2", *strict, *flag, "-o", str(tmp_path / "lib.so"), str(nvml.SOURCE)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-
-
 def test_usage_not_available_reads_as_none(tmp_path: Path, cache_dir: Path) -> None:
     """``option no_usage``: NVML lists processes without their memory (Windows WDDM): the
     field holds NVML_VALUE_NOT_AVAILABLE, which pynvml turns into ``None``, in every struct."""

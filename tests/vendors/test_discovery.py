@@ -1,5 +1,6 @@
-"""``--gpus`` by vendor (:mod:`pytest_gpu.gpu.discovery`): one vendor's GPUs per run, AMD's through
-amdsmi on a fake AMD machine, and what a lease of them sets."""
+"""``--gpus`` by vendor (:mod:`pytest_gpu.gpu.discovery`): one vendor's GPUs per run, each
+vendor's through its driver on a fake machine of its own (what every vendor does alike is one
+test parametrized over the vendors; ROCm's own rules after them), and what a lease of them sets."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from conftest import run_fake_python
 from pytest_gpu.gpu.discovery import discover, split
-from pytest_gpu.sim.spec import amd_uuid
+from pytest_gpu.sim.spec import amd_uuid, parse
+from pytest_gpu.vendors import registry as vendors
 from pytest_gpu.vendors.devices import Device, DeviceSpecError, Inventory
 
 GiB = 1 << 30
@@ -72,46 +74,58 @@ def describe(inv):
 """
 
 
-def test_auto_finds_amd_gpus_where_nvml_finds_none(tmp_path: Path) -> None:
-    out = run_fake(
-        tmp_path,
-        "amd:sim:4x192GiB",
-        DESCRIBE
-        + textwrap.dedent(
-            """
-        out["auto"] = describe(discover("auto"))
-        out["amd"] = describe(discover("amd:auto"))
-        out["nvidia"] = describe(discover("nvidia:auto"))
-        """
-        ),
-    )
-    amd = {
-        "vendor": "amd",
-        "source": "amdsmi",
-        "devices": [0, 1, 2, 3],
-        "machine": [0, 1, 2, 3],
-        "outer": [],
-        "note": "",
-    }
-    assert out["auto"] == out["amd"] == amd
-    assert out["nvidia"]["vendor"] == "nvidia" and out["nvidia"]["devices"] == []
-    assert "Driver Not Loaded" in out["nvidia"]["note"]
+# each vendor's fake machine, and the words of each vendor's driver library where it is absent
+MACHINES = {
+    "nvidia": ("sim:4x16GiB", "nvml"),
+    "amd": ("amd:sim:4x16GiB", "amdsmi"),
+    "xpu": ("xpu:sim:4x16GiB", "sysman"),
+}
+ABSENT = {
+    "nvidia": "NVML unavailable: Driver Not Loaded",  # a fake machine loads the fake NVML, answering so
+    "amd": "amdsmi cannot load libamd_smi.so",
+    "xpu": "no Level Zero loader",
+}
 
 
-def test_auto_on_an_nvidia_machine_is_nvidia_and_amd_auto_says_why_not(tmp_path: Path) -> None:
-    out = run_fake(
-        tmp_path,
-        "sim:2x16GiB",
-        DESCRIBE
-        + textwrap.dedent(
-            """
-        out["auto"] = describe(discover("auto"))
-        out["amd"] = describe(discover("amd:auto"))
-        """
-        ),
-    )
-    assert out["auto"]["vendor"] == "nvidia" and out["auto"]["devices"] == [0, 1]
-    assert out["amd"]["devices"] == [] and out["amd"]["note"].startswith("amdsmi cannot load libamd_smi.so")
+@pytest.mark.parametrize("vendor", list(MACHINES))
+def test_auto_is_the_machines_vendor_and_each_other_vendor_says_why_not(tmp_path: Path, vendor: str) -> None:
+    """``--gpus auto`` takes the GPUs of the vendor whose driver answers; another vendor's
+    ``auto`` finds none and says what its driver said."""
+    spec, source = MACHINES[vendor]
+    asked = "".join(f'out["{v}"] = describe(discover("{v}:auto"))\n' for v in MACHINES)
+    out = run_fake(tmp_path, spec, DESCRIBE + 'out["auto"] = describe(discover("auto"))\n' + asked)
+    found = {"vendor": vendor, "source": source, "devices": [0, 1, 2, 3], "machine": [0, 1, 2, 3], "outer": []}
+    assert out["auto"] == out[vendor] == {**found, "note": ""}
+    for other in [v for v in MACHINES if v != vendor]:
+        assert out[other]["vendor"] == other and out[other]["devices"] == [], out[other]
+        assert out[other]["note"].startswith(ABSENT[other]), out[other]
+
+
+PRESENT = {
+    "nvidia": "NVML unavailable: Driver Not Loaded",
+    "amd": "amdsmi unavailable: AMDSMI_STATUS_DRIVER_NOT_LOADED",
+    "xpu": "Level Zero Sysman unavailable (zesInit returned ZE_RESULT_ERROR_UNINITIALIZED)",
+}
+
+
+@pytest.mark.parametrize("vendor", list(MACHINES))
+def test_a_vendors_driver_on_a_machine_without_its_gpus_says_so(tmp_path: Path, vendor: str) -> None:
+    """The vendor's driver library is there (its fake, loaded) but no GPU of its vendor answers:
+    ``{vendor}:auto`` finds none, in the driver's own words, on every other vendor's machine."""
+    for other in [v for v in MACHINES if v != vendor]:
+        out = run_fake(
+            tmp_path / other,
+            MACHINES[other][0],
+            f"""
+            from pytest_gpu.sim import amdsmi, zes
+            amdsmi.preload()  # every vendor's library is there: the machine has its vendor's GPUs only
+            zes.preload()
+            from pytest_gpu.gpu.discovery import discover
+            found = discover("{vendor}:auto")
+            out["devices"], out["note"] = len(found.devices), found.note
+            """,
+        )
+        assert out == {"devices": 0, "note": PRESENT[vendor]}, other
 
 
 def test_outer_rocm_variables_narrow_the_run_and_its_leases_name_uuids(tmp_path: Path) -> None:
@@ -147,16 +161,18 @@ def test_outer_rocm_variables_narrow_the_run_and_its_leases_name_uuids(tmp_path:
     assert out["device"] == "cuda:0"
 
 
-def test_a_subprocess_under_a_lease_env_sees_exactly_the_lease(tmp_path: Path) -> None:
-    both = f"{amd_uuid(2)},{amd_uuid(0)}"
-    lease = {
-        "ROCR_VISIBLE_DEVICES": both,
-        "GPU_DEVICE_ORDINAL": "0,1",
-        "HIP_VISIBLE_DEVICES": both,
-        "CUDA_VISIBLE_DEVICES": both,
-    }
-    out = run_fake(tmp_path, "amd:sim:4x192GiB", "from pytest_gpu.sim import cuda\nout['view'] = cuda.init()", **lease)
-    assert out["view"] == [2, 0]
+@pytest.mark.parametrize(
+    ("vendor", "seen"), [("nvidia", [2, 0]), ("amd", [2, 0]), ("xpu", [0, 2])], ids=["nvidia", "amd", "xpu"]
+)
+def test_a_subprocess_under_a_lease_env_sees_exactly_the_lease(tmp_path: Path, vendor: str, seen: list[int]) -> None:
+    """The simulated runtime of a fresh process under a lease's variables (of GPUs 2 and 0)
+    enumerates exactly the lease, as the vendor's runtime would: in the lease's order, but on
+    Intel GPUs, where Level Zero keeps the driver's order."""
+    implementation = vendors.of(vendor)
+    machine = parse(MACHINES[vendor][0]).devices()[0]
+    lease = implementation.lease_env(implementation.lease_names([machine[2], machine[0]]))
+    out = run_fake(tmp_path, MACHINES[vendor][0], "from pytest_gpu.sim import cuda\nout['view'] = cuda.init()", **lease)
+    assert out["view"] == seen
 
 
 def test_rocr_indices_count_in_rocr_order_where_it_differs_from_amdsmi(tmp_path: Path) -> None:
@@ -183,28 +199,56 @@ def test_rocr_indices_count_in_rocr_order_where_it_differs_from_amdsmi(tmp_path:
     assert out["env"] == amd_uuid(3)
 
 
-def test_amd_index_lists_are_amdsmi_indices_visible_to_rocm(tmp_path: Path) -> None:
+# (the machine, the outer variable that leaves GPUs 0, 2 and 3 visible, what an index the machine
+# lacks and one the variable hides are told); AMD's indices are amdsmi's, ROCr's order another
+INDEX_LISTS = {
+    "nvidia": (
+        "sim:4x16GiB",
+        {"CUDA_VISIBLE_DEVICES": "0,2,3"},
+        "no usable GPU with index [7]; this machine has [0, 1, 2, 3]",
+        "GPU [1] is hidden by CUDA_VISIBLE_DEVICES='0,2,3'",
+    ),
+    "amd": (
+        "amd:sim:4x192GiB;rocr-order=3,0,1,2",
+        {"ROCR_VISIBLE_DEVICES": "0,1,3"},  # ROCr's 0, 1, 3: amdsmi's 3, 0, 2
+        "no usable AMD GPU with amdsmi index [7]; this machine has [0, 1, 2, 3]",
+        "AMD GPU [1] is hidden by ROCR_VISIBLE_DEVICES='0,1,3'",
+    ),
+    "xpu": (
+        "xpu:sim:4x64GiB",
+        {"ZE_AFFINITY_MASK": "3,0,2"},
+        "no Intel GPU device [7]; Level Zero Sysman reports [0, 1, 2, 3]",
+        "Intel GPU [1] is hidden by ZE_AFFINITY_MASK='3,0,2'",
+    ),
+}
+
+
+@pytest.mark.parametrize("vendor", list(INDEX_LISTS))
+def test_an_index_list_is_the_drivers_indices_the_outer_variable_leaves(tmp_path: Path, vendor: str) -> None:
+    """``--gpus {vendor}:2,0`` takes those GPUs by the driver's indices; one the machine lacks, one
+    listed twice and one the outer variable hides are each an error that says so."""
+    spec, outer, unknown, hidden = INDEX_LISTS[vendor]
     out = run_fake(
         tmp_path,
-        "amd:sim:4x192GiB;rocr-order=3,0,1,2",
+        spec,
         DESCRIBE
         + textwrap.dedent(
-            """
+            f"""
             from pytest_gpu.vendors.devices import DeviceSpecError
-            out["picked"] = describe(discover("amd:2,0"))
-            for spec in ("amd:7", "amd:1,1", "amd:1"):
+            out["picked"] = describe(discover("{vendor}:2,0"))
+            for spec in ("{vendor}:7", "{vendor}:1,1", "{vendor}:1"):
                 try:
                     discover(spec)
                 except DeviceSpecError as exc:
                     out[spec] = str(exc)
             """
         ),
-        ROCR_VISIBLE_DEVICES="0,1,3",  # ROCr's 0, 1, 3: amdsmi's 3, 0, 2
+        **outer,
     )
-    assert out["picked"]["devices"] == [2, 0] and out["picked"]["vendor"] == "amd"
-    assert "no usable AMD GPU with amdsmi index [7]; this machine has [0, 1, 2, 3]" in out["amd:7"]
-    assert "an index is listed twice" in out["amd:1,1"]
-    assert "AMD GPU [1] is hidden by ROCR_VISIBLE_DEVICES='0,1,3'" in out["amd:1"]
+    assert out["picked"]["devices"] == [2, 0] and out["picked"]["vendor"] == vendor
+    assert unknown in out[f"{vendor}:7"]
+    assert "an index is listed twice" in out[f"{vendor}:1,1"]
+    assert hidden in out[f"{vendor}:1"]
 
 
 def test_an_ordinal_hip_cannot_see_names_rocms_variables(tmp_path: Path) -> None:
@@ -230,8 +274,6 @@ def test_auto_on_a_machine_with_both_takes_nvidias_and_names_amds(monkeypatch: p
     import importlib.util
 
     from pytest_gpu.gpu import discovery
-    from pytest_gpu.sim.spec import parse
-    from pytest_gpu.vendors import registry as vendors
 
     nvidia = parse("sim:2x80GiB").devices()[0]
     amd = tuple(Device(i, amd_uuid(i), 192 * GiB) for i in range(8))

@@ -230,23 +230,6 @@ def test_the_worker_pins_level_zeros_device_list_before_a_lease(
     assert out["pinned"] == view and out["read_back"]  # what Level Zero enumerates, read back
 
 
-def test_sysman_is_unavailable_on_another_vendors_machine(tmp_path: Path) -> None:
-    out = run_fake(
-        tmp_path,
-        "sim:2x16GiB",
-        """
-        from pytest_gpu.sim import zes
-        zes.preload()  # the loader is there, but no Intel driver answers
-        from pytest_gpu.gpu.discovery import discover
-        found = discover("xpu:auto")
-        out["note"] = found.note
-        out["devices"] = len(found.devices)
-        """,
-    )
-    assert out["devices"] == 0
-    assert out["note"] == "Level Zero Sysman unavailable (zesInit returned ZE_RESULT_ERROR_UNINITIALIZED)"
-
-
 def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
     out = run_fake(
         tmp_path,
@@ -258,10 +241,9 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
         out["auto"] = [auto.vendor, auto.source, auto.describe(), [d.index for d in auto.devices]]
         out["outer"] = [list(p) for p in auto.outer]
         out["uuids"] = [d.uuid for d in auto.machine]
-        out["picked"] = [d.index for d in discover("xpu:1,3").devices]
         simulated = discover("xpu:sim:2x64GiB")
         out["sim"] = [simulated.describe(), [d.index for d in simulated.devices], simulated.source]
-        for bad in ("xpu:0", "xpu:7", "xpu:sim:2x64GiB;mig:0=1x8GiB", "xpu:gpu"):
+        for bad in ("xpu:sim:2x64GiB;mig:0=1x8GiB", "xpu:gpu"):  # index lists: test_discovery.py
             try:
                 discover(bad)
             except DeviceSpecError as exc:
@@ -272,9 +254,6 @@ def test_discovery_through_sysman_and_an_outer_mask(tmp_path: Path) -> None:
     assert out["auto"] == ["xpu", "sysman", "2 Intel GPUs (2x63GiB)", [1, 3]]
     assert out["outer"] == [["ZE_AFFINITY_MASK", "3,1"]]
     assert out["uuids"] == [xpu_uuid(i) for i in range(4)]
-    assert out["picked"] == [1, 3]
-    assert "Intel GPU [0] is hidden by ZE_AFFINITY_MASK='3,1'" in out["xpu:0"]
-    assert "no Intel GPU device [7]; Level Zero Sysman reports [0, 1, 2, 3]" in out["xpu:7"]
     assert out["sim"] == ["1 simulated Intel GPU (1x64GiB)", [1], "xpu:sim:2x64GiB"]  # the mask's 3 names none
     assert "is an NVIDIA driver's option" in out["xpu:sim:2x64GiB;mig:0=1x8GiB"]
     assert "or simulated Intel GPUs such as xpu:sim:4x64GiB" in out["xpu:gpu"]
