@@ -140,21 +140,26 @@ def test_the_purity_check_sees_a_transitive_import() -> None:
 
 
 def _layers() -> dict[str, int]:
-    """The package docstring's layers: a folder or module name -> its layer (1: lowest)."""
+    """The package docstring's layers: a folder (or a top-level module) -> its layer (1: lowest)."""
     doc = pytest_gpu.__doc__ or ""
     text = doc[doc.index("Layers") :]
     layers: dict[str, int] = {}
     for number, names in re.findall(r"^ {4}(\d+)\. \w+:((?:.|\n {7}\S)*)", text, flags=re.MULTILINE):
         for name in names.split():
+            assert name not in layers, f"{name} is in two layers of pytest_gpu/__init__.py"
             layers[name] = int(number)
     return layers
 
 
+def _folder(name: str) -> str:
+    """The folder a dotted module (or a folder) is in: ``run.session`` -> ``run``; ``""`` for a
+    top-level module (``plugin``: no dot, not a folder)."""
+    return name.split(".")[0] if "." in name or (PACKAGE / name).is_dir() else ""
+
+
 def _layer_of(module: str, layers: dict[str, int]) -> int | None:
-    """The layer of a dotted module: its own entry, else its folder's."""
-    if module in layers:
-        return layers[module]
-    return layers.get(module.split(".")[0])
+    """The layer of a dotted module (or a folder): its folder's, a top-level module's own."""
+    return layers.get(_folder(module) or module)
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -169,48 +174,82 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
 
 
 def upward_imports(module: str, path: Path, layers: dict[str, int], source: str | None = None) -> list[str]:
-    """``module``'s imports of modules in layers above its own, as "module (layer) -> target (layer)"."""
+    """``module``'s imports of modules it must not import, as "module (layer) -> target (layer)":
+    in a layer above its own, or in another folder of its own layer (the folders of one layer
+    are peers: neither imports the other). Every kind of import counts: at module level, in a
+    function, under ``TYPE_CHECKING``."""
     modules = _modules()
     mine = _layer_of(module, layers)
     assert mine is not None, f"{module} is in no layer of pytest_gpu/__init__.py"
-    _, inside = _imports(path, module if path.name != "__init__.py" else f"{module}.__init__", source)
-    targets = {t for name in inside if (t := _resolve(name, modules)) not in (None, module)}
+    name = module if path.name != "__init__.py" else f"{module}.__init__"
+    _, inside = _imports(path, name, source, typing=True)
+    targets = {t for n in inside if (t := _resolve(n, modules)) not in (None, module)}
     # ``from ..scheduling import history`` names the folder too: its module is what is imported
     targets = {t for t in targets if not any(other.startswith(f"{t}.") for other in targets)}
     found = []
     for target in sorted(targets):
         theirs = _layer_of(target, layers)
-        if theirs is not None and theirs > mine:
+        if theirs is not None and (theirs > mine or (theirs == mine and _folder(target) != _folder(module))):
             found.append(f"{module} ({mine}) -> {target} ({theirs})")
     return found
 
 
 def test_every_module_is_in_a_layer() -> None:
     layers = _layers()
+    modules = _modules()
     assert len(set(layers.values())) >= 5, layers
-    assert [m for m in _modules() if _layer_of(m, layers) is None] == []
-    assert [n for n in layers if _resolve(n, _modules()) != n] == [], "the layers name what does not exist"
+    assert [m for m in modules if _layer_of(m, layers) is None] == []
+    # a layer names whole folders, and the top-level modules: no module is lifted out of its folder's layer
+    assert [n for n in layers if not ((PACKAGE / n).is_dir() or (n in modules and "." not in n))] == []
 
 
 def test_imports_run_one_way_between_layers() -> None:
     layers = _layers()
     upward = {line for module, path in _modules().items() for line in upward_imports(module, path, layers)}
-    assert upward == set(), "imports from a higher layer (move the code down, or the module elsewhere)"
+    assert upward == set(), "imports from a higher layer or a peer folder (move the code down, or the module elsewhere)"
 
 
-def test_the_layer_check_catches_an_upward_import() -> None:
-    """The check itself: a low module importing a high one, at module level or in a function."""
+def test_no_two_folders_import_each_other() -> None:
+    """What the layers come to: between folders, imports run one way."""
+    pairs = {(_folder(a), _folder(b)) for a, targets in import_graph().items() for b in targets}
+    both = sorted(f"{a or '.'} <-> {b or '.'}" for a, b in pairs if a < b and (b, a) in pairs)
+    assert both == []
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("from ..run.session import GpuRun\n", ["base.requests (1) -> run.session (8)"]),
+        ("def f():\n    from ..plugin import gpu\n    return gpu\n", ["base.requests (1) -> plugin (13)"]),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n",
+            ["base.requests (1) -> plugin (13)"],
+        ),
+        ("import pytest_gpu.roles.owner\n", ["base.requests (1) -> roles.owner (12)"]),
+        ("from ..scheduling import planner\n", ["base.requests (1) -> scheduling.planner (10)"]),
+        ("from . import spans\nfrom ..base.wording import plural\n", []),
+    ],
+)
+def test_the_layer_check_catches_an_upward_import(source: str, found: list[str]) -> None:
+    """The check itself: a low module importing a high one, at module level, in a function or
+    for types only."""
     layers = _layers()
     path = PACKAGE / "base" / "requests.py"
     assert upward_imports("base.requests", path, layers) == []
-    top = "from ..run.session import GpuRun\n"
-    assert upward_imports("base.requests", path, layers, top) == ["base.requests (1) -> run.session (8)"]
-    local = "def f():\n    from ..plugin import gpu\n    return gpu\n"
-    assert upward_imports("base.requests", path, layers, local) == ["base.requests (1) -> plugin (13)"]
-    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n"
-    assert upward_imports("base.requests", path, layers, typing_only) == []
-    absolute = "import pytest_gpu.roles.owner\n"
-    assert upward_imports("base.requests", path, layers, absolute) == ["base.requests (1) -> roles.owner (12)"]
+    assert upward_imports("base.requests", path, layers, source) == found
+
+
+def test_the_layer_check_catches_a_peer_folder() -> None:
+    """The check itself: two folders of one layer are peers, neither imports the other."""
+    layers = _layers()
+    assert layers["distributed"] == layers["raycluster"]
+    path = PACKAGE / "raycluster" / "head.py"
+    assert upward_imports("raycluster.head", path, layers, "from ..run import session\n") == []
+    assert upward_imports("raycluster.head", path, layers, "from ..distributed import pool\n") == [
+        "raycluster.head (9) -> distributed.pool (9)"
+    ]
+    path = PACKAGE / "plugin.py"
+    assert upward_imports("plugin", path, layers, "from . import hookspecs, cli\n") == []  # the top level's modules
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
