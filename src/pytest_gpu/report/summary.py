@@ -22,7 +22,7 @@ from ..vendors import registry as vendors
 from .timeline import Timeline
 
 if TYPE_CHECKING:
-    from ..leasing.broker import CrashRecord
+    from ..leasing.protocol import CrashRecord
     from ..run.quarantine import Quarantine
     from ..vendors.devices import Inventory
 
