@@ -175,11 +175,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # lazily: the plugin is loaded into every pytest process, CPU-only suites included
     if name == "GpuLease":
-        from .gpu.isolation import GpuLease
+        from .gpu.isolation import GpuLease  # local: the package's __init__ runs in every process: it loads nothing
 
         return GpuLease
     if name in ("GpuRequest", "parse_size"):
-        from .base import requests
+        from .base import requests  # local: the package's __init__ runs in every process: it loads nothing
 
         return getattr(requests, name)
     raise AttributeError(f"module 'pytest_gpu' has no attribute {name!r}")

@@ -36,8 +36,8 @@ from ..gpu.verification import (
 )
 from ..leasing.client import BrokerClient
 from ..leasing.host import HostCapacity, capacity, confine_threads
-from ..machine.arbiter import PART
 from ..machine.domain import Domain, claim_run_machines, release_run_machines
+from ..machine.messages import PART
 from ..machine.placement import HostState, Policy
 from ..sim import fake
 from ..sim.spec import SpecError, check_context, parse
@@ -130,7 +130,7 @@ def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
     machine's (the one ``PYTEST_GPU_SIM_MACHINE`` names, else the run's own); joined when the first
     lease is asked."""
-    from ..machine.link import MachineLink  # local: with the broker, only the run's owner links to the machine
+    from ..machine.link import MachineLink  # local: slow (with the broker): only the run's owner links
 
     spec = inventory.source if inventory.simulated else fake.requested()
 
@@ -249,7 +249,7 @@ class GpuRun:
         """Controller or single process: discover, make the run directory, start the broker.
 
         ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
-        from ..leasing.broker import Broker  # local: only the run's owner serves a broker (~12 ms of imports)
+        from ..leasing.broker import Broker  # local: slow (its server, the machine link): only the run's owner
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node

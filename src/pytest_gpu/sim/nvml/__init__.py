@@ -46,6 +46,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from ...base.safefiles import private_dir
 from ...vendors import libraries
 
 __all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "preload"]
@@ -70,8 +71,6 @@ class _NoFallback(Exception):
 def _fallback_root(kind: str = "fake-nvml") -> Path:
     """``$TMPDIR/pytest-gpu-<uid>/<kind>``, private to this user; :class:`_NoFallback` says why not."""
     import tempfile
-
-    from ...base.safefiles import private_dir
 
     try:
         shared = Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
