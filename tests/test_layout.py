@@ -5,7 +5,9 @@ and imports run one way between the layers it states, with no circle between mod
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -319,6 +321,93 @@ def test_the_circle_check_counts_every_kind_of_import(source: str) -> None:
     circle, whether at module level, in a function or for types only."""
     assert "run.leftovers" in import_graph()["run.session"]
     assert import_circles(import_graph({"run.leftovers": source})) == [{"run.leftovers", "run.session"}]
+
+
+# -- function-local imports of the package -----------------------------------------------------
+
+# What is left of them (issue 29: 107 before, 15 after), with a little room. A function-local
+# import of the package is for a module that is slow to import and needed by few processes
+# (the broker, the rank pool, the GPU scheduler): every pytest process, CPU-only suites
+# included, pays for what the plugin imports. It says so on its line: ``# local: <why>``.
+MAX_LOCAL_IMPORTS = 18
+LOCAL_WHY = re.compile(r"#\s*local:\s*\S")
+
+
+def local_imports(source: str) -> list[tuple[int, bool]]:
+    """``source``'s imports of the package inside a function (``from .x``, ``from pytest_gpu.x``,
+    ``import pytest_gpu.x``): each one's line, and whether a ``# local: <why>`` comment is on it."""
+    comments = {
+        token.start[0]: token.string
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    found: list[tuple[int, bool]] = []
+
+    def package(node: ast.AST) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return bool(node.level) or (node.module or "").split(".")[0] == "pytest_gpu"
+        return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pytest_gpu" for a in node.names)
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            local = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if local and package(child):
+                end = child.end_lineno or child.lineno
+                why = any(LOCAL_WHY.match(comments.get(line, "")) for line in range(child.lineno, end + 1))
+                found.append((child.lineno, why))
+            visit(child, local)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _package_local_imports() -> dict[str, bool]:
+    """Every function-local import of the package: ``file:line`` -> whether it says why."""
+    return {
+        f"{path.relative_to(PACKAGE)}:{line}": why
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, why in local_imports(path.read_text())
+    }
+
+
+def test_every_function_local_import_says_why() -> None:
+    unexplained = sorted(where for where, why in _package_local_imports().items() if not why)
+    assert unexplained == [], (
+        "import at module level; a function-local import of the package is for a slow module few "
+        "processes need, with `# local: <why>` on its line"
+    )
+
+
+def test_function_local_imports_stay_few() -> None:
+    found = _package_local_imports()
+    assert len(found) <= MAX_LOCAL_IMPORTS, (
+        f"{len(found)} function-local imports of the package (at most {MAX_LOCAL_IMPORTS}): "
+        "import at module level, or make the slow module's import the one that stays local"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("def f():\n    from .session import GpuRun\n    return GpuRun\n", [(2, False)]),
+        ("def f():\n    from .session import GpuRun  # local: slow\n    return GpuRun\n", [(2, True)]),
+        ("def f():\n    from .session import GpuRun  # lazily\n    return GpuRun\n", [(2, False)]),
+        ("def f():\n    from .session import GpuRun  # local:\n    return GpuRun\n", [(2, False)]),
+        ("class C:\n    def f(self):\n        if x:\n            from .. import sim\n", [(4, False)]),
+        (
+            "async def f():\n    try:\n        import pytest_gpu.plugin\n    except ImportError:\n        pass\n",
+            [(3, False)],
+        ),
+        ("def f():\n    from pytest_gpu.run import (  # local: slow\n        session,\n    )\n", [(2, True)]),
+        ("def f():\n    def g():\n        from . import rundir\n", [(3, False)]),
+        ("from .session import GpuRun\nif TYPE_CHECKING:\n    from .holding import Owner\n", []),
+        ("def f():\n    import execnet\n    import json\n    from collections import abc\n", []),
+    ],
+)
+def test_the_local_import_check_sees_every_spelling(source: str, found: list[tuple[int, bool]]) -> None:
+    """The check itself: a package import in any function, method or nested block is found, with
+    or without its reason; module-level, ``TYPE_CHECKING`` and other packages' imports are not."""
+    assert local_imports(source) == found
 
 
 def test_public_import_paths_keep_working() -> None:
