@@ -139,11 +139,13 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
                         the role's registration, early and at pytest_configure
     cli                 the ``pytest-gpu`` command (inventory, report, status)
 
-Layers, lowest first. A module imports from its own layer and the layers below it, never
-from one above, at module level and inside functions alike (``TYPE_CHECKING`` imports
-aside: types only); tests/project/test_layout.py checks it, and that no modules import each other
-in a circle, counting every kind of import (``TYPE_CHECKING`` ones too). A name is a
-folder (its modules) or one module:
+Layers, lowest first. A module imports from its own folder and from the layers below it:
+never from a layer above, nor from another folder of its own layer (folders of one layer are
+peers), and no modules import each other in a circle. Every kind of import counts: at module
+level, inside functions and under ``TYPE_CHECKING`` alike. A function-local import of the
+package is only for a module that is slow to import and not needed by every process, and
+says why on its line (``# local: ...``). tests/project/test_layout.py checks all of it. A name is a
+folder (all its modules) or a top-level module:
 
     1. base: base
     2. wire: wire
@@ -173,11 +175,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # lazily: the plugin is loaded into every pytest process, CPU-only suites included
     if name == "GpuLease":
-        from .gpu.isolation import GpuLease
+        from .gpu.isolation import GpuLease  # local: the package's __init__ runs in every process: it loads nothing
 
         return GpuLease
     if name in ("GpuRequest", "parse_size"):
-        from .base import requests
+        from .base import requests  # local: the package's __init__ runs in every process: it loads nothing
 
         return getattr(requests, name)
     raise AttributeError(f"module 'pytest_gpu' has no attribute {name!r}")

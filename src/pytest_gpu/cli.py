@@ -12,6 +12,10 @@ from typing import Any
 
 from .base.requests import format_size
 from .gpu.discovery import discover
+from .machine.domain import REAL, Domain, machine_dir, private_root
+from .machine.link import status
+from .machine.messages import PART
+from .sim import fake
 from .sim.spec import gpu_of, mig_of
 from .vendors import kinds
 from .vendors import registry as vendors
@@ -21,8 +25,6 @@ from .vendors.sampling import Unavailable
 
 
 def _inventory(args: argparse.Namespace) -> int:
-    from .sim import fake
-
     try:
         if fake.requested() and not args.gpus.strip().lower().startswith("sim:"):
             fake.activate()  # PYTEST_GPU_FAKE_GPUS: the GPUs as the fake NVML (libamd_smi.so, Sysman) reports them
@@ -46,7 +48,7 @@ def _inventory(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import gantt  # matplotlib itself is imported only when drawing
+    from .report import gantt  # local: slow (xml, urllib; matplotlib when drawing): only `report` draws
 
     trace = Path(args.trace)
     out = Path(args.output) if args.output else None
@@ -105,8 +107,6 @@ def identify(uuids: list[str], ask_drivers: bool) -> dict[str, tuple[str, Kind]]
     once (``ask_drivers``) in each vendor's driver in turn (:data:`pytest_gpu.vendors.registry.VENDORS`:
     NVML, amdsmi, Level Zero Sysman) until every one is named, nothing where none answers. A
     launched rank's part of a GPU is named as its GPU."""
-    from .machine.arbiter import PART
-
     found: dict[str, tuple[str, Kind]] = {}
     real: list[str] = []
     for uuid in uuids:
@@ -192,8 +192,6 @@ def format_status(
 def _domains(only: str | None) -> list[Any]:
     """The domains whose arbiter `status` asks: the real GPUs' (machine-wide), this user's own
     (private), and simulated machines shared with a group this user can enter."""
-    from .machine.domain import Domain, machine_dir, private_root
-
     found = [Domain.real()]
     try:
         for path in sorted(private_root().iterdir()):
@@ -222,9 +220,6 @@ def _domains(only: str | None) -> list[Any]:
 def _status(args: argparse.Namespace) -> int:
     import json
     import time
-
-    from .machine.domain import REAL, machine_dir
-    from .machine.link import status
 
     try:
         domains = _domains(args.machine)

@@ -14,14 +14,17 @@ from typing import Any
 
 import pytest
 
-from . import raycluster, roles
+from . import hookspecs, raycluster, roles
 from .base.launch import LaunchContext, detect
 from .distributed import runner
 from .distributed.rankinfo import RankPlaceholder
+from .gpu import adapters
 from .gpu.isolation import GpuLease
 from .launched import selection
 from .launched.session import early as launched_early
+from .nodes import worker as node_worker
 from .run import fixture_leases, lifecycle, options
+from .run.artifacts import store
 from .run.keys import DIST_CHOSEN_KEY, LAUNCH_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 from .run.record import RUN_KEY
 from .sim import fake
@@ -45,9 +48,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    from . import hookspecs
-    from .gpu import adapters
-
     pluginmanager.add_hookspecs(hookspecs)
     pluginmanager.register(adapters, "gpu_adapters")  # torch's and CuPy's pytest_gpu_confine; -p no:gpu_adapters
 
@@ -59,8 +59,6 @@ def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
     config.stash[TX_GIVEN_KEY] = list(getattr(config.option, "tx", None) or [])  # --gpu-nodes refuses --tx
     config.stash[WORKERS_GIVEN_KEY] = getattr(config.option, "numprocesses", None)  # and -n auto
     if hasattr(config, "workerinput"):
-        from .nodes import worker as node_worker
-
         node_worker.setup(config)  # a --gpu-nodes worker: on its node, with its temp directory there
     return (yield)
 
@@ -101,7 +99,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` with GPUs: workers by GPU memory, CPUs and RAM (see autoworkers); ``None``
     (firstresult: xdist's own answer follows) for ``-n logical``, its env var, or no GPUs."""
-    from .scheduling.autoworkers import auto_num_workers
+    from .scheduling.autoworkers import auto_num_workers  # local: slow (statistics, placement): only -n auto
 
     return auto_num_workers(config)
 
@@ -165,6 +163,4 @@ def ray_cluster(request: pytest.FixtureRequest) -> Generator[raycluster.RayClust
 def shared_artifact(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """``path = shared_artifact("dataset", build, version="3")``: ``build(path)`` fills a
     directory once for the whole run (all workers), reused by later runs of the same version."""
-    from .run.artifacts import store
-
     return store(request.config, request.config.stash[RUN_KEY].run_dir).get

@@ -24,7 +24,7 @@ from pytest_gpu.base.distspec import DistSpec
 from pytest_gpu.base.requests import DefaultMemory
 from pytest_gpu.base.wording import join, numbered, plural, verb
 from pytest_gpu.distributed.pool import DistSettings, RankPool
-from pytest_gpu.leasing.broker import CrashRecord
+from pytest_gpu.leasing.protocol import CrashRecord
 from pytest_gpu.report.summary import Summary
 from pytest_gpu.report.timeline import Timeline
 from pytest_gpu.run.session import GpuRun

@@ -17,8 +17,9 @@ import pytest
 
 from helpers import patience
 from pytest_gpu.base.requests import GpuRequest
-from pytest_gpu.leasing.broker import Broker, CrashRecord
+from pytest_gpu.leasing.broker import Broker
 from pytest_gpu.leasing.client import BrokerClient, BrokerError, Grant, WaitTimeout, describe_holders
+from pytest_gpu.leasing.protocol import CrashRecord
 from pytest_gpu.machine.link import MachineLink
 from pytest_gpu.machine.placement import Policy
 from pytest_gpu.machine.ports import PortAllocator

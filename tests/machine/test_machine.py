@@ -21,10 +21,10 @@ from conftest import MISSING
 from helpers import patience, shared, throwaway_user, wait_for, whole
 from pytest_gpu.cli import format_status, gpu_labels, identify
 from pytest_gpu.cli import main as cli_main
-from pytest_gpu.machine.arbiter import PART, Arbiter
+from pytest_gpu.machine.arbiter import Arbiter
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import MachineLink
-from pytest_gpu.machine.messages import Held
+from pytest_gpu.machine.messages import PART, Held
 from pytest_gpu.machine.placement import Policy
 from pytest_gpu.sim.spec import amd_uuid, mig_uuid, xpu_uuid
 from pytest_gpu.sim.spec import gpu_uuid as sim_uuid

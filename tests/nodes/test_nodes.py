@@ -1014,7 +1014,7 @@ def test_a_node_s_crash_and_quarantine_records_reach_the_controller(tmp_path: Pa
     """What a node host sends (its broker's crash records, its run directory's quarantine
     records) survives execnet and comes back as the records the summary's lines are made of,
     by node; a node with neither is left out."""
-    from pytest_gpu.leasing.broker import CrashRecord
+    from pytest_gpu.leasing.protocol import CrashRecord
     from pytest_gpu.nodes import agent
     from pytest_gpu.nodes.hosts import NodeHosts
     from pytest_gpu.run import quarantine

@@ -5,7 +5,9 @@ and imports run one way between the layers it states, with no circle between mod
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -140,21 +142,26 @@ def test_the_purity_check_sees_a_transitive_import() -> None:
 
 
 def _layers() -> dict[str, int]:
-    """The package docstring's layers: a folder or module name -> its layer (1: lowest)."""
+    """The package docstring's layers: a folder (or a top-level module) -> its layer (1: lowest)."""
     doc = pytest_gpu.__doc__ or ""
     text = doc[doc.index("Layers") :]
     layers: dict[str, int] = {}
     for number, names in re.findall(r"^ {4}(\d+)\. \w+:((?:.|\n {7}\S)*)", text, flags=re.MULTILINE):
         for name in names.split():
+            assert name not in layers, f"{name} is in two layers of pytest_gpu/__init__.py"
             layers[name] = int(number)
     return layers
 
 
+def _folder(name: str) -> str:
+    """The folder a dotted module (or a folder) is in: ``run.session`` -> ``run``; ``""`` for a
+    top-level module (``plugin``: no dot, not a folder)."""
+    return name.split(".")[0] if "." in name or (PACKAGE / name).is_dir() else ""
+
+
 def _layer_of(module: str, layers: dict[str, int]) -> int | None:
-    """The layer of a dotted module: its own entry, else its folder's."""
-    if module in layers:
-        return layers[module]
-    return layers.get(module.split(".")[0])
+    """The layer of a dotted module (or a folder): its folder's, a top-level module's own."""
+    return layers.get(_folder(module) or module)
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -169,48 +176,82 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
 
 
 def upward_imports(module: str, path: Path, layers: dict[str, int], source: str | None = None) -> list[str]:
-    """``module``'s imports of modules in layers above its own, as "module (layer) -> target (layer)"."""
+    """``module``'s imports of modules it must not import, as "module (layer) -> target (layer)":
+    in a layer above its own, or in another folder of its own layer (the folders of one layer
+    are peers: neither imports the other). Every kind of import counts: at module level, in a
+    function, under ``TYPE_CHECKING``."""
     modules = _modules()
     mine = _layer_of(module, layers)
     assert mine is not None, f"{module} is in no layer of pytest_gpu/__init__.py"
-    _, inside = _imports(path, module if path.name != "__init__.py" else f"{module}.__init__", source)
-    targets = {t for name in inside if (t := _resolve(name, modules)) not in (None, module)}
+    name = module if path.name != "__init__.py" else f"{module}.__init__"
+    _, inside = _imports(path, name, source, typing=True)
+    targets = {t for n in inside if (t := _resolve(n, modules)) not in (None, module)}
     # ``from ..scheduling import history`` names the folder too: its module is what is imported
     targets = {t for t in targets if not any(other.startswith(f"{t}.") for other in targets)}
     found = []
     for target in sorted(targets):
         theirs = _layer_of(target, layers)
-        if theirs is not None and theirs > mine:
+        if theirs is not None and (theirs > mine or (theirs == mine and _folder(target) != _folder(module))):
             found.append(f"{module} ({mine}) -> {target} ({theirs})")
     return found
 
 
 def test_every_module_is_in_a_layer() -> None:
     layers = _layers()
+    modules = _modules()
     assert len(set(layers.values())) >= 5, layers
-    assert [m for m in _modules() if _layer_of(m, layers) is None] == []
-    assert [n for n in layers if _resolve(n, _modules()) != n] == [], "the layers name what does not exist"
+    assert [m for m in modules if _layer_of(m, layers) is None] == []
+    # a layer names whole folders, and the top-level modules: no module is lifted out of its folder's layer
+    assert [n for n in layers if not ((PACKAGE / n).is_dir() or (n in modules and "." not in n))] == []
 
 
 def test_imports_run_one_way_between_layers() -> None:
     layers = _layers()
     upward = {line for module, path in _modules().items() for line in upward_imports(module, path, layers)}
-    assert upward == set(), "imports from a higher layer (move the code down, or the module elsewhere)"
+    assert upward == set(), "imports from a higher layer or a peer folder (move the code down, or the module elsewhere)"
 
 
-def test_the_layer_check_catches_an_upward_import() -> None:
-    """The check itself: a low module importing a high one, at module level or in a function."""
+def test_no_two_folders_import_each_other() -> None:
+    """What the layers come to: between folders, imports run one way."""
+    pairs = {(_folder(a), _folder(b)) for a, targets in import_graph().items() for b in targets}
+    both = sorted(f"{a or '.'} <-> {b or '.'}" for a, b in pairs if a < b and (b, a) in pairs)
+    assert both == []
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("from ..run.session import GpuRun\n", ["base.requests (1) -> run.session (8)"]),
+        ("def f():\n    from ..plugin import gpu\n    return gpu\n", ["base.requests (1) -> plugin (13)"]),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n",
+            ["base.requests (1) -> plugin (13)"],
+        ),
+        ("import pytest_gpu.roles.owner\n", ["base.requests (1) -> roles.owner (12)"]),
+        ("from ..scheduling import planner\n", ["base.requests (1) -> scheduling.planner (10)"]),
+        ("from . import spans\nfrom ..base.wording import plural\n", []),
+    ],
+)
+def test_the_layer_check_catches_an_upward_import(source: str, found: list[str]) -> None:
+    """The check itself: a low module importing a high one, at module level, in a function or
+    for types only."""
     layers = _layers()
     path = PACKAGE / "base" / "requests.py"
     assert upward_imports("base.requests", path, layers) == []
-    top = "from ..run.session import GpuRun\n"
-    assert upward_imports("base.requests", path, layers, top) == ["base.requests (1) -> run.session (8)"]
-    local = "def f():\n    from ..plugin import gpu\n    return gpu\n"
-    assert upward_imports("base.requests", path, layers, local) == ["base.requests (1) -> plugin (13)"]
-    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import gpu\n"
-    assert upward_imports("base.requests", path, layers, typing_only) == []
-    absolute = "import pytest_gpu.roles.owner\n"
-    assert upward_imports("base.requests", path, layers, absolute) == ["base.requests (1) -> roles.owner (12)"]
+    assert upward_imports("base.requests", path, layers, source) == found
+
+
+def test_the_layer_check_catches_a_peer_folder() -> None:
+    """The check itself: two folders of one layer are peers, neither imports the other."""
+    layers = _layers()
+    assert layers["distributed"] == layers["raycluster"]
+    path = PACKAGE / "raycluster" / "head.py"
+    assert upward_imports("raycluster.head", path, layers, "from ..run import session\n") == []
+    assert upward_imports("raycluster.head", path, layers, "from ..distributed import pool\n") == [
+        "raycluster.head (9) -> distributed.pool (9)"
+    ]
+    path = PACKAGE / "plugin.py"
+    assert upward_imports("plugin", path, layers, "from . import hookspecs, cli\n") == []  # the top level's modules
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -280,6 +321,93 @@ def test_the_circle_check_counts_every_kind_of_import(source: str) -> None:
     circle, whether at module level, in a function or for types only."""
     assert "run.leftovers" in import_graph()["run.session"]
     assert import_circles(import_graph({"run.leftovers": source})) == [{"run.leftovers", "run.session"}]
+
+
+# -- function-local imports of the package -----------------------------------------------------
+
+# What is left of them (issue 29: 107 before, 15 after), with a little room. A function-local
+# import of the package is for a module that is slow to import and needed by few processes
+# (the broker, the rank pool, the GPU scheduler): every pytest process, CPU-only suites
+# included, pays for what the plugin imports. It says so on its line: ``# local: <why>``.
+MAX_LOCAL_IMPORTS = 18
+LOCAL_WHY = re.compile(r"#\s*local:\s*\S")
+
+
+def local_imports(source: str) -> list[tuple[int, bool]]:
+    """``source``'s imports of the package inside a function (``from .x``, ``from pytest_gpu.x``,
+    ``import pytest_gpu.x``): each one's line, and whether a ``# local: <why>`` comment is on it."""
+    comments = {
+        token.start[0]: token.string
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    found: list[tuple[int, bool]] = []
+
+    def package(node: ast.AST) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return bool(node.level) or (node.module or "").split(".")[0] == "pytest_gpu"
+        return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pytest_gpu" for a in node.names)
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            local = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if local and package(child):
+                end = child.end_lineno or child.lineno
+                why = any(LOCAL_WHY.match(comments.get(line, "")) for line in range(child.lineno, end + 1))
+                found.append((child.lineno, why))
+            visit(child, local)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _package_local_imports() -> dict[str, bool]:
+    """Every function-local import of the package: ``file:line`` -> whether it says why."""
+    return {
+        f"{path.relative_to(PACKAGE)}:{line}": why
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, why in local_imports(path.read_text())
+    }
+
+
+def test_every_function_local_import_says_why() -> None:
+    unexplained = sorted(where for where, why in _package_local_imports().items() if not why)
+    assert unexplained == [], (
+        "import at module level; a function-local import of the package is for a slow module few "
+        "processes need, with `# local: <why>` on its line"
+    )
+
+
+def test_function_local_imports_stay_few() -> None:
+    found = _package_local_imports()
+    assert len(found) <= MAX_LOCAL_IMPORTS, (
+        f"{len(found)} function-local imports of the package (at most {MAX_LOCAL_IMPORTS}): "
+        "import at module level, or make the slow module's import the one that stays local"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("def f():\n    from .session import GpuRun\n    return GpuRun\n", [(2, False)]),
+        ("def f():\n    from .session import GpuRun  # local: slow\n    return GpuRun\n", [(2, True)]),
+        ("def f():\n    from .session import GpuRun  # lazily\n    return GpuRun\n", [(2, False)]),
+        ("def f():\n    from .session import GpuRun  # local:\n    return GpuRun\n", [(2, False)]),
+        ("class C:\n    def f(self):\n        if x:\n            from .. import sim\n", [(4, False)]),
+        (
+            "async def f():\n    try:\n        import pytest_gpu.plugin\n    except ImportError:\n        pass\n",
+            [(3, False)],
+        ),
+        ("def f():\n    from pytest_gpu.run import (  # local: slow\n        session,\n    )\n", [(2, True)]),
+        ("def f():\n    def g():\n        from . import rundir\n", [(3, False)]),
+        ("from .session import GpuRun\nif TYPE_CHECKING:\n    from .holding import Owner\n", []),
+        ("def f():\n    import execnet\n    import json\n    from collections import abc\n", []),
+    ],
+)
+def test_the_local_import_check_sees_every_spelling(source: str, found: list[tuple[int, bool]]) -> None:
+    """The check itself: a package import in any function, method or nested block is found, with
+    or without its reason; module-level, ``TYPE_CHECKING`` and other packages' imports are not."""
+    assert local_imports(source) == found
 
 
 def test_public_import_paths_keep_working() -> None:

@@ -26,6 +26,7 @@ import fcntl
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -51,6 +52,13 @@ def _owner_name(uid: int) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except (ImportError, KeyError):
         return f"uid {uid}"
+
+
+def user_temp_dir() -> Path:
+    """``$TMPDIR/pytest-gpu-<uid>``: this user's name in the temporary directory every user
+    shares (its run directories, the fake libraries' cache), not yet made nor checked.
+    :class:`OSError` where there is no usable temporary directory."""
+    return Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
 
 
 def private_dir(path: Path) -> Path:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..sim import fake
 from ..vendors import registry as vendors
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ def collective_missing(backend: str, inventory: Inventory) -> str | None:
 
 def nccl_missing(inventory: Inventory) -> str | None:
     """The piece NCCL lacks here (GPUs, real GPUs, NCCL in torch), in words; ``None``: none."""
-    from ..sim import fake
-
     if not inventory.devices:
         return f"this run has {inventory.describe()}"
     if inventory.simulated:
@@ -93,8 +92,6 @@ def xccl_missing(inventory: Inventory) -> str | None:
 
     torch has XCCL from 2.8 on, in its XPU builds (``torch.distributed.is_xccl_available``);
     where torch is not imported, its ``version.py`` says whether it is an XPU build (``xpu =``)."""
-    from ..sim import fake
-
     if not inventory.devices:
         return f"this run has {inventory.describe()}"
     if fake.active():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
+from ..gpu.torchstats import torch_peak
 from ..vendors import registry as vendors
 from ..wire.client import Client, Garbled
 from . import cover, protocol
@@ -113,7 +114,7 @@ class Rank:
         self.device = f"{vendor.device_kind}:0" if mine else "cpu"  # Intel GPUs: torch names them xpu:N
         self.cap = int(os.environ.get(protocol.RANK_MEMORY_ENV) or 0)  # bytes per GPU (0: uncapped)
         if os.environ.get("PYTEST_GPU_FAKE_GPUS"):  # fake GPUs: NVML and torch.cuda as the run sees them
-            from ..sim import cuda, fake
+            from ..sim import cuda, fake  # local: slow; only ranks on fake GPUs load the simulated machine
 
             fake.activate()
             if mine and self.cap:
@@ -356,7 +357,6 @@ def _torch_peaks(reset: bool = False) -> list[int] | None:
         for ordinal in ordinals:
             cuda.reset_peak_memory_stats(ordinal)
         return None
-    from ..gpu.torchstats import torch_peak
 
     return [torch_peak(cuda, ordinal) for ordinal in ordinals]
 

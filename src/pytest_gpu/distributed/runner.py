@@ -26,6 +26,7 @@ from ..base import privates
 from ..base.distspec import DistSettings, DistSpec, build_spec, isolated_spec
 from ..base.requests import GpuRequestError, format_size
 from ..base.wording import plural
+from ..leasing.client import BrokerError
 from ..run.feature import Feature
 from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
@@ -318,8 +319,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     timeout = spec.timeout or run.settings.dist_timeout
     pools = manager(item.config, run)
     before = pools.started
-    from ..leasing.client import BrokerError
-    from .pool import PoolError
+    from .pool import PoolError  # local: slow (the pool machinery): loaded by the first distributed test
 
     try:
         result, notes = pools.execute(spec, body, timeout)
@@ -561,7 +561,7 @@ class PoolManager:
             self._lock.release()
 
     def _fresh(self, spec: DistSpec, timeout: float, test: str = "") -> RankPool:
-        from . import pool as module  # RankPool looked up at each start: a test can substitute its own
+        from . import pool as module  # local: slow; RankPool looked up at each start (a test substitutes its own)
 
         fresh = module.RankPool(spec, self.run, self.settings, self.base, timeout, test)
         self._starting = fresh
@@ -605,7 +605,7 @@ class PoolManager:
         return result
 
     def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
-        from .pool import PoolDied
+        from .pool import PoolDied  # local: slow (the pool machinery): loaded by the first distributed test
 
         notes: list[str] = []
         test = str(body.get("nodeid", ""))  # a pool started for this test is named after it

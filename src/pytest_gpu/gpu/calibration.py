@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..sim.ledger import STATE_FILE, ledger
 from ..vendors import registry as vendors
 from ..vendors.sampling import Unavailable
 
@@ -106,8 +107,6 @@ def process_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | 
 
 def _simulated_usage(indices: list[int], inventory: Inventory) -> dict[int, int] | None:
     """What the fake NVML reports: the ledger's rendered state (``proc <uuid> <pid> <bytes>``)."""
-    from ..sim.ledger import STATE_FILE, ledger
-
     try:
         text = (ledger().path / STATE_FILE).read_text()
     except (OSError, ValueError):

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 
 from .. import sim
+from ..sim import cuda
 from ..vendors.devices import Inventory
 from . import adapters, runtime
 from .isolation import Confinement, GpuLease, Settled, activate, settle, share, unshare
@@ -63,8 +64,6 @@ def confine(lease: GpuLease, inventory: Inventory, frameworks: Callable[..., obj
 
 
 def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> None:
-    from ..sim import cuda
-
     def used() -> dict[int, int]:
         return sim.ledger().allocations([os.getpid()])
 
@@ -93,8 +92,6 @@ def _confine_sim(lease: GpuLease, ordinals: list[int], done: Confinement) -> Non
 
 
 def _restore_sim_device(previous: int) -> None:
-    from ..sim import cuda
-
     # Going back to a device where this process has no context would open one there,
     # outside any lease (CUDA 12's cudaSetDevice creates the primary context).
     if cuda.has_context(cuda.unit_of(previous)):

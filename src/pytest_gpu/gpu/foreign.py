@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..base.procs import started_at
 from ..base.requests import format_size
 from ..vendors import registry as vendors
 from ..vendors.sampling import Refused, Sampler, Unavailable, Unlistable
@@ -79,8 +80,6 @@ def descends_from(pid: int, roots: Collection[int] | Mapping[int, float]) -> boo
     if ctimes is None and pid in roots:
         return True
     import psutil
-
-    from ..base.procs import started_at
 
     try:
         proc: psutil.Process | None = psutil.Process(pid)

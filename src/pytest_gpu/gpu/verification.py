@@ -36,6 +36,7 @@ from .. import sim
 from ..base.procs import CTIME_TOLERANCE_S, descendants, owner_alive, process_name
 from ..base.requests import format_size
 from ..base.wording import numbered
+from ..sim import cuda as sim_cuda
 from ..vendors import registry as vendors
 from ..vendors.devices import Inventory, addressable
 from ..vendors.sampling import Unavailable, Unlistable
@@ -125,8 +126,6 @@ def threads_outside(usage: sim.TagUsage, lease: GpuLease, confined: int) -> dict
     """GPUs outside ``lease`` that a thread of this process other than ``confined`` (the thread
     the lease confined) touched, named as that thread's CUDA saw them: ``"cuda:0 from another
     thread (Thread-1)"``. The ledger records the thread of each call; real NVML cannot."""
-    from ..sim import cuda as sim_cuda
-
     me, found = os.getpid(), {}
     for unit, who in usage.threads.items():
         if unit in lease.indices:

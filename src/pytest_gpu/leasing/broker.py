@@ -40,7 +40,7 @@ from ..machine.ports import DEFAULT_RANGE, PortOwner
 from ..machine.remote import MachineError
 from ..wire.schema import Refused
 from ..wire.server import HANDSHAKE_TIMEOUT, Bounds, Drop, KeyAuth, Peer, Server
-from .protocol import BROKER, MAX_FRAME, ForeignNote, LeaseMessage
+from .protocol import BROKER, MAX_FRAME, CrashRecord, ForeignNote, LeaseMessage
 from .view import NodeView
 
 # at the run's end: how long it waits for processes of its clients that are still exiting,
@@ -71,18 +71,6 @@ def unscoped(key: str) -> tuple[str, str]:
     """The inverse of :func:`scoped`: ``(client, name)``."""
     client, _, name = key.partition("/")
     return client, name
-
-
-@dataclass(frozen=True)
-class CrashRecord:
-    """A client that went away while holding something."""
-
-    worker: str
-    pid: int
-    test: str | None
-    gpus: tuple[int, ...]
-    ports: tuple[int, ...]
-    at: float
 
 
 class Broker(Server):

@@ -26,6 +26,7 @@ integers, rows come back tuples.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from ..base.requests import GpuRequest
@@ -127,6 +128,20 @@ CATALOG_ENTRY = Obj(
     },
     name="a catalog entry",
 )
+
+
+@dataclass(frozen=True)
+class CrashRecord:
+    """A client that went away while holding something: the broker's record, a :data:`CRASH` on the wire."""
+
+    worker: str
+    pid: int
+    test: str | None
+    gpus: tuple[int, ...]
+    ports: tuple[int, ...]
+    at: float
+
+
 CRASH = Obj(
     {
         "worker": WORKER,

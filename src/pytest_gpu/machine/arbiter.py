@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..base.requests import GpuRequest, format_size
-from .messages import Asked, Held
-from .placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, checked_preference
+from .messages import PART, Asked, Held
+from .placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, Waiting, checked_preference
 from .ports import PortAllocator
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
@@ -72,9 +72,6 @@ Truth = Callable[[list[str]], "dict[str, int] | None"]
 MAX_KEYS_PER_RUN = 4096  # requests one run has waiting or granted at once
 MAX_CLIENTS_PER_RUN = 1024  # processes one run leases for
 RESUME_AFTER_S = 2.0  # after a failover: how long grants wait for the runs that were attached to re-attach
-PART = "#part-of-rank-"  # a launched rank's part of a GPU: the GPU's UUID, this, the rank
-
-
 UUID_SHOWN = 80  # characters of a GPU name an error repeats
 
 
@@ -457,8 +454,6 @@ class Arbiter:
             return [[e.run, e.pid] if e.uid == viewer else [roster_digest(e.run), 0] for e in self.runs.values()]
 
     def _waiting(self, pool_key: str, client: str, request: GpuRequest, allowed: frozenset[int]) -> Any:
-        from .placement import Waiting
-
         reason = self.allocator.never_fits(request, allowed)
         if reason:
             raise Unsatisfiable(reason)

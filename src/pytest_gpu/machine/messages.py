@@ -59,6 +59,7 @@ TEST_MAX = 1024  # a test's node id as the arbiter keeps it (runs shorten longer
 WORKER_MAX = 128
 LABEL_MAX = 512
 UUID_MAX = 160  # a UUID, or a rank's part of one ("<uuid>#part-of-rank-<n>")
+PART = "#part-of-rank-"  # a launched rank's part of a GPU: the GPU's UUID, this, the rank
 LIST_MAX = 4096  # leases or requests one run re-declares
 PORTS_MAX = 1024  # ports one request asks for
 RUN_MAX = 80  # a run's id, or another user's run as a digest ("#...")

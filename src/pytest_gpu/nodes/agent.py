@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
+import pytest_gpu
+
+from ..machine import domain
+from ..run import quarantine, required
+from ..run.options import Settings
+from ..run.rundir import RunDirError
+from ..run.session import GpuRun
+from ..sim import fake
+from ..sim.ledger import LedgerWriteError
+from ..vendors.devices import DeviceSpecError
 from ..wire.frames import WireError
 from . import messages
-
-if TYPE_CHECKING:
-    from ..run.session import GpuRun
 
 
 def state(
@@ -43,8 +51,6 @@ def state(
     ``refused``: how many of the scheduler's plans this node's broker refused (see :func:`prefer`).
     ``faults``: also what the summary says of this node's faults (:func:`faults`): asked for by
     the summary and sent with ``closed``, not with the scheduler's every ``state``."""
-    from ..run import required
-
     broker = run.broker
     assert broker is not None  # a node host owns its node's broker
     figures = {
@@ -64,10 +70,6 @@ def fault_records(run: GpuRun) -> dict[str, list[dict[str, Any]]]:
     """This node's processes that went away holding leases (its broker's crash records) and
     those a sticky CUDA error ended (the quarantine records of its run directory), as plain
     values: on one machine the summary has a line for each, here the controller does."""
-    from dataclasses import asdict
-
-    from ..run import quarantine
-
     broker = run.broker
     assert broker is not None
     crashes = [{**asdict(c), "gpus": list(c.gpus), "ports": list(c.ports)} for c in broker.crashes]
@@ -105,8 +107,6 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
         os.chdir(body["cwd"])
     except OSError as exc:
         return None, ("error", f"node {node}: cannot enter the run's directory {body['cwd']}: {exc}")
-    import pytest_gpu
-
     package = os.path.dirname(os.path.abspath(pytest_gpu.__file__))
     if package != body["package"]:
         return None, (
@@ -114,14 +114,6 @@ def start(body: dict[str, Any]) -> tuple[GpuRun | None, tuple[str, Any]]:
             f"node {node}: imports pytest_gpu from {package}, the controller from {body['package']}; "
             "node mode needs the suite and its environment on a filesystem every node shares",
         )
-    from ..machine import domain
-    from ..run.options import Settings
-    from ..run.rundir import RunDirError
-    from ..run.session import GpuRun
-    from ..sim import fake
-    from ..sim.ledger import LedgerWriteError
-    from ..vendors.devices import DeviceSpecError
-
     domain.hold_warnings()  # the controller's summary is where the run speaks, not this node's stderr
     try:
         fake.activate()  # a simulated node of its own fake GPUs (PYTEST_GPU_FAKE_GPUS), as the plugin does
@@ -179,14 +171,3 @@ def serve(channel: Any) -> None:
                 return
     finally:
         run.close()
-
-
-# What the controller runs on the node (``gateway.remote_exec``): execnet runs a string or a
-# module's *source* outside any package, so this imports the module itself, with the
-# controller's sys.path (sent first) under which the node must find the same pytest_gpu.
-BOOTSTRAP = """
-import sys
-sys.path[:] = channel.receive()
-from pytest_gpu.nodes import agent
-agent.serve(channel)
-"""

@@ -17,22 +17,34 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
+import pytest_gpu
+
 from ..base import privates
 from ..base.launch import LaunchContext
+from ..leasing.protocol import CrashRecord
 from ..leasing.view import NodeView
+from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
 from ..run.options import Settings
+from ..run.quarantine import Quarantine
+from ..run.session import WIRE_KEY
 from ..wire.frames import WireError
 from . import messages
 from . import spec as spec_
 from .spec import INVENTORIES_KEY, NODE_KEY, NodePlan, NodesError
 
-if TYPE_CHECKING:
-    from ..leasing.broker import CrashRecord
-    from ..run.quarantine import Quarantine
+# What the controller runs on the node (``gateway.remote_exec``): execnet runs a string or a
+# module's *source* outside any package, so this imports the node's host (:mod:`.agent`) itself,
+# with the controller's sys.path (sent first) under which the node must find the same pytest_gpu.
+BOOTSTRAP = """
+import sys
+sys.path[:] = channel.receive()
+from pytest_gpu.nodes import agent
+agent.serve(channel)
+"""
 
 START_TIMEOUT_S = 120.0  # a node host's start: srun may wait for the step, discovery may load NVML
 CLOSE_TIMEOUT_S = 30.0
@@ -95,11 +107,7 @@ class NodeHosts:
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start every node's host (all at once, then wait for each)."""
-        import execnet
-
-        import pytest_gpu
-
-        from .agent import BOOTSTRAP
+        import execnet  # local: only --gpu-nodes runs need execnet
 
         self._group = execnet.Group()
         package = os.path.dirname(os.path.abspath(pytest_gpu.__file__))
@@ -225,9 +233,6 @@ class NodeHosts:
         """Each node's processes that went away holding leases, and those a sticky CUDA error
         ended (worker -> record), from its host's last figures or asked now; a node that no
         longer answers is left out (its line says it was lost)."""
-        from ..leasing.broker import CrashRecord
-        from ..run.quarantine import Quarantine
-
         found: dict[str, tuple[list[CrashRecord], dict[str, Quarantine]]] = {}
         for name in self.up:
             host = self.hosts[name]
@@ -317,8 +322,6 @@ def configure(config: pytest.Config, settings: Settings, launch: LaunchContext |
     value = config.getoption("gpu_nodes", None)
     if not value:
         return None
-    from ..run.keys import DIST_CHOSEN_KEY, TX_GIVEN_KEY, WORKERS_GIVEN_KEY
-
     given_tx: list[str] = config.stash.get(TX_GIVEN_KEY, [])
     # -n as given: by now xdist has turned -n auto into the controller's own count
     given_n = config.stash.get(WORKERS_GIVEN_KEY, None)
@@ -416,8 +419,6 @@ def guard_replacements(config: pytest.Config, hosts: NodeHosts) -> None:
 def workerinput(hosts: NodeHosts, worker: Any) -> dict[str, Any]:
     """What a new worker's ``workerinput`` carries of its node: its node's run, the node it
     was started on, and every node's inventory."""
-    from ..run.session import WIRE_KEY
-
     node = hosts.node_of(worker)
     assert node in hosts.hosts, f"worker {privates.worker_id(worker)} has no node of this run"
     return {

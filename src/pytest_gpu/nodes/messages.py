@@ -5,7 +5,7 @@ values; each message is a ``(kind, body)`` tuple, checked on arrival against
 :data:`AGENT` with :mod:`pytest_gpu.wire.schema`, as the sockets' messages are: the node
 host checks what the controller asks (:func:`request`), the controller what the host
 answers (:func:`answer`). Before these, the controller sends ``sys.path`` alone (a list:
-:data:`~.agent.BOOTSTRAP` imports pytest-gpu with it)::
+:data:`~.hosts.BOOTSTRAP` imports pytest-gpu with it)::
 
     -> start   {settings, node, cwd, package}   <- ("started", {wire, node, hostname, pid, inventory, gpus, warnings})
                                                    | ("error", why)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ..base.safefiles import Unsafe, private_dir
+from ..run.session import GpuRun
+from ..vendors.devices import Inventory
 from .spec import INVENTORIES_KEY, NODE_ENV, NODE_KEY
 
 if TYPE_CHECKING:
@@ -66,9 +68,6 @@ def every_node(config: pytest.Config, run: GpuRun) -> dict[str, GpuRun] | None:
     """Every node of the run as this worker's oversize check sees it: its own ``run``, and a
     run over each other node's inventory (for :meth:`GpuRun.never_fits` only: no broker);
     ``None``: not a node worker."""
-    from ..run.session import GpuRun
-    from ..vendors.devices import Inventory
-
     here = node(config)
     if here is None:
         return None

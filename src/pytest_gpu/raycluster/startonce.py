@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..gpu.verification import claim_processes
+from ..leasing.client import BrokerError
 from ..run import rundir
 from ..vendors import registry as vendors
 from .head import (
@@ -84,8 +85,6 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def _start_head(run: GpuRun) -> dict[str, Any]:
     """Start the head under its watchdog and wait for it; the record (or an error record)."""
-    from ..leasing.client import BrokerError
-
     owner = f"{RAY_HEAD.name}@{os.getpid()}"  # port owners read "<who>@<unique>"
     try:
         ports = run.client.ports(4, owner)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from ..base import privates
+from ..base.requests import format_size
 from ..base.spans import gpu_properties, parse_held
 from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
@@ -22,7 +23,7 @@ from ..vendors import registry as vendors
 from .timeline import Timeline
 
 if TYPE_CHECKING:
-    from ..leasing.broker import CrashRecord
+    from ..leasing.protocol import CrashRecord
     from ..run.quarantine import Quarantine
     from ..vendors.devices import Inventory
 
@@ -278,8 +279,6 @@ def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtim
     """What one context of ``runtime`` (the inventory's: CUDA, HIP, Level Zero) took on each GPU, as
     the run's processes measured it (right after it opened), beside the size assumed until then;
     or that the size was given."""
-    from ..base.requests import format_size
-
     if given:
         given_as = "as --gpu-context-overhead gives it"
         return [f"pytest-gpu: {runtime} context: {format_size(assumed)} per process, {given_as}"]
@@ -292,9 +291,6 @@ def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtim
 def foreign_lines(entries: Iterable[Mapping[str, object]]) -> list[str]:
     """Summary lines for grants that avoided a GPU or waited because processes outside
     pytest-gpu used memory there (the broker's ``foreign`` records)."""
-    from ..base.requests import format_size
-    from ..base.wording import plural, verb
-
     avoided: dict[int, list[Mapping[str, object]]] = {}
     waited: list[Mapping[str, object]] = []
     for entry in entries:

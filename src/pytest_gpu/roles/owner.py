@@ -96,13 +96,13 @@ def start_run(config: pytest.Config, launch: Any) -> GpuRun:
 
 def autoworkers_lines(config: pytest.Config) -> list[str]:
     """How ``-n auto`` chose (the summary's line)."""
-    from ..scheduling.autoworkers import summary_lines  # (statistics: loaded where the summary is printed)
+    from ..scheduling.autoworkers import summary_lines  # local: slow (statistics): where the summary is printed
 
     return summary_lines(config)
 
 
 def scheduling(config: pytest.Config, nodes: Callable[[], RunNodes]) -> object:
     """The controller's scheduling feature."""
-    from ..scheduling.scheduler import Scheduling  # (the planner: loaded where the GPU scheduler runs)
+    from ..scheduling.scheduler import Scheduling  # local: slow (the planner): only where the GPU scheduler runs
 
     return Scheduling(config, nodes)

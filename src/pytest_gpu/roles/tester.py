@@ -99,7 +99,7 @@ class Worker(TestProcess):
         return out
 
     def _catalog(self) -> object:
-        from ..scheduling.catalog import Catalog  # (the planner: loaded where the GPU scheduler runs)
+        from ..scheduling.catalog import Catalog  # local: slow (the planner): only where the GPU scheduler runs
 
         return Catalog(self.config, self.leases.never_runs)
 

@@ -53,9 +53,13 @@ import pytest
 
 from ..base.requests import GpuRequestError, build_request
 from ..base.spans import LeaseSpan
+from ..gpu import runtime
 from ..gpu.isolation import GpuLease, visibility_env
+from ..gpu.runtime import LeaseUnreachable
 from ..gpu.verification import Verdict
+from ..leasing.client import BrokerError
 from ..machine.ports import PortOwner
+from ..sim import cuda
 from .holding import STATE_KEY, Holding, Owner, broke, hold, separate
 from .record import RUN_KEY, skip_at_run_time
 
@@ -202,9 +206,6 @@ def _holding(config: pytest.Config, frame: _Frame) -> FixtureLeases:
 
 def lease(config: pytest.Config, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GpuLease:
     """Acquire a lease for the fixture being set up (see the module docstring)."""
-    from ..gpu.runtime import LeaseUnreachable
-    from ..leasing.client import BrokerError
-
     frame = _frame(config, f"{FACTORY}(...)", "the gpu fixture, or gpu_request for a section")
     who = _who(frame)
     run = _run(config)
@@ -341,8 +342,6 @@ def apply_view(item: pytest.Item, run: GpuRun) -> None:
 
 def _use_device(run: GpuRun, lease_: GpuLease) -> None:
     """Make the lease's first GPU the current device (a fixture's confinement moved it)."""
-    from ..gpu import runtime
-
     try:
         ordinals = runtime.in_process(run.inventory, lease_.indices)
     except runtime.LeaseUnreachable:
@@ -350,8 +349,6 @@ def _use_device(run: GpuRun, lease_: GpuLease) -> None:
     if not ordinals:
         return
     if runtime.simulated(run.inventory):
-        from ..sim import cuda
-
         cuda.set_device(ordinals[0])
     torch = sys.modules.get("torch")
     cuda_mod = getattr(torch, "cuda", None)

@@ -25,6 +25,8 @@ from ..base.requests import (
 )
 from ..base.spans import GpuProperties, format_held, format_peaks, format_spans
 from ..gpu import verification
+from ..gpu.runtime import LeaseUnreachable
+from ..leasing.client import BrokerError
 from ..machine.ports import PortOwner
 from . import fixture_leases
 from .conventions import convention_request, item_kwargs
@@ -354,9 +356,6 @@ def _dist_chosen(argv: Sequence[str]) -> str:
 
 
 def _hold(run: GpuRun, request: GpuRequest, item: pytest.Item) -> Holding:
-    from ..gpu.runtime import LeaseUnreachable  # (with the broker's client: loaded for the first lease)
-    from ..leasing.client import BrokerError
-
     try:
         return hold(run, Owner("test", item.nodeid, item.nodeid), request)
     except BrokerError as exc:

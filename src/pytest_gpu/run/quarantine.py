@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..leasing.client import BrokerError
+from ..sim import cuda as sim_cuda
 from ..sim.cuda import STICKY_ERRORS
 
 RECORDS = "quarantine"  # the run directory's folder of workers that ended themselves
@@ -95,8 +96,6 @@ def probe(devices: tuple[str, ...] | list[str], simulated: bool) -> str | None:
     """The sticky error this process's CUDA is in, as a CUDA call on ``devices`` (``"cuda:N"``,
     the lease's) would raise it now, or ``None``: usable, or never started."""
     if simulated:
-        from ..sim import cuda as sim_cuda
-
         error = sim_cuda.sticky_error()
         if error is not None:
             return f"CUDA error: {error}"

@@ -26,6 +26,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from ..base.procs import owner_alive, read_owner, write_owner
+from ..base.safefiles import user_temp_dir
 
 OWNER_FILE = "owner.json"
 GRACE_S = 60.0  # a run directory younger than this without an owner file is being created
@@ -40,11 +41,6 @@ class RunDirError(OSError):
             f"pytest-gpu: cannot create the run directory{where}: {self.strerror}; "
             "point TMPDIR at a writable directory with free space"
         )
-
-
-def shared_dir() -> Path:
-    """``$TMPDIR/pytest-gpu-<uid>``: where this user's runs keep their directories."""
-    return Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
 
 
 def _unusable(root: Path) -> str | None:
@@ -78,7 +74,7 @@ def _unusable(root: Path) -> str | None:
 def base_dir() -> Path:
     """Parent of this run's directory: the shared per-user one, or a private fallback (0700)."""
     try:
-        root = shared_dir()
+        root = user_temp_dir()
     except OSError as exc:  # gettempdir: "No usable temporary directory found in [...]"
         raise RunDirError(exc.errno, exc.strerror or str(exc)) from exc
     why = _unusable(root)
@@ -99,7 +95,7 @@ def _is_fallback(root: Path) -> bool:
 
 def _roots() -> list[Path]:
     """Every parent of this user's run directories: the shared one and private fallbacks."""
-    shared = shared_dir()
+    shared = user_temp_dir()
     found = []
     for root in [shared, *shared.parent.glob(f"{shared.name}-*")]:
         try:

@@ -22,7 +22,9 @@ from ..base.requests import GpuRequest, format_size
 from ..gpu import runtime
 from ..gpu.calibration import Calibration
 from ..gpu.confine import confine as confine_lease
+from ..gpu.discovery import discover
 from ..gpu.isolation import Confinement, GpuLease, make_lease
+from ..gpu.share import node_share
 from ..gpu.verification import (
     NvmlRankVerifier,
     NvmlVerifier,
@@ -32,20 +34,24 @@ from ..gpu.verification import (
     Verifier,
     standing,
 )
-from ..leasing.host import HostCapacity, confine_threads
-from ..machine.arbiter import PART
-from ..sim.spec import SpecError, parse
+from ..leasing.client import BrokerClient
+from ..leasing.host import HostCapacity, capacity, confine_threads
+from ..machine.domain import Domain, claim_run_machines, release_run_machines
+from ..machine.messages import PART
+from ..machine.placement import HostState, Policy
+from ..sim import fake
+from ..sim.spec import SpecError, check_context, parse
 from ..vendors import registry as vendors
-from ..vendors.devices import Inventory
+from ..vendors.devices import DeviceSpecError, Inventory
 from ..vendors.sampling import Unavailable
 from . import quarantine as quarantine_
+from . import rundir
 from .leftovers import Leftovers
 from .options import Settings
 
-if TYPE_CHECKING:  # the broker and its transport are imported where they are used
+if TYPE_CHECKING:
     from ..base.launch import LaunchContext
     from ..leasing.broker import Broker
-    from ..leasing.client import BrokerClient
     from ..machine.link import MachineLink
 
 WIRE_KEY = "pytest_gpu"
@@ -108,10 +114,6 @@ def _refuse_tiny_gpus(inventory: Inventory, settings: Settings) -> None:
     """A simulated or fake machine whose GPUs are no larger than the CUDA context the run
     assumes (``--gpu-context-overhead``, unless the spec's ``context=`` says) is a typo
     (``sim:4x1KiB``): a usage error now, not "-500MiB after the CUDA context" at every test."""
-    from ..sim import fake
-    from ..sim.spec import SpecError, check_context, parse
-    from ..vendors.devices import DeviceSpecError
-
     source = inventory.source if inventory.simulated else fake.requested()
     if not source:
         return
@@ -128,9 +130,7 @@ def machine_link(inventory: Inventory, policy: Any) -> MachineLink:
     """This run's way to the machine's arbiter: the real GPUs' domain, or the simulated
     machine's (the one ``PYTEST_GPU_SIM_MACHINE`` names, else the run's own); joined when the first
     lease is asked."""
-    from ..machine.domain import Domain
-    from ..machine.link import MachineLink
-    from ..sim import fake
+    from ..machine.link import MachineLink  # local: slow (with the broker): only the run's owner links
 
     spec = inventory.source if inventory.simulated else fake.requested()
 
@@ -195,7 +195,7 @@ class ForeignSource:
         self._sampler: Any = None
 
     def __call__(self, uuids: list[str], roots: set[int], accounted: dict[str, int]) -> dict[str, int]:
-        from ..gpu.foreign import ForeignSampler
+        from ..gpu.foreign import ForeignSampler  # local: only the machine's arbiter samples other processes
 
         if self._sampler is None:
             self._sampler = ForeignSampler()
@@ -249,13 +249,7 @@ class GpuRun:
         """Controller or single process: discover, make the run directory, start the broker.
 
         ``launch``: the launcher this process is a rank of (its share of the node's GPUs)."""
-        from ..gpu.discovery import discover
-        from ..gpu.share import node_share
-        from ..leasing import host
-        from ..leasing.broker import Broker
-        from ..machine.placement import Policy
-        from ..sim import fake
-        from . import rundir
+        from ..leasing.broker import Broker  # local: slow (its server, the machine link): only the run's owner
 
         # (PYTEST_GPU_FAKE_GPUS was switched on by the plugin, before conftest.py files load)
         inventory = node_share(discover(settings.gpus), launch)  # under a launcher: this rank's share of the node
@@ -272,7 +266,7 @@ class GpuRun:
             settings.port_range,
             link=machine_link(inventory, policy),
             uuids=machine_names(inventory, launch.local_rank if launch else 0),
-            host=host.capacity(settings.host_cpus, settings.host_memory).to_wire(),
+            host=capacity(settings.host_cpus, settings.host_memory).to_wire(),
         ).start()
         run = cls(settings, inventory, address, authkey, worker, run_dir, broker)
         if inventory.simulated:
@@ -280,9 +274,6 @@ class GpuRun:
             # per run and spec, gone with the run): runs naming the same one share its GPUs'
             # memory, as runs on one real machine share its GPUs. Every process of the run
             # (workers, ranks, subprocesses) sees it through the fake-GPU switch.
-            from ..machine.domain import claim_run_machines
-            from ..vendors.devices import DeviceSpecError
-
             try:
                 try:
                     run._sim_run = claim_run_machines(f"{launch.launcher}:{launch.run_id}" if launch else None)
@@ -347,17 +338,11 @@ class GpuRun:
         if self._client is not None:
             self._client.close()
         if self.broker is not None:
-            from . import rundir
-
             self.broker.close()
             rundir.remove(self.run_dir)
-        from ..sim import fake
-
         if self.broker is not None and fake.active():
             fake.deactivate()  # the run's fake machine ends with it (in-process runs follow each other)
         if self._sim_run is not None:  # its own simulated machines go with it
-            from ..machine.domain import release_run_machines
-
             release_run_machines(self._sim_run)
             self._sim_run = None
         for name, value in self._saved_env.items():
@@ -372,8 +357,6 @@ class GpuRun:
     def client(self) -> BrokerClient:
         with self._client_lock:
             if self._client is None:
-                from ..leasing.client import BrokerClient
-
                 self._client = BrokerClient(self.address, self.authkey, self.worker)
             return self._client
 
@@ -388,8 +371,6 @@ class GpuRun:
     def host(self) -> HostCapacity:
         """The machine's CPUs and RAM as this run sees them (see :mod:`pytest_gpu.leasing.host`)."""
         if self._host is None:
-            from ..leasing.host import capacity
-
             self._host = capacity(self.settings.host_cpus, self.settings.host_memory)
         return self._host
 
@@ -401,8 +382,6 @@ class GpuRun:
     def never_fits(self, request: GpuRequest) -> str | None:
         """Why this inventory (and machine) can never satisfy ``request``, or ``None``."""
         if request.host:
-            from ..machine.placement import HostState
-
             reason = HostState(self.host.cpus, self.host.memory).never_fits(request)
             if reason is not None:
                 return reason

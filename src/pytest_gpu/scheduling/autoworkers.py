@@ -39,7 +39,13 @@ import pytest
 
 from ..base.requests import GpuRequest, format_size, learned
 from ..base.wording import plural
+from ..gpu.discovery import discover
+from ..gpu.share import node_share
 from ..leasing.host import machine_cpus, total_memory
+from ..machine.placement import Policy
+from ..run import history, options
+from ..run.keys import LAUNCH_KEY
+from ..vendors.devices import DeviceSpecError
 
 HOST_MEMORY_PER_WORKER = 4 * 2**30  # host RAM one worker is counted to need
 XDIST_ENV = "PYTEST_XDIST_AUTO_NUM_WORKERS"
@@ -120,8 +126,6 @@ def choose(
     (``None``: whole GPUs); ``overhead``: one CUDA context; ``per_gpu``: the
     ``gpu_workers_per_gpu`` cap. A result with ``workers`` ``None``: no GPU fits one test.
     """
-    from ..machine.placement import Policy
-
     policy = Policy(overhead=overhead)
     fits: list[int] = []
     capped = False
@@ -180,11 +184,6 @@ def auto_num_workers(config: pytest.Config) -> int | None:
     no GPUs). The decision is kept in ``config.stash[AUTO_KEY]`` for the summary."""
     if getattr(config.option, "numprocesses", None) != "auto" or os.environ.get(XDIST_ENV):
         return None
-    from ..gpu.discovery import discover
-    from ..gpu.share import node_share
-    from ..run import history, options
-    from ..run.keys import LAUNCH_KEY
-    from ..vendors.devices import DeviceSpecError
 
     settings = options.read(config)
     try:

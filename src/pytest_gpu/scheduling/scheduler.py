@@ -42,7 +42,7 @@ import pytest
 
 from ..base import privates
 from ..leasing.view import NodeView
-from ..run import history
+from ..run import history, quarantine
 from ..run.feature import Feature
 from ..run.keys import SCHEDULE_KEY
 from . import catalog
@@ -168,7 +168,6 @@ class GpuScheduling:
         if not held:
             return None
         assert self.collection is not None
-        from ..run import quarantine
 
         if quarantine.ended(self.run.run_dir, name):
             # it ended itself between two tests (a sticky CUDA error): the one it held never started

@@ -28,6 +28,20 @@ import time
 from collections.abc import Sequence
 
 from ..base.requests import SizeError, format_size, parse_size
+from ..machine.domain import SIM_MACHINE_ENV, Domain
+from . import cuda
+from .fake import FAKE_ENV
+from .ledger import (
+    DEFAULT_SPEC,
+    LEDGER_ENV,
+    SPEC_ENV,
+    TAG_ENV,
+    OutOfMemoryError,
+    SimDeviceError,
+    ledger,
+    machine_ledger,
+)
+from .spec import SpecError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,8 +60,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _existing_spec() -> str | None:
     """The spec of the simulated machine named by ``$PYTEST_GPU_SIM_MACHINE``, if it exists."""
-    from ..machine.domain import SIM_MACHINE_ENV, Domain
-
     if not os.environ.get(SIM_MACHINE_ENV, "").strip():
         return None  # the default machine is named after its spec
     try:
@@ -59,10 +71,6 @@ def _existing_spec() -> str | None:
 
 def _use_ledger(args: argparse.Namespace) -> None:
     """Point this process's simulated CUDA at the machine asked for (through the environment)."""
-    from ..machine.domain import SIM_MACHINE_ENV
-    from .fake import FAKE_ENV
-    from .ledger import DEFAULT_SPEC, LEDGER_ENV, SPEC_ENV, machine_ledger
-
     if args.machine is not None:
         os.environ[SIM_MACHINE_ENV] = args.machine
     elif args.spec is None and os.environ.get(LEDGER_ENV):
@@ -81,10 +89,6 @@ def _use_ledger(args: argparse.Namespace) -> None:
 
 
 def hold(args: argparse.Namespace) -> int:
-    from . import cuda
-    from .ledger import TAG_ENV, OutOfMemoryError, SimDeviceError, ledger
-    from .spec import SpecError
-
     try:
         nbytes = parse_size(args.memory)
         _use_ledger(args)

@@ -29,9 +29,10 @@ from functools import partial
 from types import ModuleType
 from typing import Any
 
+from ..base.importhook import cancel, on_import
 from ..machine.domain import claim_run_machines, release_run_machines
 from ..vendors import kinds, libraries
-from . import amdsmi, nvml, zes
+from . import amdsmi, cuda, nvml, zes
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
 from .spec import Machine, parse
 
@@ -77,7 +78,6 @@ def activate(spec: str | None = None) -> bool:
     ledger().used()  # creates the ledger and its nvml.state if this is the first process
     for name in kinds.of(machine.vendor).fakes:
         _FAKES[name](machine)
-    from ..base.importhook import on_import
 
     on_import("torch", _install_torch)
     _active = spec
@@ -119,7 +119,7 @@ _FAKES: dict[str, Callable[[Machine], None]] = {"nvml": _fake_nvml, "amdsmi": _f
 
 
 def _install_torch(torch: ModuleType) -> None:
-    from . import torch_cuda
+    from . import torch_cuda  # local: slow; only once torch is imported on fake GPUs
 
     spec = _active or requested()
     kind = kinds.of(parse(spec).vendor) if spec is not None else kinds.DEFAULT
@@ -188,9 +188,6 @@ def deactivate() -> None:
     if _active is None:
         return
     from contextlib import suppress
-
-    from ..base.importhook import cancel
-    from . import cuda
 
     with suppress(OSError):  # a ledger that cannot be written keeps the record until this process exits
         ledger().release(os.getpid())

@@ -46,6 +46,8 @@ from typing import Any
 
 from ..base.procs import owner_alive
 from ..base.requests import format_size, parse_size
+from ..base.safefiles import locked, private_dir, read_bytes, replace_file
+from ..machine.domain import SIM_MACHINE_ENV, Domain, sim_machine_name
 from . import spec as specs
 
 LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
@@ -105,9 +107,6 @@ def machine_ledger_dir(spec: str) -> Path:
     Raises :class:`LedgerWriteError` when it cannot be made or used safely, and
     :class:`SimMachineError` for a ``PYTEST_GPU_SIM_GROUP`` this user is not in.
     """
-    from ..base.safefiles import private_dir
-    from ..machine.domain import Domain
-
     try:
         domain = Domain.sim(spec)
         path = domain.ledger_path
@@ -183,8 +182,6 @@ class Ledger:
     @contextmanager
     def _lock(self) -> Iterator[None]:
         """The ledger's ``flock`` (a new descriptor each time: threads of a process exclude each other too)."""
-        from ..base.safefiles import locked
-
         try:
             with locked(self.path / LOCK_FILE, self.file_mode):
                 yield
@@ -195,8 +192,6 @@ class Ledger:
 
     def _read(self) -> dict[str, Any] | None:
         """``ledger.json``, or ``None`` where there is none (or none that is whole JSON: it is written anew)."""
-        from ..base.safefiles import read_bytes
-
         try:
             state = json.loads(read_bytes(self.path / "ledger.json", MAX_LEDGER))
         except FileNotFoundError:
@@ -228,8 +223,6 @@ class Ledger:
 
     def _replace(self, name: str, text: str) -> None:
         """Write ``name`` whole: aside (a name no one can foresee), then renamed over it."""
-        from ..base.safefiles import replace_file
-
         try:
             replace_file(self.path / name, text.encode(), self.file_mode)
         except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
@@ -533,8 +526,6 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
 
 
 def _conflict(name: str, state: dict[str, Any], spec: str, overhead: int | None, users: list[int]) -> str:
-    from ..machine.domain import SIM_MACHINE_ENV
-
     named = os.environ.get(SIM_MACHINE_ENV, "").strip()
     which = f"{SIM_MACHINE_ENV}={named}" if named else f"the simulated machine {name}"
     pids = ", ".join(map(str, users[:5])) + (", ..." if len(users) > 5 else "")
@@ -564,8 +555,6 @@ def machine_ledger(spec: str, overhead: int | None = None) -> Ledger:
     use with another spec or context size, :class:`LedgerWriteError` when its directory cannot
     be made.
     """
-    from ..machine.domain import sim_machine_name
-
     found = Ledger(machine_ledger_dir(spec))
     found.open_machine(spec, overhead, sim_machine_name(spec))
     return found

@@ -147,12 +147,6 @@ def amd_uuid(index: int) -> str:
     return kinds.AMD.sim_uuid(index)
 
 
-def amd_serial(index: int) -> int:
-    """The ASIC serial (unique id) of simulated AMD GPU ``index``: the fake libamd_smi.so
-    derives it the same way (fake_amdsmi.c's ``serial_of``)."""
-    return 0x51A0_0000_0000_0000 | index
-
-
 def xpu_uuid(index: int) -> str:
     """The UUID of simulated Intel GPU ``index``, as the fake Level Zero Sysman gives its 16 bytes
     (fake_zes.c's ``uuid_of``): hex digits in the 8-4-4-4-12 form, without a prefix."""

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NoReturn
 
+from ..base.importhook import waiting
 from ..base.requests import parse_size
 from . import cuda as sim_cuda
 from . import torch_tensors
@@ -869,8 +870,6 @@ def _import_torch() -> None:
     """On fake GPUs, this double's functions may come before the test's ``import torch``: import
     it here, and the fake-GPU switch (which waits for torch's import) installs the double as it
     does for the test's import."""
-    from ..base.importhook import waiting
-
     if "torch" in sys.modules or not waiting("torch"):  # no switch waits to install it (or torch is a CUDA build)
         return
     try:

@@ -46,6 +46,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from ...base.safefiles import private_dir, user_temp_dir
 from ...vendors import libraries
 
 __all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "preload"]
@@ -69,14 +70,9 @@ class _NoFallback(Exception):
 
 def _fallback_root(kind: str = "fake-nvml") -> Path:
     """``$TMPDIR/pytest-gpu-<uid>/<kind>``, private to this user; :class:`_NoFallback` says why not."""
-    import tempfile
-
-    from ...base.safefiles import private_dir
-
     try:
-        shared = Path(tempfile.gettempdir()) / f"pytest-gpu-{os.getuid()}"
         # both levels: another user may have made either name first, as a link or theirs
-        return private_dir(private_dir(shared) / kind)
+        return private_dir(private_dir(user_temp_dir()) / kind)
     except OSError as exc:  # gettempdir's "No usable temporary directory", or a name taken
         raise _NoFallback(str(exc)) from None
 
