@@ -142,6 +142,16 @@ def main(attack: str, name: str, *args: str) -> Any:
                 pass
         print("ready", flush=True)
         time.sleep(3600)
+    if attack == "fake":  # bind the address first and answer the protocol, with lies (issue 30, item 2)
+        from fake_arbiter import FakeArbiter
+
+        def first_named(m: dict[str, Any]) -> Any:
+            _, memory, exclusive = m["request"][:3]
+            return ["granted", {"gpus": m["gpus"][:1], "memory": memory or 15 * GiB, "exclusive": exclusive}]
+
+        FakeArbiter(where, answers={"submit": first_named, "take_ports": lambda m: {"ports": [m["range"][0]]}})
+        print("ready", flush=True)
+        time.sleep(3600)
     raise SystemExit(f"unknown attack {attack!r}")
 
 

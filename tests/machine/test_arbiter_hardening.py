@@ -703,27 +703,25 @@ def test_an_answer_that_is_not_what_the_protocol_says_is_a_machine_error_and_the
     domain: Domain, made: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A peer answering ``room`` with ``null`` (a run once took it in, and crashed with a
-    TypeError): the call fails with a MachineError, the run says so once and coordinates
-    with its own user's runs from then on."""
+    TypeError): the run says so once, coordinates with its own user's runs from then on,
+    and the call is answered there."""
     fake = _fake(made, domain, answers={"room": lambda m: None})
     link = _follower(made, domain)
-    with pytest.raises(links_module.MachineError, match="its answer to 'room' must be a list of at most 256"):
-        link.room(["U"])
+    assert link.room(["U"]) == [16 * GiB]  # answered by the run's own arbiter
     assert link.fell_back is not None and GARBLED in link.fell_back
+    assert "its answer to 'room' must be a list of at most 256" in link.fell_back
     assert link.domain is not None and not link.domain.wide  # its user's own domain now
-    assert link.room(["U"]) == [16 * GiB]  # answered there
     assert fake.seen == ["attach", "room"]
     err = capsys.readouterr().err
     assert err.count(GARBLED) == 1 and "coordinates its GPUs with its own user's runs only" in err
 
 
-def test_a_grant_missing_a_field_is_a_machine_error(domain: Domain, made: list[Any]) -> None:
+def test_a_grant_missing_a_field_is_asked_again_of_the_runs_own_arbiter(domain: Domain, made: list[Any]) -> None:
     _fake(made, domain, answers={"submit": lambda m: ["granted", {"memory": GiB, "exclusive": False}]})
     link = _follower(made, domain)
-    with pytest.raises(links_module.MachineError, match="a grant lacks 'gpus'"):
-        link.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["U"])
-    kind, body = link.submit("c0/k1", "c0", "gw0", "t::b", shared(GiB), ["U"])  # at its own arbiter
+    kind, body = link.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["U"])  # at its own arbiter
     assert (kind, body["gpus"]) == ("granted", ["U"])
+    assert link.fell_back is not None and "a grant lacks 'gpus'" in link.fell_back
 
 
 def test_an_event_that_is_not_what_the_protocol_says_leaves_the_arbiter_and_the_request_is_served(

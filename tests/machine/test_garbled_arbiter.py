@@ -4,8 +4,8 @@ The arbiter is another process, maybe another user's or another version's, so wh
 answers and tells is checked as strictly as what it is asked (pytest_gpu.machine.messages).
 Here a stand-in (tests/fake_arbiter.py) holds the run's simulated machine's election and
 address before the run starts, so the run attaches to it; its answer or event is then
-garbage: the call that met it fails with a MachineError, the run says so in one summary
-line and goes on with an arbiter of its own.
+garbage: the run says so in one summary line and goes on with an arbiter of its own, which
+the call that met the garbage is asked again of.
 """
 
 from __future__ import annotations
@@ -72,20 +72,14 @@ def test_a_room_of_null_is_no_internalerror(
     assert fake.seen[:2] == ["attach", "room"] and "submit" not in fake.seen
 
 
-def test_a_grant_missing_a_field_fails_its_test_alone(
+def test_a_grant_missing_a_field_fails_no_test(
     gpu_pytester: pytest.Pytester, run_inner: Callable[..., pytest.RunResult], fake_arbiter: Callable[..., Any]
 ) -> None:
+    """The request that met the garbled grant is asked again of the run's own arbiter."""
     fake_arbiter(answers={"submit": lambda m: ["granted", {"memory": 2**30, "exclusive": False}]})
     gpu_pytester.makepyfile(test_grant=SUITE)
     result = run_inner("--gpus", SPEC, "-p", "no:randomly", subprocess=True, timeout=180)
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 3 and outcomes.get("failed", 0) + outcomes.get("errors", 0) == 1, outcomes
-    result.stdout.fnmatch_lines(
-        [
-            "*could not get 1 GPU (1GiB): pytest-gpu: the machine's arbiter sent what its protocol does not allow: "
-            "a grant lacks 'gpus'"
-        ]
-    )
+    result.assert_outcomes(passed=4)
     _one_line(result, "a grant lacks 'gpus'")
 
 

@@ -7,12 +7,20 @@ winner's process exits, SIGKILL included (see :mod:`.domain`): binding the abstr
 socket of a machine-wide domain, or ``flock`` on the lock file of a private one. So
 there is never a second arbiter nor a lock left behind.
 
-Whom a run trusts: in a private domain only a peer of its own user (no one else can even
-reach it); in a machine-wide domain the process that holds the address, whoever's it is,
-as long as it speaks the protocol in time. Another user's arbiter is told nothing
-private (no command, directory, test or worker names). A peer that does not answer, or
-refuses this run, is a squatter: the run coordinates with its own user's runs only, in
-its private domain (one warning line), and never fails for it.
+Whom a run trusts (:func:`distrusted`): in a private domain only a peer of its own user (no
+one else can even reach it); on a simulated machine shared with a group only a member of
+the group (or root), by the kernel's word (``SO_PEERCRED``'s uid and that user's groups); on
+the real GPUs the process that holds the address, whoever's it is (any user who may use the
+GPUs can take their memory anyway), as long as it speaks the protocol in time. Another
+user's arbiter is told nothing private (no command, directory, test or worker names). A
+peer that does not answer, refuses this run or is not trusted is a squatter: the run
+coordinates with its own user's runs only, in its private domain (one warning line), and
+never fails for it.
+
+Trusted or not, what an arbiter answers is checked: its shape (:mod:`.messages`), and what
+this run knows better than any arbiter (:func:`~.messages.check_grant`: a grant of GPUs it
+did not ask on, of another size, or that would promise it more of a GPU than the GPU has;
+a port twice; more room than a GPU has).
 
 When the arbiter's run ends (or dies), its socket closes and every other run elects
 again: one wins, the rest connect to it, and each brings what it holds and waits for
@@ -20,19 +28,22 @@ again: one wins, the rest connect to it, and each brings what it holds and waits
 until every run of the last roster it heard of (the arbiter tells every run who is
 attached) has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is
 promised twice. A run that is not the arbiter reaches it over :mod:`.remote`; an arbiter
-that answers or tells what the protocol does not allow (:mod:`.messages`) fails that call
-with a :class:`MachineError` and is used no more: the run coordinates with its own user's
-runs only (one warning line), as it does beside a squatter.
+that answers or tells what the protocol does not allow (:mod:`.messages`), or what this
+run can tell is false, is used no more: the run coordinates with its own user's runs only
+(one warning line), as it does beside a squatter, and asks its call again there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import hashlib
 import os
+import pwd
 import queue
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -43,14 +54,25 @@ from ..base.procs import owner_alive
 from ..base.requests import GpuRequest
 from ..base.safefiles import open_or_create
 from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth
-from .domain import Domain, user_name, warn_once
-from .messages import LABEL_MAX, TEST_MAX, Asked, request_to_wire
+from .domain import REAL, Domain, user_name, warn_once
+from .messages import (
+    LABEL_MAX,
+    TEST_MAX,
+    Asked,
+    Held,
+    WireError,
+    check_grant,
+    check_ports,
+    check_room,
+    request_to_wire,
+)
 from .mirror import Mirror, to_wire
 from .placement import Policy
 from .ports import PortAllocator
 from .remote import Garbled, Lost, MachineError, Remote
 from .server import ArbiterServer
 
+STATUS_TIMEOUT_S = 2.0  # `pytest-gpu status`: how long one domain's arbiter may take to connect and answer
 ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
 HELLO_TIMEOUT_S = 5.0  # how long an arbiter may take to answer an attach before it counts as a squatter
 MAX_FAILOVERS = 50  # a run's failovers in a machine-wide domain before it stops coming back there
@@ -75,6 +97,47 @@ if hasattr(os, "register_at_fork"):
 
 class Squatter(MachineError):
     """A machine-wide domain's address is held by a process this run cannot use."""
+
+
+def _member(uid: int, gid: int) -> bool:
+    """Whether user ``uid`` is in group ``gid`` (as its primary group or another)."""
+    try:
+        entry = pwd.getpwuid(uid)
+        return entry.pw_gid == gid or gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+    except (KeyError, OSError):
+        return False
+
+
+def _group_of(domain: Domain) -> int | None:
+    """The group whose members may be ``domain``'s arbiter: a group's simulated machine's
+    (its directory's group), -1 where that cannot be told (no one but this user and root);
+    ``None`` for the real GPUs (anyone)."""
+    if not domain.name.startswith("sim-") or domain.name == REAL:
+        return None
+    try:
+        found = os.lstat(domain.path)
+    except OSError:
+        return -1
+    return found.st_gid if stat.S_ISDIR(found.st_mode) else -1
+
+
+def distrusted(domain: Domain, uid: int, who: str) -> str | None:
+    """Why the process ``who`` (of user ``uid``, the kernel's word) that answers at
+    ``domain``'s address is not an arbiter to trust, or ``None``: this user's own process;
+    in a machine-wide domain root's, or, on a group's simulated machine, a member's of the
+    group; on the real GPUs anyone's (see the module doc)."""
+    if uid == os.getuid():
+        return None
+    if not domain.wide:  # only this user can bind there; never trust anyone else
+        return f"the arbiter of {domain.name!r} is not this user's (uid {uid})"
+    group = _group_of(domain)
+    if group is None or uid == 0 or (group >= 0 and _member(uid, group)):
+        return None
+    try:
+        named = grp.getgrgid(group).gr_name if group >= 0 else "?"
+    except KeyError:
+        named = str(group)
+    return f"{who} is not in group {named}, whose simulated machine {domain.name!r} it serves: not trusted"
 
 
 class MachineLink:
@@ -120,6 +183,7 @@ class MachineLink:
         self._attached = False
         self._closed = False
         self._mirror = Mirror()  # what this run holds and waits for, to bring to a new arbiter
+        self._asking: dict[str, Asked] = {}  # a submit on its way to another process's arbiter
         self._roster: list[tuple[str, int]] = []  # the runs attached, as the arbiter last said
         self._events: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
@@ -195,7 +259,7 @@ class MachineLink:
             if self._try_lead(domain, expect):
                 return
             try:
-                remote = Remote(domain.address(), self._file_events, self._remote_lost, self._heard_roster)
+                remote = Remote(domain.address(), self._remote_events, self._remote_lost, self._heard_roster)
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise Squatter(
@@ -204,9 +268,10 @@ class MachineLink:
                     ) from None
                 time.sleep(0.005)  # the arbiter has won but is not listening yet, or is leaving
                 continue
-            if not domain.wide and remote.peer_uid != os.getuid():
-                remote.close()  # only this user can bind there; never trust anyone else
-                raise Squatter(f"the arbiter of {domain.name!r} is not this user's (uid {remote.peer_uid})")
+            why = distrusted(domain, remote.peer_uid, self._who(remote))
+            if why is not None:
+                remote.close()
+                raise Squatter(why)
             try:
                 self._attach_remote(remote)
             except Lost:  # the arbiter left meanwhile, or shut this run out (too many of its user's)
@@ -362,6 +427,35 @@ class MachineLink:
         if passed:
             self._events.put(passed)
 
+    def _remote_events(self, events: list[Event]) -> None:
+        """Events from an arbiter in another process (its reader thread): a grant this run
+        can tell is false is a :class:`WireError`, and the connection is garbled for it."""
+        self._judge([(key, body) for kind, key, body in events if kind == "granted"])
+        self._file_events(events)
+
+    def _judge(self, grants: list[tuple[str, Any]]) -> None:
+        """Each grant against what this run asked for and holds (the arbiter may be a
+        stranger: see the module doc); one after another, as if each were held already."""
+        if not grants:
+            return
+        mine = self._mirror.snapshot()
+        held = list(mine.held)
+        asked = {a.key: a for a in mine.asked}
+        for key, body in grants:
+            if any(h.key == key for h in held):
+                raise WireError(f"a grant of {key!r:.80}, which the run holds already")
+            request = self._asking.get(key) or asked.get(key)  # None: withdrawn meanwhile
+            check_grant(
+                body,
+                None if request is None else request.request,
+                None if request is None else request.gpus,
+                self._gpus,
+                held,
+                f"a grant of {key!r:.80}",
+            )
+            shape = request.request if request is not None else GpuRequest()
+            held.append(Held(key, "", "", "", shape, tuple(body["gpus"]), body["memory"], body["exclusive"]))
+
     def _heard_roster(self, runs: list[tuple[str, int]]) -> None:
         self._roster = runs
 
@@ -378,9 +472,12 @@ class MachineLink:
 
     # -- calls --------------------------------------------------------------------------
 
-    def _call(self, op: str, local: Callable[[Arbiter], Any], **fields: Any) -> Any:
-        """``local(arbiter)`` when this run is the arbiter, else ``op`` over the socket;
-        the arbiter lost on the way: elect again and ask the new one."""
+    def _call(
+        self, op: str, local: Callable[[Arbiter], Any], expect: Callable[[Any], None] | None = None, **fields: Any
+    ) -> Any:
+        """``local(arbiter)`` when this run is the arbiter, else ``op`` over the socket,
+        its answer checked (``expect``: see :meth:`Remote.call`); the arbiter lost on the
+        way, or garbled (then the run leaves it: see :meth:`_failover`): ask the next one."""
         with self._lock:
             if self._closed:  # a late call of a run that left: it must not join the machine again
                 raise MachineError(f"pytest-gpu: {op!r} after this run left the machine")
@@ -389,12 +486,9 @@ class MachineLink:
                     return local(self._arbiter)
                 assert self._remote is not None, "attach() first"
                 try:
-                    return self._remote.call(op, **fields)
-                except Lost:
-                    self._failover()
-                except Garbled:
-                    self._failover()  # to an arbiter of this user's own: the next call goes there
-                    raise
+                    return self._remote.call(op, expect=expect, **fields)
+                except (Lost, Garbled):
+                    self._failover()  # garbled: to an arbiter of this user's own, which is asked next
             raise MachineError(f"pytest-gpu: the machine's arbiter kept going away during {op!r}")
 
     def _tell(self, op: str, local: Callable[[Arbiter], Any], **fields: Any) -> None:
@@ -422,13 +516,21 @@ class MachineLink:
             if arbiter is not None:
                 # the fast path of a run that is the arbiter: no mirror (it never re-declares)
                 return arbiter.submit(self.run, key, client, worker, test, request, gpus, prefer)
+            asked = Asked(key, client, worker, test, request, tuple(gpus))
+            self._asking[key] = asked
             self._mirror.begin(key)
             private = self._private()
             extra: dict[str, Any] = {} if prefer is None else {"prefer": prefer}
+
+            def judged(answer: tuple[str, Any]) -> None:
+                if answer[0] == "granted":
+                    self._judge([(key, answer[1])])
+
             try:
                 kind, value = self._call(
                     "submit",
                     lambda a: a.submit(self.run, key, client, worker, test, request, gpus, prefer),
+                    judged,
                     key=key,
                     client=client,
                     worker="" if private else worker,
@@ -439,10 +541,11 @@ class MachineLink:
                 )
             finally:
                 early = self._mirror.end(key)
+                self._asking.pop(key, None)
             if kind == "queued" and early is not None:  # decided before the answer came
                 kind, value = early[0], early[2] if early[0] == "granted" else early[2]["message"]
             if self._arbiter is None:  # still a follower: keep the mirror
-                self._mirror.answered(Asked(key, client, worker, test, request, tuple(gpus)), kind, value)
+                self._mirror.answered(asked, kind, value)
             return str(kind), value
 
     def cancel(self, key: str) -> list[dict[str, Any]] | None:
@@ -512,14 +615,23 @@ class MachineLink:
             )
 
     def room(self, gpus: list[str]) -> list[int]:
-        return [int(n) for n in self._call("room", lambda a: a.room(gpus), gpus=gpus)]
+        def judged(room: list[int]) -> None:
+            check_room(room, gpus, self._gpus)
+
+        return [int(n) for n in self._call("room", lambda a: a.room(gpus), judged, gpus=gpus)]
 
     def take_ports(self, n: int, owner: str, port_range: tuple[int, int]) -> list[int]:
         """``n`` ports no run of the machine holds, for ``owner``; MachineError when too few are free."""
+
+        def judged(answer: dict[str, Any]) -> None:
+            if "ports" in answer:
+                check_ports(answer["ports"], n, port_range, self._mirror.snapshot().ports)
+
         with self._lock:
             answer = self._call(
                 "take_ports",
                 lambda a: a.take_ports(self.run, n, owner, port_range),
+                judged,
                 n=n,
                 owner=self._said(owner),
                 range=list(port_range),
@@ -527,8 +639,6 @@ class MachineLink:
             if "refused" in answer:
                 raise MachineError(str(answer["refused"]))
             ports = list(answer["ports"])
-            if len(ports) != n or not all(port_range[0] <= p <= port_range[1] for p in ports):
-                raise MachineError(f"the machine's arbiter handed out ports {ports[:8]} for {n} in {port_range}")
             self._mirror.took_ports(ports, owner)
             return ports
 
@@ -572,17 +682,19 @@ class MachineLink:
             self._events.put(None)
 
 
-def status(domain: Domain, timeout: float = 5.0) -> dict[str, Any] | None:
+def status(domain: Domain, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any] | None:
     """The machine's state from its arbiter (as this user may see it), or ``None`` when no
-    run is attached (no arbiter) or what answers is not this user's arbiter where it must be."""
+    run is attached (no arbiter), what answers is not an arbiter this user's runs would
+    trust (:func:`distrusted`), or it does not connect and answer within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     try:
-        remote = Remote(domain.address(), lambda events: None, lambda lost: None)
+        remote = Remote(domain.address(), lambda events: None, lambda lost: None, timeout=timeout)
     except OSError:
         return None
     try:
-        if not domain.wide and remote.peer_uid != os.getuid():
+        if distrusted(domain, remote.peer_uid, MachineLink._who(remote)) is not None:
             return None
-        found = remote.call("status", timeout=timeout)
+        found = remote.call("status", timeout=max(deadline - time.monotonic(), 0.001))
         return dict(found) if isinstance(found, dict) else None
     except (Lost, MachineError):
         return None

@@ -24,6 +24,7 @@ rejected) and, after a run attaches or detaches, ``{"roster": [[run, pid], ...],
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,23 @@ BYTES = Int(0, MAX_BYTES)
 TEST = Str(TEST_MAX, plain=True)
 WORKER = Str(WORKER_MAX, plain=True)
 TEXT = Str(TEXT_MAX)
+_UNSHOWN = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(value: str, keep_lines: bool = False) -> str:
+    """``value`` safe to print on a terminal: control characters (escape sequences, carriage
+    returns, C1 controls, bidirectional overrides) written as escapes, ``\\x1b``; a newline and
+    a tab kept only with ``keep_lines``. What a peer sent is shown so, never raw."""
+    if keep_lines:
+        return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), value)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
+def _said(value: Any, what: str) -> str:
+    return shown(TEXT.check(value, what), keep_lines=True)
+
+
+SAID = Check(_said)  # an error or a refusal an arbiter wrote (a deadlock's explanation has lines)
 
 
 @dataclass(frozen=True)
@@ -263,7 +281,7 @@ GRANT = Obj(
     },
     name="a grant",
 )
-REJECTED = Obj({"message": TEXT}, name="a rejection")
+REJECTED = Obj({"message": SAID}, name="a rejection")
 HOLDER = Obj(
     {
         "run": Str(RUN_MAX),
@@ -291,6 +309,69 @@ def _event(value: Any, what: str) -> tuple[str, str, Any]:
     if kind not in ("granted", "rejected"):
         raise WireError(f"{what}'s kind must be granted or rejected, got {kind!r:.40}")
     return kind, name(key, f"{what}'s key"), (GRANT if kind == "granted" else REJECTED).check(body, f"{what}'s body")
+
+
+# -- what a run can judge of an answer beyond its shape (the arbiter may be a stranger) ------------
+
+
+def check_grant(
+    body: Mapping[str, Any],
+    request: GpuRequest | None,
+    asked: Collection[str] | None,
+    capacities: Mapping[str, int],
+    held: Collection[Held],
+    what: str = "a grant",
+) -> None:
+    """A grant (of :data:`GRANT`'s shape) judged by what its run knows: distinct GPUs among
+    those it asked on (``asked``; ``None``: a request no longer known, any GPU the run brought),
+    as many as ``request`` counts, exclusive as asked, the memory asked (an exclusive one: at
+    least its minimum), and with the run's own leases (``held``) no GPU held whole twice nor
+    more memory promised than the GPU has. :class:`WireError` for a grant no honest arbiter makes."""
+    gpus: list[str] = list(body["gpus"])
+    memory, exclusive = body["memory"], body["exclusive"]
+    if len(set(gpus)) != len(gpus):
+        raise WireError(f"{what} names a GPU twice: {gpus[:8]}")
+    for uuid in gpus:
+        if uuid not in (capacities if asked is None else asked) or uuid not in capacities:
+            raise WireError(f"{what} names GPU {uuid!r:.80}, which the run did not ask for")
+    if request is not None:
+        if len(gpus) != request.count:
+            raise WireError(f"{what} has {len(gpus)} GPUs for a request of {request.count}")
+        if exclusive != request.exclusive:
+            raise WireError(f"{what} is {'' if exclusive else 'not '}exclusive for {request.describe()}")
+        if not exclusive and memory != request.memory:
+            raise WireError(f"{what} gives {memory} bytes for a request of {request.memory}")
+        if exclusive and gpus and (memory <= 0 or memory < (request.min_memory or 0)):
+            raise WireError(f"{what} of whole GPUs gives {memory} bytes for {request.describe()}")
+    for uuid in gpus:
+        others = [h for h in held if uuid in h.gpus]
+        if others and (exclusive or any(h.exclusive for h in others)):
+            raise WireError(f"{what} of GPU {uuid!r:.80} would share a GPU the run holds whole, or give one it shares")
+        promised = memory + sum(h.memory for h in others)
+        if promised > capacities[uuid]:
+            raise WireError(
+                f"{what} would promise {promised} bytes of GPU {uuid!r:.80} to the run, which has {capacities[uuid]}"
+            )
+
+
+def check_ports(ports: list[int], n: int, port_range: tuple[int, int], held: Collection[int]) -> None:
+    """Ports taken (:data:`ARBITER`'s ``take_ports``) judged by what the run asked: ``n``
+    distinct ports in ``port_range``, none that the run holds already (``held``)."""
+    if len(ports) != n or len(set(ports)) != n:
+        raise WireError(f"its answer to 'take_ports' gives {sorted(ports)[:8]} for {n} distinct ports")
+    lo, hi = port_range
+    twice = [p for p in ports if p in held or not lo <= p <= hi]
+    if twice:
+        raise WireError(f"its answer to 'take_ports' gives port {twice[0]}: the run's already, or not in {lo}-{hi}")
+
+
+def check_room(room: list[int], gpus: list[str], capacities: Mapping[str, int]) -> None:
+    """A ``room`` answer: one size per GPU asked about, none larger than the GPU."""
+    if len(room) != len(gpus):
+        raise WireError(f"its answer to 'room' has {len(room)} sizes for {len(gpus)} GPUs")
+    for uuid, n in zip(gpus, room, strict=True):
+        if n > capacities.get(uuid, 0):
+            raise WireError(f"its answer to 'room' gives GPU {uuid!r:.80} {n} bytes, more than it has")
 
 
 STATUS = Obj(
@@ -343,7 +424,7 @@ STATUS = Obj(
         "host": Opt(
             Obj({"cpus": Int(), "memory": BYTES, "leased_cpus": Int(), "leased_memory": BYTES}, name="the host")
         ),
-        "error": TEXT,  # a run's own status when the arbiter did not answer (Broker.status_locked)
+        "error": SAID,  # a run's own status when the arbiter did not answer (Broker.status_locked)
     },
     name="a status",
 )
@@ -359,7 +440,7 @@ ARBITER = Protocol(
         "attach": Call(ATTACH, Bool()),
         "submit": Call(
             Obj({**_ASKED}, {**_NAMES, "prefer": PREFER}, _UNNAMED),
-            Tagged({"granted": GRANT, "queued": Null(), "error": TEXT, "rejected": TEXT}),
+            Tagged({"granted": GRANT, "queued": Null(), "error": SAID, "rejected": SAID}),
         ),
         "cancel": Call(Obj(_KEY), Opt(HOLDERS)),
         "abandon": Call(Obj(_KEY), Null()),
@@ -374,7 +455,7 @@ ARBITER = Protocol(
             Obj({"n": Int(1, PORTS_MAX), "owner": TEST, "range": Check(_port_range)}),
             Either(
                 Obj({"ports": List(Int(1, 65535), PORTS_MAX)}, name="ports taken"),
-                Obj({"refused": TEXT}, name="ports refused"),
+                Obj({"refused": SAID}, name="ports refused"),
             ),
         ),
         "give_back_ports": Call(Obj({"owner": TEST}), List(Int(1, 65535), LIST_MAX)),

@@ -25,7 +25,7 @@ from ..wire.client import Garbled as WireGarbled
 from ..wire.frames import MAX_REPLY, WireError
 from ..wire.schema import Refused
 from .arbiter import Event
-from .messages import ARBITER
+from .messages import ARBITER, shown
 
 TIMEOUT_ENV = "PYTEST_GPU_ARBITER_TIMEOUT"
 
@@ -64,6 +64,7 @@ class Remote:
         on_frame_events: Callable[[list[Event]], None],
         on_lost: Callable[[Remote], None],
         on_roster: Callable[[list[tuple[str, int]]], None] = lambda runs: None,
+        timeout: float = CONNECT_TIMEOUT_S,
     ) -> None:
         self._on_events = on_frame_events
         self._on_lost = on_lost
@@ -72,7 +73,7 @@ class Remote:
         self._client = Client(
             address,
             ARBITER,
-            timeout=CONNECT_TIMEOUT_S,
+            timeout=timeout,
             limit=MAX_REPLY,
             on_event=self._event,
             on_lost=lambda client: self._lost(),
@@ -103,14 +104,18 @@ class Remote:
         if not self.closing:
             self._on_lost(self)
 
-    def call(self, op: str, timeout: float | None = None, **fields: Any) -> Any:
-        """``op``'s answer, checked; :class:`MachineError` when refused, not answered within
-        ``timeout`` (default ``CALL_TIMEOUT_S``) or garbled, :class:`Lost` when the connection closed."""
+    def call(
+        self, op: str, timeout: float | None = None, expect: Callable[[Any], None] | None = None, **fields: Any
+    ) -> Any:
+        """``op``'s answer, checked (``expect``: see :meth:`Client.call`); :class:`MachineError`
+        when refused, not answered within ``timeout`` (default ``CALL_TIMEOUT_S``) or garbled,
+        :class:`Lost` when the connection closed."""
         limit = CALL_TIMEOUT_S if timeout is None else timeout
         try:
-            return self._client.call(op, fields, limit)
+            return self._client.call(op, fields, limit, expect)
         except Refused as exc:
-            raise MachineError(f"the machine's arbiter refused {op!r}: {str(exc)[:500]}") from None
+            said = shown(str(exc)[:500], keep_lines=True)
+            raise MachineError(f"the machine's arbiter refused {op!r}: {said}") from None
         except NoAnswer:
             raise MachineError(
                 f"pytest-gpu: the machine's arbiter did not answer {op!r} within {limit:g}s "

@@ -61,10 +61,11 @@ class Garbled(WireError):
 class _Waiting:
     """A call sent, its answer not yet filed."""
 
-    __slots__ = ("done", "error", "event", "kind", "value")
+    __slots__ = ("done", "error", "event", "expect", "kind", "value")
 
-    def __init__(self, kind: str, threaded: bool) -> None:
+    def __init__(self, kind: str, threaded: bool, expect: Callable[[Any], None] | None = None) -> None:
         self.kind = kind
+        self.expect = expect
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -156,12 +157,22 @@ class Client:
         """One-way: nothing is answered (:class:`Closed` when the connection has ended)."""
         self._send({"op": kind, **(fields or {})})
 
-    def call(self, kind: str, fields: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    def call(
+        self,
+        kind: str,
+        fields: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        expect: Callable[[Any], None] | None = None,
+    ) -> Any:
         """``kind``'s answer, checked; :class:`~.schema.Refused` when the server answered an
-        error, :class:`NoAnswer` after ``timeout`` seconds, :class:`Closed`, :class:`Garbled`."""
+        error, :class:`NoAnswer` after ``timeout`` seconds, :class:`Closed`, :class:`Garbled`.
+
+        ``expect``: what the caller knows that the schema cannot (a grant of the GPUs it asked
+        on): called with the checked answer as it is filed, a :class:`~.frames.WireError` from
+        it garbles the connection as a wrong shape does."""
         rid = next(self._ids)
         self._last_id = rid
-        waiting = _Waiting(kind, self._threaded)
+        waiting = _Waiting(kind, self._threaded, expect)
         with self._lock:
             self._calls[rid] = waiting
         try:
@@ -287,7 +298,10 @@ class Client:
                     raise WireError(f"its error answer to {waiting.kind!r} is no text")
                 waiting.finish(error=Refused(error[:ERROR_MAX]))
                 return
-            waiting.finish(self.protocol.answer(waiting.kind, message["ok"]))
+            value = self.protocol.answer(waiting.kind, message["ok"])
+            if waiting.expect is not None:
+                waiting.expect(value)
+            waiting.finish(value)
         except WireError:
             with self._lock:
                 self._calls[rid] = waiting  # it fails with the connection, garbled
