@@ -7,14 +7,16 @@ import contextlib
 import io
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from .base.requests import format_size
 from .gpu.discovery import discover
 from .machine.domain import REAL, Domain, machine_dir, private_root
-from .machine.link import status
-from .machine.messages import PART
+from .machine.link import STATUS_TIMEOUT_S, status
+from .machine.messages import PART, shown
 from .sim import fake
 from .sim.spec import gpu_of, mig_of
 from .vendors import kinds
@@ -137,7 +139,11 @@ def identify(uuids: list[str], ask_drivers: bool) -> dict[str, tuple[str, Kind]]
 
 def _named(uuid: str, labels: dict[str, str]) -> str:
     label = labels.get(uuid)
-    return f"{label} ({uuid})" if label else uuid
+    return f"{label} ({shown(uuid)})" if label else shown(uuid)
+
+
+def _list(items: list[Any]) -> str:
+    return ", ".join(shown(str(item)) for item in items)
 
 
 def format_status(
@@ -149,7 +155,8 @@ def format_status(
 ) -> list[str]:
     """``pytest-gpu status`` lines for one machine domain; ``labels``: the driver's name of each GPU
     UUID known (:func:`gpu_labels`), shown beside it; ``runtimes``: whose contexts each GPU's are
-    (``HIP``, ``Level Zero``; CUDA's where unknown)."""
+    (``HIP``, ``Level Zero``; CUDA's where unknown). What an arbiter sent (labels, names,
+    tests: maybe another user's words) is shown with its control characters escaped."""
     labels = labels or {}
     runtimes = runtimes or {}
     runs = state["runs"]
@@ -158,12 +165,14 @@ def format_status(
         if "run" not in run:  # another user's: only that it exists, and what it holds
             held = f"{run['leases']} lease{'' if run['leases'] == 1 else 's'}"
             lines.append(
-                f"  a run of user {run['user']}: {held}{' on ' + ', '.join(run['gpus']) if run['gpus'] else ''}"
+                f"  a run of user {shown(run['user'])}: {held}{' on ' + _list(run['gpus']) if run['gpus'] else ''}"
             )
             continue
-        lines.append(f"  run {run['run']}  user {run['user']}  pid {run['pid']}  {run['label']}")
+        lines.append(
+            f"  run {shown(run['run'])}  user {shown(run['user'])}  pid {run.get('pid', '?')}  {shown(run['label'])}"
+        )
     if state.get("pending"):
-        lines.append(f"  a new arbiter waits for runs {', '.join(state['pending'])} to re-attach")
+        lines.append(f"  a new arbiter waits for runs {_list(state['pending'])} to re-attach")
     for gpu in state["gpus"]:
         extra = f", {format_size(gpu['foreign'])} used outside pytest-gpu" if gpu["foreign"] else ""
         whole = ", held whole" if gpu["exclusive"] else ""
@@ -177,13 +186,14 @@ def format_status(
         each = "whole GPU" if row["exclusive"] else format_size(row["memory"])
         gpus = ", ".join(_named(u, labels) for u in row["gpus"])
         lines.append(
-            f"    run {row['run']} {row['worker']}  {row['test']}  {gpus}  {each}  for {_ago(row.get('since'), now)}"
+            f"    run {shown(row['run'])} {shown(row['worker'])}  {shown(row['test'])}  {gpus}  {each}  "
+            f"for {_ago(row.get('since'), now)}"
         )
     lines.append(f"  waiting ({len(state['waiting'])}):")
     for row in sorted(state["waiting"], key=lambda r: r.get("since") or 0):
         why = "  (held back by usage outside pytest-gpu)" if row.get("foreign") else ""
         lines.append(
-            f"    run {row['run']} {row['worker']}  {row['test']}  {row['request']}  "
+            f"    run {shown(row['run'])} {shown(row['worker'])}  {shown(row['test'])}  {shown(row['request'])}  "
             f"for {_ago(row.get('since'), now)}, overtaken {row['bypassed']}x{why}"
         )
     return lines
@@ -217,9 +227,30 @@ def _domains(only: str | None) -> list[Any]:
     return found
 
 
+STATUS_DEADLINE_S = 3.0  # the whole of `pytest-gpu status`, however many addresses answer slowly or never
+
+
+def gather(domains: list[Domain], deadline_s: float = STATUS_DEADLINE_S) -> list[tuple[Domain, dict[str, Any]]]:
+    """The state of each domain whose arbiter answers (:func:`~pytest_gpu.machine.link.status`),
+    asked all at once: within ``deadline_s`` seconds in all, whatever listens at the addresses
+    (a squatter that never answers costs its own domain only, and no more than that)."""
+    found: dict[int, dict[str, Any] | None] = {}
+
+    def ask(i: int, domain: Domain) -> None:
+        found[i] = status(domain, timeout=min(STATUS_TIMEOUT_S, deadline_s))
+
+    threads = [threading.Thread(target=ask, args=(i, d), daemon=True) for i, d in enumerate(domains)]
+    end = time.monotonic() + deadline_s
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(end - time.monotonic(), 0.0))
+    answered = dict(found)  # a thread still waiting may file its answer later: not shown
+    return [(d, state) for i, d in enumerate(domains) if (state := answered.get(i)) is not None]
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
-    import time
 
     try:
         domains = _domains(args.machine)
@@ -229,18 +260,16 @@ def _status(args: argparse.Namespace) -> int:
     found = {}
     labels: dict[str, dict[str, str]] = {}
     runtimes: dict[str, dict[str, str]] = {}
-    for domain in domains:
-        state = status(domain)
-        if state is not None:
-            private = not domain.wide and domain.name == REAL  # the fallback from a squatted address
-            key = f"{REAL} (this user's runs only)" if private else domain.name
-            found[key] = state
-            uuids = [g["uuid"] for g in state.get("gpus", [])] + [u for r in state.get("leases", []) for u in r["gpus"]]
-            known = identify(uuids, ask_drivers=domain.name == REAL)
-            labels[key] = {uuid: label for uuid, (label, _) in known.items()}
-            runtimes[key] = {uuid: kind.runtime for uuid, (_, kind) in known.items()}
-            for gpu in state.get("gpus", []):
-                gpu["name"] = labels[key].get(gpu["uuid"])  # NVML's index, as the text shows it
+    for domain, state in gather(domains):
+        private = not domain.wide and domain.name == REAL  # the fallback from a squatted address
+        key = f"{REAL} (this user's runs only)" if private else domain.name
+        found[key] = state
+        uuids = [g["uuid"] for g in state.get("gpus", [])] + [u for r in state.get("leases", []) for u in r["gpus"]]
+        known = identify(uuids, ask_drivers=domain.name == REAL)
+        labels[key] = {uuid: label for uuid, (label, _) in known.items()}
+        runtimes[key] = {uuid: kind.runtime for uuid, (_, kind) in known.items()}
+        for gpu in state.get("gpus", []):
+            gpu["name"] = labels[key].get(gpu["uuid"])  # NVML's index, as the text shows it
     if args.json:
         print(json.dumps(found, indent=2, sort_keys=True))
         return 0

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,8 @@ from test_hostile_neighbours import Machine, _passed
 
 import fake_arbiter as fake_module
 from fake_arbiter import FakeArbiter
-from helpers import shared, wait_for, whole
+from helpers import patience, shared, wait_for, whole
+from pytest_gpu import cli
 from pytest_gpu.machine.domain import ROOT_ENV, Domain
 from pytest_gpu.machine.link import OWN_RUNS_ONLY, MachineLink, distrusted
 from pytest_gpu.machine.placement import Policy
@@ -295,3 +298,47 @@ def test_a_stand_in_of_a_user_outside_the_group_is_not_trusted(machine: Machine)
     assert len(lines) == 1, result.stdout
     assert f"user {machine.b.name}) is not in group {machine.a.name}" in lines[0] and OWN_RUNS_ONLY in lines[0]
 
+
+# -- `pytest-gpu status` against what answers -----------------------------------------------------
+
+
+def test_status_shows_what_an_arbiter_sent_with_its_escapes_escaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stand-in's run label that would set the terminal's title, clear the screen and
+    print a forged line; a user name ringing the bell; a C1 escape in a test's name."""
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "machines"))
+    run = {"run": "0.x", "user": "ev\x07il", "leases": 1, "gpus": [], "pid": 1, "attached": 0.0}
+    run["label"] = "\x1b]0;owned\x07\x1b[2J\x1b[Hgpus: 0 runs attached, all free\r"
+    lease = {
+        **{"run": "0.x", "run_label": "", "user": "u", "worker": "gw\x1b[8m", "test": "t\x9b2J", "gpus": []},
+        **{"memory": GiB, "exclusive": False, "cpus": 0, "host_memory": 0, "since": None},
+    }
+    state = {**fake_module.STATUS, "runs": [run], "leases": [lease]}
+    made.append(FakeArbiter(Domain.real().address(), answers={"status": lambda m: state}))
+    assert cli.main(["status", "--machine", "gpus"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\x9b\r"), repr(out)
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\x1b[Hgpus: 0 runs attached, all free\\r" in out
+    assert "user ev\\x07il" in out and "gw\\x1b[8m" in out and "t\\x9b2J" in out
+
+
+def test_status_takes_a_few_seconds_whatever_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four simulated machines whose addresses a process holds and never answers at: each
+    took its own 5 s, one after another (20 s); now they are asked at once, for 3 s at most."""
+    machines = tmp_path / "machines"
+    monkeypatch.setenv(ROOT_ENV, str(machines))
+    for n in range(4):
+        path = machines / f"sim-silent{n}"
+        path.mkdir(parents=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(Domain.machine_wide(path.name, path).address())
+        listener.listen(16)
+        made.append(listener)
+    started = time.monotonic()
+    assert cli.main(["status"]) == 0
+    took = time.monotonic() - started
+    assert took < cli.STATUS_DEADLINE_S + patience(1.0), f"status took {took:.1f}s"  # its own deadline, and a margin
+    assert "no pytest-gpu run holds or waits for GPUs" in capsys.readouterr().out
