@@ -171,6 +171,36 @@ def test_a_grant_event_of_a_gpu_not_asked_on_is_not_believed(domain: Domain, mad
     assert link.fell_back is not None and "which the run did not ask for" in link.fell_back
 
 
+def test_a_grant_event_of_a_request_never_made_is_not_believed(domain: Domain, made: list[Any]) -> None:
+    """A grant pushed for a key the run never asked (a worker's next key, say) would wait
+    there for that worker's next request, a lease no arbiter counts."""
+    events: list[Any] = []
+    forged = {"ev": [["granted", "c0/k9", {"gpus": ["V"], "memory": GiB, "exclusive": False}]]}
+    made.append(FakeArbiter(domain.address(), events={"submit": [forged]}))
+    link = MachineLink(domain, Policy(overhead=0))
+    link.attach(GPUS, events.append)
+    made.append(link)
+    assert link.submit("c0/k0", "c0", "gw0", "t::a", whole(), ["U"]) == ("queued", None)
+    wait_for(lambda: link.fell_back, what="the run to leave its arbiter")
+    assert "a grant of 'c0/k9', which the run did not ask for" in link.fell_back
+    wait_for(lambda: events, what="the request granted by the run's own arbiter")
+    assert [(kind, key) for kind, key, _ in events[0]] == [("granted", "c0/k0")]
+
+
+def test_a_grant_of_a_request_withdrawn_meanwhile_is_believed(domain: Domain, made: list[Any]) -> None:
+    """An arbiter may grant a request as the run cancels it: that grant is no lie."""
+    events: list[Any] = []
+    late = {"ev": [["granted", "c0/k0", {"gpus": ["U"], "memory": GiB, "exclusive": False}]]}
+    made.append(FakeArbiter(domain.address(), answers={"cancel": lambda m: None}, events={"cancel": [late]}))
+    link = MachineLink(domain, Policy(overhead=0))
+    link.attach(GPUS, events.append)
+    made.append(link)
+    assert link.submit("c0/k0", "c0", "gw0", "t::a", shared(GiB), ["U"]) == ("queued", None)
+    assert link.cancel("c0/k0") is None  # not waiting: granted meanwhile
+    wait_for(lambda: events, what="the late grant")
+    assert link.fell_back is None and events[0][0][:2] == ("granted", "c0/k0")
+
+
 @pytest.mark.parametrize(
     "answers, why",
     [

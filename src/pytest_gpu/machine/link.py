@@ -75,6 +75,7 @@ from .server import ArbiterServer
 STATUS_TIMEOUT_S = 2.0  # `pytest-gpu status`: how long one domain's arbiter may take to connect and answer
 ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
 HELLO_TIMEOUT_S = 5.0  # how long an arbiter may take to answer an attach before it counts as a squatter
+LATE_MAX = 4096  # withdrawn requests whose late grant is still believed (the oldest are forgotten)
 MAX_FAILOVERS = 50  # a run's failovers in a machine-wide domain before it stops coming back there
 OWN_RUNS_ONLY = (
     "this run coordinates its GPUs with its own user's runs only, and sees the others as usage outside pytest-gpu"
@@ -184,6 +185,9 @@ class MachineLink:
         self._closed = False
         self._mirror = Mirror()  # what this run holds and waits for, to bring to a new arbiter
         self._asking: dict[str, Asked] = {}  # a submit on its way to another process's arbiter
+        # requests withdrawn (cancelled, abandoned, their client gone) that an arbiter may have
+        # granted as they went: their grants may still come, and are judged as the others
+        self._late: dict[str, Asked] = {}
         self._roster: list[tuple[str, int]] = []  # the runs attached, as the arbiter last said
         self._events: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
@@ -431,7 +435,15 @@ class MachineLink:
         """Events from an arbiter in another process (its reader thread): a grant this run
         can tell is false is a :class:`WireError`, and the connection is garbled for it."""
         self._judge([(key, body) for kind, key, body in events if kind == "granted"])
+        for _, key, _ in events:
+            self._late.pop(key, None)  # decided: no second event comes for it
         self._file_events(events)
+
+    def _withdrawn(self, requests: list[Asked]) -> None:
+        for asked in requests:
+            self._late[asked.key] = asked
+        while len(self._late) > LATE_MAX:
+            del self._late[next(iter(self._late))]
 
     def _judge(self, grants: list[tuple[str, Any]]) -> None:
         """Each grant against what this run asked for and holds (the arbiter may be a
@@ -444,17 +456,11 @@ class MachineLink:
         for key, body in grants:
             if any(h.key == key for h in held):
                 raise WireError(f"a grant of {key!r:.80}, which the run holds already")
-            request = self._asking.get(key) or asked.get(key)  # None: withdrawn meanwhile
-            check_grant(
-                body,
-                None if request is None else request.request,
-                None if request is None else request.gpus,
-                self._gpus,
-                held,
-                f"a grant of {key!r:.80}",
-            )
-            shape = request.request if request is not None else GpuRequest()
-            held.append(Held(key, "", "", "", shape, tuple(body["gpus"]), body["memory"], body["exclusive"]))
+            request = self._asking.get(key) or asked.get(key) or self._late.get(key)
+            if request is None:
+                raise WireError(f"a grant of {key!r:.80}, which the run did not ask for")
+            check_grant(body, request.request, request.gpus, self._gpus, held, f"a grant of {key!r:.80}")
+            held.append(Held(key, "", "", "", request.request, tuple(body["gpus"]), body["memory"], body["exclusive"]))
 
     def _heard_roster(self, runs: list[tuple[str, int]]) -> None:
         self._roster = runs
@@ -539,23 +545,30 @@ class MachineLink:
                     gpus=gpus,
                     **extra,
                 )
-            finally:
-                early = self._mirror.end(key)
+            except BaseException:
+                self._mirror.end(key)
                 self._asking.pop(key, None)
+                raise
+            early = self._mirror.end(key)
             if kind == "queued" and early is not None:  # decided before the answer came
                 kind, value = early[0], early[2] if early[0] == "granted" else early[2]["message"]
             if self._arbiter is None:  # still a follower: keep the mirror
                 self._mirror.answered(asked, kind, value)
+            self._asking.pop(key, None)  # only now: its grant may come before the mirror has it waiting
             return str(kind), value
 
     def cancel(self, key: str) -> list[dict[str, Any]] | None:
         with self._lock:
+            self._withdrawn([a for a in self._mirror.snapshot().asked if a.key == key])
             self._mirror.withdraw(key)
             holders: list[dict[str, Any]] | None = self._call("cancel", lambda a: a.cancel(self.run, key), key=key)
+            if holders is not None:  # it waited, and waits no more: no grant comes
+                self._late.pop(key, None)
             return holders
 
     def abandon(self, key: str) -> None:
         with self._lock:
+            self._withdrawn([a for a in self._mirror.snapshot().asked if a.key == key])
             self._mirror.drop(key)
             self._tell("abandon", lambda a: a.abandon(self.run, key), key=key)
 
@@ -589,6 +602,7 @@ class MachineLink:
 
     def forget_client(self, client: str) -> list[tuple[str, tuple[str, ...]]]:
         with self._lock:
+            self._withdrawn([a for a in self._mirror.snapshot().asked if a.client == client])
             self._mirror.forget_client(client)
             rows = self._call("forget_client", lambda a: a.forget_client(self.run, client), client=client)
             return [(str(k), tuple(g)) for k, g in rows]
