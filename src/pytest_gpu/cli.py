@@ -156,11 +156,12 @@ def format_status(
     """``pytest-gpu status`` lines for one machine domain; ``labels``: the driver's name of each GPU
     UUID known (:func:`gpu_labels`), shown beside it; ``runtimes``: whose contexts each GPU's are
     (``HIP``, ``Level Zero``; CUDA's where unknown). What an arbiter sent (labels, names,
-    tests: maybe another user's words) is shown with its control characters escaped."""
+    tests: maybe another user's words), and the domain's name (a directory anyone may have
+    made), is shown with its control characters escaped."""
     labels = labels or {}
     runtimes = runtimes or {}
     runs = state["runs"]
-    lines = [f"{name}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
+    lines = [f"{shown(name)}: {len(runs)} run{'' if len(runs) == 1 else 's'} attached, {state['grants']} grants so far"]
     for run in runs:
         if "run" not in run:  # another user's: only that it exists, and what it holds
             held = f"{run['leases']} lease{'' if run['leases'] == 1 else 's'}"
@@ -169,7 +170,8 @@ def format_status(
             )
             continue
         lines.append(
-            f"  run {shown(run['run'])}  user {shown(run['user'])}  pid {run.get('pid', '?')}  {shown(run['label'])}"
+            f"  run {shown(run['run'])}  user {shown(run['user'])}  pid {run.get('pid', '?')}  "
+            f"{shown(run.get('label', ''))}"
         )
     if state.get("pending"):
         lines.append(f"  a new arbiter waits for runs {_list(state['pending'])} to re-attach")

@@ -353,6 +353,12 @@ def test_status_shows_what_an_arbiter_sent_with_its_escapes_escaped(
     assert "user ev\\x07il" in out and "gw\\x1b[8m" in out and "t\\x9b2J" in out
 
 
+def test_status_shows_a_machine_directorys_name_escaped() -> None:
+    """Anyone may make a ``sim-*`` directory in the machine directory, and answer at its address."""
+    lines = cli.format_status("sim-\x1b[2Jall free", {**fake_module.STATUS}, 0.0)
+    assert lines[0].startswith("sim-\\x1b[2Jall free: 0 runs attached")
+
+
 def test_status_takes_a_few_seconds_whatever_listens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:

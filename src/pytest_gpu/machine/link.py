@@ -54,7 +54,7 @@ from ..base.procs import owner_alive
 from ..base.requests import GpuRequest
 from ..base.safefiles import open_or_create
 from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth
-from .domain import REAL, Domain, user_name, warn_once
+from .domain import Domain, user_name, warn_once
 from .messages import (
     LABEL_MAX,
     TEST_MAX,
@@ -113,7 +113,7 @@ def _group_of(domain: Domain) -> int | None:
     """The group whose members may be ``domain``'s arbiter: a group's simulated machine's
     (its directory's group), -1 where that cannot be told (no one but this user and root);
     ``None`` for the real GPUs (anyone)."""
-    if not domain.name.startswith("sim-") or domain.name == REAL:
+    if not domain.name.startswith("sim-"):
         return None
     try:
         found = os.lstat(domain.path)
@@ -443,7 +443,7 @@ class MachineLink:
         for asked in requests:
             self._late[asked.key] = asked
         while len(self._late) > LATE_MAX:
-            del self._late[next(iter(self._late))]
+            self._late.pop(next(iter(self._late)), None)
 
     def _judge(self, grants: list[tuple[str, Any]]) -> None:
         """Each grant against what this run asked for and holds (the arbiter may be a
