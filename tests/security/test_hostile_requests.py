@@ -657,3 +657,20 @@ def test_parts_of_a_gpu_and_leases_held_before_promise_nothing_twice(users: _Use
     assert all(w["bypassed"] <= 16 for w in users.arbiter()["waiting"])
     users.release(holder)
     _passed(users.finish(whole), 1)
+
+
+def test_a_port_owner_told_to_another_users_arbiter_cannot_be_recomputed() -> None:
+    import hashlib
+
+    from pytest_gpu.machine.ports import owner_digest
+
+    holder = "tests/t.py::test_secret@4242"
+    assert owner_digest(holder) == owner_digest(holder)  # stable: ports are given back by it
+    assert owner_digest(holder) != "#" + hashlib.sha256(holder.encode()).hexdigest()[:16]
+    other = subprocess.run(
+        [sys.executable, "-c", f"from pytest_gpu.machine.ports import owner_digest; print(owner_digest({holder!r}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert other.stdout.strip() != owner_digest(holder)  # keyed per process: no one else can make it
