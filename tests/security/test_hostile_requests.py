@@ -674,3 +674,25 @@ def test_a_port_owner_told_to_another_users_arbiter_cannot_be_recomputed() -> No
         check=True,
     )
     assert other.stdout.strip() != owner_digest(holder)  # keyed per process: no one else can make it
+
+
+# -- what an administrator can bound: one user's leases ----------------------------------------------
+
+
+def test_an_administrator_bounds_what_one_users_leases_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(arbiter_module.USER_MEMORY_ENV, "12GiB")
+    arbiter = _arbiter(Policy(overhead=0), {U: 80 * GiB})
+    _attach(arbiter, "2000.b1", {U: 80 * GiB})
+    _attach(arbiter, "2000.b2", {U: 80 * GiB})
+    _attach(arbiter, "1000.a", {U: 80 * GiB})
+    assert arbiter.submit("2000.b1", "c0/k0", "c0", "gw0", "t", shared(8 * GiB), [U])[0] == "granted"
+    assert arbiter.submit("2000.b2", "c0/k0", "c0", "gw0", "t", shared(6 * GiB), [U])[0] == "queued"  # 14 > 12
+    kind, why = arbiter.submit("2000.b1", "c1/k1", "c1", "gw1", "t", shared(13 * GiB), [U])
+    assert kind == "error" and "more than the 12GiB one user's leases may hold" in why
+    for n in range(20):  # B's waiting requests keep no one else out, whatever their bound on overtaking
+        assert arbiter.submit("1000.a", f"c0/k{n}", "c0", "gw0", "t", shared(512 * MiB), [U])[0] == "granted"
+    arbiter.release("2000.b1", "c0/k0")
+    assert [lease["memory"] for lease in arbiter.status()["leases"] if lease["user"] == "2000.b2"] == [6 * GiB]
+    monkeypatch.setenv(arbiter_module.USER_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match="PYTEST_GPU_USER_MEMORY=lots"):
+        Arbiter()

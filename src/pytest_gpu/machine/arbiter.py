@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..base.requests import GpuRequest, format_size
+from ..base.requests import GpuRequest, format_size, parse_size
 from .messages import PART, Asked, Held
 from .placement import (
     Allocator,
@@ -109,6 +109,21 @@ UUID_SHOWN = 80  # characters of a GPU name an error repeats
 # (leases, contexts, leftovers); a run that attaches later brings nothing of the kind
 ADOPT_WINDOW_S = 30.0
 MAX_RANK = 1 << 16  # a launched rank's number in a part's name (local ranks of one node)
+USER_MEMORY_ENV = "PYTEST_GPU_USER_MEMORY"  # see user_memory_cap
+
+
+def user_memory_cap() -> int | None:
+    """``$PYTEST_GPU_USER_MEMORY`` (a size, ``48GiB``): the GPU memory one user's leases may
+    hold on the machine at once, all runs and GPUs together, as the machine's arbiter reads it
+    from its run's environment (``None``: no bound). :class:`ValueError` naming it for a value
+    that is not a size."""
+    value = os.environ.get(USER_MEMORY_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{USER_MEMORY_ENV}={value}: {exc}") from None
 
 
 def roster_digest(run: str) -> str:
@@ -157,6 +172,7 @@ class Arbiter:
         foreign_ttl: float = 0.25,
         truth: Truth | None = None,
         ports: PortAllocator | None = None,
+        user_memory: int | None = None,
     ) -> None:
         # a run's measured context size counts for its own contexts only (see measure_context)
         self.allocator = Allocator({}, replace(policy or Policy(), group=run_of))
@@ -164,6 +180,11 @@ class Arbiter:
         self.ports = ports or PortAllocator()  # every run's ports: port -> "<run>|<owner>"
         self.allocator.group = run_of
         self.members: Members | None = None  # None: every user's runs may attach
+        # GPU memory one user's leases may hold at once (None: no bound; root is not bound):
+        # a request beyond it waits, passed over, until that user's leases give enough back
+        self.user_memory = user_memory_cap() if user_memory is None else user_memory
+        if self.user_memory is not None:
+            self.allocator.admit = self._within_user_memory
         self.took_over = time.monotonic()  # runs bring what they held for ADOPT_WINDOW_S from here
         self._next_mid = 0
         self.foreign = foreign
@@ -380,6 +401,21 @@ class Arbiter:
             if mine or held:
                 found[self._uuids[i].partition(PART)[0]] += policy.contexts(i, mine) + held
         return dict(found)
+
+    def _within_user_memory(self, waiting: Waiting) -> bool:
+        """Whether ``waiting`` fits in its user's bound (:attr:`user_memory`) beside the leases
+        that user holds; an exclusive request, while that user holds less than the bound."""
+        entry = self.runs.get(run_of(waiting.client))
+        if entry is None or entry.uid == 0 or self.user_memory is None:
+            return True
+        held = 0
+        for lease in self.allocator.leases.values():
+            holder = self.runs.get(run_of(lease.key))
+            if holder is not None and holder.uid == entry.uid:
+                held += lease.placement.memory * len(lease.placement.indices)
+        if waiting.request.exclusive:
+            return held < self.user_memory
+        return held + (waiting.request.memory or 0) * waiting.request.count <= self.user_memory
 
     def _schedule_retry_locked(self) -> None:
         """While a request waits only because of foreign usage, look again every ``foreign_ttl``."""
@@ -709,6 +745,13 @@ class Arbiter:
                 # a run asks with one list: a few lists in all (a part is its run's own: not kept)
                 if len(self._allowed) < 1024 and not any(PART in u for u in gpus):
                     self._allowed[shape] = allowed
+            cap = self.user_memory
+            if cap is not None and entry.uid != 0 and (request.memory or 0) * request.count > cap:
+                return (
+                    "error",
+                    f"needs {request.describe()}, more than the {format_size(cap)} one user's leases may hold "
+                    f"on this machine at once ({USER_MEMORY_ENV} of the machine's arbiter)",
+                )
             entry.tests[pool_key] = test
             entry.workers[pool_client] = worker
             entry.since[pool_key] = time.time()

@@ -331,6 +331,9 @@ class Allocator:
         # clients of one group (one run of many sharing the allocator) : contexts of other groups
         # never make a request wait forever
         self.group: Callable[[str], str] | None = None
+        # whether a waiting request may be granted at all now (a bound on its user, see
+        # Arbiter.user_memory); one it keeps out is passed over, and keeps no one else out
+        self.admit: Callable[[Waiting], bool] | None = None
         # answers about drained GPUs depend only on the contexts: kept until those change
         Signature = tuple[tuple[frozenset[str], ...], frozenset[str]]
         self._budget_cache: dict[str, tuple[Signature, bool]] = {}
@@ -646,6 +649,9 @@ class Allocator:
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
+            if self.admit is not None and not self.admit(waiting):
+                position += 1
+                continue
             placement = self._placement(waiting)
             if placement is None:
                 if not waiting.foreign_blocked and self._fits_without_foreign(waiting):
