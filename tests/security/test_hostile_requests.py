@@ -226,7 +226,7 @@ def test_a_groups_members_are_told_by_the_kernel(tmp_path: Path, monkeypatch: py
     assert found is not None and found[0] == grp.getgrgid(gid).gr_name
 
 
-def test_contexts_count_only_where_their_process_was_granted_a_lease() -> None:
+def test_contexts_count_only_of_processes_that_were_granted_a_lease() -> None:
     arbiter = _arbiter()
     _attach(arbiter, "1000.a")
     _attach(arbiter, "2000.b")
@@ -235,9 +235,12 @@ def test_contexts_count_only_where_their_process_was_granted_a_lease() -> None:
         arbiter.exiting("2000.b", f"d{n}", [U])
     assert arbiter.room([U], "1000.a") == [16 * GiB]
     assert arbiter.submit("1000.a", "c0/k0", "c0", "gw0", "t", shared(11 * GiB), [U])[0] == "granted"
-    # a context where the process had a lease counts, after the lease as before
+    # a context of a process that was granted a lease counts, after the lease as before
     assert arbiter.submit("2000.b", "c0/k0", "c0", "gw0", "t", shared(GiB), [U])[0] == "granted"
     arbiter.release("2000.b", "c0/k0", contexts=[U])
+    assert arbiter.status()["gpus"][0]["contexts"] == 2
+    arbiter.forget_client("2000.b", "c0")
+    arbiter.exiting("2000.b", "c0", [U])  # its process is exiting: counted until it has
     assert arbiter.status()["gpus"][0]["contexts"] == 2
 
 

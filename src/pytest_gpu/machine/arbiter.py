@@ -157,8 +157,8 @@ class RunEntry:
     workers: dict[str, str] = field(default_factory=dict)  # pool client -> worker name
     since: dict[str, float] = field(default_factory=dict)  # pool key -> wall time asked, then granted
     gpus: frozenset[str] = frozenset()  # the GPUs it brought: the only ones it may name
-    # pool client -> the GPUs (allocator numbers) it was granted leases on: where a context it
-    # reports can be counted (a context elsewhere would be room taken without any lease)
+    # pool client -> the GPUs (allocator numbers) it was granted leases on: a client's contexts
+    # count only once it was granted one (made-up clients' would take room without any lease)
     leased_on: dict[str, set[int]] = field(default_factory=dict)
 
 
@@ -833,11 +833,13 @@ class Arbiter:
         return {self._known_mid(run, u) for u in uuids if u in brought and self._known_mid(run, u) >= 0}
 
     def _leased_mids(self, run: str, client: str, uuids: list[str]) -> set[int]:
-        """:meth:`_own_mids` where ``client`` was granted a lease: a context elsewhere is one no
-        lease accounts for, and counting it would let a run take room without one."""
+        """:meth:`_own_mids` of a ``client`` that was granted a lease (a process that tests; its
+        contexts may outlast its leases, or stray beyond them); none of one that never was:
+        contexts of made-up clients would take room no lease accounts for."""
         entry = self.runs.get(run)
-        leased = entry.leased_on.get(f"{run}|{client}", set()) if entry is not None else set()
-        return self._own_mids(run, uuids) & leased
+        if entry is None or f"{run}|{client}" not in entry.leased_on:
+            return set()
+        return self._own_mids(run, uuids)
 
     def _check_client(self, run: str, client: str) -> None:
         entry = self.runs.get(run)
