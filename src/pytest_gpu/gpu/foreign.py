@@ -10,7 +10,11 @@ Two ways to tell, chosen per sample:
   (compute and graphics lists, v3 records where the driver has them) that is not ours is
   foreign; a process is ours when it, or one of its ancestors, is a root
   (:func:`descends_from`). An orphan of a run that died was re-parented to init (or a
-  subreaper), so it is foreign now, as it should be: nobody leases what it holds.
+  subreaper), so it is foreign now, as it should be: nobody leases what it holds. Of the
+  runs whose confinement the caller cannot answer for (another user's: the arbiter's
+  :class:`~pytest_gpu.machine.arbiter.Roots` ``limits``), a process is that run's only if it
+  is the run's user's, and what the run's processes use beyond what its leases account for
+  is foreign too.
 - **by difference**, when per-process lists cannot be trusted: NVML reports host pids and
   this process lives in a container's pid namespace (a listed pid does not exist here),
   NVML refuses the list (``NoPermission`` on MIG for an unprivileged user), or the installed
