@@ -152,7 +152,54 @@ def main(attack: str, name: str, *args: str) -> Any:
         FakeArbiter(where, answers={"submit": first_named, "take_ports": lambda m: {"ports": [m["range"][0]]}})
         print("ready", flush=True)
         time.sleep(3600)
+    found = requests_attack(attack, where, *args)  # issue 30's attacks on what the arbiter accepts
+    if found is not None:
+        return found
     raise SystemExit(f"unknown attack {attack!r}")
+
+
+def _hold(said: Any) -> None:
+    """Say what was seen, then stay attached until killed."""
+    print(json.dumps(said), flush=True)
+    time.sleep(3600)
+
+
+def requests_attack(attack: str, where: str, *args: str) -> Any:
+    """Attacks on what the arbiter takes from runs (tests/security/test_hostile_requests.py);
+    ``None`` for an attack that is not one of these."""
+    gpus = [GPU, os.environ.get("NEIGHBOUR_GPU2", GPU)]
+    if attack == "contexts":  # a context as large as each GPU, "measured", and stays attached
+        peer = Peer(where)
+        answer = attach(peer, gpus={g: 16 * GiB for g in gpus})
+        _hold({"attach": answer, "measured": [peer.call("measure_context", uuid=g, bytes=16 * GiB - 1) for g in gpus]})
+    if attack == "outsider":  # a user outside the group: attach and take both GPUs whole
+        peer = Peer(where)
+        answer = attach(peer, gpus={g: 16 * GiB for g in gpus})
+        ask = {"client": "c", "worker": "w", "test": "t", "request": [1, None, True, None]}
+        return {"attach": answer, "submits": [peer.call("submit", key=f"k{g}", gpus=[g], **ask) for g in gpus]}
+    if attack == "contexts-without-leases":  # forty processes with contexts everywhere, no lease
+        peer = Peer(where)
+        answer = attach(peer, gpus={g: 16 * GiB for g in gpus})
+        set_ = [peer.call("set_contexts", client=f"c{n}", contexts=gpus) for n in range(40)]
+        _hold({"attach": answer, "set_contexts": set_[-1]})
+    if attack == "parts":  # three parts of one GPU as large as it; then one, leased
+        parts = {f"{GPU}#part-of-rank-{n}": 15 * GiB for n in range(3)}
+        three = attach(Peer(where), run=f"{os.getuid()}.parts-{os.getpid()}", gpus=parts)
+        peer = Peer(where)
+        one = attach(peer, run=f"{os.getuid()}.part-{os.getpid()}", gpus={f"{GPU}#part-of-rank-0": 15 * GiB})
+        ask = {"client": "c", "worker": "w", "test": "t", "request": [1, 3 * GiB, False, None]}
+        lease = peer.call("submit", key="k", gpus=[f"{GPU}#part-of-rank-0"], **ask)
+        return {"three parts": three, "one part": one, "part lease": lease}
+    if attack == "held":  # forty runs that "held" a lease under an earlier arbiter
+        peers, answers = [], []
+        for n in range(40):
+            peer = Peer(where)
+            held = {"key": "c/k", "client": "c", "request": [1, 100 << 20, False, None], "gpus": [GPU]}
+            run = f"{os.getuid()}.held-{os.getpid()}-{n}"
+            answers.append(attach(peer, run=run, held=[{**held, "memory": 100 << 20, "exclusive": False}]))
+            peers.append(peer)
+        return {"held": answers}
+    return None
 
 
 if __name__ == "__main__":

@@ -312,9 +312,9 @@ def test_another_user_can_neither_see_nor_hijack_nor_crash_a_run(machine: Machin
     hijacked = machine.attack("hijack", victim_run)
     assert "is not of this connection's user" in hijacked[0]["error"]
     machine.attack("impersonate")
-    over = machine.attack("overcommit")
-    assert [answer.get("error", "") for answer in over[1:]] != ["", ""]
-    assert all("must be in" in answer["error"] for answer in over[1:]), over
+    over = machine.attack("overcommit")  # B is outside A's group: refused before any field is read
+    assert "is not a member of group" in over[0]["error"], over  # (fields as another user: test_arbiter_hardening)
+    assert all("before 'attach'" in answer["error"] for answer in over[1:]), over
     machine.attack("crash")
     state = _arbiter_of(machine)
     assert [r["user"] for r in state["runs"]] == [machine.a.name]  # B's runs are gone, A's stays

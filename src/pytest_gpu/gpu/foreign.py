@@ -10,7 +10,11 @@ Two ways to tell, chosen per sample:
   (compute and graphics lists, v3 records where the driver has them) that is not ours is
   foreign; a process is ours when it, or one of its ancestors, is a root
   (:func:`descends_from`). An orphan of a run that died was re-parented to init (or a
-  subreaper), so it is foreign now, as it should be: nobody leases what it holds.
+  subreaper), so it is foreign now, as it should be: nobody leases what it holds. Of the
+  runs whose confinement the caller cannot answer for (another user's: the arbiter's
+  :class:`~pytest_gpu.machine.arbiter.Roots` ``limits``), a process is that run's only if it
+  is the run's user's, and what the run's processes use beyond what its leases account for
+  is foreign too.
 - **by difference**, when per-process lists cannot be trusted: NVML reports host pids and
   this process lives in a container's pid namespace (a listed pid does not exist here),
   NVML refuses the list (``NoPermission`` on MIG for an unprivileged user), or the installed
@@ -36,6 +40,7 @@ from typing import NamedTuple
 
 from ..base.procs import started_at
 from ..base.requests import format_size
+from ..machine.arbiter import Roots
 from ..vendors import registry as vendors
 from ..vendors.sampling import Refused, Sampler, Unavailable, Unlistable
 
@@ -92,6 +97,32 @@ def descends_from(pid: int, roots: Collection[int] | Mapping[int, float]) -> boo
     except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, a zombie, or hidden (hidepid)
         return False
     return False
+
+
+def root_of(pid: int, roots: Collection[int]) -> int | None:
+    """The root ``pid`` descends from (itself included), or ``None`` (gone, hidden, no root's)."""
+    import psutil
+
+    try:
+        proc: psutil.Process | None = psutil.Process(pid)
+        seen: set[int] = set()
+        while proc is not None and proc.pid not in seen:
+            seen.add(proc.pid)
+            if proc.pid in roots:
+                return proc.pid
+            proc = proc.parent()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return None
+
+
+def _uid(pid: int) -> int | None:
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return None
 
 
 def _predicate(ours: Ours) -> Callable[[int], bool]:
@@ -208,8 +239,16 @@ class ForeignSampler:
                 )
                 unlisted.update(dict.fromkeys(listed, why))
                 listed.clear()
+            roots = ours if isinstance(ours, Roots) and ours.limits else None
+            if roots is not None:  # their processes are judged by what their runs account for, below
+                is_ours = _predicate(set(roots) - set(roots.limits))
             for uuid, procs in listed.items():
-                result[uuid] = self._by_process(uuid, procs, is_ours, memory[uuid], accounted.get(uuid, 0))
+                if roots is not None:
+                    procs, beyond = self._beyond_limits(uuid, procs, roots)
+                else:
+                    beyond = 0
+                found = self._by_process(uuid, procs, is_ours, memory[uuid], accounted.get(uuid, 0))
+                result[uuid] = Foreign(found.bytes + beyond, found.processes, found.note) if beyond else found
             for uuid, why in unlisted.items():
                 result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why, driver.name)
             return {uuid: result[uuid] for uuid in wanted}
@@ -222,6 +261,23 @@ class ForeignSampler:
         import psutil
 
         return sorted({pid for procs in listed.values() for pid in procs if not psutil.pid_exists(pid)})
+
+    @staticmethod
+    def _beyond_limits(uuid: str, procs: Mapping[int, int | None], roots: Roots) -> tuple[dict[int, int | None], int]:
+        """Of ``procs``, those of runs the arbiter cannot answer for (``roots.limits``) taken out,
+        and what those runs use on ``uuid`` beyond what their leases account for there; a
+        process of such a run's tree that is not the run's user's stays in (judged as any)."""
+        rest: dict[int, int | None] = {}
+        used: dict[int, int] = {}
+        for pid, nbytes in procs.items():
+            root = root_of(pid, roots)
+            limit = roots.limits.get(root) if root is not None else None
+            if root is None or limit is None or nbytes is None or _uid(pid) != limit[0]:
+                rest[pid] = nbytes
+                continue
+            used[root] = used.get(root, 0) + nbytes
+        beyond = sum(max(0, n - roots.limits[root][1].get(uuid, 0)) for root, n in used.items())
+        return rest, beyond
 
     # -- the two ways to tell ----------------------------------------------------------
 

@@ -51,33 +51,89 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..base.requests import GpuRequest, format_size
+from ..base.requests import GpuRequest, format_size, parse_size
 from .messages import PART, Asked, Held
-from .placement import Allocator, Deadlock, Lease, Placement, Policy, Unsatisfiable, Waiting, checked_preference
+from .placement import (
+    Allocator,
+    Deadlock,
+    Lease,
+    Placement,
+    Policy,
+    Unsatisfiable,
+    Waiting,
+    carved_parts,
+    checked_preference,
+)
 from .ports import PortAllocator
 
 Event = tuple[str, str, dict[str, Any]]  # ("granted" | "rejected", run-local key, body)
 Sink = Callable[[list[Event]], None]
-# (GPU UUIDs, pids whose descendants are the runs' processes, bytes the allocator accounts for
-# per UUID) -> bytes that processes outside every run use, per UUID
+
+
+class Roots(set[int]):
+    """The pids whose descendants are the runs' processes (as a set: every run's), and of the
+    runs whose processes' GPU memory outside their leases the arbiter cannot answer for
+    (another user's than the arbiter's: its confinement is that user's), each one's
+    ``limits``: root pid -> (the run's uid, GPU UUID -> bytes its leases, contexts and
+    leftovers account for there). A process counts as such a run's only if it is that user's
+    and descends from its root (the kernel's pid, ``SO_PEERCRED``); what the run's processes
+    use on a GPU beyond what it accounts for there is usage outside pytest-gpu
+    (:meth:`pytest_gpu.gpu.foreign.ForeignSampler.sample`)."""
+
+    limits: dict[int, tuple[int, dict[str, int]]]
+
+    def __init__(self, trusted: set[int], limits: dict[int, tuple[int, dict[str, int]]] | None = None) -> None:
+        super().__init__(trusted | set(limits or {}))
+        self.limits = dict(limits or {})
+
+
+# (GPU UUIDs, pids whose descendants are the runs' processes (Roots), bytes the allocator accounts
+# for per UUID) -> bytes that processes outside every run use, per UUID
 ForeignSource = Callable[[list[str], set[int], dict[str, int]], dict[str, int]]
 
 # UUIDs -> the capacity the arbiter's own process measures of those it knows (others: absent);
 # None where it cannot measure at all (no NVML in its process)
 Truth = Callable[[list[str]], "dict[str, int] | None"]
+# who may attach to a machine shared with a group: (the group's name, (uid, pid) -> whether
+# that peer is a member, by the kernel's word); see ArbiterServer
+Members = tuple[str, Callable[[int, int], bool]]
 
 MAX_KEYS_PER_RUN = 4096  # requests one run has waiting or granted at once
 MAX_CLIENTS_PER_RUN = 1024  # processes one run leases for
 RESUME_AFTER_S = 2.0  # after a failover: how long grants wait for the runs that were attached to re-attach
 UUID_SHOWN = 80  # characters of a GPU name an error repeats
+# after this arbiter took over: how long runs may bring what they held under the one before
+# (leases, contexts, leftovers); a run that attaches later brings nothing of the kind
+ADOPT_WINDOW_S = 30.0
+MAX_RANK = 1 << 16  # a launched rank's number in a part's name (local ranks of one node)
+USER_MEMORY_ENV = "PYTEST_GPU_USER_MEMORY"  # see user_memory_cap
+
+
+def user_memory_cap() -> int | None:
+    """``$PYTEST_GPU_USER_MEMORY`` (a size, ``48GiB``): the GPU memory one user's leases may
+    hold on the machine at once, all runs and GPUs together, as the machine's arbiter reads it
+    from its run's environment (``None``: no bound). :class:`ValueError` naming it for a value
+    that is not a size."""
+    value = os.environ.get(USER_MEMORY_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{USER_MEMORY_ENV}={value}: {exc}") from None
 
 
 def roster_digest(run: str) -> str:
     """How a roster names another user's run: enough to recognise it when it re-attaches."""
     return "#" + hashlib.sha256(run.encode()).hexdigest()[:20]
+
+
+def run_of(client: str) -> str:
+    """The run of a key or client as the allocator knows it (``<run>|<name>``)."""
+    return client.partition("|")[0]
 
 
 def run_uid(run: str) -> int | None:
@@ -101,6 +157,9 @@ class RunEntry:
     workers: dict[str, str] = field(default_factory=dict)  # pool client -> worker name
     since: dict[str, float] = field(default_factory=dict)  # pool key -> wall time asked, then granted
     gpus: frozenset[str] = frozenset()  # the GPUs it brought: the only ones it may name
+    # pool client -> the GPUs (allocator numbers) it was granted leases on: a client's contexts
+    # count only once it was granted one (made-up clients' would take room without any lease)
+    leased_on: dict[str, set[int]] = field(default_factory=dict)
 
 
 class Arbiter:
@@ -113,11 +172,21 @@ class Arbiter:
         foreign_ttl: float = 0.25,
         truth: Truth | None = None,
         ports: PortAllocator | None = None,
+        user_memory: int | None = None,
     ) -> None:
-        self.allocator = Allocator({}, policy)
+        # a run's measured context size counts for its own contexts only (see measure_context)
+        self.allocator = Allocator({}, replace(policy or Policy(), group=run_of))
         self.truth = truth
         self.ports = ports or PortAllocator()  # every run's ports: port -> "<run>|<owner>"
-        self.allocator.group = lambda client: client.partition("|")[0]  # the run
+        self.allocator.group = run_of
+        self.members: Members | None = None  # None: every user's runs may attach
+        # GPU memory one user's leases may hold at once (None: no bound; root is not bound):
+        # a request beyond it waits, passed over, until that user's leases give enough back
+        self.user_memory = user_memory_cap() if user_memory is None else user_memory
+        if self.user_memory is not None:
+            self.allocator.admit = self._within_user_memory
+        self.took_over = time.monotonic()  # runs bring what they held for ADOPT_WINDOW_S from here
+        self._next_mid = 0
         self.foreign = foreign
         self.foreign_ttl = foreign_ttl
         self.foreign_bytes: dict[str, int] = {}
@@ -157,12 +226,24 @@ class Arbiter:
             except Exception:  # a run's broken sink must not break the arbiter
                 pass
 
-    def _mid(self, uuid: str) -> int:
-        if uuid not in self._mids:
-            mid = len(self._mids)
-            self._mids[uuid] = mid
+    def _mid(self, uuid: str, run: str | None = None) -> int:
+        """The allocator's number of GPU ``uuid`` (of ``run``'s, for a part: see :meth:`_key`)."""
+        key = uuid if run is None else self._key(run, uuid)
+        if key not in self._mids:
+            mid = self._next_mid
+            self._next_mid += 1
+            self._mids[key] = mid
             self._uuids[mid] = uuid
-        return self._mids[uuid]
+        return self._mids[key]
+
+    @staticmethod
+    def _key(run: str, uuid: str) -> str:
+        """How the arbiter keys a GPU a run names: its UUID; a rank's part of one, per run
+        (``<run>|<part>``): one run's part is not another's to size, fill or squat."""
+        return f"{run}|{uuid}" if PART in uuid else uuid
+
+    def _known_mid(self, run: str, uuid: str) -> int:
+        return self._mids.get(self._key(run, uuid), -1)
 
     @staticmethod
     def _split(pool_key: str) -> tuple[str, str]:
@@ -181,6 +262,7 @@ class Arbiter:
                 entry = self.runs.get(run)
                 if entry is not None:
                     entry.since[lease.key] = now
+                    self._leased_on(entry, lease)
                 out[run].append(("granted", key, self._grant_body(lease)))
             refused = {}
             for waiting in self.allocator.queue:
@@ -269,6 +351,12 @@ class Arbiter:
             }
         return body
 
+    @staticmethod
+    def _leased_on(entry: RunEntry, lease: Lease) -> None:
+        if len(entry.leased_on) > 2 * MAX_CLIENTS_PER_RUN:  # clients come and go in a long run
+            entry.leased_on = {c: g for c, g in entry.leased_on.items() if c in entry.workers}
+        entry.leased_on.setdefault(lease.client, set()).update(lease.placement.indices)
+
     def _named(self, lease: Lease) -> tuple[str, tuple[str, ...]]:
         """(run-local key, GPU UUIDs) of a lease."""
         return self._split(lease.key)[1], tuple(self._uuids[i] for i in lease.placement.indices)
@@ -287,7 +375,9 @@ class Arbiter:
         if not force and now - self._sampled < self.foreign_ttl:
             return
         self._sampled = now
-        roots = {entry.pid for entry in self.runs.values()}
+        me = os.getuid()
+        limits = {e.pid: (e.uid, self._accounted_locked(e.run)) for e in self.runs.values() if e.uid not in (me, 0)}
+        roots = Roots({e.pid for e in self.runs.values() if e.pid not in limits}, limits)
         accounted = {uuid: self.allocator.used(mid) for uuid, mid in self._mids.items()}
         try:
             usage = self.foreign(list(self._mids), roots, accounted)
@@ -295,6 +385,37 @@ class Arbiter:
             return
         self.foreign_bytes = {uuid: n for uuid, n in usage.items() if n > 0}
         self.allocator.set_foreign({self._mids[u]: n for u, n in usage.items() if u in self._mids})
+
+    def _accounted_locked(self, run: str) -> dict[str, int]:
+        """GPU UUID -> bytes ``run``'s leases, contexts and leftovers account for there."""
+        found: dict[str, int] = defaultdict(int)
+        prefix = f"{run}|"
+        for lease in self.allocator.leases.values():
+            if lease.key.startswith(prefix):
+                for i in lease.placement.indices:
+                    found[self._uuids[i].partition(PART)[0]] += lease.placement.memory
+        policy = self.allocator.policy
+        for i, gpu in self.allocator.gpus.items():
+            mine = [c for c in gpu.contexts if c.startswith(prefix)]
+            held = sum(n for c, (n, _) in gpu.left.items() if c.startswith(prefix))
+            if mine or held:
+                found[self._uuids[i].partition(PART)[0]] += policy.contexts(i, mine) + held
+        return dict(found)
+
+    def _within_user_memory(self, waiting: Waiting) -> bool:
+        """Whether ``waiting`` fits in its user's bound (:attr:`user_memory`) beside the leases
+        that user holds; an exclusive request, while that user holds less than the bound."""
+        entry = self.runs.get(run_of(waiting.client))
+        if entry is None or entry.uid == 0 or self.user_memory is None:
+            return True
+        held = 0
+        for lease in self.allocator.leases.values():
+            holder = self.runs.get(run_of(lease.key))
+            if holder is not None and holder.uid == entry.uid:
+                held += lease.placement.memory * len(lease.placement.indices)
+        if waiting.request.exclusive:
+            return held < self.user_memory
+        return held + (waiting.request.memory or 0) * waiting.request.count <= self.user_memory
 
     def _schedule_retry_locked(self) -> None:
         """While a request waits only because of foreign usage, look again every ``foreign_ttl``."""
@@ -350,28 +471,49 @@ class Arbiter:
         yet, see :meth:`exiting`) and what they still hold of leases that ended (``left``:
         client -> GPU -> (bytes, who left them)), all counted before any grant can resume.
 
-        Raises :class:`ValueError` (nothing changed) for a run attached already, a GPU that
-        is not on this machine, or a lease that names a GPU the run did not bring or does
-        not fit where it says it is."""
+        What a run held under an arbiter before this one (``held``, ``contexts``, ``exiting``,
+        ``left``) is taken only within ``ADOPT_WINDOW_S`` of this arbiter taking over (runs
+        re-attach after a failover then), and each lease taken over counts as overtaking every
+        request that waits (their bound, ``max_bypass``, holds for it too).
+
+        Raises :class:`ValueError` (nothing changed) for a run attached already, a user who
+        is not a member of the group the machine is shared with, a GPU that is not on this
+        machine, a part of a GPU beyond one per GPU and run, something held before brought
+        outside the window or past a waiting request's bound, or a lease that names a GPU
+        the run did not bring or does not fit where it says it is."""
         with self._locked() as out:
             if run in self.runs:
                 raise ValueError(f"run {run} is attached already")
-            capacities = self._checked_gpus(gpus)
-            self._check_held(held, capacities)
-            if len((contexts or {}).keys() | (exiting or {}).keys() | (left or {}).keys()) > MAX_CLIENTS_PER_RUN:
-                raise ValueError(f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
             if uid is None:  # in this process: the run's id says it, else it is this process's user's
                 uid = run_uid(run)
                 uid = os.getuid() if uid is None else uid
+            if self.members is not None and uid != 0 and not self.members[1](uid, pid):
+                raise ValueError(
+                    f"user {user} (uid {uid}) is not a member of group {self.members[0]}, "
+                    "the only users whose runs this simulated machine serves"
+                )
+            self._sweep_locked()
+            capacities = self._checked_gpus(run, gpus)
+            self._check_brought(run, held, contexts, exiting, left)
+            self._check_held(run, held, capacities)
+            if len((contexts or {}).keys() | (exiting or {}).keys() | (left or {}).keys()) > MAX_CLIENTS_PER_RUN:
+                raise ValueError(f"a run may lease for {MAX_CLIENTS_PER_RUN} processes at once")
             entry = self.runs[run] = RunEntry(run, pid, uid, user, label, sink, gpus=frozenset(capacities))
             if host is not None and self.allocator.host is None:
                 self.allocator.set_host(*host)
             for uuid, capacity in capacities.items():
-                self.allocator.add_gpu(self._mid(uuid), capacity)
+                whole, part, _ = uuid.partition(PART)
+                base = None
+                if part:  # its GPU joins too (no run may name it for this): the part is carved out of it
+                    base = self._mid(whole)
+                    self.allocator.add_gpu(base, self._whole_capacity(whole, capacity))
+                self.allocator.add_gpu(self._mid(uuid, run), capacity, base)
             for lease in held:
                 pool_key, client = f"{run}|{lease.key}", f"{run}|{lease.client}"
-                placement = Placement(tuple(self._mid(u) for u in lease.gpus), lease.memory, lease.exclusive)
-                self.allocator.adopt(pool_key, client, lease.request, placement)
+                placement = Placement(tuple(self._mid(u, run) for u in lease.gpus), lease.memory, lease.exclusive)
+                for waiting in self.allocator.queue:  # taken over now: it overtakes every request waiting
+                    waiting.bypassed += 1
+                self._leased_on(entry, self.allocator.adopt(pool_key, client, lease.request, placement))
                 entry.tests[pool_key] = lease.test
                 entry.workers[client] = lease.worker
                 entry.since[pool_key] = time.time()
@@ -380,7 +522,7 @@ class Arbiter:
                 entry.tests[pool_key] = ask.test
                 entry.workers[client] = ask.worker
                 entry.since[pool_key] = time.time()
-                allowed = frozenset(self._mid(u) for u in ask.gpus if u in capacities)
+                allowed = frozenset(self._mid(u, run) for u in ask.gpus if u in capacities)
                 try:
                     self.allocator.queue.append(self._waiting(pool_key, client, ask.request, allowed))
                 except Unsatisfiable as exc:
@@ -391,8 +533,11 @@ class Arbiter:
             # here, and a context declared after it would be one a grant overlooks
             for client, uuids in (contexts or {}).items():
                 entry.workers.setdefault(f"{run}|{client}", "?")
-                self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, uuids))
+                mids = self._own_mids(run, uuids)
+                entry.leased_on.setdefault(f"{run}|{client}", set()).update(mids)  # leased there before
+                self.allocator.set_contexts(f"{run}|{client}", mids)
             for client, uuids in (exiting or {}).items():
+                entry.leased_on.setdefault(f"{run}|{client}", set()).update(self._own_mids(run, uuids))
                 self._exiting_locked(run, client, uuids)
             for client, kept in (left or {}).items():
                 entry.workers.setdefault(f"{run}|{client}", "?")
@@ -403,21 +548,76 @@ class Arbiter:
                 self._sample_locked()
                 self._deliver_locked(self.allocator.serve(), out)
 
-    def _checked_gpus(self, gpus: dict[str, int]) -> dict[str, int]:
+    def _checked_gpus(self, run: str, gpus: dict[str, int]) -> dict[str, int]:
         """A run's GPUs, each no larger than the arbiter measures it (or than the first run
-        that brought it said, where nothing is measured); ValueError for one not on this machine."""
+        that brought it said, where nothing is measured); ValueError for one not on this
+        machine, or a part of a GPU (``<uuid>#part-of-rank-<n>``, see
+        :func:`pytest_gpu.run.session.machine_names`) that is not one part of a GPU of this
+        machine per GPU (a launched rank brings one part of one GPU)."""
         measured = self.truth([u.partition(PART)[0] for u in gpus]) if self.truth is not None else None
         checked = {}
+        parts: set[str] = set()
         for uuid, capacity in gpus.items():
-            whole = uuid.partition(PART)[0]
+            whole, part, rank = uuid.partition(PART)
             if measured is not None and whole not in measured:
-                raise ValueError(f"GPU {whole} is not on this machine")
-            known = self.allocator.gpus.get(self._mids.get(uuid, -1))
+                raise ValueError(f"GPU {whole[:UUID_SHOWN]} is not on this machine")
+            if part:
+                if not rank.isdigit() or int(rank) >= MAX_RANK:
+                    raise ValueError(f"{uuid[:UUID_SHOWN]!r} is not a rank's part of a GPU (rank below {MAX_RANK})")
+                if whole in parts:
+                    raise ValueError(f"a run brings one part of GPU {whole[:UUID_SHOWN]} at most")
+                parts.add(whole)
+            known = self.allocator.gpus.get(self._known_mid(run, uuid))
+            if part and whole in self._mids:  # no larger than its GPU
+                known = self.allocator.gpus.get(self._mids[whole]) if known is None else known
             bound = (measured or {}).get(whole, capacity) if known is None else known.capacity
             checked[uuid] = min(capacity, bound)
         return checked
 
-    def _check_held(self, held: list[Held], capacities: dict[str, int]) -> None:
+    def _whole_capacity(self, whole: str, part: int) -> int:
+        """A GPU that joins as a part's: as the arbiter measures it, else as large as the part."""
+        measured = self.truth([whole]) if self.truth is not None else None
+        return (measured or {}).get(whole, part)
+
+    def _sweep_locked(self) -> None:
+        """Parts of GPUs of runs that are gone leave once nothing uses them, and what those runs
+        measured goes with them: re-attaches cannot grow the table (or slow every grant)."""
+        gone = [key for key in self._mids if "|" in key and key.partition("|")[0] not in self.runs]
+        for key in gone:
+            if self.allocator.remove_gpu(self._mids[key]):
+                self._allowed = {k: v for k, v in self._allowed.items() if self._mids[key] not in v}
+                del self._uuids[self._mids.pop(key)]
+        for group in [g for g in self.allocator.policy.measured_by if g not in self.runs]:
+            self.allocator.forget_group(group)
+
+    def _check_brought(
+        self,
+        run: str,
+        held: list[Held],
+        contexts: dict[str, list[str]] | None,
+        exiting: dict[str, list[str]] | None,
+        left: dict[str, dict[str, tuple[int, str]]] | None,
+    ) -> None:
+        """What a run held under the arbiter before this one comes only while runs re-attach
+        after a failover, and a lease taken over may overtake no request beyond its bound."""
+        if not (held or contexts or exiting or left):
+            return
+        expected = run in self.pending or roster_digest(run) in self.pending
+        if not expected and time.monotonic() - self.took_over > ADOPT_WINDOW_S:
+            raise ValueError(
+                f"leases, contexts and leftovers held under an earlier arbiter are taken over only within "
+                f"{ADOPT_WINDOW_S:.0f}s of a failover, not {time.monotonic() - self.took_over:.0f}s after it"
+            )
+        if held and not expected:
+            bound = self.allocator.policy.max_bypass
+            full = [w for w in self.allocator.queue if w.bypassed + len(held) > bound]
+            if full:
+                raise ValueError(
+                    f"{len(held)} lease(s) taken over would overtake a request that waits "
+                    f"({full[0].request.describe()}) more than {bound} times"
+                )
+
+    def _check_held(self, run: str, held: list[Held], capacities: dict[str, int]) -> None:
         """Leases a run re-declares must name its GPUs and fit beside what is promised
         there (and beside each other): no byte is promised twice through a re-declaration."""
         leased: dict[str, int] = {}
@@ -431,7 +631,7 @@ class Arbiter:
             if len(lease.gpus) != lease.request.count or len(set(lease.gpus)) != len(lease.gpus):
                 raise ValueError(f"{where} holds {len(lease.gpus)} GPUs for a request of {lease.request.count}")
             for uuid in lease.gpus:
-                gpu = self.allocator.gpus.get(self._mids.get(uuid, -1))
+                gpu = self.allocator.gpus.get(self._known_mid(run, uuid))
                 if uuid not in leased:
                     leased[uuid] = gpu.leased if gpu is not None else 0
                     tenants[uuid] = gpu.tenants if gpu is not None else 0
@@ -541,9 +741,17 @@ class Arbiter:
                 unknown = sorted(set(gpus) - entry.gpus)
                 if unknown:
                     return ("error", f"GPUs the run did not bring: {', '.join(unknown[:4])}")
-                allowed = frozenset(self._mid(u) for u in gpus)
-                if len(self._allowed) < 1024:  # a run asks with one list: a few lists in all
+                allowed = frozenset(self._mid(u, run) for u in gpus)
+                # a run asks with one list: a few lists in all (a part is its run's own: not kept)
+                if len(self._allowed) < 1024 and not any(PART in u for u in gpus):
                     self._allowed[shape] = allowed
+            cap = self.user_memory
+            if cap is not None and entry.uid != 0 and (request.memory or 0) * request.count > cap:
+                return (
+                    "error",
+                    f"needs {request.describe()}, more than the {format_size(cap)} one user's leases may hold "
+                    f"on this machine at once ({USER_MEMORY_ENV} of the machine's arbiter)",
+                )
             entry.tests[pool_key] = test
             entry.workers[pool_client] = worker
             entry.since[pool_key] = time.time()
@@ -551,7 +759,7 @@ class Arbiter:
             hint: tuple[int, ...] | None = None
             if prefer is not None:
                 if set(prefer) <= entry.gpus:
-                    hint, why = checked_preference([self._mid(u) for u in prefer], request, allowed)
+                    hint, why = checked_preference([self._mid(u, run) for u in prefer], request, allowed)
                 else:
                     why = "include GPUs the run did not bring"
                 if why is not None:
@@ -616,13 +824,22 @@ class Arbiter:
             return None
         entry = self.runs.get(run)
         brought = entry.gpus if entry is not None else frozenset()
-        return {self._mids[u]: n for u, n in left.items() if u in brought and u in self._mids}
+        return {self._known_mid(run, u): n for u, n in left.items() if u in brought and self._known_mid(run, u) >= 0}
 
     def _own_mids(self, run: str, uuids: list[str]) -> set[int]:
         """The allocator's numbers of ``uuids``, those ``run`` brought only."""
         entry = self.runs.get(run)
         brought = entry.gpus if entry is not None else frozenset()
-        return {self._mids[u] for u in uuids if u in brought and u in self._mids}
+        return {self._known_mid(run, u) for u in uuids if u in brought and self._known_mid(run, u) >= 0}
+
+    def _leased_mids(self, run: str, client: str, uuids: list[str]) -> set[int]:
+        """:meth:`_own_mids` of a ``client`` that was granted a lease (a process that tests; its
+        contexts may outlast its leases, or stray beyond them); none of one that never was:
+        contexts of made-up clients would take room no lease accounts for."""
+        entry = self.runs.get(run)
+        if entry is None or f"{run}|{client}" not in entry.leased_on:
+            return set()
+        return self._own_mids(run, uuids)
 
     def _check_client(self, run: str, client: str) -> None:
         entry = self.runs.get(run)
@@ -634,13 +851,17 @@ class Arbiter:
     def set_contexts(self, run: str, client: str, contexts: list[str]) -> None:
         with self._locked() as out:
             self._check_client(run, client)
-            self.allocator.set_contexts(f"{run}|{client}", self._own_mids(run, contexts))
+            self.allocator.set_contexts(f"{run}|{client}", self._leased_mids(run, client, contexts))
             self._deliver_locked(self.allocator.serve(), out)
 
     def measure_context(self, run: str, uuid: str, nbytes: int) -> bool:
         """A process of ``run`` measured one CUDA context on GPU ``uuid``: ``nbytes``, used for
-        that GPU's placement from now on (see :meth:`Allocator.measure_context`). A GPU the run
-        did not bring, or a size not within (0, the GPU's capacity), is refused (ValueError)."""
+        that GPU's placement from now on (see :meth:`Allocator.measure_context`): for ``run``'s
+        own contexts only, unless ``run`` is the arbiter's own (its process's word is the
+        arbiter's: then for every run's). Either way no more than the GPU's context budget
+        (``context_fraction`` of it): another run's word cannot make a GPU unusable, and a
+        run's own only makes its own contexts count larger. A GPU the run did not bring, or a
+        size not within (0, the GPU's capacity), is refused (ValueError)."""
         with self._locked() as out:
             mids = self._own_mids(run, [uuid])
             if not mids:
@@ -649,7 +870,11 @@ class Arbiter:
             capacity = self.allocator.gpus[mid].capacity
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes < capacity:
                 raise ValueError(f"a context's size must be an integer in (0, {capacity}), got {nbytes!r:.40}")
-            changed = self.allocator.measure_context(mid, nbytes)
+            policy = self.allocator.policy
+            nbytes = min(nbytes, max(policy.overhead, int(policy.context_fraction * capacity)))
+            entry = self.runs.get(run)
+            vouched = entry is not None and entry.pid == os.getpid()
+            changed = self.allocator.measure_context(mid, nbytes, None if vouched else run)
             if changed:
                 self._deliver_locked(self.allocator.serve(), out)
             return changed
@@ -675,7 +900,7 @@ class Arbiter:
 
     def _exiting_locked(self, run: str, client: str, contexts: list[str]) -> None:
         stand_in = f"{run}|{client}~exiting"
-        self.allocator.set_contexts(stand_in, self._own_mids(run, contexts))
+        self.allocator.set_contexts(stand_in, self._leased_mids(run, client, contexts))
         self.allocator.exiting.add(stand_in)
 
     def exited(self, run: str, client: str) -> None:
@@ -690,20 +915,24 @@ class Arbiter:
 
     # -- questions ----------------------------------------------------------------------
 
-    def room(self, gpus: list[str]) -> list[int]:
-        """What each of ``gpus`` can give leases now beside the CUDA contexts open there, what
-        processes still hold of leases that ended, and foreign usage (a lease of a process
-        without a context there also opens one: the scheduler counts that per worker)."""
+    def room(self, gpus: list[str], run: str | None = None) -> list[int]:
+        """What each of ``gpus`` (as ``run`` names them; default: the arbiter's own run) can
+        give leases now beside the CUDA contexts open there, what processes still hold of
+        leases that ended, parts of it in use, and foreign usage (a lease of a process without
+        a context there also opens one: the scheduler counts that per worker)."""
         policy = self.allocator.policy
         with self._lock:
+            if run is None:
+                run = next((e.run for e in self.runs.values() if e.pid == os.getpid()), "")
+            carved = carved_parts(self.allocator.gpus.values()) or {}
             rows = []
             for uuid in gpus:
-                gpu = self.allocator.gpus.get(self._mids.get(uuid, -1))
+                gpu = self.allocator.gpus.get(self._known_mid(run, uuid))
                 if gpu is None:
                     rows.append(0)
                     continue
-                overhead = policy.context(gpu.index)
-                rows.append(max(gpu.capacity - gpu.foreign - gpu.left_bytes - overhead * len(gpu.contexts), 0))
+                taken = gpu.foreign + gpu.left_bytes + policy.contexts(gpu.index, gpu.contexts)
+                rows.append(max(gpu.capacity - taken - carved.get(gpu.index, 0), 0))
             return rows
 
     def _sees(self, viewer: int | None, entry: RunEntry | None) -> bool:

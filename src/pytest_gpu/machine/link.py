@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
-import hashlib
 import os
 import pwd
 import queue
@@ -68,7 +67,7 @@ from .messages import (
 )
 from .mirror import Mirror, to_wire
 from .placement import Policy
-from .ports import PortAllocator
+from .ports import PortAllocator, owner_digest
 from .remote import Garbled, Lost, MachineError, Remote
 from .server import ArbiterServer
 
@@ -367,7 +366,7 @@ class MachineLink:
         if not self._private(remote):
             return owner
         client, _, rest = owner.partition("/")
-        return f"{client}/#{hashlib.sha256(rest.encode()).hexdigest()[:16]}"
+        return f"{client}/{owner_digest(rest)}"
 
     def _attach_remote(self, remote: Remote) -> None:
         mine = self._mirror.snapshot()

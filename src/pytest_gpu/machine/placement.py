@@ -41,8 +41,8 @@ the leases their clients hold, so that one can be refused at once, not at the wa
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from ..base.requests import GpuRequest, format_size
@@ -62,6 +62,14 @@ class GpuState:
     # client -> (bytes, who left them): what its process still holds here of leases that ended
     # (a test's leak), until a later release says it was given back or the process is gone
     left: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # a launched rank's part of a GPU (see Allocator.add_gpu): the index of that GPU, whose
+    # memory the part's is; None: a GPU
+    base: int | None = None
+
+    @property
+    def in_use(self) -> bool:
+        """A part in use is carved out of its GPU: leased, or a process has a context there."""
+        return bool(self.tenants or self.contexts or self.left)
 
     @property
     def left_bytes(self) -> int:
@@ -73,6 +81,13 @@ class GpuState:
             return 0
         contexts = len(self.contexts | {client})
         return self.capacity - self.foreign - self.leased - self.left_bytes - contexts * overhead
+
+    def room_for(self, client: str, policy: Policy) -> int:
+        """:meth:`free_for`, each context counted at its client's size (:meth:`Policy.context`)."""
+        if self.exclusive:
+            return 0
+        contexts = policy.contexts(self.index, self.contexts | {client})
+        return self.capacity - self.foreign - self.leased - self.left_bytes - contexts
 
 
 @dataclass
@@ -114,13 +129,32 @@ class Policy:
     overhead: int = 500 * 2**20  # one CUDA context, as assumed (--gpu-context-overhead)
     context_fraction: float = 0.25
     max_bypass: int = 16
-    # one CUDA context as measured on a GPU (index -> bytes, see Allocator.measure_context); unused when fixed
+    # one CUDA context as measured on a GPU (index -> bytes, see Allocator.measure_context), for
+    # every client's contexts; unused when fixed
     measured: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
     fixed: bool = False  # the user gave --gpu-context-overhead: it wins over measurements
+    # group (see group) -> index -> bytes: what one group's own processes measured, counted for
+    # that group's contexts only (another group's word is not this one's)
+    measured_by: dict[str, dict[int, int]] = field(default_factory=dict, compare=False, hash=False)
+    # a client's group (a run, where runs share an allocator); None: one group, measured alone counts
+    group: Callable[[str], str] | None = field(default=None, compare=False, hash=False)
 
-    def context(self, index: int) -> int:
-        """Bytes one CUDA context takes on GPU ``index``: measured there, else the assumption."""
-        return self.overhead if self.fixed else self.measured.get(index, self.overhead)
+    def context(self, index: int, client: str | None = None) -> int:
+        """Bytes one CUDA context takes on GPU ``index``: measured there, else the assumption;
+        of ``client``'s, the larger of that and what its own group measured there."""
+        if self.fixed:
+            return self.overhead
+        found = self.measured.get(index, self.overhead)
+        if client is None or self.group is None or not self.measured_by:
+            return found
+        own = self.measured_by.get(self.group(client), {}).get(index, 0)
+        return max(found, own)
+
+    def contexts(self, index: int, clients: Collection[str]) -> int:
+        """Bytes the CUDA contexts of ``clients`` take on GPU ``index``."""
+        if self.fixed or self.group is None or not self.measured_by:
+            return len(clients) * self.context(index)
+        return sum(self.context(index, client) for client in clients)
 
     def context_limit(self, capacity: int) -> int:
         if self.overhead <= 0:
@@ -148,6 +182,9 @@ def place(
         return None
     if request.count == 0:  # host resources only
         return Placement((), 0, False)
+    gpus = list(gpus)
+    carved = carved_parts(gpus)
+    by_index = {gpu.index: gpu for gpu in gpus} if carved is not None else {}
     fits: list[tuple[tuple[int, int, int, int, int], GpuState, int]] = []
     for gpu in gpus:
         if allowed is not None and gpu.index not in allowed:
@@ -155,18 +192,23 @@ def place(
         has_ctx = client in gpu.contexts
         if not has_ctx and within_budget and len(gpu.contexts) + 1 > policy.context_limit(gpu.capacity):
             continue
-        contexts = len(gpu.contexts | {client})
+        if gpu.base is not None and not gpu.in_use:  # a part: its memory is carved out of its GPU first
+            whole = by_index.get(gpu.base)
+            if whole is not None and unpromised(whole, policy, carved) < gpu.capacity:
+                continue
+        taken = (carved or {}).get(gpu.index, 0)  # by its parts in use
         if request.exclusive:
             if gpu.tenants:
                 continue
-            grant = gpu.capacity - gpu.foreign - gpu.left_bytes - contexts * policy.context(gpu.index)
+            grant = gpu.capacity - gpu.foreign - gpu.left_bytes - policy.contexts(gpu.index, gpu.contexts | {client})
+            grant -= taken
             if grant <= 0 or grant < (request.min_memory or 0):  # a minimum counts what the lease would get
                 continue
             # affinity first, then a GPU no foreign process uses, then the one with the most to give
             key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, 0, -grant, gpu.index)
         else:
             assert request.memory is not None
-            room = gpu.free_for(client, policy.context(gpu.index))
+            room = gpu.room_for(client, policy) - taken
             if room < request.memory:
                 continue
             grant = request.memory
@@ -187,6 +229,25 @@ def place(
     indices = tuple(sorted(g.index for _, g, _ in chosen))
     memory = min(grant for _, _, grant in chosen) if request.exclusive else request.memory or 0
     return Placement(indices, memory, request.exclusive)
+
+
+def carved_parts(gpus: Iterable[GpuState]) -> dict[int, int] | None:
+    """GPU index -> bytes its parts in use take of it (``None``: no GPU has a part)."""
+    carved: dict[int, int] | None = None
+    for gpu in gpus:
+        if gpu.base is not None:
+            carved = carved if carved is not None else defaultdict(int)
+            if gpu.in_use:
+                carved[gpu.base] += gpu.capacity
+    return carved
+
+
+def unpromised(gpu: GpuState, policy: Policy, carved: dict[int, int] | None) -> int:
+    """What no lease, leftover, context, part in use or foreign process takes of ``gpu``."""
+    if gpu.exclusive:
+        return 0
+    taken = gpu.leased + gpu.left_bytes + gpu.foreign + policy.contexts(gpu.index, gpu.contexts)
+    return gpu.capacity - taken - (carved or {}).get(gpu.index, 0)
 
 
 def checked_preference(
@@ -270,6 +331,9 @@ class Allocator:
         # clients of one group (one run of many sharing the allocator) : contexts of other groups
         # never make a request wait forever
         self.group: Callable[[str], str] | None = None
+        # whether a waiting request may be granted at all now (a bound on its user, see
+        # Arbiter.user_memory); one it keeps out is passed over, and keeps no one else out
+        self.admit: Callable[[Waiting], bool] | None = None
         # answers about drained GPUs depend only on the contexts: kept until those change
         Signature = tuple[tuple[frozenset[str], ...], frozenset[str]]
         self._budget_cache: dict[str, tuple[Signature, bool]] = {}
@@ -299,14 +363,30 @@ class Allocator:
             )
         return None
 
-    def add_gpu(self, index: int, capacity: int) -> None:
-        """A GPU joins the allocator (a run that sees it attached)."""
+    def add_gpu(self, index: int, capacity: int, base: int | None = None) -> None:
+        """A GPU joins the allocator (a run that sees it attached); with ``base``, a part of
+        GPU ``base`` (a launched rank's, see :mod:`pytest_gpu.gpu.share`): a GPU of its own to
+        place on, whose whole ``capacity`` is taken from GPU ``base`` while it is in use
+        (leased, or a process has a context there), and can be only while ``base`` has that
+        much that nothing else takes: a part never promises its GPU's memory twice."""
         if index not in self.gpus:
-            self.gpus[index] = GpuState(index, capacity)
+            self.gpus[index] = GpuState(index, capacity, base=base)
             self.gpus = dict(sorted(self.gpus.items()))
-            self._never_fits_cache.clear()
-            self._forever_cache.clear()
-            self._budget_cache.clear()
+            self._clear_caches()
+
+    def remove_gpu(self, index: int) -> bool:
+        """A part no run brings any more leaves; ``False`` (it stays) while it is in use or asked for."""
+        gpu = self.gpus.get(index)
+        if gpu is None or gpu.in_use or any(w.allowed is None or index in w.allowed for w in self.queue):
+            return False
+        del self.gpus[index]
+        self._clear_caches()
+        return True
+
+    def _clear_caches(self) -> None:
+        self._never_fits_cache.clear()
+        self._forever_cache.clear()
+        self._budget_cache.clear()
 
     def set_host(self, cpus: int, memory: int) -> None:
         """The machine's CPUs and bytes of RAM that leases may promise; what is leased stays."""
@@ -314,19 +394,24 @@ class Allocator:
         self.host = HostState(cpus, memory, *leased)
         self._never_fits_cache.clear()
 
-    def measure_context(self, index: int, nbytes: int) -> bool:
+    def measure_context(self, index: int, nbytes: int, group: str | None = None) -> bool:
         """A process measured one CUDA context on GPU ``index``: ``nbytes`` (contexts grow as
-        libraries load: the largest measured counts). Whether placement changes (never while
-        the policy is ``fixed``)."""
+        libraries load: the largest measured counts), for every client's contexts there, or
+        with ``group``, for that group's own only (see :attr:`Policy.measured_by`). Whether
+        placement changes (never while the policy is ``fixed``)."""
         if self.policy.fixed or index not in self.gpus or not 0 < nbytes < self.gpus[index].capacity:
             return False
-        if nbytes <= self.policy.measured.get(index, 0):
+        measured = self.policy.measured if group is None else self.policy.measured_by.setdefault(group, {})
+        if nbytes <= measured.get(index, 0):
             return False
-        self.policy.measured[index] = nbytes
-        self._never_fits_cache.clear()
-        self._forever_cache.clear()
-        self._budget_cache.clear()
+        measured[index] = nbytes
+        self._clear_caches()
         return True
+
+    def forget_group(self, group: str) -> None:
+        """What ``group`` measured goes with it."""
+        if self.policy.measured_by.pop(group, None) is not None:
+            self._clear_caches()
 
     def set_foreign(self, usage: dict[int, int]) -> None:
         """What processes outside pytest-gpu use on each GPU now (missing GPUs: nothing)."""
@@ -356,6 +441,7 @@ class Allocator:
                 contexts={c for c in g.contexts - self.exiting if self._lasting(c, waiting)},
                 # its own process's leftovers stay while it waits: no release of its can say they went
                 left={c: n for c, n in g.left.items() if c == waiting.client},
+                base=g.base,
             )
             for g in self.gpus.values()
         ]
@@ -433,6 +519,7 @@ class Allocator:
         for index, gpu in self.gpus.items():
             pool.gpus[index].contexts = gpu.contexts & clients
             pool.gpus[index].left = {c: n for c, n in gpu.left.items() if c in clients}
+            pool.gpus[index].base = gpu.base
         if self.host is not None:
             pool.host = HostState(self.host.cpus, self.host.memory)
         for lease in self.leases.values():
@@ -562,6 +649,9 @@ class Allocator:
         position = 0
         while position < len(self.queue):
             waiting = self.queue[position]
+            if self.admit is not None and not self.admit(waiting):
+                position += 1
+                continue
             placement = self._placement(waiting)
             if placement is None:
                 if not waiting.foreign_blocked and self._fits_without_foreign(waiting):
@@ -614,7 +704,9 @@ class Allocator:
         if not self._foreign:
             return None
         return [
-            GpuState(g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts), left=dict(g.left))
+            GpuState(
+                g.index, g.capacity, g.leased, g.tenants, g.exclusive, set(g.contexts), left=dict(g.left), base=g.base
+            )
             for g in self.gpus.values()
         ]
 
@@ -651,7 +743,7 @@ class Allocator:
         cached = self._budget_cache.get(waiting.key)
         if cached is not None and cached[0] == signature:
             return cached[1]
-        drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts)) for g in self.gpus.values()]
+        drained = [GpuState(g.index, g.capacity, contexts=set(g.contexts), base=g.base) for g in self.gpus.values()]
         blocked = place(drained, waiting.request, waiting.client, self.policy, allowed=waiting.allowed) is None
         self._budget_cache[waiting.key] = (signature, blocked)
         return blocked
@@ -676,7 +768,8 @@ class Allocator:
     def used(self, index: int) -> int:
         """Bytes committed on a GPU: shared leases, exclusive grants, contexts."""
         gpu = self.gpus[index]
-        committed = gpu.leased + gpu.left_bytes + len(gpu.contexts) * self.policy.context(index)
+        committed = gpu.leased + gpu.left_bytes + self.policy.contexts(index, gpu.contexts)
+        committed += sum(g.capacity for g in self.gpus.values() if g.base == index and g.in_use)
         for lease in self.leases.values():
             if lease.placement.exclusive and index in lease.placement.indices:
                 committed += lease.placement.memory

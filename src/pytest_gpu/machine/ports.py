@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hmac
 import os
 import random
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 DEFAULT_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
+_KEY = secrets.token_bytes(32)  # this process's own: see owner_digest
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,15 @@ class PortOwner:
         """The inverse of ``str()``; a name without a tag is all holder."""
         holder, sep, tag = text.rpartition(cls.SEP)
         return cls(holder, tag) if sep else cls(text, "")
+
+
+def owner_digest(text: str) -> str:
+    """How a run names a port's holder (``<test or fixture>@<tag>``) to an arbiter that is
+    another user's process: a digest keyed with a secret of this process (the run's, whose
+    link says every owner), so the same holder is the same name for the run's whole life
+    (its ports are given back by it) but that arbiter cannot find the test and pid behind
+    it by trying node ids and pids, nor make up another run's."""
+    return "#" + hmac.new(_KEY, text.encode(), "sha256").hexdigest()[:16]
 
 
 def parse_port_range(value: str) -> tuple[int, int]:

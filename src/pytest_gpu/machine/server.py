@@ -27,12 +27,14 @@ Every peer is a stranger (a machine-wide arbiter is reachable by every local use
 from __future__ import annotations
 
 import functools
+import grp
+import pwd
 from typing import Any
 
 from ..wire.frames import MAX_FRAME, MAX_REPLY
 from ..wire.server import Bounds, Peer, PeerAuth, Server
-from .arbiter import Arbiter, Event, roster_digest, run_uid
-from .domain import user_name
+from .arbiter import Arbiter, Event, Members, roster_digest, run_uid
+from .domain import Domain, sim_group, user_name
 from .messages import ARBITER, Attach, integer
 
 MAX_OUTBOX = 4 << 20
@@ -71,6 +73,7 @@ class ArbiterServer(Server):
             frame_timeout=FRAME_TIMEOUT_S,
         )
         super().__init__(address, PeerAuth(), bounds)
+        arbiter.members = group_members(address)
 
     def leave(self, run: str) -> None:
         """The arbiter's own run leaves: the others hear it before the socket closes, so the
@@ -157,7 +160,7 @@ class ArbiterServer(Server):
         return self.arbiter.measure_context(peer.data, m["uuid"], m["bytes"])
 
     def on_room(self, peer: Peer, m: dict[str, Any]) -> list[int]:
-        return self.arbiter.room(m["gpus"])
+        return self.arbiter.room(m["gpus"], peer.data)
 
     def on_take_ports(self, peer: Peer, m: dict[str, Any]) -> Any:
         return self.arbiter.take_ports(peer.data, m["n"], m["owner"], m["range"])
@@ -167,3 +170,43 @@ class ArbiterServer(Server):
 
     def on_give_back_ports_prefix(self, peer: Peer, m: dict[str, Any]) -> list[int]:
         return self.arbiter.give_back_ports_prefix(peer.data, m["prefix"])
+
+
+def group_members(address: str) -> Members | None:
+    """Who may attach at ``address``: on a simulated machine shared with a group (a
+    machine-wide domain other than the real GPUs', see :meth:`Domain.sim`), that group's
+    members only (``$PYTEST_GPU_SIM_GROUP`` of the arbiter's run, which its runs share);
+    ``None``: anyone (the real GPUs; a private domain, which no other user can reach)."""
+    if not address.startswith("\0") or address == Domain.real().address():
+        return None
+    try:
+        gid = sim_group()
+    except ValueError:  # the arbiter's own run was refused it: it serves no group
+        return None
+    if gid is None:
+        return None
+    try:
+        name = grp.getgrgid(gid).gr_name
+    except KeyError:
+        name = str(gid)
+    return name, functools.partial(is_member, gid)
+
+
+def is_member(gid: int, uid: int, pid: int) -> bool:
+    """Whether process ``pid`` of user ``uid`` (a peer's credentials, ``SO_PEERCRED``) is in
+    group ``gid``: by its groups as the kernel holds them (``/proc/<pid>/status``), else, where
+    those cannot be read (``hidepid``), by the group database."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        uids = fields["Uid"].split()
+        if int(uids[0]) != uid:  # not the peer's process any more (its pid reused)
+            return False
+        return gid == int(fields["Gid"].split()[1]) or str(gid) in fields.get("Groups", "").split()
+    except (OSError, KeyError, IndexError, ValueError):
+        pass
+    try:
+        entry = pwd.getpwuid(uid)
+        return entry.pw_gid == gid or entry.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
