@@ -31,11 +31,11 @@ import secrets
 import shutil
 import socket
 import subprocess
-from types import SimpleNamespace
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
