@@ -336,3 +336,22 @@ def test_a_run_that_arrives_mid_hand_over_grants_nothing_the_runs_coming_back_ho
     state = late.status()
     assert [(r["run"], r["test"]) for r in state["leases"]] == [(holder.run, "t::held")]
     assert [(w["run"], w["test"]) for w in state["waiting"]] == [(late.run, "t::late")]
+
+
+def test_a_run_is_present_while_attached_and_neither_after_it_left_nor_in_a_forked_child(domain, join):
+    """What a new arbiter waits for: the runs attached now. A run that left is not (its
+    presence goes first, before it detaches), nor is a process forked from a run (a test's
+    multiprocessing worker, which may outlive the run): a new arbiter would wait for them in vain."""
+    run = join()
+    tag = arbiter.roster_digest(run.run)[1:]
+    assert domain.present() == {tag}
+    child = os.fork()
+    if child == 0:  # holds every descriptor the run had, until killed
+        time.sleep(60)
+        os._exit(0)
+    try:
+        run.close()
+        assert domain.present() == set()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
