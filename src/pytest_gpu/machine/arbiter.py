@@ -659,9 +659,11 @@ class Arbiter:
             raise Unsatisfiable(reason)
         return Waiting(pool_key, client, request, allowed=allowed)
 
-    def expect(self, runs: set[str], within: float = RESUME_AFTER_S) -> None:
-        """After a failover: grant nothing until ``runs`` have re-attached (or ``within``
-        seconds have passed), so that no lease they hold is promised again meanwhile."""
+    def expect(self, runs: set[str], within: float | None = None) -> None:
+        """After a failover: grant nothing until ``runs`` (ids, or roster digests) have
+        re-attached (or ``within`` seconds have passed, default ``RESUME_AFTER_S``), so that
+        no lease they hold is promised again meanwhile."""
+        within = RESUME_AFTER_S if within is None else within
         with self._lock:
             self.pending = set(runs) - set(self.runs) - {roster_digest(r) for r in self.runs}
             if not self.pending:

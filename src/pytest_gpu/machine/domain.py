@@ -62,6 +62,8 @@ RUN_GRACE_S = 60.0  # a run's machine directory younger than this without an own
 DEFAULT_ROOT = "/tmp/pytest-gpu-machines"
 REAL = "gpus"
 LEDGER_DIR = "sim-ledger"
+PRESENT_MAX = 4096  # presence names one election counts at most (anyone may bind such names)
+_TAG = re.compile(rb"[0-9a-f]{20}")  # a presence name's tail: the roster's digest of a run id
 
 _warned: set[str] = set()
 said: list[str] = []  # the warning lines of this process, in order
@@ -371,6 +373,47 @@ class Domain:
     def ledger_path(self) -> Path:
         """The simulated GPUs' ledger, for a simulated machine."""
         return self.ledger if self.ledger is not None else self.path / LEDGER_DIR
+
+    def _presence_prefix(self) -> str:
+        where = f"{machine_dir()}\0{self.name}" if self.wide else str(self.path)
+        return f"\0pytest-gpu-present-{hashlib.sha256(where.encode()).hexdigest()[:24]}."
+
+    def be_present(self, tag: str) -> socket.socket | None:
+        """Say that a run (``tag``: the 20 hex digits of its roster digest) is attached here,
+        for as long as the returned socket is open: an abstract name, which the kernel
+        undoes when the process exits, SIGKILL included. ``None`` where it cannot be bound.
+
+        Why: a run that wins an election without having heard a roster (it just arrived, as
+        the arbiter's run left) learns from these names which runs will re-attach with
+        leases it must not promise again (see :mod:`.link`)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self._presence_prefix() + tag)  # bound, never listening: no one can connect
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def present(self) -> set[str]:
+        """The tags of the runs present here now (see :meth:`be_present`): the abstract names
+        the kernel lists (``/proc/net/unix``), at most :data:`PRESENT_MAX`; none where it
+        cannot be read. Anyone may bind such a name: a false one makes a new arbiter wait
+        for a run that never comes, for ``RESUME_AFTER_S`` at most."""
+        # bytes: no codec to import (a process may have given up the rights to read the stdlib)
+        shown = b"@" + self._presence_prefix()[1:].encode()  # the kernel shows an abstract name's NUL as "@"
+        found: set[str] = set()
+        try:
+            with open("/proc/net/unix", "rb") as table:
+                for line in table:
+                    name = line.rstrip(b"\n").rpartition(b" ")[2]
+                    tag = name[len(shown) :]
+                    if name.startswith(shown) and _TAG.fullmatch(tag):
+                        found.add(tag.decode())
+                        if len(found) >= PRESENT_MAX:
+                            break
+        except OSError:
+            return set()
+        return found
 
     def address(self) -> str:
         """The arbiter's socket: a machine-wide domain's abstract name (no file to leave

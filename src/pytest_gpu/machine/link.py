@@ -27,10 +27,14 @@ again: one wins, the rest connect to it, and each brings what it holds and waits
 (the mirror of its own run it keeps, :mod:`.mirror`). The new arbiter grants nothing
 until every run of the last roster it heard of (the arbiter tells every run who is
 attached) has re-attached, or ``RESUME_AFTER_S`` has passed, so nothing held is
-promised twice. A run that is not the arbiter reaches it over :mod:`.remote`; an arbiter
-that answers or tells what the protocol does not allow (:mod:`.messages`), or what this
-run can tell is false, is used no more: the run coordinates with its own user's runs only
-(one warning line), as it does beside a squatter, and asks its call again there.
+promised twice. A run may also win that election just as it arrives, having heard no
+roster: every attached run holds a presence name in its domain
+(:meth:`.Domain.be_present`, undone by the kernel when it exits), and a run that wins an
+election waits for the runs present as for those of its roster. A run that is not the
+arbiter reaches it over :mod:`.remote`; an arbiter that answers or tells what the protocol
+does not allow (:mod:`.messages`), or what this run can tell is false, is used no more: the
+run coordinates with its own user's runs only (one warning line), as it does beside a
+squatter, and asks its call again there.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import os
 import pwd
 import queue
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -52,7 +57,7 @@ from typing import Any
 from ..base.procs import owner_alive
 from ..base.requests import GpuRequest
 from ..base.safefiles import open_or_create
-from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth
+from .arbiter import Arbiter, Event, ForeignSource, Sink, Truth, roster_digest
 from .domain import Domain, user_name, warn_once
 from .messages import (
     LABEL_MAX,
@@ -180,6 +185,7 @@ class MachineLink:
         self._server: ArbiterServer | None = None
         self._remote: Remote | None = None
         self._lock_fd = -1
+        self._presence: tuple[Domain, socket.socket] | None = None  # says this run is attached there
         self._attached = False
         self._closed = False
         self._mirror = Mirror()  # what this run holds and waits for, to bring to a new arbiter
@@ -202,6 +208,10 @@ class MachineLink:
         if self._remote is not None:
             with contextlib.suppress(OSError):
                 os.close(self._remote.sock.detach())
+        if self._presence is not None:  # the child is not the run: a new arbiter must not wait for it
+            with contextlib.suppress(OSError):
+                os.close(self._presence[1].detach())
+            self._presence = None
         self._server = self._remote = self._arbiter = None
         self._closed = True  # the child is no run: close() does nothing there
 
@@ -252,11 +262,25 @@ class MachineLink:
 
     def _alone(self) -> None:
         """This run is its own arbiter, in its own process, sharing its GPUs with no other run."""
+        self._be_present(None)
         self.domain = None
         self._arbiter = Arbiter(self.policy, self.foreign, truth=self.truth, ports=self.ports)
         self._attach_here(self._arbiter)
 
+    def _be_present(self, domain: Domain | None) -> None:
+        """Hold this run's presence name in ``domain`` (in none: ``None``), before it can win
+        an election or attach there: an arbiter elected from then on waits for it."""
+        if self._presence is not None and self._presence[0] == domain:
+            return
+        if self._presence is not None:
+            self._presence[1].close()
+            self._presence = None
+        held = domain.be_present(roster_digest(self.run)[1:]) if domain is not None else None
+        if domain is not None and held is not None:
+            self._presence = (domain, held)
+
     def _elect_in(self, domain: Domain, expect: bool) -> None:
+        self._be_present(domain)
         deadline = time.monotonic() + ELECT_TIMEOUT_S
         while True:
             if self._try_lead(domain, expect):
@@ -323,9 +347,14 @@ class MachineLink:
             arbiter.close()
             return False
         # this run's leases are in the allocator before any other run can reach it (the server
-        # starts last): nothing it holds can be promised to another run meanwhile
+        # starts last): nothing it holds can be promised to another run meanwhile. The runs to
+        # wait for: those of the last roster it heard (after a failover), and those present,
+        # which a run that just arrived knows of only so (the arbiter's run left as it came)
+        coming = {"#" + tag for tag in domain.present()} - {roster_digest(self.run)}
         if expect:
-            arbiter.expect({run for run, pid in self._roster if run != self.run and self._maybe_alive(pid)})
+            coming |= {run for run, pid in self._roster if run != self.run and self._maybe_alive(pid)}
+        if coming:
+            arbiter.expect(coming)
         self._lock_fd, self._arbiter = fd, arbiter
         self._attach_here(arbiter)
         self._server = server.start()
@@ -682,6 +711,7 @@ class MachineLink:
             if self._closed:
                 return
             self._closed = True
+            self._be_present(None)  # first: an arbiter elected from now on must not wait for it
             if self._server is not None:
                 self._server.leave(self.run)
                 self._server.close()
