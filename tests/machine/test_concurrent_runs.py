@@ -345,11 +345,16 @@ def test_a_run_is_present_while_attached_and_neither_after_it_left_nor_in_a_fork
     run = join()
     tag = arbiter.roster_digest(run.run)[1:]
     assert domain.present() == {tag}
+    ready, said = os.pipe()
     child = os.fork()
     if child == 0:  # holds every descriptor the run had, until killed
+        os.write(said, b"!")  # the fork handlers have run: the child is as a test's worker would be
         time.sleep(60)
         os._exit(0)
+    os.close(said)
     try:
+        assert os.read(ready, 1) == b"!"
+        os.close(ready)
         run.close()
         assert domain.present() == set()
     finally:
