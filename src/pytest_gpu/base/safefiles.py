@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -80,6 +80,57 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def _only_mine(fd: int, path: Path | str) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        raise _refuse(path, f"belongs to another user, {_owner_name(info.st_uid)}")
+    if info.st_mode & 0o022:
+        raise _refuse(path, f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})", errno.EACCES)
+
+
+def own_tree(base: Path, parts: Sequence[str]) -> Path:
+    """``base / parts...``: directories that are this user's and no one else's to write, those
+    of ``parts`` made (0700) where missing.
+
+    Each is opened from the one above it, without following a link, and checked on its
+    descriptor: this user's, not writable by group or others (``base`` included: a
+    world-writable ``$HOME=/tmp`` is refused, as is a name there another user took). So no
+    one else can add, replace or rename anything below ``base``. :class:`Unsafe` says which
+    one is not so, :class:`OSError` where one cannot be made."""
+    fd = open_dir(base)
+    path = base
+    try:
+        _only_mine(fd, path)
+        for part in parts:
+            with suppress(FileExistsError):
+                os.mkdir(part, 0o700, dir_fd=fd)
+            path = path / part
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refuse(path, "is a symbolic link or not a directory", exc.errno) from None
+                raise
+            os.close(fd)
+            fd = inner
+            _only_mine(fd, path)
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_own_file(path: Path | str) -> int:
+    """Open regular file ``path`` for reading, without following a link, where it is this user's
+    and no one else can write it (:class:`Unsafe` otherwise): a library to load, a program to run."""
+    fd = open_file(path, owner=os.geteuid())
+    try:
+        _only_mine(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def shared_dir(path: Path, mode: int = 0o1777) -> Path:
     """``path`` as a directory every user may add to, like ``/tmp`` (sticky: no one removes
     another's entries), made if missing; whoever made it.
@@ -108,8 +159,13 @@ def group_dir(path: Path, gid: int) -> Path:
     """``path`` as a directory that the members of group ``gid`` share and no one else
     enters (02770, that group), made if missing.
 
-    Whoever of the group made it; one that others can write, or of another group, or not a
-    directory, is refused with :class:`Unsafe`."""
+    Only a directory this call made is given the group and mode: one that exists is used as
+    it is or refused, never opened up. Whoever owns the directory ``path`` is in may rename
+    any entry there (another of this user's directories, a private one, to ``path``), so a
+    directory found under the name is not trusted to be a group directory because it is
+    this user's; and one made here must still be empty when it is opened (a full one was
+    swapped in between ``mkdir`` and ``open``). One that others can write, of another group,
+    not yet the group's (a private directory), or not a directory, is refused with :class:`Unsafe`."""
     created = False
     try:
         os.mkdir(path, 0o700)
@@ -119,17 +175,20 @@ def group_dir(path: Path, gid: int) -> Path:
     fd = open_dir(path)
     try:
         info = os.fstat(fd)
-        if created or info.st_uid == os.geteuid():
+        if created and info.st_uid == os.geteuid() and not os.listdir(fd):
             if info.st_gid != gid:
                 os.fchown(fd, -1, gid)
-            if stat.S_IMODE(info.st_mode) != 0o2770:
-                os.fchmod(fd, 0o2770)
+            os.fchmod(fd, 0o2770)
             info = os.fstat(fd)
         mode = stat.S_IMODE(info.st_mode)
         if info.st_gid != gid:
-            raise _refuse(path, f"belongs to group {info.st_gid}, not {gid}")
+            raise _refuse(path, f"belongs to group {info.st_gid}, not {gid} (left as it is)")
         if mode & 0o007 or mode & 0o070 != 0o070:
-            raise _refuse(path, f"has mode {mode:o}: expected 2770 (the group's, no one else's)")
+            raise _refuse(
+                path,
+                f"has mode {mode:o}: expected 2770 (the group's, no one else's); left as it is "
+                "(a directory found there is never opened up: remove it if it is a group's that was never finished)",
+            )
     finally:
         os.close(fd)
     return path
