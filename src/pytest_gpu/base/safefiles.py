@@ -66,6 +66,14 @@ def private_dir(path: Path) -> Path:
 
     Raises :class:`Unsafe` when it is a symbolic link, not a directory, or another user's;
     :class:`OSError` when it cannot be made."""
+    os.close(open_private_dir(path))
+    return path
+
+
+def open_private_dir(path: Path) -> int:
+    """A descriptor of ``path`` as :func:`private_dir` makes it: what was checked is what the
+    caller holds, whatever the name leads to later (whoever owns the directory above may
+    rename what is in it)."""
     with suppress(FileExistsError):
         os.mkdir(path, 0o700)
     fd = open_dir(path)
@@ -75,9 +83,10 @@ def private_dir(path: Path) -> Path:
             raise _refuse(path, f"belongs to another user, {_owner_name(info.st_uid)}")
         if stat.S_IMODE(info.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
-    finally:
+    except BaseException:
         os.close(fd)
-    return path
+        raise
+    return fd
 
 
 def _only_mine(fd: int, path: Path | str) -> None:
@@ -217,10 +226,15 @@ def _checked(fd: int, path: Path | str, owner: int | None) -> int:
     return fd
 
 
-def open_file(path: Path | str, flags: int = os.O_RDONLY, *, owner: int | None = None) -> int:
-    """Open an existing regular file without following a link; ``owner``: the uid it must have."""
+def open_file(
+    path: Path | str, flags: int = os.O_RDONLY, *, owner: int | None = None, dir_fd: int | None = None
+) -> int:
+    """Open an existing regular file without following a link; ``owner``: the uid it must have.
+
+    ``dir_fd`` (here and below): a descriptor of the directory a relative ``path`` is in: a
+    directory checked once and then used through it, whatever its name leads to later."""
     try:
-        fd = os.open(path, flags | _NOFOLLOW)
+        fd = os.open(path, flags | _NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _refuse(path, "is a symbolic link", exc.errno) from None
@@ -230,9 +244,9 @@ def open_file(path: Path | str, flags: int = os.O_RDONLY, *, owner: int | None =
     return fd
 
 
-def create_file(path: Path | str, mode: int, flags: int = os.O_WRONLY) -> int:
+def create_file(path: Path | str, mode: int, flags: int = os.O_WRONLY, *, dir_fd: int | None = None) -> int:
     """Create ``path`` (it must not exist: ``FileExistsError``) with exactly ``mode``, whatever the umask."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode & 0o777)
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode & 0o777, dir_fd=dir_fd)
     os.set_blocking(fd, True)
     try:
         os.fchmod(fd, mode)
@@ -242,25 +256,27 @@ def create_file(path: Path | str, mode: int, flags: int = os.O_WRONLY) -> int:
     return fd
 
 
-def open_or_create(path: Path | str, mode: int, flags: int = os.O_RDWR, *, owner: int | None = None) -> int:
+def open_or_create(
+    path: Path | str, mode: int, flags: int = os.O_RDWR, *, owner: int | None = None, dir_fd: int | None = None
+) -> int:
     """Open regular file ``path``, creating it with ``mode`` if missing; never through a link.
 
     ``owner``: the uid an existing file must have (``None``: anyone's)."""
     for _ in range(8):  # it may appear or vanish between the two tries
         try:
-            return create_file(path, mode, flags)
+            return create_file(path, mode, flags, dir_fd=dir_fd)
         except FileExistsError:
             pass
         try:
-            return open_file(path, flags, owner=owner)
+            return open_file(path, flags, owner=owner, dir_fd=dir_fd)
         except FileNotFoundError:
             continue
     raise _refuse(path, "keeps appearing and vanishing", errno.EAGAIN)
 
 
-def read_bytes(path: Path | str, limit: int, *, owner: int | None = None) -> bytes:
+def read_bytes(path: Path | str, limit: int, *, owner: int | None = None, dir_fd: int | None = None) -> bytes:
     """The content of regular file ``path`` (at most ``limit`` bytes, else :class:`Unsafe`)."""
-    fd = open_file(path, owner=owner)
+    fd = open_file(path, owner=owner, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "rb", closefd=False) as stream:
             data = stream.read(limit + 1)
@@ -271,13 +287,13 @@ def read_bytes(path: Path | str, limit: int, *, owner: int | None = None) -> byt
     return data
 
 
-def replace_file(path: Path, data: bytes, mode: int) -> None:
+def replace_file(path: Path, data: bytes, mode: int, *, dir_fd: int | None = None) -> None:
     """Write ``path`` whole: to a temporary file of an unpredictable name, then renamed over it.
 
     For directories only their owner(s) can write: in a sticky directory the rename fails
     when ``path`` is someone else's (and is never followed if it is a link)."""
     temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = create_file(temp, mode)
+    fd = create_file(temp, mode, dir_fd=dir_fd)
     try:
         try:
             view = memoryview(data)
@@ -285,22 +301,22 @@ def replace_file(path: Path, data: bytes, mode: int) -> None:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        os.replace(temp, path)
+        os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with suppress(OSError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=dir_fd)
         raise
 
 
 @contextmanager
-def locked(path: Path, mode: int = 0o600, *, owner: int | None = None) -> Iterator[int]:
+def locked(path: Path, mode: int = 0o600, *, owner: int | None = None, dir_fd: int | None = None) -> Iterator[int]:
     """An exclusive ``flock`` on regular file ``path`` (created with ``mode`` if missing) while
     the block runs; the kernel drops it if the process dies. A file that cannot be opened for
     writing (another user's) is locked through a read-only descriptor: ``flock`` needs none."""
     try:
-        fd = open_or_create(path, mode, owner=owner)
+        fd = open_or_create(path, mode, owner=owner, dir_fd=dir_fd)
     except PermissionError:
-        fd = open_file(path, os.O_RDONLY, owner=owner)
+        fd = open_file(path, os.O_RDONLY, owner=owner, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield fd
