@@ -49,7 +49,7 @@ from typing import Any, cast
 from ..base.procs import owner_alive
 from ..base.requests import format_size, parse_size
 from ..base.safefiles import Unsafe, locked, open_dir, private_dir, read_bytes, replace_file
-from ..machine.domain import SIM_MACHINE_ENV, Domain, reach, sim_machine_name, user_name
+from ..machine.domain import SIM_MACHINE_ENV, Domain, reach, sim_machine_name, user_name, warn_once
 from . import spec as specs
 
 LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
@@ -163,9 +163,11 @@ def _malformed(state: object) -> str | None:
     if not (isinstance(procs, dict) and isinstance(tags, dict) and isinstance(users, dict)):
         return "has no procs, tags or users"
 
-    def unit(key: object) -> bool:
-        index = int(key) if isinstance(key, str) and key.isdigit() else key
+    def unit(index: object) -> bool:  # a unit as a value: a number
         return _is_int(index) and cast("int", index) < units
+
+    def key(name: object) -> bool:  # a unit as a JSON object's key: its number as text
+        return isinstance(name, str) and name.isdigit() and int(name) < units
 
     for pid, proc in procs.items():
         where = f"procs[{pid!r}]"
@@ -174,7 +176,7 @@ def _malformed(state: object) -> str | None:
         ctx, allocs = proc.get("ctx"), proc.get("allocs")
         if not (_is_time(proc.get("ctime")) and _is_int(proc.get("seq")) and isinstance(ctx, dict)):
             return f"has a malformed record {where}"
-        if not all(unit(k) and _is_tag(v) for k, v in ctx.items()):
+        if not all(key(k) and _is_tag(v) for k, v in ctx.items()):
             return f"has a malformed record {where}.ctx"
         if not isinstance(allocs, dict) or not all(
             isinstance(a, list) and len(a) == 3 and unit(a[0]) and _is_int(a[1]) and _is_tag(a[2])
@@ -188,11 +190,11 @@ def _malformed(state: object) -> str | None:
         if not (isinstance(rec, dict) and _is_int(rec.get("owner")) and _is_time(rec.get("octime"))):
             return f"has a malformed record {where}"
         peak, touched, threads = rec.get("peak"), rec.get("touched"), rec.get("threads", {})
-        if not (isinstance(peak, dict) and all(unit(k) and _is_int(v) for k, v in peak.items())):
+        if not (isinstance(peak, dict) and all(key(k) and _is_int(v) for k, v in peak.items())):
             return f"has a malformed record {where}.peak"
         if not (isinstance(touched, list) and all(unit(u) for u in touched)):
             return f"has a malformed record {where}.touched"
-        if not (isinstance(threads, dict) and all(unit(k) and isinstance(v, list) for k, v in threads.items())):
+        if not (isinstance(threads, dict) and all(key(k) and isinstance(v, list) for k, v in threads.items())):
             return f"has a malformed record {where}.threads"
         for seen in threads.values():
             for who in seen:
@@ -254,6 +256,7 @@ class Ledger:
         self._file_mode: int | None = None  # 0660 in a group's directory, else 0600
         self._fd: int | None = None  # the directory, checked once and used through this from then on
         self._owner: int | None = None  # whom its files must belong to: this user in a private one
+        self._ident = (0, 0)  # (st_dev, st_ino) of the directory held
         self._opening = threading.Lock()
 
     def _dir(self) -> int:
@@ -264,7 +267,12 @@ class Ledger:
         It must be this user's, or a group's of this user (not open to others): anything else
         is refused with :class:`LedgerWriteError`, never locked, read or written."""
         if self._fd is not None:
-            return self._fd
+            if self._held(self._fd):
+                return self._fd
+            with self._opening:  # removed (by hand, by a test): made anew where its name leads
+                if self._fd is not None and not self._held(self._fd):
+                    os.close(self._fd)
+                    self._fd = None
         with self._opening:
             if self._fd is None:
                 try:
@@ -286,8 +294,29 @@ class Ledger:
                     )
                 self._file_mode = 0o660 if mode & 0o020 else 0o600
                 self._owner = os.geteuid() if mine and not mode & 0o077 else None
+                self._ident = (info.st_dev, info.st_ino)
                 self._fd = fd
+        assert self._fd is not None
         return self._fd
+
+    def _held(self, fd: int) -> bool:
+        """Whether ``fd`` is still this ledger's directory, which still exists; where its name
+        leads elsewhere now, says so once (in one line) and keeps to the directory held."""
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != self._ident or info.st_nlink == 0:
+            return False
+        try:
+            named = os.stat(self.path)
+            seen = None if (named.st_dev, named.st_ino) == self._ident else f"a directory of {_user(named.st_uid)}"
+        except OSError as exc:
+            seen = f"nothing ({exc.strerror or exc})"
+        if seen is not None:
+            warn_once(
+                f"ledger:{self.path}",
+                f"the simulated GPU ledger {self.path} leads to {seen} now, not to the directory this process "
+                "opened (a directory above it was renamed and replaced); this process keeps to its own, held open",
+            )
+        return True
 
     @property
     def file_mode(self) -> int:
