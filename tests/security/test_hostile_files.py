@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from helpers import patience, wait_for
 from pytest_gpu.base.safefiles import Unsafe, group_dir
 from pytest_gpu.machine import domain
 from pytest_gpu.report import gantt
+from pytest_gpu.run import rundir
 from pytest_gpu.sim import nvml
 from pytest_gpu.sim.ledger import Ledger, LedgerWriteError
 
@@ -369,3 +371,14 @@ def test_a_report_replaces_a_link_where_its_picture_goes_and_refuses_deep_traces
         deep.write_text("[" * depth + "]" * depth)
         with pytest.raises(gantt.TraceError, match="nested deeper than 12 levels"):
             gantt.load_trace(deep)
+
+
+def test_a_run_directory_put_in_place_of_the_one_made_is_not_removed(capsys: pytest.CaptureFixture[str]) -> None:
+    run = rundir.create()
+    aside = _swap(run)
+    (run / "b-sentinel").write_text("B's")
+    rundir.remove(run)
+    assert (run / "b-sentinel").exists()
+    assert f"{run} is not the run directory this run made; left as it is" in capsys.readouterr().err
+    shutil.rmtree(run)
+    shutil.rmtree(aside)

@@ -13,7 +13,12 @@ then write into. The rules here, for every layer:
   renamed over it: inside a directory only its owner(s) can write;
 - a directory someone else owns, a symbolic link, or anything else where a directory of
   ours belongs is refused with :class:`Unsafe`, which says why; callers fall back to a
-  place of their own.
+  place of their own;
+- whoever owns a directory may rename anything in it, ours included: a directory of ours
+  there is checked once and then used through its descriptor (``dir_fd``), and an existing
+  directory is never opened up (:func:`group_dir`);
+- a library or program is used only where it and every directory above it up to a base
+  of ours are ours and no one else's to write (:func:`own_tree`, :func:`open_own_file`).
 
 What the kernel vouches for (ownership read with ``fstat`` on an open descriptor) is
 identity; a name is only a claim.

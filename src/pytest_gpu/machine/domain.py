@@ -31,7 +31,10 @@ the directories of simulated machines shared with a group (02770, that group's).
 name there is taken by someone else (a link, another user's directory), this user's runs
 use ``$XDG_RUNTIME_DIR``, then their home's cache, and say so once; an administrator who
 makes the machine directory as root (``install -d -m 1777``) keeps every user's entries
-out of every other user's reach.
+out of every other user's reach. Whoever owns it may rename what is in it: so a process
+checks its private root once and then reaches it through its open descriptor
+(:func:`reach`), and a group's directory is never given its group and mode unless this
+process just made it (:func:`~pytest_gpu.base.safefiles.group_dir`).
 """
 
 from __future__ import annotations
@@ -449,7 +452,8 @@ class Domain:
 
     @property
     def lock_path(self) -> Path:
-        """Held (``flock``) by the run that is a private domain's arbiter."""
+        """Held (``flock``) by the run that is a private domain's arbiter (through the private
+        root's descriptor: :func:`reach`)."""
         return reach(self.path / "arbiter.lock")
 
     @property
@@ -460,7 +464,7 @@ class Domain:
     def address(self) -> str:
         """The arbiter's socket: a machine-wide domain's abstract name (no file to leave
         behind, plant or swap: it vanishes with its process), or a private domain's socket
-        file in its directory."""
+        file in its directory (through the private root's descriptor: :func:`reach`)."""
         if not self.wide:
             return str(reach(self.path / "arbiter.sock"))
         digest = hashlib.sha256(f"{machine_dir()}\0{self.name}".encode()).hexdigest()[:24]

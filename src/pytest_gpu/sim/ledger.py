@@ -27,9 +27,11 @@ directory, see :mod:`pytest_gpu.machine.domain`), or, with ``PYTEST_GPU_SIM_GROU
 members' of a group (02770), as ``/dev/nvidia*`` belong to a group. No one else can read or
 write it; its members may, as users of a GPU may use it all. Files in it are replaced
 whole (written aside under an unpredictable name, then renamed) and opened without
-following links. A machine keeps its spec and context size while any process uses it (a
-process with memory or a context on it, or one that opened it with :func:`machine_ledger`
-and lives); an idle machine takes the spec of whoever opens it next.
+following links, through the directory's descriptor (checked once: this user's or its
+group's), and ``ledger.json`` is checked for its shape before it is believed. A machine
+keeps its spec and context size while any process uses it (a process with memory or a
+context on it, or one that opened it with :func:`machine_ledger` and lives); an idle
+machine takes the spec of whoever opens it next.
 """
 
 from __future__ import annotations
