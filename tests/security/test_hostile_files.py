@@ -357,6 +357,15 @@ def test_a_world_writable_cache_is_passed_over_and_a_library_others_can_write_ne
         nvml.load_library(library)
 
 
+def test_a_cache_that_is_the_users_own_link_is_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "disk" / "cache"
+    real.mkdir(parents=True)
+    link = tmp_path / "cache"
+    link.symlink_to(real)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(link))
+    assert nvml.library_dir().parent == real / "pytest-gpu" / "fake-nvml"
+
+
 def test_a_report_replaces_a_link_where_its_picture_goes_and_refuses_deep_traces(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     victim = tmp_path / "victim.txt"

@@ -138,6 +138,8 @@ def build_library(fake: FakeLibrary) -> Path:
     name = key + fake.suffix
     try:
         base = _cache_base()
+        if base.is_symlink() and base.lstat().st_uid == os.geteuid():
+            base = base.resolve()  # the user's own link (a ~/.cache on another disk); another's is refused
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
         return _build(own_tree(base, ("pytest-gpu", fake.kind, name)), fake)
     except OSError as exc:
