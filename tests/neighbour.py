@@ -155,6 +155,8 @@ def main(attack: str, name: str, *args: str) -> Any:
     found = requests_attack(attack, where, *args)  # issue 30's attacks on what the arbiter accepts
     if found is not None:
         return found
+    if attack in FILE_ATTACKS:  # issue 30: B owns a directory where A's files are, or A's is world-writable
+        return FILE_ATTACKS[attack](*args)
     raise SystemExit(f"unknown attack {attack!r}")
 
 
@@ -200,6 +202,102 @@ def requests_attack(attack: str, where: str, *args: str) -> Any:
             peers.append(peer)
         return {"held": answers}
     return None
+
+
+# -- attacks on files (issue 30, items 3, 7, 9, 10) ------------------------------------------------
+
+
+def swap_private(machines: str, victim_uid: str, machine: str) -> Any:
+    """As the owner of the machine directory: put a directory of B's own where A's private root
+    ``user-<uid>`` is (``trap-<uid>``; A's goes to ``aside-<uid>``), mid-run, mirroring A's
+    run's machine ``machine`` (its path below the root):
+    a ledger that says its GPUs are full, its lock held, a lock of the arbiter held, a sentinel.
+    Prints ``ready`` and holds the locks until killed."""
+    import fcntl
+
+    import psutil
+
+    trap = os.path.join(machines, f"trap-{victim_uid}")
+    ledger = os.path.join(trap, machine, "sim-ledger")
+    os.makedirs(ledger)
+    for sentinel in (os.path.join(trap, "b-sentinel"), os.path.join(trap, machine, "b-sentinel")):
+        with open(sentinel, "w") as stream:
+            stream.write("B's\n")
+    me = str(os.getpid())
+    full = {"ctime": psutil.Process().create_time(), "ctx": {"0": None, "1": None}, "seq": 2}
+    full["allocs"] = {f"{me}:1": [0, 15 * GiB, None], f"{me}:2": [1, 15 * GiB, None]}
+    state = {"spec": "sim:2x16GiB", "overhead": 500 * 2**20, "procs": {me: full}, "tags": {}, "users": {}}
+    with open(os.path.join(ledger, "ledger.json"), "w") as stream:
+        json.dump(state, stream)
+    held = []
+    for lock in (os.path.join(ledger, "ledger.lock"), os.path.join(trap, machine, "arbiter.lock")):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.append(fd)
+    for path, _, files in os.walk(trap):
+        os.chmod(path, 0o755)
+        for name in files:
+            os.chmod(os.path.join(path, name), 0o644)
+    mine = os.path.join(machines, f"user-{victim_uid}")
+    aside = os.path.join(machines, f"aside-{victim_uid}")
+    os.rename(mine, aside)  # the owner of a sticky directory may rename anything in it
+    os.symlink(trap, mine)
+    print("ready", flush=True)
+    time.sleep(3600)
+
+
+def rename_entry(machines: str, old: str, new: str) -> Any:
+    """As the owner of the machine directory: rename A's entry ``old`` to ``new``."""
+    os.rename(os.path.join(machines, old), os.path.join(machines, new))
+    return "renamed"
+
+
+def plant_library(cache: str, marker: str) -> Any:
+    """In A's world-writable cache: a fake NVML of B's, where A's runs look for theirs, that
+    creates ``marker`` when it is loaded (as A, by A's process)."""
+    import hashlib
+    import subprocess
+    import tempfile
+
+    from pytest_gpu.sim import nvml
+
+    fake = nvml._NVML
+    source = b"".join(path.read_bytes() for path in fake.sources) + fake.generated.encode()
+    key = hashlib.sha256(source + repr((fake.flags(), fake.defines)).encode()).hexdigest()[:16]
+    where = os.path.join(cache, "pytest-gpu", fake.kind, key + fake.suffix)
+    os.makedirs(where, exist_ok=True)
+    path = where
+    while path != cache:  # open to all, as a careless shared cache is
+        os.chmod(path, 0o777)
+        path = os.path.dirname(path)
+    code = (
+        "#include <fcntl.h>\n#include <unistd.h>\n"
+        "__attribute__((constructor)) static void planted(void) {"
+        f' int fd = open("{marker}", O_WRONLY | O_CREAT, 0644); if (fd >= 0) close(fd); }}\n'
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        c = os.path.join(scratch, "planted.c")
+        with open(c, "w") as stream:
+            stream.write(code)
+        library = os.path.join(where, fake.library)
+        command = ["cc", "-shared", "-fPIC", f"-Wl,-soname,{fake.library}", "-o", library, c]
+        subprocess.run(command, check=True, capture_output=True)
+    os.chmod(library, 0o777)
+    return library
+
+
+def plant_link(where: str, target: str) -> Any:
+    """A symbolic link of B's at ``where`` (a shared directory) to ``target`` (A's file)."""
+    os.symlink(target, where)
+    return "planted"
+
+
+FILE_ATTACKS = {
+    "swap_private": swap_private,
+    "rename": rename_entry,
+    "plant_library": plant_library,
+    "plant_link": plant_link,
+}
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ the directories of simulated machines shared with a group (02770, that group's).
 name there is taken by someone else (a link, another user's directory), this user's runs
 use ``$XDG_RUNTIME_DIR``, then their home's cache, and say so once; an administrator who
 makes the machine directory as root (``install -d -m 1777``) keeps every user's entries
-out of every other user's reach.
+out of every other user's reach. Whoever owns it may rename what is in it: so a process
+checks its private root once and then reaches it through its open descriptor
+(:func:`reach`), and a group's directory is never given its group and mode unless this
+process just made it (:func:`~pytest_gpu.base.safefiles.group_dir`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base.procs import owner_alive, read_owner, write_owner
-from ..base.safefiles import group_dir, private_dir, shared_dir
+from ..base.safefiles import group_dir, open_private_dir, private_dir, shared_dir
 
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
@@ -68,7 +72,7 @@ _TAG = re.compile(rb"[0-9a-f]{20}")  # a presence name's tail: the roster's dige
 _warned: set[str] = set()
 said: list[str] = []  # the warning lines of this process, in order
 _holding = False  # a pytest run shows them in its summary (a test's captured stderr would hide them)
-_private_roots: dict[tuple[str, int], Path] = {}
+_private_roots: dict[tuple[str, int], _Root] = {}
 
 
 class DomainError(OSError):
@@ -175,7 +179,7 @@ def claim_run_machines(launch_id: str | None = None) -> str | None:
         name = "launch-" + hashlib.sha256(launch_id.encode()).hexdigest()[:12]
     else:
         name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
-    run = private_dir(private_root() / name)
+    run = private_dir(_root().through / name)  # through its descriptor: see private_root
     write_owner(run / f"owner-{os.getpid()}.json")
     os.environ[SIM_RUN_ENV] = name
     return name
@@ -187,7 +191,7 @@ def release_run_machines(name: str) -> None:
     if os.environ.get(SIM_RUN_ENV) == name:
         del os.environ[SIM_RUN_ENV]
     try:
-        run = private_root() / name
+        run = _root().through / name  # never a tree someone else put where this user's was
     except OSError:
         return
     with contextlib.suppress(FileNotFoundError):
@@ -217,7 +221,7 @@ def sweep_run_machines() -> list[Path]:
     could remove them); returns the run directories removed."""
     removed: list[Path] = []
     try:
-        root = private_root()
+        root = _root().through
         runs = [p for p in root.iterdir() if p.name.startswith(("run-", "launch-")) and p.is_dir()]
     except OSError:
         return removed
@@ -253,35 +257,119 @@ def shared_machine_dir() -> Path:
     return shared_dir(machine_dir())
 
 
+@dataclass(frozen=True)
+class _Root:
+    """A private root this process checked, and holds open from then on."""
+
+    path: Path  # as every process names it
+    fd: int
+    ident: tuple[int, int]  # (st_dev, st_ino): what the name led to when checked
+
+    @property
+    def through(self) -> Path:
+        """The directory reached through the descriptor (Linux: ``/proc/self/fd/N``), else by name."""
+        anchor = Path(f"/proc/self/fd/{self.fd}")
+        return anchor if self.held() and os.path.isdir(anchor) else self.path
+
+    def held(self) -> bool:
+        """Whether the descriptor still holds the directory checked, and it still exists."""
+        try:
+            info = os.fstat(self.fd)
+        except OSError:
+            return False  # closed by someone (a library closing every descriptor)
+        return (info.st_dev, info.st_ino) == self.ident and info.st_nlink > 0
+
+
 def private_root() -> Path:
     """This user's own directory (0700) for its private domains and simulated machines.
 
     ``user-<uid>`` in the machine directory; where that cannot be used safely,
     ``$XDG_RUNTIME_DIR/pytest-gpu-machines``, then ``~/.cache/pytest-gpu/machines-<host>``
-    (one warning line); where none can, a new temporary directory for this process alone."""
+    (one warning line); where none can, a new temporary directory for this process alone.
+
+    Checked once, then held open: whoever owns the machine directory may rename
+    ``user-<uid>`` and put a link or a directory of theirs in its place, so what this module
+    does there goes through that descriptor (:func:`reach`: ``/proc/self/fd/N/...``), and no
+    lock, ledger, socket or removal of this process's can be redirected. Each call looks
+    whether the name still leads there, and where it does not says once, in one line, what
+    it leads to instead, and returns the directory through the descriptor from then on."""
+    root = _root()
+    return root.path if _replaced(root) is None else root.through
+
+
+def reach(path: Path) -> Path:
+    """``path`` (in this user's private root, by name) through the root's descriptor: where
+    this process's own directory is, whatever the name leads to now. Other paths as they are."""
+    key = (str(machine_dir()), os.geteuid())
+    root = _private_roots.get(key)
+    if root is None or not (path == root.path or root.path in path.parents):
+        return path
+    root = _root()  # checked again: says what the name leads to, where it changed
+    return root.through / path.relative_to(root.path)
+
+
+def _root() -> _Root:
     key = (str(machine_dir()), os.geteuid())
     found = _private_roots.get(key)
-    if found is not None and found.is_dir():
-        return found
+    if found is not None and not found.held():  # removed (empty, by hand or a test): made anew
+        del _private_roots[key]
+        with contextlib.suppress(OSError):
+            if (os.fstat(found.fd).st_dev, os.fstat(found.fd).st_ino) == found.ident:
+                os.close(found.fd)  # still ours: a number closed by someone may be another's now
+        found = None
+    if found is not None:
+        seen = _replaced(found)
+        if seen is None:
+            return found
+        warn_once(
+            f"replaced:{found.path}",
+            f"{found.path} {seen} while this run used it (whoever owns {found.path.parent} may rename what is in it); "
+            "this process keeps to its own directory, held open, and touches nothing there",
+        )
+        if found.through != found.path:
+            return found
+        del _private_roots[key]  # no descriptor to reach it through: choose again
     problems = []
     for candidate in _private_candidates():
         try:
             path = candidate()
-            private_dir(path)
+            fd = open_private_dir(path)
         except OSError as exc:
             problems.append(str(exc) if exc.filename else f"{exc.strerror or exc}")
             continue
         if problems:
             warn_once(f"private:{key}", f"{problems[0]}; this user's runs meet in {path} instead")
-        _private_roots[key] = path
-        return path
+        return _hold(key, path, fd)
     try:
         path = Path(tempfile.mkdtemp(prefix="pytest-gpu-machines-"))
+        fd = open_private_dir(path)
     except OSError as exc:
         raise DomainError(exc.errno, exc.strerror or str(exc), str(machine_dir())) from exc
     warn_once(f"private:{key}", f"{'; '.join(problems)}; this run shares GPUs with no other run ({path})")
-    _private_roots[key] = path
-    return path
+    return _hold(key, path, fd)
+
+
+def _hold(key: tuple[str, int], path: Path, fd: int) -> _Root:
+    info = os.fstat(fd)
+    root = _private_roots[key] = _Root(path, fd, (info.st_dev, info.st_ino))
+    return root
+
+
+def _replaced(root: _Root) -> str | None:
+    """What ``root``'s name leads to now, where that is not the directory checked (``None``: it is)."""
+    try:
+        info = os.lstat(root.path)
+    except FileNotFoundError:
+        return "was removed or renamed"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror or exc})"
+    if (info.st_dev, info.st_ino) == root.ident:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return f"was replaced by a symbolic link of {user_name(info.st_uid)}'s"
+    if info.st_uid != os.geteuid():
+        return f"was replaced by a directory of {user_name(info.st_uid)}'s"
+    return "was replaced by another directory"
 
 
 def _private_candidates() -> list[Callable[[], Path]]:
@@ -319,7 +407,7 @@ class Domain:
     def private(cls, name: str, ledger: Path | None = None) -> Domain:
         """This user's domain ``name``: only this user's runs meet there."""
         path = private_root() / _safe(name)
-        private_dir(path)
+        private_dir(reach(path))
         return cls(name, path, wide=False, ledger=ledger if ledger is not None else path / LEDGER_DIR)
 
     @classmethod
@@ -347,8 +435,8 @@ class Domain:
         if gid is None and run is not None and not os.environ.get(SIM_MACHINE_ENV, "").strip():
             # the run's own: in its directory, which goes with the run (claim_run_machines)
             path = private_root() / run / _safe(f"sim-{spec}")
-            private_dir(path.parent)
-            private_dir(path)
+            private_dir(reach(path.parent))
+            private_dir(reach(path))
             return cls(name, path, wide=False, ledger=path / LEDGER_DIR)
         if gid is None:
             return cls.private(name)
@@ -366,8 +454,9 @@ class Domain:
 
     @property
     def lock_path(self) -> Path:
-        """Held (``flock``) by the run that is a private domain's arbiter."""
-        return self.path / "arbiter.lock"
+        """Held (``flock``) by the run that is a private domain's arbiter (through the private
+        root's descriptor: :func:`reach`)."""
+        return reach(self.path / "arbiter.lock")
 
     @property
     def ledger_path(self) -> Path:
@@ -418,8 +507,8 @@ class Domain:
     def address(self) -> str:
         """The arbiter's socket: a machine-wide domain's abstract name (no file to leave
         behind, plant or swap: it vanishes with its process), or a private domain's socket
-        file in its directory."""
+        file in its directory (through the private root's descriptor: :func:`reach`)."""
         if not self.wide:
-            return str(self.path / "arbiter.sock")
+            return str(reach(self.path / "arbiter.sock"))
         digest = hashlib.sha256(f"{machine_dir()}\0{self.name}".encode()).hexdigest()[:24]
         return f"\0pytest-gpu-{digest}"

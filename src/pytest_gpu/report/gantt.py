@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeGuard, cast
 from xml.sax.saxutils import escape
 
+from ..base.safefiles import replace_file
 from .trace import GPU_PID, WORKERS_PID
 
 EXPECTED = "expected a trace written by pytest --gpu-trace"
+MAX_DEPTH = 12  # a trace nests 7 levels deep: one nested deeper is not ours (and costs a stack to read)
 FORMATS = ("png", "svg")
 
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
@@ -212,8 +214,31 @@ def load_trace(path: str | Path) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {EXPECTED}") from None
+    except RecursionError:  # the decoder's own bound, far deeper than MAX_DEPTH
+        raise TraceError(f"nested deeper than {MAX_DEPTH} levels; {EXPECTED}") from None
+    if _depth(data) > MAX_DEPTH:
+        raise TraceError(f"nested deeper than {MAX_DEPTH} levels; {EXPECTED}")
     _metadata(data)
     return cast("dict[str, Any]", data)  # _metadata checked it is a JSON object
+
+
+def _depth(data: object) -> int:
+    """How deep ``data`` nests (a scalar: 0), counted without recursion."""
+    deepest = 0
+    todo: list[tuple[object, int]] = [(data, 0)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict):
+            children: Sequence[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > MAX_DEPTH:
+            break
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _metadata(data: object) -> Mapping[str, Any]:
@@ -477,6 +502,9 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
     with as much of the name as fits; the key below the chart names those in full. In an
     SVG, every bar also carries its full name and times as a tooltip (``<title>``).
 
+    The picture is written aside under an unpredictable name, then renamed over ``out``: a
+    link planted at ``out`` (a shared directory) is replaced, never followed.
+
     Raises `MissingMatplotlib` without matplotlib, and OSError if ``out`` cannot be written.
     """
     try:
@@ -577,11 +605,14 @@ def render(chart: Chart, out: str | Path, fmt: str, *, dpi: int = 100) -> None:
     # No timestamp in the SVG, so the same trace gives the same file.
     metadata = {"Date": None} if fmt == "svg" else None
     if fmt != "svg":
-        fig.savefig(out, format=fmt, metadata=metadata)
-        return
-    buffer = io.StringIO()
-    fig.savefig(buffer, format=fmt, metadata=metadata)
-    Path(out).write_text(with_tooltips(buffer.getvalue(), tooltips), encoding="utf-8")
+        picture = io.BytesIO()
+        fig.savefig(picture, format=fmt, metadata=metadata)
+        data = picture.getvalue()
+    else:
+        buffer = io.StringIO()
+        fig.savefig(buffer, format=fmt, metadata=metadata)
+        data = with_tooltips(buffer.getvalue(), tooltips).encode("utf-8")
+    replace_file(Path(out), data, 0o644)  # os.umask() cannot be read without setting it: not with threads
 
 
 def _draw_key(fig: Any, lines: Sequence[str], below: float, height: float) -> None:

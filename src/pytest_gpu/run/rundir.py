@@ -140,9 +140,14 @@ def sweep_stale(root: Path | None = None) -> list[Path]:
     return removed
 
 
+_made: dict[Path, tuple[int, int]] = {}  # each run directory this process made: (st_dev, st_ino)
+
+
 def _make(root: Path) -> Path:
     run = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
     try:
+        info = run.lstat()
+        _made[run] = (info.st_dev, info.st_ino)
         write_owner(run / OWNER_FILE)
     except BaseException:
         shutil.rmtree(run, ignore_errors=True)
@@ -172,6 +177,17 @@ def create() -> Path:
 
 
 def remove(run: Path) -> None:
+    """Remove run directory ``run`` (made by :func:`create`), only if its name still leads to the
+    directory made: one put in its place (whoever owns the directory above may rename what is
+    in it) is left alone, and said so in one line."""
+    made = _made.pop(run, None)
+    try:
+        info = run.lstat()
+    except FileNotFoundError:
+        info = None
+    if made is not None and info is not None and (info.st_dev, info.st_ino) != made:
+        print(f"pytest-gpu: warning: {run} is not the run directory this run made; left as it is", file=sys.stderr)
+        return
     shutil.rmtree(run, ignore_errors=True)
     if _is_fallback(run.parent):
         with suppress(OSError):

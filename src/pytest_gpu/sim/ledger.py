@@ -27,9 +27,11 @@ directory, see :mod:`pytest_gpu.machine.domain`), or, with ``PYTEST_GPU_SIM_GROU
 members' of a group (02770), as ``/dev/nvidia*`` belong to a group. No one else can read or
 write it; its members may, as users of a GPU may use it all. Files in it are replaced
 whole (written aside under an unpredictable name, then renamed) and opened without
-following links. A machine keeps its spec and context size while any process uses it (a
-process with memory or a context on it, or one that opened it with :func:`machine_ledger`
-and lives); an idle machine takes the spec of whoever opens it next.
+following links, through the directory's descriptor (checked once: this user's or its
+group's), and ``ledger.json`` is checked for its shape before it is believed. A machine
+keeps its spec and context size while any process uses it (a process with memory or a
+context on it, or one that opened it with :func:`machine_ledger` and lives); an idle
+machine takes the spec of whoever opens it next.
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ import errno
 import functools
 import json
 import os
+import stat
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..base.procs import owner_alive
 from ..base.requests import format_size, parse_size
-from ..base.safefiles import locked, private_dir, read_bytes, replace_file
-from ..machine.domain import SIM_MACHINE_ENV, Domain, sim_machine_name
+from ..base.safefiles import Unsafe, locked, open_dir, private_dir, read_bytes, replace_file
+from ..machine.domain import SIM_MACHINE_ENV, Domain, reach, sim_machine_name, user_name, warn_once
 from . import spec as specs
 
 LEDGER_ENV = "PYTEST_GPU_SIM_LEDGER"
@@ -109,9 +113,9 @@ def machine_ledger_dir(spec: str) -> Path:
     """
     try:
         domain = Domain.sim(spec)
-        path = domain.ledger_path
+        path = domain.ledger_path  # by name: for the processes it is handed to
         if not domain.wide:  # a group's was made with its machine directory
-            private_dir(path)
+            private_dir(reach(path))
     except ValueError as exc:
         raise SimMachineError(str(exc)) from None
     except OSError as exc:
@@ -121,6 +125,86 @@ def machine_ledger_dir(spec: str) -> Path:
             exc.filename,
         ) from None
     return path
+
+
+def _why(exc: OSError) -> str:
+    return str(exc) if isinstance(exc, Unsafe) else (exc.strerror or str(exc))
+
+
+def _user(uid: int) -> str:
+    return f"{user_name(uid)} (uid {uid})"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_time(value: object) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def _is_tag(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _malformed(state: object) -> str | None:
+    """What in ``state`` (a parsed ``ledger.json``) is not as this module writes it, or ``None``:
+    every record is checked here, so none can fail later with a ``KeyError`` or ``TypeError``."""
+    if not isinstance(state, dict):
+        return "is not a JSON object"
+    spec = state.get("spec")
+    if not isinstance(spec, str):
+        return "has no spec"
+    try:
+        units = len(_parse(spec).units())
+    except specs.SpecError:
+        return f"has spec {spec[:80]!r}, not a simulated machine"
+    if not _is_int(state.get("overhead")):
+        return "has no context size (overhead)"
+    procs, tags, users = state.get("procs"), state.get("tags"), state.get("users", {})
+    if not (isinstance(procs, dict) and isinstance(tags, dict) and isinstance(users, dict)):
+        return "has no procs, tags or users"
+
+    def unit(index: object) -> bool:  # a unit as a value: a number
+        return _is_int(index) and cast("int", index) < units
+
+    def key(name: object) -> bool:  # a unit as a JSON object's key: its number as text
+        return isinstance(name, str) and name.isdigit() and int(name) < units
+
+    for pid, proc in procs.items():
+        where = f"procs[{pid!r}]"
+        if not (pid.isdigit() and isinstance(proc, dict)):
+            return f"has a malformed record {where}"
+        ctx, allocs = proc.get("ctx"), proc.get("allocs")
+        if not (_is_time(proc.get("ctime")) and _is_int(proc.get("seq")) and isinstance(ctx, dict)):
+            return f"has a malformed record {where}"
+        if not all(key(k) and _is_tag(v) for k, v in ctx.items()):
+            return f"has a malformed record {where}.ctx"
+        if not isinstance(allocs, dict) or not all(
+            isinstance(a, list) and len(a) == 3 and unit(a[0]) and _is_int(a[1]) and _is_tag(a[2])
+            for a in allocs.values()
+        ):
+            return f"has a malformed record {where}.allocs"
+    if not all(pid.isdigit() and _is_time(ctime) for pid, ctime in users.items()):
+        return "has a malformed record in users"
+    for name, rec in tags.items():
+        where = f"tags[{name[:80]!r}]"
+        if not (isinstance(rec, dict) and _is_int(rec.get("owner")) and _is_time(rec.get("octime"))):
+            return f"has a malformed record {where}"
+        peak, touched, threads = rec.get("peak"), rec.get("touched"), rec.get("threads", {})
+        if not (isinstance(peak, dict) and all(key(k) and _is_int(v) for k, v in peak.items())):
+            return f"has a malformed record {where}.peak"
+        if not (isinstance(touched, list) and all(unit(u) for u in touched)):
+            return f"has a malformed record {where}.touched"
+        if not (isinstance(threads, dict) and all(key(k) and isinstance(v, list) for k, v in threads.items())):
+            return f"has a malformed record {where}.threads"
+        for seen in threads.values():
+            for who in seen:
+                if not (isinstance(who, list) and len(who) == 3 and _is_int(who[0]) and isinstance(who[2], str)):
+                    return f"has a malformed record {where}.threads"
+                if not (isinstance(who[1], int) and not isinstance(who[1], bool)):
+                    return f"has a malformed record {where}.threads"
+    return None
 
 
 def default_ledger_dir(spec: str) -> Path:
@@ -172,33 +256,110 @@ class Ledger:
         self.spec = spec
         self.overhead = overhead
         self._file_mode: int | None = None  # 0660 in a group's directory, else 0600
+        self._fd: int | None = None  # the directory, checked once and used through this from then on
+        self._owner: int | None = None  # whom its files must belong to: this user in a private one
+        self._ident = (0, 0)  # (st_dev, st_ino) of the directory held
+        self._opening = threading.Lock()
+
+    def _dir(self) -> int:
+        """The ledger directory's descriptor: opened (made if missing) and checked on first use,
+        then every file is reached through it, so a directory above that is renamed and replaced
+        by someone else's (whoever owns the machine directory can) redirects nothing.
+
+        It must be this user's, or a group's of this user (not open to others): anything else
+        is refused with :class:`LedgerWriteError`, never locked, read or written."""
+        if self._fd is not None:
+            if self._held(self._fd):
+                return self._fd
+            with self._opening:  # removed (by hand, by a test): made anew where its name leads
+                if self._fd is not None and not self._held(self._fd):
+                    os.close(self._fd)
+                    self._fd = None
+        with self._opening:
+            if self._fd is None:
+                try:
+                    self.path.mkdir(parents=True, exist_ok=True)
+                    fd = open_dir(self.path)
+                except OSError as exc:
+                    raise LedgerWriteError(exc.errno or errno.EACCES, _why(exc), str(self.path)) from None
+                info = os.fstat(fd)
+                mode = stat.S_IMODE(info.st_mode)
+                mine = info.st_uid == os.geteuid()
+                ours = info.st_gid in {os.getegid(), *os.getgroups()} and not mode & 0o007
+                if not (mine or ours):
+                    os.close(fd)
+                    raise LedgerWriteError(
+                        errno.EPERM,
+                        f"it belongs to {_user(info.st_uid)}, neither this user nor a group of this user's; "
+                        "not used (a directory above it renamed and replaced by someone else's?)",
+                        str(self.path),
+                    )
+                self._file_mode = 0o660 if mode & 0o020 else 0o600
+                self._owner = os.geteuid() if mine and not mode & 0o077 else None
+                self._ident = (info.st_dev, info.st_ino)
+                self._fd = fd
+        assert self._fd is not None
+        return self._fd
+
+    def _held(self, fd: int) -> bool:
+        """Whether ``fd`` is still this ledger's directory, which still exists; where its name
+        leads elsewhere now, says so once (in one line) and keeps to the directory held."""
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != self._ident or info.st_nlink == 0:
+            return False
+        try:
+            named = os.stat(self.path)
+            seen = None if (named.st_dev, named.st_ino) == self._ident else f"a directory of {_user(named.st_uid)}"
+        except OSError as exc:
+            seen = f"nothing ({exc.strerror or exc})"
+        if seen is not None:
+            warn_once(
+                f"ledger:{self.path}",
+                f"the simulated GPU ledger {self.path} leads to {seen} now, not to the directory this process "
+                "opened (a directory above it was renamed and replaced); this process keeps to its own, held open",
+            )
+        return True
 
     @property
     def file_mode(self) -> int:
-        if self._file_mode is None:
-            self._file_mode = 0o660 if self.path.stat().st_mode & 0o020 else 0o600
+        self._dir()
+        assert self._file_mode is not None  # set with the descriptor
         return self._file_mode
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
         """The ledger's ``flock`` (a new descriptor each time: threads of a process exclude each other too)."""
+        fd = self._dir()
         try:
-            with locked(self.path / LOCK_FILE, self.file_mode):
+            with locked(Path(LOCK_FILE), self.file_mode, owner=self._owner, dir_fd=fd):
                 yield
         except OSError as exc:
             if isinstance(exc, LedgerWriteError):
                 raise
-            raise LedgerWriteError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
+            raise LedgerWriteError(exc.errno, _why(exc), str(self.path)) from exc
 
     def _read(self) -> dict[str, Any] | None:
-        """``ledger.json``, or ``None`` where there is none (or none that is whole JSON: it is written anew)."""
+        """``ledger.json``, or ``None`` where there is none. One that is not a ledger (not JSON,
+        or not of the shape this module writes) is :class:`LedgerWriteError`, naming the file."""
+        where = self.path / "ledger.json"
         try:
-            state = json.loads(read_bytes(self.path / "ledger.json", MAX_LEDGER))
+            raw = read_bytes("ledger.json", MAX_LEDGER, owner=self._owner, dir_fd=self._dir())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
-            return None
-        return state if isinstance(state, dict) and "procs" in state and "spec" in state else None
+        except OSError as exc:
+            raise LedgerWriteError(exc.errno or errno.EIO, _why(exc), str(self.path)) from None
+        try:
+            state = json.loads(raw)
+        except (ValueError, RecursionError):
+            state = None
+        problem = "is not JSON" if state is None else _malformed(state)
+        if problem is not None:
+            raise LedgerWriteError(
+                errno.EINVAL,
+                f"{where} {problem}: not a ledger this module wrote (remove it to start afresh)",
+                str(self.path),
+            )
+        return cast("dict[str, Any]", state)
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
@@ -224,15 +385,16 @@ class Ledger:
     def _replace(self, name: str, text: str) -> None:
         """Write ``name`` whole: aside (a name no one can foresee), then renamed over it."""
         try:
-            replace_file(self.path / name, text.encode(), self.file_mode)
+            replace_file(Path(name), text.encode(), self.file_mode, dir_fd=self._dir())
         except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
-            raise LedgerWriteError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
+            if isinstance(exc, LedgerWriteError):
+                raise
+            raise LedgerWriteError(exc.errno, _why(exc), str(self.path)) from exc
 
     @contextmanager
     def _state(self, *, write: bool = True, prune: bool = True) -> Iterator[dict[str, Any]]:
         """The ledger under its lock; ``write=False`` for a read-only look, ``prune=False``
         where what dead processes held cannot change the answer (it is pruned on the next write)."""
-        self.path.mkdir(parents=True, exist_ok=True)
         with self._lock():
             fresh = False
             found = self._read()
@@ -287,7 +449,6 @@ class Ledger:
         _parse(spec)  # a spec that cannot be read is refused before anything is written
         overhead = _context_of(spec) or overhead  # the machine's own context size (context=) wins
         pid = os.getpid()
-        self.path.mkdir(parents=True, exist_ok=True)
         with self._lock():
             state = self._read()
             if state is not None:

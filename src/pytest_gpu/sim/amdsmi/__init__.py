@@ -30,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..nvml import FakeLibrary, build_library
+from ..nvml import FakeLibrary, build_library, load_library
 
 __all__ = ["LIBRARY", "SOURCE", "library_dir", "preload", "wrapper_symbols"]
 
@@ -93,7 +93,7 @@ def preload() -> Path:
     path = directory / LIBRARY
     lib = _loaded.get(path)
     if lib is None:
-        lib = _loaded[path] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib = _loaded[path] = load_library(path)
     wrapper = sys.modules.get("amdsmi.amdsmi_wrapper")
     bound = getattr(wrapper, "_libraries", {}).get(LIBRARY) if wrapper is not None else None
     if wrapper is not None and getattr(bound, "_handle", None) != lib._handle:  # dlopen: one handle per object

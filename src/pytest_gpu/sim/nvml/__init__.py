@@ -46,10 +46,10 @@ from typing import Any
 
 from filelock import FileLock
 
-from ...base.safefiles import private_dir, user_temp_dir
+from ...base.safefiles import Unsafe, open_own_file, own_tree, private_dir, user_temp_dir
 from ...vendors import libraries
 
-__all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "preload"]
+__all__ = ["LIBRARY", "SOURCE", "FakeLibrary", "build_library", "library_dir", "load_library", "preload"]
 
 #: The library's file name and soname, as pynvml loads it.
 LIBRARY = "libnvidia-ml.so.1"
@@ -59,20 +59,22 @@ SOURCE = Path(__file__).with_name("fake_nvml.c")
 _loaded: dict[Path, ctypes.CDLL] = {}
 
 
+def _cache_base() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
 def _cache_root(kind: str = "fake-nvml") -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pytest-gpu" / kind
+    return _cache_base() / "pytest-gpu" / kind
 
 
 class _NoFallback(Exception):
     """The temporary directory cannot hold this user's cache (the message says why)."""
 
 
-def _fallback_root(kind: str = "fake-nvml") -> Path:
-    """``$TMPDIR/pytest-gpu-<uid>/<kind>``, private to this user; :class:`_NoFallback` says why not."""
+def _fallback_base() -> Path:
+    """``$TMPDIR/pytest-gpu-<uid>``, private to this user; :class:`_NoFallback` says why not."""
     try:
-        # both levels: another user may have made either name first, as a link or theirs
-        return private_dir(private_dir(user_temp_dir()) / kind)
+        return private_dir(user_temp_dir())  # another user may have made the name first, as a link or theirs
     except OSError as exc:  # gettempdir's "No usable temporary directory", or a name taken
         raise _NoFallback(str(exc)) from None
 
@@ -125,42 +127,49 @@ def library_dir(*, no_v3: bool = False) -> Path:
 def build_library(fake: FakeLibrary) -> Path:
     """The directory holding ``fake``'s compiled library, building it on first use (cached by its
     sources and flags under ``${XDG_CACHE_HOME:-~/.cache}/pytest-gpu/<kind>``, else this user's
-    private temporary directory; see :func:`library_dir`)."""
+    private temporary directory; see :func:`library_dir`).
+
+    Every directory from the cache's base down is this user's and no one else's to write
+    (:func:`~pytest_gpu.base.safefiles.own_tree`): a cache in a world-writable place (``HOME=/tmp``)
+    or with a name another user made first is passed over for the temporary directory, so no
+    one else can put a library where this user's processes load it."""
     source = b"".join(path.read_bytes() for path in fake.sources) + fake.generated.encode()
     key = hashlib.sha256(source + repr((fake.flags(), fake.defines)).encode()).hexdigest()[:16]
     name = key + fake.suffix
-    primary = _cache_root(fake.kind) / name
-    if (primary / fake.library).is_file():
-        return primary
     try:
-        return _build(primary, fake)
+        base = _cache_base()
+        if base.is_symlink() and base.lstat().st_uid == os.geteuid():
+            base = base.resolve()  # the user's own link (a ~/.cache on another disk); another's is refused
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return _build(own_tree(base, ("pytest-gpu", fake.kind, name)), fake)
     except OSError as exc:
-        first = f"{primary} ({exc.strerror or exc})"
+        first = f"{_cache_root(fake.kind) / name} ({_why(exc)})"
     try:
-        fallback = _fallback_root(fake.kind) / name
+        return _build(own_tree(_fallback_base(), (fake.kind, name)), fake)
     except _NoFallback as exc:
         why = str(exc)
-    else:
-        try:
-            return _build(fallback, fake)
-        except OSError as exc:
-            why = f"{fallback}: {exc.strerror or exc}"
+    except OSError as exc:
+        why = _why(exc)
     raise RuntimeError(
         f"cannot cache {fake.what} in {first} nor in the temporary directory ({why}); "
-        "point XDG_CACHE_HOME at a writable directory"
+        "point XDG_CACHE_HOME at a directory of this user's that no one else can write"
     )
 
 
+def _why(exc: OSError) -> str:
+    return str(exc) if isinstance(exc, Unsafe) else f"{exc.strerror or exc}"
+
+
 def _build(directory: Path, fake: FakeLibrary) -> Path:
-    """Compile the library into ``directory`` unless it is there; OSError: ``directory`` is not writable."""
+    """Compile the library into ``directory`` (this user's alone) unless it is there; OSError:
+    ``directory`` is not writable, or holds a library that is not this user's alone."""
     target = directory / fake.library
-    if target.is_file():
+    if _built(target):
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
     if not os.access(directory, os.W_OK | os.X_OK):  # else the compiler fails, saying less
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
     with FileLock(str(directory) + ".lock"):
-        if target.is_file():  # another process built it while we waited
+        if _built(target):  # another process built it while we waited
             return directory
         temp = directory / f".{fake.library}.{os.getpid()}.tmp"
         sources = [str(path) for path in fake.sources]
@@ -176,6 +185,7 @@ def _build(directory: Path, fake: FakeLibrary) -> Path:
                 raise RuntimeError(f"{fake.what} needs a C compiler; running {command[0]!r} failed: {exc}") from exc
             if done.returncode != 0:
                 raise RuntimeError(f"building {fake.what} failed ({shlex.join(command)}):\n{done.stdout}{done.stderr}")
+            os.chmod(temp, 0o755)  # the linker's mode went through the umask: a group-writable one is refused
             os.replace(temp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -183,6 +193,37 @@ def _build(directory: Path, fake: FakeLibrary) -> Path:
             with contextlib.suppress(FileNotFoundError):
                 generated.unlink()
     return directory
+
+
+def _built(target: Path) -> bool:
+    """Whether ``target`` is a built library this user may load (OSError: something else is there)."""
+    try:
+        os.close(open_own_file(target))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load the library ``path`` ``RTLD_GLOBAL`` where it is this user's and no one else can write
+    it (else :class:`RuntimeError`, as for a library that cannot be built): the file checked is
+    the file loaded (through its descriptor, ``/proc/self/fd/N``, where there is one), so it
+    cannot be swapped in between. Its soname still names it for a later ``dlopen``."""
+    try:
+        fd = open_own_file(path)
+    except OSError as exc:
+        raise RuntimeError(f"not loaded: {exc}") from None
+    through = f"/proc/self/fd/{fd}"
+    if not os.path.exists(through):
+        os.close(fd)
+        return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    # the descriptor stays open, as the library stays loaded: dlopen knows a library by the
+    # name it was loaded as, and a number used again would give the library loaded before
+    try:
+        return ctypes.CDLL(through, mode=ctypes.RTLD_GLOBAL)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def preload(*, no_v3: bool = False) -> Path:
@@ -198,7 +239,7 @@ def preload(*, no_v3: bool = False) -> Path:
     path = directory / LIBRARY
     lib = _loaded.get(path)
     if lib is None:
-        lib = _loaded[path] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib = _loaded[path] = load_library(path)
     with pynvml.libLoadLock:
         if pynvml.nvmlLib is not lib:
             pynvml.nvmlLib = lib

@@ -20,7 +20,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from ..nvml import FakeLibrary, build_library
+from ..nvml import FakeLibrary, build_library, load_library
 
 __all__ = ["LIBRARY", "SOURCE", "library_dir", "preload"]
 
@@ -43,7 +43,7 @@ def preload() -> Path:
     directory = library_dir()
     path = directory / LIBRARY
     if path not in _loaded:
-        _loaded[path] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        _loaded[path] = load_library(path)
     kept = [
         entry
         for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
