@@ -197,6 +197,17 @@ def test_bad_ini_value_is_a_usage_error(gpu_pytester, run_inner, option, value, 
     assert _expected_error(option, value, ini, message, from_ini=True) in result.errlines
 
 
+def test_a_bad_user_memory_bound_is_a_usage_error_at_start(gpu_pytester, run_inner, monkeypatch):
+    """The machine's arbiter, which may live in any run, reads it: a bad one stops the run at
+    start naming the variable, not each GPU test with a broker error."""
+    monkeypatch.setenv("PYTEST_GPU_USER_MEMORY", "lots")
+    gpu_pytester.makepyfile("def test_cpu():\n    pass\n")
+    result = run_inner()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: PYTEST_GPU_USER_MEMORY=lots: expected {SIZE_FORM}, got 'lots'" in result.errlines
+    assert "test_cpu" not in result.stdout.str()
+
+
 # A size with a space around it ("8GB "): refused wherever a size is read, naming the value and
 # what to write, not read as 8GB. (option, ini key, value, what the message says before the size's)
 SPACED_SIZES = [

@@ -10,6 +10,7 @@ import pytest
 
 from ..base.requests import DefaultMemory, SizeError, parse_size
 from ..gpu.discovery import FORM as GPUS_FORM
+from ..machine.arbiter import user_memory_cap
 from ..machine.ports import DEFAULT_RANGE, parse_port_range
 from ..vendors.amd import PROCESS_LAG_S as AMD_PROCESS_LAG_S
 from .conventions import MarkerMapError, marker_map
@@ -334,6 +335,10 @@ def read(config: pytest.Config) -> Settings:
         port_range = parse_port_range(range_text)
     except ValueError as exc:
         raise pytest.UsageError(f"{where}: {exc}") from None
+    try:
+        user_memory_cap()  # read by the machine's arbiter, which may live in this run: said at start
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return Settings(
         gpus=gpus,
         default_memory=default_memory,
