@@ -1122,6 +1122,42 @@ def test_a_pool_that_breaks_its_lease_on_real_gpus_is_named(tmp_path: Path) -> N
     assert result.leftovers == []
 
 
+POOL_NVML_GROWS = """
+G2 = pytest.mark.distributed(world_size=2, backend="gloo", gpus_per_rank=1)
+
+
+@pytest.mark.parametrize("i", range(50))
+@G2
+def test_new_library(i, rank):
+    from pytest_gpu.sim import torch_cuda
+
+    torch_cuda.launch(f"kernel{i}", local_memory=f"{4 * (i + 1)}MiB")  # a new module, more local memory
+    torch_cuda.matmul(stream=i)  # cuBLAS (loaded once), a workspace on a new stream
+    if i % 10 == 0:
+        torch_cuda.convolution()  # cuDNN, loaded once
+"""
+
+
+@pytest.mark.slow  # 50 pool tests, torch in the ranks
+@pytest.mark.parametrize("gpus", ["auto", "sim:2x8GiB"])
+def test_a_warm_pool_meeting_new_libraries_and_streams_is_charged_nothing_for_them(tmp_path: Path, gpus: str) -> None:
+    """A pool's ranks live through 50 clean tests, each growing their contexts (446 MiB in all,
+    more than a lifetime allowance) and using cuBLAS on a new stream: its workspace is torch's
+    allocation until the rank clears cuBLAS's workspaces, which it must, as the test process
+    does, or each stream is read as the rank's leak (the simulated verifier sees the workspace
+    as the test's allocation; NVML sees it within the context's allowance). ``auto``: the fake
+    NVML's path, as on a real machine; ``sim:``: the ledger's."""
+    if gpus == "auto":
+        suite = fake_suite(tmp_path, POOL_NVML_GROWS)
+    else:
+        suite = make_suite(tmp_path, {"test_pool_nvml.py": textwrap.dedent(COMMON) + POOL_NVML_GROWS})
+    result = suite.run("--gpus", gpus, "--gpu-default-memory=2GiB", "--gpu-verify=fail")
+    assert "50 passed" in result.output and "error" not in result.output.splitlines()[-1], result.output[-3000:]
+    assert teardowns(suite) == {}, result.output[-3000:]
+    summary = r"pytest-gpu: 2 (simulated )?GPUs \(2x8GiB\) \[[^]]+\] · 50 GPU tests · .* · 0 violations"
+    assert re.search(summary, result.output), result.output[-3000:]
+
+
 def test_a_pool_nvml_cannot_measure_is_said_not_guessed(tmp_path: Path) -> None:
     """A driver that lists processes without their memory (``usedGpuMemory`` None): the pool's
     check claims no leak and says why, named as the pool's."""

@@ -391,3 +391,43 @@ def test_jax_stays_within_its_lease(tmp_path):
         pytest.skip("JAX is not installed here (optional in the real-GPU suite)")
     inner = inner_run(tmp_path / "jax", JAX, "-p", "no:xdist", "--gpus", "0", "--gpu-verify=fail")
     assert inner.returncode == 0 and len(inner.cases) == 2, inner.out
+
+
+GROWTH = """
+import pytest, torch
+
+@pytest.mark.gpu(memory="1GiB")
+def test_first_kernel(gpu):
+    torch.ones(1024, device=gpu.device).sum().item()
+
+@pytest.mark.gpu(memory="1GiB")
+def test_first_matmul_on_two_streams(gpu):  # cuBLAS loads, a workspace per stream
+    a = torch.ones(256, 256, device=gpu.device)
+    (a @ a).sum().item()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        (a @ a).sum().item()
+    torch.cuda.synchronize()
+
+@pytest.mark.gpu(memory="1GiB")
+def test_first_conv(gpu):  # cuDNN loads
+    x = torch.ones(1, 3, 32, 32, device=gpu.device)
+    torch.nn.functional.conv2d(x, torch.ones(8, 3, 3, 3, device=gpu.device)).sum().item()
+
+@pytest.mark.gpu(memory="1GiB")
+def test_nothing_new(gpu):
+    torch.ones(1024, device=gpu.device).sum().item()
+"""
+
+
+def test_a_worker_meeting_cublas_and_cudnn_for_the_first_time_is_charged_nothing(tmp_path, cuda_torch):
+    """Issue 31, findings 5 and 8: in one long-lived worker, a test that first loads cuBLAS or cuDNN
+    (the context grows, NVML sees it, torch does not) is no violation, and its peak is torch's own
+    (its tensors and cuBLAS's workspace segments), not the libraries' load."""
+    inner = inner_run(tmp_path / "growth", GROWTH, "-p", "no:xdist", "--gpus", "0", "--gpu-verify=fail")
+    cases = inner.cases
+    names = {"test_first_kernel", "test_first_matmul_on_two_streams", "test_first_conv", "test_nothing_new"}
+    assert set(cases) == names, inner.out
+    for name, case in cases.items():
+        assert case.outcome == "passed" and case.violations == 0, f"{name}\n{inner.out}"
+        assert case.peak < 128 * 2**20, f"{name}: peak {case.peak} counts the libraries' load\n{inner.out}"

@@ -852,3 +852,49 @@ def test_torch_s_errors_on_simulated_gpus_show_the_test_s_line(gpu_pytester: pyt
         assert re.search(rf"^>\s+.*# the user's line: {line}$", text, flags=re.MULTILINE), text
         assert re.search(rf"^E\s+{re.escape(error)}", text, flags=re.MULTILINE), text
         assert "pytest_gpu/sim/" not in text and "direct cause" not in text, text
+
+
+def test_first_use_of_a_kernel_or_library_grows_the_context_not_torch_s_counters(tmp_path: Path) -> None:
+    """Lazy module loading, cuBLAS and cuDNN, local memory: each first use grows the process's
+    NVML figure for good, and nothing torch counts; cuBLAS's workspace is one per stream, in
+    torch's allocator until ``_cuda_clearCublasWorkspaces`` (aten/src/ATen/cuda/CublasHandlePool.cpp)."""
+    out = run_script(
+        tmp_path,
+        """
+        def nvml():
+            return ledger().used()[0]
+
+        torch.cuda.set_device(0)
+        out["opened"] = nvml()
+        torch_cuda.launch("add", 0)
+        torch_cuda.launch("add", 0)  # loaded once
+        out["kernel"] = nvml()
+        torch_cuda.launch("scan", 0, local_memory="64MiB")
+        torch_cuda.launch("scan", 0, local_memory="16MiB")  # local memory never shrinks
+        out["lmem"] = nvml()
+        torch_cuda.matmul(0)
+        out["cublas"] = nvml()
+        out["cublas_allocated"] = torch.cuda.memory_allocated(0)
+        torch_cuda.matmul(0)  # the same stream: its workspace again
+        torch_cuda.matmul(0, stream=1)  # a new stream: a new workspace
+        out["streams_allocated"] = torch.cuda.memory_allocated(0)
+        torch.cuda.empty_cache()
+        out["after_empty"] = torch.cuda.memory_allocated(0)
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        out["cleared"] = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+        torch_cuda.convolution(0)
+        out["cudnn"] = nvml()
+        """,
+    )
+    ws = torch_cuda.CUBLAS_WORKSPACE
+    assert out["opened"] == OVERHEAD
+    assert out["kernel"] == OVERHEAD + torch_cuda.KERNEL_MODULE
+    assert out["lmem"] == out["kernel"] + torch_cuda.KERNEL_MODULE + 64 * MiB
+    segment = 10 * MiB  # 8.125 MiB: from a 20 MiB segment (between 1 and 10 MiB)
+    assert out["cublas"] == out["lmem"] + torch_cuda.CUBLAS_CONTEXT + 2 * segment
+    assert out["cublas_allocated"] == ws
+    assert out["streams_allocated"] == 2 * ws
+    assert out["after_empty"] == 2 * ws  # empty_cache keeps what is allocated
+    assert out["cleared"] == [0, 0]
+    assert out["cudnn"] == out["lmem"] + torch_cuda.CUBLAS_CONTEXT + torch_cuda.CUDNN_CONTEXT

@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import importlib
+import inspect
 import os
 import pickle
 import random
@@ -183,6 +184,7 @@ class Rank:
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timedelta(seconds=body["group_timeout"]),  # every collective's, too: see pool.group_timeout
+                **eager_device(dist, self.backend),
             )
             self.group = dist.group.WORLD
         elif self.backend == "mpi":
@@ -269,6 +271,12 @@ class Rank:
             gc.freeze()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # cuBLAS keeps a workspace per stream in torch's allocator (allocated, so empty_cache
+            # keeps it): given back first, as the test process's adapter does, or each stream a
+            # test used stays on the GPU as the rank's leak
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -343,6 +351,25 @@ class Rank:
             raise protocol.ProtocolError(f"protocol error: {exc}") from None
         assert found is not None  # no timeout: it waits
         return found
+
+
+def eager_device(dist: Any, backend: str) -> dict[str, Any]:
+    """``device_id`` for ``init_process_group`` where this torch takes it (2.3 and later) and the
+    backend is NCCL: NCCL's communicator is then made at once, when the pool starts, not inside
+    the first test's first collective, where its buffers would grow the rank's memory during a
+    test (torch/distributed/distributed_c10d.py: ``device_id`` binds the group to the device and
+    connects eagerly)."""
+    if backend != "nccl":
+        return {}
+    try:
+        params = inspect.signature(dist.init_process_group).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "device_id" not in params:
+        return {}
+    import torch
+
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
 def _torch_peaks(reset: bool = False) -> list[int] | None:

@@ -254,10 +254,14 @@ class SimRankVerifier:
         return judge(lease, peak, current, touched, others)
 
 
-# A process's CUDA context grows after it opens: kernels load lazily, cuBLAS, cuDNN, NCCL and
-# Triton load their modules on first use. NVML cannot tell that growth from an allocation held,
-# so up to this much growth per GPU over a process's life is taken as its context's, not as the
-# memory of the test during which it happened; beyond it, growth that outlives the test is held.
+# A process's CUDA context grows after it opens: kernels load lazily (CUDA_MODULE_LOADING=LAZY,
+# the default since CUDA 12.2), cuBLAS, cuDNN, NCCL and Triton load their modules and create
+# their handles on first use, local memory grows to what a kernel needs and never shrinks. NVML
+# cannot tell that growth from an allocation held, so up to this much growth per GPU *in one
+# test* (above the baseline taken when its lease began, which holds all earlier growth) is taken
+# as the context's: neither the test's peak nor a leak. A long-lived worker or pool meets a new
+# library in test after test; an allowance over the process's life would run out and charge clean
+# tests. Beyond it, all the growth is the test's: its peak, and held when it outlives the test.
 CONTEXT_GROWTH = 256 * 2**20
 _grown: dict[tuple[int, int], int] = {}  # (pid, GPU index) -> growth taken as the context's so far
 
@@ -277,8 +281,10 @@ class NvmlVerifier:
     What a test is charged (docs/how-it-works.md's accounting table says the same):
 
     - this process's NVML usage (every allocator: torch, CuPy, JAX, raw ``cudaMalloc``,
-      NCCL), above what it used when the lease began (its context and what earlier tests
-      left are the baseline);
+      NCCL), above what it used when the lease began, once the lease was applied (its
+      context, what earlier tests left and grew into it are the baseline), less growth up to
+      :data:`CONTEXT_GROWTH`, which is its context's (libraries and kernels loaded on first
+      use); a context the test opened is its measured size (:attr:`contexts`), else ``overhead``;
     - the processes the test started: descendants of this process born while the lease was
       held, with theirs. A descendant alive before it began (a warm rank pool, the Ray head,
       torch.compile's workers) is not the test's: one :func:`claimed` answers to its holder,
@@ -294,10 +300,20 @@ class NvmlVerifier:
     real GPU by the author.
     """
 
-    def __init__(self, inventory: Inventory, overhead: int, lag: float = 0.0, wait: bool = False) -> None:
+    def __init__(
+        self,
+        inventory: Inventory,
+        overhead: int,
+        lag: float = 0.0,
+        wait: bool = False,
+        contexts: Mapping[int, int] | None = None,
+    ) -> None:
         self.inventory = inventory
         self.vendor = vendors.of(inventory.vendor)
         self.overhead = overhead
+        # GPU index -> a context's size as measured there (the run's calibration, read when used:
+        # it fills in as GPUs are measured); the configured ``overhead`` only where none was
+        self.contexts: Mapping[int, int] = contexts if contexts is not None else {}
         # seconds the driver's process list may be old (AMD's; NVML and Sysman read live: never waited for)
         self.lag = self.vendor.lag(lag)
         self.wait = wait  # --gpu-amd-lag-wait: a test shorter than the lag waits out the rest
@@ -374,6 +390,10 @@ class NvmlVerifier:
     def _note(self, text: str) -> None:
         if text not in self._notes:
             self._notes.append(text)
+
+    def context(self, index: int) -> int:
+        """One context's size on GPU ``index``: as measured there, else the configured overhead."""
+        return self.contexts.get(index) or self.overhead
 
     def _torch(self) -> ModuleType | None:
         """torch's device module (``torch.cuda``; ``torch.xpu`` on Intel GPUs), once it has started."""
@@ -499,14 +519,14 @@ class NvmlVerifier:
                     continue
                 growth = mine.get(index, 0) - self._baseline.get(index, 0)
                 if self._baseline.get(index, 0) == 0 and growth > 0:
-                    growth -= self.overhead  # the process opened its context here during the test
+                    growth -= self.context(index)  # the process opened its context here during the test
                 if index in counted:
                     # torch's cache is counted by torch; what NVML adds beyond it is another allocator's
                     growth -= max(counted[index].reserved - self._torch_reserved.get(index, 0), 0)
                 growth = max(growth, 0)
-                held = _beyond_context(pid, index, growth)
+                held = _beyond_context(pid, index, growth)  # 0: the context's growth, not the test's
                 children = {p: used[index] for p, used in started.items() if used.get(index)}
-                peak[index] += growth + sum(children.values())
+                peak[index] += held + sum(children.values())
                 seen = seen or peak[index] > 0
                 if held:
                     current[index] = current.get(index, 0) + held
@@ -542,9 +562,10 @@ class NvmlRankVerifier(NvmlVerifier):
       rank allocated and freed during the test is not seen, and the peak is what was still
       there at the end (not a measurement: no ``memory=`` suggestion is made from it);
     - a rank that opened its first context on a GPU during the test (nothing there at the
-      baseline) is not charged for the context (``overhead``); growth up to
-      :data:`CONTEXT_GROWTH` over a process's life is its context's; beyond it, growth that
-      remains after the test is held: a leak of the rank;
+      baseline) is not charged for the context (its measured size, else ``overhead``); growth
+      up to :data:`CONTEXT_GROWTH` in one test is its context's (libraries and kernels loaded,
+      NCCL's communicators), neither peak nor leak; beyond it, growth that remains after the
+      test is held: a leak of the rank;
     - a process a rank started during the test is charged in full, and is a leak while it runs;
     - a process of the pool on a GPU outside the pool's lease is a violation.
 
@@ -554,9 +575,15 @@ class NvmlRankVerifier(NvmlVerifier):
     """
 
     def __init__(
-        self, inventory: Inventory, overhead: int, pids: Iterable[int] = (), lag: float = 0.0, wait: bool = False
+        self,
+        inventory: Inventory,
+        overhead: int,
+        pids: Iterable[int] = (),
+        lag: float = 0.0,
+        wait: bool = False,
+        contexts: Mapping[int, int] | None = None,
     ) -> None:
-        super().__init__(inventory, overhead, lag, wait)
+        super().__init__(inventory, overhead, lag, wait, contexts)
         self.pids: list[int] = list(pids)
         self._usage_before: dict[int, dict[int, int]] = {}  # pool process -> GPU index -> bytes
         self._pool_before: dict[int, float] = {}  # the pool's processes when the window began
@@ -624,12 +651,12 @@ class NvmlRankVerifier(NvmlVerifier):
                         continue
                     touched.add(index)  # outside the lease, a new context is already a violation
                     if before == 0:
-                        growth = max(growth - self.overhead, 0)  # the rank opened its context here
+                        growth = max(growth - self.context(index), 0)  # the rank opened its context here
                     if index not in leased:
                         peak[index] = peak.get(index, 0) + growth
                         continue
-                    peak[index] += growth
-                    held = _beyond_context(pid, index, growth)
+                    held = _beyond_context(pid, index, growth)  # 0: the context's growth, not the test's
+                    peak[index] += held
                     if held:
                         current[index] = current.get(index, 0) + held
                         reason = "a rank of the pool still holds it"
@@ -715,13 +742,12 @@ def _plural_proc(count: int) -> str:
 
 
 def _beyond_context(pid: int, index: int, growth: int) -> int:
-    """What of this process's ``growth`` on GPU ``index`` is held memory: all of it when it is
-    more than what is left of the context's allowance (:data:`CONTEXT_GROWTH` over the
-    process's life), else none (it is taken from the allowance)."""
-    key = (pid, index)
-    left = CONTEXT_GROWTH - _grown.get(key, 0)
-    if growth > left:
+    """What of process ``pid``'s ``growth`` on GPU ``index`` during one test is the test's: all
+    of it when it is more than the context may grow by in a test (:data:`CONTEXT_GROWTH`), else
+    none (the context grew: kept in :data:`_grown`, which :func:`standing` leaves out)."""
+    if growth > CONTEXT_GROWTH:
         return growth
+    key = (pid, index)
     _grown[key] = _grown.get(key, 0) + growth
     return 0
 

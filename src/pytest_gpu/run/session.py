@@ -425,13 +425,19 @@ class GpuRun:
                     grant.key, grant.indices, grant.memory, grant.exclusive, grant.waited, self.inventory, tag
                 )
                 verifier = self._verifier(confine)
-                if verifier is not None and self.settings.verify != "off":
-                    verifier.begin(lease, os.getpid())
                 if confine:
                     confinement = confine_lease(lease, self.inventory, self.frameworks)
                     if not self.settings.context_overhead_given:  # given, it wins: nothing is measured
                         tell, assumed = self.client.context_size, self.settings.context_overhead
                         self.calibration.report(lease, self.inventory, tell, assumed)
+                # the baseline once the lease is applied: confinement empties torch's cache, and
+                # blocks freed after the baseline would hide as much of a leak outside torch
+                if verifier is not None and self.settings.verify != "off":
+                    try:
+                        verifier.begin(lease, os.getpid())
+                    except BaseException:
+                        confinement.undo()
+                        raise
             else:  # host resources only: no GPU to confine to or to verify
                 lease = host_lease(grant.key, grant.waited, self.inventory.simulated)
             if request.cpus and confine:
@@ -455,9 +461,12 @@ class GpuRun:
         overhead, lag, wait = self.settings.context_overhead, self.settings.amd_process_lag, self.settings.amd_lag_wait
         if self.inventory.simulated:
             return SimVerifier() if confined else SimRankVerifier(overhead)
+        # contexts as measured where they were (read when used: the calibration fills in), unless
+        # --gpu-context-overhead fixed their size
+        measured = {} if self.settings.context_overhead_given else self.calibration.measured
         if confined:  # lag and wait: AMD's only
-            return NvmlVerifier(self.inventory, overhead, lag=lag, wait=wait)
-        return NvmlRankVerifier(self.inventory, overhead, lag=lag, wait=wait)
+            return NvmlVerifier(self.inventory, overhead, lag=lag, wait=wait, contexts=measured)
+        return NvmlRankVerifier(self.inventory, overhead, lag=lag, wait=wait, contexts=measured)
 
     def waiting(self) -> bool:
         """A request of this process must wait: give up what the process holds idle (its warm

@@ -7,6 +7,9 @@ bug shows up as an OOM. As the driver does:
 
 - a process's first use of a device (an allocation, ``set_device``, ``mem_get_info``)
   opens a context there, charged until the process exits;
+- a context grows when a library or kernel is first used in it (:meth:`Ledger.grow_context`:
+  a module loaded lazily, cuBLAS's or cuDNN's handle, local memory resized), charged to the
+  process's context until it exits, never to a test's tag (the driver's, not an allocation);
 - a device's ``reserved`` memory (the driver's own) can never be allocated;
 - when a process dies its memory and contexts are freed (checked lazily on the next
   write, with the process's start time so a recycled pid does not count).
@@ -180,6 +183,9 @@ def _malformed(state: object) -> str | None:
             return f"has a malformed record {where}"
         if not all(key(k) and _is_tag(v) for k, v in ctx.items()):
             return f"has a malformed record {where}.ctx"
+        grow = proc.get("grow", {})
+        if not (isinstance(grow, dict) and all(key(k) and _is_int(v) for k, v in grow.items())):
+            return f"has a malformed record {where}.grow"
         if not isinstance(allocs, dict) or not all(
             isinstance(a, list) and len(a) == 3 and unit(a[0]) and _is_int(a[1]) and _is_tag(a[2])
             for a in allocs.values()
@@ -516,7 +522,7 @@ class Ledger:
             for pid, proc in state["procs"].items():
                 if pid in entire:
                     for unit in proc["ctx"]:
-                        found[int(unit)] = found.get(int(unit), 0) + state["overhead"]
+                        found[int(unit)] = found.get(int(unit), 0) + state["overhead"] + _grown(proc, int(unit))
                 if pid in wanted or pid in entire:
                     for unit, nbytes, _ in proc["allocs"].values():
                         found[unit] = found.get(unit, 0) + nbytes
@@ -598,6 +604,28 @@ class Ledger:
                 rec["peak"][key] = max(rec["peak"].get(key, 0), now)
             return handle
 
+    def grow_context(self, unit: int, nbytes: int, tag: str | None, *, thread: list[int | str] | None = None) -> None:
+        """This process's context on ``unit`` grows by ``nbytes`` (opened first if it is not):
+        a module loaded on a kernel's first launch, a library's handle, local memory resized.
+        Charged to the process until it exits, as the driver keeps it; never to ``tag``: a
+        context's growth is no test's allocation. Raises :class:`OutOfMemoryError` where the
+        device has no room for it."""
+        self.allocate(0, unit, tag, None, thread=thread)
+        pid = os.getpid()
+        with self._state() as state:
+            info = self._unit(unit, state["spec"])
+            used = _device_used(state, unit)
+            usable = info.total - info.reserved
+            if used + nbytes > usable:
+                raise OutOfMemoryError(
+                    f"Simulated CUDA out of memory on GPU {unit} ({info.uuid}): the context could not grow by "
+                    f"{format_size(nbytes)} (a module or library loading); {format_size(used)} of "
+                    f"{format_size(usable)} in use, {format_size(usable - used)} free. (pid {pid})"
+                )
+            proc = state["procs"][str(pid)]
+            grow = proc.setdefault("grow", {})
+            grow[str(unit)] = grow.get(str(unit), 0) + nbytes
+
     def free(self, handle: str) -> None:
         pid = handle.split(":", 1)[0]
         with self._state(prune=False) as state:
@@ -618,17 +646,23 @@ def _context_of(spec: str) -> int | None:
         return None
 
 
+def _grown(proc: dict[str, Any], unit: int) -> int:
+    """What a process's context on ``unit`` grew by since it opened (modules, handles, local memory)."""
+    grown: int = proc.get("grow", {}).get(str(unit), 0)
+    return grown
+
+
 def _device_used(state: dict[str, Any], unit: int) -> int:
     total = 0
     for proc in state["procs"].values():
         if str(unit) in proc["ctx"]:
-            total += state["overhead"]
+            total += state["overhead"] + _grown(proc, unit)
         total += sum(n for d, n, _ in proc["allocs"].values() if d == unit)
     return total
 
 
 def _proc_used(state: dict[str, Any], proc: dict[str, Any], unit: int) -> int:
-    ctx = state["overhead"] if str(unit) in proc["ctx"] else 0
+    ctx = state["overhead"] + _grown(proc, unit) if str(unit) in proc["ctx"] else 0
     used: int = ctx + sum(n for d, n, _ in proc["allocs"].values() if d == unit)  # the state is JSON: Any
     return used
 

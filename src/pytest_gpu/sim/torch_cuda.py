@@ -64,7 +64,13 @@ allocator has torch's mutex: a block freed while another thread (or the garbage 
 inside an allocation) holds it is freed by the holder. State is per process; :func:`reset`
 forgets it (tests of the double only).
 
-Left out: streams, events and CUDA graphs (one stream per device; ``_cuda_getCurrentRawStream``
+What a context gains on a kernel's or library's first use (:func:`launch`, :func:`matmul`,
+:func:`convolution`): lazily loaded modules, cuBLAS's and cuDNN's state, local memory that never
+shrinks, all in the ledger as the process's context (NVML sees them, torch counts none), and
+cuBLAS's workspace per stream in torch's allocator until ``_cuda_clearCublasWorkspaces``.
+
+Left out: streams as objects, events and CUDA graphs (one allocator stream per device; a
+stream is a number to :func:`matmul`; ``_cuda_getCurrentRawStream``
 answers the default stream, 0, for torch._dynamo's import), the other allocator settings
 (max_split_size, rounding divisions, garbage collection, ``_set_allocator_settings`` at run
 time), ``memory_snapshot``, memory pools, ``caching_allocator_alloc``, peer access, and CUDA
@@ -89,7 +95,7 @@ from ..base.importhook import waiting
 from ..base.requests import parse_size
 from . import cuda as sim_cuda
 from . import torch_tensors
-from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
+from .ledger import STATE_FILE, TAG_ENV, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
 
@@ -779,6 +785,9 @@ class _Process:
     keys: Iterator[int] = field(default_factory=itertools.count)
     cached_count: int | None = None  # torch < 2.4's lru_cache'd device_count
     expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF's expandable_segments:True, read at lazy init
+    loaded: set[tuple[int, str]] = field(default_factory=set)  # (unit, module or library) in the context
+    local_memory: dict[int, int] = field(default_factory=dict)  # unit -> the context's local memory
+    workspaces: dict[tuple[int, int], int] = field(default_factory=dict)  # (ordinal, stream) -> cuBLAS's block key
 
     def next_address(self, size: int) -> int:
         base = self.address
@@ -1456,6 +1465,24 @@ class Block:
         return f"<sim Block {self.nbytes} bytes on {_settings.kind}:{self.device} (GPU {self.physical}) {state}>"
 
 
+def _index_of(device: int | str | Any, what: str) -> int | None:
+    """The ordinal ``device`` names (``None``: the current device), as torch parses it."""
+    torch = _require_torch()
+    index: int | None
+    if isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif device is None:
+        index = None
+    else:
+        parsed = torch.device(device)
+        if parsed.type != _settings.kind:
+            raise ValueError(f"{what}: expected a {_settings.kind.upper()} device, got {device!r}")
+        index = parsed.index
+    if index is not None and index < 0:
+        raise ValueError(f"{what}: device index must not be negative, got {index}")
+    return index
+
+
 def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
     """``torch.empty(nbytes, dtype=torch.uint8, device=device)`` on a simulated GPU.
 
@@ -1469,18 +1496,7 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
     size = parse_size(nbytes)
     if size >= ONE_EXABYTE:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
-    index: int | None
-    if isinstance(device, int) and not isinstance(device, bool):
-        index = device
-    elif device is None:
-        index = None
-    else:
-        parsed = torch.device(device)
-        if parsed.type != _settings.kind:
-            raise ValueError(f"empty: expected a {_settings.kind.upper()} device, got {device!r}")
-        index = parsed.index
-    if index is not None and index < 0:
-        raise ValueError(f"empty: device index must not be negative, got {index}")
+    index = _index_of(device, "empty")
     _device_lazy_init()
     if index is None:
         index = _get_device()
@@ -1497,3 +1513,97 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
             key = next(_proc.keys)
             _proc.blocks[key] = (allocator, block)
         return Block(size, ordinal, key, block.size)
+
+
+# -- what a context gains when a kernel or library is first used --------------------------------
+#
+# The context NVML reports for a process is not the one it opened: CUDA loads each kernel's module
+# on its first launch (CUDA_MODULE_LOADING=LAZY: the default since CUDA 12.2, and what torch sets
+# when it is unset since torch 1.13), cuBLAS and cuDNN load their kernels and allocate their
+# handles' device state on first use, and the local memory a kernel needs grows the context's to
+# that size for good (the deprecated CU_CTX_LMEM_RESIZE_TO_MAX is the behaviour since CUDA 11).
+# None of it is an allocation of torch's, none is freed by ``empty_cache``, all of it stays until
+# the process exits. torch keeps one cuBLAS workspace per (handle, stream) in its own caching
+# allocator (aten/src/ATen/cuda/CublasHandlePool.cpp: ``cublas_handle_stream_to_workspace``),
+# allocated (``memory_allocated`` counts it) until ``torch._C._cuda_clearCublasWorkspaces()``.
+# The sizes below are of the order seen on CUDA 12 with lazy loading; what matters is that each
+# first use grows the process's NVML figure and nothing torch counts.
+
+KERNEL_MODULE = 2 * MiB  # one lazily loaded module of torch's kernels
+CUBLAS_CONTEXT = 48 * MiB  # cuBLAS (and cuBLASLt): its kernels' modules and the handle's state
+CUDNN_CONTEXT = 96 * MiB  # cuDNN: its kernels' modules and the handle's state
+CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8  # CUBLAS_WORKSPACE_CONFIG's default, :4096:2:16:8
+
+
+def _grow(ordinal: int, module: str, nbytes: int) -> None:
+    """The context on ``ordinal`` loads ``module`` (``nbytes``) unless it already has."""
+    unit = sim_cuda.unit_of(ordinal)
+    if (unit, module) in _proc.loaded:
+        return
+    _check_sticky()
+    ledger().grow_context(unit, nbytes, os.environ.get(TAG_ENV), thread=sim_cuda.thread_label())
+    _proc.loaded.add((unit, module))
+
+
+@contextmanager
+def _on(device: int | str | Any, what: str) -> Iterator[int]:
+    """Work on ``device`` as an operator does: lazy init, then a device guard; yields the ordinal."""
+    index = _index_of(device, what)
+    _device_lazy_init()
+    with _device_guard(_get_device() if index is None else index):
+        yield _get_device()
+
+
+def launch(kernel: str, device: int | str | Any = None, *, local_memory: int | str = 0) -> None:
+    """A launch of ``kernel`` (any name: one module per name) on ``device`` (default: the current
+    one): its first launch in this process loads its module into the context
+    (:data:`KERNEL_MODULE`); ``local_memory``: the local memory the launch needs on the device,
+    to which the context's grows, never to shrink."""
+    need = parse_size(local_memory) if local_memory else 0
+    with _on(device, "launch") as ordinal:
+        _grow(ordinal, f"kernel:{kernel}", KERNEL_MODULE)
+        unit = sim_cuda.unit_of(ordinal)
+        have = _proc.local_memory.get(unit, 0)
+        if need > have:
+            _check_sticky()
+            ledger().grow_context(unit, need - have, os.environ.get(TAG_ENV), thread=sim_cuda.thread_label())
+            _proc.local_memory[unit] = need
+
+
+def matmul(device: int | str | Any = None, stream: int = 0) -> None:
+    """A cuBLAS call (``torch.mm``, ``@``, ``F.linear``) on ``stream`` (0: the default stream;
+    any other number: another stream) of ``device``: the first on a device loads cuBLAS and
+    creates its handle (:data:`CUBLAS_CONTEXT`); the first on each stream takes a workspace of
+    :data:`CUBLAS_WORKSPACE` from torch's caching allocator, allocated until
+    ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` alone keeps it)."""
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise ValueError(f"matmul: expected a stream number >= 0, got {stream!r}")
+    with _on(device, "matmul") as ordinal:
+        _grow(ordinal, "cublas", CUBLAS_CONTEXT)
+        if (ordinal, stream) in _proc.workspaces:
+            return
+        allocator = _proc.allocators[ordinal]
+        with _mutex:
+            block = allocator.malloc(CUBLAS_WORKSPACE)
+            key = next(_proc.keys)
+            _proc.blocks[key] = (allocator, block)
+        _proc.workspaces[(ordinal, stream)] = key
+
+
+def convolution(device: int | str | Any = None) -> None:
+    """A cuDNN call (``torch.nn.functional.conv2d`` on a GPU): the first on a device loads cuDNN
+    and creates its handle (:data:`CUDNN_CONTEXT`)."""
+    with _on(device, "convolution") as ordinal:
+        _grow(ordinal, "cudnn", CUDNN_CONTEXT)
+
+
+def _c_clear_cublas_workspaces() -> None:
+    """``torch._C._cuda_clearCublasWorkspaces``: every workspace goes back to torch's cache
+    (still reserved until ``empty_cache``)."""
+    keys = list(_proc.workspaces.values())
+    _proc.workspaces.clear()
+    for key in keys:
+        _mutex.free(key, wait=True)
+
+
+_C_BINDINGS["_cuda_clearCublasWorkspaces"] = _c_clear_cublas_workspaces

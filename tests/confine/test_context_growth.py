@@ -1,0 +1,100 @@
+"""A process's context grows when a kernel or library is first used, and none of it is a test's.
+
+CUDA loads each kernel's module on its first launch (lazy loading, the default since CUDA 12.2),
+cuBLAS and cuDNN load and create their handles on first use, local memory grows to what a kernel
+needs and never shrinks: NVML's figure for the process grows in test after test of a long-lived
+worker, while torch counts none of it. The doubles model that (:func:`pytest_gpu.sim.torch_cuda.launch`,
+``matmul``, ``convolution``); these inner runs take the real machine's path (``PYTEST_GPU_FAKE_GPUS``:
+the fake ``libnvidia-ml.so.1`` and the real verifier).
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import require
+from helpers import patience
+
+MiB = 2**20
+FLAGS = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "--gpus", "auto")
+
+
+def fake_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> pytest.RunResult:
+    require("C compiler", executable="cc")  # the fake libnvidia-ml.so.1 is built from C
+    require("torch", module="torch")
+    monkeypatch.setenv("PYTEST_GPU_FAKE_GPUS", "sim:1x16GiB")
+    monkeypatch.setenv("PYTEST_GPU_SIM_LEDGER", str(pytester.path / "fake-ledger"))
+    return pytester.runpytest_subprocess(*FLAGS, *args, timeout=patience(300))
+
+
+def peaks(xml: str) -> dict[str, int]:
+    found = {}
+    for case in ET.fromstring(xml).iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name") == "gpu_peak_bytes" and prop.get("value"):
+                # "index=bytes" per GPU
+                value = prop.get("value", "")
+                found[case.get("name", "")] = max(int(part.partition("=")[2]) for part in value.split(","))
+    return found
+
+
+LONG_LIVED = """
+import pytest
+import torch
+from pytest_gpu.sim import torch_cuda
+
+@pytest.mark.parametrize("i", range(50))
+@pytest.mark.gpu(memory="1GiB")
+def test_new_library(i, gpu):
+    x = torch_cuda.empty("16MiB")  # the test's own memory: its peak
+    torch_cuda.launch(f"kernel{i}", local_memory=f"{4 * (i + 1)}MiB")  # a new module, more local memory
+    torch_cuda.matmul(stream=i)  # cuBLAS (loaded once), a workspace on a new stream
+    if i % 10 == 0:
+        torch_cuda.convolution()  # cuDNN, loaded once
+    x.free()
+"""
+
+
+@pytest.mark.slow  # imports torch in the inner run
+def test_a_long_lived_worker_meeting_new_libraries_is_charged_nothing_for_them(gpu_pytester, monkeypatch):
+    """50 clean tests in one worker, each growing its context (a module, local memory, cuBLAS,
+    cuDNN: 446 MiB in all, more than a lifetime allowance of 256 MiB): no violation, and each
+    test's peak is its own memory, not its context's growth."""
+    gpu_pytester.makepyfile(test_growth=LONG_LIVED)
+    xml = gpu_pytester.path / "junit.xml"
+    result = fake_run(gpu_pytester, monkeypatch, f"--junitxml={xml}")
+    result.assert_outcomes(passed=50)
+    assert "broke its GPU lease" not in result.stdout.str(), result.stdout.str()[-3000:]
+    found = peaks(xml.read_text())
+    assert len(found) == 50, found
+    # torch's peak: the 16 MiB tensor's segment and the 20 MiB segment of cuBLAS's workspace
+    assert max(found.values()) <= 36 * MiB, found
+
+
+BASELINE = """
+import pytest
+import torch
+from pytest_gpu import sim
+from pytest_gpu.sim import torch_cuda
+
+torch_cuda.empty("1GiB").free()  # at collection: torch's cache holds 1 GiB when the first lease begins
+KEPT = []
+
+@pytest.mark.gpu(memory="2GiB")
+def test_leaks_outside_torch(gpu):
+    KEPT.append(sim.allocate("512MiB"))
+"""
+
+
+@pytest.mark.slow  # imports torch in the inner run
+def test_a_leak_outside_torch_is_not_hidden_by_the_cache_the_lease_empties(gpu_pytester, monkeypatch):
+    """The lease's confinement empties torch's cache: a baseline taken before it counted those
+    blocks, and a leak outside torch up to their size netted to zero."""
+    gpu_pytester.makepyfile(test_baseline=BASELINE)
+    result = fake_run(gpu_pytester, monkeypatch)
+    text = result.stdout.str()
+    leak = r"still holds 512MiB on GPU 0 after the test \(memory this process still holds"
+    assert re.search(leak, text), text[-3000:]
