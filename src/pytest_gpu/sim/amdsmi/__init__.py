@@ -19,6 +19,10 @@ package and ``/opt/rocm/lib``. :func:`preload` loads the fake ``RTLD_GLOBAL`` un
 so the linker's look-up in this process resolves to it, and puts its directory first on
 ``LD_LIBRARY_PATH`` for subprocesses; a ``ROCM_HOME``/``ROCM_PATH`` whose ``lib`` holds a real
 library still wins (a machine with ROCm installed), which :func:`preload` reports.
+
+Versions: ``$PYTEST_GPU_SIM_ROCM`` (``6.1.0``; unset: the newest) picks the release modelled,
+in the C library (``fake_amdsmi.c`` says what changes) and on the package's Python side
+(:mod:`pytest_gpu.sim.amdsmi.legacy`, put on the package when it is imported).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import re
 import sys
 from pathlib import Path
 
+from ...base.importhook import on_import
 from ..nvml import FakeLibrary, build_library, load_library
+from . import legacy
 
 __all__ = ["LIBRARY", "SOURCE", "library_dir", "preload", "wrapper_symbols"]
 
@@ -105,4 +111,7 @@ def preload() -> Path:
         if entry and Path(entry).parent != directory.parent  # other builds' directories
     ]
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(directory), *kept])
+    release = legacy.modelled()
+    if release is not None:
+        on_import("amdsmi", lambda package: legacy.install(package, release))
     return path

@@ -31,6 +31,20 @@
  * "amd_rocr_order 3,0,1,2" makes ROCr's enumeration (hsa_id, hip_id) differ from amdsmi's
  * indices, as it does on some machines (pytorch #131901, ROCm/amdsmi #175).
  *
+ * Versions: $PYTEST_GPU_SIM_ROCM ("6.1.0", ...; unset: the newest) picks the amdsmi modelled.
+ * - Before rocm-6.1.1 (ROCm/amdsmi at rocm-6.1.0, include/amd_smi/amdsmi.h): the process list
+ *   is of amdsmi_process_handle_t (uint32 pids), and amdsmi_get_gpu_process_info(handle, pid,
+ *   info) fills the 672-byte amdsmi_proc_info_t of that release (reserved[4] after
+ *   container_name, no cu_occupancy). The Python side of those releases (process handles, then
+ *   ctypes structs at 6.1.1, dicts from 6.1.2) is pytest_gpu/sim/amdsmi/legacy.py.
+ * - "option amd_proc_fds N": each process holds its one DRM client under N fds (dup, fork,
+ *   fd passing). amdsmi up to 7.0 (src/amd_smi/fdinfo.cc at 0ceca28: gpuvsmi_get_pid_info)
+ *   adds drm-memory-vram over every fdinfo of the process on that GPU, so it reports N times
+ *   the memory; from 7.1 on, counting each drm-client-id once (as the issue reports of
+ *   rocm-systems; that source is not in the snapshots read), it reports it once.
+ * - "option amd_apu 1": an APU (MI300A): a process's memory is GTT, memory_usage.vram_mem 0.
+ * fake_amdsmi_inits() counts amdsmi_init calls that initialised (tests of the plugin's cost).
+ *
  * Handles point into static tables (one socket per GPU, as on MI300X), so a handle keeps
  * naming the same device for as long as that device is in the state file.
  */
@@ -56,6 +70,7 @@ enum {
     AMDSMI_STATUS_NO_PERM = 10,
     AMDSMI_STATUS_FILE_ERROR = 14,
     AMDSMI_STATUS_OUT_OF_RESOURCES = 15,
+    AMDSMI_STATUS_NOT_FOUND = 31,
     AMDSMI_STATUS_NOT_INIT = 32,
     AMDSMI_STATUS_DRIVER_NOT_LOADED = 34,
     AMDSMI_STATUS_UNKNOWN_ERROR = -1,
@@ -164,7 +179,8 @@ struct proc {
     unsigned long long used;
 };
 struct state {
-    int amd;
+    int amd, apu;
+    unsigned long long proc_fds;
     unsigned int ngpus;
     unsigned long long proc_unit, refresh_ms;
     int rocr_position[MAX_GPUS]; /* GPU index -> its place in ROCr's enumeration, -1: amdsmi's order */
@@ -180,6 +196,15 @@ static struct proc g_snapshot[MAX_PROCS];
 static unsigned int g_nsnapshot;
 static long long g_snapshot_ms = -1;
 static int g_init;
+static long g_inits; /* amdsmi_init calls that initialised */
+
+/* The modelled release ($PYTEST_GPU_SIM_ROCM) as major*10000 + minor*100 + patch; unset: the newest. */
+static long modelled(void) {
+    const char *v = getenv("PYTEST_GPU_SIM_ROCM");
+    int major = 0, minor = 0, patch = 0;
+    if (!v || !*v || sscanf(v, "%d.%d.%d", &major, &minor, &patch) < 1) return 999999;
+    return major * 10000L + minor * 100 + patch;
+}
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int parse_fail(const char *path, unsigned int lineno, const char *why) {
@@ -251,6 +276,9 @@ static int parse_state(void) {
                 rc = parse_fail(path, lineno, "bad amd_proc_unit");
             else if (key && !strcmp(key, "amd_proc_refresh_ms") && parse_ull(value, &s->refresh_ms))
                 rc = parse_fail(path, lineno, "bad amd_proc_refresh_ms");
+            else if (key && !strcmp(key, "amd_proc_fds") && (parse_ull(value, &s->proc_fds) || !s->proc_fds))
+                rc = parse_fail(path, lineno, "bad amd_proc_fds");
+            else if (key && !strcmp(key, "amd_apu")) s->apu = value && !strcmp(value, "1");
             else if (key && !strcmp(key, "amd_rocr_order")) {
                 /* "3,0,1,2": GPU 3 is ROCr's first; the ledger checked it is a permutation */
                 int place = 0;
@@ -382,6 +410,7 @@ API amdsmi_status_t amdsmi_init(uint64_t flags) {
     if (reload() || !g_state.amd) return leave(AMDSMI_STATUS_DRIVER_NOT_LOADED);
     for (unsigned int i = 0; i < MAX_GPUS; i++) g_sockets[i].index = i;
     g_init = 1;
+    g_inits++;
     /* g_snapshot_ms is not reset: the list's staleness is the driver's, not this library's, and
        outlives an amdsmi_shut_down/amdsmi_init pair (as a verifier that opens amdsmi per sample does) */
     return leave(AMDSMI_STATUS_SUCCESS);
@@ -522,6 +551,46 @@ API amdsmi_status_t amdsmi_get_gpu_vram_usage(void *h, amdsmi_vram_usage_t *info
     return leave(AMDSMI_STATUS_SUCCESS);
 }
 
+API long fake_amdsmi_inits(void) { return g_inits; }
+
+/* One process's record as this release's amdsmi_get_gpu_process_info fills it. */
+static void fill_info(const struct proc *p, amdsmi_proc_info_t *out) {
+    memset(out, 0, sizeof *out);
+    out->pid = (uint32_t)p->pid;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%ld/comm", p->pid);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (fgets(out->name, sizeof out->name, f)) out->name[strcspn(out->name, "\n")] = 0;
+        fclose(f);
+    }
+    unsigned long long used = p->used;
+    if (g_state.proc_fds > 1 && modelled() < 70100) used *= g_state.proc_fds; /* summed per fd */
+    if (g_state.proc_unit) used -= used % g_state.proc_unit;
+    out->mem = used;
+    if (g_state.apu) out->memory_usage.gtt_mem = used; /* an APU's memory is GTT: vram_mem stays 0 */
+    else out->memory_usage.vram_mem = used;
+    out->cu_occupancy = 0xFFFFFFFFu; /* not available */
+}
+
+/* rocm-6.1.0's amdsmi_get_gpu_process_info: the pid's record, in that release's 672-byte layout. */
+API amdsmi_status_t amdsmi_get_gpu_process_info(void *h, uint32_t pid, void *info) {
+    struct gpu *g;
+    amdsmi_status_t r = enter_gpu(h, &g);
+    if (r) return leave(r);
+    if (!info) return leave(AMDSMI_STATUS_INVAL);
+    if (modelled() >= 60101) return leave(AMDSMI_STATUS_NOT_SUPPORTED); /* gone from the API */
+    for (unsigned int i = 0; i < g_nsnapshot; i++) {
+        if (strcmp(g_snapshot[i].uuid, g->uuid) || g_snapshot[i].pid != (long)pid) continue;
+        amdsmi_proc_info_t full;
+        fill_info(&g_snapshot[i], &full);
+        full.cu_occupancy = 0;
+        memcpy(info, &full, 672);
+        return leave(AMDSMI_STATUS_SUCCESS);
+    }
+    return leave(AMDSMI_STATUS_NOT_FOUND); /* gpuvsmi_get_pid_info: no fdinfo on that GPU (gone) */
+}
+
 API amdsmi_status_t amdsmi_get_gpu_process_list(void *h, uint32_t *max_processes, amdsmi_proc_info_t *list) {
     struct gpu *g;
     amdsmi_status_t r = enter_gpu(h, &g);
@@ -542,24 +611,12 @@ API amdsmi_status_t amdsmi_get_gpu_process_list(void *h, uint32_t *max_processes
     }
     if (!list) return leave(AMDSMI_STATUS_INVAL);
     uint32_t room = *max_processes, k = 0;
+    int handles = modelled() < 60101; /* rocm-6.1.0 and before: amdsmi_process_handle_t, the pid */
     for (unsigned int i = 0; i < g_nsnapshot && k < room; i++) {
         const struct proc *p = &g_snapshot[i];
         if (strcmp(p->uuid, g->uuid)) continue;
-        amdsmi_proc_info_t *out = &list[k++];
-        memset(out, 0, sizeof *out);
-        out->pid = (uint32_t)p->pid;
-        char path[64];
-        snprintf(path, sizeof path, "/proc/%ld/comm", p->pid);
-        FILE *f = fopen(path, "r");
-        if (f) {
-            if (fgets(out->name, sizeof out->name, f)) out->name[strcspn(out->name, "\n")] = 0;
-            fclose(f);
-        }
-        unsigned long long used = p->used;
-        if (g_state.proc_unit) used -= used % g_state.proc_unit;
-        out->mem = used;
-        out->memory_usage.vram_mem = used;
-        out->cu_occupancy = 0xFFFFFFFFu; /* not available */
+        if (handles) ((uint32_t *)(void *)list)[k++] = (uint32_t)p->pid;
+        else fill_info(p, &list[k++]);
     }
     *max_processes = found;
     return leave(room >= found ? AMDSMI_STATUS_SUCCESS : AMDSMI_STATUS_OUT_OF_RESOURCES);
