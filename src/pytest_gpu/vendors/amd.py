@@ -23,10 +23,12 @@ OpenCL: HIP does not read it. torch's own count before CUDA starts
 (``torch.cuda._parse_visible_devices`` on ROCm) has rules of its own and is not this model.
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
-``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
-list is: the verifier judges a violation again once the list's staleness has passed
-(``--gpu-amd-process-lag``; ``--gpu-amd-lag-wait`` also waits it out for a shorter test), and
-every violation judged from it says how coarse it may be (:meth:`Amd.caveat`).
+``memory_usage.vram_mem`` in bytes. The process list is read live (no lag by default;
+``--gpu-amd-process-lag``, deprecated, still re-checks after a lag it is given), and every
+violation judged from it says how coarse it may be (:meth:`Amd.caveat`). Before rocm-6.1.2
+the list is of process handles (or structs), turned into records by
+``amdsmi_get_gpu_process_info`` (:func:`_record`); figures amdsmi cannot vouch for (an APU's,
+or one DRM client counted per fd) are not given (:class:`AmdSampler`).
 
 HIP's device list is pinned and read back (:func:`hip_init`) through ``libamdhip64.so``
 (``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and ``hipDeviceGetUuid`` per ordinal,
@@ -49,7 +51,7 @@ import io
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ..base.requests import format_size
 from ..base.wording import verb
@@ -65,14 +67,14 @@ HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # HIP's first: it wi
 VISIBILITY_VARS = (ROCR_VAR, ORDINAL_VAR, *HIP_VARS)
 
 
-# amdsmi's process list is the driver's, which some drivers give in whole MB and refresh about
-# once a second (amdsmi.h says bytes, and the 2024 source reads KFD's sysfs live). A list that
-# old errs both ways at a lease's end: a violation is judged again from a list read the lag
-# after the test ended (pytest_gpu.gpu.verification.NvmlVerifier.end, --gpu-amd-process-lag,
-# whose default this is), a test shorter than the lag is counted for the summary (or, with
-# --gpu-amd-lag-wait, waited for); every violation found says how coarse the list may be.
+# amdsmi's process list may be coarse (amdsmi.h says bytes; fdinfo gives KiB, some drivers
+# whole MB): every violation found says so. It is not stale: amdsmi_get_gpu_process_list reads
+# KFD's process list (rsmi_compute_process_info_get) and each process's fdinfo anew at every
+# call, nothing cached (ROCm/amdsmi at 0ceca28: amd_smi.cc, amd_smi_gpu_device.cc's
+# get_compute_process_list_impl, fdinfo.cc). So --gpu-amd-process-lag defaults to 0 (no
+# re-check, no wait, no summary line); it is kept, deprecated, for configs that set it.
 PROCESS_UNIT = 2**20
-PROCESS_LAG_S = 1.0
+PROCESS_LAG_S = 0.0
 
 
 class AmdSmiUnavailable(Unavailable):
@@ -225,18 +227,18 @@ def lease_env(uuids: Sequence[str]) -> dict[str, str]:
     """What a subprocess needs to see exactly the GPUs ``uuids`` (ROCr's), in this order, as
     ``cuda:0``, ``cuda:1``…
 
-    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's).
-    ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES`` name the same UUIDs, which select, in
-    the same order, what ROCr left: every variable a program may read says the lease, as on
-    NVIDIA (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``), and an outer value of
-    theirs cannot narrow it. ``GPU_DEVICE_ORDINAL`` takes indices only: ``0,1,…``. Names that
-    are not UUIDs (a simulated machine's indices) are counted, ``0,1,…``, in HIP's too.
-    (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``, as verl
-    does, need HIP's and CUDA's removed: docs-incoming/vendors.md.)
+    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's); ROCr then exposes
+    exactly them, in this order, so ``HIP_VISIBLE_DEVICES``, ``CUDA_VISIBLE_DEVICES`` and
+    ``GPU_DEVICE_ORDINAL`` count ``0,1,…`` into what it left: every ROCm release reads that,
+    where HIP's variables take UUIDs only from rocm-6.2.0 on (clr 52db98ed; before, ``GPU-…``
+    ends the list and the process sees no GPU). An outer value of theirs cannot narrow the
+    lease. A name that is not a ``GPU-`` UUID is a ROCr index (a simulated machine's, or a GPU
+    without a unique id, which ROCr's filter matches by index only). (Frameworks that refuse
+    ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``, as verl does, need HIP's and CUDA's
+    removed: docs-incoming/vendors.md.)
     """
     ordinals = ",".join(str(n) for n in range(len(uuids)))
-    named = ",".join(uuids) if all(u.upper().startswith("GPU-") for u in uuids) else ordinals
-    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, **dict.fromkeys(HIP_VARS, named)}
+    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, **dict.fromkeys(HIP_VARS, ordinals)}
 
 
 def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -261,27 +263,76 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
     return amdsmi, handles
 
 
-class AmdSampler:
-    """amdsmi, initialised once (:class:`Unavailable` when it cannot be); GPUs named by ROCr UUID.
+class _Opened:
+    """amdsmi as this process keeps it open for its samplers: initialised once, its GPUs
+    walked once (``amdsmi_init`` and the walk cost more than the samples); a forked child opens
+    its own (the parent's library state is not the child's to use)."""
 
-    Its per-process figures are the driver's (bytes, possibly rounded and a moment old); the
-    used VRAM it reports includes the driver's own reservation (``reserved`` is not reported)."""
+    amdsmi: ClassVar[Any] = None
+    handles: ClassVar[dict[str, Any]] = {}
+    pid: ClassVar[int] = 0
+
+    @classmethod
+    def get(cls) -> tuple[Any, dict[str, Any]]:
+        if cls.amdsmi is None or cls.pid != os.getpid():
+            if cls.amdsmi is not None:  # a fork's child: its copy of the parent's init is dropped first
+                with contextlib.suppress(Exception):
+                    cls.amdsmi.amdsmi_shut_down()
+            cls.amdsmi, cls.handles, cls.pid = *open_amdsmi(), os.getpid()
+        return cls.amdsmi, cls.handles
+
+    @classmethod
+    def forget(cls) -> None:
+        """Walk the GPUs again at the next :meth:`get` (a GPU was refused: it may be back)."""
+        if cls.amdsmi is not None:
+            with contextlib.suppress(Exception):
+                cls.amdsmi.amdsmi_shut_down()
+        cls.amdsmi, cls.handles = None, {}
+
+
+def _record(amdsmi: Any, handle: Any, listed: Any) -> dict[str, Any] | None:
+    """One entry of amdsmi's process list as the dict every release gives in the end: from
+    rocm-6.1.2 the entry itself; before, a process handle (to 6.1.0) or a ctypes struct (6.1.1)
+    that ``amdsmi_get_gpu_process_info`` turns into it. ``None``: the process left meanwhile."""
+    if isinstance(listed, Mapping):
+        return dict(listed)
+    try:
+        info = amdsmi.amdsmi_get_gpu_process_info(handle, listed)
+    except amdsmi.AmdSmiException:
+        return None  # NOT_FOUND: its fdinfo is gone (it exited between the two calls)
+    return dict(info) if isinstance(info, Mapping) else None
+
+
+class AmdSampler:
+    """amdsmi, initialised once per process (:class:`Unavailable` when it cannot be); GPUs named
+    by ROCr UUID.
+
+    Its per-process figures are the driver's fdinfo, summed by amdsmi over the process's fds
+    on that GPU (bytes, possibly rounded); the used VRAM it reports includes the driver's own
+    reservation (``reserved`` is not reported). Figures it cannot vouch for are not given:
+
+    - ``vram_mem`` 0 for a listed process (an APU such as MI300A, whose memory is GTT; a
+      process on a discrete GPU holds VRAM for its queues): the process's memory is unknown;
+    - figures adding up to more than the GPU's used VRAM: amdsmi counted a DRM client once per
+      fd that holds it (dup, fork, fd passing; amdsmi's ``fdinfo.cc`` sums every fd without
+      de-duplicating ``drm-client-id``), so no figure on that GPU is believed
+      (:class:`Unlistable`). A doubled figure that still fits under the used VRAM is not seen:
+      the error is bounded by what the other processes and the driver's reserve leave free.
+    """
 
     name = "amdsmi"
 
     def __init__(self) -> None:
-        self._amdsmi, self._handles = open_amdsmi()  # AmdSmiUnavailable: an Unavailable
+        self._amdsmi, self._handles = _Opened.get()  # AmdSmiUnavailable: an Unavailable
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._amdsmi.amdsmi_shut_down()
-        self._handles.clear()
+        pass  # amdsmi stays open for the process's next sampler (_Opened)
 
     def problem(self) -> str:
         return ""
 
     def forget(self, uuid: str) -> None:
-        pass  # handles stay valid while the device is present; a vanished one is not found again
+        _Opened.forget()
 
     def _handle(self, uuid: str) -> Any:
         handle = self._handles.get(uuid_key(uuid))
@@ -298,11 +349,31 @@ class AmdSampler:
 
     def processes(self, uuid: str) -> dict[int, int | None]:
         handle = self._handle(uuid)
+        amdsmi = self._amdsmi
         try:
-            listed = self._amdsmi.amdsmi_get_gpu_process_list(handle)
-        except self._amdsmi.AmdSmiException as exc:
+            listed = amdsmi.amdsmi_get_gpu_process_list(handle)
+        except amdsmi.AmdSmiException as exc:
             raise Unlistable(f"amdsmi cannot list the processes there ({said(exc)})", said(exc)) from None
-        return {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
+        found: dict[int, int | None] = {}
+        for entry in listed:
+            record = _record(amdsmi, handle, entry)
+            if record is None:
+                continue
+            vram = int(record.get("memory_usage", {}).get("vram_mem", 0) or 0)
+            found[int(record["pid"])] = vram or None  # 0: not measured (an APU's memory is GTT)
+        counted = sum(v for v in found.values() if v)
+        if counted:
+            try:
+                used = int(amdsmi.amdsmi_get_gpu_memory_usage(handle, amdsmi.AmdSmiMemoryType.VRAM))
+            except amdsmi.AmdSmiException:
+                used = counted
+            if counted > used:
+                why = (
+                    f"its processes' figures add up to {format_size(counted)}, more than the "
+                    f"{format_size(used)} in use there: a process counted once per fd of its DRM client"
+                )
+                raise Unlistable(f"amdsmi's per-process figures are not believed there ({why})", why)
+        return found
 
     def compute(self, uuid: str) -> list[tuple[int, int | None]]:
         """amdsmi's list is of compute (KFD) processes."""
