@@ -228,17 +228,19 @@ def lease_env(uuids: Sequence[str]) -> dict[str, str]:
     ``cuda:0``, ``cuda:1``…
 
     ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's); ROCr then exposes
-    exactly them, in this order, so ``HIP_VISIBLE_DEVICES``, ``CUDA_VISIBLE_DEVICES`` and
-    ``GPU_DEVICE_ORDINAL`` count ``0,1,…`` into what it left: every ROCm release reads that,
-    where HIP's variables take UUIDs only from rocm-6.2.0 on (clr 52db98ed; before, ``GPU-…``
-    ends the list and the process sees no GPU). An outer value of theirs cannot narrow the
-    lease. A name that is not a ``GPU-`` UUID is a ROCr index (a simulated machine's, or a GPU
-    without a unique id, which ROCr's filter matches by index only). (Frameworks that refuse
-    ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``, as verl does, need HIP's and CUDA's
-    removed: docs-incoming/vendors.md.)
+    exactly them, in this order, so ``HIP_VISIBLE_DEVICES`` and ``GPU_DEVICE_ORDINAL`` count
+    ``0,1,…`` into what it left: every ROCm release reads that, where HIP's variable takes UUIDs
+    only from rocm-6.2.0 on (clr 52db98ed; before, ``GPU-…`` ends the list and the process sees
+    no GPU). HIP reads ``CUDA_VISIBLE_DEVICES`` only when ``HIP_VISIBLE_DEVICES`` is unset or
+    empty (and torch on ROCm likewise), so it keeps ROCr's names for the programs that read it,
+    as on NVIDIA (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``); a simulated
+    machine's names are indices, counted there too. An outer value of any of them cannot narrow
+    the lease. (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``,
+    as verl does, need HIP's and CUDA's removed: docs-incoming/vendors.md.)
     """
     ordinals = ",".join(str(n) for n in range(len(uuids)))
-    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, **dict.fromkeys(HIP_VARS, ordinals)}
+    named = ",".join(uuids) if all(u.upper().startswith("GPU-") for u in uuids) else ordinals
+    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, HIP_VARS[0]: ordinals, HIP_VARS[1]: named}
 
 
 def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

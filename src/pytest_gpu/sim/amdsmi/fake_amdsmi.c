@@ -36,7 +36,7 @@
  *   is of amdsmi_process_handle_t (uint32 pids), and amdsmi_get_gpu_process_info(handle, pid,
  *   info) fills the 672-byte amdsmi_proc_info_t of that release (reserved[4] after
  *   container_name, no cu_occupancy). The Python side of those releases (process handles, then
- *   ctypes structs at 6.1.1, dicts from 6.1.2) is pytest_gpu/sim/amdsmi/legacy.py.
+ *   ctypes structs at 6.1.1, dicts from 6.1.2) is pytest_gpu/sim/amdsmi/__init__.py (install_legacy).
  * - "option amd_proc_fds N": each process holds its one DRM client under N fds (dup, fork,
  *   fd passing). amdsmi up to 7.0 (src/amd_smi/fdinfo.cc at 0ceca28: gpuvsmi_get_pid_info)
  *   adds drm-memory-vram over every fdinfo of the process on that GPU, so it reports N times
