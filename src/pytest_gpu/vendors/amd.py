@@ -372,7 +372,7 @@ class AmdSampler:
             if counted > used:
                 why = (
                     f"its processes' figures add up to {format_size(counted)}, more than the "
-                    f"{format_size(used)} in use there: a process counted once per fd of its DRM client"
+                    f"{format_size(used)} in use there: counted once per fd of a DRM client, or out of date"
                 )
                 raise Unlistable(f"amdsmi's per-process figures are not believed there ({why})", why)
         return found
