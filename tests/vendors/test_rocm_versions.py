@@ -1,7 +1,7 @@
 """ROCm releases as they differ (issue 31), through the fake AMD libraries at the release
 ``PYTEST_GPU_SIM_ROCM`` names: HIP's variables before and after rocm-6.2.0, amdsmi's process list
 before and after rocm-6.1.2, one DRM client under two fds, an APU, and amdsmi kept open once
-per process."""
+per process, and GPUs without a unique id."""
 
 from __future__ import annotations
 
@@ -146,7 +146,38 @@ def test_amdsmi_is_opened_once_per_process_and_again_in_a_forked_child(tmp_path:
     assert out["child"] == ["2", str(512 * MiB + GiB)]
 
 
-@pytest.mark.parametrize("option", ["proc-fds=0", "proc-fds=x", "apu=1"])
+@pytest.mark.parametrize("option", ["proc-fds=0", "proc-fds=x", "apu=1", "no-uuid=2", "no-uuid=x"])
 def test_the_new_machine_options_are_checked(option: str) -> None:
     with pytest.raises(ValueError, match="amd:sim:2x16GiB"):
         parse(f"amd:sim:2x16GiB;{option}")
+
+
+NO_ID = "amd:sim:4x16GiB;rocr-order=3,0,1,2;no-uuid=1,2;context=512MiB"  # ROCr's GPUs 2 and 3 have no unique id
+
+UNNAMED = f"""
+from pytest_gpu.sim.ledger import ledger
+from pytest_gpu.vendors.amd import AMD, AmdSampler, amdsmi_devices, rocm_view
+devices, out["note"] = amdsmi_devices()
+out["keys"] = [[d.index, d.uuid] for d in devices]
+ledger().allocate({GiB}, 2, None, None)
+sampler = AmdSampler()
+out["processes"] = {{d.uuid: list(sampler.processes(d.uuid).values()) for d in devices}}
+by = {{d.index: d for d in devices}}
+out["env"] = AMD.lease_env(AMD.lease_names([by[2], by[3]]))
+out["predicted"] = rocm_view(devices, out["env"])
+"""
+
+
+def test_gpus_without_a_unique_id_are_keyed_and_leased_by_rocr_index(tmp_path: Path) -> None:
+    """HSA calls every GPU without a unique id ``GPU-XX`` and ROCr's filter matches no UUID to it:
+    each is keyed by its ROCr index, which is also how a lease names it to ROCr."""
+    out = run_fake(tmp_path, NO_ID, UNNAMED)
+    assert out["note"] == ""
+    assert out["keys"] == [[3, amd_uuid(3)], [0, amd_uuid(0)], [1, "GPU-xx:2"], [2, "GPU-xx:3"]]
+    assert out["processes"] == {amd_uuid(3): [], amd_uuid(0): [], "GPU-xx:2": [], "GPU-xx:3": [512 * MiB + GiB]}
+    assert out["env"]["ROCR_VISIBLE_DEVICES"] == f"3,{amd_uuid(3)}"
+    assert out["env"]["HIP_VISIBLE_DEVICES"] == out["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert out["predicted"] == [2, 3]
+    # what ROCr and HIP (the fake libamdhip64.so) then enumerate: the GPU without an id, then GPU 3
+    hip = run_fake(tmp_path, NO_ID, HIP, **out["env"])
+    assert hip["hip"] == ["xx", amd_uuid(3)[4:]], hip["note"]

@@ -667,6 +667,8 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
         lines.append(f"option amd_proc_fds {machine.proc_fds}")
     if machine.apu:
         lines.append("option amd_apu 1")
+    if machine.no_uuid:
+        lines.append(f"option amd_no_uuid {','.join(map(str, machine.no_uuid))}")
     if machine.pidns:
         lines.append(f"option pidns {machine.pidns}")
     if machine.no_v3:

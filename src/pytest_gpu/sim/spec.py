@@ -61,7 +61,7 @@ FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
     "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..., "
-    "proc-fds=N, apu"
+    "proc-fds=N, apu, no-uuid=I,J,..."
 )
 
 
@@ -111,6 +111,7 @@ class Machine:
     rocr_order: tuple[int, ...] = ()  # amd: GPU indices in ROCr's enumeration order (empty: amdsmi's)
     proc_fds: int = 1  # amd: fds each process holds its one DRM client under (older amdsmi sums them)
     apu: bool = False  # amd: an APU (MI300A): amdsmi reports a process's memory as GTT, vram_mem 0
+    no_uuid: tuple[int, ...] = ()  # amd: GPUs without a unique id (ROCr's "GPU-XX"), by index
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -259,6 +260,7 @@ def parse(spec: str) -> Machine:
     rocr_order: tuple[int, ...] = ()
     proc_fds = 1
     apu = False
+    no_uuid: tuple[int, ...] = ()
     for raw in options:
         option = raw.strip()
         if not option:
@@ -313,6 +315,8 @@ def parse(spec: str) -> Machine:
             proc_fds = int(value)
         elif key == "apu" and not value:
             apu = True
+        elif key == "no-uuid":
+            no_uuid = tuple(sorted({_gpu_index(spec, option, part, len(sizes)) for part in value.split(",")}))
         elif key == "proc-refresh":
             if not value.strip().isdigit():
                 raise SpecError(f"{spec!r}: {option}: expected whole milliseconds such as 1000")
@@ -373,4 +377,5 @@ def parse(spec: str) -> Machine:
         rocr_order,
         proc_fds,
         apu,
+        no_uuid,
     )

@@ -112,7 +112,7 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
     A GPU amdsmi counts but cannot query (no permission, a lost device) is left out and named
     in the note, as NVML's are. :class:`AmdSmiUnavailable` when amdsmi cannot be used.
     """
-    amdsmi = _amdsmi()
+    amdsmi = _Opened.get()[0]  # kept open: a sampler of this process may be using it
     notes: list[str] = []
     found: list[tuple[int, Device]] = []
     try:
@@ -126,8 +126,9 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
                 notes.append(f"GPU {index} skipped: amdsmi: {said(exc)}")
                 continue
             found.append((hsa_id, Device(index, uuid, total, f"{name} ({bdf})" if name else bdf)))
-    finally:
-        amdsmi.amdsmi_shut_down()
+    except amdsmi.AmdSmiException as exc:
+        _Opened.forget()
+        raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
     found.sort(key=lambda pair: pair[0])
     return tuple(device for _, device in found), "; ".join(notes)
 
@@ -136,21 +137,45 @@ def _rocr_uuid(amdsmi: Any, handle: Any) -> tuple[str, int]:
     """(ROCr's ``GPU-…`` UUID, the HSA node that orders ROCr's enumeration) of ``handle``.
 
     From ``amdsmi_get_gpu_enumeration_info`` where the library has it (amdsmi 6.4 on); before
-    that, from the ASIC serial, which ROCr's unique id is, in amdsmi's order."""
+    that, from the ASIC serial, which ROCr's unique id is, in amdsmi's order. A GPU without a
+    unique id (HSA's ``GPU-XX``, the same for every such GPU) is keyed by ROCr's index
+    (:func:`unnamed`), the one name ``ROCR_VISIBLE_DEVICES`` takes for it."""
     getter = getattr(amdsmi, "amdsmi_get_gpu_enumeration_info", None)
     if getter is not None:
         try:
             info = getter(handle)
-            uuid, hsa = str(info.get("hip_uuid", "")), info.get("hsa_id")
-            if uuid.upper().startswith("GPU-") and isinstance(hsa, int):
+            uuid, hsa, hip = str(info.get("hip_uuid", "")), info.get("hsa_id"), info.get("hip_id")
+            if uuid.upper() == NO_UUID and isinstance(hsa, int) and isinstance(hip, int):
+                return unnamed(hip), hsa
+            if uuid.upper().startswith("GPU-") and uuid.upper() != NO_UUID and isinstance(hsa, int):
                 return uuid_key(uuid), hsa
         except amdsmi.AmdSmiException as exc:
             if getattr(exc, "err_code", None) not in (2, 3):  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED: fall back
                 raise
     serial = str(amdsmi.amdsmi_get_gpu_asic_info(handle).get("asic_serial", ""))
-    if not serial.upper().startswith("0X"):
-        raise AmdSmiUnavailable(f"amdsmi gives no unique id for a GPU (asic_serial {serial!r})")
+    if not serial.upper().startswith("0X") or not int(serial, 16):
+        # no unique id and no ROCr index to name it by (amdsmi before 6.4): not leasable
+        raise amdsmi.AmdSmiException(f"no unique id (asic_serial {serial!r}) and no enumeration info")
     return f"GPU-{int(serial, 16):016x}", 1 << 32  # after every GPU that has an HSA node
+
+
+NO_UUID = "GPU-XX"  # HSA's UUID of every GPU without a unique id (ROCR-Runtime amd_gpu_agent.cpp)
+
+
+def unnamed(rocr_index: int) -> str:
+    """The key of a GPU without a unique id: ROCr's index of it (ROCr's filter matches no UUID to it)."""
+    return f"GPU-xx:{rocr_index}"
+
+
+def rocr_index(uuid: str) -> int | None:
+    """ROCr's index of a GPU keyed by :func:`unnamed`; ``None`` for a GPU named by its UUID."""
+    head, sep, index = uuid.partition(":")
+    return int(index) if sep and head.upper() == NO_UUID and index.isdigit() else None
+
+
+def _hsa_uuid(device: Device) -> str:
+    """The UUID HSA (and so HIP) reports for ``device``."""
+    return NO_UUID if rocr_index(device.uuid) is not None else device.uuid
 
 
 def uuid_key(uuid: str) -> str:
@@ -176,7 +201,8 @@ def select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
             position = int(entry)
             match = devices[position] if position < len(devices) else None
         elif entry.upper().startswith("GPU-") and len(entry) > 4:
-            candidates = [d for d in devices if d.uuid.lower().startswith(entry.lower())]
+            # a GPU without a unique id is "Invalid-UUID" to ROCr's filter: no entry names it
+            candidates = [d for d in devices if rocr_index(d.uuid) is None and d.uuid.lower().startswith(entry.lower())]
             match = candidates[0] if len(candidates) == 1 else None
         if match is None or match in chosen:
             break
@@ -201,7 +227,7 @@ def hip_select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
     chosen: list[int] = []
     for entry in entries:
         if "GPU-" in entry:
-            entry = next((str(n) for n, d in enumerate(devices) if entry in d.uuid), entry)
+            entry = next((str(n) for n, d in enumerate(devices) if entry in _hsa_uuid(d)), entry)
         if not re.fullmatch(r"0|[1-9]\d*", entry) or int(entry) >= len(devices):
             break  # clr: "anything to the right of invalid deviceId has to be discarded"
         if int(entry) not in chosen:
@@ -434,7 +460,7 @@ def hip_init() -> tuple[list[str] | None, str]:
         if lib.hipDeviceGet(ctypes.byref(device), ordinal) != 0 or lib.hipDeviceGetUuid(raw, device) != 0:
             return None, f"{said_}: could not read the UUID of HIP device {ordinal}"
         # ROCr's unique id as text: 16 hex digits ("XX..." on a GPU without one: matches no device)
-        uuids.append(bytes(raw).decode("ascii", "replace").lower())
+        uuids.append(bytes(raw).rstrip(b"\0").decode("ascii", "replace").lower())
     return uuids, ""
 
 
@@ -482,6 +508,15 @@ class Amd(Vendor):
 
     def lease_env(self, names: Sequence[str]) -> dict[str, str]:
         return lease_env(names)
+
+    def lease_names(self, devices: Sequence[Device]) -> list[str]:
+        """UUIDs, but ROCr's index for a GPU without a unique id (ROCr's filter takes both in one list)."""
+        return [str(rocr_index(n)) if rocr_index(n) is not None else n for n in super().lease_names(devices)]
+
+    def runtime_id(self, uuid: str) -> str:
+        """HIP reads back ``XX`` for every GPU without a unique id: such a key matches none (the
+        view is then predicted from the variables)."""
+        return uuid.lower() if rocr_index(uuid) is not None else super().runtime_id(uuid)
 
     def ray_env(self, devices: Sequence[Device]) -> dict[str, str]:
         """Ray reads ``HIP_VISIBLE_DEVICES`` (ray 2.60's ``AMDGPUAcceleratorManager``, which refuses

@@ -42,6 +42,10 @@
  *   adds drm-memory-vram over every fdinfo of the process on that GPU, so it reports N times
  *   the memory; from 7.1 on, counting each drm-client-id once (as the issue reports of
  *   rocm-systems; that source is not in the snapshots read), it reports it once.
+ * - "option amd_no_uuid 1,3": GPUs whose unique id is 0 (no sysfs unique_id): asic_serial is
+ *   empty (amd_smi.cc's amdsmi_get_gpu_asic_info reads device/unique_id, at 0ceca28) and the
+ *   enumeration info's hip_uuid is HSA's "GPU-XX" (ROCR-Runtime amd_gpu_agent.cpp,
+ *   HSA_AMD_AGENT_INFO_UUID, at c7785a6d), the same for every such GPU.
  * - "option amd_apu 1": an APU (MI300A): a process's memory is GTT, memory_usage.vram_mem 0.
  * fake_amdsmi_inits() counts amdsmi_init calls that initialised (tests of the plugin's cost).
  *
@@ -169,6 +173,7 @@ struct gpu {
     char name[NAME_LEN];
     unsigned long long serial, total, reserved, used;
     amdsmi_status_t fault;
+    int no_uuid; /* no unique id: "GPU-XX" to HSA, no asic_serial */
 };
 struct socket_st {
     unsigned int index;
@@ -184,6 +189,7 @@ struct state {
     unsigned int ngpus;
     unsigned long long proc_unit, refresh_ms;
     int rocr_position[MAX_GPUS]; /* GPU index -> its place in ROCr's enumeration, -1: amdsmi's order */
+    int no_uuid_of[MAX_GPUS];    /* GPU index -> no unique id ("option amd_no_uuid") */
     struct gpu gpus[MAX_GPUS];
     unsigned int nprocs;
     struct proc procs[MAX_PROCS];
@@ -279,6 +285,14 @@ static int parse_state(void) {
             else if (key && !strcmp(key, "amd_proc_fds") && (parse_ull(value, &s->proc_fds) || !s->proc_fds))
                 rc = parse_fail(path, lineno, "bad amd_proc_fds");
             else if (key && !strcmp(key, "amd_apu")) s->apu = value && !strcmp(value, "1");
+            else if (key && !strcmp(key, "amd_no_uuid")) {
+                /* "1,3": gpu lines come later, so the marks wait in no_uuid_of until then */
+                for (char *item = value ? strtok(value, ",") : NULL; item; item = strtok(NULL, ",")) {
+                    unsigned long long gpu;
+                    if (parse_ull(item, &gpu) || gpu >= MAX_GPUS) { rc = parse_fail(path, lineno, "bad amd_no_uuid"); break; }
+                    s->no_uuid_of[gpu] = 1;
+                }
+            }
             else if (key && !strcmp(key, "amd_rocr_order")) {
                 /* "3,0,1,2": GPU 3 is ROCr's first; the ledger checked it is a permutation */
                 int place = 0;
@@ -312,6 +326,7 @@ static int parse_state(void) {
             }
             g->present = 1;
             g->index = (unsigned int)idx;
+            g->no_uuid = s->no_uuid_of[idx];
             g->fault = fault_code(fault);
             s->ngpus++;
         } else if (!strcmp(kind, "proc")) {
@@ -478,7 +493,7 @@ API amdsmi_status_t amdsmi_get_gpu_device_uuid(void *h, uint32_t *length, char *
     if (r) return leave(r);
     if (!length || !uuid || *length < AMDSMI_GPU_UUID_SIZE) return leave(AMDSMI_STATUS_INVAL);
     /* amd_smi_uuid.cc's amdsmi_uuid_gen(serial, device id, fcn 0xff): version 1, variant 2 */
-    uint64_t s = g->serial;
+    uint64_t s = g->no_uuid ? 0 : g->serial; /* derived from the serial: the same for every GPU without one */
     uint32_t time_low = DEVICE_ID | (0xffu << 16) | ((uint32_t)(s >> 56) << 24);
     snprintf(uuid, AMDSMI_GPU_UUID_SIZE, "%08x-%04x-%04x-%02x%02x-%04x%08x", time_low, 0, 1u << 12, 0x80,
              (unsigned)((s >> 48) & 0xff), (unsigned)((s >> 32) & 0xffff), (unsigned)(s & 0xffffffffu));
@@ -496,7 +511,7 @@ API amdsmi_status_t amdsmi_get_gpu_enumeration_info(void *h, amdsmi_enumeration_
     unsigned int place = g_state.rocr_position[g->index] >= 0 ? (unsigned int)g_state.rocr_position[g->index] : g->index;
     info->hsa_id = 1 + place; /* HSA node 0 is the CPU; the GPUs' nodes in ROCr's order */
     info->hip_id = place;
-    snprintf(info->hip_uuid, sizeof info->hip_uuid, "%s", g->uuid);
+    snprintf(info->hip_uuid, sizeof info->hip_uuid, "%s", g->no_uuid ? "GPU-XX" : g->uuid);
     return leave(AMDSMI_STATUS_SUCCESS);
 }
 
@@ -511,7 +526,7 @@ API amdsmi_status_t amdsmi_get_gpu_asic_info(void *h, amdsmi_asic_info_t *info) 
     snprintf(info->vendor_name, NAME_LEN, "Advanced Micro Devices Inc. [AMD/ATI]");
     info->subvendor_id = 0x1002;
     info->device_id = DEVICE_ID;
-    snprintf(info->asic_serial, NAME_LEN, "%016llX", g->serial);
+    if (!g->no_uuid) snprintf(info->asic_serial, NAME_LEN, "%016llX", g->serial); /* else: no unique_id file */
     info->oam_id = g->index;
     info->num_of_compute_units = 304;
     info->target_graphics_version = 0x942;

@@ -158,7 +158,10 @@ static void init_once(void) {
     fclose(f);
     if (!amd) return; /* no amdgpu: ROCr, and so HIP, cannot initialise */
     for (int i = 0; i < n; i++)
-        if (no_uuid[i]) snprintf(uuids[i], 21, "GPU-XX");
+        if (no_uuid[i]) { /* clr copies 16 bytes after "GPU-" from a zeroed buffer: "XX" and 14 NULs */
+            memset(uuids[i], 0, 21);
+            memcpy(uuids[i], "GPU-XX", 6);
+        }
     char rocr[MAX_GPUS][21], left[MAX_GPUS][21];
     for (int i = 0; i < n; i++) memcpy(rocr[ordered && place[i] >= 0 ? place[i] : i], uuids[i], 21);
     const char *rvd = getenv("ROCR_VISIBLE_DEVICES");
