@@ -127,6 +127,8 @@ for _ in range(20):  # as a verifier opens one at the start and one at the end o
     sampler = AmdSampler()
     sampler.processes("{amd_uuid(1)}")
     sampler.close()
+sampler.forget("{amd_uuid(1)}")  # a refused GPU: its handles are walked again, amdsmi is not re-opened
+out["after_forget"] = list(AmdSampler().processes("{amd_uuid(1)}").values())
 out["inits"] = lib.fake_amdsmi_inits()
 ledger().allocate({GiB}, 1, None, None)
 read, write = os.pipe()
@@ -143,6 +145,7 @@ out["child"] = os.read(read, 100).decode().split()
 def test_amdsmi_is_opened_once_per_process_and_again_in_a_forked_child(tmp_path: Path) -> None:
     out = run_fake(tmp_path, "amd:sim:2x16GiB;context=512MiB", ONCE)
     assert out["inits"] == 1  # not one amdsmi_init and GPU walk per sample
+    assert out["after_forget"] == []  # still answered (nothing there yet)
     assert out["child"] == ["2", str(512 * MiB + GiB)]
 
 

@@ -278,6 +278,15 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
     """amdsmi, initialised (the caller shuts it down), and its GPUs' handles by ROCr UUID (a GPU
     it cannot query is left out); :class:`AmdSmiUnavailable` when it cannot be used."""
     amdsmi = _amdsmi()
+    try:
+        return amdsmi, _walk(amdsmi)
+    except AmdSmiUnavailable:
+        amdsmi.amdsmi_shut_down()
+        raise
+
+
+def _walk(amdsmi: Any) -> dict[str, Any]:
+    """amdsmi's GPU handles by ROCr UUID (a GPU it cannot query is left out)."""
     handles: dict[str, Any] = {}
     try:
         for handle in amdsmi.amdsmi_get_processor_handles():
@@ -286,9 +295,8 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
             except amdsmi.AmdSmiException:
                 continue  # a GPU it cannot query: named by whoever asks for it
     except amdsmi.AmdSmiException as exc:
-        amdsmi.amdsmi_shut_down()
         raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
-    return amdsmi, handles
+    return handles
 
 
 class _Opened:
@@ -299,6 +307,7 @@ class _Opened:
     amdsmi: ClassVar[Any] = None
     handles: ClassVar[dict[str, Any]] = {}
     pid: ClassVar[int] = 0
+    stale: ClassVar[bool] = False
 
     @classmethod
     def get(cls) -> tuple[Any, dict[str, Any]]:
@@ -306,16 +315,17 @@ class _Opened:
             if cls.amdsmi is not None:  # a fork's child: its copy of the parent's init is dropped first
                 with contextlib.suppress(Exception):
                     cls.amdsmi.amdsmi_shut_down()
-            cls.amdsmi, cls.handles, cls.pid = *open_amdsmi(), os.getpid()
+                cls.amdsmi = None
+            cls.amdsmi, cls.handles = open_amdsmi()
+            cls.pid, cls.stale = os.getpid(), False
+        elif cls.stale:
+            cls.handles, cls.stale = _walk(cls.amdsmi), False
         return cls.amdsmi, cls.handles
 
     @classmethod
     def forget(cls) -> None:
         """Walk the GPUs again at the next :meth:`get` (a GPU was refused: it may be back)."""
-        if cls.amdsmi is not None:
-            with contextlib.suppress(Exception):
-                cls.amdsmi.amdsmi_shut_down()
-        cls.amdsmi, cls.handles = None, {}
+        cls.stale = True
 
 
 def _record(amdsmi: Any, handle: Any, listed: Any) -> dict[str, Any] | None:
@@ -351,7 +361,11 @@ class AmdSampler:
     name = "amdsmi"
 
     def __init__(self) -> None:
-        self._amdsmi, self._handles = _Opened.get()  # AmdSmiUnavailable: an Unavailable
+        _Opened.get()  # AmdSmiUnavailable (an Unavailable) when it cannot be opened
+
+    @property
+    def _amdsmi(self) -> Any:
+        return _Opened.get()[0]
 
     def close(self) -> None:
         pass  # amdsmi stays open for the process's next sampler (_Opened)
@@ -363,7 +377,11 @@ class AmdSampler:
         _Opened.forget()
 
     def _handle(self, uuid: str) -> Any:
-        handle = self._handles.get(uuid_key(uuid))
+        try:
+            handles = _Opened.get()[1]
+        except AmdSmiUnavailable as exc:
+            raise Refused(str(exc)) from None
+        handle = handles.get(uuid_key(uuid))
         if handle is None:
             raise Refused("amdsmi does not report it")
         return handle
