@@ -49,3 +49,23 @@ def test_fifty_clean_tests_in_one_worker_report_nothing(gpu_pytester, vendor_run
     assert all(peak <= 16 * MiB for peak in peaks), peaks
     if rocm:  # amdsmi's doubled figures: not believed, and said so
         assert "counted once per fd of a DRM client" in out, out
+
+
+def test_an_apus_gpu_is_not_verified_rather_than_measured_clean(gpu_pytester, vendor_run):
+    """MI300A (``apu``): amdsmi's vram_mem is 0 for every process; a test leaking there is not
+    called clean, its GPU is said not verified."""
+    gpu_pytester.makepyfile(
+        test_leak="""
+import pytest
+from pytest_gpu import sim
+
+@pytest.mark.gpu(memory="1GiB")
+def test_leaks(gpu):
+    sim.allocate("256MiB")  # never freed
+"""
+    )
+    result = vendor_run("amd", "amd:sim:2x16GiB;context=512MiB;apu", "--gpus", "auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["pytest-gpu: not verified: amdsmi does not say how much memory processes use on GPU 0 (1 test)"]
+    )
