@@ -82,8 +82,8 @@ LANDINGS = {
         ("--gpus", "auto"),
         {"ROCR_VISIBLE_DEVICES": "0,2,3"},
         [0, 2, 3],
-        'assert gpu.env["ROCR_VISIBLE_DEVICES"] == gpu.env["HIP_VISIBLE_DEVICES"] == gpu.visible_devices'
-        " == gpu.uuids[0]",
+        'assert gpu.env["ROCR_VISIBLE_DEVICES"] == gpu.env["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices'
+        ' == gpu.uuids[0] and gpu.env["HIP_VISIBLE_DEVICES"] == "0"',
         "next(i for i in SEEN if i != gpu.indices[0])",
     ),
     # ZE_AFFINITY_MASK=3,0,2 outside: the worker's Level Zero numbers devices 0, 2, 3 as 0, 1, 2

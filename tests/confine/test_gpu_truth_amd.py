@@ -83,21 +83,23 @@ def test_the_verdict_waits_for_amdsmis_list_where_it_lags(gpu_pytester, amd_run)
 
 
 def test_without_the_wait_a_lagging_list_errs_both_ways(gpu_pytester, amd_run):
-    """What the wait is for: with --gpu-amd-process-lag=0 on the same driver, the freed GiB reads as
-    held, and the late context outside the lease is missed."""
+    """What the wait is for: with --gpu-amd-process-lag=0 on the same (hypothetical: amdsmi reads
+    live) driver, the late context outside the lease is missed; the freed GiB the stale list still
+    shows is not read as held, since the figures then add up to more than the GPU's used VRAM,
+    which no list that is true can (the GPU is said not verified instead)."""
     gpu_pytester.makepyfile(test_lagged=LAGGED)
     result = amd_run(
         "amd:sim:2x16GiB;proc-refresh=2000", "--gpus", "auto", "-p", "no:xdist", "-rA", "--gpu-amd-process-lag=0"
     )
-    result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*ERROR at teardown of test_freed_at_the_end*"])
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert "still holds" not in out and "outside its lease" not in out, out
     result.stdout.fnmatch_lines(
         [
-            "*memory this process still holds after the test*(seen in amdsmi's per-process "
-            "list, which may be rounded to 1MiB)*"
+            "pytest-gpu: not verified: amdsmi cannot list processes on GPU 0 (its processes' figures add up to *, more "
+            "than the * in use there: counted once per fd of a DRM client, or out of date): not checked there (*"
         ]
     )
-    assert "outside its lease" not in result.stdout.str()
 
 
 BLIND_SPOT = (

@@ -155,8 +155,8 @@ def test_outer_rocm_variables_narrow_the_run_and_its_leases_name_uuids(tmp_path:
     assert out["env"] == {
         "ROCR_VISIBLE_DEVICES": amd_uuid(3),
         "GPU_DEVICE_ORDINAL": "0",
-        "HIP_VISIBLE_DEVICES": amd_uuid(3),  # outer HIP_VISIBLE_DEVICES=1,2 cannot narrow it
-        "CUDA_VISIBLE_DEVICES": amd_uuid(3),
+        "HIP_VISIBLE_DEVICES": "0",  # into what ROCr left: outer HIP_VISIBLE_DEVICES=1,2 cannot narrow it
+        "CUDA_VISIBLE_DEVICES": amd_uuid(3),  # read by HIP only without HIP's: programs read it
     }
     assert out["device"] == "cuda:0"
 

@@ -77,14 +77,13 @@ def test_hip_empty_is_unset_a_bad_entry_ends_and_a_repeat_is_skipped() -> None:
     assert view(HIP_VISIBLE_DEVICES=amd_uuid(3).upper()) == []  # ROCr's UUIDs are lower-case
 
 
-def test_a_lease_names_its_uuids_in_rocr_and_hips_variables() -> None:
+def test_a_lease_names_its_uuids_in_rocr_and_counts_into_them_in_hips_variables() -> None:
     env = lease_env((MACHINE[2].uuid, MACHINE[0].uuid))
-    both = f"{amd_uuid(3)},{amd_uuid(2)}"
     assert env == {
-        "ROCR_VISIBLE_DEVICES": both,
+        "ROCR_VISIBLE_DEVICES": f"{amd_uuid(3)},{amd_uuid(2)}",
         "GPU_DEVICE_ORDINAL": "0,1",  # ROCclr's takes indices only
-        "HIP_VISIBLE_DEVICES": both,  # the same UUIDs select, in the same order, what ROCr left
-        "CUDA_VISIBLE_DEVICES": both,
+        "HIP_VISIBLE_DEVICES": "0,1",  # HIP before rocm-6.2 reads no UUID there: indices into what ROCr left
+        "CUDA_VISIBLE_DEVICES": f"{amd_uuid(3)},{amd_uuid(2)}",  # HIP reads it only without HIP's
     }
     assert rocm_view(MACHINE, env) == [3, 2]  # the lease's order: cuda:0 is the first GPU asked for
     # whatever the outer variables said: the lease's replace every one of them

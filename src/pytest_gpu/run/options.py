@@ -59,9 +59,9 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "--gpu-amd-process-lag",
         "gpu_amd_process_lag",
         f"{AMD_PROCESS_LAG_S:g}",
-        "AMD GPUs: seconds amdsmi's per-process list may be behind (0: the driver reads it live). A violation "
-        "is judged again from a list read this long after the test ended; tests shorter than this are "
-        "counted in the summary (their last moments may not be seen), or waited for with --gpu-amd-lag-wait.",
+        "Deprecated (amdsmi reads its per-process list live: 0 is right). AMD GPUs: seconds amdsmi's "
+        "per-process list may be behind. A violation is judged again from a list read this long after the "
+        "test ended; tests shorter than this are counted in the summary, or waited for with --gpu-amd-lag-wait.",
     ),
     (
         "--gpu-amd-lag-wait",

@@ -697,6 +697,12 @@ def render_state(machine: specs.Machine, state: dict[str, Any]) -> str:
         lines.append(f"option amd_proc_refresh_ms {machine.proc_refresh_ms}")
     if machine.rocr_order:
         lines.append(f"option amd_rocr_order {','.join(map(str, machine.rocr_order))}")
+    if machine.proc_fds > 1:
+        lines.append(f"option amd_proc_fds {machine.proc_fds}")
+    if machine.apu:
+        lines.append("option amd_apu 1")
+    if machine.no_uuid:
+        lines.append(f"option amd_no_uuid {','.join(map(str, machine.no_uuid))}")
     if machine.pidns:
         lines.append(f"option pidns {machine.pidns}")
     if machine.no_v3:

@@ -60,7 +60,8 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..."
+    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..., "
+    "proc-fds=N, apu, no-uuid=I,J,..."
 )
 
 
@@ -108,6 +109,9 @@ class Machine:
     proc_unit: int = 0  # amd: per-process figures rounded down to a multiple of this (0: exact bytes)
     proc_refresh_ms: int = 0  # amd: how stale amdsmi's process list may be
     rocr_order: tuple[int, ...] = ()  # amd: GPU indices in ROCr's enumeration order (empty: amdsmi's)
+    proc_fds: int = 1  # amd: fds each process holds its one DRM client under (older amdsmi sums them)
+    apu: bool = False  # amd: an APU (MI300A): amdsmi reports a process's memory as GTT, vram_mem 0
+    no_uuid: tuple[int, ...] = ()  # amd: GPUs without a unique id (ROCr's "GPU-XX"), by index
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -254,6 +258,9 @@ def parse(spec: str) -> Machine:
     proc_unit = 0
     proc_refresh_ms = 0
     rocr_order: tuple[int, ...] = ()
+    proc_fds = 1
+    apu = False
+    no_uuid: tuple[int, ...] = ()
     for raw in options:
         option = raw.strip()
         if not option:
@@ -302,6 +309,14 @@ def parse(spec: str) -> Machine:
                     f"rocr-order={','.join(map(str, reversed(range(len(sizes)))))}"
                 )
             rocr_order = tuple(map(int, parts))
+        elif key == "proc-fds":
+            if not value.strip().isdigit() or not 1 <= int(value) <= 16:
+                raise SpecError(f"{spec!r}: {option}: expected a count of fds from 1 to 16, such as proc-fds=2")
+            proc_fds = int(value)
+        elif key == "apu" and not value:
+            apu = True
+        elif key == "no-uuid":
+            no_uuid = tuple(sorted({_gpu_index(spec, option, part, len(sizes)) for part in value.split(",")}))
         elif key == "proc-refresh":
             if not value.strip().isdigit():
                 raise SpecError(f"{spec!r}: {option}: expected whole milliseconds such as 1000")
@@ -349,4 +364,18 @@ def parse(spec: str) -> Machine:
                 faults.get(index, "none"),
             )
         )
-    return Machine(text, tuple(gpus), pidns, no_v3, no_usage, context, vendor, proc_unit, proc_refresh_ms, rocr_order)
+    return Machine(
+        text,
+        tuple(gpus),
+        pidns,
+        no_v3,
+        no_usage,
+        context,
+        vendor,
+        proc_unit,
+        proc_refresh_ms,
+        rocr_order,
+        proc_fds,
+        apu,
+        no_uuid,
+    )

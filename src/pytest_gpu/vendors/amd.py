@@ -23,10 +23,12 @@ OpenCL: HIP does not read it. torch's own count before CUDA starts
 (``torch.cuda._parse_visible_devices`` on ROCm) has rules of its own and is not this model.
 
 Units (``amdsmi.h``): VRAM total and usage in bytes; a process's ``mem`` and
-``memory_usage.vram_mem`` in bytes. Drivers differ in how fine and how fresh the process
-list is: the verifier judges a violation again once the list's staleness has passed
-(``--gpu-amd-process-lag``; ``--gpu-amd-lag-wait`` also waits it out for a shorter test), and
-every violation judged from it says how coarse it may be (:meth:`Amd.caveat`).
+``memory_usage.vram_mem`` in bytes. The process list is read live (no lag by default;
+``--gpu-amd-process-lag``, deprecated, still re-checks after a lag it is given), and every
+violation judged from it says how coarse it may be (:meth:`Amd.caveat`). Before rocm-6.1.2
+the list is of process handles (or structs), turned into records by
+``amdsmi_get_gpu_process_info`` (:func:`_record`); figures amdsmi cannot vouch for (an APU's,
+or one DRM client counted per fd) are not given (:class:`AmdSampler`).
 
 HIP's device list is pinned and read back (:func:`hip_init`) through ``libamdhip64.so``
 (``hipInit``, ``hipGetDeviceCount``, ``hipDeviceGet`` and ``hipDeviceGetUuid`` per ordinal,
@@ -49,7 +51,7 @@ import io
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ..base.requests import format_size
 from ..base.wording import verb
@@ -65,14 +67,14 @@ HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # HIP's first: it wi
 VISIBILITY_VARS = (ROCR_VAR, ORDINAL_VAR, *HIP_VARS)
 
 
-# amdsmi's process list is the driver's, which some drivers give in whole MB and refresh about
-# once a second (amdsmi.h says bytes, and the 2024 source reads KFD's sysfs live). A list that
-# old errs both ways at a lease's end: a violation is judged again from a list read the lag
-# after the test ended (pytest_gpu.gpu.verification.NvmlVerifier.end, --gpu-amd-process-lag,
-# whose default this is), a test shorter than the lag is counted for the summary (or, with
-# --gpu-amd-lag-wait, waited for); every violation found says how coarse the list may be.
+# amdsmi's process list may be coarse (amdsmi.h says bytes; fdinfo gives KiB, some drivers
+# whole MB): every violation found says so. It is not stale: amdsmi_get_gpu_process_list reads
+# KFD's process list (rsmi_compute_process_info_get) and each process's fdinfo anew at every
+# call, nothing cached (ROCm/amdsmi at 0ceca28: amd_smi.cc, amd_smi_gpu_device.cc's
+# get_compute_process_list_impl, fdinfo.cc). So --gpu-amd-process-lag defaults to 0 (no
+# re-check, no wait, no summary line); it is kept, deprecated, for configs that set it.
 PROCESS_UNIT = 2**20
-PROCESS_LAG_S = 1.0
+PROCESS_LAG_S = 0.0
 
 
 class AmdSmiUnavailable(Unavailable):
@@ -110,7 +112,7 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
     A GPU amdsmi counts but cannot query (no permission, a lost device) is left out and named
     in the note, as NVML's are. :class:`AmdSmiUnavailable` when amdsmi cannot be used.
     """
-    amdsmi = _amdsmi()
+    amdsmi = _Opened.get()[0]  # kept open: a sampler of this process may be using it
     notes: list[str] = []
     found: list[tuple[int, Device]] = []
     try:
@@ -124,8 +126,9 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
                 notes.append(f"GPU {index} skipped: amdsmi: {said(exc)}")
                 continue
             found.append((hsa_id, Device(index, uuid, total, f"{name} ({bdf})" if name else bdf)))
-    finally:
-        amdsmi.amdsmi_shut_down()
+    except amdsmi.AmdSmiException as exc:
+        _Opened.forget()
+        raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
     found.sort(key=lambda pair: pair[0])
     return tuple(device for _, device in found), "; ".join(notes)
 
@@ -134,21 +137,45 @@ def _rocr_uuid(amdsmi: Any, handle: Any) -> tuple[str, int]:
     """(ROCr's ``GPU-…`` UUID, the HSA node that orders ROCr's enumeration) of ``handle``.
 
     From ``amdsmi_get_gpu_enumeration_info`` where the library has it (amdsmi 6.4 on); before
-    that, from the ASIC serial, which ROCr's unique id is, in amdsmi's order."""
+    that, from the ASIC serial, which ROCr's unique id is, in amdsmi's order. A GPU without a
+    unique id (HSA's ``GPU-XX``, the same for every such GPU) is keyed by ROCr's index
+    (:func:`unnamed`), the one name ``ROCR_VISIBLE_DEVICES`` takes for it."""
     getter = getattr(amdsmi, "amdsmi_get_gpu_enumeration_info", None)
     if getter is not None:
         try:
             info = getter(handle)
-            uuid, hsa = str(info.get("hip_uuid", "")), info.get("hsa_id")
-            if uuid.upper().startswith("GPU-") and isinstance(hsa, int):
+            uuid, hsa, hip = str(info.get("hip_uuid", "")), info.get("hsa_id"), info.get("hip_id")
+            if uuid.upper() == NO_UUID and isinstance(hsa, int) and isinstance(hip, int):
+                return unnamed(hip), hsa
+            if uuid.upper().startswith("GPU-") and uuid.upper() != NO_UUID and isinstance(hsa, int):
                 return uuid_key(uuid), hsa
         except amdsmi.AmdSmiException as exc:
             if getattr(exc, "err_code", None) not in (2, 3):  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED: fall back
                 raise
     serial = str(amdsmi.amdsmi_get_gpu_asic_info(handle).get("asic_serial", ""))
-    if not serial.upper().startswith("0X"):
-        raise AmdSmiUnavailable(f"amdsmi gives no unique id for a GPU (asic_serial {serial!r})")
+    if not serial.upper().startswith("0X") or not int(serial, 16):
+        # no unique id and no ROCr index to name it by (amdsmi before 6.4): not leasable
+        raise amdsmi.AmdSmiException(f"no unique id (asic_serial {serial!r}) and no enumeration info")
     return f"GPU-{int(serial, 16):016x}", 1 << 32  # after every GPU that has an HSA node
+
+
+NO_UUID = "GPU-XX"  # HSA's UUID of every GPU without a unique id (ROCR-Runtime amd_gpu_agent.cpp)
+
+
+def unnamed(rocr_index: int) -> str:
+    """The key of a GPU without a unique id: ROCr's index of it (ROCr's filter matches no UUID to it)."""
+    return f"GPU-xx:{rocr_index}"
+
+
+def rocr_index(uuid: str) -> int | None:
+    """ROCr's index of a GPU keyed by :func:`unnamed`; ``None`` for a GPU named by its UUID."""
+    head, sep, index = uuid.partition(":")
+    return int(index) if sep and head.upper() == NO_UUID and index.isdigit() else None
+
+
+def _hsa_uuid(device: Device) -> str:
+    """The UUID HSA (and so HIP) reports for ``device``."""
+    return NO_UUID if rocr_index(device.uuid) is not None else device.uuid
 
 
 def uuid_key(uuid: str) -> str:
@@ -174,7 +201,8 @@ def select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
             position = int(entry)
             match = devices[position] if position < len(devices) else None
         elif entry.upper().startswith("GPU-") and len(entry) > 4:
-            candidates = [d for d in devices if d.uuid.lower().startswith(entry.lower())]
+            # a GPU without a unique id is "Invalid-UUID" to ROCr's filter: no entry names it
+            candidates = [d for d in devices if rocr_index(d.uuid) is None and d.uuid.lower().startswith(entry.lower())]
             match = candidates[0] if len(candidates) == 1 else None
         if match is None or match in chosen:
             break
@@ -199,7 +227,7 @@ def hip_select(devices: tuple[Device, ...], value: str) -> tuple[Device, ...]:
     chosen: list[int] = []
     for entry in entries:
         if "GPU-" in entry:
-            entry = next((str(n) for n, d in enumerate(devices) if entry in d.uuid), entry)
+            entry = next((str(n) for n, d in enumerate(devices) if entry in _hsa_uuid(d)), entry)
         if not re.fullmatch(r"0|[1-9]\d*", entry) or int(entry) >= len(devices):
             break  # clr: "anything to the right of invalid deviceId has to be discarded"
         if int(entry) not in chosen:
@@ -225,18 +253,20 @@ def lease_env(uuids: Sequence[str]) -> dict[str, str]:
     """What a subprocess needs to see exactly the GPUs ``uuids`` (ROCr's), in this order, as
     ``cuda:0``, ``cuda:1``…
 
-    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's).
-    ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES`` name the same UUIDs, which select, in
-    the same order, what ROCr left: every variable a program may read says the lease, as on
-    NVIDIA (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``), and an outer value of
-    theirs cannot narrow it. ``GPU_DEVICE_ORDINAL`` takes indices only: ``0,1,…``. Names that
-    are not UUIDs (a simulated machine's indices) are counted, ``0,1,…``, in HIP's too.
-    (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``, as verl
-    does, need HIP's and CUDA's removed: docs-incoming/vendors.md.)
+    ``ROCR_VISIBLE_DEVICES`` names them by UUID (indices may not be ROCr's); ROCr then exposes
+    exactly them, in this order, so ``HIP_VISIBLE_DEVICES`` and ``GPU_DEVICE_ORDINAL`` count
+    ``0,1,…`` into what it left: every ROCm release reads that, where HIP's variable takes UUIDs
+    only from rocm-6.2.0 on (clr 52db98ed; before, ``GPU-…`` ends the list and the process sees
+    no GPU). HIP reads ``CUDA_VISIBLE_DEVICES`` only when ``HIP_VISIBLE_DEVICES`` is unset or
+    empty (and torch on ROCm likewise), so it keeps ROCr's names for the programs that read it,
+    as on NVIDIA (``os.environ["CUDA_VISIBLE_DEVICES"] == gpu.visible_devices``); a simulated
+    machine's names are indices, counted there too. An outer value of any of them cannot narrow
+    the lease. (Frameworks that refuse ``ROCR_VISIBLE_DEVICES`` beside ``HIP_VISIBLE_DEVICES``,
+    as verl does, need HIP's and CUDA's removed: docs-incoming/vendors.md.)
     """
     ordinals = ",".join(str(n) for n in range(len(uuids)))
     named = ",".join(uuids) if all(u.upper().startswith("GPU-") for u in uuids) else ordinals
-    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, **dict.fromkeys(HIP_VARS, named)}
+    return {ROCR_VAR: ",".join(uuids), ORDINAL_VAR: ordinals, HIP_VARS[0]: ordinals, HIP_VARS[1]: named}
 
 
 def outer(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -248,6 +278,15 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
     """amdsmi, initialised (the caller shuts it down), and its GPUs' handles by ROCr UUID (a GPU
     it cannot query is left out); :class:`AmdSmiUnavailable` when it cannot be used."""
     amdsmi = _amdsmi()
+    try:
+        return amdsmi, _walk(amdsmi)
+    except AmdSmiUnavailable:
+        amdsmi.amdsmi_shut_down()
+        raise
+
+
+def _walk(amdsmi: Any) -> dict[str, Any]:
+    """amdsmi's GPU handles by ROCr UUID (a GPU it cannot query is left out)."""
     handles: dict[str, Any] = {}
     try:
         for handle in amdsmi.amdsmi_get_processor_handles():
@@ -256,35 +295,93 @@ def open_amdsmi() -> tuple[Any, dict[str, Any]]:
             except amdsmi.AmdSmiException:
                 continue  # a GPU it cannot query: named by whoever asks for it
     except amdsmi.AmdSmiException as exc:
-        amdsmi.amdsmi_shut_down()
         raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
-    return amdsmi, handles
+    return handles
+
+
+class _Opened:
+    """amdsmi as this process keeps it open for its samplers: initialised once, its GPUs
+    walked once (``amdsmi_init`` and the walk cost more than the samples); a forked child opens
+    its own (the parent's library state is not the child's to use)."""
+
+    amdsmi: ClassVar[Any] = None
+    handles: ClassVar[dict[str, Any]] = {}
+    pid: ClassVar[int] = 0
+    stale: ClassVar[bool] = False
+
+    @classmethod
+    def get(cls) -> tuple[Any, dict[str, Any]]:
+        if cls.amdsmi is None or cls.pid != os.getpid():
+            if cls.amdsmi is not None:  # a fork's child: its copy of the parent's init is dropped first
+                with contextlib.suppress(Exception):
+                    cls.amdsmi.amdsmi_shut_down()
+                cls.amdsmi = None
+            cls.amdsmi, cls.handles = open_amdsmi()
+            cls.pid, cls.stale = os.getpid(), False
+        elif cls.stale:
+            cls.handles, cls.stale = _walk(cls.amdsmi), False
+        return cls.amdsmi, cls.handles
+
+    @classmethod
+    def forget(cls) -> None:
+        """Walk the GPUs again at the next :meth:`get` (a GPU was refused: it may be back)."""
+        cls.stale = True
+
+
+def _record(amdsmi: Any, handle: Any, listed: Any) -> dict[str, Any] | None:
+    """One entry of amdsmi's process list as the dict every release gives in the end: from
+    rocm-6.1.2 the entry itself; before, a process handle (to 6.1.0) or a ctypes struct (6.1.1)
+    that ``amdsmi_get_gpu_process_info`` turns into it. ``None``: the process left meanwhile."""
+    if isinstance(listed, Mapping):
+        return dict(listed)
+    try:
+        info = amdsmi.amdsmi_get_gpu_process_info(handle, listed)
+    except amdsmi.AmdSmiException:
+        return None  # NOT_FOUND: its fdinfo is gone (it exited between the two calls)
+    return dict(info) if isinstance(info, Mapping) else None
 
 
 class AmdSampler:
-    """amdsmi, initialised once (:class:`Unavailable` when it cannot be); GPUs named by ROCr UUID.
+    """amdsmi, initialised once per process (:class:`Unavailable` when it cannot be); GPUs named
+    by ROCr UUID.
 
-    Its per-process figures are the driver's (bytes, possibly rounded and a moment old); the
-    used VRAM it reports includes the driver's own reservation (``reserved`` is not reported)."""
+    Its per-process figures are the driver's fdinfo, summed by amdsmi over the process's fds
+    on that GPU (bytes, possibly rounded); the used VRAM it reports includes the driver's own
+    reservation (``reserved`` is not reported). Figures it cannot vouch for are not given:
+
+    - ``vram_mem`` 0 for a listed process (an APU such as MI300A, whose memory is GTT; a
+      process on a discrete GPU holds VRAM for its queues): the process's memory is unknown;
+    - figures adding up to more than the GPU's used VRAM: amdsmi counted a DRM client once per
+      fd that holds it (dup, fork, fd passing; amdsmi's ``fdinfo.cc`` sums every fd without
+      de-duplicating ``drm-client-id``), so no figure on that GPU is believed
+      (:class:`Unlistable`). A doubled figure that still fits under the used VRAM is not seen:
+      the error is bounded by what the other processes and the driver's reserve leave free.
+    """
 
     name = "amdsmi"
 
     def __init__(self) -> None:
-        self._amdsmi, self._handles = open_amdsmi()  # AmdSmiUnavailable: an Unavailable
+        _Opened.get()  # AmdSmiUnavailable (an Unavailable) when it cannot be opened
+
+    @property
+    def _amdsmi(self) -> Any:
+        return _Opened.get()[0]
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._amdsmi.amdsmi_shut_down()
-        self._handles.clear()
+        pass  # amdsmi stays open for the process's next sampler (_Opened)
 
     def problem(self) -> str:
         return ""
 
     def forget(self, uuid: str) -> None:
-        pass  # handles stay valid while the device is present; a vanished one is not found again
+        _Opened.forget()
 
     def _handle(self, uuid: str) -> Any:
-        handle = self._handles.get(uuid_key(uuid))
+        try:
+            handles = _Opened.get()[1]
+        except AmdSmiUnavailable as exc:
+            raise Refused(str(exc)) from None
+        handle = handles.get(uuid_key(uuid))
         if handle is None:
             raise Refused("amdsmi does not report it")
         return handle
@@ -298,11 +395,31 @@ class AmdSampler:
 
     def processes(self, uuid: str) -> dict[int, int | None]:
         handle = self._handle(uuid)
+        amdsmi = self._amdsmi
         try:
-            listed = self._amdsmi.amdsmi_get_gpu_process_list(handle)
-        except self._amdsmi.AmdSmiException as exc:
+            listed = amdsmi.amdsmi_get_gpu_process_list(handle)
+        except amdsmi.AmdSmiException as exc:
             raise Unlistable(f"amdsmi cannot list the processes there ({said(exc)})", said(exc)) from None
-        return {int(p["pid"]): int(p["memory_usage"]["vram_mem"]) for p in listed}
+        found: dict[int, int | None] = {}
+        for entry in listed:
+            record = _record(amdsmi, handle, entry)
+            if record is None:
+                continue
+            vram = int(record.get("memory_usage", {}).get("vram_mem", 0) or 0)
+            found[int(record["pid"])] = vram or None  # 0: not measured (an APU's memory is GTT)
+        counted = sum(v for v in found.values() if v)
+        if counted:
+            try:
+                used = int(amdsmi.amdsmi_get_gpu_memory_usage(handle, amdsmi.AmdSmiMemoryType.VRAM))
+            except amdsmi.AmdSmiException:
+                used = counted
+            if counted > used:
+                why = (
+                    f"its processes' figures add up to {format_size(counted)}, more than the "
+                    f"{format_size(used)} in use there: counted once per fd of a DRM client, or out of date"
+                )
+                raise Unlistable(f"amdsmi's per-process figures are not believed there ({why})", why)
+        return found
 
     def compute(self, uuid: str) -> list[tuple[int, int | None]]:
         """amdsmi's list is of compute (KFD) processes."""
@@ -361,7 +478,7 @@ def hip_init() -> tuple[list[str] | None, str]:
         if lib.hipDeviceGet(ctypes.byref(device), ordinal) != 0 or lib.hipDeviceGetUuid(raw, device) != 0:
             return None, f"{said_}: could not read the UUID of HIP device {ordinal}"
         # ROCr's unique id as text: 16 hex digits ("XX..." on a GPU without one: matches no device)
-        uuids.append(bytes(raw).decode("ascii", "replace").lower())
+        uuids.append(bytes(raw).rstrip(b"\0").decode("ascii", "replace").lower())
     return uuids, ""
 
 
@@ -409,6 +526,15 @@ class Amd(Vendor):
 
     def lease_env(self, names: Sequence[str]) -> dict[str, str]:
         return lease_env(names)
+
+    def lease_names(self, devices: Sequence[Device]) -> list[str]:
+        """UUIDs, but ROCr's index for a GPU without a unique id (ROCr's filter takes both in one list)."""
+        return [str(rocr_index(n)) if rocr_index(n) is not None else n for n in super().lease_names(devices)]
+
+    def runtime_id(self, uuid: str) -> str:
+        """HIP reads back ``XX`` for every GPU without a unique id: such a key matches none (the
+        view is then predicted from the variables)."""
+        return uuid.lower() if rocr_index(uuid) is not None else super().runtime_id(uuid)
 
     def ray_env(self, devices: Sequence[Device]) -> dict[str, str]:
         """Ray reads ``HIP_VISIBLE_DEVICES`` (ray 2.60's ``AMDGPUAcceleratorManager``, which refuses

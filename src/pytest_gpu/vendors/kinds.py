@@ -76,7 +76,7 @@ AMD = Kind(
     # ROCr's "GPU-" and 16 hex digits: the ASIC serial 0x51a0... | index (fake_amdsmi.c's serial_of)
     sim_uuid_prefix="GPU-51a0",
     sim_uuid_base=16,
-    sim_options=("proc-unit", "proc-refresh", "rocr-order"),
+    sim_options=("proc-unit", "proc-refresh", "rocr-order", "proc-fds", "apu", "no-uuid"),
     sim_option_refused="{option!r} describes amdsmi's process list; expected it on an amd: machine",
     fakes=("nvml", "amdsmi"),  # the fake NVML answers "Driver Not Loaded" there
 )

@@ -31,6 +31,24 @@
  * "amd_rocr_order 3,0,1,2" makes ROCr's enumeration (hsa_id, hip_id) differ from amdsmi's
  * indices, as it does on some machines (pytorch #131901, ROCm/amdsmi #175).
  *
+ * Versions: $PYTEST_GPU_SIM_ROCM ("6.1.0", ...; unset: the newest) picks the amdsmi modelled.
+ * - Before rocm-6.1.1 (ROCm/amdsmi at rocm-6.1.0, include/amd_smi/amdsmi.h): the process list
+ *   is of amdsmi_process_handle_t (uint32 pids), and amdsmi_get_gpu_process_info(handle, pid,
+ *   info) fills the 672-byte amdsmi_proc_info_t of that release (reserved[4] after
+ *   container_name, no cu_occupancy). The Python side of those releases (process handles, then
+ *   ctypes structs at 6.1.1, dicts from 6.1.2) is pytest_gpu/sim/amdsmi/__init__.py (install_legacy).
+ * - "option amd_proc_fds N": each process holds its one DRM client under N fds (dup, fork,
+ *   fd passing). amdsmi up to 7.0 (src/amd_smi/fdinfo.cc at 0ceca28: gpuvsmi_get_pid_info)
+ *   adds drm-memory-vram over every fdinfo of the process on that GPU, so it reports N times
+ *   the memory; from 7.1 on, counting each drm-client-id once (as the issue reports of
+ *   rocm-systems; that source is not in the snapshots read), it reports it once.
+ * - "option amd_no_uuid 1,3": GPUs whose unique id is 0 (no sysfs unique_id): asic_serial is
+ *   empty (amd_smi.cc's amdsmi_get_gpu_asic_info reads device/unique_id, at 0ceca28) and the
+ *   enumeration info's hip_uuid is HSA's "GPU-XX" (ROCR-Runtime amd_gpu_agent.cpp,
+ *   HSA_AMD_AGENT_INFO_UUID, at c7785a6d), the same for every such GPU.
+ * - "option amd_apu 1": an APU (MI300A): a process's memory is GTT, memory_usage.vram_mem 0.
+ * fake_amdsmi_inits() counts amdsmi_init calls that initialised (tests of the plugin's cost).
+ *
  * Handles point into static tables (one socket per GPU, as on MI300X), so a handle keeps
  * naming the same device for as long as that device is in the state file.
  */
@@ -56,6 +74,7 @@ enum {
     AMDSMI_STATUS_NO_PERM = 10,
     AMDSMI_STATUS_FILE_ERROR = 14,
     AMDSMI_STATUS_OUT_OF_RESOURCES = 15,
+    AMDSMI_STATUS_NOT_FOUND = 31,
     AMDSMI_STATUS_NOT_INIT = 32,
     AMDSMI_STATUS_DRIVER_NOT_LOADED = 34,
     AMDSMI_STATUS_UNKNOWN_ERROR = -1,
@@ -154,6 +173,7 @@ struct gpu {
     char name[NAME_LEN];
     unsigned long long serial, total, reserved, used;
     amdsmi_status_t fault;
+    int no_uuid; /* no unique id: "GPU-XX" to HSA, no asic_serial */
 };
 struct socket_st {
     unsigned int index;
@@ -164,10 +184,12 @@ struct proc {
     unsigned long long used;
 };
 struct state {
-    int amd;
+    int amd, apu;
+    unsigned long long proc_fds;
     unsigned int ngpus;
     unsigned long long proc_unit, refresh_ms;
     int rocr_position[MAX_GPUS]; /* GPU index -> its place in ROCr's enumeration, -1: amdsmi's order */
+    int no_uuid_of[MAX_GPUS];    /* GPU index -> no unique id ("option amd_no_uuid") */
     struct gpu gpus[MAX_GPUS];
     unsigned int nprocs;
     struct proc procs[MAX_PROCS];
@@ -180,6 +202,15 @@ static struct proc g_snapshot[MAX_PROCS];
 static unsigned int g_nsnapshot;
 static long long g_snapshot_ms = -1;
 static int g_init;
+static long g_inits; /* amdsmi_init calls that initialised */
+
+/* The modelled release ($PYTEST_GPU_SIM_ROCM) as major*10000 + minor*100 + patch; unset: the newest. */
+static long modelled(void) {
+    const char *v = getenv("PYTEST_GPU_SIM_ROCM");
+    int major = 0, minor = 0, patch = 0;
+    if (!v || !*v || sscanf(v, "%d.%d.%d", &major, &minor, &patch) < 1) return 999999;
+    return major * 10000L + minor * 100 + patch;
+}
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int parse_fail(const char *path, unsigned int lineno, const char *why) {
@@ -251,6 +282,17 @@ static int parse_state(void) {
                 rc = parse_fail(path, lineno, "bad amd_proc_unit");
             else if (key && !strcmp(key, "amd_proc_refresh_ms") && parse_ull(value, &s->refresh_ms))
                 rc = parse_fail(path, lineno, "bad amd_proc_refresh_ms");
+            else if (key && !strcmp(key, "amd_proc_fds") && (parse_ull(value, &s->proc_fds) || !s->proc_fds))
+                rc = parse_fail(path, lineno, "bad amd_proc_fds");
+            else if (key && !strcmp(key, "amd_apu")) s->apu = value && !strcmp(value, "1");
+            else if (key && !strcmp(key, "amd_no_uuid")) {
+                /* "1,3": gpu lines come later, so the marks wait in no_uuid_of until then */
+                for (char *item = value ? strtok(value, ",") : NULL; item; item = strtok(NULL, ",")) {
+                    unsigned long long gpu;
+                    if (parse_ull(item, &gpu) || gpu >= MAX_GPUS) { rc = parse_fail(path, lineno, "bad amd_no_uuid"); break; }
+                    s->no_uuid_of[gpu] = 1;
+                }
+            }
             else if (key && !strcmp(key, "amd_rocr_order")) {
                 /* "3,0,1,2": GPU 3 is ROCr's first; the ledger checked it is a permutation */
                 int place = 0;
@@ -284,6 +326,7 @@ static int parse_state(void) {
             }
             g->present = 1;
             g->index = (unsigned int)idx;
+            g->no_uuid = s->no_uuid_of[idx];
             g->fault = fault_code(fault);
             s->ngpus++;
         } else if (!strcmp(kind, "proc")) {
@@ -382,6 +425,7 @@ API amdsmi_status_t amdsmi_init(uint64_t flags) {
     if (reload() || !g_state.amd) return leave(AMDSMI_STATUS_DRIVER_NOT_LOADED);
     for (unsigned int i = 0; i < MAX_GPUS; i++) g_sockets[i].index = i;
     g_init = 1;
+    g_inits++;
     /* g_snapshot_ms is not reset: the list's staleness is the driver's, not this library's, and
        outlives an amdsmi_shut_down/amdsmi_init pair (as a verifier that opens amdsmi per sample does) */
     return leave(AMDSMI_STATUS_SUCCESS);
@@ -449,7 +493,7 @@ API amdsmi_status_t amdsmi_get_gpu_device_uuid(void *h, uint32_t *length, char *
     if (r) return leave(r);
     if (!length || !uuid || *length < AMDSMI_GPU_UUID_SIZE) return leave(AMDSMI_STATUS_INVAL);
     /* amd_smi_uuid.cc's amdsmi_uuid_gen(serial, device id, fcn 0xff): version 1, variant 2 */
-    uint64_t s = g->serial;
+    uint64_t s = g->no_uuid ? 0 : g->serial; /* derived from the serial: the same for every GPU without one */
     uint32_t time_low = DEVICE_ID | (0xffu << 16) | ((uint32_t)(s >> 56) << 24);
     snprintf(uuid, AMDSMI_GPU_UUID_SIZE, "%08x-%04x-%04x-%02x%02x-%04x%08x", time_low, 0, 1u << 12, 0x80,
              (unsigned)((s >> 48) & 0xff), (unsigned)((s >> 32) & 0xffff), (unsigned)(s & 0xffffffffu));
@@ -467,7 +511,7 @@ API amdsmi_status_t amdsmi_get_gpu_enumeration_info(void *h, amdsmi_enumeration_
     unsigned int place = g_state.rocr_position[g->index] >= 0 ? (unsigned int)g_state.rocr_position[g->index] : g->index;
     info->hsa_id = 1 + place; /* HSA node 0 is the CPU; the GPUs' nodes in ROCr's order */
     info->hip_id = place;
-    snprintf(info->hip_uuid, sizeof info->hip_uuid, "%s", g->uuid);
+    snprintf(info->hip_uuid, sizeof info->hip_uuid, "%s", g->no_uuid ? "GPU-XX" : g->uuid);
     return leave(AMDSMI_STATUS_SUCCESS);
 }
 
@@ -482,7 +526,7 @@ API amdsmi_status_t amdsmi_get_gpu_asic_info(void *h, amdsmi_asic_info_t *info) 
     snprintf(info->vendor_name, NAME_LEN, "Advanced Micro Devices Inc. [AMD/ATI]");
     info->subvendor_id = 0x1002;
     info->device_id = DEVICE_ID;
-    snprintf(info->asic_serial, NAME_LEN, "%016llX", g->serial);
+    if (!g->no_uuid) snprintf(info->asic_serial, NAME_LEN, "%016llX", g->serial); /* else: no unique_id file */
     info->oam_id = g->index;
     info->num_of_compute_units = 304;
     info->target_graphics_version = 0x942;
@@ -522,6 +566,46 @@ API amdsmi_status_t amdsmi_get_gpu_vram_usage(void *h, amdsmi_vram_usage_t *info
     return leave(AMDSMI_STATUS_SUCCESS);
 }
 
+API long fake_amdsmi_inits(void) { return g_inits; }
+
+/* One process's record as this release's amdsmi_get_gpu_process_info fills it. */
+static void fill_info(const struct proc *p, amdsmi_proc_info_t *out) {
+    memset(out, 0, sizeof *out);
+    out->pid = (uint32_t)p->pid;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%ld/comm", p->pid);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (fgets(out->name, sizeof out->name, f)) out->name[strcspn(out->name, "\n")] = 0;
+        fclose(f);
+    }
+    unsigned long long used = p->used;
+    if (g_state.proc_fds > 1 && modelled() < 70100) used *= g_state.proc_fds; /* summed per fd */
+    if (g_state.proc_unit) used -= used % g_state.proc_unit;
+    out->mem = used;
+    if (g_state.apu) out->memory_usage.gtt_mem = used; /* an APU's memory is GTT: vram_mem stays 0 */
+    else out->memory_usage.vram_mem = used;
+    out->cu_occupancy = 0xFFFFFFFFu; /* not available */
+}
+
+/* rocm-6.1.0's amdsmi_get_gpu_process_info: the pid's record, in that release's 672-byte layout. */
+API amdsmi_status_t amdsmi_get_gpu_process_info(void *h, uint32_t pid, void *info) {
+    struct gpu *g;
+    amdsmi_status_t r = enter_gpu(h, &g);
+    if (r) return leave(r);
+    if (!info) return leave(AMDSMI_STATUS_INVAL);
+    if (modelled() >= 60101) return leave(AMDSMI_STATUS_NOT_SUPPORTED); /* gone from the API */
+    for (unsigned int i = 0; i < g_nsnapshot; i++) {
+        if (strcmp(g_snapshot[i].uuid, g->uuid) || g_snapshot[i].pid != (long)pid) continue;
+        amdsmi_proc_info_t full;
+        fill_info(&g_snapshot[i], &full);
+        full.cu_occupancy = 0;
+        memcpy(info, &full, 672);
+        return leave(AMDSMI_STATUS_SUCCESS);
+    }
+    return leave(AMDSMI_STATUS_NOT_FOUND); /* gpuvsmi_get_pid_info: no fdinfo on that GPU (gone) */
+}
+
 API amdsmi_status_t amdsmi_get_gpu_process_list(void *h, uint32_t *max_processes, amdsmi_proc_info_t *list) {
     struct gpu *g;
     amdsmi_status_t r = enter_gpu(h, &g);
@@ -542,24 +626,12 @@ API amdsmi_status_t amdsmi_get_gpu_process_list(void *h, uint32_t *max_processes
     }
     if (!list) return leave(AMDSMI_STATUS_INVAL);
     uint32_t room = *max_processes, k = 0;
+    int handles = modelled() < 60101; /* rocm-6.1.0 and before: amdsmi_process_handle_t, the pid */
     for (unsigned int i = 0; i < g_nsnapshot && k < room; i++) {
         const struct proc *p = &g_snapshot[i];
         if (strcmp(p->uuid, g->uuid)) continue;
-        amdsmi_proc_info_t *out = &list[k++];
-        memset(out, 0, sizeof *out);
-        out->pid = (uint32_t)p->pid;
-        char path[64];
-        snprintf(path, sizeof path, "/proc/%ld/comm", p->pid);
-        FILE *f = fopen(path, "r");
-        if (f) {
-            if (fgets(out->name, sizeof out->name, f)) out->name[strcspn(out->name, "\n")] = 0;
-            fclose(f);
-        }
-        unsigned long long used = p->used;
-        if (g_state.proc_unit) used -= used % g_state.proc_unit;
-        out->mem = used;
-        out->memory_usage.vram_mem = used;
-        out->cu_occupancy = 0xFFFFFFFFu; /* not available */
+        if (handles) ((uint32_t *)(void *)list)[k++] = (uint32_t)p->pid;
+        else fill_info(p, &list[k++]);
     }
     *max_processes = found;
     return leave(room >= found ? AMDSMI_STATUS_SUCCESS : AMDSMI_STATUS_OUT_OF_RESOURCES);

@@ -17,6 +17,14 @@
  *   UUID contains it, else an index, which must be written exactly ("1", not "01" or " 1");
  *   an invalid entry ends the list and a repeated one is skipped. A device's UUID (hipUUID's 16
  *   bytes) is ROCr's "GPU-<16 hex>" less "GPU-": 16 ASCII hex digits, not binary.
+ * Versions: $PYTEST_GPU_SIM_ROCM ("6.1.0", "6.2.0", ...; unset: the newest) picks the clr modelled.
+ * clr learned UUIDs in HIP_VISIBLE_DEVICES in 52db98ed (2024-04-08, "Add UUID support for
+ * HIP_VISIBLE_DEVICES on Linux"), first released in rocm-6.2.0 (34a5465f). Before it (rocm-6.1.0,
+ * a43fa3e4) every entry is read as an index: "GPU-..." is invalid and ends the list, so a UUID
+ * first in the variable leaves the process no device.
+ * A GPU without a unique id (state file "option amd_no_uuid 1,3") is "GPU-XX" to HIP
+ * (amd_gpu_agent.cpp's HSA_AMD_AGENT_INFO_UUID) and "Invalid-UUID", which nothing matches, to
+ * ROCr's RvdFilter (amd_filter_device.cpp's BuildDeviceUuidList): it is chosen by index only.
  * ROCr's own enumeration (hsa_id order: "option amd_rocr_order", as the fake libamd_smi.so
  * reads it) narrowed by ROCR_VISIBLE_DEVICES follows ROCm/ROCR-Runtime at c7785a6d (2024-10-23),
  * core/inc/amd_filter_device.h and core/runtime/amd_filter_device.cpp (RvdFilter), as
@@ -47,6 +55,14 @@ static int g_ok;                        /* the runtime initialised (an AMD machi
 static int g_count;                     /* devices this process enumerates */
 static char g_uuid[MAX_GPUS][21];       /* their ROCr UUIDs, "GPU-<16 hex>", in HIP's order */
 
+/* clr before rocm-6.2.0 reads no UUID in HIP_VISIBLE_DEVICES ($PYTEST_GPU_SIM_ROCM) */
+static int hip_takes_uuids(void) {
+    const char *v = getenv("PYTEST_GPU_SIM_ROCM");
+    int major = 0, minor = 0;
+    if (!v || !*v || sscanf(v, "%d.%d", &major, &minor) < 1) return 1;
+    return major > 6 || (major == 6 && minor >= 2);
+}
+
 /* A ROCr-order list of UUIDs narrowed by ROCR_VISIBLE_DEVICES (RvdFilter, as rocm.select models it). */
 static int rocr_select(char (*list)[21], int n, const char *value, char (*out)[21]) {
     int chosen[MAX_GPUS], k = 0;
@@ -66,8 +82,8 @@ static int rocr_select(char (*list)[21], int n, const char *value, char (*out)[2
             if (position < n) match = (int)position;
         } else if (len > 4 && !strncasecmp(entry, "GPU-", 4)) {
             int found = 0;
-            for (int i = 0; i < n; i++)
-                if (!strncasecmp(list[i], entry, len)) { match = i; found++; }
+            for (int i = 0; i < n; i++)  /* "Invalid-UUID" for a GPU without one: never matched */
+                if (strncmp(list[i], "GPU-XX", 7) && !strncasecmp(list[i], entry, len)) { match = i; found++; }
             if (found != 1) match = -1;
         }
         int again = 0;
@@ -94,7 +110,7 @@ static int hip_select(char (*list)[21], int n, const char *ordinals, char (*out)
         size_t len = end - pos < sizeof id - 1 ? end - pos : sizeof id - 1;
         memcpy(id, ordinals + pos, len);
         id[len] = '\0';
-        if (strstr(id, "GPU-")) { /* a UUID: the first device whose UUID contains it, as its index */
+        if (hip_takes_uuids() && strstr(id, "GPU-")) { /* a UUID: the first device whose UUID contains it, as its index */
             for (int i = 0; i < n; i++)
                 if (strstr(list[i], id)) { snprintf(id, sizeof id, "%d", i); break; }
         }
@@ -118,7 +134,7 @@ static void init_once(void) {
     FILE *f = fopen(path, "r");
     if (!f) return;
     char uuids[MAX_GPUS][21];
-    int place[MAX_GPUS], n = 0, amd = 0, ordered = 0;
+    int place[MAX_GPUS], no_uuid[MAX_GPUS] = {0}, n = 0, amd = 0, ordered = 0;
     for (int i = 0; i < MAX_GPUS; i++) place[i] = -1;
     while (fgets(line, sizeof line, f)) {
         char kind[32], key[64], value[LINE_LEN], uuid[64];
@@ -131,6 +147,9 @@ static void init_once(void) {
                     if ((unsigned)atoi(item) < MAX_GPUS) place[atoi(item)] = p++;
                 ordered = 1;
             }
+            if (!strcmp(key, "amd_no_uuid")) /* "1,3": GPUs whose unique id is 0 */
+                for (char *item = strtok(value, ","); item; item = strtok(NULL, ","))
+                    if ((unsigned)atoi(item) < MAX_GPUS) no_uuid[atoi(item)] = 1;
         } else if (sscanf(line, "gpu %u %63s", &index, uuid) == 2 && index == (unsigned)n && n < MAX_GPUS &&
                    strlen(uuid) == 20 && !strncmp(uuid, "GPU-", 4)) {
             memcpy(uuids[n++], uuid, 21);
@@ -138,6 +157,11 @@ static void init_once(void) {
     }
     fclose(f);
     if (!amd) return; /* no amdgpu: ROCr, and so HIP, cannot initialise */
+    for (int i = 0; i < n; i++)
+        if (no_uuid[i]) { /* clr copies 16 bytes after "GPU-" from a zeroed buffer: "XX" and 14 NULs */
+            memset(uuids[i], 0, 21);
+            memcpy(uuids[i], "GPU-XX", 6);
+        }
     char rocr[MAX_GPUS][21], left[MAX_GPUS][21];
     for (int i = 0; i < n; i++) memcpy(rocr[ordered && place[i] >= 0 ? place[i] : i], uuids[i], 21);
     const char *rvd = getenv("ROCR_VISIBLE_DEVICES");
