@@ -53,7 +53,8 @@ torch/csrc/cuda/Module.cpp):
   illegal address) every binding that reaches the driver (``synchronize``,
   ``empty_cache``, ``set_device``, device switches, allocations, ``mem_get_info``) raises
   ``torch.AcceleratorError`` with ``C10_CUDA_CHECK``'s message, as torch 2.13 does
-  (c10/cuda/CUDAException.cpp); the statistics, which are host-side, still answer.
+  (c10/cuda/CUDAException.cpp), for each of CUDA's sticky errors; the statistics, which are
+  host-side, still answer. A hung kernel (:func:`pytest_gpu.sim.hang`) blocks ``synchronize``.
 
 Tensors on the simulated GPUs (``torch.ones(n, device="cuda")``, ``x.to("cuda:1")``, every
 op on them) are host tensors charged through this allocator: :mod:`pytest_gpu.sim.torch_tensors`,
@@ -1059,6 +1060,7 @@ def _c_has_primary_context(device: object) -> bool:
 
 def _c_synchronize() -> None:
     _check_sticky()
+    sim_cuda.wait_for_kernels()  # cudaDeviceSynchronize: a hung kernel blocks it for ever
     _raw_set_device(_raw_get_device())  # cudaDeviceSynchronize needs (and opens) the current context
 
 
