@@ -195,7 +195,7 @@ def _jax_checks(ordinals: list[int]) -> list[tuple[str, Callable[[], object]]]:
     try:
         if not started():
             return []  # asking for devices would start JAX's backends
-        gpus = [d for d in jax.local_devices() if str(getattr(d, "platform", "")) in ("gpu", "cuda", "rocm")]
+        gpus = [d for d in jax.local_devices() if getattr(d, "platform", "cpu") != "cpu"]  # the GPUs, any vendor's
     except Exception as exc:
         failed = _first_line(exc)
         return [("JAX", partial(_raise, failed))]
