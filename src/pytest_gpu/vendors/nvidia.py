@@ -11,7 +11,10 @@ it says how a process's CUDA numbers them (:func:`cuda_view`).
 The NVML sampler (:class:`NvmlSampler`) is what pytest-gpu always ran: the foreign sampler's
 (:meth:`~NvmlSampler.processes`: compute and graphics lists, v3 records where the driver has
 them; v2 memory with the driver's reserve) and the verifier's and calibration's
-(:meth:`~NvmlSampler.compute`: pynvml's own compute list).
+(:meth:`~NvmlSampler.compute`: pynvml's own compute list). :meth:`Nvidia.sampler` gives the
+process's one NVML, initialised at its first use and kept open until the process exits
+(:func:`kept_nvml`): a GPU test samples twice, and each ``nvmlInit``/``nvmlShutdown`` pair
+cost it more than the samples. NVML is not fork-safe: a forked child initialises its own.
 
 Runs against the fake ``libnvidia-ml.so.1`` in CI (``PYTEST_GPU_FAKE_GPUS``,
 :mod:`pytest_gpu.sim.nvml`); the NVML and ``libcuda.so.1`` paths follow NVIDIA's
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import ModuleType
@@ -292,6 +297,44 @@ class NvmlSampler:
         raise Unlistable("NVML has no process list for it")
 
 
+class KeptNvml(NvmlSampler):
+    """The process's NVML (:func:`kept_nvml`): :meth:`close` leaves it open for the next caller."""
+
+    def close(self) -> None:
+        pass
+
+    def shut(self) -> None:
+        """Shut it down for real (the process's NVML is forgotten: :func:`forget_kept_nvml`)."""
+        super().close()
+
+
+_kept: KeptNvml | None = None
+_kept_pid = 0
+_kept_lock = threading.Lock()
+
+
+def kept_nvml() -> KeptNvml:
+    """This process's NVML, initialised at the first call and kept open; a forked child (whose
+    copy NVML does not count as initialised, and whose parent's handles must not be used)
+    initialises its own. :class:`NvmlUnavailable` when NVML cannot be initialised (tried again
+    at the next call)."""
+    global _kept, _kept_pid
+    with _kept_lock:
+        if _kept is None or _kept_pid != os.getpid():
+            _kept = KeptNvml()  # the parent's, in a forked child, is dropped without a shutdown
+            _kept_pid = os.getpid()
+        return _kept
+
+
+def forget_kept_nvml() -> None:
+    """Shut the process's kept NVML down: the library it was opened on goes (fake GPUs turned off)."""
+    global _kept
+    with _kept_lock:
+        kept, _kept = _kept, None
+        if kept is not None and _kept_pid == os.getpid():
+            kept.shut()
+
+
 def _mismatch(pynvml: ModuleType) -> type[Exception]:
     found = getattr(pynvml, "NVMLLibraryMismatchError", None)
     return found if isinstance(found, type) and issubclass(found, Exception) else pynvml.NVMLError
@@ -395,7 +438,7 @@ class Nvidia(Vendor):
         return cu_init()
 
     def sampler(self) -> Sampler:
-        return NvmlSampler()
+        return kept_nvml()
 
     def untrusted(self) -> str:
         return version_problem()  # the installed nvidia-ml-py's, which amdsmi and Sysman do not use

@@ -6,6 +6,9 @@ plugin use, as strictly as the real one: same signatures, struct layouts, return
 two-call size protocol.  Its data is the text file ``$PYTEST_GPU_SIM_LEDGER/nvml.state``, which
 the simulated-GPU ledger replaces atomically on every write and the library re-reads on every
 device call.  Without that variable or file, ``nvmlInit`` fails with "Driver Not Loaded".
+``nvmlInit`` and ``nvmlShutdown`` count (NVML's reference count); NVML is not fork-safe, so a
+forked child's copy is not initialised: its calls answer "Uninitialized" until it calls
+``nvmlInit`` itself (its parent's handles are not to be used).
 
 State file format (one record per line, space-separated; a name is the rest of its line)::
 

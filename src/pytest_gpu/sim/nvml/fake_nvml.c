@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 
@@ -136,6 +137,7 @@ struct state {
 static struct state g_state;   /* handles point in here */
 static struct state g_scratch; /* parse target, copied over g_state when valid */
 static int g_refcount;
+static pid_t g_pid; /* who initialised it: a forked child's copy is not initialised (not fork-safe) */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int parse_fail(const char *path, unsigned int lineno, const char *why) {
@@ -327,7 +329,7 @@ static struct nvmlDevice_st *gpu_of(struct nvmlDevice_st *d) { return d->is_mig 
 /* Lock, require init, refresh the state.  Pair with leave(). */
 static nvmlReturn_t enter(void) {
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount) return NVML_ERROR_UNINITIALIZED;
+    if (!g_refcount || g_pid != getpid()) return NVML_ERROR_UNINITIALIZED;
     reload(); /* the file vanishing or going bad keeps the last good state */
     return NVML_SUCCESS;
 }
@@ -359,8 +361,10 @@ static nvmlReturn_t copy_out(char *buf, unsigned int length, const char *value) 
 
 static nvmlReturn_t do_init(void) {
     pthread_mutex_lock(&g_lock);
+    if (g_pid != getpid()) g_refcount = 0; /* a forked child starts with none of its parent's inits */
     if (reload() && !g_refcount) return leave(NVML_ERROR_DRIVER_NOT_LOADED);
     if (g_state.other_vendor) return leave(NVML_ERROR_DRIVER_NOT_LOADED); /* an AMD machine: no NVIDIA driver */
+    g_pid = getpid();
     g_refcount++;
     return leave(NVML_SUCCESS);
 }
@@ -374,7 +378,7 @@ API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 
 API nvmlReturn_t nvmlShutdown(void) {
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount) return leave(NVML_ERROR_UNINITIALIZED);
+    if (!g_refcount || g_pid != getpid()) return leave(NVML_ERROR_UNINITIALIZED);
     g_refcount--;
     return leave(NVML_SUCCESS);
 }
