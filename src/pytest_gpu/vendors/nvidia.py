@@ -250,7 +250,8 @@ class NvmlSampler:
             raise Refused(str(exc)) from None
 
     def processes(self, uuid: str) -> dict[int, int | None]:
-        """Every process on the device, compute and graphics, once each (pid -> bytes)."""
+        """Every process on the device, compute and graphics, once each (pid -> bytes; None: a
+        list gave it without its memory, NVML_VALUE_NOT_AVAILABLE: not measured, never 0)."""
         handle = self._handle(uuid)
         found: dict[int, int | None] = {}
         for kind in ("Compute", "Graphics"):
@@ -261,10 +262,16 @@ class NvmlSampler:
                     raise
                 continue  # no graphics list (a compute-only GPU may refuse it): compute is what matters
             for proc in procs:
+                pid = int(proc.pid)
                 used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
-                known = found.get(int(proc.pid))
-                # one process in both lists holds one amount of memory, not two
-                found[int(proc.pid)] = used if known is None else max(known, used or 0)
+                if pid not in found:
+                    found[pid] = used
+                elif found[pid] is None or used is None:
+                    # listed without its memory in one list: the other's figure may leave out what
+                    # that one holds, so it is not measured (the foreign share is then estimated)
+                    found[pid] = None
+                else:  # one process in both lists holds one amount of memory, not two
+                    found[pid] = max(found[pid] or 0, used)
         return found
 
     def compute(self, uuid: str) -> list[tuple[int, int | None]]:

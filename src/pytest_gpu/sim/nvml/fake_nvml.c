@@ -121,6 +121,8 @@ struct proc {
     char uuid[STR_LEN];
     long pid;
     unsigned long long used;
+    int graphics; /* a "gfx" line: in the graphics list (its memory is the process's, counted once) */
+    int na;       /* listed without its memory: usedGpuMemory NVML_VALUE_NOT_AVAILABLE */
 };
 
 struct state {
@@ -272,21 +274,26 @@ static int parse_state(void) {
             m->index = (unsigned int)slot;
             m->total = total;
             m->used = used;
-        } else if (!strcmp(kind, "proc")) {
+        } else if (!strcmp(kind, "proc") || !strcmp(kind, "gfx")) {
             long long pid;
-            unsigned long long used;
+            unsigned long long used = 0;
             if (s->nprocs >= MAX_PROCS) {
                 rc = parse_fail(path, lineno, "too many proc lines");
                 break;
             }
             struct proc *p = &s->procs[s->nprocs];
+            char *figure = NULL;
+            int na = 0;
             if (copy_field(p->uuid, token(&rest)) || parse_ll(token(&rest), &pid) || pid <= 0 ||
-                parse_ull(token(&rest), &used) || token(&rest)) {
+                !(figure = token(&rest)) || (!(na = !strcmp(figure, "na")) && parse_ull(figure, &used)) ||
+                token(&rest)) {
                 rc = parse_fail(path, lineno, "bad proc line");
                 break;
             }
             p->pid = (long)pid;
             p->used = used;
+            p->na = na;
+            p->graphics = !strcmp(kind, "gfx");
             s->nprocs++;
         }
         /* other record kinds: ignored (newer writers) */
@@ -533,7 +540,8 @@ static int alive(long pid) {
 static unsigned long long live_used(const struct nvmlDevice_st *d) {
     unsigned long long gone = 0;
     for (unsigned int i = 0; i < g_state.nprocs; i++)
-        if (!strcmp(g_state.procs[i].uuid, d->uuid) && !alive(g_state.procs[i].pid)) gone += g_state.procs[i].used;
+        if (!g_state.procs[i].graphics && !strcmp(g_state.procs[i].uuid, d->uuid) && !alive(g_state.procs[i].pid))
+            gone += g_state.procs[i].used;
     return minus(d->used, gone);
 }
 
@@ -676,14 +684,11 @@ static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *
     nvmlReturn_t r = enter_device(device, &d);
     if (r) return leave(r);
     if (!infoCount || (!infos && *infoCount)) return leave(NVML_ERROR_INVALID_ARGUMENT);
-    if (graphics) {
-        *infoCount = 0;
-        return leave(NVML_SUCCESS);
-    }
-    if (d->is_mig || d->mig_mode) return leave(NVML_ERROR_NO_PERMISSION); /* unprivileged user under MIG */
+    if (!graphics && (d->is_mig || d->mig_mode)) return leave(NVML_ERROR_NO_PERMISSION); /* unprivileged, MIG */
     unsigned int n = 0;
     for (unsigned int i = 0; i < g_state.nprocs; i++)
-        n += !strcmp(g_state.procs[i].uuid, d->uuid) && alive(g_state.procs[i].pid);
+        n += g_state.procs[i].graphics == graphics && !strcmp(g_state.procs[i].uuid, d->uuid) &&
+             alive(g_state.procs[i].pid);
     if (n == 0) {
         *infoCount = 0;
         return leave(NVML_SUCCESS);
@@ -695,10 +700,10 @@ static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *
     unsigned int out = 0;
     for (unsigned int i = 0; i < g_state.nprocs && out < n; i++) {
         const struct proc *p = &g_state.procs[i];
-        if (strcmp(p->uuid, d->uuid) || !alive(p->pid)) continue;
+        if (p->graphics != graphics || strcmp(p->uuid, d->uuid) || !alive(p->pid)) continue;
         char *slot = (char *)infos + out++ * stride;
         /* a process's usage is all it holds on the device, its context included, whoever it works for */
-        unsigned long long used = g_state.no_usage ? NA_ULL : p->used;
+        unsigned long long used = g_state.no_usage || p->na ? NA_ULL : p->used;
         nvmlProcessInfo_t info = {(unsigned int)(p->pid + g_state.pidns), used, NA_UINT, NA_UINT};
         if (stride == sizeof(nvmlProcessInfo_t)) {
             memcpy(slot, &info, sizeof info);
