@@ -1369,13 +1369,15 @@ def install_for(torch: ModuleType, device_kind: str, *, rocm: ModuleType | None 
     :attr:`~pytest_gpu.vendors.kinds.Kind.device_kind`: ``torch.cuda`` or ``torch.xpu``) the
     simulated GPUs: :func:`install` (``rocm``: torch on ROCm) or :func:`install_xpu`; as the
     torch release :data:`TORCH_VERSION_ENV` names behaves."""
-    legacy = modelled_torch() < LEGACY_FRACTION_BEFORE
+    older = modelled_torch() < LEGACY_FRACTION_BEFORE
     if device_kind != "cuda":
         install_xpu(torch)
+    elif older:
+        install(torch, rocm=rocm, legacy_memory_fraction=True)
     elif rocm is None:
-        install(torch, legacy_memory_fraction=legacy)
+        install(torch)
     else:  # a fake AMD machine: torch on ROCm
-        install(torch, rocm=rocm, legacy_memory_fraction=legacy)
+        install(torch, rocm=rocm)
 
 
 def install_xpu(torch: ModuleType) -> None:

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -307,6 +308,11 @@ class NvmlSampler:
 class KeptNvml(NvmlSampler):
     """The process's NVML (:func:`kept_nvml`): :meth:`close` leaves it open for the next caller."""
 
+    @property
+    def library(self) -> ModuleType:
+        """The pynvml it was opened with."""
+        return self._nvml
+
     def close(self) -> None:
         pass
 
@@ -327,7 +333,8 @@ def kept_nvml() -> KeptNvml:
     at the next call)."""
     global _kept, _kept_pid
     with _kept_lock:
-        if _kept is None or _kept_pid != os.getpid():
+        loaded = sys.modules.get("pynvml")  # another pynvml than the one it was opened with: not this NVML
+        if _kept is None or _kept_pid != os.getpid() or (loaded is not None and loaded is not _kept.library):
             _kept = KeptNvml()  # the parent's, in a forked child, is dropped without a shutdown
             _kept_pid = os.getpid()
         return _kept
