@@ -94,8 +94,8 @@ for name, call in [
 assert torch.cuda.memory_allocated(1) == 64 * 2**20  # host-side statistics still answer
 from pytest_gpu.run.quarantine import probe
 # the plugin's probe, through torch as on a real GPU: synchronize where torch has a context
-assert probe(["cuda:1"], simulated=False) == "CUDA error: device-side assert triggered"
-assert probe(["cuda:0"], simulated=False) is None  # no context there: none is opened to ask
+assert probe(["cuda:1"]) == "CUDA error: device-side assert triggered"
+assert probe(["cuda:0"]) is None  # no context there: none is opened to ask
 print("OK")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_GPU_") and k != "CUDA_VISIBLE_DEVICES"}

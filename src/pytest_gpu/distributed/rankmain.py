@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
-from ..gpu.torchstats import torch_peak
+from ..gpu.torchstats import set_fractions, torch_peak
 from ..vendors import registry as vendors
 from ..wire.client import Client, Garbled
 from . import cover, protocol
@@ -71,10 +71,9 @@ def _set_fractions(cuda: Any, cap: int) -> None:
     of torch's lazy init (before it counts as initialised): its total is the accessor that
     init defines (see gpu.adapters), cudaMemGetInfo's."""
     properties = getattr(cuda, "_get_device_properties", None) or cuda.get_device_properties
-    for ordinal in range(cuda.device_count()):
-        total = int(properties(ordinal).total_memory)
-        if total:
-            cuda.set_per_process_memory_fraction(min(cap / total, 1.0), ordinal)
+    totals = {ordinal: int(properties(ordinal).total_memory) for ordinal in range(cuda.device_count())}
+    # torch < 2.10 moved the current device with each fraction: the body must start on cuda:0
+    set_fractions(cuda, {ordinal: min(cap / total, 1.0) for ordinal, total in totals.items() if total})
 
 
 def _cap_torch_when_started(cap: int) -> None:

@@ -4,8 +4,8 @@ Registered by the plugin as ``gpu_adapters`` (``-p no:gpu_adapters`` turns them 
 suite that confines these frameworks its own way). Neither is imported here: each adapter
 runs when its framework is imported (:meth:`Confinement.when_imported`).
 
-They follow torch's and CuPy's own sources (``c10/cuda``'s ``setMemoryFraction`` calls
-``SetDevice`` and leaves it; the caching allocator keeps freed blocks until
+They follow torch's and CuPy's own sources (``c10/cuda``'s ``setMemoryFraction`` called
+``SetDevice`` and left it before torch 2.10; the caching allocator keeps freed blocks until
 ``empty_cache``; ``reset_peak_memory_stats`` sets the peak to the current reserve; CuPy's
 ``set_limit`` and ``free_all_blocks`` act on the current device's pool; ``Device.__exit__``
 sets the device it found, unconditionally). Exercised in CI against
@@ -24,7 +24,7 @@ import pytest
 
 from ..vendors import registry as vendors
 from .isolation import Confinement, GpuLease, Settled, settle, share, unshare
-from .torchstats import torch_counters
+from .torchstats import set_fractions, torch_counters
 
 
 @pytest.hookimpl
@@ -100,11 +100,13 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
             return int(unchecked(ordinal).total_memory) or _capacity(done, index)
         return _capacity(done, index)
 
+    def fraction(cap: int | None, ordinal: int, index: int) -> float:
+        return 1.0 if cap is None else min(1.0, cap / total_of(ordinal, index))
+
     def settle_(ordinal: int, index: int, settled: Settled) -> None:
         """Set the cap the books say on ``ordinal``; a lease that became active there starts its
         peak afresh (its own peak is read from there on: Confinement.peaks)."""
-        fraction = 1.0 if settled.cap is None else min(1.0, settled.cap / total_of(ordinal, index))
-        cuda.set_per_process_memory_fraction(fraction, ordinal)
+        cuda.set_per_process_memory_fraction(fraction(settled.cap, ordinal, index), ordinal)
         if settled.opened:
             cuda.reset_peak_memory_stats(ordinal)
 
@@ -126,9 +128,17 @@ def _confine_torch(torch: ModuleType, lease: GpuLease, ordinals: list[int], done
     def resume() -> None:
         if not state["active"] or not state["applied"]:
             return
-        for ordinal, index in zip(ordinals, lease.indices, strict=True):
+        settled = {}
+        for ordinal in ordinals:
             counters = torch_counters(cuda, ordinal)
-            settle_(ordinal, index, settle("torch", ordinal, counters.capped, counters.peak))
+            settled[ordinal] = settle("torch", ordinal, counters.capped, counters.peak)
+        # the test goes on where it was: torch < 2.10 moved the current device with each fraction
+        caps = {o: s.cap for o, s in settled.items()}
+        indices = dict(zip(ordinals, lease.indices, strict=True))
+        set_fractions(cuda, {o: fraction(caps[o], o, indices[o]) for o in ordinals})
+        for ordinal, settled_ in settled.items():
+            if settled_.opened:
+                cuda.reset_peak_memory_stats(ordinal)
 
     def undo() -> None:
         state["active"] = False

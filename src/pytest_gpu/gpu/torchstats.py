@@ -3,13 +3,42 @@
 Each of torch's ``memory_allocated``, ``memory_reserved``, ``max_memory_*`` flattens the whole
 nested statistics dict anew (torch/cuda/memory.py): a fraction of a millisecond apiece,
 several times per GPU test. Read here once per device, by the adapters and the verifiers.
+Also the allocator's caps on several devices (:func:`set_fractions`), set without moving the
+process's current device.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
+
+
+def set_fractions(cuda: ModuleType, fractions: Mapping[int, float]) -> None:
+    """``cuda.set_per_process_memory_fraction(f, ordinal)`` for each ordinal, leaving the calling
+    thread's current device where it was.
+
+    torch before 2.10 made each device current in ``setMemoryFraction`` and left it there
+    (``C10_CUDA_CHECK(c10::cuda::SetDevice(device))``, c10/cuda/CUDACachingAllocator.cpp at
+    pytorch/pytorch 001074d): after a loop over several GPUs a body's ``.cuda()`` landed on the
+    last one. The way back is ``_maybe_exchange_device``, which switches only to a device that
+    has a context and otherwise records it as c10's target (so none is opened there); a torch
+    without it is switched back with ``set_device``. Also from a callback of torch's lazy init.
+    """
+    if not fractions:
+        return
+    previous = cuda.current_device()
+    try:
+        for ordinal, fraction in fractions.items():
+            cuda.set_per_process_memory_fraction(fraction, ordinal)
+    finally:
+        if cuda.current_device() != previous:
+            back = getattr(cuda, "_maybe_exchange_device", None)
+            if back is not None:
+                back(previous)
+            else:
+                cuda.set_device(previous)
 
 
 def torch_peak(cuda: ModuleType, ordinal: int) -> int:

@@ -1,7 +1,8 @@
 """A test process whose CUDA a sticky error broke is quarantined until it exits.
 
-After a device-side assert or an illegal address (see :func:`probe` below) the
-process's CUDA fails every call and keeps the memory it holds until the process exits.
+After a device-side assert, an illegal address or any other sticky error, or a kernel that
+never ends (see :func:`probe` below), the process's CUDA fails (or blocks) every call and
+keeps the memory it holds until the process exits.
 So, once a test leaves it so (found after its fixtures are torn down, before any lease is
 given back: the hooks are :mod:`pytest_gpu.run.sticky`'s):
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..leasing.client import BrokerError
-from ..sim import cuda as sim_cuda
 from ..sim.cuda import STICKY_ERRORS
 
 RECORDS = "quarantine"  # the run directory's folder of workers that ended themselves
@@ -70,16 +73,25 @@ def refuse(found: Quarantine | None) -> None:
 #
 # Sticky CUDA errors: whether this process's CUDA is still usable after a test.
 #
-# A kernel's device-side assert, an illegal address or instruction, a misaligned address
-# or a launch failure corrupts the CUDA context for good: from then on every runtime call
-# of the process fails with that error (torch raises ``torch.AcceleratorError`` from
-# ``C10_CUDA_CHECK``: "CUDA error: device-side assert triggered ..."; CuPy
-# ``CUDARuntimeError: cudaErrorAssert: device-side assert triggered``), and the memory the
-# process holds is freed only when it exits. :func:`probe` asks the process's CUDA as
-# the next test would: ``torch.cuda.synchronize`` on the lease's devices where torch has a
-# context (the sticky error surfaces at the first synchronising call), or the simulated
-# runtime's state on simulated GPUs. It opens no context and starts no CUDA that is not
-# started already.
+# A kernel's device-side assert, an illegal address or instruction, a misaligned address, a
+# hardware stack error, an invalid program counter or address space, a launch failure or
+# timeout, an external device's error (:data:`~pytest_gpu.sim.cuda.STICKY_ERRORS`) corrupts the
+# CUDA context for good: from then on every runtime call of the process fails with that error
+# (torch raises ``torch.AcceleratorError`` from ``C10_CUDA_CHECK``: "CUDA error: device-side
+# assert triggered ..."; CuPy ``CUDARuntimeError: cudaErrorAssert: device-side assert
+# triggered``), and the memory the process holds is freed only when it exits. :func:`probe`
+# asks the process's CUDA as the next test would, through every framework the process has
+# already loaded and started (it imports none and starts none): torch's ``synchronize`` on the
+# lease's devices where torch has a context, CuPy's ``deviceSynchronize`` on them (the CuPy
+# adapter made each one current at the lease's start, so each has its context), and JAX's
+# ``block_until_ready`` on a tiny array put on each. Any exception there means the context is
+# gone, whatever its code: a synchronize after a test has no other way to fail. The calls run
+# in a thread of their own (CUDA's current device is per thread: the test thread's stays), for
+# at most ``timeout`` seconds: a synchronize that does not return waits on a kernel that never
+# ends, and the process is as lost as after a sticky error.
+
+#: Seconds the probe waits for the GPU work a test left to finish.
+PROBE_TIMEOUT = 60.0
 
 
 def sticky_message(error: BaseException | str) -> str | None:
@@ -92,27 +104,110 @@ def sticky_message(error: BaseException | str) -> str | None:
     return None
 
 
-def probe(devices: tuple[str, ...] | list[str], simulated: bool) -> str | None:
-    """The sticky error this process's CUDA is in, as a CUDA call on ``devices`` (``"cuda:N"``,
-    the lease's) would raise it now, or ``None``: usable, or never started."""
-    if simulated:
-        error = sim_cuda.sticky_error()
-        if error is not None:
-            return f"CUDA error: {error}"
+def probe(devices: tuple[str, ...] | list[str], timeout: float | None = None) -> str | None:
+    """The error this process's CUDA is in, as a synchronize on ``devices`` (``"cuda:N"``, the
+    lease's) raises it now through the frameworks the process uses, or what says it did not
+    return within ``timeout`` seconds (default :data:`PROBE_TIMEOUT`); ``None``: usable, or
+    never started."""
+    timeout = PROBE_TIMEOUT if timeout is None else timeout
+    checks = _checks(devices)
+    if not checks:
+        return None
+    found: list[str | None] = []
+
+    def run() -> None:
+        found.append(_first_error(checks))
+
+    # a daemon: a synchronize that never returns must not keep the process from exiting
+    thread = threading.Thread(target=run, name="pytest-gpu sticky-error probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        return (
+            f"the GPU work it left did not finish within {timeout:g} s of its end "
+            "(a hung kernel?): a synchronize never returned"
+        )
+    return found[0]
+
+
+def _first_error(checks: list[tuple[str, Callable[[], object]]]) -> str | None:
+    for framework, check in checks:
+        try:
+            check()
+        except Exception as exc:  # whichever CUDA raised, whatever its code: the context is gone
+            return sticky_message(exc) or f"{framework}: {_first_line(exc)}"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+def _checks(devices: tuple[str, ...] | list[str]) -> list[tuple[str, Callable[[], object]]]:
+    """The synchronising calls to make, per framework the process loaded and started."""
+    ordinals = [int(d.partition(":")[2] or 0) for d in devices if d.partition(":")[0] == "cuda"]
+    if not ordinals:
+        return []
+    checks: list[tuple[str, Callable[[], object]]] = []
+    checks += _torch_checks(ordinals)
+    checks += _cupy_checks(ordinals)
+    checks += _jax_checks(ordinals)
+    return checks
+
+
+def _torch_checks(ordinals: list[int]) -> list[tuple[str, Callable[[], object]]]:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not _started(cuda):
-        return None
-    for device in devices:
+        return []
+    has_context = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+    found: list[tuple[str, Callable[[], object]]] = []
+    for ordinal in ordinals:
         try:
-            if not _has_context(torch, device):
+            if has_context is not None and not has_context(ordinal):
                 continue  # synchronising there would open a context
-            cuda.synchronize(device)
-        except Exception as exc:  # the error of the call: whichever CUDA raised
-            found = sticky_message(exc)
-            if found is not None:
-                return found
-    return None
+        except Exception:  # the query itself failed: let the synchronize say why
+            pass
+        found.append(("torch", partial(cuda.synchronize, ordinal)))
+    return found
+
+
+def _cupy_checks(ordinals: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    cupy = sys.modules.get("cupy")
+    runtime = getattr(getattr(cupy, "cuda", None), "runtime", None)
+    if runtime is None:
+        return []
+
+    def check(ordinal: int) -> None:
+        runtime.setDevice(ordinal)  # the probe thread's current device only
+        runtime.deviceSynchronize()
+
+    return [("CuPy", partial(check, ordinal)) for ordinal in ordinals]
+
+
+def _jax_checks(ordinals: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    jax = sys.modules.get("jax")
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    started = getattr(bridge, "backends_are_initialized", None)
+    if jax is None or started is None:
+        return []
+    try:
+        if not started():
+            return []  # asking for devices would start JAX's backends
+        gpus = [d for d in jax.local_devices() if getattr(d, "platform", "cpu") != "cpu"]  # the GPUs, any vendor's
+    except Exception as exc:
+        failed = _first_line(exc)
+        return [("JAX", partial(_raise, failed))]
+    found: list[tuple[str, Callable[[], object]]] = []
+    for device in gpus:
+        if getattr(device, "local_hardware_id", getattr(device, "id", None)) in ordinals:
+            found.append(("JAX", partial(lambda d: jax.device_put(0, d).block_until_ready(), device)))
+    return found
+
+
+def _raise(message: str) -> None:
+    raise RuntimeError(message)
 
 
 def _started(cuda: object) -> bool:
@@ -120,12 +215,6 @@ def _started(cuda: object) -> bool:
         return bool(cuda.is_initialized())  # type: ignore[attr-defined]
     except Exception:
         return False
-
-
-def _has_context(torch: object, device: str) -> bool:
-    ordinal = int(device.partition(":")[2] or 0)
-    check = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
-    return True if check is None else bool(check(ordinal))
 
 
 # -- records: what a worker that ended itself tells the controller ---------------------------

@@ -73,7 +73,7 @@ def check(item: pytest.Item, run: GpuRun, state: TestState | None) -> None:
             devices += [d for d in active.lease.devices if d not in devices]
     error = item.stash.get(_CALL_ERROR, None)
     if devices or error is not None:
-        error = probe(devices, run.inventory.simulated) or error
+        error = probe(devices) or error
     if error is None:
         return
     run.quarantine = Quarantine(item.nodeid, error, run.worker, _ends_itself(item.config))

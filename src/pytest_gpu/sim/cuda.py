@@ -44,15 +44,18 @@ __all__ = [
     "allocate",
     "current_device",
     "device_count",
+    "hang",
     "hold",
     "init",
     "initialized",
     "mem_get_info",
     "poison",
+    "release_hang",
     "set_device",
     "sticky_error",
     "synchronize",
     "usage",
+    "wait_for_kernels",
 ]
 
 #: What the simulator raises as the runtime it models would (out of memory, an invalid ordinal,
@@ -69,13 +72,35 @@ def hidden_in_tracebacks(excinfo: Any) -> bool:
 
 __tracebackhide__ = hidden_in_tracebacks
 
-# cudaGetErrorString of the errors that corrupt a context for good, and their cudaGetErrorName
+# cudaGetErrorString -> cudaGetErrorName of the errors that corrupt a context for good (CUDA runtime
+# API, enum cudaError: "any further CUDA work will return the same error ... the process must be
+# terminated and relaunched"), with their codes in ERROR_CODES. Texts as cudart 12 gives them; 911's
+# text is not in any source read here (its name is: torch's and CuPy's messages both carry it).
 STICKY_ERRORS = {
     "device-side assert triggered": "cudaErrorAssert",
     "an illegal memory access was encountered": "cudaErrorIllegalAddress",
+    "the launch timed out and was terminated": "cudaErrorLaunchTimeout",
+    "hardware stack error": "cudaErrorHardwareStackError",
     "an illegal instruction was encountered": "cudaErrorIllegalInstruction",
     "misaligned address": "cudaErrorMisalignedAddress",
+    "operation not supported on global/shared address space": "cudaErrorInvalidAddressSpace",
+    "invalid program counter": "cudaErrorInvalidPc",
     "unspecified launch failure": "cudaErrorLaunchFailure",
+    "an external device encountered an error": "cudaErrorExternalDevice",
+}
+
+#: cudaGetErrorName -> the cudaError_t value (driver_types.h)
+ERROR_CODES = {
+    "cudaErrorIllegalAddress": 700,
+    "cudaErrorLaunchTimeout": 702,
+    "cudaErrorAssert": 710,
+    "cudaErrorHardwareStackError": 714,
+    "cudaErrorIllegalInstruction": 715,
+    "cudaErrorMisalignedAddress": 716,
+    "cudaErrorInvalidAddressSpace": 717,
+    "cudaErrorInvalidPc": 718,
+    "cudaErrorLaunchFailure": 719,
+    "cudaErrorExternalDevice": 911,
 }
 
 
@@ -112,8 +137,35 @@ def sticky_error() -> str | None:
 
 
 def clear_sticky() -> None:
-    """Forget this process's sticky error, as a new process would start (tests of the double only)."""
+    """Forget this process's sticky error and hung kernel, as a new process would start (tests of
+    the double only)."""
     _sticky.pop(os.getpid(), None)
+    release_hang()
+
+
+_hung: dict[int, threading.Event] = {}  # pid -> set when its hung kernel ends (a forked child has none)
+
+
+def hang() -> None:
+    """Launch a kernel in this process that never finishes (a deadlock, an endless loop): every
+    synchronising call (:func:`synchronize`, torch's and CuPy's) blocks until it ends, which on
+    a GPU without a watchdog is never; :func:`release_hang` ends it (tests of the double only)."""
+    _runtime()
+    _hung.setdefault(os.getpid(), threading.Event())
+
+
+def release_hang() -> None:
+    """End this process's hung kernel: the calls blocked on it return."""
+    event = _hung.pop(os.getpid(), None)
+    if event is not None:
+        event.set()
+
+
+def wait_for_kernels() -> None:
+    """Block until this process's kernels are done, as ``cudaDeviceSynchronize`` does."""
+    event = _hung.get(os.getpid())
+    if event is not None:
+        event.wait()
 
 
 def _check_sticky() -> None:
@@ -273,8 +325,10 @@ def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
 
 
 def synchronize() -> None:
-    """``cudaDeviceSynchronize`` on the current device: where a kernel's sticky error surfaces."""
+    """``cudaDeviceSynchronize`` on the current device: where a kernel's sticky error surfaces;
+    it waits for a hung kernel (:func:`hang`) for ever."""
     _check_sticky()
+    wait_for_kernels()
     set_device(current_device())  # needs (and opens) the current device's context
 
 
@@ -304,6 +358,9 @@ def forget() -> None:
     global _rt
     _rt = _Runtime()
     _sticky.clear()
+    for event in _hung.values():
+        event.set()
+    _hung.clear()
 
 
 class Allocation:

@@ -19,6 +19,12 @@ What it models, after CuPy's own sources (``cupy/cuda/device.pyx``, ``cupy/cuda/
   frees the pool's cached blocks and retries once, then raises
   :class:`OutOfMemoryError`.
 
+- ``runtime.deviceSynchronize`` and ``Device.synchronize`` are ``cudaDeviceSynchronize``: they
+  wait for the process's kernels (a hung one: for ever, :func:`pytest_gpu.sim.hang`). After a
+  sticky error every runtime call raises ``CUDARuntimeError`` (``cupy_backends.cuda.api.runtime``:
+  ``status`` is the ``cudaError_t``, the message ``"<cudaGetErrorName>: <cudaGetErrorString>"``,
+  such as ``cudaErrorAssert: device-side assert triggered``).
+
 Left out: streams and arenas, block splitting (a cached block serves a request of the same
 rounded size only), ``MemoryAsyncPool``, pinned memory, kernels.
 
@@ -38,7 +44,7 @@ from typing import Any
 from ..base.requests import parse_size
 from . import cuda as sim_cuda
 
-__all__ = ["Device", "MemoryPointer", "MemoryPool", "OutOfMemoryError", "module"]
+__all__ = ["CUDARuntimeError", "Device", "MemoryPointer", "MemoryPool", "OutOfMemoryError", "module"]
 
 __tracebackhide__ = sim_cuda.hidden_in_tracebacks  # an OOM shows the test's line, as CuPy's (from Cython) does
 
@@ -54,8 +60,27 @@ class OutOfMemoryError(MemoryError):
         super().__init__(message)
 
 
+class CUDARuntimeError(RuntimeError):
+    """``cupy_backends.cuda.api.runtime.CUDARuntimeError``: ``status`` is the ``cudaError_t``."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        name = next(n for n, code in sim_cuda.ERROR_CODES.items() if code == status)
+        text = next(t for t, n in sim_cuda.STICKY_ERRORS.items() if n == name)
+        super().__init__(f"{name}: {text}")
+
+
+def _checked() -> None:
+    """CuPy's ``check_status`` of a runtime call made after a sticky error (every call fails with it)."""
+    error = sim_cuda.sticky_error()
+    if error is not None:
+        raise CUDARuntimeError(sim_cuda.ERROR_CODES[sim_cuda.STICKY_ERRORS[error]])
+
+
 class _Runtime:
     """``cupy_backends.cuda.api.runtime`` on the simulated CUDA."""
+
+    CUDARuntimeError = CUDARuntimeError
 
     @staticmethod
     def getDevice() -> int:
@@ -63,6 +88,7 @@ class _Runtime:
 
     @staticmethod
     def setDevice(device: int) -> None:
+        _checked()
         sim_cuda.set_device(device)  # cudaSetDevice: opens the primary context (CUDA 12)
 
     @staticmethod
@@ -71,7 +97,14 @@ class _Runtime:
 
     @staticmethod
     def memGetInfo() -> tuple[int, int]:
+        _checked()
         return sim_cuda.mem_get_info()
+
+    @staticmethod
+    def deviceSynchronize() -> None:
+        _checked()
+        sim_cuda.wait_for_kernels()
+        sim_cuda.set_device(sim_cuda.current_device())  # needs (and opens) the current device's context
 
 
 runtime = _Runtime()
@@ -108,6 +141,11 @@ class Device:
     def use(self) -> Device:
         runtime.setDevice(self.id)
         return self
+
+    def synchronize(self) -> None:
+        """``cudaDeviceSynchronize`` with this device current, as CuPy's (``with self: ...``)."""
+        with self:
+            runtime.deviceSynchronize()
 
     def __repr__(self) -> str:
         return f"<CUDA Device {self.id}>"
@@ -157,6 +195,7 @@ class _SingleDevicePool:
                     self.free_all_blocks()
                 if self.total() + size > self.limit:
                     raise OutOfMemoryError(size, self.total(), self.limit)
+            _checked()  # cudaMalloc after a sticky error
             try:
                 chunk = sim_cuda.allocate(size, device=self.device)  # opens the context if none
             except sim_cuda.OutOfMemoryError:

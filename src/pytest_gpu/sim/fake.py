@@ -31,7 +31,7 @@ from typing import Any
 
 from ..base.importhook import cancel, on_import
 from ..machine.domain import claim_run_machines, release_run_machines
-from ..vendors import kinds, libraries
+from ..vendors import kinds, libraries, nvidia
 from . import amdsmi, cuda, nvml, zes
 from .ledger import LEDGER_ENV, SPEC_ENV, ledger, machine_ledger
 from .spec import Machine, parse
@@ -194,6 +194,7 @@ def deactivate() -> None:
     cuda.forget()
 
     cancel("torch", _install_torch)
+    nvidia.forget_kept_nvml()  # opened on the fake library, which pynvml forgets below
     pynvml: Any = sys.modules.get("pynvml")  # not imported: it holds no library
     if pynvml is not None:
         with pynvml.libLoadLock:

@@ -28,8 +28,11 @@ torch/csrc/cuda/Module.cpp):
 - ``set_per_process_memory_fraction`` (torch >= 2.10) only sets the allocator's cap,
   fraction x ``totalGlobalMem`` (= ``mem_get_info`` total: the device total less the
   driver's reserve; 1.0 = no cap): no device switch, no context. Torch < 2.10 made the
-  device current (opening its context), read ``cudaMemGetInfo`` and did not switch back:
-  ``install(torch, legacy_memory_fraction=True)`` models that instead.
+  device current (opening its context), read ``cudaMemGetInfo`` and did not switch back
+  (c10/cuda/CUDACachingAllocator.cpp at pytorch/pytorch 001074d: ``C10_CUDA_CHECK(
+  c10::cuda::SetDevice(device))`` in ``setMemoryFraction``):
+  ``install(torch, legacy_memory_fraction=True)`` models that instead, and so does every
+  process on fake GPUs under ``PYTEST_GPU_SIM_TORCH=2.9`` (:data:`TORCH_VERSION_ENV`).
 - The caching allocator: sizes round up to 512 bytes; requests up to 1 MiB come from
   2 MiB segments, up to 10 MiB from 20 MiB segments, larger ones from segments rounded
   to 2 MiB; best-fit reuse, splitting and merging of cached blocks; a freed block stays
@@ -53,7 +56,8 @@ torch/csrc/cuda/Module.cpp):
   illegal address) every binding that reaches the driver (``synchronize``,
   ``empty_cache``, ``set_device``, device switches, allocations, ``mem_get_info``) raises
   ``torch.AcceleratorError`` with ``C10_CUDA_CHECK``'s message, as torch 2.13 does
-  (c10/cuda/CUDAException.cpp); the statistics, which are host-side, still answer.
+  (c10/cuda/CUDAException.cpp), for each of CUDA's sticky errors; the statistics, which are
+  host-side, still answer. A hung kernel (:func:`pytest_gpu.sim.hang`) blocks ``synchronize``.
 
 Tensors on the simulated GPUs (``torch.ones(n, device="cuda")``, ``x.to("cuda:1")``, every
 op on them) are host tensors charged through this allocator: :mod:`pytest_gpu.sim.torch_tensors`,
@@ -1068,6 +1072,7 @@ def _c_has_primary_context(device: object) -> bool:
 
 def _c_synchronize() -> None:
     _check_sticky()
+    sim_cuda.wait_for_kernels()  # cudaDeviceSynchronize: a hung kernel blocks it for ever
     _raw_set_device(_raw_get_device())  # cudaDeviceSynchronize needs (and opens) the current context
 
 
@@ -1351,12 +1356,33 @@ _XPU_BINDINGS: dict[str, Callable[..., Any]] = {
 }
 
 
+#: The torch release the double models on fake GPUs (``2.9``, ``2.13.0``; default: torch 2.13's
+#: behaviour). Before 2.10, ``set_per_process_memory_fraction`` moves the current device.
+TORCH_VERSION_ENV = "PYTEST_GPU_SIM_TORCH"
+LEGACY_FRACTION_BEFORE = (2, 10)
+
+
+def modelled_torch() -> tuple[int, int]:
+    """(major, minor) of :data:`TORCH_VERSION_ENV`; ValueError names it when it is not a version."""
+    raw = os.environ.get(TORCH_VERSION_ENV, "").strip()
+    if not raw:
+        return (2, 13)
+    parts = raw.split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise ValueError(f"{TORCH_VERSION_ENV}={raw!r}: expected a torch version such as 2.9 or 2.13.0")
+    return int(parts[0]), int(parts[1])
+
+
 def install_for(torch: ModuleType, device_kind: str, *, rocm: ModuleType | None = None) -> None:
     """Give torch's device module for ``device_kind`` (a vendor's
     :attr:`~pytest_gpu.vendors.kinds.Kind.device_kind`: ``torch.cuda`` or ``torch.xpu``) the
-    simulated GPUs: :func:`install` (``rocm``: torch on ROCm) or :func:`install_xpu`."""
+    simulated GPUs: :func:`install` (``rocm``: torch on ROCm) or :func:`install_xpu`; as the
+    torch release :data:`TORCH_VERSION_ENV` names behaves."""
+    older = modelled_torch() < LEGACY_FRACTION_BEFORE
     if device_kind != "cuda":
         install_xpu(torch)
+    elif older:
+        install(torch, rocm=rocm, legacy_memory_fraction=True)
     elif rocm is None:
         install(torch)
     else:  # a fake AMD machine: torch on ROCm

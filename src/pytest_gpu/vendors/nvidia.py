@@ -11,7 +11,10 @@ it says how a process's CUDA numbers them (:func:`cuda_view`).
 The NVML sampler (:class:`NvmlSampler`) is what pytest-gpu always ran: the foreign sampler's
 (:meth:`~NvmlSampler.processes`: compute and graphics lists, v3 records where the driver has
 them; v2 memory with the driver's reserve) and the verifier's and calibration's
-(:meth:`~NvmlSampler.compute`: pynvml's own compute list).
+(:meth:`~NvmlSampler.compute`: pynvml's own compute list). :meth:`Nvidia.sampler` gives the
+process's one NVML, initialised at its first use and kept open until the process exits
+(:func:`kept_nvml`): a GPU test samples twice, and each ``nvmlInit``/``nvmlShutdown`` pair
+cost it more than the samples. NVML is not fork-safe: a forked child initialises its own.
 
 Runs against the fake ``libnvidia-ml.so.1`` in CI (``PYTEST_GPU_FAKE_GPUS``,
 :mod:`pytest_gpu.sim.nvml`); the NVML and ``libcuda.so.1`` paths follow NVIDIA's
@@ -22,7 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import ModuleType
@@ -245,7 +251,8 @@ class NvmlSampler:
             raise Refused(str(exc)) from None
 
     def processes(self, uuid: str) -> dict[int, int | None]:
-        """Every process on the device, compute and graphics, once each (pid -> bytes)."""
+        """Every process on the device, compute and graphics, once each (pid -> bytes; None: a
+        list gave it without its memory, NVML_VALUE_NOT_AVAILABLE: not measured, never 0)."""
         handle = self._handle(uuid)
         found: dict[int, int | None] = {}
         for kind in ("Compute", "Graphics"):
@@ -256,10 +263,16 @@ class NvmlSampler:
                     raise
                 continue  # no graphics list (a compute-only GPU may refuse it): compute is what matters
             for proc in procs:
+                pid = int(proc.pid)
                 used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
-                known = found.get(int(proc.pid))
-                # one process in both lists holds one amount of memory, not two
-                found[int(proc.pid)] = used if known is None else max(known, used or 0)
+                if pid not in found:
+                    found[pid] = used
+                elif found[pid] is None or used is None:
+                    # listed without its memory in one list: the other's figure may leave out what
+                    # that one holds, so it is not measured (the foreign share is then estimated)
+                    found[pid] = None
+                else:  # one process in both lists holds one amount of memory, not two
+                    found[pid] = max(found[pid] or 0, used)
         return found
 
     def compute(self, uuid: str) -> list[tuple[int, int | None]]:
@@ -290,6 +303,50 @@ class NvmlSampler:
             except Exception as exc:  # nvidia-ml-py's library-mismatch error is not an NVMLError
                 raise Unlistable(f"NVML cannot list the processes there ({exc})") from None
         raise Unlistable("NVML has no process list for it")
+
+
+class KeptNvml(NvmlSampler):
+    """The process's NVML (:func:`kept_nvml`): :meth:`close` leaves it open for the next caller."""
+
+    @property
+    def library(self) -> ModuleType:
+        """The pynvml it was opened with."""
+        return self._nvml
+
+    def close(self) -> None:
+        pass
+
+    def shut(self) -> None:
+        """Shut it down for real (the process's NVML is forgotten: :func:`forget_kept_nvml`)."""
+        super().close()
+
+
+_kept: KeptNvml | None = None
+_kept_pid = 0
+_kept_lock = threading.Lock()
+
+
+def kept_nvml() -> KeptNvml:
+    """This process's NVML, initialised at the first call and kept open; a forked child (whose
+    copy NVML does not count as initialised, and whose parent's handles must not be used)
+    initialises its own. :class:`NvmlUnavailable` when NVML cannot be initialised (tried again
+    at the next call)."""
+    global _kept, _kept_pid
+    with _kept_lock:
+        loaded = sys.modules.get("pynvml")  # another pynvml than the one it was opened with: not this NVML
+        if _kept is None or _kept_pid != os.getpid() or (loaded is not None and loaded is not _kept.library):
+            _kept = KeptNvml()  # the parent's, in a forked child, is dropped without a shutdown
+            _kept_pid = os.getpid()
+        return _kept
+
+
+def forget_kept_nvml() -> None:
+    """Shut the process's kept NVML down: the library it was opened on goes (fake GPUs turned off)."""
+    global _kept
+    with _kept_lock:
+        kept, _kept = _kept, None
+        if kept is not None and _kept_pid == os.getpid():
+            kept.shut()
 
 
 def _mismatch(pynvml: ModuleType) -> type[Exception]:
@@ -395,7 +452,7 @@ class Nvidia(Vendor):
         return cu_init()
 
     def sampler(self) -> Sampler:
-        return NvmlSampler()
+        return kept_nvml()
 
     def untrusted(self) -> str:
         return version_problem()  # the installed nvidia-ml-py's, which amdsmi and Sysman do not use

@@ -6,6 +6,9 @@ plugin use, as strictly as the real one: same signatures, struct layouts, return
 two-call size protocol.  Its data is the text file ``$PYTEST_GPU_SIM_LEDGER/nvml.state``, which
 the simulated-GPU ledger replaces atomically on every write and the library re-reads on every
 device call.  Without that variable or file, ``nvmlInit`` fails with "Driver Not Loaded".
+``nvmlInit`` and ``nvmlShutdown`` count (NVML's reference count); NVML is not fork-safe, so a
+forked child's copy is not initialised: its calls answer "Uninitialized" until it calls
+``nvmlInit`` itself (its parent's handles are not to be used).
 
 State file format (one record per line, space-separated; a name is the rest of its line)::
 
@@ -17,7 +20,8 @@ State file format (one record per line, space-separated; a name is the rest of i
                                   # (the fake libamd_smi.so reads this file then: pytest_gpu.sim.amdsmi)
     gpu <nvml_index> <uuid> <total_bytes> <reserved_bytes> <used_bytes> <mig 0|1> <fault> <name...>
     mig <parent_nvml_index> <slot> <uuid> <total_bytes> <used_bytes> <name...>
-    proc <uuid> <pid> <used_bytes>
+    proc <uuid> <pid> <used_bytes|na>
+    gfx <uuid> <pid> <used_bytes|na>
 
 ``gpu`` lines come in index order 0..n-1; ``fault`` is ``none``, ``no_permission``,
 ``gpu_is_lost`` or ``unknown`` (the GPU is counted, but getting its handle fails with that
@@ -25,7 +29,10 @@ error).  A gpu line's ``used`` excludes ``reserved``; a MIG-mode GPU's used memo
 its instances'.  ``proc`` lines name a GPU or MIG UUID; processes that are gone (zombies included)
 are not reported, and their memory is not counted in the device's ``used`` (the driver frees it
 at exit; the ledger forgets them only on its next write); compute processes of a MIG-mode GPU
-or MIG device are refused (NVML_ERROR_NO_PERMISSION, as for an unprivileged user).  The ``no_v3``
+or MIG device are refused (NVML_ERROR_NO_PERMISSION, as for an unprivileged user).  ``na``
+lists a process without its memory (``usedGpuMemory`` NVML_VALUE_NOT_AVAILABLE, as some drivers,
+MIG and WSL report some processes); ``gfx`` lines are the graphics list's (a process in both
+lists holds one amount of memory; the ledger writes none: only tests do).  The ``no_v3``
 option is read here, not by the library: it selects the library variant built without those
 symbols (see :func:`library_dir`).
 """

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 
@@ -120,6 +121,8 @@ struct proc {
     char uuid[STR_LEN];
     long pid;
     unsigned long long used;
+    int graphics; /* a "gfx" line: in the graphics list (its memory is the process's, counted once) */
+    int na;       /* listed without its memory: usedGpuMemory NVML_VALUE_NOT_AVAILABLE */
 };
 
 struct state {
@@ -136,6 +139,7 @@ struct state {
 static struct state g_state;   /* handles point in here */
 static struct state g_scratch; /* parse target, copied over g_state when valid */
 static int g_refcount;
+static pid_t g_pid; /* who initialised it: a forked child's copy is not initialised (not fork-safe) */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int parse_fail(const char *path, unsigned int lineno, const char *why) {
@@ -270,21 +274,26 @@ static int parse_state(void) {
             m->index = (unsigned int)slot;
             m->total = total;
             m->used = used;
-        } else if (!strcmp(kind, "proc")) {
+        } else if (!strcmp(kind, "proc") || !strcmp(kind, "gfx")) {
             long long pid;
-            unsigned long long used;
+            unsigned long long used = 0;
             if (s->nprocs >= MAX_PROCS) {
                 rc = parse_fail(path, lineno, "too many proc lines");
                 break;
             }
             struct proc *p = &s->procs[s->nprocs];
+            char *figure = NULL;
+            int na = 0;
             if (copy_field(p->uuid, token(&rest)) || parse_ll(token(&rest), &pid) || pid <= 0 ||
-                parse_ull(token(&rest), &used) || token(&rest)) {
+                !(figure = token(&rest)) || (!(na = !strcmp(figure, "na")) && parse_ull(figure, &used)) ||
+                token(&rest)) {
                 rc = parse_fail(path, lineno, "bad proc line");
                 break;
             }
             p->pid = (long)pid;
             p->used = used;
+            p->na = na;
+            p->graphics = !strcmp(kind, "gfx");
             s->nprocs++;
         }
         /* other record kinds: ignored (newer writers) */
@@ -327,7 +336,7 @@ static struct nvmlDevice_st *gpu_of(struct nvmlDevice_st *d) { return d->is_mig 
 /* Lock, require init, refresh the state.  Pair with leave(). */
 static nvmlReturn_t enter(void) {
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount) return NVML_ERROR_UNINITIALIZED;
+    if (!g_refcount || g_pid != getpid()) return NVML_ERROR_UNINITIALIZED;
     reload(); /* the file vanishing or going bad keeps the last good state */
     return NVML_SUCCESS;
 }
@@ -359,8 +368,10 @@ static nvmlReturn_t copy_out(char *buf, unsigned int length, const char *value) 
 
 static nvmlReturn_t do_init(void) {
     pthread_mutex_lock(&g_lock);
+    if (g_pid != getpid()) g_refcount = 0; /* a forked child starts with none of its parent's inits */
     if (reload() && !g_refcount) return leave(NVML_ERROR_DRIVER_NOT_LOADED);
     if (g_state.other_vendor) return leave(NVML_ERROR_DRIVER_NOT_LOADED); /* an AMD machine: no NVIDIA driver */
+    g_pid = getpid();
     g_refcount++;
     return leave(NVML_SUCCESS);
 }
@@ -374,7 +385,7 @@ API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 
 API nvmlReturn_t nvmlShutdown(void) {
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount) return leave(NVML_ERROR_UNINITIALIZED);
+    if (!g_refcount || g_pid != getpid()) return leave(NVML_ERROR_UNINITIALIZED);
     g_refcount--;
     return leave(NVML_SUCCESS);
 }
@@ -529,7 +540,8 @@ static int alive(long pid) {
 static unsigned long long live_used(const struct nvmlDevice_st *d) {
     unsigned long long gone = 0;
     for (unsigned int i = 0; i < g_state.nprocs; i++)
-        if (!strcmp(g_state.procs[i].uuid, d->uuid) && !alive(g_state.procs[i].pid)) gone += g_state.procs[i].used;
+        if (!g_state.procs[i].graphics && !strcmp(g_state.procs[i].uuid, d->uuid) && !alive(g_state.procs[i].pid))
+            gone += g_state.procs[i].used;
     return minus(d->used, gone);
 }
 
@@ -672,14 +684,11 @@ static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *
     nvmlReturn_t r = enter_device(device, &d);
     if (r) return leave(r);
     if (!infoCount || (!infos && *infoCount)) return leave(NVML_ERROR_INVALID_ARGUMENT);
-    if (graphics) {
-        *infoCount = 0;
-        return leave(NVML_SUCCESS);
-    }
-    if (d->is_mig || d->mig_mode) return leave(NVML_ERROR_NO_PERMISSION); /* unprivileged user under MIG */
+    if (!graphics && (d->is_mig || d->mig_mode)) return leave(NVML_ERROR_NO_PERMISSION); /* unprivileged, MIG */
     unsigned int n = 0;
     for (unsigned int i = 0; i < g_state.nprocs; i++)
-        n += !strcmp(g_state.procs[i].uuid, d->uuid) && alive(g_state.procs[i].pid);
+        n += g_state.procs[i].graphics == graphics && !strcmp(g_state.procs[i].uuid, d->uuid) &&
+             alive(g_state.procs[i].pid);
     if (n == 0) {
         *infoCount = 0;
         return leave(NVML_SUCCESS);
@@ -691,10 +700,10 @@ static nvmlReturn_t running(nvmlDevice_t device, unsigned int *infoCount, void *
     unsigned int out = 0;
     for (unsigned int i = 0; i < g_state.nprocs && out < n; i++) {
         const struct proc *p = &g_state.procs[i];
-        if (strcmp(p->uuid, d->uuid) || !alive(p->pid)) continue;
+        if (p->graphics != graphics || strcmp(p->uuid, d->uuid) || !alive(p->pid)) continue;
         char *slot = (char *)infos + out++ * stride;
         /* a process's usage is all it holds on the device, its context included, whoever it works for */
-        unsigned long long used = g_state.no_usage ? NA_ULL : p->used;
+        unsigned long long used = g_state.no_usage || p->na ? NA_ULL : p->used;
         nvmlProcessInfo_t info = {(unsigned int)(p->pid + g_state.pidns), used, NA_UINT, NA_UINT};
         if (stride == sizeof(nvmlProcessInfo_t)) {
             memcpy(slot, &info, sizeof info);
