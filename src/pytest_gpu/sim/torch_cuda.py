@@ -88,7 +88,7 @@ from typing import Any, NoReturn
 from ..base.importhook import waiting
 from ..base.requests import parse_size
 from . import cuda as sim_cuda
-from . import torch_tensors
+from . import torch_tensors, zes
 from .ledger import STATE_FILE, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
@@ -1294,6 +1294,9 @@ def _check_xpu_index(device: object) -> int:
 def _x_init() -> None:
     torch = _require_torch()
     _proc.poisoned = True
+    # torch's SYCL runtime starts Level Zero here: the fake loader's driver reads ZE_AFFINITY_MASK and
+    # ZES_ENABLE_SYSMAN now (legacy Sysman starts if it is set and no zesInit came first)
+    zes.start_runtime()
     count = sim_cuda.device_count()
     if count == 0:
         raise RuntimeError("No XPU devices are available.")

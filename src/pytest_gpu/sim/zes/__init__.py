@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..nvml import FakeLibrary, build_library, load_library
 
-__all__ = ["LIBRARY", "PRODUCT_VAR", "SOURCE", "library_dir", "preload", "share_client"]
+__all__ = ["LIBRARY", "PRODUCT_VAR", "SOURCE", "library_dir", "preload", "share_client", "start_runtime"]
 
 #: The loader's soname, as :mod:`pytest_gpu.vendors.intel` (and torch's ``pyzes``) load it.
 LIBRARY = "libze_loader.so.1"
@@ -80,3 +80,14 @@ def share_client(ledger_dir: Path | str, pid: int, fds: int) -> None:
     temporary = path.with_name(f".{CLIENTS_FILE}.{os.getpid()}")
     temporary.write_text("".join(f"{line}\n" for line in [*kept, f"{pid} {fds}"]))
     os.replace(temporary, path)  # the library reads whole files only
+
+
+def start_runtime() -> int | None:
+    """``zeInit(0)`` on the fake loader this process loaded, as a framework's runtime does when it
+    starts (torch's SYCL runtime: its driver reads ``ZE_AFFINITY_MASK`` and ``ZES_ENABLE_SYSMAN``
+    now); its result, or ``None`` where no fake loader is loaded (nothing to start)."""
+    if not _loaded:
+        return None
+    library = next(iter(_loaded.values()))
+    code: int = library.zeInit(ctypes.c_uint32(0))
+    return code
