@@ -217,3 +217,53 @@ def _no_inherited_sysman_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("ZES_ENABLE_SYSMAN", "PYTEST_GPU_SIM_ZES", "PYTEST_GPU_SIM_XPU_TORCH"):
         monkeypatch.delenv(name, raising=False)
     assert "ZES_ENABLE_SYSMAN" not in os.environ
+
+
+WORKER_CONFTEST = """
+import torch
+
+torch.xpu.device_count()
+torch.xpu.init()  # a conftest starts torch.xpu (and Level Zero) before any lease
+"""
+
+WORKER_TESTS = """
+import os
+import pytest
+import torch
+from pytest_gpu.sim import zes
+
+
+@pytest.mark.parametrize("n", range(50))
+@pytest.mark.gpu(memory="4GiB")
+def test_clean(gpu, n):
+    if n == 10:  # a library reaches the worker's DRM client through a second fd (dup, fd passing)
+        zes.share_client(os.environ["PYTEST_GPU_SIM_LEDGER"], os.getpid(), 2)
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=gpu.device)
+    del x
+"""
+
+
+def test_a_long_lived_worker_stays_verified_and_clean(vendor_run: Any, gpu_pytester: pytest.Pytester) -> None:
+    """Issue 31: one worker, 50 clean tests, on a product without zesInit support whose Level Zero a
+    conftest started under ZES_ENABLE_SYSMAN=1 (legacy Sysman), the worker's client reached through
+    two fds from the 11th test on: every test is verified (no 'not checked' note), none is charged
+    anything, and the process's figure is not doubled (no test reported as holding memory)."""
+    require("torch", module="torch")
+    gpu_pytester.makeconftest(WORKER_CONFTEST)
+    gpu_pytester.makepyfile(test_worker=WORKER_TESTS)
+    result = vendor_run(
+        "xpu",
+        "xpu:sim:2x64GiB",
+        "--gpus",
+        "xpu:auto",
+        "-p",
+        "no:xdist",
+        "-rA",
+        ZES_ENABLE_SYSMAN="1",
+        PYTEST_GPU_SIM_ZES="no-zesinit",
+    )
+    result.assert_outcomes(passed=50)
+    text = result.stdout.str()
+    assert "[sysman] · 50 GPU tests · waited 0s in total · 0 violations" in text, text
+    assert "not checked" not in text and "unavailable" not in text and "still holds" not in text, text
+    assert "peaked far below their request (at most 256MiB)" in text  # the peak is torch's block, not 2x

@@ -235,13 +235,16 @@ class Sysman:
             handles = _handles(self._lib, "zeDeviceGet", self._driver)
         else:
             handles = self._list("zesDeviceGet", self._driver)
-        for index, handle in enumerate(handles):
+        for handle in handles:
             props = _DeviceProperties()
             props.stype = ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES
             self._call("zesDeviceGetProperties", ctypes.c_void_p(handle), ctypes.byref(props))
+            uuid = _uuid(props.core.uuid)
+            if any(card.uuid == uuid for card in found):
+                continue  # legacy mode under FLAT: each tile's core handle reaches its card's Sysman
             total = self.memory(handle)[1]
             name = props.core.name.decode(errors="replace") or props.modelName.decode(errors="replace")
-            found.append(Card(index, _uuid(props.core.uuid), total, name, int(props.numSubdevices), handle))
+            found.append(Card(len(found), uuid, total, name, int(props.numSubdevices), handle))
         return found
 
     def memory(self, handle: Any) -> tuple[int, int]:
@@ -322,11 +325,12 @@ def sysman_devices(environ: Mapping[str, str]) -> tuple[tuple[Device, ...], str]
     """Every Intel GPU device Sysman reports (tiles as devices under FLAT), indexed as
     ``ZE_AFFINITY_MASK`` counts them, and a note; :class:`ZesUnavailable` when Sysman cannot be used."""
     zes = process_sysman()
-    if zes.legacy:  # the masked core devices: not the machine's, and not numbered as the mask counts them
+    if zes.legacy and (environ.get(MASK_VAR) or "").strip():
+        # the core devices the mask left: not the machine's, and not numbered as the mask counts them
         raise ZesUnavailable(
-            "Level Zero Sysman lists only this process's devices: Level Zero started under ZES_ENABLE_SYSMAN=1 "
-            "before pytest-gpu and the driver has no zesInit support (unset ZES_ENABLE_SYSMAN, or start Level "
-            "Zero after pytest-gpu)"
+            f"Level Zero Sysman lists only the devices {MASK_VAR}={environ[MASK_VAR]} leaves: Level Zero started "
+            "under ZES_ENABLE_SYSMAN=1 before pytest-gpu and the driver has no zesInit support (unset "
+            "ZES_ENABLE_SYSMAN, or start Level Zero after pytest-gpu)"
         )
     try:
         cards = zes.cards()
