@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_xpu import run_level_zero
 
 from conftest import require, run_fake_python
-from test_xpu import run_level_zero
 
 GiB, MiB = 2**30, 2**20
 
@@ -107,7 +107,8 @@ def test_legacy_sysman_handles_are_translated_through_the_mask(tmp_path: Path) -
         from pytest_gpu.vendors.sampling import Refused
         procs = {str(os.getpid()): {"ctx": {}, "allocs": {"a": [3, 3 << 30, None]}}}
         state = {"spec": "xpu:sim:4x64GiB", "overhead": 0, "procs": procs, "tags": {}, "users": {}}
-        Path(os.environ["PYTEST_GPU_SIM_LEDGER"], "nvml.state").write_text(render_state(parse("xpu:sim:4x64GiB"), state))
+        state_file = Path(os.environ["PYTEST_GPU_SIM_LEDGER"], "nvml.state")
+        state_file.write_text(render_state(parse("xpu:sim:4x64GiB"), state))
         out["visible"] = sample(3)
         try:
             XPU.sampler().memory(xpu_uuid(0))
@@ -200,9 +201,7 @@ def test_torch_xpu_without_the_fraction_api(tmp_path: Path, version: str) -> Non
     before, confining torch.xpu raised AttributeError inside torch's lazy init. The cap is then not
     enforced by torch, said once, and the lease is still verified."""
     require("torch", module="torch")
-    out: dict[str, Any] = run_fake_python(
-        tmp_path, "xpu:sim:2x64GiB", XPU_FRACTION, PYTEST_GPU_SIM_XPU_TORCH=version
-    )
+    out: dict[str, Any] = run_fake_python(tmp_path, "xpu:sim:2x64GiB", XPU_FRACTION, PYTEST_GPU_SIM_XPU_TORCH=version)
     assert out["device"] == "xpu:1"  # the lease's GPU 1, as the worker's runtime numbers it
     if version == "2.9":
         assert not out["api"]
@@ -267,3 +266,43 @@ def test_a_long_lived_worker_stays_verified_and_clean(vendor_run: Any, gpu_pytes
     assert "[sysman] · 50 GPU tests · waited 0s in total · 0 violations" in text, text
     assert "not checked" not in text and "unavailable" not in text and "still holds" not in text, text
     assert "peaked far below their request (at most 256MiB)" in text  # the peak is torch's block, not 2x
+
+
+FIRST_INIT_TESTS = """
+import ctypes
+import pytest
+import torch
+
+U32 = ctypes.c_uint32
+
+
+def enumerated():
+    lib = ctypes.CDLL("libze_loader.so.1")  # the fake loader the run preloaded
+    assert lib.zeInit(U32(0)) == 0
+    drivers = (ctypes.c_void_p * 1)()
+    lib.zeDriverGet(ctypes.byref(U32(1)), drivers)
+    count = U32(0)
+    lib.zeDeviceGet(ctypes.c_void_p(drivers[0]), ctypes.byref(count), None)
+    return count.value
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_first(gpu):
+    torch.empty(1 << 20, device=gpu.device)  # torch.xpu, and Level Zero, start inside a lease
+
+
+@pytest.mark.gpu(memory="1GiB")
+def test_second(gpu):
+    assert enumerated() == 3  # the worker's list, not the first lease's one device
+"""
+
+
+def test_level_zero_first_started_inside_a_lease_keeps_the_runs_devices(
+    vendor_run: Any, gpu_pytester: pytest.Pytester
+) -> None:
+    """Finding 1 on a fake Intel machine: torch.xpu starting Level Zero inside a test (under the lease's
+    ZE_AFFINITY_MASK) must find the worker's device list already pinned to the run's."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_first_init=FIRST_INIT_TESTS)
+    result = vendor_run("xpu", "xpu:sim:3x64GiB", "--gpus", "xpu:auto", "-p", "no:xdist")
+    result.assert_outcomes(passed=2)

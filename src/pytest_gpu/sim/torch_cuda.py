@@ -1365,7 +1365,8 @@ _xpu_removed: dict[tuple[str, str], Any] = {}  # (module, name) -> what an older
 
 
 def _xpu_api_before(version: str) -> bool:
-    """Whether ``version`` (``PYTEST_GPU_SIM_XPU_TORCH``) is a torch before 2.10; :class:`ValueError` if it is no version."""
+    """Whether ``version`` (``PYTEST_GPU_SIM_XPU_TORCH``) is a torch before 2.10; :class:`ValueError`
+    if it is no version."""
     try:
         major, minor = (int(part) for part in version.strip().split(".")[:2])
     except ValueError:

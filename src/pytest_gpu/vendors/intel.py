@@ -230,7 +230,7 @@ class Sysman:
         """Every Sysman device of the first driver (torch's choice too), in Sysman's order."""
         if self._driver is None:
             return []
-        found = []
+        found: list[Card] = []
         if self.legacy:  # the core API's devices are Sysman's now
             handles = _handles(self._lib, "zeDeviceGet", self._driver)
         else:
@@ -552,6 +552,11 @@ class Intel(Vendor):
         except ZesUnavailable:
             pass  # said where it is sampled
         return ze_init()
+
+    def pin_fake(self) -> None:
+        """The fake Level Zero loader models the core driver's device list and Sysman's two
+        initialisations: pinned as on Intel GPUs (the simulated runtime's list is pinned apart)."""
+        self.pin()
 
     def runtime_id(self, uuid: str) -> str:
         """Level Zero's 16 bytes, as hex digits (a Sysman UUID is 8-4-4-4-12 of them)."""
