@@ -44,6 +44,17 @@ mask before the first lease, then the core API's devices (``zeDriverGet``, ``zeD
 ``zeDeviceGetProperties``' 16-byte UUID) read back. CI runs it against the fake loader
 (:mod:`pytest_gpu.sim.zes`), which reads the mask at its first ``zeInit`` as compute-runtime does.
 
+Sysman is started once per process (:func:`process_sysman`; again in a forked child), before the
+pin's ``zeInit``: compute-runtime (e37c60bf, ``level_zero/tools/source/sysman/sysman.cpp``,
+``level_zero/sysman/source/shared/linux/zes_os_sysman_imp.cpp``) starts Sysman from the core
+driver when ``zeInit`` runs under ``ZES_ENABLE_SYSMAN=1``, and a product without ``zesInit``
+support then refuses ``zesInit`` (``ZE_RESULT_ERROR_UNSUPPORTED_FEATURE``, decided once per
+process). Where Level Zero started first anyway, Sysman is used through the core API's handles,
+which follow the process's ``ZE_AFFINITY_MASK`` (:attr:`Sysman.legacy`). A process's memory
+figure is the sum over its fds of the card (``readClientInfoFromFdInfo``, no client id in
+``zes_process_state_t``): a client reached through two fds reads twice, so it is bounded by the
+card's memory in use (:meth:`Sysman.processes`).
+
 Not run on an Intel machine here.
 """
 
