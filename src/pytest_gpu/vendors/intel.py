@@ -269,10 +269,10 @@ class Sysman:
             used += int(state.size) - int(state.free)
         return used, size
 
-    def processes(self, handle: Any) -> dict[int, int]:
+    def processes(self, handle: Any, *, bounded: bool = True) -> dict[int, int]:
         """pid -> device memory in bytes of every process on the card, each at most what the card
-        has in use (the list may grow between the count and the read: a larger buffer is tried
-        then, as the header recommends)."""
+        has in use (``bounded=False``: as the driver says it; the list may grow between the count
+        and the read: a larger buffer is tried then, as the header recommends)."""
         count = ctypes.c_uint32(0)
         self._call("zesDeviceProcessesGetState", ctypes.c_void_p(handle), ctypes.byref(count), None)
         for _ in range(3):
@@ -290,6 +290,8 @@ class Sysman:
                 # clients (compute-runtime's readClientInfoFromFdInfo; no client id is returned): a
                 # client reached through two fds (dup, fork, fd passing) reads twice. No process holds
                 # more than the card has in use, read after the list.
+                if not bounded:
+                    return found
                 used = self.memory(handle)[0]
                 return {pid: min(size, used) for pid, size in found.items()}
             if code != ZE_RESULT_ERROR_INVALID_SIZE:
