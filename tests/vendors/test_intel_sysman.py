@@ -195,6 +195,7 @@ done.undo()
 """
 
 
+@pytest.mark.slow  # torch imported in a subprocess
 @pytest.mark.parametrize("version", ["2.9", "2.13"])
 def test_torch_xpu_without_the_fraction_api(tmp_path: Path, version: str) -> None:
     """Finding 9: torch.xpu.set_per_process_memory_fraction arrived in torch 2.10 (pytorch#165510);
