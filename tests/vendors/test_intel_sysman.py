@@ -307,3 +307,11 @@ def test_level_zero_first_started_inside_a_lease_keeps_the_runs_devices(
     gpu_pytester.makepyfile(test_first_init=FIRST_INIT_TESTS)
     result = vendor_run("xpu", "xpu:sim:3x64GiB", "--gpus", "xpu:auto", "-p", "no:xdist")
     result.assert_outcomes(passed=2)
+
+
+def test_an_unknown_modelled_product_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpu.sim import zes
+
+    monkeypatch.setenv("PYTEST_GPU_SIM_ZES", "no-zesInit")
+    with pytest.raises(RuntimeError, match=r"PYTEST_GPU_SIM_ZES='no-zesInit': expected no-zesinit"):
+        zes.preload()

@@ -53,7 +53,11 @@ def library_dir() -> Path:
 
 
 def preload() -> Path:
-    """Make this process, and its subprocesses, load the fake loader; returns its path."""
+    """Make this process, and its subprocesses, load the fake loader; returns its path
+    (:class:`RuntimeError` for a ``PYTEST_GPU_SIM_ZES`` that names no modelled product)."""
+    product = os.environ.get(PRODUCT_VAR, "")
+    if product not in ("", "no-zesinit"):
+        raise RuntimeError(f"{PRODUCT_VAR}={product!r}: expected no-zesinit, or leave it unset")
     directory = library_dir()
     path = directory / LIBRARY
     if path not in _loaded:

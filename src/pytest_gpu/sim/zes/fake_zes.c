@@ -1,6 +1,6 @@
 /*
  * A fake Level Zero loader (libze_loader.so.1) for pytest-gpu's simulated Intel GPUs: the part
- * of Sysman (zes_api.h) that pytest_gpu.gpu.xpu calls through ctypes.
+ * of Sysman (zes_api.h) that pytest_gpu.vendors.intel calls through ctypes.
  *
  * Signatures, struct layouts, structure types and result codes follow oneapi-src/level-zero's
  * include/zes_api.h and include/ze_api.h at d3b3efbdaa27a0aef9a9812cc8fa4260557c1e7c:
