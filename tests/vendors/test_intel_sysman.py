@@ -313,5 +313,6 @@ def test_an_unknown_modelled_product_is_refused(monkeypatch: pytest.MonkeyPatch)
     from pytest_gpu.sim import zes
 
     monkeypatch.setenv("PYTEST_GPU_SIM_ZES", "no-zesInit")
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.environ.get("LD_LIBRARY_PATH", ""))  # put back, whatever happens
     with pytest.raises(RuntimeError, match=r"PYTEST_GPU_SIM_ZES='no-zesInit': expected no-zesinit"):
         zes.preload()
