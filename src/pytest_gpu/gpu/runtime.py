@@ -16,7 +16,10 @@ Where the runtime cannot be read back, the view is predicted from the variables 
 pinned with (the vendor's :meth:`~pytest_gpu.vendors.vendor.Vendor.view`).
 
 On simulated or fake GPUs the runtime is :mod:`pytest_gpu.sim.cuda`, whose view is read
-back exactly. The real runtimes' paths (:mod:`pytest_gpu.vendors.nvidia`, ``amd``, ``intel``)
+back exactly; on fake GPUs what the vendor's fake libraries model of its runtime is pinned too
+(:meth:`~pytest_gpu.vendors.vendor.Vendor.pin_fake`: the fake Level Zero loader's device list,
+which the simulated ``torch.xpu`` starts as torch's SYCL runtime does). The real runtimes'
+paths (:mod:`pytest_gpu.vendors.nvidia`, ``amd``, ``intel``)
 follow their documentation and sources and have not run on a GPU machine here; CI reads
 back the fake ``libamdhip64.so`` (:mod:`pytest_gpu.sim.hip`) and the fake Level Zero loader
 (:mod:`pytest_gpu.sim.zes`).
@@ -45,6 +48,7 @@ class _State:
     outer: tuple[tuple[str, str], ...] = ()  # the vendor's visibility variables when pinned
     uuids: list[str] | None = None  # what the runtime enumerates (Vendor.runtime_id), read back when pinned
     note: str = ""
+    fake_pinned: bool = False  # on fake GPUs: what the vendor's fake libraries model of its runtime
 
 
 _state = _State()
@@ -61,6 +65,9 @@ def pin(inventory: Inventory) -> list[int]:
     Call it while the visibility variables are the run's (not a lease's).
     """
     if simulated(inventory):
+        if fake.active() and not _state.fake_pinned:  # the fake Level Zero loader's device list too
+            _state.fake_pinned = True
+            vendors.of(inventory.vendor).pin_fake()
         return cuda.init()
     if not _state.pinned:
         vendor = vendors.of(inventory.vendor)

@@ -98,7 +98,7 @@ from typing import Any, NoReturn
 from ..base.importhook import waiting
 from ..base.requests import parse_size
 from . import cuda as sim_cuda
-from . import torch_tensors
+from . import torch_tensors, zes
 from .ledger import STATE_FILE, TAG_ENV, OutOfMemoryError, SimDeviceError, ledger
 
 __all__ = ["Block", "empty", "install", "reset"]
@@ -1308,6 +1308,9 @@ def _check_xpu_index(device: object) -> int:
 def _x_init() -> None:
     torch = _require_torch()
     _proc.poisoned = True
+    # torch's SYCL runtime starts Level Zero here: the fake loader's driver reads ZE_AFFINITY_MASK and
+    # ZES_ENABLE_SYSMAN now (legacy Sysman starts if it is set and no zesInit came first)
+    zes.start_runtime()
     count = sim_cuda.device_count()
     if count == 0:
         raise RuntimeError("No XPU devices are available.")
@@ -1389,8 +1392,46 @@ def install_for(torch: ModuleType, device_kind: str, *, rocm: ModuleType | None 
         install(torch, rocm=rocm)
 
 
-def install_xpu(torch: ModuleType) -> None:
+#: The torch version whose torch.xpu API is modelled (``2.9``: before 2.10); unset, the installed torch's.
+XPU_TORCH_VAR = "PYTEST_GPU_SIM_XPU_TORCH"
+#: torch.xpu's memory fraction API, which arrived in torch 2.10 (pytorch#165510, #165511).
+_XPU_FRACTION_API = ("set_per_process_memory_fraction", "get_per_process_memory_fraction")
+_xpu_removed: dict[tuple[str, str], Any] = {}  # (module, name) -> what an older torch lacks, to put back
+
+
+def _xpu_api_before(version: str) -> bool:
+    """Whether ``version`` (``PYTEST_GPU_SIM_XPU_TORCH``) is a torch before 2.10; :class:`ValueError`
+    if it is no version."""
+    try:
+        major, minor = (int(part) for part in version.strip().split(".")[:2])
+    except ValueError:
+        raise ValueError(f"{XPU_TORCH_VAR}={version!r}: expected a torch version such as 2.9") from None
+    return (major, minor) < (2, 10)
+
+
+def _model_xpu_version(torch: ModuleType, fraction_api: bool) -> None:
+    """Take torch.xpu's memory fraction API away (torch < 2.10: no ``_xpu_setMemoryFraction`` in
+    torch/csrc/xpu/Module.cpp, no Python function), or put back what was taken."""
+    modules = {"torch.xpu": torch.xpu, "torch.xpu.memory": torch.xpu.memory, "torch._C": torch._C}
+    if fraction_api:
+        for (module, name), value in list(_xpu_removed.items()):
+            setattr(modules[module], name, value)
+            del _xpu_removed[(module, name)]
+        return
+    names = {"torch.xpu": _XPU_FRACTION_API, "torch.xpu.memory": _XPU_FRACTION_API}
+    names["torch._C"] = ("_xpu_setMemoryFraction", "_xpu_getMemoryFraction")
+    for module, listed in names.items():
+        for name in listed:
+            if hasattr(modules[module], name):
+                _xpu_removed[(module, name)] = getattr(modules[module], name)
+                delattr(modules[module], name)
+
+
+def install_xpu(torch: ModuleType, *, fraction_api: bool | None = None) -> None:
     """Give ``torch.xpu`` of torch's CPU build the simulated GPUs of a fake Intel machine (idempotent).
+
+    ``fraction_api=False`` (or ``PYTEST_GPU_SIM_XPU_TORCH=2.9`` when not given) models torch before
+    2.10, whose torch.xpu has no ``set_per_process_memory_fraction`` (pytorch#165510).
 
     ``torch._C`` gets the ``_xpu_*`` bindings an XPU build has (torch/csrc/xpu/Module.cpp), so
     torch.xpu's own Python code (torch 2.13: ``torch/xpu/__init__.py``, ``torch/xpu/memory.py``)
@@ -1425,6 +1466,9 @@ def install_xpu(torch: ModuleType) -> None:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _settings.fork_handler = True
     torch_tensors.install(torch, "xpu", empty)
+    if fraction_api is None:
+        fraction_api = not _xpu_api_before(os.environ.get(XPU_TORCH_VAR) or "2.13")
+    _model_xpu_version(torch, fraction_api)
 
 
 def reset() -> None:

@@ -44,6 +44,17 @@ mask before the first lease, then the core API's devices (``zeDriverGet``, ``zeD
 ``zeDeviceGetProperties``' 16-byte UUID) read back. CI runs it against the fake loader
 (:mod:`pytest_gpu.sim.zes`), which reads the mask at its first ``zeInit`` as compute-runtime does.
 
+Sysman is started once per process (:func:`process_sysman`; again in a forked child), before the
+pin's ``zeInit``: compute-runtime (e37c60bf, ``level_zero/tools/source/sysman/sysman.cpp``,
+``level_zero/sysman/source/shared/linux/zes_os_sysman_imp.cpp``) starts Sysman from the core
+driver when ``zeInit`` runs under ``ZES_ENABLE_SYSMAN=1``, and a product without ``zesInit``
+support then refuses ``zesInit`` (``ZE_RESULT_ERROR_UNSUPPORTED_FEATURE``, decided once per
+process). Where Level Zero started first anyway, Sysman is used through the core API's handles,
+which follow the process's ``ZE_AFFINITY_MASK`` (:attr:`Sysman.legacy`). A process's memory
+figure is the sum over its fds of the card (``readClientInfoFromFdInfo``, no client id in
+``zes_process_state_t``): a client reached through two fds reads twice, so it is bounded by the
+card's memory in use (:meth:`Sysman.processes`).
+
 Not run on an Intel machine here.
 """
 
@@ -70,6 +81,7 @@ LIBRARY = "libze_loader.so.1"
 
 ZE_RESULT_SUCCESS = 0
 ZE_RESULT_ERROR_INVALID_SIZE = 0x78000008
+ZE_RESULT_ERROR_UNSUPPORTED_FEATURE = 0x78000003
 ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x3
 ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x1
 ZES_STRUCTURE_TYPE_PROCESS_STATE = 0x16
@@ -180,7 +192,15 @@ def _uuid(raw: Sequence[int]) -> str:
 
 
 class Sysman:
-    """Level Zero Sysman through ctypes, initialised; :class:`ZesUnavailable` says why not."""
+    """Level Zero Sysman through ctypes, initialised; :class:`ZesUnavailable` says why not.
+
+    ``legacy``: ``zesInit`` answered ``ZE_RESULT_ERROR_UNSUPPORTED_FEATURE`` because Level Zero was
+    started (``zeInit``) under ``ZES_ENABLE_SYSMAN=1`` first, on a product without ``zesInit``
+    support (compute-runtime's ``LinuxSysmanImp::init``); Sysman then answers through the core
+    API's device handles, which follow ``ZE_AFFINITY_MASK`` (and FLAT mode): only the devices the
+    process's mask left are there, found by their UUID. Use :func:`process_sysman`, not this class:
+    one per process.
+    """
 
     def __init__(self) -> None:
         try:
@@ -188,10 +208,17 @@ class Sysman:
         except OSError as exc:
             raise ZesUnavailable(f"no Level Zero loader ({exc})") from None  # the OSError names the library
         code = self._lib.zesInit(ctypes.c_uint32(0))
-        if code != ZE_RESULT_SUCCESS:
+        self.legacy = code == ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+        if code != ZE_RESULT_SUCCESS and not self.legacy:
             raise ZesUnavailable(f"Level Zero Sysman unavailable (zesInit returned {_RESULTS.get(code, hex(code))})")
         try:
-            drivers = self._list("zesDriverGet", None)
+            if self.legacy:  # zeInit ran already: this one reads nothing anew
+                code = self._lib.zeInit(ctypes.c_uint32(0))
+                if code != ZE_RESULT_SUCCESS:
+                    raise ZesError("zeInit", code)
+                drivers = _handles(self._lib, "zeDriverGet", None)
+            else:
+                drivers = self._list("zesDriverGet", None)
         except ZesError as exc:
             raise ZesUnavailable(f"Level Zero Sysman unavailable ({exc})") from None
         self._driver = drivers[0] if drivers else None
@@ -214,14 +241,21 @@ class Sysman:
         """Every Sysman device of the first driver (torch's choice too), in Sysman's order."""
         if self._driver is None:
             return []
-        found = []
-        for index, handle in enumerate(self._list("zesDeviceGet", self._driver)):
+        found: list[Card] = []
+        if self.legacy:  # the core API's devices are Sysman's now
+            handles = _handles(self._lib, "zeDeviceGet", self._driver)
+        else:
+            handles = self._list("zesDeviceGet", self._driver)
+        for handle in handles:
             props = _DeviceProperties()
             props.stype = ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES
             self._call("zesDeviceGetProperties", ctypes.c_void_p(handle), ctypes.byref(props))
+            uuid = _uuid(props.core.uuid)
+            if any(card.uuid == uuid for card in found):
+                continue  # legacy mode under FLAT: each tile's core handle reaches its card's Sysman
             total = self.memory(handle)[1]
             name = props.core.name.decode(errors="replace") or props.modelName.decode(errors="replace")
-            found.append(Card(index, _uuid(props.core.uuid), total, name, int(props.numSubdevices), handle))
+            found.append(Card(len(found), uuid, total, name, int(props.numSubdevices), handle))
         return found
 
     def memory(self, handle: Any) -> tuple[int, int]:
@@ -235,9 +269,10 @@ class Sysman:
             used += int(state.size) - int(state.free)
         return used, size
 
-    def processes(self, handle: Any) -> dict[int, int]:
-        """pid -> device memory in bytes of every process on the card (the list may grow between
-        the count and the read: a larger buffer is tried then, as the header recommends)."""
+    def processes(self, handle: Any, *, bounded: bool = True) -> dict[int, int]:
+        """pid -> device memory in bytes of every process on the card, each at most what the card
+        has in use (``bounded=False``: as the driver says it; the list may grow between the count
+        and the read: a larger buffer is tried then, as the header recommends)."""
         count = ctypes.c_uint32(0)
         self._call("zesDeviceProcessesGetState", ctypes.c_void_p(handle), ctypes.byref(count), None)
         for _ in range(3):
@@ -251,10 +286,31 @@ class Sysman:
                 found: dict[int, int] = {}
                 for state in states[: count.value]:
                     found[int(state.processId)] = found.get(int(state.processId), 0) + int(state.memSize)
-                return found
+                # A process's memSize is the sum over its fds of the device, without de-duplicating DRM
+                # clients (compute-runtime's readClientInfoFromFdInfo; no client id is returned): a
+                # client reached through two fds (dup, fork, fd passing) reads twice. No process holds
+                # more than the card has in use, read after the list.
+                if not bounded:
+                    return found
+                used = self.memory(handle)[0]
+                return {pid: min(size, used) for pid, size in found.items()}
             if code != ZE_RESULT_ERROR_INVALID_SIZE:
                 raise ZesError("zesDeviceProcessesGetState", code)
         raise ZesError("zesDeviceProcessesGetState", ZE_RESULT_ERROR_INVALID_SIZE)
+
+
+_process: tuple[int, Sysman] | None = None  # (pid, its Sysman): a forked child starts its own
+
+
+def process_sysman() -> Sysman:
+    """This process's Sysman, initialised on first use (:class:`ZesUnavailable` when it cannot be;
+    a failure is not kept: the driver may appear). One ``zesInit`` per process, as zes_api.h wants
+    ("Only one instance of sysman will be initialized per process"), and one again in a forked
+    child ("Each forked process must call this function")."""
+    global _process
+    if _process is None or _process[0] != os.getpid():
+        _process = (os.getpid(), Sysman())
+    return _process[1]
 
 
 def flat(environ: Mapping[str, str]) -> bool:
@@ -281,8 +337,16 @@ def devices_of(cards: Sequence[Card], tiles_are_devices: bool) -> tuple[Device, 
 def sysman_devices(environ: Mapping[str, str]) -> tuple[tuple[Device, ...], str]:
     """Every Intel GPU device Sysman reports (tiles as devices under FLAT), indexed as
     ``ZE_AFFINITY_MASK`` counts them, and a note; :class:`ZesUnavailable` when Sysman cannot be used."""
+    zes = process_sysman()
+    if zes.legacy and (environ.get(MASK_VAR) or "").strip():
+        # the core devices the mask left: not the machine's, and not numbered as the mask counts them
+        raise ZesUnavailable(
+            f"Level Zero Sysman lists only the devices {MASK_VAR}={environ[MASK_VAR]} leaves: Level Zero started "
+            "under ZES_ENABLE_SYSMAN=1 before pytest-gpu and the driver has no zesInit support (unset "
+            "ZES_ENABLE_SYSMAN, or start Level Zero after pytest-gpu)"
+        )
     try:
-        cards = Sysman().cards()
+        cards = zes.cards()
     except ZesError as exc:
         raise ZesUnavailable(f"Level Zero Sysman cannot list the GPUs ({exc})") from None
     tiled = [c for c in cards if c.tiles > 0]
@@ -342,14 +406,14 @@ class XpuSampler:
     name = "Level Zero Sysman"
 
     def __init__(self) -> None:
-        self._zes = Sysman()  # ZesUnavailable: an Unavailable
+        self._zes = process_sysman()  # ZesUnavailable: an Unavailable
         try:
-            self._handles = {card.uuid: card.handle for card in self._zes.cards()}
+            self._handles = _handles_of(self._zes)
         except ZesError as exc:
             raise ZesUnavailable(str(exc)) from None
 
     def close(self) -> None:
-        self._handles.clear()  # Sysman has no shutdown call: the loader stays for the process
+        pass  # Sysman has no shutdown call: the process's stays (process_sysman)
 
     def problem(self) -> str:
         return ""
@@ -362,6 +426,14 @@ class XpuSampler:
             raise Refused("Level Zero Sysman reports memory and processes per card, not per tile")
         handle = self._handles.get(uuid)
         if handle is None:
+            self._handles = _handles_of(self._zes, fresh=True)
+            handle = self._handles.get(uuid)
+        if handle is None:
+            if self._zes.legacy:
+                raise Refused(
+                    "Level Zero Sysman, started by zeInit under ZES_ENABLE_SYSMAN=1 (the driver has no zesInit "
+                    "support), sees only the devices this process's ZE_AFFINITY_MASK left"
+                )
             raise Refused("Level Zero Sysman does not report it")
         return handle
 
@@ -384,6 +456,17 @@ class XpuSampler:
 
     def compute(self, uuid: str) -> list[tuple[int, int | None]]:
         return list(self.processes(uuid).items())
+
+
+_known: dict[int, dict[str, Any]] = {}  # id(Sysman) -> UUID -> handle: a process's handles do not change
+
+
+def _handles_of(zes: Sysman, *, fresh: bool = False) -> dict[str, Any]:
+    """UUID -> Sysman handle of each device ``zes`` reports, listed once per Sysman (``fresh``: again)."""
+    if fresh or id(zes) not in _known:
+        _known.clear()  # one Sysman per process: an older one is a parent's
+        _known[id(zes)] = {card.uuid: card.handle for card in zes.cards()}
+    return _known[id(zes)]
 
 
 def ze_init() -> tuple[list[str] | None, str]:
@@ -474,7 +557,19 @@ class Intel(Vendor):
         return f"{self.name}:{rest}"
 
     def pin(self) -> tuple[list[str] | None, str]:
+        """Sysman first, then Level Zero's device list: a ``zeInit`` under ``ZES_ENABLE_SYSMAN=1``
+        would start Sysman in its legacy mode, where a driver without ``zesInit`` support refuses
+        ``zesInit`` for the rest of the process (and its handles follow the lease's mask)."""
+        try:
+            process_sysman()
+        except ZesUnavailable:
+            pass  # said where it is sampled
         return ze_init()
+
+    def pin_fake(self) -> None:
+        """The fake Level Zero loader models the core driver's device list and Sysman's two
+        initialisations: pinned as on Intel GPUs (the simulated runtime's list is pinned apart)."""
+        self.pin()
 
     def runtime_id(self, uuid: str) -> str:
         """Level Zero's 16 bytes, as hex digits (a Sysman UUID is 8-4-4-4-12 of them)."""

@@ -231,6 +231,11 @@ class Vendor(ABC):
         (it reads them once, at its first initialisation), and read back what it enumerates: the
         devices' :meth:`runtime_id` in its order, or ``None``; and a sentence when something failed."""
 
+    def pin_fake(self) -> None:
+        """On fake GPUs (whose device list is the simulated runtime's): pin what this vendor's fake
+        libraries model of its runtime, as :meth:`pin` would on its GPUs. Nothing by default."""
+        return None
+
     def runtime_id(self, uuid: str) -> str:
         """A device's UUID as :meth:`pin` reads it back: the hex digits after ``GPU-``."""
         return uuid.split("-", 1)[1].replace("-", "").lower() if "-" in uuid else uuid.lower()

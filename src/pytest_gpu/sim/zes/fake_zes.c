@@ -1,6 +1,6 @@
 /*
  * A fake Level Zero loader (libze_loader.so.1) for pytest-gpu's simulated Intel GPUs: the part
- * of Sysman (zes_api.h) that pytest_gpu.gpu.xpu calls through ctypes.
+ * of Sysman (zes_api.h) that pytest_gpu.vendors.intel calls through ctypes.
  *
  * Signatures, struct layouts, structure types and result codes follow oneapi-src/level-zero's
  * include/zes_api.h and include/ze_api.h at d3b3efbdaa27a0aef9a9812cc8fa4260557c1e7c:
@@ -47,6 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 
@@ -54,6 +55,7 @@ typedef int ze_result_t;
 enum {
     ZE_RESULT_SUCCESS = 0,
     ZE_RESULT_ERROR_UNINITIALIZED = 0x78000001,
+    ZE_RESULT_ERROR_UNSUPPORTED_FEATURE = 0x78000003,
     ZE_RESULT_ERROR_INVALID_ARGUMENT = 0x78000004,
     ZE_RESULT_ERROR_INVALID_NULL_HANDLE = 0x78000005,
     ZE_RESULT_ERROR_INVALID_NULL_POINTER = 0x78000007,
@@ -142,7 +144,11 @@ struct state {
 static struct state g_state, g_scratch;
 static struct module g_modules[MAX_GPUS];
 static int g_driver; /* the one driver handle points here */
-static int g_init;
+static int g_init;         /* a zesInit succeeded (sysman-only mode) ... */
+static pid_t g_init_pid;   /* ... in this process (a forked child must call zesInit itself) */
+static int g_zes_decided;  /* zesInit's outcome is decided once per process (std::call_once) */
+static ze_result_t g_zes_status;
+static int g_from_core;    /* legacy mode: Sysman initialised by zeInit under ZES_ENABLE_SYSMAN */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static char *token(char **s) {
@@ -269,14 +275,21 @@ static ze_result_t leave(ze_result_t r) {
     return r;
 }
 
+static int sysman_only(void) { return g_init && g_init_pid == getpid(); }
+
 static ze_result_t enter(void) {
     pthread_mutex_lock(&g_lock);
-    if (!g_init) return ZE_RESULT_ERROR_UNINITIALIZED;
+    if (!g_from_core && !sysman_only()) return ZE_RESULT_ERROR_UNINITIALIZED;
     reload(); /* the file vanishing or going bad keeps the last good state */
     return ZE_RESULT_SUCCESS;
 }
 
+static struct gpu *core_gpu_of(void *h);
+
+/* A Sysman device handle: Sysman's own after zesInit; in legacy mode the core API's (dispatchSysmanApi
+ * prefers legacy), whose devices are those ZE_AFFINITY_MASK left at the first zeInit. */
 static struct gpu *gpu_of(void *h) {
+    if (g_from_core) return core_gpu_of(h);
     uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_state.gpus, size = sizeof(struct gpu);
     if (p < base || p >= base + sizeof g_state.gpus || (p - base) % size) return NULL;
     struct gpu *g = h;
@@ -291,6 +304,28 @@ static struct gpu *gpu_of_module(void *h) {
 }
 
 static int alive(long pid) { return kill((pid_t)pid, 0) == 0 || errno == EPERM; }
+
+/* How many fds process pid reaches its DRM client through (zes.fds; 1 when not listed). */
+static unsigned long long fds_of(long pid) {
+    const char *dir = getenv("PYTEST_GPU_SIM_LEDGER");
+    char path[4096], line[LINE_LEN];
+    unsigned long long found = 1;
+    if (!dir || snprintf(path, sizeof path, "%s/zes.fds", dir) >= (int)sizeof path) return 1;
+    FILE *f = fopen(path, "r");
+    if (!f) return 1;
+    while (fgets(line, sizeof line, f)) {
+        long p;
+        unsigned long long n;
+        if (sscanf(line, "%ld %llu", &p, &n) == 2 && p == pid && n >= 1) found = n;
+    }
+    fclose(f);
+    return found;
+}
+
+static int truthy_env(const char *name) {
+    const char *value = getenv(name);
+    return value && strtol(value, NULL, 10) != 0; /* NEO's EnvironmentVariableReader: a number */
+}
 
 /* ---- the core API's device list, fixed at the process's first zeInit ----------------- */
 struct core_device {
@@ -345,12 +380,25 @@ static void core_once(void) {
     for (unsigned int i = 0; i < n; i++)
         if (chosen[i]) g_core[g_core_count++].gpu = i;
     g_core_ok = 1;
+    /* the core driver creates Sysman with its devices (Device::createSysmanHandle), unless a zesInit
+       already did (SysmanDeviceHandleContext::init: "already happened via zesInit") */
+    pthread_mutex_lock(&g_lock);
+    if (truthy_env("ZES_ENABLE_SYSMAN") && !(g_zes_decided && g_zes_status == ZE_RESULT_SUCCESS)) g_from_core = 1;
+    pthread_mutex_unlock(&g_lock);
 }
+
 
 static struct core_device *core_of(void *h) {
     uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_core, size = sizeof(struct core_device);
     if (p < base || p >= base + (uintptr_t)g_core_count * size || (p - base) % size) return NULL;
     return h;
+}
+
+static struct gpu *core_gpu_of(void *h) {
+    struct core_device *d = core_of(h);
+    if (!d) return NULL;
+    struct gpu *g = &g_state.gpus[d->gpu];
+    return g->present ? g : NULL;
 }
 
 API ze_result_t zeInit(uint32_t flags) {
@@ -407,15 +455,25 @@ API ze_result_t zeDeviceGetProperties(void *hDevice, ze_device_properties_t *p) 
 API ze_result_t zesInit(uint32_t flags) {
     if (flags > 1) return ZE_RESULT_ERROR_INVALID_ENUMERATION;
     pthread_mutex_lock(&g_lock);
+    if (g_zes_decided && g_init_pid == getpid()) return leave(g_zes_status); /* std::call_once */
     if (reload() || !g_state.xpu) return leave(ZE_RESULT_ERROR_UNINITIALIZED); /* no Intel driver */
-    for (unsigned int i = 0; i < MAX_GPUS; i++) g_modules[i].gpu = i;
+    const char *product = getenv("PYTEST_GPU_SIM_ZES");
+    g_zes_decided = 1;
+    g_init_pid = getpid();
+    if (g_from_core && product && !strcmp(product, "no-zesinit")) {
+        g_zes_status = ZE_RESULT_ERROR_UNSUPPORTED_FEATURE; /* "Sysman Initialization already happened via zeInit" */
+        return leave(g_zes_status);
+    }
+    g_from_core = 0; /* LinuxSysmanImp::init: a product with zesInit support leaves legacy mode */
     g_init = 1;
-    return leave(ZE_RESULT_SUCCESS);
+    g_zes_status = ZE_RESULT_SUCCESS;
+    return leave(g_zes_status);
 }
 
 API ze_result_t zesDriverGet(uint32_t *pCount, void **phDrivers) {
     ze_result_t r = enter();
     if (r) return leave(r);
+    if (!sysman_only()) return leave(ZE_RESULT_ERROR_UNINITIALIZED); /* legacy mode: zeDriverGet's handles */
     if (!pCount) return leave(ZE_RESULT_ERROR_INVALID_NULL_POINTER);
     if (*pCount == 0 || *pCount > 1) *pCount = 1;
     if (phDrivers) phDrivers[0] = &g_driver;
@@ -425,6 +483,7 @@ API ze_result_t zesDriverGet(uint32_t *pCount, void **phDrivers) {
 API ze_result_t zesDeviceGet(void *hDriver, uint32_t *pCount, void **phDevices) {
     ze_result_t r = enter();
     if (r) return leave(r);
+    if (!sysman_only()) return leave(ZE_RESULT_ERROR_UNINITIALIZED); /* legacy mode: zeDeviceGet's handles */
     if (!hDriver) return leave(ZE_RESULT_ERROR_INVALID_NULL_HANDLE);
     if (!pCount) return leave(ZE_RESULT_ERROR_INVALID_NULL_POINTER);
     if (hDriver != &g_driver) return leave(ZE_RESULT_ERROR_INVALID_ARGUMENT);
@@ -472,6 +531,7 @@ API ze_result_t zesDeviceEnumMemoryModules(void *hDevice, uint32_t *pCount, void
     struct gpu *g = gpu_of(hDevice);
     if (!g) return leave(ZE_RESULT_ERROR_INVALID_ARGUMENT);
     if (*pCount == 0 || *pCount > 1) *pCount = 1;
+    g_modules[g - g_state.gpus].gpu = (unsigned int)(g - g_state.gpus);
     if (phMemory) phMemory[0] = &g_modules[g - g_state.gpus];
     return leave(ZE_RESULT_SUCCESS);
 }
@@ -507,7 +567,7 @@ API ze_result_t zesDeviceProcessesGetState(void *hDevice, uint32_t *pCount, zes_
         if (strcmp(p->uuid, g->uuid) || !alive(p->pid)) continue;
         if (out && n < room) {
             out[n].processId = (uint32_t)p->pid;
-            out[n].memSize = p->used;
+            out[n].memSize = p->used * fds_of(p->pid); /* every fd's drm-total-vram, summed */
             out[n].sharedSize = 0;
             out[n].engines = 0;
         }
