@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import require
+from conftest import require, run_fake_python
 from helpers import ROOT, patience
 from pytest_gpu.sim import spec, torch_cuda
 
@@ -898,3 +898,61 @@ def test_first_use_of_a_kernel_or_library_grows_the_context_not_torch_s_counters
     assert out["after_empty"] == 2 * ws  # empty_cache keeps what is allocated
     assert out["cleared"] == [0, 0]
     assert out["cudnn"] == out["lmem"] + torch_cuda.CUBLAS_CONTEXT + torch_cuda.CUDNN_CONTEXT
+
+
+GROWTH_SEEN = """
+import os
+import torch
+from pytest_gpu.sim import torch_cuda
+from pytest_gpu.vendors.{module} import {vendor}
+from pytest_gpu.sim.spec import {uuid_of} as uuid_of
+device = {device!r}
+
+
+def mine():
+    return {vendor}.sampler().processes(uuid_of(0))[os.getpid()]
+
+
+module = getattr(torch, device.partition(":")[0])  # torch.cuda (ROCm's too) or torch.xpu
+torch_cuda.empty("16MiB", device).free()
+module.empty_cache()
+out["opened"] = mine()
+torch_cuda.launch("add", device, local_memory="64MiB")
+out["kernel"] = mine()
+torch_cuda.matmul(device, stream=1)
+out["matmul"] = mine()
+out["matmul_allocated"] = module.memory_allocated(0)
+torch_cuda.convolution(device)
+out["conv"] = mine()
+"""
+
+
+@pytest.mark.slow  # imports torch in a subprocess
+@pytest.mark.parametrize(
+    ("spec_", "module", "vendor", "device", "uuid_of"),
+    [
+        ("amd:sim:1x16GiB", "amd", "AMD", "cuda:0", "amd_uuid"),
+        ("xpu:sim:1x64GiB", "intel", "XPU", "xpu:0", "xpu_uuid"),
+    ],
+    ids=["amdsmi", "sysman"],
+)
+def test_context_growth_shows_in_every_vendor_s_per_process_figure(
+    tmp_path: Path, spec_: str, module: str, vendor: str, device: str, uuid_of: str
+) -> None:
+    """amdsmi's vram_mem (fdinfo's drm-memory-vram) and Sysman's memSize count a process's code
+    objects and library state as NVML does: the doubles' context growth shows there. torch.xpu's
+    matmul is oneDNN's, whose scratchpad is freed with the call: no workspace stays allocated; torch
+    on ROCm keeps hipBLAS's per-stream workspace as on CUDA."""
+    require("torch", module="torch")
+    code = GROWTH_SEEN.format(module=module, vendor=vendor, device=device, uuid_of=uuid_of)
+    out = run_fake_python(tmp_path, spec_, code, amdsmi=module == "amd", quiet=True)
+    MiB = 2**20
+    assert out["kernel"] == out["opened"] + torch_cuda.KERNEL_MODULE + 64 * MiB
+    grown = out["matmul"] - out["kernel"]
+    if module == "amd":  # cuBLAS's magnitude and its workspace's 20 MiB segment
+        assert grown == torch_cuda.CUBLAS_CONTEXT + 20 * MiB
+        assert out["matmul_allocated"] == torch_cuda.CUBLAS_WORKSPACE
+    else:
+        assert grown == torch_cuda.CUBLAS_CONTEXT
+        assert out["matmul_allocated"] == 0
+    assert out["conv"] == out["matmul"] + torch_cuda.CUDNN_CONTEXT

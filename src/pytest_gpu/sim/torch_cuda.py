@@ -1598,6 +1598,17 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
 # allocated (``memory_allocated`` counts it) until ``torch._C._cuda_clearCublasWorkspaces()``.
 # The sizes below are of the order seen on CUDA 12 with lazy loading; what matters is that each
 # first use grows the process's NVML figure and nothing torch counts.
+#
+# The same holds on the other vendors, whose drivers count a process's code objects, library
+# state and scratch memory in its per-process figure as NVIDIA's does (amdsmi's ``vram_mem``, from
+# fdinfo's drm-memory-vram; Sysman's ``zes_process_state_t.memSize``). torch on ROCm is torch.cuda:
+# HIP loads a kernel's code object on first launch, hipBLAS/hipBLASLt (rocBLAS) and MIOpen stand
+# for cuBLAS and cuDNN, and torch keeps the same per-stream workspace. torch.xpu runs matmul and
+# convolution through oneDNN, which JIT-compiles its GPU kernels into Level Zero modules on a
+# primitive's first use; its scratchpad is an ordinary tensor freed when the call returns
+# (aten/src/ATen/native/mkldnn/xpu/detail/Matmul.cpp: ``scratchpad_mode::user``, ``at::empty``),
+# so no workspace outlives the call there. The sizes stay the CUDA magnitudes on every vendor:
+# typical orders, not measurements.
 
 KERNEL_MODULE = 2 * MiB  # one lazily loaded module of torch's kernels
 CUBLAS_CONTEXT = 48 * MiB  # cuBLAS (and cuBLASLt): its kernels' modules and the handle's state
@@ -1641,14 +1652,19 @@ def launch(kernel: str, device: int | str | Any = None, *, local_memory: int | s
 
 
 def matmul(device: int | str | Any = None, stream: int = 0) -> None:
-    """A cuBLAS call (``torch.mm``, ``@``, ``F.linear``) on ``stream`` (0: the default stream;
-    any other number: another stream) of ``device``: the first on a device loads cuBLAS and
-    creates its handle (:data:`CUBLAS_CONTEXT`); the first on each stream takes a workspace of
-    :data:`CUBLAS_WORKSPACE` from torch's caching allocator, allocated until
-    ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` alone keeps it)."""
+    """A cuBLAS call (``torch.mm``, ``@``, ``F.linear``; hipBLAS on ROCm) on ``stream`` (0: the
+    default stream; any other number: another stream) of ``device``: the first on a device loads
+    cuBLAS and creates its handle (:data:`CUBLAS_CONTEXT`); the first on each stream takes a
+    workspace of :data:`CUBLAS_WORKSPACE` from torch's caching allocator, allocated until
+    ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` alone keeps it). On torch.xpu:
+    oneDNN's matmul, whose first use on a device JIT-compiles its kernels into the context
+    (:data:`CUBLAS_CONTEXT`'s magnitude) and which keeps no workspace."""
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
         raise ValueError(f"matmul: expected a stream number >= 0, got {stream!r}")
     with _on(device, "matmul") as ordinal:
+        if _settings.kind == "xpu":
+            _grow(ordinal, "onednn:matmul", CUBLAS_CONTEXT)
+            return
         _grow(ordinal, "cublas", CUBLAS_CONTEXT)
         if (ordinal, stream) in _proc.workspaces:
             return
@@ -1661,10 +1677,11 @@ def matmul(device: int | str | Any = None, stream: int = 0) -> None:
 
 
 def convolution(device: int | str | Any = None) -> None:
-    """A cuDNN call (``torch.nn.functional.conv2d`` on a GPU): the first on a device loads cuDNN
+    """A cuDNN call (``torch.nn.functional.conv2d`` on a GPU; MIOpen on ROCm, oneDNN's
+    convolution on torch.xpu): the first on a device loads the library, or compiles its kernels,
     and creates its handle (:data:`CUDNN_CONTEXT`)."""
     with _on(device, "convolution") as ordinal:
-        _grow(ordinal, "cudnn", CUDNN_CONTEXT)
+        _grow(ordinal, "onednn:convolution" if _settings.kind == "xpu" else "cudnn", CUDNN_CONTEXT)
 
 
 def _c_clear_cublas_workspaces() -> None:
