@@ -98,3 +98,51 @@ def test_a_leak_outside_torch_is_not_hidden_by_the_cache_the_lease_empties(gpu_p
     text = result.stdout.str()
     leak = r"still holds 512MiB on GPU 0 after the test \(memory this process still holds"
     assert re.search(leak, text), text[-3000:]
+
+
+VENDOR_LONG_LIVED = """
+import pytest
+import torch
+from pytest_gpu.sim import torch_cuda
+
+@pytest.mark.parametrize("i", range(50))
+@pytest.mark.gpu(memory="1GiB")
+def test_new_library(i, gpu):
+    x = torch_cuda.empty("16MiB", gpu.device)  # the test's own memory: its peak
+    torch_cuda.launch(f"kernel{i}", gpu.device, local_memory=f"{4 * (i + 1)}MiB")
+    torch_cuda.matmul(gpu.device, stream=i)  # hipBLAS (a new stream's workspace), oneDNN: loaded once
+    if i % 10 == 0:
+        torch_cuda.convolution(gpu.device)  # MIOpen, oneDNN: loaded once
+    x.free()
+"""
+
+
+@pytest.mark.slow  # imports torch in the inner run
+@pytest.mark.parametrize(
+    ("vendor", "spec", "gpus", "env"),
+    [
+        ("amd", "amd:sim:2x16GiB;context=512MiB", "auto", {"PYTEST_GPU_SIM_ROCM": ""}),
+        ("amd", "amd:sim:2x16GiB;context=512MiB", "auto", {"PYTEST_GPU_SIM_ROCM": "6.1.0"}),
+        ("xpu", "xpu:sim:2x64GiB", "xpu:auto", {}),
+    ],
+    ids=["amd-newest", "amd-rocm-6.1.0", "intel"],
+)
+def test_a_long_lived_worker_meeting_new_libraries_is_charged_nothing_on_every_vendor(
+    gpu_pytester, vendor_run, vendor, spec, gpus, env
+):
+    """The same 50 tests on a fake AMD machine (torch on ROCm: torch.cuda; amdsmi's per-process
+    figure, at the newest release and before rocm-6.1.2's dicts) and a fake Intel one (torch.xpu;
+    Sysman's per-process memSize): each process's figure grows with its context there too, and
+    no test is charged for it."""
+    require("torch", module="torch")
+    gpu_pytester.makepyfile(test_growth=VENDOR_LONG_LIVED)
+    xml = gpu_pytester.path / "junit.xml"
+    result = vendor_run(vendor, spec, "--gpus", gpus, "-p", "no:xdist", f"--junitxml={xml}", **env)
+    result.assert_outcomes(passed=50)
+    out = result.stdout.str()
+    assert "· 0 violations" in out, out[-3000:]
+    assert "broke its GPU lease" not in out and "still holds" not in out, out[-3000:]
+    assert "not checked" not in out and "not verified" not in out, out[-3000:]
+    found = peaks(xml.read_text())
+    assert len(found) == 50, found
+    assert max(found.values()) <= 36 * MiB, found
