@@ -942,16 +942,16 @@ def test_context_growth_shows_in_every_vendor_s_per_process_figure(
     """amdsmi's vram_mem (fdinfo's drm-memory-vram) and Sysman's memSize count a process's code
     objects and library state as NVML does: the doubles' context growth shows there. torch.xpu's
     matmul is oneDNN's, whose scratchpad is freed with the call: no workspace stays allocated; torch
-    on ROCm keeps hipBLAS's per-stream workspace as on CUDA."""
+    on ROCm keeps a per-stream workspace as on CUDA, of 32 MiB."""
     require("torch", module="torch")
     code = GROWTH_SEEN.format(module=module, vendor=vendor, device=device, uuid_of=uuid_of)
     out = run_fake_python(tmp_path, spec_, code, amdsmi=module == "amd", quiet=True)
     MiB = 2**20
     assert out["kernel"] == out["opened"] + torch_cuda.KERNEL_MODULE + 64 * MiB
     grown = out["matmul"] - out["kernel"]
-    if module == "amd":  # cuBLAS's magnitude and its workspace's 20 MiB segment
-        assert grown == torch_cuda.CUBLAS_CONTEXT + 20 * MiB
-        assert out["matmul_allocated"] == torch_cuda.CUBLAS_WORKSPACE
+    if module == "amd":  # cuBLAS's magnitude and ROCm's workspace (a segment of its own size)
+        assert grown == torch_cuda.CUBLAS_CONTEXT + torch_cuda.HIPBLAS_WORKSPACE
+        assert out["matmul_allocated"] == torch_cuda.HIPBLAS_WORKSPACE
     else:
         assert grown == torch_cuda.CUBLAS_CONTEXT
         assert out["matmul_allocated"] == 0

@@ -1603,7 +1603,9 @@ def empty(nbytes: int | str, device: int | str | Any = None) -> Block:
 # state and scratch memory in its per-process figure as NVIDIA's does (amdsmi's ``vram_mem``, from
 # fdinfo's drm-memory-vram; Sysman's ``zes_process_state_t.memSize``). torch on ROCm is torch.cuda:
 # HIP loads a kernel's code object on first launch, hipBLAS/hipBLASLt (rocBLAS) and MIOpen stand
-# for cuBLAS and cuDNN, and torch keeps the same per-stream workspace. torch.xpu runs matmul and
+# for cuBLAS and cuDNN, and torch keeps a per-stream workspace of its own default size
+# (CublasHandlePool.cpp's ``parseChosenWorkspaceSize``: :data:`HIPBLAS_WORKSPACE`; hipBLASLt's
+# separate 76 MiB one is not modelled). torch.xpu runs matmul and
 # convolution through oneDNN, which JIT-compiles its GPU kernels into Level Zero modules on a
 # primitive's first use; its scratchpad is an ordinary tensor freed when the call returns
 # (aten/src/ATen/native/mkldnn/xpu/detail/Matmul.cpp: ``scratchpad_mode::user``, ``at::empty``),
@@ -1614,6 +1616,7 @@ KERNEL_MODULE = 2 * MiB  # one lazily loaded module of torch's kernels
 CUBLAS_CONTEXT = 48 * MiB  # cuBLAS (and cuBLASLt): its kernels' modules and the handle's state
 CUDNN_CONTEXT = 96 * MiB  # cuDNN: its kernels' modules and the handle's state
 CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8  # CUBLAS_WORKSPACE_CONFIG's default, :4096:2:16:8
+HIPBLAS_WORKSPACE = 32 * MiB  # torch on ROCm's default (HIPBLAS_WORKSPACE_CONFIG; 128 MiB on gfx94x/gfx95x)
 
 
 def _grow(ordinal: int, module: str, nbytes: int) -> None:
@@ -1656,7 +1659,8 @@ def matmul(device: int | str | Any = None, stream: int = 0) -> None:
     default stream; any other number: another stream) of ``device``: the first on a device loads
     cuBLAS and creates its handle (:data:`CUBLAS_CONTEXT`); the first on each stream takes a
     workspace of :data:`CUBLAS_WORKSPACE` from torch's caching allocator, allocated until
-    ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` alone keeps it). On torch.xpu:
+    ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` alone keeps it); on ROCm the
+    workspace is :data:`HIPBLAS_WORKSPACE`. On torch.xpu:
     oneDNN's matmul, whose first use on a device JIT-compiles its kernels into the context
     (:data:`CUBLAS_CONTEXT`'s magnitude) and which keeps no workspace."""
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
@@ -1669,8 +1673,9 @@ def matmul(device: int | str | Any = None, stream: int = 0) -> None:
         if (ordinal, stream) in _proc.workspaces:
             return
         allocator = _proc.allocators[ordinal]
+        rocm = getattr(getattr(_settings.torch, "version", None), "hip", None)
         with _mutex:
-            block = allocator.malloc(CUBLAS_WORKSPACE)
+            block = allocator.malloc(HIPBLAS_WORKSPACE if rocm else CUBLAS_WORKSPACE)
             key = next(_proc.keys)
             _proc.blocks[key] = (allocator, block)
         _proc.workspaces[(ordinal, stream)] = key
