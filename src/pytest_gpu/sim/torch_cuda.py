@@ -810,6 +810,7 @@ class _Settings:
     backend: str = "native"  # PYTORCH_CUDA_ALLOC_CONF's backend, read when torch's CUDA library loads
     fork_handler: bool = False
     kind: str = "cuda"  # the device module the double serves: torch.cuda, or torch.xpu on Intel GPUs
+    libraries: _Libraries | None = None  # behind matmul and convolution (set by install): CUDA's
 
 
 class _Mutex:
@@ -1283,6 +1284,7 @@ def install(
     # NVML as the fake libnvidia-ml reports it, whether or not that library is loadable here
     cuda._raw_device_count_nvml = _nvml_device_count
     cuda._raw_device_uuid_nvml = _nvml_device_uuids
+    _settings.libraries = ROCM_LIBRARIES if rocm is not None else CUDA_LIBRARIES
     if rocm is not None:  # torch on ROCm counts through amdsmi (its CPU build imported pynvml instead)
         torch.version.hip = HIP_VERSION
         cuda.amdsmi = rocm
@@ -1452,6 +1454,7 @@ def install_xpu(torch: ModuleType, *, fraction_api: bool | None = None) -> None:
         raise RuntimeError("pytest_gpu.sim.torch_cuda.install_xpu: this torch has real XPU support; it needs no double")
     _settings.torch = torch
     _settings.kind = "xpu"
+    _settings.libraries = XPU_LIBRARIES
     _settings.backend = "native"
     for name, function in _XPU_BINDINGS.items():
         setattr(torch._C, name, function)
@@ -1619,6 +1622,20 @@ CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8  # CUBLAS_WORKSPACE_CONFIG's de
 HIPBLAS_WORKSPACE = 32 * MiB  # torch on ROCm's default (HIPBLAS_WORKSPACE_CONFIG; 128 MiB on gfx94x/gfx95x)
 
 
+@dataclass(frozen=True)
+class _Libraries:
+    """The libraries behind a device module's matmul and convolution (see :func:`matmul`)."""
+
+    blas: str  # their modules' names in the context
+    dnn: str
+    workspace: int  # the per-stream workspace torch keeps for ``blas`` in its allocator (0: none)
+
+
+CUDA_LIBRARIES = _Libraries("cublas", "cudnn", CUBLAS_WORKSPACE)
+ROCM_LIBRARIES = _Libraries("hipblas", "miopen", HIPBLAS_WORKSPACE)
+XPU_LIBRARIES = _Libraries("onednn:matmul", "onednn:convolution", 0)  # oneDNN's scratchpad dies with the call
+
+
 def _grow(ordinal: int, module: str, nbytes: int) -> None:
     """The context on ``ordinal`` loads ``module`` (``nbytes``) unless it already has."""
     unit = sim_cuda.unit_of(ordinal)
@@ -1666,16 +1683,13 @@ def matmul(device: int | str | Any = None, stream: int = 0) -> None:
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
         raise ValueError(f"matmul: expected a stream number >= 0, got {stream!r}")
     with _on(device, "matmul") as ordinal:
-        if _settings.kind == "xpu":
-            _grow(ordinal, "onednn:matmul", CUBLAS_CONTEXT)
-            return
-        _grow(ordinal, "cublas", CUBLAS_CONTEXT)
-        if (ordinal, stream) in _proc.workspaces:
+        libraries = _settings.libraries or CUDA_LIBRARIES
+        _grow(ordinal, libraries.blas, CUBLAS_CONTEXT)
+        if not libraries.workspace or (ordinal, stream) in _proc.workspaces:
             return
         allocator = _proc.allocators[ordinal]
-        rocm = getattr(getattr(_settings.torch, "version", None), "hip", None)
         with _mutex:
-            block = allocator.malloc(HIPBLAS_WORKSPACE if rocm else CUBLAS_WORKSPACE)
+            block = allocator.malloc(libraries.workspace)
             key = next(_proc.keys)
             _proc.blocks[key] = (allocator, block)
         _proc.workspaces[(ordinal, stream)] = key
@@ -1686,7 +1700,7 @@ def convolution(device: int | str | Any = None) -> None:
     convolution on torch.xpu): the first on a device loads the library, or compiles its kernels,
     and creates its handle (:data:`CUDNN_CONTEXT`)."""
     with _on(device, "convolution") as ordinal:
-        _grow(ordinal, "onednn:convolution" if _settings.kind == "xpu" else "cudnn", CUDNN_CONTEXT)
+        _grow(ordinal, (_settings.libraries or CUDA_LIBRARIES).dnn, CUDNN_CONTEXT)
 
 
 def _c_clear_cublas_workspaces() -> None:
