@@ -19,6 +19,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +268,12 @@ def test_a_refusal_with_terminal_escapes_is_shown_escaped(domain: Domain, made: 
 # -- whom a run trusts on a group's simulated machine -----------------------------------------------
 
 
+def _a_pid_that_is_gone() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_a_group_machines_arbiter_must_be_a_member_of_the_group(tmp_path: Path) -> None:
     """By the kernel's word: the peer's uid, that user's groups (its primary one too)."""
     import pwd
@@ -278,14 +286,17 @@ def test_a_group_machines_arbiter_must_be_a_member_of_the_group(tmp_path: Path) 
         os.chown(path, -1, member.pw_gid)
     else:
         pytest.skip("needs root to give a directory another group")
-    assert distrusted(domain, member.pw_uid, "B") is None
-    assert distrusted(domain, 0, "root") is None and distrusted(domain, os.getuid(), "me") is None
-    why = distrusted(domain, 40002, "the process at the address (pid 9, user 40002)")
+    gone = _a_pid_that_is_gone()  # no process to read groups from: the group database answers
+    assert distrusted(domain, member.pw_uid, gone, "B") is None
+    assert distrusted(domain, 0, gone, "root") is None and distrusted(domain, os.getuid(), os.getpid(), "me") is None
+    why = distrusted(domain, 40002, gone, "the process at the address (pid 9, user 40002)")
     assert why is not None and "is not in group" in why and "'sim-shared'" in why
+    # by the process's own groups where they can be read: this process is not the member's
+    assert distrusted(domain, member.pw_uid, os.getpid(), "B") is not None
     path.rmdir()
     path.symlink_to(tmp_path)  # no directory of a group: no one's but this user's and root's
-    assert distrusted(domain, member.pw_uid, "B") is not None
-    assert distrusted(Domain.machine_wide("gpus"), 40002, "B") is None  # the real GPUs: anyone's (docs/sharing.md)
+    assert distrusted(domain, member.pw_uid, gone, "B") is not None
+    assert distrusted(Domain.machine_wide("gpus"), 40002, gone, "B") is None  # the real GPUs: anyone's
     assert stat.S_ISLNK(path.lstat().st_mode)
 
 

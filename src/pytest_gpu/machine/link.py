@@ -43,7 +43,6 @@ import contextlib
 import fcntl
 import grp
 import os
-import pwd
 import queue
 import secrets
 import socket
@@ -74,7 +73,7 @@ from .mirror import Mirror, to_wire
 from .placement import Policy
 from .ports import PortAllocator, owner_digest
 from .remote import Garbled, Lost, MachineError, Remote
-from .server import ArbiterServer
+from .server import ArbiterServer, is_member
 
 STATUS_TIMEOUT_S = 2.0  # `pytest-gpu status`: how long one domain's arbiter may take to connect and answer
 ELECT_TIMEOUT_S = 2.0  # how long a refused connection may mean "the arbiter is coming or going"
@@ -104,15 +103,6 @@ class Squatter(MachineError):
     """A machine-wide domain's address is held by a process this run cannot use."""
 
 
-def _member(uid: int, gid: int) -> bool:
-    """Whether user ``uid`` is in group ``gid`` (as its primary group or another)."""
-    try:
-        entry = pwd.getpwuid(uid)
-        return entry.pw_gid == gid or gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
-    except (KeyError, OSError):
-        return False
-
-
 def _group_of(domain: Domain) -> int | None:
     """The group whose members may be ``domain``'s arbiter: a group's simulated machine's
     (its directory's group), -1 where that cannot be told (no one but this user and root);
@@ -126,17 +116,18 @@ def _group_of(domain: Domain) -> int | None:
     return found.st_gid if stat.S_ISDIR(found.st_mode) else -1
 
 
-def distrusted(domain: Domain, uid: int, who: str) -> str | None:
-    """Why the process ``who`` (of user ``uid``, the kernel's word) that answers at
+def distrusted(domain: Domain, uid: int, pid: int, who: str) -> str | None:
+    """Why the process ``who`` (``pid`` of user ``uid``, the kernel's word) that answers at
     ``domain``'s address is not an arbiter to trust, or ``None``: this user's own process;
     in a machine-wide domain root's, or, on a group's simulated machine, a member's of the
-    group; on the real GPUs anyone's (see the module doc)."""
+    group (:func:`~.server.is_member`, as the arbiter checks its runs); on the real GPUs
+    anyone's (see the module doc)."""
     if uid == os.getuid():
         return None
     if not domain.wide:  # only this user can bind there; never trust anyone else
         return f"the arbiter of {domain.name!r} is not this user's (uid {uid})"
     group = _group_of(domain)
-    if group is None or uid == 0 or (group >= 0 and _member(uid, group)):
+    if group is None or uid == 0 or (group >= 0 and is_member(group, uid, pid)):
         return None
     try:
         named = grp.getgrgid(group).gr_name if group >= 0 else "?"
@@ -295,7 +286,7 @@ class MachineLink:
                     ) from None
                 time.sleep(0.005)  # the arbiter has won but is not listening yet, or is leaving
                 continue
-            why = distrusted(domain, remote.peer_uid, self._who(remote))
+            why = distrusted(domain, remote.peer_uid, remote.peer_pid, self._who(remote))
             if why is not None:
                 remote.close()
                 raise Squatter(why)
@@ -735,7 +726,7 @@ def status(domain: Domain, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any] 
     except OSError:
         return None
     try:
-        if distrusted(domain, remote.peer_uid, MachineLink._who(remote)) is not None:
+        if distrusted(domain, remote.peer_uid, remote.peer_pid, MachineLink._who(remote)) is not None:
             return None
         found = remote.call("status", timeout=max(deadline - time.monotonic(), 0.001))
         return dict(found) if isinstance(found, dict) else None
