@@ -119,12 +119,7 @@ def own_tree(base: Path, parts: Sequence[str]) -> Path:
             with suppress(FileExistsError):
                 os.mkdir(part, 0o700, dir_fd=fd)
             path = path / part
-            try:
-                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _refuse(path, "is a symbolic link or not a directory", exc.errno) from None
-                raise
+            inner = open_dir(part, dir_fd=fd, shown=path)
             os.close(fd)
             fd = inner
             _only_mine(fd, path)
@@ -208,13 +203,15 @@ def group_dir(path: Path, gid: int) -> Path:
     return path
 
 
-def open_dir(path: Path | str) -> int:
-    """A descriptor of directory ``path``, which must not be a symbolic link (:class:`Unsafe`)."""
+def open_dir(path: Path | str, *, dir_fd: int | None = None, shown: Path | str | None = None) -> int:
+    """A descriptor of directory ``path``, which must not be a symbolic link (:class:`Unsafe`,
+    naming ``shown``, else ``path``); ``dir_fd``: as for :func:`open_file`."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _refuse(path, "is a symbolic link or not a directory", exc.errno) from None
+            named = path if shown is None else shown
+            raise _refuse(named, "is a symbolic link or not a directory", exc.errno) from None
         raise
 
 
