@@ -188,3 +188,29 @@ def see(
     if "room" in changes and "order" not in changes:
         changes["order"] = ()  # positions as the new room's
     planner.nodes = {**planner.nodes, node: dataclasses.replace(planner.nodes[node], **changes)}
+
+
+def as_other_user(uid: int, body: Callable[[], Any]) -> Any:
+    """``body()``'s JSON-able result, computed in a forked child that is user ``uid`` in no
+    group (skipped where this process cannot change user: not root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = json.dumps({"ok": body()})
+        except BaseException as exc:
+            out = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        result = json.loads(pipe.read() or b'{"error": "no answer"}')
+    os.waitpid(pid, 0)
+    assert "error" not in result, result["error"]
+    return result["ok"]

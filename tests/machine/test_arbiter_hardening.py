@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_arbiter import FakeArbiter
-from helpers import patience, shared, wait_for, whole
+from helpers import as_other_user, patience, shared, wait_for, whole
 from pytest_gpu.machine import link as links_module
 from pytest_gpu.machine import messages
 from pytest_gpu.machine import server as server_module
@@ -460,31 +460,6 @@ def test_no_two_runs_hold_a_port_at_once(domain: Domain, made: list[Any]) -> Non
 # -- another user (a forked child that gave up root) -------------------------------------------
 
 
-def _as_other(body: Callable[[], Any]) -> Any:
-    """``body()``'s JSON-able result, computed in a forked child that is user ``OTHER``."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another user")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(OTHER)
-            os.setuid(OTHER)
-            out = json.dumps({"ok": body()})
-        except BaseException as exc:
-            out = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        os.write(write, out.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        result = json.loads(pipe.read() or b'{"error": "no answer"}')
-    os.waitpid(pid, 0)
-    assert "error" not in result, result["error"]
-    return result["ok"]
-
-
 def test_another_user_sees_only_that_a_run_exists(domain: Domain, made: list[Any]) -> None:
     arbiter = _link(made, domain)
     arbiter.submit("c0/k0", "c0", "gw0", "tests/secret.py::test_secret", shared(4 * GiB), ["U"])
@@ -494,7 +469,7 @@ def test_another_user_sees_only_that_a_run_exists(domain: Domain, made: list[Any
         peer = Raw(domain.address())
         return peer.call("status")["ok"]
 
-    state = _as_other(look)
+    state = as_other_user(OTHER, look)
     assert state["runs"] == [{"user": "root", "leases": 1, "gpus": ["U"]}]
     assert state["leases"] == [] and state["waiting"] == [] and state["gpus"][0]["clients"] == []
     text = json.dumps(state)
@@ -524,7 +499,7 @@ def test_another_user_can_neither_be_nor_touch_a_run_of_this_user(domain: Domain
         peer.sock.close()  # and hangs up: only its own run detaches
         return [as_them, mine]
 
-    refused, accepted = _as_other(attack)
+    refused, accepted = as_other_user(OTHER, attack)
     assert all("is not of this connection's user" in why for why in refused), refused
     assert accepted["ok"] is True
     wait_for(lambda: len(arbiter.status()["runs"]) == 2, what="the attacker's run detached")
@@ -612,7 +587,7 @@ def test_users_take_turns_so_a_flood_delays_only_its_sender(
     def ask() -> Any:
         return Raw(domain.address()).call("status")["ok"] is not None
 
-    assert _as_other(ask)  # another user is answered meanwhile
+    assert as_other_user(OTHER, ask)  # another user is answered meanwhile
     wait_for(lambda: sum(t[os.getuid()] for t in turns) >= 8 * len(burst), what="the flood read")
     # no turn read more of one user than its share and one last read
     assert max(t[os.getuid()] for t in turns) <= (4 << 10) + 65536
@@ -646,7 +621,7 @@ def test_a_user_whose_messages_took_its_share_of_the_arbiter_waits_for_the_next_
         answer = Raw(domain.address()).call("status")
         return [answer.get("ok") is not None, time.monotonic() - started]
 
-    answered, took = _as_other(ask)
+    answered, took = as_other_user(OTHER, ask)
     assert answered and took < 0.5  # another user is read at once
     flooder.send({"op": "status", "id": 99})
     flooder.sock.settimeout(0.3)

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from conftest import MISSING
-from helpers import TESTS, patience, shared, throwaway_user, wait_for, whole
+from helpers import TESTS, as_other_user, patience, shared, throwaway_user, wait_for, whole
 from pytest_gpu.gpu.foreign import ForeignSampler
 from pytest_gpu.machine import arbiter as arbiter_module
 from pytest_gpu.machine.arbiter import Arbiter, Roots
@@ -270,31 +270,6 @@ class _Peer:
             self.heard += self.reader.feed(data)
 
 
-def _as_other(body: Callable[[], Any]) -> Any:
-    """``body()``'s JSON-able result, from a forked child that is user ``OTHER`` in no group."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another user")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(OTHER)
-            os.setuid(OTHER)
-            out = json.dumps({"ok": body()})
-        except BaseException as exc:
-            out = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        os.write(write, out.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        result = json.loads(pipe.read() or b'{"error": "no answer"}')
-    os.waitpid(pid, 0)
-    assert "error" not in result, result["error"]
-    return result["ok"]
-
-
 def test_a_group_machines_arbiter_refuses_a_user_outside_the_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,7 +289,7 @@ def test_a_group_machines_arbiter_refuses_a_user_outside_the_group(
                 peer.call("status"),
             ]
 
-        attached, submitted, status = _as_other(attack)
+        attached, submitted, status = as_other_user(OTHER, attack)
         assert f"(uid {OTHER}) is not a member of group" in attached["error"], attached
         assert "before 'attach'" in submitted["error"]
         assert status["ok"]["runs"] == []
