@@ -23,7 +23,7 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
     machine/            every run of a machine shares one view of its GPUs
         placement       which GPUs a request gets, fairness (pure)
         ports           run-unique TCP ports
-        domain          where the runs of a machine meet, and who may meet there
+        domain          where the runs of a machine meet, who may meet there, what one user may hold
         arbiter         the one allocator of the machine: GPUs, host resources, ports
         messages        the arbiter's protocol: every message, both ways, declared (pure)
         server          the arbiter's socket: a handler per message, the kernel's word for who is there

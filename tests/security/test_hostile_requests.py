@@ -45,7 +45,7 @@ from helpers import TESTS, as_other_user, patience, shared, throwaway_user, wait
 from pytest_gpu.gpu.foreign import ForeignSampler
 from pytest_gpu.machine import arbiter as arbiter_module
 from pytest_gpu.machine.arbiter import Arbiter, Roots
-from pytest_gpu.machine.domain import ROOT_ENV, SIM_GROUP_ENV, Domain
+from pytest_gpu.machine.domain import ROOT_ENV, SIM_GROUP_ENV, USER_MEMORY_ENV, Domain
 from pytest_gpu.machine.messages import PART, Held
 from pytest_gpu.machine.placement import Policy
 from pytest_gpu.machine.server import ArbiterServer, group_members, is_member
@@ -667,7 +667,7 @@ def test_a_port_owner_told_to_another_users_arbiter_cannot_be_recomputed() -> No
 
 
 def test_an_administrator_bounds_what_one_users_leases_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(arbiter_module.USER_MEMORY_ENV, "12GiB")
+    monkeypatch.setenv(USER_MEMORY_ENV, "12GiB")
     arbiter = _arbiter(Policy(overhead=0), {U: 80 * GiB})
     _attach(arbiter, "2000.b1", {U: 80 * GiB})
     _attach(arbiter, "2000.b2", {U: 80 * GiB})
@@ -680,6 +680,6 @@ def test_an_administrator_bounds_what_one_users_leases_hold(monkeypatch: pytest.
         assert arbiter.submit("1000.a", f"c0/k{n}", "c0", "gw0", "t", shared(512 * MiB), [U])[0] == "granted"
     arbiter.release("2000.b1", "c0/k0")
     assert [lease["memory"] for lease in arbiter.status()["leases"] if lease["user"] == "2000.b2"] == [6 * GiB]
-    monkeypatch.setenv(arbiter_module.USER_MEMORY_ENV, "lots")
+    monkeypatch.setenv(USER_MEMORY_ENV, "lots")
     with pytest.raises(ValueError, match="PYTEST_GPU_USER_MEMORY=lots"):
         Arbiter()

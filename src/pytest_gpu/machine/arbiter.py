@@ -54,7 +54,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..base.requests import GpuRequest, format_size, parse_size
+from ..base.requests import GpuRequest, format_size
+from .domain import USER_MEMORY_ENV, user_memory_cap
 from .messages import PART, Asked, Held
 from .placement import (
     Allocator,
@@ -109,21 +110,6 @@ UUID_SHOWN = 80  # characters of a GPU name an error repeats
 # (leases, contexts, leftovers); a run that attaches later brings nothing of the kind
 ADOPT_WINDOW_S = 30.0
 MAX_RANK = 1 << 16  # a launched rank's number in a part's name (local ranks of one node)
-USER_MEMORY_ENV = "PYTEST_GPU_USER_MEMORY"  # see user_memory_cap
-
-
-def user_memory_cap() -> int | None:
-    """``$PYTEST_GPU_USER_MEMORY`` (a size, ``48GiB``): the GPU memory one user's leases may
-    hold on the machine at once, all runs and GPUs together, as the machine's arbiter reads it
-    from its run's environment (``None``: no bound). :class:`ValueError` naming it for a value
-    that is not a size."""
-    value = os.environ.get(USER_MEMORY_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ValueError(f"{USER_MEMORY_ENV}={value}: {exc}") from None
 
 
 def roster_digest(run: str) -> str:

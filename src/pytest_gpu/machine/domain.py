@@ -56,11 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base.procs import owner_alive, read_owner, write_owner
+from ..base.requests import parse_size
 from ..base.safefiles import group_dir, open_private_dir, private_dir, shared_dir
 
 ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
 SIM_GROUP_ENV = "PYTEST_GPU_SIM_GROUP"
+USER_MEMORY_ENV = "PYTEST_GPU_USER_MEMORY"  # see user_memory_cap
 SIM_RUN_ENV = "PYTEST_GPU_SIM_RUN"  # set by a run for its own processes: whose private machines they use
 RUN_GRACE_S = 60.0  # a run's machine directory younger than this without an owner file is being made
 DEFAULT_ROOT = "/tmp/pytest-gpu-machines"
@@ -73,6 +75,20 @@ _warned: set[str] = set()
 said: list[str] = []  # the warning lines of this process, in order
 _holding = False  # a pytest run shows them in its summary (a test's captured stderr would hide them)
 _private_roots: dict[tuple[str, int], _Root] = {}
+
+
+def user_memory_cap() -> int | None:
+    """``$PYTEST_GPU_USER_MEMORY`` (a size, ``48GiB``): the GPU memory one user's leases may
+    hold on the machine at once, all runs and GPUs together, as the machine's arbiter reads it
+    from its run's environment (``None``: no bound). :class:`ValueError` naming it for a value
+    that is not a size."""
+    value = os.environ.get(USER_MEMORY_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{USER_MEMORY_ENV}={value}: {exc}") from None
 
 
 class DomainError(OSError):

@@ -10,7 +10,7 @@ import pytest
 
 from ..base.requests import DefaultMemory, SizeError, parse_size
 from ..gpu.discovery import FORM as GPUS_FORM
-from ..machine.arbiter import user_memory_cap
+from ..machine.domain import user_memory_cap
 from ..machine.ports import DEFAULT_RANGE, parse_port_range
 from ..vendors.amd import PROCESS_LAG_S as AMD_PROCESS_LAG_S
 from .conventions import MarkerMapError, marker_map
