@@ -40,7 +40,7 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
         intel           Intel XPU: Level Zero Sysman's GPUs and process list, ZE_AFFINITY_MASK, zeInit
         registry        the vendor objects, one per vendor, by name
         nvmlversion     which NVML the driver has
-        libraries       pynvml and amdsmi, imported when needed; their import warnings handed to pytest
+        libraries       pynvml and amdsmi imported when needed, warnings to pytest; libraries kept open per process
     sim/                simulated GPUs as strict as CUDA, NVML, AMD SMI and Level Zero
         spec            ``sim:4x16GiB``, ``amd:sim:8x192GiB``, ``xpu:sim:4x64GiB``, their options and devices (pure)
         ledger          the machine's memory and contexts: the tests' physics

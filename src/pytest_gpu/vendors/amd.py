@@ -51,7 +51,7 @@ import io
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from ..base.requests import format_size
 from ..base.wording import verb
@@ -112,7 +112,7 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
     A GPU amdsmi counts but cannot query (no permission, a lost device) is left out and named
     in the note, as NVML's are. :class:`AmdSmiUnavailable` when amdsmi cannot be used.
     """
-    amdsmi = _Opened.get()[0]  # kept open: a sampler of this process may be using it
+    amdsmi = _kept()[0]  # kept open: a sampler of this process may be using it
     notes: list[str] = []
     found: list[tuple[int, Device]] = []
     try:
@@ -127,7 +127,7 @@ def amdsmi_devices() -> tuple[tuple[Device, ...], str]:
                 continue
             found.append((hsa_id, Device(index, uuid, total, f"{name} ({bdf})" if name else bdf)))
     except amdsmi.AmdSmiException as exc:
-        _Opened.forget()
+        _forget()
         raise AmdSmiUnavailable(f"amdsmi lists no GPUs: {said(exc)}") from None
     found.sort(key=lambda pair: pair[0])
     return tuple(device for _, device in found), "; ".join(notes)
@@ -300,32 +300,33 @@ def _walk(amdsmi: Any) -> dict[str, Any]:
 
 
 class _Opened:
-    """amdsmi as this process keeps it open for its samplers: initialised once, its GPUs
-    walked once (``amdsmi_init`` and the walk cost more than the samples); a forked child opens
-    its own (the parent's library state is not the child's to use)."""
+    """amdsmi as this process keeps it open for its samplers (:data:`_opened`): initialised
+    once, its GPUs walked once (``amdsmi_init`` and the walk cost more than the samples)."""
 
-    amdsmi: ClassVar[Any] = None
-    handles: ClassVar[dict[str, Any]] = {}
-    pid: ClassVar[int] = 0
-    stale: ClassVar[bool] = False
+    def __init__(self) -> None:
+        self.amdsmi, self.handles = open_amdsmi()
+        self.stale = False  # walk the GPUs again at the next _kept() (a GPU was refused: it may be back)
 
-    @classmethod
-    def get(cls) -> tuple[Any, dict[str, Any]]:
-        if cls.amdsmi is None or cls.pid != os.getpid():
-            if cls.amdsmi is not None:  # a fork's child: its copy of the parent's init is dropped first
-                with contextlib.suppress(Exception):
-                    cls.amdsmi.amdsmi_shut_down()
-                cls.amdsmi = None
-            cls.amdsmi, cls.handles = open_amdsmi()
-            cls.pid, cls.stale = os.getpid(), False
-        elif cls.stale:
-            cls.handles, cls.stale = _walk(cls.amdsmi), False
-        return cls.amdsmi, cls.handles
+    def shut(self) -> None:
+        """A forked child's copy of the parent's init: dropped before the child opens its own."""
+        with contextlib.suppress(Exception):
+            self.amdsmi.amdsmi_shut_down()
 
-    @classmethod
-    def forget(cls) -> None:
-        """Walk the GPUs again at the next :meth:`get` (a GPU was refused: it may be back)."""
-        cls.stale = True
+
+_opened: libraries.PerProcess[_Opened] = libraries.PerProcess(_Opened, inherited=_Opened.shut)
+
+
+def _kept() -> tuple[Any, dict[str, Any]]:
+    """This process's amdsmi and its GPUs' handles (walked again where marked stale)."""
+    opened = _opened.get()
+    if opened.stale:
+        opened.handles, opened.stale = _walk(opened.amdsmi), False
+    return opened.amdsmi, opened.handles
+
+
+def _forget() -> None:
+    """Walk the GPUs again at the next :func:`_kept` (a GPU was refused: it may be back)."""
+    _opened.get().stale = True
 
 
 def _record(amdsmi: Any, handle: Any, listed: Any) -> dict[str, Any] | None:
@@ -361,24 +362,24 @@ class AmdSampler:
     name = "amdsmi"
 
     def __init__(self) -> None:
-        _Opened.get()  # AmdSmiUnavailable (an Unavailable) when it cannot be opened
+        _kept()  # AmdSmiUnavailable (an Unavailable) when it cannot be opened
 
     @property
     def _amdsmi(self) -> Any:
-        return _Opened.get()[0]
+        return _kept()[0]
 
     def close(self) -> None:
-        pass  # amdsmi stays open for the process's next sampler (_Opened)
+        pass  # amdsmi stays open for the process's next sampler (_opened)
 
     def problem(self) -> str:
         return ""
 
     def forget(self, uuid: str) -> None:
-        _Opened.forget()
+        _forget()
 
     def _handle(self, uuid: str) -> Any:
         try:
-            handles = _Opened.get()[1]
+            handles = _kept()[1]
         except AmdSmiUnavailable as exc:
             raise Refused(str(exc)) from None
         handle = handles.get(uuid_key(uuid))

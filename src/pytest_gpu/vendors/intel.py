@@ -67,7 +67,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import kinds
+from . import kinds, libraries
 from .devices import Device
 from .sampling import Refused, Sampler, Unavailable, Unlistable
 from .vendor import Vendor
@@ -299,7 +299,7 @@ class Sysman:
         raise ZesError("zesDeviceProcessesGetState", ZE_RESULT_ERROR_INVALID_SIZE)
 
 
-_process: tuple[int, Sysman] | None = None  # (pid, its Sysman): a forked child starts its own
+_process: libraries.PerProcess[Sysman] = libraries.PerProcess(Sysman)
 
 
 def process_sysman() -> Sysman:
@@ -307,10 +307,7 @@ def process_sysman() -> Sysman:
     a failure is not kept: the driver may appear). One ``zesInit`` per process, as zes_api.h wants
     ("Only one instance of sysman will be initialized per process"), and one again in a forked
     child ("Each forked process must call this function")."""
-    global _process
-    if _process is None or _process[0] != os.getpid():
-        _process = (os.getpid(), Sysman())
-    return _process[1]
+    return _process.get()
 
 
 def flat(environ: Mapping[str, str]) -> bool:

@@ -12,20 +12,63 @@ run: the plugin imported the library, not the user's code, and the user's own im
 (their tests', their dependencies') still meets their filters where it happens, before or
 without the plugin's. A process that never reports (the ``pytest-gpu`` command, a rank)
 drops what it holds: the run's own process says it.
+
+A library a process opens (NVML, amdsmi, Sysman) is kept open for the process's life and
+opened again in a forked child (:class:`PerProcess`): opening costs more than the samples,
+and a parent's library state is not the child's to use.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+import threading
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:  # the command and rank processes use this module without pytest
     import pytest
 
 NVML_LIBRARY = "libnvidia-ml.so.1"  # what nvidia-ml-py loads on Linux
+
+T = TypeVar("T")
+
+
+class PerProcess(Generic[T]):
+    """One ``T`` for this process (an opened vendor library), made by ``make`` at the first
+    :meth:`get` and kept; a forked child makes its own, after ``inherited`` (if given) has
+    dropped its copy of the parent's. A ``make`` that raises keeps nothing: the next
+    :meth:`get` tries again (the driver may appear). Thread-safe."""
+
+    def __init__(self, make: Callable[[], T], inherited: Callable[[T], None] | None = None) -> None:
+        self._make = make
+        self._inherited = inherited
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._pid = 0
+
+    def get(self, renew: Callable[[T], bool] | None = None) -> T:
+        """This process's ``T``; made anew where there is none yet, where it is a forked
+        parent's, or where ``renew`` says the one kept is no longer right."""
+        with self._lock:
+            value = self._value
+            if value is not None and self._pid != os.getpid():
+                self._value = None
+                if self._inherited is not None:
+                    self._inherited(value)
+            elif value is not None and (renew is None or not renew(value)):
+                return value
+            self._value, self._pid = self._make(), os.getpid()
+            return self._value
+
+    def take(self) -> T | None:
+        """This process's ``T``, no longer kept (``None``: none, or only a forked parent's)."""
+        with self._lock:
+            value, self._value = self._value, None
+            return value if self._pid == os.getpid() else None
 
 
 class NvmlLibraryMissing(OSError):

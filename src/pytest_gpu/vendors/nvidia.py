@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import re
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import ModuleType
@@ -321,9 +319,7 @@ class KeptNvml(NvmlSampler):
         super().close()
 
 
-_kept: KeptNvml | None = None
-_kept_pid = 0
-_kept_lock = threading.Lock()
+_kept: libraries.PerProcess[KeptNvml] = libraries.PerProcess(KeptNvml)  # a forked child's copy: dropped, no shutdown
 
 
 def kept_nvml() -> KeptNvml:
@@ -331,22 +327,15 @@ def kept_nvml() -> KeptNvml:
     copy NVML does not count as initialised, and whose parent's handles must not be used)
     initialises its own. :class:`NvmlUnavailable` when NVML cannot be initialised (tried again
     at the next call)."""
-    global _kept, _kept_pid
-    with _kept_lock:
-        loaded = sys.modules.get("pynvml")  # another pynvml than the one it was opened with: not this NVML
-        if _kept is None or _kept_pid != os.getpid() or (loaded is not None and loaded is not _kept.library):
-            _kept = KeptNvml()  # the parent's, in a forked child, is dropped without a shutdown
-            _kept_pid = os.getpid()
-        return _kept
+    loaded = sys.modules.get("pynvml")  # another pynvml than the one it was opened with: not this NVML
+    return _kept.get(renew=lambda kept: loaded is not None and loaded is not kept.library)
 
 
 def forget_kept_nvml() -> None:
     """Shut the process's kept NVML down: the library it was opened on goes (fake GPUs turned off)."""
-    global _kept
-    with _kept_lock:
-        kept, _kept = _kept, None
-        if kept is not None and _kept_pid == os.getpid():
-            kept.shut()
+    kept = _kept.take()
+    if kept is not None:
+        kept.shut()
 
 
 def _mismatch(pynvml: ModuleType) -> type[Exception]:
