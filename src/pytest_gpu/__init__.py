@@ -87,6 +87,8 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
         artifacts       data built once per run (shared_artifact)
         quarantine      a process a sticky CUDA error broke, until it exits: its record, the refusal, the probe
         sticky          the quarantine's hooks: after each test, is CUDA still usable (StickyErrors)
+        transient       whether a failure's cause was outside the test (infrastructure) or its own (pure)
+        infra           infrastructure failures: their evidence, report and --gpu-retry-infra (Infrastructure)
     distributed/        distributed test bodies on a warm pool of ranks
         backends        what backend="auto" picks here; what nccl lacks where it cannot run
         protocol        what a pool and its ranks send each other (declared), and the files they write

@@ -117,6 +117,27 @@ def test_an_item_s_fixtures_as_collection_resolved_them(request: pytest.FixtureR
     assert privates.fixture_info(SimpleNamespace()) is None  # type: ignore[arg-type]  # not a Function
 
 
+def test_a_test_s_protocol_run_again_without_logging(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import pytest
+        from pytest_gpu.base import privates
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_protocol(item, nextitem):
+            first = privates.run_protocol(item, nextitem)  # not logged: the run does not count it
+            assert [r.outcome for r in first] == ["passed", "failed", "passed"]
+            for report in privates.run_protocol(item, nextitem):  # its fixtures set up anew
+                item.ihook.pytest_runtest_logreport(report=report)
+            return True
+        """
+    )
+    pytester.makepyfile("RUNS = []\n\ndef test_x(tmp_path):\n    RUNS.append(1)\n    assert len(RUNS) == 2\n")
+    with uses("_pytest.runner.runtestprotocol"):
+        # (pytest-depends refuses a second result for one step: pytest_gpu.run.infra forgets the first)
+        pytester.runpytest("-p", "no:cacheprovider", "-p", "no:depends").assert_outcomes(passed=1)
+
+
 def test_junitxml_names_and_a_property_on_a_report_it_never_finalizes(tmp_path: Path) -> None:
     from _pytest.junitxml import LogXML
 
@@ -275,5 +296,6 @@ def test_the_adapter_names_each_private_it_wraps() -> None:
     for name in ("_prepareconfig", "install_importhook", "import_path", "Traceback", "ReprFileLocation",
                  "ReprExceptionInfo", "_fixtureinfo", "xml_key", "mangle_test_address", "node_reporter",
                  "Expression", "parse_tx_spec_config", "report_collection_diff", "Producer", "gateway.id",
-                 "shutting_down", "send_runtest_some", "shutdown", "report.node", "_clone_node"):  # fmt: skip
+                 "shutting_down", "send_runtest_some", "shutdown", "report.node", "_clone_node",
+                 "runtestprotocol"):  # fmt: skip
         assert name in source, name

@@ -137,6 +137,14 @@ def mark_matcher(text: str) -> Callable[[Callable[..., bool]], bool] | None:
     return expression.evaluate
 
 
+def run_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+    """One test's setup, call and teardown as pytest runs them, its reports returned, not
+    logged: a ``pytest_runtest_protocol`` that decides what to log (``_pytest.runner.runtestprotocol``)."""
+    from _pytest.runner import runtestprotocol
+
+    return runtestprotocol(item, nextitem=nextitem, log=False)
+
+
 # -- pytest-xdist --------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ at most one warm pool at a time.
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 import time
 import zlib
@@ -30,6 +31,7 @@ from ..leasing.client import BrokerError
 from ..run.feature import Feature
 from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
+from ..run.infra import INIT_TIMEOUT_KEY
 from ..run.record import effective, needs, record, skip_why
 from .backends import AUTO_PROPERTY, auto_backend, fit_ranks, nccl_missing
 from .rankinfo import RankPlaceholder
@@ -324,6 +326,9 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     try:
         result, notes = pools.execute(spec, body, timeout)
     except PoolError as exc:
+        timed_out = init_timeout(str(exc))
+        if timed_out is not None:  # evidence of an infrastructure failure (pytest_gpu.run.infra)
+            item.stash[INIT_TIMEOUT_KEY] = timed_out
         raise DistributedFailure(f"pytest-gpu: {exc}") from None
     except BrokerError as exc:  # its pool's lease was refused or timed out: one line, as a GPU test's own
         asked = spec.lease.describe() if spec.lease is not None else f"the GPUs of its pool of {spec.describe()}"
@@ -380,6 +385,23 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         raise pytest.skip.Exception("; ".join(reasons), _use_item_location=True)
     if outcome == "xfailed":
         pytest.xfail(result.results[min(result.results)]["message"])
+
+
+# a pool's start that timed out: its own deadlines' words, or a rank's process group (torch's
+# rendezvous: "DistStoreError: Timed out after ...", "Socket Timeout")
+_INIT_TIMEOUT = re.compile(r"within [0-9.]+s|timed out|socket timeout|timeout", re.IGNORECASE)
+
+
+def init_timeout(text: str) -> str | None:
+    """The line of a pool's start failure (:class:`~pytest_gpu.distributed.pool.PoolError`)
+    that says its collective did not initialise in time; ``None``: it failed otherwise."""
+    head, _, rest = text.partition("\n")
+    if not head.startswith(("could not start", "could not set up")):
+        return None
+    for line in [head, *rest.splitlines()]:
+        if _INIT_TIMEOUT.search(line):
+            return f"{head.rstrip(':')}: {line.strip()}" if line is not head else head
+    return None
 
 
 def failure_text(spec: DistSpec, result: RankRun) -> str:

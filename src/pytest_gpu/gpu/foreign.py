@@ -319,3 +319,34 @@ class ForeignSampler:
         if reserved is None:
             how += f" (the driver's reserve, which this {driver} does not report, counts as foreign)"
         return Foreign(estimate, (), f"{why}: foreign usage on {uuid} is its {how}")
+
+
+class OutsideRun:
+    """What memory processes outside one run use on its GPUs, as a test process samples it:
+    the evidence that an out-of-memory error came from outside the test
+    (:mod:`pytest_gpu.run.transient`). ``roots``: the run's owner (pid -> create time); every
+    process descending from it is the run's. The driver is opened at the first sample and
+    kept open until :meth:`close`.
+
+    Only per-process figures count: an estimate by difference (a container's pid namespace,
+    MIG without privileges) would count the run's own memory as outside it, so a GPU sampled
+    that way is left out (nothing is known there)."""
+
+    def __init__(self, roots: Mapping[int, float]) -> None:
+        self.roots = dict(roots)
+        self._sampler: ForeignSampler | None = None
+
+    def sample(self, gpus: Mapping[int, str]) -> dict[int, int]:
+        """GPU index -> bytes outside the run there now, for the GPUs of ``gpus`` (index ->
+        UUID) whose processes the driver lists; a GPU it cannot tell about is left out."""
+        if not gpus:
+            return {}
+        if self._sampler is None:
+            self._sampler = ForeignSampler()
+        found = self._sampler.sample(self.roots, {}, uuids=list(gpus.values()))
+        return {i: found[u].bytes for i, u in gpus.items() if u in found and found[u].note is None}
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None

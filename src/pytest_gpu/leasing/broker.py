@@ -29,6 +29,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,7 +231,7 @@ class Broker(Server):
         return {"client": info.client}
 
     def on_acquire(self, peer: Peer, m: dict[str, Any]) -> tuple[str, Any]:
-        return self._acquire(peer.data, m["key"], m["request"], m["test"])
+        return self._acquire(peer.data, m["key"], m["request"], m["test"], m.get("avoid") or ())
 
     def on_cancel(self, peer: Peer, m: dict[str, Any]) -> tuple[str, Any]:
         info: ClientInfo = peer.data
@@ -330,19 +331,24 @@ class Broker(Server):
             except (MachineError, ValueError) as exc:
                 raise Refused(f"context_size: {exc}") from None
 
-    def _acquire(self, info: ClientInfo, name: str, request: GpuRequest, test: str) -> tuple[str, Any]:
+    def _acquire(
+        self, info: ClientInfo, name: str, request: GpuRequest, test: str, avoid: Sequence[int] = ()
+    ) -> tuple[str, Any]:
         key = scoped(info.client, name)
         test = test or "?"
         with self._lock:
             info.tests[key] = test
             self._queued_at[key] = time.monotonic()
             hint = self._hint(info.worker, test, request)
+            gpus = self.allowed(request, avoid)
+            if hint is not None and not {self.uuids[i] for i in hint} <= set(gpus):
+                hint = None  # planned on a GPU the retry avoids
             prefer = None
             if hint is not None:
                 self._preferred[key] = hint
                 self.preferences["given"] += 1
                 prefer = [self.uuids[i] for i in hint]
-            kind, value = self._machine().submit(key, info.client, info.worker, test, request, self._gpu_list, prefer)
+            kind, value = self._machine().submit(key, info.client, info.worker, test, request, gpus, prefer)
             if kind == "queued":
                 return ("queued", None)
             self._queued_at.pop(key, None)
@@ -351,6 +357,14 @@ class Broker(Server):
                 self._preferred.pop(key, None)
                 return ("refused", str(value))
             return ("granted", self._granted(info, key, value, 0.0))
+
+    def allowed(self, request: GpuRequest, avoid: Sequence[int]) -> list[str]:
+        """The run's GPUs a request may be placed on: all, less those of ``avoid`` (a retry of
+        a test whose failure came from outside it there) where the others are enough for it."""
+        if not avoid:
+            return self._gpu_list
+        others = [u for i, u in self.uuids.items() if i not in avoid]
+        return others if len(others) >= request.count else self._gpu_list
 
     def _hint(self, worker: str, test: str, request: GpuRequest) -> tuple[int, ...] | None:
         """The GPUs the scheduler planned for ``test`` of ``worker``, taken once by the test's

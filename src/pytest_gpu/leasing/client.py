@@ -11,7 +11,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from typing import Any
@@ -161,7 +161,12 @@ class BrokerClient:
     # -- public API -----------------------------------------------------------------
 
     def acquire(
-        self, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None = None
+        self,
+        request: GpuRequest,
+        test: str,
+        timeout: float | None,
+        on_wait: Callable[[], object] | None = None,
+        avoid: Collection[int] = (),
     ) -> Grant:
         """Block until the broker grants ``request``; raise :class:`WaitTimeout` after ``timeout``.
 
@@ -171,13 +176,15 @@ class BrokerClient:
         then returns true (it gave something back), the request is asked once more.
         Abandoned by any other exception (pytest-timeout, KeyboardInterrupt), the request
         is withdrawn at the broker, and a grant that comes after all is given back at once.
+        ``avoid``: GPUs the lease should not be on, where the run has others enough (see
+        :meth:`pytest_gpu.leasing.broker.Broker.allowed`).
         """
         with self._lock:
             self._connection()
             while True:
                 key = f"k{next(self._keys)}"
                 try:
-                    return self._acquire(key, request, test, timeout, on_wait)
+                    return self._acquire(key, request, test, timeout, on_wait, avoid)
                 except _GaveBack:
                     on_wait = None  # refused, then on_wait gave leases back: asked once more
                 except BrokerError:
@@ -187,10 +194,17 @@ class BrokerClient:
                     raise
 
     def _acquire(
-        self, key: str, request: GpuRequest, test: str, timeout: float | None, on_wait: Callable[[], object] | None
+        self,
+        key: str,
+        request: GpuRequest,
+        test: str,
+        timeout: float | None,
+        on_wait: Callable[[], object] | None,
+        avoid: Collection[int] = (),
     ) -> Grant:
         started = time.monotonic()
-        kind, body = self._call("acquire", key=key, request=request_to_wire(request), test=test)
+        extra: dict[str, Any] = {"avoid": sorted(avoid)} if avoid else {}
+        kind, body = self._call("acquire", key=key, request=request_to_wire(request), test=test, **extra)
         if kind == "granted":
             return Grant.from_wire(body, 0.0)
         if kind == "refused":

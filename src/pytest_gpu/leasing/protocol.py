@@ -7,7 +7,7 @@ answered in order, ``release`` and ``abandon`` are one-way, and a queued ``acqui
 later followed by a ``granted`` or ``refused`` event for its key::
 
     hello         {worker, pid}                -> {client}
-    acquire       {key, request, test}         -> ["granted", lease] | ["queued", null] | ["refused", why]
+    acquire       {key, request, test, avoid?} -> ["granted", lease] | ["queued", null] | ["refused", why]
     cancel        {key}                        -> ["cancelled", holders] | ["not-waiting", null]
     abandon       {key}                        (one-way)
     release       {key, contexts, left}        (one-way)
@@ -188,7 +188,8 @@ BROKER = Protocol(
     calls={
         "hello": Call(Obj({"worker": WORKER, "pid": Int(0, 1 << 31)}), Obj({"client": Str(64)})),
         "acquire": Call(
-            Obj({"key": NAME, "request": REQUEST, "test": OWNER}),
+            # avoid: GPUs the lease should not be on (a retry after an infrastructure failure there)
+            Obj({"key": NAME, "request": REQUEST, "test": OWNER}, {"avoid": INDICES}),
             Tagged({"granted": LEASE, "queued": Null(), "refused": TEXT}),
         ),
         "cancel": Call(Obj({"key": NAME}), Tagged({"cancelled": List(LOCAL_HOLDER, LIST_MAX), "not-waiting": Null()})),

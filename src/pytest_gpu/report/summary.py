@@ -18,6 +18,7 @@ from ..base.requests import format_size
 from ..base.spans import gpu_properties, parse_held
 from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
+from ..run import transient
 from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
 from ..vendors import registry as vendors
 from .timeline import Timeline
@@ -50,6 +51,8 @@ class Summary:
     # why a GPU test skipped at run time without saying so was skipped (None: too large for the run's
     # inventory); --gpu-nodes: the controller's inventory is no GPU, the test's node had some
     unsaid_why: str | None = None
+    infra: dict[str, str] = field(default_factory=dict)  # node id -> why its failure was infrastructure
+    retried: dict[str, str] = field(default_factory=dict)  # node id -> "passed on retry" or "failed on retry"
 
     @property
     def waited(self) -> float:
@@ -120,6 +123,7 @@ class Summary:
             why = given.get(SKIP_PROPERTY)  # set at collection; a skip at run time (a gpu_request block) says none
             key = str(why) if why else None
             self.skipped_why[key] = self.skipped_why.get(key, 0) + 1
+        self.add_infra(report, given)
         chosen = given.get(AUTO_PROPERTY)
         if chosen and report.when == "call":  # it ran on a pool (or tried to): not skipped before
             self.auto_backends.setdefault(str(chosen), set()).add(report.nodeid)
@@ -157,6 +161,8 @@ class Summary:
             or self.trace_path
             or self.trace_error
             or self.quarantined
+            or self.infra
+            or self.retried
         )
 
     def lines(self, inventory: Inventory, crashes: list[CrashRecord]) -> list[str]:
@@ -173,7 +179,7 @@ class Summary:
             out.append(f"pytest-gpu: not verified: {note} ({plural(tests, 'test')})")
         out += [self.quarantine_line(found) for found in self.quarantined.values()]
         out += [self.crash_line(crash) for crash in crashes if crash.worker not in self.quarantined]
-        return out + self.running_lines(crashes)
+        return out + self.running_lines(crashes) + self.infra_lines()
 
     def skipped_lines(self, inventory: Inventory) -> list[str]:
         """One line: how many tests were skipped because this run cannot run them, and why
@@ -273,6 +279,37 @@ class Summary:
         if self.was_interrupted(crash):
             return f"pytest-gpu: interrupted while {crash.worker} ran {test}; {what} given back"
         return f"pytest-gpu: worker {crash.worker} (pid {crash.pid}) died while running {test}; {what} reclaimed"
+
+    # -- infrastructure failures (pytest_gpu.run.transient) ----------------------------------------
+
+    def add_infra(self, report: pytest.TestReport, given: Mapping[str, object]) -> None:
+        """A report's infrastructure failure and retry, from its properties (a worker's too);
+        a failure run again (its report's outcome "rerun": pytest-rerunfailures', a lost
+        worker's test put back) is said by the report of the run that ends it."""
+        if report.failed and given.get(transient.CLASS_PROPERTY) == transient.INFRASTRUCTURE:
+            self.infra[report.nodeid] = str(given.get(transient.REASON_PROPERTY, ""))
+        retry = given.get(transient.RETRY_PROPERTY)
+        if retry:
+            self.retried[report.nodeid] = str(retry)
+
+    def infra_lines(self) -> list[str]:
+        """The tests whose failure came from outside them, each with why; the retried ones' count."""
+        out = []
+        if self.infra:
+            hint = "" if self.retried else "; --gpu-retry-infra reruns them once"
+            failures = plural(len(self.infra), "infrastructure failure")
+            out.append(f"pytest-gpu: {failures} (the cause was outside the test{hint}):")
+            out += [f"pytest-gpu:   {nodeid}: {why}" for nodeid, why in list(self.infra.items())[:10]]
+            if len(self.infra) > 10:
+                out.append(f"pytest-gpu:   ... and {len(self.infra) - 10} more (-rA shows each one's reason)")
+        passed = sorted(n for n, outcome in self.retried.items() if outcome == "passed on retry")
+        if passed:
+            more = ", ..." if len(passed) > 5 else ""
+            out.append(f"pytest-gpu: passed on retry: {len(passed)} ({', '.join(passed[:5])}{more})")
+        failed = len(self.retried) - len(passed)
+        if failed:
+            out.append(f"pytest-gpu: failed on retry: {failed}")
+        return out
 
 
 def context_lines(measured: Mapping[int, int], assumed: int, given: bool, runtime: str = "CUDA") -> list[str]:

@@ -23,6 +23,7 @@ from ..nodes.hosts import configure as configure_nodes
 from ..raycluster import RayHead
 from ..report.feature import RunReport
 from ..run import options
+from ..run.infra import LostWorkers
 from ..run.keys import DIST_CHOSEN_KEY, Role
 from ..run.required import Required
 from ..run.rundir import RunDirError
@@ -70,6 +71,7 @@ class Controller(RunOwner):
         if switches.nodes:
             out["nodes"] = lambda: self.nodes  # node mode's own hooks
         out["selection"] = lambda: Selection(self.config, self.launch)  # the workers' deselection reasons
+        out["lost-workers"] = lambda: LostWorkers(self.config)  # a crashed worker's test: infrastructure
         if switches.required:
             out["required"] = lambda: Required(self.config, reported=lambda node: self.nodes.raise_required(node))
         if switches.schedule:

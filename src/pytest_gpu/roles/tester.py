@@ -24,6 +24,7 @@ from ..distributed.runner import Distributed
 from ..launched.selection import Selection
 from ..nodes import worker as node_worker
 from ..run import sticky
+from ..run.infra import Infrastructure
 from ..run.keys import SCHEDULE_KEY, Role
 from ..run.lifecycle import Leases
 from ..run.required import Required, WorkerRequired
@@ -49,6 +50,8 @@ class TestProcess(RoleBase):
         out["leases"] = self._leases
         out["quarantine"] = lambda: StickyErrors(self.config)
         out["distributed"] = lambda: Distributed(self.config)
+        # after the others: its makereport is the outermost (it classes the final report)
+        out["infrastructure"] = lambda: Infrastructure(self.config, partial(runner.close, self.config))
         if switches.required:
             out["required"] = lambda: Required(self.config)
         return out

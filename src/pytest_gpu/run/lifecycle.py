@@ -555,6 +555,10 @@ def gpu_request_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable
     return gpu_request
 
 
+# the ports a test leased: an EADDRINUSE on one is no fault of its own (pytest_gpu.run.infra)
+LEASED_PORTS_KEY = pytest.StashKey[list[int]]()
+
+
 def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[[int], list[int]]:
     node = request.node
     state = node.stash[STATE_KEY]
@@ -564,6 +568,8 @@ def ports_fixture(request: pytest.FixtureRequest, run: GpuRun) -> Callable[[int]
             raise ValueError(f"{node.nodeid}: ports(n) expects a positive int, got {n!r}")
         if state.ports_owner is None:
             state.ports_owner = str(PortOwner.of_this_process(node.nodeid))
-        return run.client.ports(n, state.ports_owner)
+        got = run.client.ports(n, state.ports_owner)
+        node.stash.setdefault(LEASED_PORTS_KEY, []).extend(got)
+        return got
 
     return ports

@@ -143,10 +143,19 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "60",
         "seconds the ray_cluster fixture waits for the Ray cluster to come up (or to be reached).",
     ),
+    (
+        "--gpu-retry-infra",
+        "gpu_retry_infra",
+        "false",
+        "rerun once, on other GPUs and fresh ranks, a test whose failure pytest-gpu saw come from outside it "
+        "(infrastructure: an OOM while memory outside the run grew, a port clash, a collective's start timing "
+        "out, a lost worker); reported as passed on retry with the first failure kept. A flag on the command "
+        "line; 'true' or 'false' as an ini key.",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
-FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait"})
+FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait", "gpu_retry_infra"})
 # ini keys of OPTIONS whose being given matters, not only their value: registered with the
 # default None (pytest >= 8.0 returns an ini key's default as is when the file lacks it, and a
 # file's value is never None), and read as OPTIONS' default when absent
@@ -244,6 +253,7 @@ class Settings:
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
     amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
     amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
+    retry_infra: bool = False  # --gpu-retry-infra: an infrastructure failure reruns once (pytest_gpu.run.infra)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -363,6 +373,7 @@ def read(config: pytest.Config) -> Settings:
         host_memory=_host_memory(config),
         amd_process_lag=_lag(config),
         amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
+        retry_infra=_flag(config, "gpu_retry_infra"),
     )
 
 

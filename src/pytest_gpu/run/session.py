@@ -237,6 +237,9 @@ class GpuRun:
     # what this process still holds of leases that ended (their verdicts' leaks), charged to them
     leftovers: Leftovers = field(default_factory=Leftovers)
     _confined: dict[str, ActiveLease] = field(default_factory=dict)  # lease key -> one this process is confined to
+    # GPUs this process's leases should not be on, where the run has others enough: a retry's
+    # (--gpu-retry-infra) after an infrastructure failure there (see pytest_gpu.run.infra)
+    avoid: frozenset[int] = frozenset()
 
     def __repr__(self) -> str:
         # short: a traceback's locals show it, and the settings and inventory fill a screen
@@ -414,7 +417,7 @@ class GpuRun:
         one caller, :meth:`finish` the one way it ends."""
         asked = time.time()
         quarantine_.refuse(self.quarantine)  # a sticky CUDA error: no lease would be usable here
-        grant = self.client.acquire(request, holder, self.settings.wait_timeout, on_wait=self.waiting)
+        grant = self.client.acquire(request, holder, self.settings.wait_timeout, on_wait=self.waiting, avoid=self.avoid)
         try:  # anything raised from here on (pytest-timeout included) gives the lease back
             granted = time.time()
             tag = f"{self.run_dir.name}-{self.client.client_id}-{grant.key}"  # unique on a shared machine
