@@ -635,3 +635,15 @@ def test_release_is_one_way_and_ordered(run: Run) -> None:
     again = client.acquire(whole(2), "t::b", 5)
     assert again.indices == (0, 1) and again.waited == 0.0
     assert [row["test"] for row in broker.status()["leases"]] == ["t::b"]
+
+
+def test_a_retry_s_lease_avoids_the_gpus_of_its_failure(run: Run) -> None:
+    """--gpu-retry-infra: a lease asked with ``avoid`` goes to the run's other GPUs (not the
+    worker's own by affinity, nor where the scheduler planned it), unless too few are left."""
+    broker = run.broker()
+    a = run.client("gw0")
+    assert a.acquire(shared(GiB), "t::a", timeout=5).indices == (0,)  # GPU 0 from now on: affinity
+    assert a.acquire(shared(GiB), "t::a", timeout=5, avoid=(0,)).indices == (1,)
+    broker.prefer("gw0", "t::b", (0,), GiB)  # planned where the retry must not go
+    assert a.acquire(shared(GiB), "t::b", timeout=5, avoid=(0,)).indices == (1,)
+    assert a.acquire(shared(GiB, count=2), "t::c", timeout=5, avoid=(0,)).indices == (0, 1)  # no others enough

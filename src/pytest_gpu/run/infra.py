@@ -159,6 +159,11 @@ class Infrastructure(Feature):
         self, item: pytest.Item, nextitem: pytest.Item | None, found: Classified, first: pytest.TestReport
     ) -> list[pytest.TestReport]:
         run = self.run
+        item.stash[LEASED_PORTS_KEY] = []  # the first run's evidence is not the retry's
+        if INIT_TIMEOUT_KEY in item.stash:
+            del item.stash[INIT_TIMEOUT_KEY]
+        if _BASELINE_KEY in item.stash:
+            del item.stash[_BASELINE_KEY]
         forget_depends_results(item)
         self.fresh()  # warm rank pools: fresh ranks for the retry
         run.avoid = frozenset(found.gpus)
