@@ -217,7 +217,7 @@ class RecordingClient:
         self.calls.append(("ports", owner))
         return [20001]
 
-    def acquire(self, request: Any, test: str, timeout: float | None, on_wait: Any = None) -> Any:
+    def acquire(self, request: Any, test: str, timeout: float | None, on_wait: Any = None, avoid: Any = ()) -> Any:
         self.calls.append(("acquire", test))
         raise Stop  # enough: the pool has said who holds what
 
@@ -231,7 +231,7 @@ class RecordingClient:
 def test_a_rank_pool_holds_its_port_and_gpus_in_its_tests_name(tmp_path: Path) -> None:
     client = RecordingClient()
     settings = SimpleNamespace(default_memory=DefaultMemory.parse("exclusive"), wait_timeout=None)
-    run = SimpleNamespace(client=client, settings=settings, quarantine=None, waiting=lambda: False)
+    run = SimpleNamespace(client=client, settings=settings, quarantine=None, waiting=lambda: False, avoid=frozenset())
     run.hold = partial(GpuRun.hold, run)  # the run's one way to hold a lease, on the recording client
     spec = DistSpec(world_size=2, backend="none", gpus_per_rank=1, launcher="spawn")
     pool = RankPool(spec, run, DistSettings(), tmp_path, 60.0, "t.py::test_first")  # type: ignore[arg-type]

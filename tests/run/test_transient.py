@@ -323,3 +323,66 @@ def test_beside_pytest_rerunfailures_a_test_it_reruns_is_its_own(gpu_pytester, r
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1, "deselected": 1}, out
     assert len((signals / "runs").read_text().split()) == 2  # run twice in all, not three times
     assert "passed on retry" not in out and "infrastructure failure (" not in out, out
+
+
+RENDEZVOUS_CONFTEST = """
+import os, pathlib, time
+
+SIGNALS = pathlib.Path(os.environ["SIGNALS"])
+POOL = os.environ.get("PYTEST_GPU_RANK_LOG_DIR")  # set in a rank process only: its pool's directory
+
+
+def fail_the_first_pools_rendezvous():
+    first = SIGNALS / "first-pool"
+    try:
+        fd = os.open(first, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        while not first.read_text():
+            time.sleep(0.01)
+    else:
+        os.write(fd, POOL.encode())
+        os.close(fd)
+    if first.read_text() != POOL:
+        return  # a later pool's ranks: their rendezvous works
+    import torch.distributed as dist
+
+    def init_process_group(*args, **kwargs):  # what torch raises when the rendezvous store times out
+        raise dist.DistStoreError("Timed out after 31 seconds waiting for clients. 1/2 clients joined.")
+
+    dist.init_process_group = init_process_group
+
+
+if POOL is not None:  # a rank loads this conftest with its pytest configuration, before its process group
+    fail_the_first_pools_rendezvous()
+"""
+
+POOL = """
+import pytest
+
+@pytest.mark.distributed(world_size=2, backend="gloo")
+def test_pool(rank):
+    assert rank.world_size == 2
+"""
+
+
+@pytest.mark.parametrize("retry", [False, True], ids=["classed", "retried"])
+def test_a_collective_s_initialisation_timing_out_is_infrastructure(gpu_pytester, run_inner, monkeypatch, retry):
+    """The first pool's ranks fail torch's rendezvous (its DistStoreError timeout): the test's
+    failure is classed; with the retry it passes on fresh ranks (a new pool)."""
+    require("torch", module="torch")
+    signals = gpu_pytester.path / "signals"
+    signals.mkdir()
+    monkeypatch.setenv("SIGNALS", str(signals))
+    gpu_pytester.makeconftest(RENDEZVOUS_CONFTEST)
+    gpu_pytester.makepyfile(test_pool=POOL)
+    args = ("--gpu-retry-infra",) if retry else ()
+    result = run_inner("--gpus", "sim:1x16GiB", "-rA", *args, subprocess=True, timeout=180)
+    out = result.stdout.str()
+    if retry:
+        result.assert_outcomes(passed=1)
+        assert "pytest-gpu: passed on retry: 1 (test_pool.py::test_pool)" in out, out
+        assert "collective initialisation timed out: could not set up" in out, out  # the first failure, kept
+    else:
+        result.assert_outcomes(failed=1)
+        assert "pytest-gpu:   test_pool.py::test_pool: collective initialisation timed out: could not set up" in out
+        assert "DistStoreError: Timed out after 31 seconds" in out, out
