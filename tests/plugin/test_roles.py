@@ -18,7 +18,13 @@ pytest_plugins = ["pytester"]
 
 ROLE_NAMES = ("pytest-gpu-controller", "pytest-gpu-worker", "pytest-gpu-lone")
 # the features every process that runs tests registers, in the order it registers them
-TESTER = ["pytest-gpu-selection", "pytest-gpu-leases", "pytest-gpu-quarantine", "pytest-gpu-distributed"]
+TESTER = [
+    "pytest-gpu-selection",
+    "pytest-gpu-leases",
+    "pytest-gpu-quarantine",
+    "pytest-gpu-distributed",
+    "pytest-gpu-infrastructure",
+]
 OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head"]  # and the process that owns the run
 LONE = ["pytest-gpu-lone", *OWNER, *TESTER]
 
@@ -151,12 +157,18 @@ def test_the_launch_is_detected_once_per_process(pytester: pytest.Pytester, monk
     [
         (
             (),
-            ["pytest-gpu-controller", *OWNER, "pytest-gpu-selection", "pytest-gpu-scheduling"],
+            [
+                "pytest-gpu-controller",
+                *OWNER,
+                "pytest-gpu-selection",
+                "pytest-gpu-lost-workers",
+                "pytest-gpu-scheduling",
+            ],
             ["pytest-gpu-worker", *TESTER, "pytest-gpu-catalog"],
         ),
         (  # the user's --dist: xdist hands the tests out, no catalog is sent
             ("--dist", "load", "--gpu-required"),
-            ["pytest-gpu-controller", *OWNER, "pytest-gpu-selection", "pytest-gpu-required"],
+            ["pytest-gpu-controller", *OWNER, "pytest-gpu-selection", "pytest-gpu-lost-workers", "pytest-gpu-required"],
             ["pytest-gpu-worker", *TESTER, "pytest-gpu-required"],
         ),
     ],
@@ -231,12 +243,14 @@ def test_the_features_hooks_keep_their_order(pytester: pytest.Pytester, monkeypa
     pytester.makepyfile("def test_a():\n    pass\n")
     pytester.inline_run("--gpus", "sim:1x16GiB", "-p", "no:xdist", "--gpu-required").assertoutcome(passed=1)
     lone = json.loads((out / "main.json").read_text())
-    assert lone["pytest_runtest_setup"] == ["conftest", "leases"]
+    # the infrastructure feature's wrapper around them: what is outside the run once the lease is applied
+    assert lone["pytest_runtest_setup"] == ["infrastructure", "conftest", "leases"]
     assert lone["pytest_runtest_teardown"] == ["leases"]
-    assert lone["pytest_runtest_makereport"] == ["distributed", "quarantine", "leases"]
+    # the infrastructure feature's is the outermost: it classes the final report
+    assert lone["pytest_runtest_makereport"] == ["infrastructure", "distributed", "quarantine", "leases"]
     assert lone["pytest_collection_modifyitems"] == ["selection", "leases"]
     assert lone["pytest_collection_finish"] == ["required"]
-    assert lone["pytest_unconfigure"] == ["distributed", "ray-head", "lone"]
+    assert lone["pytest_unconfigure"] == ["infrastructure", "distributed", "ray-head", "lone"]
     result = pytester.runpytest_subprocess(
         "--gpus", "sim:1x16GiB", "-n", "1", "--gpu-required", "-p", "no:randomly", timeout=patience(120)
     )
@@ -244,7 +258,7 @@ def test_the_features_hooks_keep_their_order(pytester: pytest.Pytester, monkeypa
     worker = json.loads((out / "gw0.json").read_text())
     finish = worker["pytest_collection_finish"]
     assert finish.index("catalog") < finish.index("xdist") and finish.index("required") < finish.index("xdist")
-    assert worker["pytest_runtest_makereport"] == ["distributed", "quarantine", "leases"]
+    assert worker["pytest_runtest_makereport"] == ["infrastructure", "distributed", "quarantine", "leases"]
 
 
 def test_a_conftest_confinement_hook_runs_beside_the_builtin_adapters(pytester: pytest.Pytester) -> None:

@@ -22,6 +22,8 @@ it and only when it is enabled, under the name ``pytest-gpu-<name>``:
     distributed                  x       x      always (distributed/runner: rank pools, isolate=True)
     catalog                      x              the controller's GPU scheduler hands out the tests (scheduling/catalog)
     node                         x              --gpu-nodes (nodes/worker)
+    infrastructure               x       x      always (run/infra: failures from outside the test, --gpu-retry-infra)
+    lost-workers     x                          always (run/infra: a crashed worker's test, its retry)
 
 The role and the features it foresees from the command line are registered before the
 initial conftests load (:func:`register_early`: hook order follows registration, and a
