@@ -137,7 +137,10 @@ def parse(text: str, path: str) -> Written:
         if not line or line.startswith("#"):
             continue
         where = f"{path}:{number}"
-        if line.startswith("margin") and (found := _MARGIN_LINE.fullmatch(line)) is not None:
+        if re.match(r"margin\s*=", line):
+            found = _MARGIN_LINE.fullmatch(line)
+            if found is None:
+                raise WrittenError(f"{where}: cannot read {line!r}; expected 'margin = PCT%, floor SIZE'")
             if margin is not None:
                 raise WrittenError(f"{where}: a second margin line; expected one, before the tests")
             if entries:
