@@ -13,7 +13,8 @@ Arms, each run ``--runs`` times alternating, every run timed the same way:
 1. ``guessed``: the guessed suite, fresh machine;
 2. ``default``: the bare suite, ``--gpu-default-memory`` (a whole GPU each), fresh machine --
    what ``--gpu-learn`` gives on a fresh CI machine too (its cache is empty there);
-3. ``learned``: the bare suite under ``--gpu-learn``, its cache warmed by one learning run;
+3. ``learned``: the bare suite under ``--gpu-learn``, its cache warmed by one learning run
+   (the cache's past durations removed before each run: no arm orders by durations);
 4. ``written``: the bare suite with ``--gpu-requests`` read from the file one
    ``--gpu-write-requests`` run wrote, no cache (a fresh CI machine with the committed file).
 
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[makespan.Result]] = {arm: [] for arm in ARMS}
     for arm, n in makespan.alternating(list(ARMS), args.runs):
         suite, extra = arm_args(arm, root)
+        # no arm has past durations (the scheduler's longest-first): the requests alone differ
+        (root / "cache-learned" / "v" / "pytest_gpu" / "durations").unlink(missing_ok=True)
         results[arm].append(run(f"{arm}-{n}", suite, extra))
     print(f"\nmeasuring runs (each under the default: a whole GPU per test): load {makespan.load()}")
     for r in prep:
