@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ..base.launch import LaunchContext
 from ..base.spans import gpu_properties, parse_peaks
 from ..base.wording import plural
 from ..run import bisect as bisect_
@@ -25,8 +26,9 @@ PREFIX = "pytest-gpu:"
 class WrittenRequests(Feature):
     """The feature's hook object (the owner's): it reads every test's reports."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, launch: LaunchContext | None = None) -> None:
         super().__init__(config)
+        self.launch = launch  # under a launcher, rank 0 hears every rank's reports: it alone writes and checks
         self.sources: dict[str, str] = {}  # node id -> where its memory came from
         self.peaks: dict[str, int] = {}  # node id -> its peak on one of its GPUs
         self.failed: set[str] = set()
@@ -47,10 +49,11 @@ class WrittenRequests(Feature):
             if "out of memory" in report.longreprtext[:20000].lower():
                 self.out_of_memory.add(report.nodeid)
 
+    @pytest.hookimpl(trylast=True)  # after rank 0 of a launch was given the other ranks' reports
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         settings = self.run.settings
         path = settings.requests_path
-        if not path:
+        if not path or (self.launch is not None and not self.launch.is_root):
             return
         margin = Margin(settings.requests_margin, settings.requests_floor)
         if settings.write_requests or settings.bisect:

@@ -49,7 +49,7 @@ class RunOwner(RoleBase):
         out = super().wanted(switches)
         out["summary"] = lambda: RunReport(self.config, self.launch, lambda: self.nodes, autoworkers_lines)
         out["ray-head"] = lambda: RayHead(self.config)
-        out["requests"] = lambda: WrittenRequests(self.config)
+        out["requests"] = lambda: WrittenRequests(self.config, self.launch)
         if switches.known and self.launch is not None:
             launch = self.launch
             out["launched-rank"] = lambda: launched_rank(self.config, launch, self.run.settings.rank_gather_timeout)
