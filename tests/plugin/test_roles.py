@@ -19,7 +19,7 @@ pytest_plugins = ["pytester"]
 ROLE_NAMES = ("pytest-gpu-controller", "pytest-gpu-worker", "pytest-gpu-lone")
 # the features every process that runs tests registers, in the order it registers them
 TESTER = ["pytest-gpu-selection", "pytest-gpu-leases", "pytest-gpu-quarantine", "pytest-gpu-distributed"]
-OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head"]  # and the process that owns the run
+OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head", "pytest-gpu-requests"]  # and the process that owns the run
 LONE = ["pytest-gpu-lone", *OWNER, *TESTER]
 
 # a conftest that writes, per process, which of pytest-gpu's objects are registered: when it is
