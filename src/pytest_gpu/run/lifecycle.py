@@ -146,6 +146,7 @@ def item_needs(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
     for a ``gpu`` fixture user (see :mod:`pytest_gpu.run.conventions`); with the CPUs and RAM of
     its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
+    Memory none of them names comes from the written requests, else ``--gpu-learn`` (:func:`_sized`).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
 
