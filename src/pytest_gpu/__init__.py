@@ -74,6 +74,8 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
         options         command-line options and ini keys, validated into Settings
         keys            what the plugin keeps in config.stash and hands to workers
         history         durations and peaks of earlier runs
+        written         --gpu-requests: the file of written requests, its format (parse, render) and I/O
+        bisect          --gpu-bisect: the smallest memory a test passes with, each try a fresh pytest
         leftovers       what a process still holds of the leases that ended, charged to their holders
         session         the run's state in one process (GpuRun); ``GpuRun.hold``: every lease
         record          a test's own record, built once at collection (TestNeeds)
@@ -118,6 +120,7 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
         timeline        one record per test, the summary's figures (pure)
         trace           the Perfetto trace
         gantt           the Gantt chart of a trace
+        written         written requests in the run's owner: where requests came from, writing and checking the file
     scheduling/         which worker runs which test when
         planner         the plan over each node's view (pure)
         scheduler       xdist's scheduler, driven by the planner, reading the run's nodes (Scheduling)

@@ -25,7 +25,7 @@ TESTER = [
     "pytest-gpu-distributed",
     "pytest-gpu-infrastructure",
 ]
-OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head"]  # and the process that owns the run
+OWNER = ["pytest-gpu-summary", "pytest-gpu-ray-head", "pytest-gpu-requests"]  # and the process that owns the run
 LONE = ["pytest-gpu-lone", *OWNER, *TESTER]
 
 # a conftest that writes, per process, which of pytest-gpu's objects are registered: when it is

@@ -230,6 +230,12 @@ def every_field_set() -> Settings:
         amd_process_lag=2.5,
         amd_lag_wait=True,
         retry_infra=True,
+        requests_path="/suite/gpu-requests.txt",
+        requests_margin=0.5,
+        requests_floor=2**30,
+        write_requests=True,
+        check_requests=True,
+        bisect=("t.py::a",),
     )
 
 
@@ -243,9 +249,10 @@ def test_settings_round_trip_through_json() -> None:
     settings = every_field_set()
     wire = settings.to_wire()
     assert json_trip(wire) == wire  # JSON-safe as it is
-    local = {"trace", "workers_per_gpu"}  # the controller's alone
+    local = {"trace", "workers_per_gpu", "check_requests", "bisect"}  # the controller's alone
     assert set(wire) == {f.name for f in fields(Settings)} - local
-    assert Settings.from_wire(json_trip(wire)) == replace(settings, trace="", workers_per_gpu=None)
+    back = replace(settings, trace="", workers_per_gpu=None, check_requests=False, bisect=())
+    assert Settings.from_wire(json_trip(wire)) == back
 
 
 def test_settings_from_wire_fills_defaults_once() -> None:
@@ -267,7 +274,8 @@ def test_the_run_a_worker_joins_is_the_controllers(tmp_path: Path, monkeypatch: 
     assert RUN_WIRE.check(json_trip(wire), "") == wire  # as a node's host hands it to the controller
     joined = GpuRun.join(json_trip({WIRE_KEY: wire})[WIRE_KEY], "gw1")
     try:
-        assert joined.settings == replace(settings, trace="", workers_per_gpu=None)
+        local = {"trace": "", "workers_per_gpu": None, "check_requests": False, "bisect": ()}
+        assert joined.settings == replace(settings, **local)
         assert joined.inventory == inventory
         assert (joined.address, joined.authkey, joined.run_dir) == (run.address, run.authkey, run.run_dir)
         assert joined.worker == "gw1"

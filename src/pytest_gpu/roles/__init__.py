@@ -12,6 +12,7 @@ it and only when it is enabled, under the name ``pytest-gpu-<name>``:
     feature          controller  worker  lone   enabled
     summary          x                   x      always (report/feature: summary, trace, history)
     ray-head         x                   x      always (raycluster: the head a test started stops with the run)
+    requests         x                   x      always (report/written: where requests came from, --gpu-requests' file)
     launched-rank    x                   x      under srun, mpirun or torchrun (launched/session)
     nodes            x                          --gpu-nodes (nodes/feature)
     selection        x           x       x      always (launched/selection: launcher markers, their reasons)
@@ -39,7 +40,7 @@ import os
 import pytest
 
 from ..launched.session import check_shard
-from ..run import history
+from ..run import history, written
 from ..run.keys import LAUNCH_KEY, Role
 from ..run.record import RUN_KEY
 from .base import RoleBase, foresee, register
@@ -108,6 +109,8 @@ def install(config: pytest.Config) -> Role:
     run = plugin.start()
     if run.settings.learn:
         run.learned_peaks = history.load(config, history.PEAKS_KEY)
+    if run.settings.requests_path and not run.settings.write_requests:  # the run that writes it measures
+        run.written = written.load_if_any(run.settings.requests_path)
     run.frameworks = config.hook.pytest_gpu_confine
     config.stash[RUN_KEY] = run
     plugin.attach(run)

@@ -22,6 +22,7 @@ from ..nodes.feature import NodesFeature, RunNodes, run_nodes
 from ..nodes.hosts import configure as configure_nodes
 from ..raycluster import RayHead
 from ..report.feature import RunReport
+from ..report.written import WrittenRequests
 from ..run import options
 from ..run.infra import LostWorkers
 from ..run.keys import DIST_CHOSEN_KEY, Role
@@ -49,6 +50,7 @@ class RunOwner(RoleBase):
         out = super().wanted(switches)
         out["summary"] = lambda: RunReport(self.config, self.launch, lambda: self.nodes, autoworkers_lines)
         out["ray-head"] = lambda: RayHead(self.config)
+        out["requests"] = lambda: WrittenRequests(self.config, self.launch)
         if switches.known and self.launch is not None:
             launch = self.launch
             out["launched-rank"] = lambda: launched_rank(self.config, launch, self.run.settings.rank_gather_timeout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ from .session import GpuRun
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
 
+# where a test's memory came from (see _sized), in its reports' user property SOURCE_PROPERTY
+SOURCE_PROPERTY = "gpu_request_source"
+SOURCE_MARKER, SOURCE_FILE, SOURCE_LEARNED, SOURCE_DEFAULT = "marker", "file", "learned", "default"
 GPU_FIXTURE_FORM = 'gpu_request(count=1, memory="8GiB", exclusive=False)'
 HOST_MARKER = "host_resources"  # CPUs and RAM, with or without GPUs: see pytest_gpu.leasing.host
 SERIAL_MARKER = "gpu_serial"  # the test runs alone: see alone_request and the scheduler's rule 0
@@ -142,6 +146,7 @@ def item_needs(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, bool]
     ``pytest_gpu_item_request`` hook, the ``gpu_marker_map`` ini key, the default request
     for a ``gpu`` fixture user (see :mod:`pytest_gpu.run.conventions`); with the CPUs and RAM of
     its closest ``host_resources`` marker added (a test with only that one asks for no GPU).
+    Memory none of them names comes from the written requests, else ``--gpu-learn`` (:func:`_sized`).
 
     A ``gpu_serial`` test asks for every GPU of the run, exclusively (:func:`alone_request`).
 
@@ -184,12 +189,32 @@ def _gpu_request(item: pytest.Item, run: GpuRun) -> tuple[GpuRequest | None, boo
     usable = run.usable_memory
     if run.largest_node is not None and run.largest_node[1] > usable:  # --gpu-nodes: another node's GPUs give more
         usable = run.largest_node[1]
-    peak = run.learned_peaks.get(item.nodeid)
-    if run.settings.learn and request.count and not named and peak is not None and usable > 0:
-        request = learned(request, peak, usable)
+    request = _sized(item, run, request, named, usable)
     # memory= larger than any GPU gives is no invalid request, only one this run can never give:
     # mark_oversize skips it with the reason (or --gpu-oversize=fail fails it), as a count too large
     return request, isolate
+
+
+def _sized(item: pytest.Item, run: GpuRun, request: GpuRequest, named: bool, usable: int) -> GpuRequest:
+    """The memory of a request for GPUs, by precedence: the memory (or ``exclusive``) its
+    marker or convention names, else its line in the written requests (``--gpu-requests``),
+    else the peak ``--gpu-learn`` recorded, else the default; which one is kept in its record
+    (:attr:`TestNeeds.source`) for the summary's count."""
+    if not request.count:
+        return request
+    entry = run.written.entries.get(item.nodeid) if run.written is not None else None
+    peak = run.learned_peaks.get(item.nodeid)
+    if named:
+        source = SOURCE_MARKER
+    elif entry is not None:
+        # as measured: never cut to the GPU (a request larger than any is skipped, or failed, saying so)
+        source, request = SOURCE_FILE, replace(request, memory=entry.request, exclusive=False, min_memory=None)
+    elif run.settings.learn and peak is not None and usable > 0:
+        source, request = SOURCE_LEARNED, learned(request, peak, usable)
+    else:
+        source = SOURCE_DEFAULT
+    record(item).source = source
+    return request
 
 
 def alone_request(item: pytest.Item, run: GpuRun) -> GpuRequest | None:
@@ -316,6 +341,8 @@ def setup(item: pytest.Item, run: GpuRun) -> None:
     if alone is not None:
         pytest.fail(alone, pytrace=False)
     request = needs(item).request
+    if needs(item).source is not None:  # for the summary's count of where requests came from
+        item.user_properties.append((SOURCE_PROPERTY, needs(item).source))
     if request is not None and needs(item).isolated:
         state.request = request  # held by its one-rank pool, for its body's process (distributed.runner)
     elif request is not None:

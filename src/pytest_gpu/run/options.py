@@ -14,6 +14,7 @@ from ..machine.domain import user_memory_cap
 from ..machine.ports import DEFAULT_RANGE, parse_port_range
 from ..vendors.amd import PROCESS_LAG_S as AMD_PROCESS_LAG_S
 from .conventions import MarkerMapError, marker_map
+from .written import Margin, WrittenError, load, load_if_any
 
 # (option, ini key, default, help)
 OPTIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -152,10 +153,41 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "out, a lost worker); reported as passed on retry with the first failure kept. A flag on the command "
         "line; 'true' or 'false' as an ini key.",
     ),
+    # written requests (pytest_gpu.run.written)
+    (
+        "--gpu-requests",
+        "gpu_requests",
+        "",
+        "a file of written requests (memory per GPU for each test, measured): a test whose marker names "
+        "no memory gets its line's; an ini key's path is relative to the ini file. Empty: none.",
+    ),
+    (
+        "--gpu-requests-margin",
+        "gpu_requests_margin",
+        "25%,256MiB",
+        "what --gpu-write-requests adds to a measured peak: a percentage and an optional floor (the least "
+        "request), such as '25%' or '25%,256MiB'.",
+    ),
+    (
+        "--gpu-write-requests",
+        "gpu_write_requests",
+        "false",
+        "write (or update) the --gpu-requests file from this run's measured peaks, keeping the lines of "
+        "tests not run; the file's requests are not applied in this run. A flag on the command line.",
+    ),
+    (
+        "--gpu-check-requests",
+        "gpu_check_requests",
+        "false",
+        "fail the run when a test's peak, with the file's margin, no longer fits its written request "
+        "(or it ran out of memory under it), naming each test, its request and its new peak. A flag.",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
-FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait", "gpu_retry_infra"})
+FLAGS = frozenset(
+    {"gpu_required", "gpu_amd_lag_wait", "gpu_retry_infra", "gpu_write_requests", "gpu_check_requests"}
+)
 # ini keys of OPTIONS whose being given matters, not only their value: registered with the
 # default None (pytest >= 8.0 returns an ini key's default as is when the file lacks it, and a
 # file's value is never None), and read as OPTIONS' default when absent
@@ -209,6 +241,16 @@ def register(parser: pytest.Parser) -> None:
         default=False,
         help="under a launcher (srun/mpirun/torchrun): each rank runs its share of the suite, rank 0 reports all.",
     )
+    group.addoption(
+        "--gpu-bisect",
+        dest="gpu_bisect",
+        action="append",
+        default=[],
+        metavar="NODEID",
+        help="after the run, find the smallest memory per GPU this test passes with, rerunning it alone "
+        "under caps (bisecting, to 64MiB), and write that plus the margin as its --gpu-requests line. "
+        "Repeatable.",
+    )
     parser.addini(
         "launcher_markers",
         "strategy markers and the launchers they may run under, one 'MARKER: LAUNCHER ...' per line.",
@@ -254,6 +296,13 @@ class Settings:
     amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
     amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
     retry_infra: bool = False  # --gpu-retry-infra: an infrastructure failure reruns once (pytest_gpu.run.infra)
+    # written requests (pytest_gpu.run.written): the file (absolute), its margin, what this run does with it
+    requests_path: str = ""
+    requests_margin: float = 0.25
+    requests_floor: int = 256 * 2**20
+    write_requests: bool = False  # the file is written, not applied
+    check_requests: bool = field(default=False, metadata=CONTROLLER_ONLY)
+    bisect: tuple[str, ...] = field(default=(), metadata=CONTROLLER_ONLY)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -374,6 +423,7 @@ def read(config: pytest.Config) -> Settings:
         amd_process_lag=_lag(config),
         amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
         retry_infra=_flag(config, "gpu_retry_infra"),
+        **_written(config),
     )
 
 
@@ -445,3 +495,59 @@ def _seconds(config: pytest.Config, ini: str) -> float:
     if not value > 0:
         raise pytest.UsageError(f"{where}: expected a positive number of seconds, got {text!r}")
     return value
+
+
+def _written(config: pytest.Config) -> dict[str, Any]:
+    """The written requests' settings: the file checked now (a bad line stops the run at start)."""
+    margin_text, where = _value(config, "gpu_requests_margin")
+    try:
+        margin = Margin.parse(margin_text)
+    except WrittenError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
+    write, check = _flag(config, "gpu_write_requests"), _flag(config, "gpu_check_requests")
+    bisect = tuple(str(n).strip() for n in config.getoption("gpu_bisect", None) or ())
+    path = _requests_path(config)
+    wants = [name for name, on in (("--gpu-write-requests", write), ("--gpu-check-requests", check)) if on]
+    wants += ["--gpu-bisect"] if bisect else []
+    if wants and not path:
+        raise pytest.UsageError(
+            f"{wants[0]}: expected --gpu-requests=PATH (or the ini key 'gpu_requests') naming the file of requests"
+        )
+    if write and check:
+        raise pytest.UsageError(
+            "--gpu-write-requests and --gpu-check-requests: expected one of the two (write the file, or check a run "
+            "against it)"
+        )
+    if any(not node or "::" not in node for node in bisect):
+        raise pytest.UsageError(
+            f"--gpu-bisect: expected a test's node id such as 'tests/test_x.py::test_y', got {bisect}"
+        )
+    if path:
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise pytest.UsageError(
+                f"--gpu-requests: {parent!r} is not a directory; expected a file in an existing one"
+            )
+        try:
+            load_if_any(path) if write or bisect else load(path)  # a file to update must be readable too
+        except WrittenError as exc:
+            raise pytest.UsageError(f"--gpu-requests: {exc}") from None
+    return {
+        "requests_path": path,
+        "requests_margin": margin.fraction,
+        "requests_floor": margin.floor,
+        "write_requests": write,
+        "check_requests": check,
+        "bisect": bisect,
+    }
+
+
+def _requests_path(config: pytest.Config) -> str:
+    """The file's absolute path: the option's from where pytest was started, the ini key's from the ini file."""
+    cli = config.getoption("gpu_requests")
+    if cli is not None:
+        text, base = str(cli).strip(), config.invocation_params.dir
+    else:
+        text = str(config.getini("gpu_requests") or "").strip()
+        base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return str((base / text).resolve()) if text else ""

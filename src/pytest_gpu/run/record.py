@@ -63,7 +63,8 @@ class TestNeeds:
     ``serial``: a ``gpu_serial`` test, run alone; ``oversize``: why it can never run here,
     when ``--gpu-oversize=fail`` makes that a failure at setup; ``isolated``: ``gpu(...,
     isolate=True)``, its body runs in a one-rank pool holding ``request`` (``dist`` is that
-    pool's spec), so the test process itself holds no lease for it.
+    pool's spec), so the test process itself holds no lease for it; ``source``: where its
+    memory came from (:func:`pytest_gpu.run.lifecycle.item_needs`).
     """
 
     request: GpuRequest | None = None
@@ -71,6 +72,9 @@ class TestNeeds:
     serial: bool = False
     oversize: str | None = None
     isolated: bool = False
+    # where its memory came from: "marker", "file" (--gpu-requests), "learned" (--gpu-learn), "default";
+    # None: no request for GPUs (or a gpu_serial test's, every GPU)
+    source: str | None = None
 
     __test__ = False  # not a test class, whatever pytest's collection thinks
 

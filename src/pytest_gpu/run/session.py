@@ -48,6 +48,7 @@ from . import quarantine as quarantine_
 from . import rundir
 from .leftovers import Leftovers
 from .options import Settings
+from .written import Written
 
 if TYPE_CHECKING:
     from ..base.launch import LaunchContext
@@ -222,6 +223,7 @@ class GpuRun:
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     _sim_run: str | None = None  # the run name of the simulated machines this run made its own
     learned_peaks: dict[str, int] = field(default_factory=dict)  # --gpu-learn: node id -> bytes
+    written: Written | None = None  # --gpu-requests: the file's requests (not in a run that writes it)
     # the pytest_gpu_confine hook (config.hook's), set by the plugin; None: torch and CuPy alone
     frameworks: Callable[..., object] | None = None
     _host: HostCapacity | None = None
