@@ -93,7 +93,7 @@ DECISIONS_ENV = "MAKESPAN_DECISIONS"
 LOADS_ENV = "MAKESPAN_LOADS"
 CONTEXT = 500 * 2**20  # pytest-gpu's default --gpu-context-overhead, also the simulated ledger's
 MODES = ("serial", "xdist", "pin", "off", "sched")
-SCENARIOS = ("mixed", "fixtures", "auto", "shapes")
+SCENARIOS = ("mixed", "fixtures", "auto", "shapes", "dynamo")
 FIXTURE_MODES = ("module", "test", "pin")  # a lease (and a load) per module / per test / no plugin, pinned
 AUTO_GPUS = 8
 AUTO_SPEC = f"sim:{AUTO_GPUS}x{GPU_GIB}GiB"
@@ -615,6 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shapes: the long test first in collection order (xdist starts it at once)",
     )
     parser.add_argument("--seeds", default=None, help="shapes: comma-separated seeds (default 1,2,3; quick 1)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="dynamo: factor on the 1-30 s durations, so a run fits a couple of minutes (default 0.1; quick 0.02)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per pytest run (default from the suite)")
     parser.add_argument("--keep", action="store_true", help="keep the generated suite, outputs and junitxml")
     args = parser.parse_args(argv)
@@ -640,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_fixtures(args, fixture_modes)
         elif scenario == "shapes":
             run_shapes(args)
+        elif scenario == "dynamo":
+            run_dynamo(args)
         else:
             run_auto(args)
     return 0
@@ -1612,6 +1620,122 @@ SHAPES = (*SHAPES, "ordered")
 SHAPE_WHAT["ordered"] = (
     "30 % CPU, 10 % 2-GPU (1-8 GiB each), the rest 1-GPU 1-12 GiB, in an order xdist already runs near the bound"
 )
+
+
+# -- scenario "dynamo": packing by measured memory on one big GPU (ai-dynamo, PR 9236) --------
+
+DYNAMO_GPU_GIB = 80
+DYNAMO_SPEC = f"sim:1x{DYNAMO_GPU_GIB}GiB"
+DYNAMO_TESTS = 54  # 1-30 s log-uniform: about 454 s in all, ai-dynamo's serial run
+DYNAMO_TEMPLATE = """
+
+@pytest.mark.gpu
+def test_gpu_{index:03d}():
+    sim.hold({hold}, {duration:.3f})
+"""
+
+
+def make_dynamo(seed: int, tests: int, scale: float) -> list[Case]:
+    """``tests`` 1-GPU tests whose marker names no memory, each holding 2-20 GiB (log-uniform)
+    for 1-30 s (log-uniform) times ``scale``; ``Case.memory`` is what ``--gpu-learn`` asks for
+    them once their peaks are recorded (1.25 x the peak)."""
+    rng = random.Random(f"{seed}-dynamo")
+    cases = []
+    for index in range(tests):
+        seconds = round(scale * math.exp(rng.uniform(0.0, math.log(30.0))), 3)
+        hold = 256 * round(4 * math.exp(rng.uniform(math.log(2.0), math.log(20.0)))) * MIB
+        cases.append(Case("gpu", index, seconds, 1, int(1.25 * hold), hold))
+    return cases
+
+
+def run_dynamo(args: argparse.Namespace) -> None:
+    """One 80 GiB GPU, tests sized by their measured peaks: a serial run (which records the peaks
+    and durations, as ai-dynamo measured them), then the scheduler and ``--gpu-schedule=off``
+    under ``-n`` with ``--gpu-learn``, alternating; speedup over serial beside span / bound."""
+    seed = args.seed
+    scale = args.scale if args.scale is not None else (0.02 if args.quick else 0.1)
+    tests = args.tests if args.tests is not None else (24 if args.quick else DYNAMO_TESTS)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 2)
+    if scale <= 0:
+        raise SystemExit(f"--scale: expected a positive factor on the durations, got {scale}")
+    cases = make_dynamo(seed, tests, scale)
+    workers = args.workers
+    total = sum(c.duration for c in cases)
+    capacity = DYNAMO_GPU_GIB * GIB - workers * CONTEXT  # every worker's CUDA context takes its share
+    bound = max(max(c.duration for c in cases), total / workers, sum(c.duration * c.memory for c in cases) / capacity)
+    which = "longest" if bound == max(c.duration for c in cases) else ("work/W" if bound == total / workers else "mem")
+    print(
+        f"pytest-gpu makespan benchmark, dynamo scenario · Python {platform.python_version()} · {os.cpu_count()} CPUs "
+        f"· {DYNAMO_SPEC} · -n {workers} · seed {seed} · {tests} tests holding "
+        f"{min(c.hold for c in cases) / GIB:.2f}-{max(c.hold for c in cases) / GIB:.2f} GiB for 1-30 s x {scale:g} "
+        f"({total:.1f} s in all; {total / scale:.0f} s unscaled)"
+    )
+    print(
+        "serial: --gpus sim:1x80GiB --gpu-learn, one process (records each test's peak and duration); then "
+        f"-n {workers} --gpu-learn (requests 1.25 x the peak) with the scheduler (sched) and --gpu-schedule=off "
+        f"(off), {runs} run(s) each, alternating (ABBA). Bound = max(longest; sum/W; requested GiB·s / "
+        f"({DYNAMO_GPU_GIB} GiB - {workers} contexts)) = {bound:.2f} s ({which})"
+    )
+    print(f"load average before: {load()}")
+    durations = {f"test_gpu_{c.index:03d}": c.duration for c in cases}
+    root = Path(tempfile.mkdtemp(prefix=f"pytest-gpu-makespan-dynamo-{seed}-"))
+    results: list[Result] = []
+    try:
+        suite = root / "suite"
+        suite.mkdir()
+        (suite / "pytest.ini").write_text("[pytest]\n")
+        (suite / "conftest.py").write_text(CONFTEST)
+        for start in range(0, len(cases), TESTS_PER_MODULE):
+            body = [MODULE_HEAD.format(seed=seed)]
+            body += [
+                DYNAMO_TEMPLATE.format(index=c.index, hold=c.hold, duration=c.duration)
+                for c in cases[start:][:TESTS_PER_MODULE]
+            ]
+            (suite / f"test_dynamo_{start // TESTS_PER_MODULE:02d}.py").write_text("".join(body))
+        env = run_env(root)
+        warm_bytecode(root, env)
+        timeout = args.timeout or max(120.0, 3 * total + 120)
+        plan = [("serial", 0), *alternating(["sched", "off"], runs)]
+        for mode, number in plan:
+            tag = f"dynamo-{seed}-{mode}-{number}"
+            cmd = ["--gpus", DYNAMO_SPEC, "--gpu-learn", "-o", f"cache_dir={root / 'cache'}"]
+            cmd += [f"--gpu-trace={root / f'trace-{tag}.json'}"]
+            if mode != "serial":
+                cmd += ["-n", str(workers)] + (["--gpu-schedule=off"] if mode == "off" else [])
+            print(f"  {mode} {number or ''} (load {load()}) ...", flush=True)
+            result = run_pytest(tag, mode, root, suite, cmd, {}, env, timeout, durations)
+            result.label = mode
+            result.summary = f"load {os.getloadavg()[0]:.2f}"
+            results.append(result)
+            print(
+                f"    {mode:6} wall {result.wall:5.1f} s · span {fmt(result.span, '.1f')} s "
+                f"({fmt(result.span and result.span / bound)}x bound) · GPU waits {fmt(result.gpu_wait, '.1f')} s · "
+                f"OOMs {result.ooms} · {result.counts} · {result.summary}"
+                + (f" · {result.problems[0][:120]}" if result.problems else "")
+            )
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"  kept {root}")
+    print(f"load average after: {load()}")
+    serial = results[0]
+    print()
+    print(
+        "| mode | wall s | span s | speedup over serial (wall) | speedup over serial (span) | span x bound "
+        "| GPU waits s | OOMs | load |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |")
+    for mode in ("serial", "sched", "off"):
+        rs = [r for r in results if r.label == mode and not r.hung]
+        wall = median([r.wall for r in rs])
+        span = median([r.span for r in rs if r.span is not None])
+        print(
+            f"| {mode} | {' / '.join(f'{r.wall:.1f}' for r in rs)} | {' / '.join(fmt(r.span, '.1f') for r in rs)} "
+            f"| {fmt(wall and serial.wall / wall)} | {fmt(span and serial.span and serial.span / span)} "
+            f"| {fmt(span and span / bound)} | {' / '.join(fmt(r.gpu_wait, '.1f') for r in rs)} "
+            f"| {sum(r.ooms for r in rs)} | {' / '.join(r.summary.removeprefix('load ') for r in rs)} |"
+        )
 
 
 if __name__ == "__main__":
