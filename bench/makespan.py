@@ -59,6 +59,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import heapq
 import importlib.util
 import itertools
 import json
@@ -92,7 +93,7 @@ DECISIONS_ENV = "MAKESPAN_DECISIONS"
 LOADS_ENV = "MAKESPAN_LOADS"
 CONTEXT = 500 * 2**20  # pytest-gpu's default --gpu-context-overhead, also the simulated ledger's
 MODES = ("serial", "xdist", "pin", "off", "sched")
-SCENARIOS = ("mixed", "fixtures", "auto", "shapes")
+SCENARIOS = ("mixed", "fixtures", "auto", "shapes", "dynamo")
 FIXTURE_MODES = ("module", "test", "pin")  # a lease (and a load) per module / per test / no plugin, pinned
 AUTO_GPUS = 8
 AUTO_SPEC = f"sim:{AUTO_GPUS}x{GPU_GIB}GiB"
@@ -179,6 +180,14 @@ def gpu_pair(request):
     if request.config.pluginmanager.hasplugin("gpu"):
         return request.getfixturevalue("gpu").devices[:2]
     return [0, 1]
+
+
+def pytest_collection_finish(session):
+    # when each worker finished collecting (pytest-gpu's catalog sent): start-up apart from hand-out
+    spans = os.environ.get("{SPANS_ENV}")
+    if spans and os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(os.path.join(spans, f"{{os.getpid()}}.collected"), "w") as fh:
+            fh.write(f"{{time.time()}}\\n")
 '''
 
 MODULE_HEAD = '''\
@@ -358,6 +367,8 @@ class Result:
     per_worker: list[list[tuple[float, float, str]]] = field(default_factory=list)  # (start, end, test) per worker
     gpu_wait: float | None = None  # seconds tests spent waiting for GPUs inside their span (--gpu-trace)
     decisions: list[tuple[float, int]] = field(default_factory=list)  # (seconds, pending) per scheduler call
+    collected: list[float] = field(default_factory=list)  # when each worker finished collecting (epoch)
+    launched: float | None = None  # epoch at launch
 
 
 def run_env(root: Path) -> dict[str, str]:
@@ -498,6 +509,8 @@ def run_pytest(
         result.span = max(marks) - min(marks)
         result.before, result.after = min(marks) - launched, ended - max(marks)
     result.loads = [name for file in loads.glob("*.txt") for name in file.read_text().split()]
+    result.collected = [float(f.read_text().split()[0]) for f in spans.glob("*.collected") if f.read_text().strip()]
+    result.launched = launched
     if decisions.exists():
         result.decisions = [
             (float(a), int(b)) for a, b in (line.split() for line in decisions.read_text().splitlines())
@@ -602,6 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shapes: the long test first in collection order (xdist starts it at once)",
     )
     parser.add_argument("--seeds", default=None, help="shapes: comma-separated seeds (default 1,2,3; quick 1)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="dynamo: factor on the 1-30 s durations, so a run fits a couple of minutes (default 0.1; quick 0.02)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per pytest run (default from the suite)")
     parser.add_argument("--keep", action="store_true", help="keep the generated suite, outputs and junitxml")
     args = parser.parse_args(argv)
@@ -627,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_fixtures(args, fixture_modes)
         elif scenario == "shapes":
             run_shapes(args)
+        elif scenario == "dynamo":
+            run_dynamo(args)
         else:
             run_auto(args)
     return 0
@@ -1236,6 +1257,8 @@ def make_shape(
 ) -> list[Case]:
     """A seeded suite of ``shape``: durations log-uniform ``lo``-``hi`` s, one 1-GPU test of ``long`` s
     (first in collection order with ``long_first``, where xdist's own order starts it at once too)."""
+    if shape in SHAPE_MAKERS:  # shapes with a collection order of their own (blocks at the end of this file)
+        return SHAPE_MAKERS[shape](seed, tests, lo, hi, long, workers)
     rng = random.Random(f"{seed}-{shape}")
     exclusive_usable = GPU_GIB * GIB - max(workers, 1) * CONTEXT
 
@@ -1351,6 +1374,10 @@ def run_shapes(args: argparse.Namespace) -> None:
         for seed in seeds:
             cases = make_shape(shape, seed, tests, lo, hi, long, args.workers, args.long_first)
             bound = ShapeBound.of(cases, args.workers)
+            if shape in SHAPE_MAKERS:  # how close xdist's own order comes, ignoring GPUs
+                xdist = xdist_load_span([c.duration for c in cases], args.workers)
+                ratio = xdist / bound.value
+                print(f"  {shape} seed {seed}: xdist's order, simulated: {xdist:.1f} s, {ratio:.3f}x bound")
             durations = {f"test_{c.kind}_{c.index:03d}": c.duration for c in cases}
             longest = sorted(durations, key=lambda n: -durations[n])[:3]
             root = Path(tempfile.mkdtemp(prefix=f"pytest-gpu-makespan-{shape}-{seed}-"))
@@ -1382,6 +1409,7 @@ def run_shapes(args: argparse.Namespace) -> None:
             rows.append((shape, seed, bound, results))
     print(f"load average after: {load()}")
     report_shapes(rows)
+    report_breakdown(rows)
 
 
 def report_shape_run(r: Result, bound: ShapeBound, longest: list[str]) -> None:
@@ -1399,6 +1427,7 @@ def report_shape_run(r: Result, bound: ShapeBound, longest: list[str]) -> None:
         f" · idle between {idle.get('between_s', 0):.2f} s, tail {idle.get('tail_s', 0):.2f} s per worker · "
         f"GPU waits {fmt(r.gpu_wait, '.1f')} s · longest starts at "
         f"{'/'.join(f'{x:.1f}' for x in starts(r, longest))} s · {lat} · OOMs {r.ooms} · {r.summary}{problems}"
+        f"{startup_line(r)}"
     )
 
 
@@ -1439,6 +1468,274 @@ def report_shapes(rows: list[tuple[str, int, ShapeBound, list[Result]]]) -> None
     for shape, values in ratios.items():
         listed = " ".join(f"{v:.2f}" for v in values)
         print(f"{shape}: sched/off test span over seeds {listed}, median {fmt(median(values))}")
+
+
+# -- shape "ordered": a suite whose collection order xdist already runs near the bound --------
+
+
+def xdist_load_span(durations: Sequence[float], workers: int) -> float:
+    """The span xdist's ``--dist load`` gives tests of ``durations`` in this collection order on
+    ``workers`` workers, if every test ran alone and no hand-out took time (its ``schedule`` and
+    ``check_schedule``, as in xdist 3.8: an initial chunk of a quarter of each worker's share,
+    then refills to half of what is left per worker when a worker drops below an eighth)."""
+    pending = list(range(len(durations)))
+    queues: list[list[int]] = [[] for _ in range(workers)]
+    chunk = max(min(len(durations) // workers // 4, len(durations)), 2)
+    if len(pending) < 2 * workers:
+        for k in range(len(pending)):
+            queues[k % workers].append(pending.pop(0))
+    else:
+        for queue in queues:
+            queue += pending[:chunk]
+            del pending[:chunk]
+    clock = [0.0] * workers
+    ends: list[tuple[float, int]] = []
+    for w, queue in enumerate(queues):  # xdist starts a worker's test once it holds the next (or shuts down)
+        if queue:
+            heapq.heappush(ends, (durations[queue[0]], w))
+    span = 0.0
+    while ends:
+        at, w = heapq.heappop(ends)
+        span = max(span, at)
+        clock[w] = at
+        done = queues[w].pop(0)
+        last = durations[done]
+        if pending:
+            low = max(2, len(pending) // workers // 4)
+            high = max(2, len(pending) // workers // 2)
+            if len(queues[w]) < low and not (last >= 0.1 and len(queues[w]) >= 2):
+                take = high - len(queues[w])
+                queues[w] += pending[:take]
+                del pending[:take]
+        if queues[w]:
+            heapq.heappush(ends, (at + durations[queues[w][0]], w))
+    return span
+
+
+def make_ordered(seed: int, tests: int, lo: float, hi: float, long: float, workers: int) -> list[Case]:
+    """The ``worker`` mix without whole-GPU tests (30 % CPU, 10 % 2-GPU of 1-8 GiB, the rest 1-GPU
+    of 1-12 GiB; no 6 s test: ``long`` is unused), durations log-uniform ``lo``-``hi`` s, in a
+    collection order xdist's load scheduling already runs close to the bound: longest first,
+    then seeded swaps of two tests kept where they do not lengthen xdist's span as
+    :func:`xdist_load_span` simulates it (the worst of eight variants with 0-40 ms more a
+    test), until it is within 1 % of the workers' bound."""
+    del long
+    rng = random.Random(f"{seed}-ordered")
+
+    def duration() -> float:
+        return round(math.exp(rng.uniform(math.log(lo), math.log(hi))), 3)
+
+    def mib(lo_gib: float, hi_gib: float) -> int:
+        return 256 * round(4 * math.exp(rng.uniform(math.log(lo_gib), math.log(hi_gib))))
+
+    kinds = ["cpu"] * round(0.30 * tests) + ["multi"] * round(0.10 * tests)
+    kinds += ["gpu"] * (tests - len(kinds))
+    rng.shuffle(kinds)
+    drawn: list[tuple[str, float, int, int, int]] = []
+    for kind in kinds:
+        seconds = duration()
+        if kind == "cpu":
+            drawn.append((kind, seconds, 0, 0, 0))
+        else:
+            memory = mib(*((1.0, 8.0) if kind == "multi" else (1.0, 12.0))) * MIB
+            drawn.append((kind, seconds, 2 if kind == "multi" else 1, memory, int(memory * rng.uniform(0.80, 0.95))))
+    drawn.sort(key=lambda d: -d[1])
+    # then swaps that do not lengthen xdist's simulated span, seeded: an order tuned for xdist.
+    # Scored on a few variants where each test takes 0-40 ms more (a lease, the hand-out), so
+    # the order does not hang on exact ties that a real run breaks otherwise.
+    noise = [[rng.uniform(0.0, 0.04) for _ in range(tests)] for _ in range(8)]
+
+    def score() -> float:
+        return max(xdist_load_span([d[1] + extra[k] for k, d in enumerate(drawn)], workers) for extra in noise)
+
+    span = score()
+    bound = max(drawn[0][1], sum(d[1] + 0.02 for d in drawn) / workers)
+    for _ in range(3000):
+        if span <= 1.01 * bound:
+            break
+        a, b = rng.randrange(tests), rng.randrange(tests)
+        drawn[a], drawn[b] = drawn[b], drawn[a]
+        tried = score()
+        if tried <= span:
+            span = tried
+        else:
+            drawn[a], drawn[b] = drawn[b], drawn[a]
+    ordered = drawn
+    return [
+        Case(kind, index, seconds, count, memory, hold)
+        for index, (kind, seconds, count, memory, hold) in enumerate(ordered)
+    ]
+
+
+def startup_figures(r: Result) -> dict[str, float]:
+    """Start-up apart: launch to the last worker's collection (catalog sent), then to the first test."""
+    runs = [x for x in r.per_worker if x]
+    if not r.collected or not runs or r.launched is None:
+        return {}
+    first = min(x[0][0] for x in runs)
+    return {"collect_s": max(r.collected) - r.launched, "handout_s": first - max(r.collected)}
+
+
+def startup_line(r: Result) -> str:
+    f = startup_figures(r)
+    if not f:
+        return ""
+    return f" · collected at {f['collect_s']:.2f} s, 1st test {1000 * f['handout_s']:.0f} ms after"
+
+
+def report_breakdown(rows: list[tuple[str, int, ShapeBound, list[Result]]]) -> None:
+    """Where each mode's wall time goes, medians over its runs (see bench/README.md, "scheduler tax")."""
+    print()
+    print(
+        "| shape | seed | mode | wall s | to last collected s | collected to 1st test ms | gap ms mean / p90 "
+        "| idle between s/worker | tail s/worker | span x bound | after last s | GPU waits s |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for shape, seed, bound, results in rows:
+        for mode in ("sched", "off"):
+            rs = [r for r in results if r.label == mode and not r.hung]
+            if not rs:
+                continue
+            idle = [idle_figures(r) for r in rs]
+            up = [startup_figures(r) for r in rs]
+
+            def m(values: list[float | None]) -> float | None:
+                return median([v for v in values if v is not None])
+
+            gap, p90 = m([i.get("gap_ms") for i in idle]), m([i.get("gap_p90_ms") for i in idle])
+            gaps = f"{fmt(gap, '.1f')} / {fmt(p90, '.1f')}"
+
+            print(
+                f"| {shape} | {seed} | {mode} | {fmt(m([r.wall for r in rs]), '.1f')} "
+                f"| {fmt(m([u.get('collect_s') for u in up]))} | {fmt(m([u.get('handout_s') for u in up]), '.3f')} "
+                f"| {gaps} "
+                f"| {fmt(m([i.get('between_s') for i in idle]))} | {fmt(m([i.get('tail_s') for i in idle]))} "
+                f"| {fmt(m([r.span / bound.value if r.span else None for r in rs]), '.3f')} "
+                f"| {fmt(m([r.after for r in rs]))} | {fmt(m([r.gpu_wait for r in rs]), '.1f')} |"
+            )
+
+
+SHAPE_MAKERS = {"ordered": make_ordered}
+SHAPES = (*SHAPES, "ordered")
+SHAPE_WHAT["ordered"] = (
+    "30 % CPU, 10 % 2-GPU (1-8 GiB each), the rest 1-GPU 1-12 GiB, in an order xdist already runs near the bound"
+)
+
+
+# -- scenario "dynamo": packing by measured memory on one big GPU (ai-dynamo, PR 9236) --------
+
+DYNAMO_GPU_GIB = 80
+DYNAMO_SPEC = f"sim:1x{DYNAMO_GPU_GIB}GiB"
+DYNAMO_TESTS = 54  # 1-30 s log-uniform: about 454 s in all, ai-dynamo's serial run
+DYNAMO_TEMPLATE = """
+
+@pytest.mark.gpu
+def test_gpu_{index:03d}():
+    sim.hold({hold}, {duration:.3f})
+"""
+
+
+def make_dynamo(seed: int, tests: int, scale: float) -> list[Case]:
+    """``tests`` 1-GPU tests whose marker names no memory, each holding 2-20 GiB (log-uniform)
+    for 1-30 s (log-uniform) times ``scale``; ``Case.memory`` is what ``--gpu-learn`` asks for
+    them once their peaks are recorded (1.25 x the peak)."""
+    rng = random.Random(f"{seed}-dynamo")
+    cases = []
+    for index in range(tests):
+        seconds = round(scale * math.exp(rng.uniform(0.0, math.log(30.0))), 3)
+        hold = 256 * round(4 * math.exp(rng.uniform(math.log(2.0), math.log(20.0)))) * MIB
+        cases.append(Case("gpu", index, seconds, 1, int(1.25 * hold), hold))
+    return cases
+
+
+def run_dynamo(args: argparse.Namespace) -> None:
+    """One 80 GiB GPU, tests sized by their measured peaks: a serial run (which records the peaks
+    and durations, as ai-dynamo measured them), then the scheduler and ``--gpu-schedule=off``
+    under ``-n`` with ``--gpu-learn``, alternating; speedup over serial beside span / bound."""
+    seed = args.seed
+    scale = args.scale if args.scale is not None else (0.02 if args.quick else 0.1)
+    tests = args.tests if args.tests is not None else (24 if args.quick else DYNAMO_TESTS)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 2)
+    if scale <= 0:
+        raise SystemExit(f"--scale: expected a positive factor on the durations, got {scale}")
+    cases = make_dynamo(seed, tests, scale)
+    workers = args.workers
+    total = sum(c.duration for c in cases)
+    capacity = DYNAMO_GPU_GIB * GIB - workers * CONTEXT  # every worker's CUDA context takes its share
+    bound = max(max(c.duration for c in cases), total / workers, sum(c.duration * c.memory for c in cases) / capacity)
+    which = "longest" if bound == max(c.duration for c in cases) else ("work/W" if bound == total / workers else "mem")
+    print(
+        f"pytest-gpu makespan benchmark, dynamo scenario · Python {platform.python_version()} · {os.cpu_count()} CPUs "
+        f"· {DYNAMO_SPEC} · -n {workers} · seed {seed} · {tests} tests holding "
+        f"{min(c.hold for c in cases) / GIB:.2f}-{max(c.hold for c in cases) / GIB:.2f} GiB for 1-30 s x {scale:g} "
+        f"({total:.1f} s in all; {total / scale:.0f} s unscaled)"
+    )
+    print(
+        "serial: --gpus sim:1x80GiB --gpu-learn, one process (records each test's peak and duration); then "
+        f"-n {workers} --gpu-learn (requests 1.25 x the peak) with the scheduler (sched) and --gpu-schedule=off "
+        f"(off), {runs} run(s) each, alternating (ABBA). Bound = max(longest; sum/W; requested GiB·s / "
+        f"({DYNAMO_GPU_GIB} GiB - {workers} contexts)) = {bound:.2f} s ({which})"
+    )
+    print(f"load average before: {load()}")
+    durations = {f"test_gpu_{c.index:03d}": c.duration for c in cases}
+    root = Path(tempfile.mkdtemp(prefix=f"pytest-gpu-makespan-dynamo-{seed}-"))
+    results: list[Result] = []
+    try:
+        suite = root / "suite"
+        suite.mkdir()
+        (suite / "pytest.ini").write_text("[pytest]\n")
+        (suite / "conftest.py").write_text(CONFTEST)
+        for start in range(0, len(cases), TESTS_PER_MODULE):
+            body = [MODULE_HEAD.format(seed=seed)]
+            body += [
+                DYNAMO_TEMPLATE.format(index=c.index, hold=c.hold, duration=c.duration)
+                for c in cases[start:][:TESTS_PER_MODULE]
+            ]
+            (suite / f"test_dynamo_{start // TESTS_PER_MODULE:02d}.py").write_text("".join(body))
+        env = run_env(root)
+        warm_bytecode(root, env)
+        timeout = args.timeout or max(120.0, 3 * total + 120)
+        plan = [("serial", 0), *alternating(["sched", "off"], runs)]
+        for mode, number in plan:
+            tag = f"dynamo-{seed}-{mode}-{number}"
+            cmd = ["--gpus", DYNAMO_SPEC, "--gpu-learn", "-o", f"cache_dir={root / 'cache'}"]
+            cmd += [f"--gpu-trace={root / f'trace-{tag}.json'}"]
+            if mode != "serial":
+                cmd += ["-n", str(workers)] + (["--gpu-schedule=off"] if mode == "off" else [])
+            print(f"  {mode} {number or ''} (load {load()}) ...", flush=True)
+            result = run_pytest(tag, mode, root, suite, cmd, {}, env, timeout, durations)
+            result.label = mode
+            result.summary = f"load {os.getloadavg()[0]:.2f}"
+            results.append(result)
+            print(
+                f"    {mode:6} wall {result.wall:5.1f} s · span {fmt(result.span, '.1f')} s "
+                f"({fmt(result.span and result.span / bound)}x bound) · GPU waits {fmt(result.gpu_wait, '.1f')} s · "
+                f"OOMs {result.ooms} · {result.counts} · {result.summary}"
+                + (f" · {result.problems[0][:120]}" if result.problems else "")
+            )
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"  kept {root}")
+    print(f"load average after: {load()}")
+    serial = results[0]
+    print()
+    print(
+        "| mode | wall s | span s | speedup over serial (wall) | speedup over serial (span) | span x bound "
+        "| GPU waits s | OOMs | load |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |")
+    for mode in ("serial", "sched", "off"):
+        rs = [r for r in results if r.label == mode and not r.hung]
+        wall = median([r.wall for r in rs])
+        span = median([r.span for r in rs if r.span is not None])
+        print(
+            f"| {mode} | {' / '.join(f'{r.wall:.1f}' for r in rs)} | {' / '.join(fmt(r.span, '.1f') for r in rs)} "
+            f"| {fmt(wall and serial.wall / wall)} | {fmt(span and serial.span and serial.span / span)} "
+            f"| {fmt(span and span / bound)} | {' / '.join(fmt(r.gpu_wait, '.1f') for r in rs)} "
+            f"| {sum(r.ooms for r in rs)} | {' / '.join(r.summary.removeprefix('load ') for r in rs)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from helpers import NODE, one_node, see
 from pytest_gpu.leasing.view import NodeView
-from pytest_gpu.scheduling.planner import Grant, Job, Need, Order, Planner
+from pytest_gpu.scheduling.planner import AHEAD_WINDOW, Grant, Job, Need, Order, Planner
 
 EXCLUSIVE = None  # Need.memory for whole GPUs
 GPU_MEMORY = 16  # per GPU in the simulations (units are arbitrary)
@@ -259,6 +259,57 @@ def test_a_worker_without_a_context_on_a_gpu_needs_room_for_one() -> None:
     assert b_picks({}, []) == 2  # contexts not counted (as before)
     assert b_picks({"A": {0}}, [50]) == 3
     assert b_picks({"A": {0}, "B": {0}}, [50]) == 2
+
+
+# -- handing out ahead (Planner.fill) -------------------------------------------------------
+
+
+def test_a_worker_running_short_tests_holds_the_one_after_its_next() -> None:
+    # xdist starts a test once its worker holds the one after: with two held, every start
+    # waits for the controller's answer to the last completion; a third held hides that wait
+    planner = one_node([cpu(i, 0.1) for i in range(12)], [])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    given = planner.fill(["A", "B"], 0.0)
+    assert [w for w, _ in given] == ["A", "B", "A", "B", "A", "B"]  # one each, then two, then three
+    assert planner.queue("A") == [0, 2, 4] and planner.queue("B") == [1, 3, 5]
+    planner.complete("A", 0, 0.1)  # A starts 2 at once; 6 comes while it runs
+    assert planner.fill(["A", "B"], 0.1) == [("A", 6)]
+
+
+def test_nothing_goes_ahead_to_a_worker_busy_for_longer_than_the_window() -> None:
+    planner = one_node([cpu(0, 10.0)] + [cpu(i, 0.1) for i in range(1, 12)], [])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    planner.fill(["A", "B"], 0.0)
+    assert planner.queue("A") == [0, 2]  # 10 s of held work: the next test waits for the controller
+    assert len(planner.queue("B")) == 3
+    assert AHEAD_WINDOW < 10.0
+
+
+def test_nothing_goes_ahead_near_the_end_of_the_run() -> None:
+    # four tests, two workers: two each, none a third, or one worker could end up with three
+    # while the other runs dry
+    planner = one_node([cpu(i, 0.1) for i in range(5)], [])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    planner.fill(["A", "B"], 0.0)
+    assert len(planner.queue("A")) == len(planner.queue("B")) == 2 and planner.pending == 1
+
+
+def test_a_test_goes_ahead_only_where_it_fits_at_its_start() -> None:
+    # 8-unit tests cannot share the GPU of 10: one after another on A; B runs the CPU tests,
+    # and after those nothing fits it before A's are predicted done: no third test for B
+    jobs = [gpu(i, 0.2, 8) for i in range(4)] + [cpu(4, 0.05), cpu(5, 0.05), gpu(6, 0.2, 8)]
+    planner = one_node(jobs, [10])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    planner.fill(["A", "B"], 0.0)
+    assert planner.queue("A") == [0, 1, 2]  # each fits once the one before it is predicted done
+    assert planner.queue("B") == [4, 5] and planner.pending == 2
+    # as B's next test it would be given the soonest fit, to wait for it at the broker (rule 4)
+    assert planner.pick("B", 0.0, wait=False) is None
+    assert planner.pick("B", 0.0) == 3
 
 
 # -- groups ----------------------------------------------------------------------------
@@ -584,15 +635,9 @@ class Sim:
         return max((end for _, _, end in self.runs.values()), default=0.0)
 
     def _fill(self) -> None:
-        """As GpuScheduling._fill_all: every live worker to one held test, then to two; then shutdowns."""
+        """As GpuScheduling._fill_all: every live worker topped up (Planner.fill); then shutdowns."""
         live = [w for w in self.planner.workers if w not in self.shut]
-        for target in (1, 2):
-            for w in live:
-                while len(self.planner.queue(w)) < target:
-                    index = self.planner.pick(w, self.now)
-                    if index is None:
-                        break
-                    self.assigned.append((index, w, frozenset(self.gone)))
+        self.assigned += [(index, w, frozenset(self.gone)) for w, index in self.planner.fill(live, self.now)]
         for w in live:
             if not self.planner.pending or not self.planner.eligible(w):
                 self.shut.add(w)

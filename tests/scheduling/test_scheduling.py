@@ -377,6 +377,52 @@ def test_recorded_durations_put_the_longest_test_first(gpu_pytester: pytest.Pyte
     assert next(e["args"]["nodeid"] for e in spans if e["args"]["worker"] == worker) == long_id
 
 
+# -- handing out ahead -----------------------------------------------------------------------------
+
+AHEAD = """
+import os
+
+import pytest
+
+
+def queued(config):
+    # tests this xdist worker holds besides the running one and its next (xdist's own queue)
+    plugin = next(p for p in config.pluginmanager.get_plugins() if type(p).__name__ == "WorkerInteractor")
+    with plugin.torun.lock() as items:
+        return sum(isinstance(i, int) for i in items)
+
+
+@pytest.mark.parametrize("i", range(12))
+@pytest.mark.gpu(memory="1GiB")
+def test_gpu(request, i):
+    with open(os.path.join(os.path.dirname(__file__), "queued.txt"), "a") as fh:
+        fh.write(f"{queued(request.config)}\\n")
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_cpu(request, i):
+    with open(os.path.join(os.path.dirname(__file__), "queued.txt"), "a") as fh:
+        fh.write(f"{queued(request.config)}\\n")
+"""
+
+
+def test_a_worker_running_short_tests_holds_the_test_after_its_next(gpu_pytester: pytest.Pytester) -> None:
+    """With short tests recorded, a worker holds one more test than xdist needs to start its
+    running test's successor, so it starts that one without waiting for the controller."""
+    gpu_pytester.makepyfile(test_ahead=AHEAD)
+    args = (*cached_args(gpu_pytester), "--gpus", "sim:2x16GiB", "-n", "2")
+    queued = gpu_pytester.path / "queued.txt"
+    first = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
+    first.assert_outcomes(passed=24)
+    # nothing recorded yet: every test is expected to take as long as the unknown ones, a second
+    assert set(queued.read_text().split()) == {"0"}
+    queued.unlink()
+    second = gpu_pytester.runpytest_subprocess(*args, timeout=patience(120))
+    second.assert_outcomes(passed=24)
+    seen = [int(x) for x in queued.read_text().split()]
+    assert max(seen) == 1 and seen.count(1) >= 4, seen  # never more than one ahead
+
+
 # -- GPU-aware choice -----------------------------------------------------------------------------
 
 TWO_BIG = """

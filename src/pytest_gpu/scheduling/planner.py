@@ -5,6 +5,8 @@ key, group) and past durations, and asks :meth:`Planner.pick` whenever a worker 
 its next test. xdist runs a worker's test only once the worker holds the test after
 it, so a worker's queue is kept at two: the running test and the next one. The next
 one is chosen when the running one starts, for the moment it is predicted to start.
+Where a worker's held tests are short, it holds a third (:meth:`Planner.fill`), so that
+it starts each test without waiting for the controller to answer the last completion.
 
 Rules, in order:
 
@@ -86,6 +88,11 @@ _OVERDUE = 0.05
 _FALLBACK_SCAN = 64
 # How many pending tests of one GPU need a pick looks at (by priority).
 _SCAN = 256
+# How many tests a worker holds at most: the running one, the next (xdist starts a test only
+# once its worker holds the one after), and one more, so that it never waits for the controller.
+HELD = 3
+# ... where the tests it holds are predicted to end within this many seconds (see Planner.fill).
+AHEAD_WINDOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -337,12 +344,39 @@ class Planner:
 
     # -- choosing -------------------------------------------------------------------
 
-    def pick(self, worker: str, now: float) -> int | None:
+    def fill(self, workers: Sequence[str], now: float) -> list[tuple[str, int]]:
+        """Top ``workers`` up (the live ones, in xdist's order): the (worker, test) handed out, in order.
+
+        In rounds: every worker to one held test before any gets a second (a handful of tests
+        spreads over the workers instead of queueing on the first), then to two (xdist starts
+        a test only once its worker holds the next), then to :data:`HELD` where the tests it
+        holds are predicted to end within :data:`AHEAD_WINDOW`: the test after the next, so
+        that a worker that ends a short test starts its next one at once instead of waiting
+        for the controller's answer (a round trip that weighs on short tests, not long ones).
+        That one is handed out only where it fits when it is predicted to start (never to
+        wait: rule 4 stays for a worker's next test), only while more tests are pending than
+        there are workers (the end of the run stays balanced), and it starts at most
+        :data:`AHEAD_WINDOW` later than on a worker that asks next."""
+        given: list[tuple[str, int]] = []
+        for target in range(1, HELD + 1):
+            for worker in workers:
+                while len(self._workers[worker].queue) < target:
+                    ahead = target > 2
+                    if ahead and (self.pending <= len(workers) or self._forecast(worker, now)[1] > now + AHEAD_WINDOW):
+                        break
+                    index = self.pick(worker, now, wait=not ahead)
+                    if index is None:
+                        break
+                    given.append((worker, index))
+        return given
+
+    def pick(self, worker: str, now: float, *, wait: bool = True) -> int | None:
         """The test ``worker`` should hold next (already assigned to it), or ``None``.
 
         ``None`` when nothing is eligible, or when nothing fits yet, the worker holds
         nothing and another worker is busy (its completion will ask again), or while a
-        test that runs alone waits for the run to drain or runs on another worker (rule 0)."""
+        test that runs alone waits for the run to drain or runs on another worker (rule 0).
+        ``wait=False``: only a test predicted to fit at its start, never rule 4's."""
         state = self._workers[worker]
         if self.alone:  # rule 0 (a suite without gpu_serial tests pays one check)
             alone = self._pick_alone(worker)
@@ -391,7 +425,7 @@ class Planner:
             if choice is not None:
                 self._plan(choice, start, spans, caps, extra)
                 break
-        if choice is None and (state.queue or not self._anyone_busy(worker)):
+        if choice is None and wait and (state.queue or not self._anyone_busy(worker)):
             # nothing fits: among the first few by priority, the one predicted to fit soonest
             first = list(itertools.islice(self._candidates(worker), _FALLBACK_SCAN))
             if first:  # ties go by priority order (a group weighs its remaining time)

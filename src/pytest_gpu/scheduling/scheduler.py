@@ -2,8 +2,10 @@
 
 Used under ``-n`` unless the user chose ``--dist`` or gave ``--gpu-schedule=off``. It
 implements xdist's ``Scheduling`` protocol around :class:`~pytest_gpu.scheduling.planner.Planner`
-(the policy). Each worker holds at most two tests: the one running and the next, so
-every decision is taken as late as xdist allows.
+(the policy). Each worker holds the test it runs and the next (xdist starts a test only
+once its worker holds the one after), so every decision is taken as late as xdist allows;
+a worker whose held tests end within half a second also holds the one after, so that it
+starts its next test without waiting for the controller's answer (:meth:`Planner.fill`).
 
 Which tests go first follows the run's options, as pytest orders ``items`` for them
 (:func:`order`): ``--ff`` (and ``--lf``) puts last run's failures first, ``--nf`` new
@@ -197,32 +199,23 @@ class GpuScheduling:
     # -- handing out ----------------------------------------------------------------
 
     def _fill_all(self) -> None:
-        """Top every live worker up to two held tests; stop the ones with nothing left to do.
-
-        In two rounds: every idle worker gets a test before any worker gets a second one,
-        so a handful of tests spreads over the workers instead of queueing on the first."""
+        """Top every live worker up (:meth:`Planner.fill`: the running test, the next, and one
+        more while it fits); stop the ones with nothing left to do."""
         planner = self.planner
         assert planner is not None
         views = planner.nodes = self.gpu_nodes.views()  # each node's room, grants and contexts, from its broker
-        now = time.monotonic()
         live = [node for node in self._names if not privates.shutting_down(node)]
-        sent: dict[WorkerController, list[int]] = {node: [] for node in live}
-        for target in (1, 2):
-            for node in live:
-                name = self._names[node]
-                while len(planner.queue(name)) < target:
-                    index = planner.pick(name, now)
-                    if index is None:
-                        break
-                    sent[node].append(index)
-                    plan = planner.planned(index)
-                    if plan is not None and self.collection is not None:
-                        # where its lease should go: the broker's own rule would not know what
-                        # the planner counted there for the other tests of this round
-                        self._prefer(name, self.collection[index], plan, views)
+        sent: dict[str, list[int]] = {self._names[node]: [] for node in live}
+        for name, index in planner.fill(list(sent), time.monotonic()):
+            sent[name].append(index)
+            plan = planner.planned(index)
+            if plan is not None and self.collection is not None:
+                # where its lease should go: the broker's own rule would not know what
+                # the planner counted there for the other tests of this round
+                self._prefer(name, self.collection[index], plan, views)
         for node in live:
-            if sent[node]:
-                privates.send_tests(node, sent[node])
+            if sent[self._names[node]]:
+                privates.send_tests(node, sent[self._names[node]])
             if not planner.pending or not planner.eligible(self._names[node]):
                 privates.stop_worker(node)  # what is left belongs to other workers' groups, or nothing is
 
