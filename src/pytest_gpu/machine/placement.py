@@ -209,6 +209,7 @@ def place(
             if whole is not None and unpromised(whole, policy, carved) < gpu.capacity:
                 continue
         taken = (carved or {}).get(gpu.index, 0)  # by its parts in use
+        key: tuple[int, ...]
         if request.exclusive:
             if gpu.tenants:
                 continue
@@ -226,7 +227,8 @@ def place(
             grant = request.memory
             # affinity first; then a GPU no foreign process uses (its usage may grow); a new
             # context goes where there are fewest (spreads the workers' home GPUs); then the
-            # tightest fit keeps large holes for large requests
+            # tightest fit keeps large holes for large requests (spread: all that after idle
+            # GPUs first and, among busy ones, after the context saving, the least loaded)
             spread = 0 if has_ctx else len(gpu.contexts)
             key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, spread, room - request.memory, gpu.index)
             if policy.spread:  # an idle GPU first, then the context saving, then the least loaded
