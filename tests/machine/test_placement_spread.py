@@ -114,3 +114,10 @@ def test_a_busy_gpu_only_where_no_idle_gpu_has_room_for_the_request_and_its_cont
                 continue
             budget = client in gpu.contexts or len(gpu.contexts) + 1 <= SPREAD.context_limit(gpu.capacity)
             assert not (budget and gpu.room_for(client, SPREAD) >= memory * GiB), (index, gpu)
+
+
+def test_a_plan_beside_a_running_test_is_followed_while_a_gpu_is_idle() -> None:
+    # the scheduler packs on purpose where a pending test needs the idle GPU's memory
+    gpus = [busy(0, 16 * GiB, "gw0"), GpuState(1, 16 * GiB)]
+    assert place(gpus, shared(GiB), "gw1", SPREAD).indices == (1,)
+    assert place(gpus, shared(GiB), "gw1", SPREAD, prefer=(0,)).indices == (0,)

@@ -59,9 +59,11 @@ def test_a_bad_slowdown_names_what_was_expected(option: str) -> None:
 
 
 def slept(monkeypatch: pytest.MonkeyPatch, sharing: list[int]) -> list[float]:
-    """Where compute's sleeps go, while ``computing`` answers ``sharing`` in turn (then its last)."""
+    """Where compute's sleeps go (on a clock of their own), while ``computing`` answers
+    ``sharing`` in turn (then its last)."""
     steps: list[float] = []
     monkeypatch.setattr(sim_cuda.time, "sleep", steps.append)
+    monkeypatch.setattr(sim_cuda.time, "monotonic", lambda: sum(steps))
     answers = iter(sharing)
     monkeypatch.setattr(sim.Ledger, "computing", lambda self, unit: next(answers, sharing[-1]))
     return steps
@@ -80,6 +82,16 @@ def test_compute_shared_by_two_takes_twice_as_long(monkeypatch: pytest.MonkeyPat
     assert sum(steps) == pytest.approx(1.0)
 
 
+def test_what_a_tick_really_took_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loaded host: every sleep takes twice what was asked; alone, 0.5 s of compute ends after 0.5 s
+    asked: list[float] = []
+    monkeypatch.setattr(sim_cuda.time, "sleep", asked.append)
+    monkeypatch.setattr(sim_cuda.time, "monotonic", lambda: 2 * sum(asked))
+    monkeypatch.setattr(sim.Ledger, "computing", lambda self, unit: 1)
+    sim.compute(0.5)
+    assert 2 * sum(asked) == pytest.approx(0.5, abs=sim_cuda.COMPUTE_TICK * 2)
+
+
 def test_the_share_is_read_as_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     # 0.1 s of compute at a third of the speed (0.3 s), then the rest alone
     tick = sim_cuda.COMPUTE_TICK
@@ -93,6 +105,7 @@ def test_the_ledger_knows_who_computes_where_while_it_lasts(monkeypatch: pytest.
     led = sim.ledger()
     seen: list[tuple[int, int]] = []
     monkeypatch.setattr(sim_cuda.time, "sleep", lambda s: seen.append((led.computing(0), led.computing(1))))
+    monkeypatch.setattr(sim_cuda.time, "monotonic", lambda: len(seen))  # a second per tick
     sim.compute(0.05, device=1)
     assert seen and set(seen) == {(0, 1)}
     assert (led.computing(0), led.computing(1)) == (0, 0)  # over: no record left

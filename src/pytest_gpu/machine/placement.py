@@ -39,6 +39,8 @@ it is served — it gets the next GPUs that free up enough.
 Preference: a request may name the GPUs its run's scheduler planned for it (``prefer``).
 It gets exactly those when it fits there now, within the context budget, else the GPUs the
 rules above choose: a preference never makes a request wait, and never keeps a GPU for it.
+(A plan on a busy GPU while another is idle is followed: the scheduler packs on purpose where
+a pending test needs the idle GPU's memory, see :mod:`pytest_gpu.scheduling.planner`.)
 
 Hold-and-wait: a client waits for one request at a time and gives nothing back while it
 waits (a worker keeps its module-scoped fixture's lease while its next test waits for its
