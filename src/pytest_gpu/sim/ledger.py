@@ -13,6 +13,9 @@ bug shows up as an OOM. As the driver does:
 - a device's ``reserved`` memory (the driver's own) can never be allocated;
 - when a process dies its memory and contexts are freed (checked lazily on the next
   write, with the process's start time so a recycled pid does not count).
+- on a machine whose spec has ``slowdown=share``, which processes compute on which device
+  now (:meth:`Ledger.begin_compute`): :func:`pytest_gpu.sim.cuda.compute` shares a device's
+  time among them, and a process's record goes with it, as its memory does.
 
 Every write also renders ``nvml.state``, which the fake ``libnvidia-ml.so.1``
 (:mod:`pytest_gpu.sim.nvml`) reads: NVML then reports exactly what the ledger holds.
