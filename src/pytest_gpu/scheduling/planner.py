@@ -613,7 +613,8 @@ class Planner:
         gpus = tuple(sorted(row[-1] for row in ranked[: need.count]))
         plan = Grant(gpus, need.memory, () if need.memory is None else tuple(add[i] for i in gpus))
         if need.memory is not None and all(view.spread for view in self._views.values()):
-            plan = self._spread(plan, ranked, load, add, caps, [s for s in overlapping if s.start <= start < s.end])
+            at_start = [s for s in overlapping if s.start <= start < s.end]
+            plan = self._spread(index, plan, ranked, load, add, caps, at_start)
         others = self._needs(job)[1:]  # what its group's fixtures hold: packed freely, as before
         for point in points:
             active = [s for s in overlapping if s.start <= point < s.end]
@@ -624,6 +625,7 @@ class Planner:
 
     def _spread(
         self,
+        index: int,
         packed: Grant,
         ranked: Sequence[tuple[int, ...]],
         load: Sequence[int],
@@ -634,8 +636,8 @@ class Planner:
         """The broker's rule for a plan (:func:`pytest_gpu.machine.placement.place`): GPUs no
         lease holds over the span first, then its worker's context GPUs, then the least loaded,
         among the GPUs of ``ranked`` (where it fits; ``packed``: the tightest); ``packed`` where
-        spreading leaves a pending need (``active``: the spans at its start) no room that
-        packing leaves it: memory makes packing pay."""
+        spreading leaves a need pending besides ``index``'s own (``active``: the spans at its
+        start) no room that packing leaves it: memory makes packing pay."""
         order = sorted((load[i] > 0, has, load[i], left, i) for has, left, i in ranked)
         gpus = tuple(sorted(row[-1] for row in order[: len(packed.gpus)]))
         if gpus == packed.gpus:
@@ -644,7 +646,7 @@ class Planner:
         granted = [s.grant for s in active if s.grant is not None]
         free = [s.need for s in active if s.grant is None]
         for need, members in self._by_need.items():
-            if members and need.memory is not None:
+            if members and members != [index] and need.memory is not None:
                 if self._packs(free, [*granted, packed], caps, (need,)) and not self._packs(
                     free, [*granted, spread], caps, (need,)
                 ):
