@@ -121,3 +121,10 @@ def test_a_plan_beside_a_running_test_is_followed_while_a_gpu_is_idle() -> None:
     gpus = [busy(0, 16 * GiB, "gw0"), GpuState(1, 16 * GiB)]
     assert place(gpus, shared(GiB), "gw1", SPREAD).indices == (1,)
     assert place(gpus, shared(GiB), "gw1", SPREAD, prefer=(0,)).indices == (0,)
+
+
+def test_a_gpu_a_foreign_process_uses_is_not_idle() -> None:
+    gpus = [GpuState(0, 16 * GiB, foreign=GiB), busy(1, 16 * GiB, "b")]
+    assert place(gpus, shared(GiB), "a", SPREAD).indices == (1,)  # busy both: the foreign-free first
+    gpus.append(GpuState(2, 16 * GiB))
+    assert place(gpus, shared(GiB), "a", SPREAD).indices == (2,)

@@ -9,11 +9,12 @@ stays within the GPU's capacity. An exclusive lease has the GPU alone and gets
 everything that is left after the contexts; one with a ``min_memory`` only goes where
 that is at least ``min_memory``.
 
-Spread compute, pack memory: a shared lease goes to an *idle* GPU (one no lease holds)
-when one has room for it, so that tests do not share a GPU's compute while another GPU
-does nothing (two compute-bound tests on one GPU each run slower); among idle GPUs, and
-among busy ones once none is idle, a GPU the client already has a context on first (it
-saves a context's memory), then the least loaded (fewest leases, least leased). A
+Spread compute, pack memory: a shared lease goes to an *idle* GPU (one no lease holds and
+no foreign process uses) when one has room for it, so that tests do not share a GPU's
+compute while another GPU does nothing (two compute-bound tests on one GPU each run
+slower); among idle GPUs, and among busy ones once none is idle, a GPU the client already
+has a context on first (it saves a context's memory), then one no foreign process uses,
+then the least loaded (fewest leases, least leased). A
 request is packed beside others only where memory or contexts leave no idle GPU for it:
 an idle GPU qualifies only with room for the request *and* the new context it opens
 there, within the context budget. (``Policy(spread=False)``, the rule before, put a
@@ -233,8 +234,9 @@ def place(
             # GPUs first and, among busy ones, after the context saving, the least loaded)
             spread = 0 if has_ctx else len(gpu.contexts)
             key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, spread, room - request.memory, gpu.index)
-            if policy.spread:  # an idle GPU first, then the context saving, then the least loaded
-                key = (1 if gpu.tenants else 0, key[0], gpu.tenants, gpu.leased, *key[1:])
+            if policy.spread:  # an idle GPU first; then the context saving, the foreign-free, the least loaded
+                busy = 1 if gpu.tenants or gpu.foreign else 0  # a foreign process may compute there too
+                key = (busy, key[0], key[1], gpu.tenants, gpu.leased, *key[2:])
         fits.append((key, gpu, grant))
     if len(fits) < request.count:
         return None
