@@ -32,6 +32,13 @@ Two more scenarios (``--scenario``; the default, ``mixed``, is the above):
 - ``auto``: 100 tests of the mixed kind (no distributed ones) on ``sim:8x16GiB``:
   ``-n auto`` (pytest-gpu's choice) against ``-n <os.cpu_count()>`` (xdist's ``-n auto``
   without pytest-gpu), alternating (``--runs``), both with leases.
+- ``spread``: compute-bound GPU tests on GPUs that share their compute
+  (``sim:4x16GiB;slowdown=share``: a test's ``sim.hold`` runs 1/k as fast while k processes
+  compute on its GPU), ``-n 4``: placement that spreads (idle GPUs first, the default)
+  against the rule before (a worker's context GPUs first, busy or not:
+  ``PYTEST_GPU_PLACEMENT=affinity``), alternating (``--runs``), both with the scheduler.
+  Each run: wall, test span against the bound (the longest test, or the sum over the GPUs),
+  how much longer the GPU tests took than alone (the slowdown they met), pytest-gpu's GPU busy line.
 - ``shapes``: the scheduler against ``--gpu-schedule=off`` on suite shapes of 160 tests
   (``--shapes``: ``worker``-bound, 30 % CPU and GPU tests of 1-12 GiB and whole GPUs;
   ``memory``-bound, mostly 8.25-12 GiB and 2-GPU tests, at most one such lease a GPU;
@@ -54,6 +61,7 @@ Run from the repository root::
     python bench/makespan.py --scenario fixtures,auto --quick  # smoke run (under a minute)
     python bench/makespan.py --scenario shapes                # about 16 minutes here
     python bench/makespan.py --scenario shapes --quick        # smoke run (about a minute)
+    python bench/makespan.py --scenario spread                # about 3 minutes here
 """
 
 from __future__ import annotations
@@ -93,7 +101,7 @@ DECISIONS_ENV = "MAKESPAN_DECISIONS"
 LOADS_ENV = "MAKESPAN_LOADS"
 CONTEXT = 500 * 2**20  # pytest-gpu's default --gpu-context-overhead, also the simulated ledger's
 MODES = ("serial", "xdist", "pin", "off", "sched")
-SCENARIOS = ("mixed", "fixtures", "auto", "shapes", "dynamo")
+SCENARIOS = ("mixed", "fixtures", "auto", "shapes", "dynamo", "spread")
 FIXTURE_MODES = ("module", "test", "pin")  # a lease (and a load) per module / per test / no plugin, pinned
 AUTO_GPUS = 8
 AUTO_SPEC = f"sim:{AUTO_GPUS}x{GPU_GIB}GiB"
@@ -581,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="mixed",
         help="comma-separated: mixed (the default: the mixed suite, --modes), fixtures (module-scoped model "
         "fixtures: a lease per module against one per test), auto (-n auto against -n <CPUs> on "
-        f"{AUTO_SPEC}), or all",
+        f"{AUTO_SPEC}), shapes, spread (spread placement against affinity on GPUs that share compute), or all",
     )
     parser.add_argument("--seed", type=int, default=1, help="seed of the generated suite (default 1)")
     parser.add_argument(
@@ -648,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_shapes(args)
         elif scenario == "dynamo":
             run_dynamo(args)
+        elif scenario == "spread":
+            run_spread(args)
         else:
             run_auto(args)
     return 0
@@ -1736,6 +1746,106 @@ def run_dynamo(args: argparse.Namespace) -> None:
             f"| {fmt(span and span / bound)} | {' / '.join(fmt(r.gpu_wait, '.1f') for r in rs)} "
             f"| {sum(r.ooms for r in rs)} | {' / '.join(r.summary.removeprefix('load ') for r in rs)} |"
         )
+# -- scenario "spread": spread compute against the rule before, GPUs that share their compute ---
+
+SPREAD_GPUS = 4
+SPREAD_SPEC = f"sim:{SPREAD_GPUS}x{GPU_GIB}GiB;slowdown=share"
+# what each arm sets: PYTEST_GPU_PLACEMENT (machine/domain.placement_spreads), read at the run's start
+SPREAD_ARMS = {"spread": "spread", "affinity": "affinity"}
+
+
+def make_spread_suite(seed: int, tests: int, lo: float, hi: float) -> list[Case]:
+    """GPU tests only, 1-4 GiB (memory never binds: 4 on a GPU fit), durations log-uniform lo-hi."""
+    rng = random.Random(f"{seed}-spread")
+    cases = []
+    for index in range(tests):
+        memory = 256 * rng.randint(4, 16) * 2**20
+        duration = round(math.exp(rng.uniform(math.log(lo), math.log(hi))), 3)
+        cases.append(Case("gpu", index, duration, 1, memory, int(memory * 0.9)))
+    return cases
+
+
+def stretch(result: Result, durations: dict[str, float]) -> float | None:
+    """How much longer the tests took than alone: sum of measured spans / sum of their durations."""
+    measured = planned = 0.0
+    for runs in result.per_worker:
+        for start, end, name in runs:
+            if name in durations:
+                measured += end - start
+                planned += durations[name]
+    return measured / planned if planned else None
+
+
+def run_spread(args: argparse.Namespace) -> None:
+    """Spread (idle GPUs first) against affinity (a worker's context GPUs first) with the slowdown on."""
+    tests = args.tests if args.tests is not None else (16 if args.quick else 60)
+    lo, hi = (0.05, 0.3) if args.quick else (0.1, 1.5)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 2)
+    workers = SPREAD_GPUS
+    cases = make_spread_suite(args.seed, tests, lo, hi)
+    total = sum(c.duration for c in cases)
+    longest = max(c.duration for c in cases)
+    bound = max(longest, total / min(workers, SPREAD_GPUS))  # a GPU computes one test at full speed at a time
+    durations = {f"test_gpu_{c.index:03d}": c.duration for c in cases}
+    timeout = args.timeout or max(120.0, 4 * total + 60)
+    root = Path(tempfile.mkdtemp(prefix="pytest-gpu-makespan-spread-"))
+    results: list[Result] = []
+    try:
+        write_suite(root, cases, args.seed)
+        print(
+            f"pytest-gpu makespan benchmark, spread scenario · Python {platform.python_version()} · "
+            f"{os.cpu_count()} CPUs · {SPREAD_SPEC} · -n {workers} · seed {args.seed} · spread (idle GPUs first) "
+            f"against affinity (PYTEST_GPU_PLACEMENT=affinity: a worker's context GPUs first) · {runs} run(s) "
+            "each, alternating"
+        )
+        print(
+            f"suite: {tests} GPU tests of 1-4 GiB, sim.hold for a duration log-uniform {lo:g}-{hi:g} s (compute "
+            f"shared by who computes on a GPU at once); sum {total:.1f} s; bound max(longest, sum / GPUs) = "
+            f"{bound:.1f} s"
+        )
+        print(f"timeout {timeout:.0f} s per run; load average before: {load()}")
+        env = run_env(root)
+        warm_bytecode(root, env)
+        for arm, number in alternating(list(SPREAD_ARMS), runs):
+            label = f"{arm} #{number}" if runs > 1 else arm
+            print(f"  running {label} ...", flush=True)
+            cmd_args = ["-n", str(workers), "--gpus", SPREAD_SPEC, "-p", "no:cacheprovider"]
+            extra = {"PYTEST_GPU_PLACEMENT": SPREAD_ARMS[arm]}
+            result = run_pytest(label, arm, root, root / "suite", cmd_args, extra, env, timeout, durations)
+            result.summary += f" · load {load()}"
+            results.append(result)
+        print(f"load average after: {load()}")
+        print()
+        report_spread(results, bound, durations)
+        if args.keep:
+            print(f"suite and outputs kept in {root}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def report_spread(results: list[Result], bound: float, durations: dict[str, float]) -> None:
+    print("| arm | wall s | test span s | span x bound | tests x alone | passed | sim OOMs | GPU busy | load |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for r in results:
+        busy = next((m.group(1) for line in r.plugin_lines if (m := re.search(r"GPU busy ([\d:% ]+)", line))), "-")
+        print(
+            f"| {r.label} | {r.wall:.1f}{'!' if r.hung else ''} | {fmt(r.span, '.1f')} "
+            f"| {fmt(r.span and r.span / bound)} | {fmt(stretch(r, durations))} | {r.counts.get('passed', 0)} "
+            f"| {r.ooms} | {busy.strip()} | {r.summary.rpartition('load ')[2]} |"
+        )
+        for problem in r.problems[:4]:
+            print(f"  {r.label}: {problem[:200]}")
+    print("tests x alone: the GPU tests' time over their durations (1.00: no test shared a GPU's compute)")
+    spans = {arm: median([r.span for r in results if r.mode == arm and r.span is not None]) for arm in SPREAD_ARMS}
+    walls = {arm: median([r.wall for r in results if r.mode == arm and not r.hung]) for arm in SPREAD_ARMS}
+    a, b = spans["affinity"], spans["spread"]
+    print()
+    print(
+        f"side by side (medians): test span spread {fmt(b, '.1f')} s, affinity {fmt(a, '.1f')} s"
+        + (f" ({a / b:.2f}x)" if a and b else "")
+        + f"; wall spread {fmt(walls['spread'], '.1f')} s, affinity {fmt(walls['affinity'], '.1f')} s"
+    )
 
 
 if __name__ == "__main__":

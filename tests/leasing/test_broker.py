@@ -177,12 +177,12 @@ def test_the_schedulers_plan_is_where_the_lease_goes_when_it_fits(run: Run) -> N
     a = run.client("gw0")
     broker.prefer("gw0", "t::a", (2,), GiB)
     assert a.acquire(shared(GiB), "t::a", timeout=5).indices == (2,)  # its own rule: GPU 0
-    broker.prefer("gw0", "t::b", (1,), 2 * GiB)
-    assert a.acquire(shared(GiB), "t::b", timeout=5).indices == (2,)  # another shape: affinity
-    assert a.acquire(shared(2 * GiB), "t::b", timeout=5).indices == (1,)
-    a.acquire(shared(2 * GiB), "t::b", timeout=5)  # the plan was taken once: this one has none
     broker.prefer("gw0", "t::c", (0,), None)
     assert a.acquire(whole(), "t::c", timeout=5).indices == (0,)
+    broker.prefer("gw0", "t::b", (2,), 2 * GiB)
+    assert a.acquire(shared(GiB), "t::b", timeout=5).indices == (1,)  # another shape: its rule (an idle GPU)
+    assert a.acquire(shared(2 * GiB), "t::b", timeout=5).indices == (2,)  # its own rule: GPU 1, as busy
+    a.acquire(shared(2 * GiB), "t::b", timeout=5)  # the plan was taken once: this one has none
     assert broker.status()["preferences"] == {"given": 3, "honoured": 3}
     assert broker.contexts() == {"gw0": frozenset({0, 1, 2})}
     assert broker.context_sizes() == [OVERHEAD] * 3

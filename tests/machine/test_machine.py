@@ -191,6 +191,7 @@ def test_foreign_usage_is_avoided_and_said():
     foreign = Foreign({"A": 10 * GiB})
     arbiter = Arbiter(Policy(overhead=0), foreign=foreign, foreign_ttl=0.05)
     attach(arbiter, "r1", {"A": 16 * GiB, "B": 16 * GiB}, pid=4242)
+    arbiter.submit("r1", "c1/k0", "c1", "gw1", "t", shared(1 * GiB), ["B"])  # B busy too: no idle GPU
     arbiter.submit("r1", "c0/k0", "c0", "gw0", "t", shared(4 * GiB), ["A"])
     # without the foreign process the worker would stay on A (its context, 12 GiB left); it has only 2
     kind, body = arbiter.submit("r1", "c0/k1", "c0", "gw0", "t", shared(10 * GiB), ["A", "B"])

@@ -968,8 +968,9 @@ def test_a_preference_is_honoured_where_the_request_fits_now() -> None:
     policy = Policy(overhead=0)
     gpus = [GpuState(0, 16 * GiB), GpuState(1, 16 * GiB, leased=12 * GiB, tenants=1), GpuState(2, 16 * GiB)]
     small = shared(1 * GiB)
-    assert place(gpus, small, "c", policy).indices == (1,)  # its own rule: the tightest fit
-    assert place(gpus, small, "c", policy, prefer=(2,)).indices == (2,)  # the scheduler's plan
+    assert place(gpus, small, "c", policy).indices == (0,)  # its own rule: an idle GPU
+    assert place(gpus, small, "c", policy, prefer=(1,)).indices == (1,)  # the scheduler's plan
+    assert place(gpus, small, "c", policy, prefer=(2,)).indices == (2,)
     assert place(gpus, shared(5 * GiB), "c", policy, prefer=(1,)).indices == (0,)  # no room there: own rule
     assert place(gpus, whole(), "c", policy, prefer=(1,)).indices == (0,)  # a tenant there: own rule
     assert place(gpus, whole(2), "c", policy, prefer=(0, 2)).indices == (0, 2)

@@ -210,7 +210,7 @@ def test_a_round_plans_each_test_beside_the_ones_planned_before_it() -> None:
     whole, twelve, one = (planner.planned(i) for i in range(3))
     assert whole == Grant((0,), EXCLUSIVE)
     assert twelve == Grant((1,), 12, (0,))
-    assert one == Grant((1,), 1, (0,))  # the tightest: beside the 12, GPU 2 stays empty
+    assert one == Grant((2,), 1, (0,))  # an idle GPU: it shares no GPU's compute (never beside the whole GPU)
     planner.complete("A", 0, 1.0)
     assert planner.planned(0) is None  # done: its plan goes with it
 
@@ -1045,3 +1045,37 @@ def test_a_test_no_node_can_ever_hold_goes_to_a_worker_all_the_same() -> None:
     see(alone, limits=(8,))
     alone.add_worker("A", NODE)
     assert alone.eligible("A") and alone.pick("A", 0.0) == 0
+
+
+# -- spread compute, pack memory (the broker's rule, machine/placement.py) -----------------------
+
+
+def test_plans_spread_tests_over_idle_gpus() -> None:
+    # the case: -n 2, two 4 GiB tests, two idle GPUs: planned on different GPUs (the
+    # broker honours a plan that fits, so a plan on one GPU would put both there)
+    jobs = [gpu(0, 2.0, 4), gpu(1, 2.0, 4)]
+    planner = one_node(jobs, [16, 16])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    assert [planner.pick(w, 0.0) for w in "AB"] == [0, 1]
+    assert {planner.planned(0).gpus, planner.planned(1).gpus} == {(0,), (1,)}  # type: ignore[union-attr]
+
+
+def test_plans_pack_as_before_where_the_broker_does_not_spread() -> None:
+    jobs = [gpu(0, 2.0, 4), gpu(1, 2.0, 4)]
+    planner = one_node(jobs, [16, 16])
+    see(planner, spread=False)
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    assert [planner.pick(w, 0.0) for w in "AB"] == [0, 1]
+    assert planner.planned(0).gpus == planner.planned(1).gpus == (0,)  # type: ignore[union-attr]
+
+
+def test_plans_pack_where_spreading_leaves_a_pending_test_no_gpu() -> None:
+    # an 8 is pending: spreading the two 4s over both 10s would leave it no GPU; packing them pays
+    jobs = [gpu(0, 10.0, 4), gpu(1, 10.0, 4), gpu(2, 5.0, 8), cpu(3, 10.0)]
+    planner = one_node(jobs, [10, 10])
+    for w in "AB":
+        planner.add_worker(w, NODE)
+    assert [planner.pick(w, 0.0) for w in "AB"] == [0, 1]
+    assert planner.planned(0).gpus == planner.planned(1).gpus  # type: ignore[union-attr]

@@ -542,6 +542,7 @@ class Broker(Server):
             context_sizes=tuple(sizes),
             limits=tuple(capacity - size for capacity, size in zip(self.capacities.values(), sizes, strict=True)),
             catalog=self.catalog,
+            spread=self.policy.spread,
         )
 
     def room(self) -> list[int]:

@@ -32,7 +32,10 @@ class NodeView:
     worker -> the leases its processes hold; ``contexts``: worker -> the GPUs its processes
     have a CUDA context on; ``context_sizes``: what a new context takes on each GPU of
     ``order`` (empty: contexts are not counted); ``limits``: the most one lease can ever
-    get on each (its capacity less a context; empty: not known); ``catalog``: what the
+    get on each (its capacity less a context; empty: not known); ``spread``: whether the
+    broker places a lease on an idle GPU before a busy one its worker has a context on
+    (:attr:`pytest_gpu.machine.placement.Policy.spread`: the planner's plans follow; not sent on a
+    node's channel: a node's broker spreads); ``catalog``: what the
     node's workers told the scheduler of their tests (a live mapping, see
     :mod:`pytest_gpu.scheduling.catalog`)."""
 
@@ -43,6 +46,7 @@ class NodeView:
     context_sizes: tuple[int, ...] = ()
     limits: tuple[int, ...] = ()
     catalog: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    spread: bool = True
 
     def __post_init__(self) -> None:
         if not self.order:  # frozen: set once, as the dataclass would

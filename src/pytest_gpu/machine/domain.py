@@ -63,6 +63,7 @@ ROOT_ENV = "PYTEST_GPU_MACHINE_DIR"
 SIM_MACHINE_ENV = "PYTEST_GPU_SIM_MACHINE"
 SIM_GROUP_ENV = "PYTEST_GPU_SIM_GROUP"
 USER_MEMORY_ENV = "PYTEST_GPU_USER_MEMORY"  # see user_memory_cap
+PLACEMENT_ENV = "PYTEST_GPU_PLACEMENT"  # see placement_spreads
 SIM_RUN_ENV = "PYTEST_GPU_SIM_RUN"  # set by a run for its own processes: whose private machines they use
 RUN_GRACE_S = 60.0  # a run's machine directory younger than this without an owner file is being made
 DEFAULT_ROOT = "/tmp/pytest-gpu-machines"
@@ -89,6 +90,17 @@ def user_memory_cap() -> int | None:
         return parse_size(value)
     except ValueError as exc:
         raise ValueError(f"{USER_MEMORY_ENV}={value}: {exc}") from None
+
+
+def placement_spreads() -> bool:
+    """``$PYTEST_GPU_PLACEMENT``: ``spread`` (the default: idle GPUs first, see
+    :mod:`pytest_gpu.machine.placement`) or ``affinity`` (the rule before: a worker's context
+    GPUs first, busy or not), for bench/makespan.py to measure the two side by side; not a
+    user's option. :class:`ValueError` naming it for any other value."""
+    value = os.environ.get(PLACEMENT_ENV, "").strip()
+    if value not in ("", "spread", "affinity"):
+        raise ValueError(f"{PLACEMENT_ENV}={value[:80]!r}: expected 'spread' or 'affinity'")
+    return value != "affinity"
 
 
 class DomainError(OSError):

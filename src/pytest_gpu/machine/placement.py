@@ -9,8 +9,18 @@ stays within the GPU's capacity. An exclusive lease has the GPU alone and gets
 everything that is left after the contexts; one with a ``min_memory`` only goes where
 that is at least ``min_memory``.
 
-Affinity: a client is placed on GPUs it already has a context on when it can, and a
-new context is opened on a GPU only while that GPU's contexts stay within the
+Spread compute, pack memory: a shared lease goes to an *idle* GPU (one no lease holds and
+no foreign process uses) when one has room for it, so that tests do not share a GPU's
+compute while another GPU does nothing (two compute-bound tests on one GPU each run
+slower); among idle GPUs, and among busy ones once none is idle, a GPU the client already
+has a context on first (it saves a context's memory), then one no foreign process uses,
+then the least loaded (fewest leases, least leased). A
+request is packed beside others only where memory or contexts leave no idle GPU for it:
+an idle GPU qualifies only with room for the request *and* the new context it opens
+there, within the context budget. (``Policy(spread=False)``, the rule before, put a
+client on GPUs it has a context on first, busy or not; kept for the makespan bench.)
+
+Affinity: a new context is opened on a GPU only while that GPU's contexts stay within the
 *context budget* (``context_fraction`` of its capacity). The budget is soft: a request
 that could never be placed within it is placed by capacity alone, so it bounds the
 growth of contexts with workers x GPUs without ever deadlocking a request.
@@ -30,6 +40,8 @@ it is served — it gets the next GPUs that free up enough.
 Preference: a request may name the GPUs its run's scheduler planned for it (``prefer``).
 It gets exactly those when it fits there now, within the context budget, else the GPUs the
 rules above choose: a preference never makes a request wait, and never keeps a GPU for it.
+(A plan on a busy GPU while another is idle is followed: the scheduler packs on purpose where
+a pending test needs the idle GPU's memory, see :mod:`pytest_gpu.scheduling.planner`.)
 
 Hold-and-wait: a client waits for one request at a time and gives nothing back while it
 waits (a worker keeps its module-scoped fixture's lease while its next test waits for its
@@ -138,6 +150,9 @@ class Policy:
     measured_by: dict[str, dict[int, int]] = field(default_factory=dict, compare=False, hash=False)
     # a client's group (a run, where runs share an allocator); None: one group, measured alone counts
     group: Callable[[str], str] | None = field(default=None, compare=False, hash=False)
+    # spread compute (idle GPUs first, see the module docstring); False: a client's context
+    # GPUs first, busy or not (the rule before; the makespan bench compares the two)
+    spread: bool = True
 
     def context(self, index: int, client: str | None = None) -> int:
         """Bytes one CUDA context takes on GPU ``index``: measured there, else the assumption;
@@ -185,7 +200,7 @@ def place(
     gpus = list(gpus)
     carved = carved_parts(gpus)
     by_index = {gpu.index: gpu for gpu in gpus} if carved is not None else {}
-    fits: list[tuple[tuple[int, int, int, int, int], GpuState, int]] = []
+    fits: list[tuple[tuple[int, ...], GpuState, int]] = []
     for gpu in gpus:
         if allowed is not None and gpu.index not in allowed:
             continue
@@ -197,6 +212,7 @@ def place(
             if whole is not None and unpromised(whole, policy, carved) < gpu.capacity:
                 continue
         taken = (carved or {}).get(gpu.index, 0)  # by its parts in use
+        key: tuple[int, ...]
         if request.exclusive:
             if gpu.tenants:
                 continue
@@ -214,9 +230,13 @@ def place(
             grant = request.memory
             # affinity first; then a GPU no foreign process uses (its usage may grow); a new
             # context goes where there are fewest (spreads the workers' home GPUs); then the
-            # tightest fit keeps large holes for large requests
+            # tightest fit keeps large holes for large requests (spread: all that after idle
+            # GPUs first and, among busy ones, after the context saving, the least loaded)
             spread = 0 if has_ctx else len(gpu.contexts)
             key = (0 if has_ctx else 1, 1 if gpu.foreign else 0, spread, room - request.memory, gpu.index)
+            if policy.spread:  # an idle GPU first; then the context saving, the foreign-free, the least loaded
+                busy = 1 if gpu.tenants or gpu.foreign else 0  # a foreign process may compute there too
+                key = (busy, key[0], key[1], gpu.tenants, gpu.leased, *key[2:])
         fits.append((key, gpu, grant))
     if len(fits) < request.count:
         return None

@@ -10,7 +10,7 @@ import pytest
 
 from ..base.requests import DefaultMemory, SizeError, parse_size
 from ..gpu.discovery import FORM as GPUS_FORM
-from ..machine.domain import user_memory_cap
+from ..machine.domain import placement_spreads, user_memory_cap
 from ..machine.ports import DEFAULT_RANGE, parse_port_range
 from ..vendors.amd import PROCESS_LAG_S as AMD_PROCESS_LAG_S
 from .conventions import MarkerMapError, marker_map
@@ -396,6 +396,7 @@ def read(config: pytest.Config) -> Settings:
         raise pytest.UsageError(f"{where}: {exc}") from None
     try:
         user_memory_cap()  # read by the machine's arbiter, which may live in this run: said at start
+        placement_spreads()  # the bench's switch (GpuRun.start reads it): said at start too
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     return Settings(

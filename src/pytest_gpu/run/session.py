@@ -36,7 +36,7 @@ from ..gpu.verification import (
 )
 from ..leasing.client import BrokerClient
 from ..leasing.host import HostCapacity, capacity, confine_threads
-from ..machine.domain import Domain, claim_run_machines, release_run_machines
+from ..machine.domain import Domain, claim_run_machines, placement_spreads, release_run_machines
 from ..machine.messages import PART
 from ..machine.placement import HostState, Policy
 from ..sim import fake
@@ -262,7 +262,9 @@ class GpuRun:
         run_dir = rundir.create()
         address = str(run_dir / "broker.sock")
         authkey = secrets.token_bytes(32)
-        policy = Policy(overhead=settings.context_overhead, fixed=settings.context_overhead_given)
+        policy = Policy(
+            overhead=settings.context_overhead, fixed=settings.context_overhead_given, spread=placement_spreads()
+        )
         broker = Broker(
             {d.index: d.capacity for d in inventory.devices},
             address,

@@ -55,8 +55,10 @@ then wait at the broker, its worker idle.)
 
 Plans: a GPU test that is picked is also given GPUs (:meth:`Planner.planned`), for when it
 is predicted to start (rule 4: once it is predicted to fit), where it fits through its whole
-predicted span beside what is held or planned there: GPUs
-its worker has a CUDA context on first (the broker's affinity), then the tightest fit. Until
+predicted span beside what is held or planned there, by the broker's rule
+(:func:`pytest_gpu.machine.placement.place`): a GPU no lease holds over that span first, then
+GPUs its worker has a CUDA context on, then the least loaded, then the tightest fit (with a
+view's ``spread`` off, the rule before: its worker's context GPUs first, busy or not). Until
 the broker grants its lease, every later pick counts it there, as if granted; the scheduler
 passes the plan to the broker as a preference, which it honours when the request fits there
 (so the tests of one round do not land where the planner counted another one). A worker's
@@ -627,11 +629,13 @@ class Planner:
         add = list(extra) if extra is not None else [0] * count
         overlapping, points = self._active(spans, start, job.duration)
         low, taken = list(caps), [False] * count  # least room over the span; any lease there
+        load = [0] * count  # the most leases at once over the span
         for point in points:
             granted = [s.grant for s in overlapping if s.grant is not None and s.start <= point < s.end]
             free, held = self._free(granted, caps)
             low = [min(a, b) for a, b in zip(low, free, strict=True)]
             taken = [a or b for a, b in zip(taken, held, strict=True)]
+            load = [max(n, sum(i in g.gpus for g in granted)) for i, n in enumerate(load)]
         ranked: list[tuple[int, ...]]
         if need.memory is None:
             ranked = sorted((add[i] > 0, i) for i in range(count) if not taken[i])
@@ -642,6 +646,9 @@ class Planner:
             return
         gpus = tuple(sorted(row[-1] for row in ranked[: need.count]))
         plan = Grant(gpus, need.memory, () if need.memory is None else tuple(add[i] for i in gpus))
+        if need.memory is not None and all(view.spread for view in self._views.values()):
+            at_start = [s for s in overlapping if s.start <= start < s.end]
+            plan = self._spread(index, plan, ranked, load, add, caps, at_start)
         others = self._needs(job)[1:]  # what its group's fixtures hold: packed freely, as before
         for point in points:
             active = [s for s in overlapping if s.start <= point < s.end]
@@ -649,6 +656,36 @@ class Planner:
             if not self._packs([s.need for s in active if s.grant is None], [*granted, plan], caps, others):
                 return
         self._plans[index] = plan
+
+    def _spread(
+        self,
+        index: int,
+        packed: Grant,
+        ranked: Sequence[tuple[int, ...]],
+        load: Sequence[int],
+        add: Sequence[int],
+        caps: Sequence[int],
+        active: Sequence[_Span],
+    ) -> Grant:
+        """The broker's rule for a plan (:func:`pytest_gpu.machine.placement.place`): GPUs no
+        lease holds over the span first, then its worker's context GPUs, then the least loaded,
+        among the GPUs of ``ranked`` (where it fits; ``packed``: the tightest); ``packed`` where
+        spreading leaves a need pending besides ``index``'s own (``active``: the spans at its
+        start) no room that packing leaves it: memory makes packing pay."""
+        order = sorted((load[i] > 0, has, load[i], left, i) for has, left, i in ranked)
+        gpus = tuple(sorted(row[-1] for row in order[: len(packed.gpus)]))
+        if gpus == packed.gpus:
+            return packed
+        spread = Grant(gpus, packed.memory, tuple(add[i] for i in gpus))
+        granted = [s.grant for s in active if s.grant is not None]
+        free = [s.need for s in active if s.grant is None]
+        for need, members in self._by_need.items():
+            if members and members != [index] and need.memory is not None:
+                if self._packs(free, [*granted, packed], caps, (need,)) and not self._packs(
+                    free, [*granted, spread], caps, (need,)
+                ):
+                    return packed
+        return spread
 
     def _free(self, granted: Sequence[Grant], caps: Sequence[int]) -> tuple[list[int], list[bool]]:
         """Room left on each GPU of ``caps`` beside ``granted`` (held where they are), and which GPUs hold one."""

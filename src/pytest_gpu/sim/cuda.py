@@ -42,6 +42,7 @@ __all__ = [
     "OutOfMemoryError",
     "SimDeviceError",
     "allocate",
+    "compute",
     "current_device",
     "device_count",
     "hang",
@@ -185,6 +186,7 @@ class _Runtime:
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
     pid: int = 0  # whose contexts ``ctx`` knows
     ctx: set[int] = field(default_factory=set)  # units where this process surely has a context
+    slowdown: bool | None = None  # whether the machine shares compute (slowdown=share); None: not read yet
 
 
 _rt = _Runtime()
@@ -424,9 +426,53 @@ def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool
 
 
 def hold(nbytes: int | str, seconds: float, device: int | str | None = None) -> None:
-    """Allocate ``nbytes``, sleep ``seconds``, free: a stand-in for a GPU kernel's work."""
+    """Allocate ``nbytes``, :func:`compute` for ``seconds``, free: a stand-in for a GPU kernel's work."""
     with allocate(nbytes, device):
+        compute(seconds, device)
+
+
+# How often a computation on a machine with slowdown=share reads how many share its GPU.
+COMPUTE_TICK = 0.02
+
+
+def compute(seconds: float, device: int | str | None = None) -> None:
+    """Compute on ``device`` (default: the current device) for what takes the GPU ``seconds``
+    alone: a kernel's work, in the process's context there (opened if it is not).
+
+    On a machine whose spec has ``slowdown=share`` the GPU's time is shared: while k processes
+    compute on the device (a GPU, or a MIG instance: its own slice of compute) each advances
+    at 1/k of real time, as a GPU time-slices between contexts, k read again every
+    :data:`COMPUTE_TICK` seconds; so two computations of 1 s that overlap on one GPU both end
+    after 2 s, on two GPUs after 1 s. Without it, a plain sleep of ``seconds``."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"compute: expected a finite number of seconds >= 0, got {seconds!r}")
+    _check_sticky()
+    unit = unit_of(device)
+    led = ledger()
+    if not _slowdown(led):
+        _open_context(unit)
         time.sleep(seconds)
+        return
+    led.begin_compute(unit, os.environ.get(TAG_ENV), thread=thread_label())
+    _known_contexts().add(unit)
+    try:
+        left, last = float(seconds), time.monotonic()
+        while left > 0:
+            share = max(1, led.computing(unit))
+            time.sleep(min(COMPUTE_TICK, left * share))
+            now = time.monotonic()  # the time taken, not the time asked: a loaded host's ticks run long
+            left -= (now - last) / share
+            last = now
+    finally:
+        led.end_compute(unit)
+
+
+def _slowdown(led: Ledger) -> bool:
+    """Whether ``led``'s machine shares compute (its spec, fixed while this process uses it)."""
+    runtime = _runtime(led)
+    if runtime.slowdown is None:
+        runtime.slowdown = led.machine().slowdown
+    return runtime.slowdown
 
 
 def usage() -> dict[int, int]:

@@ -13,6 +13,9 @@ bug shows up as an OOM. As the driver does:
 - a device's ``reserved`` memory (the driver's own) can never be allocated;
 - when a process dies its memory and contexts are freed (checked lazily on the next
   write, with the process's start time so a recycled pid does not count).
+- on a machine whose spec has ``slowdown=share``, which processes compute on which device
+  now (:meth:`Ledger.begin_compute`): :func:`pytest_gpu.sim.cuda.compute` shares a device's
+  time among them, and a process's record goes with it, as its memory does.
 
 Every write also renders ``nvml.state``, which the fake ``libnvidia-ml.so.1``
 (:mod:`pytest_gpu.sim.nvml`) reads: NVML then reports exactly what the ledger holds.
@@ -186,6 +189,9 @@ def _malformed(state: object) -> str | None:
         grow = proc.get("grow", {})
         if not (isinstance(grow, dict) and all(key(k) and _is_int(v) for k, v in grow.items())):
             return f"has a malformed record {where}.grow"
+        busy = proc.get("busy", {})
+        if not (isinstance(busy, dict) and all(key(k) and _is_int(v) for k, v in busy.items())):
+            return f"has a malformed record {where}.busy"
         if not isinstance(allocs, dict) or not all(
             isinstance(a, list) and len(a) == 3 and unit(a[0]) and _is_int(a[1]) and _is_tag(a[2])
             for a in allocs.values()
@@ -625,6 +631,33 @@ class Ledger:
             proc = state["procs"][str(pid)]
             grow = proc.setdefault("grow", {})
             grow[str(unit)] = grow.get(str(unit), 0) + nbytes
+
+    # -- compute (a machine with slowdown=share) -----------------------------------------
+
+    def begin_compute(self, unit: int, tag: str | None, *, thread: list[int | str] | None = None) -> None:
+        """This process computes on ``unit`` (its context opened first, as a kernel's launch
+        does) until :meth:`end_compute`; what it computes is shared with every other process
+        computing there (:meth:`computing`). Its record goes with the process, as its memory."""
+        self.allocate(0, unit, tag, None, thread=thread)
+        with self._state(prune=False) as state:
+            busy = state["procs"][str(os.getpid())].setdefault("busy", {})
+            busy[str(unit)] = busy.get(str(unit), 0) + 1
+
+    def end_compute(self, unit: int) -> None:
+        """One of this process's computations on ``unit`` ended."""
+        with self._state(prune=False) as state:
+            proc = state["procs"].get(str(os.getpid()))
+            busy = proc.get("busy", {}) if proc is not None else {}
+            left = busy.get(str(unit), 0) - 1
+            if left > 0:
+                busy[str(unit)] = left
+            else:
+                busy.pop(str(unit), None)
+
+    def computing(self, unit: int) -> int:
+        """How many live processes compute on ``unit`` now (a dead one's work ended with it)."""
+        with self._state(write=False) as state:
+            return sum(1 for proc in state["procs"].values() if proc.get("busy", {}).get(str(unit), 0) > 0)
 
     def free(self, handle: str) -> None:
         pid = handle.split(":", 1)[0]

@@ -30,6 +30,12 @@ Grammar (the value of ``--gpus sim:…`` and of ``PYTEST_GPU_FAKE_GPUS``)::
                                              (default: the run's --gpu-context-overhead,
                                              which then is an assumption the machine may
                                              contradict, as real contexts do)
+             slowdown=share                  GPUs share their compute: a test's compute
+                                             (``sim.compute``, ``sim.hold``) runs 1/k as
+                                             fast while k processes compute on its GPU (or
+                                             MIG instance), as real GPUs time-slice between
+                                             contexts (default: every process computes at
+                                             full speed, however many share a GPU)
 
 Limits: at most :data:`MAX_GPUS` GPUs, :data:`MAX_MIG` MIG instances per GPU, and
 :data:`MAX_SIZE` per GPU or instance.
@@ -60,8 +66,8 @@ FAULTS = ("no_permission", "gpu_is_lost", "unknown")
 FORM = (
     "COUNTxSIZE groups such as sim:4x16GiB or sim:2x80GiB,2x24GiB, optionally followed by "
     "';'-separated options mig:I=COUNTxSIZE, fault:I=no_permission|gpu_is_lost|unknown, reserved=SIZE|P%, "
-    "pidns=OFFSET, no-v3, no-usage, context=SIZE; on amd: proc-unit=SIZE, proc-refresh=MS, rocr-order=I,J,..., "
-    "proc-fds=N, apu, no-uuid=I,J,..."
+    "pidns=OFFSET, no-v3, no-usage, context=SIZE, slowdown=share; on amd: proc-unit=SIZE, proc-refresh=MS, "
+    "rocr-order=I,J,..., proc-fds=N, apu, no-uuid=I,J,..."
 )
 
 
@@ -112,6 +118,7 @@ class Machine:
     proc_fds: int = 1  # amd: fds each process holds its one DRM client under (older amdsmi sums them)
     apu: bool = False  # amd: an APU (MI300A): amdsmi reports a process's memory as GTT, vram_mem 0
     no_uuid: tuple[int, ...] = ()  # amd: GPUs without a unique id (ROCr's "GPU-XX"), by index
+    slowdown: bool = False  # slowdown=share: processes computing on one device share its time
 
     def units(self) -> tuple[Unit, ...]:
         """Every device unit, GPUs first (MIG-mode GPUs included, never addressable), then MIG instances."""
@@ -261,6 +268,7 @@ def parse(spec: str) -> Machine:
     proc_fds = 1
     apu = False
     no_uuid: tuple[int, ...] = ()
+    slowdown = False
     for raw in options:
         option = raw.strip()
         if not option:
@@ -328,6 +336,10 @@ def parse(spec: str) -> Machine:
                 raise SpecError(f"{spec!r}: {option}: expected a size such as 700MiB") from None
             if not 0 < context <= MAX_SIZE:
                 raise SpecError(f"{spec!r}: {option}: a context takes more than 0 bytes and at most {MAX_SIZE_TEXT}")
+        elif key == "slowdown":
+            if value.strip().lower() != "share":
+                raise SpecError(f"{spec!r}: {option}: expected slowdown=share (compute shared by who computes at once)")
+            slowdown = True
         else:
             raise SpecError(f"{spec!r}: unknown option {option!r}; expected {FORM}")
     if context is not None:
@@ -378,4 +390,5 @@ def parse(spec: str) -> Machine:
         proc_fds,
         apu,
         no_uuid,
+        slowdown,
     )
