@@ -143,6 +143,13 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "60",
         "seconds the ray_cluster fixture waits for the Ray cluster to come up (or to be reached).",
     ),
+    (
+        "--dist-rerun-alone",
+        "dist_rerun_alone",
+        "on",
+        "'on': a distributed test that fails on a warm pool after other tests is run once more alone on "
+        "fresh ranks, to tell contamination by an earlier test from its own failure; 'off': never.",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
@@ -244,6 +251,7 @@ class Settings:
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
     amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
     amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
+    dist_rerun_alone: bool = True  # a failure on a warm pool after other tests: rerun alone (distributed.runner)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -363,6 +371,7 @@ def read(config: pytest.Config) -> Settings:
         host_memory=_host_memory(config),
         amd_process_lag=_lag(config),
         amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
+        dist_rerun_alone=_choice(config, "dist_rerun_alone", ("on", "off")) == "on",
     )
 
 
