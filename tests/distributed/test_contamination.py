@@ -265,8 +265,7 @@ def test_each_kind_of_residue_is_named_on_the_test_that_left_it(tmp_path: Path) 
         residue("test_leaves_a_sub_group") == "1 process-group sub-group not destroyed (destroyed now) (on every rank)"
     )
     assert residue("test_replaces_the_seed_function") == (
-        "seeding no longer takes for random (a seed function or generator replaced; the pool is replaced) "
-        "(on every rank)"
+        "random.seed replaced: the pool's reseeding no longer holds (the pool is replaced) (on every rank)"
     )
     assert residue("test_destroys_the_default_group") == (
         "default process group destroyed (the pool is replaced) (on every rank)"

@@ -53,35 +53,32 @@ def test_lines_are_merged_over_ranks() -> None:
     assert residue.merge({0: ["a"]}, 1) == ["a"]  # one rank: no need to say which
 
 
-@pytest.fixture
-def seeded() -> Iterator[None]:
-    state = random.getstate()
-    yield
-    random.setstate(state)
-
-
-def test_a_seeding_that_takes_is_no_residue(seeded: None) -> None:
-    rankmain._reseed(1234)
-    assert residue.unseeded(1234) == []
-
-
-def test_a_replaced_seed_function_is_found(seeded: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    rankmain._reseed(99)
+def test_a_replaced_seed_function_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = residue.Tracker()
+    tracker.begin()
+    assert tracker.reseeding_after() == []
     monkeypatch.setattr(random, "seed", lambda *args, **kwargs: None)  # a test's patch, never undone
-    rankmain._reseed(1234)
-    assert residue.unseeded(1234) == ["random"]
+    assert tracker.reseeding_after() == ["random.seed"]
 
 
-def test_a_replaced_numpy_seed_is_found(seeded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replaced_global_generator_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     numpy = pytest.importorskip("numpy")
-    state = numpy.random.get_state()
+    tracker = residue.Tracker()
+    tracker.begin()
+    monkeypatch.setattr(numpy.random.mtrand, "_rand", numpy.random.RandomState(1))
+    assert tracker.reseeding_after() == ["numpy.random.mtrand._rand"]
+
+
+def test_reseeding_as_the_rank_does_is_no_residue() -> None:
+    tracker = residue.Tracker()
+    tracker.begin()
+    state = random.getstate()
     try:
-        rankmain._reseed(99)
-        monkeypatch.setattr(numpy.random, "seed", lambda *args, **kwargs: None)
         rankmain._reseed(1234)
-        assert residue.unseeded(1234) == ["numpy.random"]
+        random.random()  # a test's own draws: the next test is reseeded anyway
     finally:
-        numpy.random.set_state(state)
+        random.setstate(state)
+    assert tracker.reseeding_after() == []
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
+from ..base.wording import join
 from ..gpu.torchstats import set_fractions, torch_peak
 from ..vendors import registry as vendors
 from ..wire.client import Client, Garbled
@@ -284,14 +285,9 @@ class Rank:
                     dist.destroy_process_group()
                 except Exception:
                     found.unusable = True
-        probe = (body["seed"] + 1) % 2**32  # not the test's own: a seeding that no longer takes leaves that state
-        _reseed(probe)  # as the next test's will: does it still take?
-        bad = residue.unseeded(probe)
-        if bad:
-            lines.append(
-                f"seeding no longer takes for {', '.join(bad)} "
-                "(a seed function or generator replaced; the pool is replaced)"
-            )
+        replaced = self.residue.reseeding_after()
+        if replaced:
+            lines.append(f"{join(replaced)} replaced: the pool's reseeding no longer holds (the pool is replaced)")
             found.unusable = True
         return found
 

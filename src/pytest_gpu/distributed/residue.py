@@ -14,16 +14,17 @@ Each kind is compared with a snapshot, at a cost of microseconds (``bench/residu
   another test: its pool is replaced);
 - **environment variables** added, changed or removed, and the working directory (put back);
 - **seeding**: each test is promised the random state of its own seed whatever ran before
-  it (the rank reseeds Python's, NumPy's and torch's generators from the test's id): after a
-  test, the seeding must still take, or something the test replaced (a seed function, a
-  generator) would give every later test another state.
+  it (the rank reseeds Python's, NumPy's and torch's generators from the test's id), so a
+  test's own draws never reach the next; what would break that promise is a seed function
+  or a global generator the test replaced (``random.seed``, ``numpy.random.seed``,
+  ``torch.manual_seed``, ``torch.default_generator``, ...): compared by identity with the
+  snapshot (the pool is replaced).
 
 torch is read only when the rank has already imported it; nothing here imports it.
 """
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ def changed(pristine: Mapping[str, str], now: Mapping[str, str]) -> dict[str, st
 
 def env_changes(before: Mapping[str, str], after: Mapping[str, str]) -> list[str]:
     """What a test did to ``os.environ``, by variable name (values may be secrets: never shown)."""
+    after = dict(after)  # os.environ decodes at each access: read once
+    if after == before:
+        return []
     added = sorted(k for k in after.keys() - before.keys() if k not in SET_BY_LIBRARIES)
     removed = sorted(k for k in before.keys() - after.keys() if k not in SET_BY_LIBRARIES)
     modified = sorted(k for k in after.keys() & before.keys() if after[k] != before[k] and k not in SET_BY_LIBRARIES)
@@ -124,28 +128,27 @@ def _names(names: list[str]) -> str:
     return f"environment {'variable' if len(names) == 1 else 'variables'} {join(shown)}"
 
 
-def unseeded(seed: int) -> list[str]:
-    """The generators whose state is not what the rank's seeding with ``seed`` (just done) gives:
-    Python's ``random``, NumPy's global ``RandomState`` (where imported), torch's default generator."""
-    bad = []
-    if random.getstate() != random.Random(seed).getstate():
-        bad.append("random")
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
+# what seeds each generator the rank reseeds, and the generator itself: replaced, the pool's
+# reseeding no longer gives a test its seed's state (a module's attribute, by its dotted name)
+SEEDING = {
+    "random": ("seed", "random", "_inst"),
+    "numpy": ("random.seed", "random.mtrand._rand"),
+    "torch": ("manual_seed", "random.manual_seed", "default_generator"),
+}
+
+
+def seeding(module: Any, names: Iterable[str]) -> dict[str, int]:
+    """The identity of each of ``names`` (dotted attributes of ``module``) now: a replaced one differs."""
+    found = {}
+    for name in names:
+        value: Any = module
         try:
-            fresh = numpy.random.RandomState(seed % 2**32).get_state()[1]
-            if not numpy.array_equal(numpy.random.get_state()[1], fresh):
-                bad.append("numpy.random")
-        except Exception:
-            bad.append("numpy.random")
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.initial_seed() != seed:
-                bad.append("torch")
-        except Exception:
-            bad.append("torch")
-    return bad
+            for part in name.split("."):
+                value = getattr(value, part)
+        except AttributeError:
+            continue
+        found[f"{module.__name__}.{name}"] = id(value)
+    return found
 
 
 @dataclass
@@ -169,17 +172,29 @@ class Tracker:
     def __init__(self) -> None:
         self.pristine: dict[str, str] | None = None
         self.left: dict[str, tuple[str, str]] = {}  # setting -> (node id, "default dtype float64 (was float32)")
+        self.seeds: dict[str, int] = {}  # what seeds each generator, and the generator (SEEDING): identities
 
     def begin(self) -> None:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            self.pristine = torch_state(torch)
-        else:  # the snapshot when a body first imports torch, before it changes anything
-            importhook.on_import("torch", self._snapshot)
+        for name in SEEDING:
+            module = sys.modules.get(name)
+            if module is not None:
+                self._snapshot(module)
+            else:  # the snapshot when a body first imports it, before it changes anything
+                importhook.on_import(name, self._snapshot)
 
-    def _snapshot(self, torch: Any) -> None:
-        if self.pristine is None:
-            self.pristine = torch_state(torch)
+    def _snapshot(self, module: Any) -> None:
+        self.seeds.update(seeding(module, SEEDING[module.__name__]))
+        if module.__name__ == "torch" and self.pristine is None:
+            self.pristine = torch_state(module)
+
+    def reseeding_after(self) -> list[str]:
+        """What a test replaced of what the rank reseeds each test with (``random.seed``, ...)."""
+        now: dict[str, int] = {}
+        for name, names in SEEDING.items():
+            module = sys.modules.get(name)
+            if module is not None:
+                now.update(seeding(module, names))
+        return [name for name, ident in now.items() if self.seeds.get(name, ident) != ident]
 
     def tainted(self) -> list[dict[str, str]]:
         """What earlier tests left and is still so, when a test starts: ``{"test", "what"}`` each."""
