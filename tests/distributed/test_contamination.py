@@ -279,6 +279,13 @@ def test_each_kind_of_residue_is_named_on_the_test_that_left_it(tmp_path: Path) 
     for after in ("test_after_the_seed_function_was_replaced", "test_after_the_default_group_was_destroyed"):
         assert result.props(f"test_kinds::{after}")["dist_pool"] == "fresh", after
     assert result.props("test_kinds::test_finds_env_and_cwd_put_back")["dist_pool"] == "warm"
+    # a warning for what later tests would meet or what replaced the pool; none for what was put back
+    assert "test_kinds.py::test_replaces_the_seed_function left on its rank pool: random.seed replaced" in result.output
+    assert (
+        "test_kinds.py::test_destroys_the_default_group left on its rank pool: default process group" in result.output
+    )
+    assert "test_kinds.py::test_leaves_env_and_cwd left on its rank pool" not in result.output
+    assert "test_kinds.py::test_leaves_a_sub_group left on its rank pool" not in result.output
     assert result.leftovers == []
 
 

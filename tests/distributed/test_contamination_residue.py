@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
 from conftest import require
-from pytest_gpu.base.distspec import DistSpec
+from pytest_gpu.base.distspec import DistSettings, DistSpec
 from pytest_gpu.distributed import contamination, rankmain, residue
-from pytest_gpu.distributed.pool import RankRun
+from pytest_gpu.distributed import pool as pool_module
+from pytest_gpu.distributed.pool import RankPool, RankRun
+from pytest_gpu.distributed.runner import PoolManager
 
 GLOO2 = DistSpec(world_size=2, backend="gloo", gpus_per_rank=0, launcher="spawn")
 
@@ -191,3 +194,48 @@ def test_which_failures_are_rerun() -> None:
     assert not contamination.wanted(Item(), GLOO2, timed_out, True)  # type: ignore[arg-type]
     passed = RankRun(results={0: {"outcome": "passed"}, 1: {"outcome": "passed"}}, after=["t.py::a"])
     assert not contamination.wanted(Item(), GLOO2, passed, True)  # type: ignore[arg-type]
+
+
+# -- the rerun's pool ------------------------------------------------------------------------------------
+
+
+class StubPool(RankPool):
+    """A pool that starts no process; every pool made is kept, to be looked at."""
+
+    made: ClassVar[list[StubPool]] = []
+
+    def start(self, config_args: list[str]) -> None:
+        StubPool.made.append(self)
+
+    def alive(self) -> bool:
+        return not self._stopped
+
+    def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
+        return RankRun()
+
+    def close(self, graceful: bool = True) -> None:
+        self._stopped = True
+
+
+@pytest.mark.parametrize("holds_gpus", [False, True])
+def test_a_rerun_alone_gets_fresh_ranks_and_shuts_them_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holds_gpus: bool
+) -> None:
+    monkeypatch.setattr(pool_module, "RankPool", StubPool)
+    monkeypatch.setattr(StubPool, "made", [])
+    manager = PoolManager(None, DistSettings(), [], tmp_path)  # type: ignore[arg-type]  # no broker needed
+    try:
+        assert manager.execute(GLOO2, {"nodeid": "t.py::a"}, 60)[0].after == []
+        assert manager.execute(GLOO2, {"nodeid": "t.py::b"}, 60)[0].after == ["t.py::a"]
+        warm = manager.pool
+        assert warm is not None
+        if holds_gpus:
+            warm.holding = object()  # type: ignore[assignment]  # its lease, as far as the manager looks
+        alone, _ = manager.execute(GLOO2, {"nodeid": "t.py::b"}, 60, alone=True)
+        assert alone.after == []  # nothing ran before it there
+        assert len(StubPool.made) == 2 and StubPool.made[1]._stopped  # fresh, and shut down after
+        # a warm pool holding GPUs is closed first (the fresh one may need them); one without stays
+        assert warm._stopped is holds_gpus
+        assert (manager.pool is warm) is not holds_gpus
+    finally:
+        manager.close()

@@ -19,8 +19,9 @@ earlier one left there (a default dtype, a sub-group, a module's global). How it
 - it **fails** alone too: the failure is its own, reported as usual (the warm pool's run),
   with a line and a section saying it failed again alone on fresh ranks.
 
-What each test leaves on its ranks (:mod:`.residue`) is named on that test, as a section, a
-user property (``dist_residue``) and a :class:`ResidueWarning` in the warnings summary.
+What each test leaves on its ranks (:mod:`.residue`) is named on that test, as a section and
+a user property (``dist_residue``); what later tests would meet, or what replaced the pool,
+also as a :class:`ResidueWarning` in the warnings summary.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class ResidueWarning(pytest.PytestWarning):
     """A distributed test left state behind on the ranks of its pool (see :mod:`.residue`)."""
 
 
-def residue_lines(result: RankRun, world_size: int) -> list[str]:
-    """What the test left on its ranks, each line once with the ranks it was found on."""
-    return merge({rank: res.get("residue") or [] for rank, res in result.results.items()}, world_size)
+def residue_lines(result: RankRun, world_size: int, field: str = "residue") -> list[str]:
+    """What the test left on its ranks (``field``: "residue", what later tests meet or what
+    replaced the pool; "put_back", what the ranks put back), each line once with its ranks."""
+    return merge({rank: res.get(field) or [] for rank, res in result.results.items()}, world_size)
 
 
 def unusable(result: RankRun) -> bool:
@@ -59,12 +61,17 @@ def unusable(result: RankRun) -> bool:
 
 
 def name_residue(item: pytest.Item, spec: DistSpec, result: RankRun) -> None:
-    """Name on ``item`` what it left on its ranks: a section, a user property, a warning."""
+    """Name on ``item`` what it left on its ranks: a section and a user property; a warning for
+    what later tests would meet or what replaced the pool (not for what the ranks put back, as
+    they always did: a suite that sets a variable in a body would warn at every test)."""
     lines = residue_lines(result, spec.world_size)
+    every = lines + residue_lines(result, spec.world_size, "put_back")
+    if not every:
+        return
+    item.add_report_section("call", SECTION, "\n".join(every))
+    item.user_properties.append((RESIDUE_PROPERTY, "; ".join(every)))
     if not lines:
         return
-    item.add_report_section("call", SECTION, "\n".join(lines))
-    item.user_properties.append((RESIDUE_PROPERTY, "; ".join(lines)))
     message = ResidueWarning(f"{item.nodeid} left on its rank pool: {'; '.join(lines)}")
     # at the test's own line: the warnings summary would otherwise show this module's
     warnings.warn_explicit(message, ResidueWarning, str(item.path), (item.location[1] or 0) + 1)

@@ -131,8 +131,10 @@ class Tainted(TypedDict):
 
 
 class _Residue(TypedDict, total=False):
-    # what the test left on the rank (see residue): one line each, for its report
+    # what the test left on the rank (see residue), one line each for its report: what later
+    # tests meet (or what replaces the pool), and what the rank put back
     residue: list[str]
+    put_back: list[str]
     # what earlier tests on the pool left that was still so when this test started
     tainted: list[Tainted]
     unusable: bool  # the rank cannot run another test (its default process group is gone)
@@ -189,6 +191,7 @@ POOL = Protocol(
                     "body_seconds": Float(),
                     "torch_peaks": List(Int(), 4096),
                     "residue": List(Str(4096), 256),
+                    "put_back": List(Str(4096), 256),
                     "tainted": List(Obj({"test": TEXT, "what": Str(4096)}), 256),
                     "unusable": Bool(),
                 },

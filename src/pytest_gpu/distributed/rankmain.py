@@ -235,7 +235,7 @@ class Rank:
             result["poisoned"] = result.get("poisoned", False)
             found = self._residue(body, env, moved or _cwd() != cwd, groups, world)
             self._clean(env, cwd, groups, modules)
-            result.update(residue=found.lines, tainted=tainted, unusable=found.unusable)
+            result.update(residue=found.lines, put_back=found.put_back, tainted=tainted, unusable=found.unusable)
             peaks = _torch_peaks() if self.isolated else None
             if peaks is not None:
                 result["torch_peaks"] = peaks
@@ -261,17 +261,17 @@ class Rank:
         """What the test left on this rank (see :mod:`.residue`), before :meth:`_clean` puts back
         what it puts back; a default process group the test set up is destroyed here."""
         found = residue.Found()
-        lines = found.lines
+        lines, put_back = found.lines, found.put_back
         lines += self.residue.torch_after(body["nodeid"])
-        lines += [f"{line} (put back)" for line in residue.env_changes(env, os.environ)]
+        put_back += [f"{line} (put back)" for line in residue.env_changes(env, os.environ)]
         if moved:
-            lines.append("working directory changed (put back)")
+            put_back.append("working directory changed (put back)")
         dist = sys.modules.get("torch.distributed")
         if dist is not None:
             left = len(_groups() - groups)
             if left:
                 what = "process-group sub-group" if left == 1 else "process-group sub-groups"
-                lines.append(f"{left} {what} not destroyed (destroyed now)")
+                put_back.append(f"{left} {what} not destroyed (destroyed now)")
             now = _world()
             if world is not None and now is None:
                 lines.append("default process group destroyed (the pool is replaced)")
@@ -280,7 +280,7 @@ class Rank:
                 lines.append("default process group replaced (the pool is replaced)")
                 found.unusable = True
             elif world is None and now is not None:
-                lines.append("default process group set up and not destroyed (destroyed now)")
+                put_back.append("default process group set up and not destroyed (destroyed now)")
                 try:
                     dist.destroy_process_group()
                 except Exception:

@@ -153,10 +153,12 @@ def seeding(module: Any, names: Iterable[str]) -> dict[str, int]:
 
 @dataclass
 class Found:
-    """What one test left on this rank: each line for its report, and whether the rank can
-    still run tests (a destroyed or replaced default process group: it cannot)."""
+    """What one test left on this rank, a line each for its report: ``lines``, what later tests
+    would meet (kept) or what replaces the pool; ``put_back``, what the rank put back; and
+    whether the rank can still run tests (a destroyed or replaced default process group)."""
 
     lines: list[str] = field(default_factory=list)
+    put_back: list[str] = field(default_factory=list)
     unusable: bool = False
 
 

@@ -683,13 +683,15 @@ class PoolManager:
         """
         if self.pool is not None and self.pool.holding is not None:
             self._drop()
-        pool = self._fresh(spec, timeout, str(body.get("nodeid", "")))
+        pool: RankPool | None = None
         result = None
         try:
+            pool = self._fresh(spec, timeout, str(body.get("nodeid", "")))
             result = self._run(pool, body, timeout)
             return result, []
         finally:
-            pool.close(graceful=result is not None and not result.broken)
+            if pool is not None:
+                pool.close(graceful=result is not None and not result.broken)
             if self.pool is not None:  # idle again: closed after --dist-pool-idle, as after any test
                 self._timer = threading.Timer(self.settings.idle, self._idle_close)
                 self._timer.daemon = True
