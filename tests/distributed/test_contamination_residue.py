@@ -155,7 +155,7 @@ def _run(after: list[str], tainted: dict[int, list[dict[str, str]]] | None = Non
         rank: {"outcome": "failed", "message": "", "longrepr": "boom", "tainted": (tainted or {}).get(rank, [])}
         for rank in range(2)
     }
-    return RankRun(results=results, after=after)
+    return RankRun(results=results, ran_before=len(after), previous=(after or [""])[-1])
 
 
 def test_the_test_whose_residue_was_there_is_blamed_not_merely_the_last() -> None:
@@ -192,7 +192,7 @@ def test_which_failures_are_rerun() -> None:
     timed_out = _run(["t.py::a"])
     timed_out.timed_out = True
     assert not contamination.wanted(Item(), GLOO2, timed_out, True)  # type: ignore[arg-type]
-    passed = RankRun(results={0: {"outcome": "passed"}, 1: {"outcome": "passed"}}, after=["t.py::a"])
+    passed = RankRun(results={0: {"outcome": "passed"}, 1: {"outcome": "passed"}}, ran_before=1, previous="t.py::a")
     assert not contamination.wanted(Item(), GLOO2, passed, True)  # type: ignore[arg-type]
 
 
@@ -211,6 +211,7 @@ class StubPool(RankPool):
         return not self._stopped
 
     def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
+        self.tests_run += 1  # as a pool's run of a test that came back
         return RankRun()
 
     def close(self, graceful: bool = True) -> None:
@@ -225,14 +226,16 @@ def test_a_rerun_alone_gets_fresh_ranks_and_shuts_them_down(
     monkeypatch.setattr(StubPool, "made", [])
     manager = PoolManager(None, DistSettings(), [], tmp_path)  # type: ignore[arg-type]  # no broker needed
     try:
-        assert manager.execute(GLOO2, {"nodeid": "t.py::a"}, 60)[0].after == []
-        assert manager.execute(GLOO2, {"nodeid": "t.py::b"}, 60)[0].after == ["t.py::a"]
+        first = manager.execute(GLOO2, {"nodeid": "t.py::a"}, 60)[0]
+        assert (first.ran_before, first.previous) == (0, "")
+        second = manager.execute(GLOO2, {"nodeid": "t.py::b"}, 60)[0]
+        assert (second.ran_before, second.previous) == (1, "t.py::a")
         warm = manager.pool
         assert warm is not None
         if holds_gpus:
             warm.holding = object()  # type: ignore[assignment]  # its lease, as far as the manager looks
         alone, _ = manager.execute(GLOO2, {"nodeid": "t.py::b"}, 60, alone=True)
-        assert alone.after == []  # nothing ran before it there
+        assert (alone.ran_before, alone.previous) == (0, "")  # nothing ran before it there
         assert len(StubPool.made) == 2 and StubPool.made[1]._stopped  # fresh, and shut down after
         # a warm pool holding GPUs is closed first (the fresh one may need them); one without stays
         assert warm._stopped is holds_gpus

@@ -83,7 +83,7 @@ def wanted(item: pytest.Item, spec: DistSpec, result: RankRun, on: bool) -> bool
         on
         and not spec.isolated
         and result.outcome == "failed"
-        and bool(result.after)
+        and result.ran_before > 0
         and not result.timed_out
         and item.get_closest_marker("xfail") is None
     )
@@ -91,23 +91,21 @@ def wanted(item: pytest.Item, spec: DistSpec, result: RankRun, on: bool) -> bool
 
 def culprits(result: RankRun, world_size: int) -> tuple[list[str], list[str]]:
     """Whom a contaminated ``result`` blames, and what they left: the earlier tests whose residue
-    was still there when it started (in the order they ran), else the test just before it."""
+    was still there when it started, else the test just before it."""
     left: dict[str, dict[int, list[str]]] = {}
-    for rank, res in result.results.items():
+    for rank, res in sorted(result.results.items()):
         for entry in res.get("tainted") or []:
             left.setdefault(entry["test"], {}).setdefault(rank, []).append(entry["what"])
     if not left:
-        return result.after[-1:], []
-    order = {test: i for i, test in enumerate(result.after)}
-    tests = sorted(left, key=lambda t: order.get(t, -1))
-    lines = [f"{test} left {line}" for test in tests for line in merge(left[test], world_size)]
-    return tests, lines
+        return [result.previous], []
+    lines = [f"{test} left {line}" for test, per_rank in left.items() for line in merge(per_rank, world_size)]
+    return list(left), lines
 
 
 def contaminated(nodeid: str, spec: DistSpec, first: RankRun) -> tuple[str, list[str]]:
     """The failure's head for a test that passed alone: its first line, then why; and the blamed."""
     tests, lines = culprits(first, spec.world_size)
-    others = plural(len(first.after), "other test")
+    others = plural(first.ran_before, "other test")
     head = [
         f"pytest-gpu: contaminated by {join(tests)}: failed on its warm rank pool after {others}, "
         "passed alone on fresh ranks"
@@ -127,5 +125,5 @@ def own(first: RankRun) -> str:
     """The line a failure that failed alone too gets: its own, not its pool's."""
     return (
         "pytest-gpu: failed again alone on fresh ranks: the failure is its own, not caused by "
-        f"the {plural(len(first.after), 'test')} before it on its warm pool (the rerun: section '{RERUN_SECTION}')"
+        f"the {plural(first.ran_before, 'test')} before it on its warm pool (the rerun: section '{RERUN_SECTION}')"
     )

@@ -668,10 +668,11 @@ class PoolManager:
 
     def _run(self, pool: RankPool, body: dict[str, Any], timeout: float) -> RankRun:
         self._running = pool
+        before, previous = pool.tests_run, pool.last_test
         result = pool.run_test(body, timeout)
         self._running = None
-        result.after = list(pool.ran)  # contamination: who ran on this pool before it
-        pool.ran.append(str(body.get("nodeid", "")))
+        result.ran_before, result.previous = before, previous  # contamination: who ran there before it
+        pool.last_test = str(body.get("nodeid", ""))
         return result
 
     def _execute_alone(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
