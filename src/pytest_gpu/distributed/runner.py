@@ -4,6 +4,10 @@ An *isolated* test (``gpu(..., isolate=True)``) runs the same way on a one-rank 
 holds the test's lease (:func:`isolated_item_spec`): its body sees exactly its GPUs, as
 ``cuda:0..count-1``, and the pool's check after it is the test's own verdict.
 
+A test that fails on a warm pool after other tests is run once more alone on fresh ranks
+(:func:`rerun_alone`), which tells contamination by an earlier test from its own failure
+(:mod:`.contamination`); what each test left on its ranks is named on it (:mod:`.residue`).
+
 The feature's hook object is :class:`Distributed`, in every process that runs tests; it
 gives the lease feature its collection check (:func:`stash_spec`) and its reasons a test
 can never run here (:func:`never_runs`). The process's pools are its :class:`PoolManager`'s:
