@@ -68,12 +68,18 @@ def dtype_run(tmp_path_factory: pytest.TempPathFactory) -> Inner:
     return suite.run("-n", "2", *SIM)
 
 
+def failure(run: Inner, nodeid: str) -> str:
+    """A failed test's text, without the "[gw0] linux -- Python ..." line xdist may put first."""
+    report = run.report(nodeid)
+    assert report["outcome"] == "failed", report
+    text: str = report["longrepr"]
+    return text.split("\n", 1)[1] if text.startswith("[gw") else text
+
+
 def test_a_changed_default_dtype_fails_the_next_test_and_names_the_first(dtype_run: Inner) -> None:
     result = dtype_run
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.output
-    report = result.report("test_dtype.py::test_expects_float32")
-    assert report["outcome"] == "failed"
-    text = report["longrepr"]
+    text = failure(result, "test_dtype.py::test_expects_float32")
     first = "pytest-gpu: contaminated by test_dtype.py::test_sets_float64: failed on its warm rank pool after 1 other"
     assert text.startswith(first), text
     assert "test_dtype.py::test_sets_float64 left default dtype float64 (was float32) (on every rank)" in text
@@ -105,8 +111,7 @@ def test_the_test_that_left_it_is_named_with_what_it_left(dtype_run: Inner) -> N
 
 def test_a_failure_that_fails_alone_too_is_the_tests_own(dtype_run: Inner) -> None:
     report = dtype_run.report("test_dtype.py::test_fails_on_its_own")
-    assert report["outcome"] == "failed"
-    text = report["longrepr"]
+    text = failure(dtype_run, "test_dtype.py::test_fails_on_its_own")
     assert "contaminated" not in text
     assert text.startswith("distributed test failed on 2 of 2 ranks"), text
     assert "a real bug" in text
