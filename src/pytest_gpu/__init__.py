@@ -100,6 +100,8 @@ transitively (tests/project/test_layout.py checks it, and that this map names ev
         rankinfo        the ``rank`` fixture's value
         runner          a distributed test in the test process (Distributed); the process's pools
         cover           coverage in rank processes
+        residue         what a test left on a rank (torch defaults, process groups, environment, seeding)
+        contamination   a failure on a warm pool after other tests: rerun alone, contamination or its own
     launched/           pytest itself under srun, mpirun or torchrun
         markers         which tests may run where (pure)
         selection       deselecting by those markers (Selection)

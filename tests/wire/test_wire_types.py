@@ -236,6 +236,7 @@ def every_field_set() -> Settings:
         write_requests=True,
         check_requests=True,
         bisect=("t.py::a",),
+        dist_rerun_alone=False,
     )
 
 

@@ -93,6 +93,11 @@ class RankRun:
     seconds: float = 0.0  # wall time of the run on the pool
     # the pool's GPU lease, checked once the test ran (None: the pool holds no GPU)
     checked: tuple[Owner, Verdict, LeaseSpan] | None = None
+    # contamination (runner.rerun_alone): how many tests its pool ran before it, the last of
+    # them, and whether it ran past its own timeout (not rerun: a rerun would cost it again)
+    ran_before: int = 0
+    previous: str = ""
+    timed_out: bool = False
 
     @property
     def outcome(self) -> str:
@@ -136,6 +141,7 @@ class RankPool:
         self.server: RankServer | None = None
         self.last_used = time.monotonic()
         self.tests_run = 0
+        self.last_test = ""  # the node id of the last test it ran (set by its manager)
         self._runs = itertools.count()
         # what the ranks had written when a test was interrupted in this process (see start, run_test),
         # and where the pool was then ("its rank pool of ... was starting, for 2.1s (...); the pool was killed")
@@ -492,6 +498,7 @@ class RankPool:
             )
             self._dump_stacks(pending)
             outcome.broken = True
+            outcome.timed_out = deadline >= started + timeout
         if outcome.problems:
             outcome.broken = True
             for rank in sorted(set(self.conns) - set(outcome.results)):

@@ -16,7 +16,7 @@ A rank's life, one line per exchange (the pool waits for every rank's reply)::
     pool -> rank   SETUP      once every rank has connected        SetupBody
     rank -> pool   READY | SETUP_FAILED                            ReadyBody | SetupFailedBody
     pool -> rank   RUN        one test body                        RunBody
-    rank -> pool   RESULT     once the body ended, however         ResultBody
+    rank -> pool   RESULT     once the body ended, however         ResultBody (with what it left)
     pool -> rank   CHECK      after a failed test: health barrier  CheckBody
     rank -> pool   CHECKED                                         CheckedBody
     pool -> rank   CLOSE      a graceful end                       CloseBody
@@ -125,7 +125,22 @@ class _Timings(TypedDict, total=False):
     torch_peaks: list[int]
 
 
-class ResultBody(_Timings):
+class Tainted(TypedDict):
+    test: str  # the node id of an earlier test on the pool
+    what: str  # what it left that is still so: "default dtype float64 (was float32)"
+
+
+class _Residue(TypedDict, total=False):
+    # what the test left on the rank (see residue), one line each for its report: what later
+    # tests meet (or what replaces the pool), and what the rank put back
+    residue: list[str]
+    put_back: list[str]
+    # what earlier tests on the pool left that was still so when this test started
+    tainted: list[Tainted]
+    unusable: bool  # the rank cannot run another test (its default process group is gone)
+
+
+class ResultBody(_Timings, _Residue):
     rank: int
     outcome: str  # "passed", "failed", "skipped" or "xfailed"
     message: str
@@ -175,6 +190,10 @@ POOL = Protocol(
                     "body_started": Float(),
                     "body_seconds": Float(),
                     "torch_peaks": List(Int(), 4096),
+                    "residue": List(Str(4096), 256),
+                    "put_back": List(Str(4096), 256),
+                    "tainted": List(Obj({"test": TEXT, "what": Str(4096)}), 256),
+                    "unusable": Bool(),
                 },
                 {"run_id": None, "longrepr": "", "poisoned": False},
             )

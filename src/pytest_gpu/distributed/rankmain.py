@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ..base import importhook, privates
+from ..base.wording import join
 from ..gpu.torchstats import set_fractions, torch_peak
 from ..vendors import registry as vendors
 from ..wire.client import Client, Garbled
-from . import cover, protocol
+from . import cover, protocol, residue
 from .rankinfo import RankInfo, RankPlaceholder
 
 RANK_VARS = ("PYTEST_GPU_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -135,6 +136,7 @@ class Rank:
         threading.Thread(target=self._watch, args=(lifeline,), daemon=True).start()
         self.group: Any = None
         self.modules: dict[str, Any] = {}
+        self.residue = residue.Tracker()  # torch's defaults as the pool started, and who changed them
 
     def _redirect_output(self) -> None:
         for fd, stream in ((1, "stdout"), (2, "stderr")):
@@ -193,6 +195,7 @@ class Rank:
             if self.group.Get_size() != self.world_size:
                 raise RuntimeError(f"MPI world has {self.group.Get_size()} ranks, expected {self.world_size}")
         self.info = RankInfo(self.rank, self.world_size, self.local_rank, self.device, self.backend, self.group)
+        self.residue.begin()
         # Long-lived objects (torch, the process group) out of the collector's sight: the
         # full collection between tests then costs ~1 ms instead of ~100 ms.
         gc.freeze()
@@ -203,6 +206,8 @@ class Rank:
         env = dict(os.environ)
         cwd = os.getcwd()
         groups = _groups()
+        world = _world()
+        tainted = self.residue.tainted()  # what earlier tests left: a failure here may be theirs
         modules = len(sys.modules)
         if self.isolated:
             _torch_peaks(reset=True)  # each test's own peak, as a test process's lease starts it
@@ -210,6 +215,7 @@ class Rank:
         result: dict[str, Any] = {"rank": self.rank, "outcome": "passed", "message": "", "longrepr": ""}
         result["run_id"] = body.get("run_id")  # echoed: the pool takes only the current run's results
         started = time.perf_counter()
+        moved = False  # the body left another working directory
         try:
             func = self._resolve(body)
             kwargs = pickle.loads(body["kwargs"])  # from the pool, which proved the key: see protocol
@@ -219,6 +225,7 @@ class Rank:
             func(**kwargs)
             result["body_seconds"] = time.perf_counter() - t0
         except BaseException as exc:
+            moved = _cwd() != cwd
             try:
                 os.chdir(cwd)  # paths in the traceback relative to where pytest runs
             except OSError:
@@ -226,7 +233,9 @@ class Rank:
             result.update(_outcome(exc, body.get("module_file"), body.get("tbstyle", "auto")))
         finally:
             result["poisoned"] = result.get("poisoned", False)
+            found = self._residue(body, env, moved or _cwd() != cwd, groups, world)
             self._clean(env, cwd, groups, modules)
+            result.update(residue=found.lines, put_back=found.put_back, tainted=tainted, unusable=found.unusable)
             peaks = _torch_peaks() if self.isolated else None
             if peaks is not None:
                 result["torch_peaks"] = peaks
@@ -245,6 +254,42 @@ class Rank:
                 owner = getattr(owner, part)
             return getattr(owner(), body["func"])
         return getattr(module, body["func"])
+
+    def _residue(
+        self, body: dict[str, Any], env: dict[str, str], moved: bool, groups: set[Any], world: Any
+    ) -> residue.Found:
+        """What the test left on this rank (see :mod:`.residue`), before :meth:`_clean` puts back
+        what it puts back; a default process group the test set up is destroyed here."""
+        found = residue.Found()
+        lines, put_back = found.lines, found.put_back
+        lines += self.residue.torch_after(body["nodeid"])
+        put_back += [f"{line} (put back)" for line in residue.env_changes(env, os.environ)]
+        if moved:
+            put_back.append("working directory changed (put back)")
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None:
+            left = len(_groups() - groups)
+            if left:
+                what = "process-group sub-group" if left == 1 else "process-group sub-groups"
+                put_back.append(f"{left} {what} not destroyed (destroyed now)")
+            now = _world()
+            if world is not None and now is None:
+                lines.append("default process group destroyed (the pool is replaced)")
+                found.unusable = True
+            elif world is not None and now is not world:
+                lines.append("default process group replaced (the pool is replaced)")
+                found.unusable = True
+            elif world is None and now is not None:
+                put_back.append("default process group set up and not destroyed (destroyed now)")
+                try:
+                    dist.destroy_process_group()
+                except Exception:
+                    found.unusable = True
+        replaced = self.residue.reseeding_after()
+        if replaced:
+            lines.append(f"{join(replaced)} replaced: the pool's reseeding no longer holds (the pool is replaced)")
+            found.unusable = True
+        return found
 
     def _clean(self, env: dict[str, str], cwd: str, groups: set[Any], modules: int) -> None:
         """Put the process back as the test found it (see docs/distributed.md's list); ``modules``:
@@ -393,6 +438,21 @@ def _groups() -> set[Any]:
         return set()
     world = dist.group.WORLD
     return {pg for pg in dist.distributed_c10d._world.pg_map if pg is not world}
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # the body removed it
+        return ""
+
+
+def _world() -> Any:
+    """The default process group, where torch.distributed is imported and has one (else None)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD
 
 
 def _reseed(seed: int) -> None:

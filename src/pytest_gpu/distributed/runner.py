@@ -4,6 +4,10 @@ An *isolated* test (``gpu(..., isolate=True)``) runs the same way on a one-rank 
 holds the test's lease (:func:`isolated_item_spec`): its body sees exactly its GPUs, as
 ``cuda:0..count-1``, and the pool's check after it is the test's own verdict.
 
+A test that fails on a warm pool after other tests is run once more alone on fresh ranks
+(:func:`rerun_alone`), which tells contamination by an earlier test from its own failure
+(:mod:`.contamination`); what each test left on its ranks is named on it (:mod:`.residue`).
+
 The feature's hook object is :class:`Distributed`, in every process that runs tests; it
 gives the lease feature its collection check (:func:`stash_spec`) and its reasons a test
 can never run here (:func:`never_runs`). The process's pools are its :class:`PoolManager`'s:
@@ -33,6 +37,7 @@ from ..run.fixture_leases import FACTORY
 from ..run.holding import STATE_KEY
 from ..run.infra import INIT_TIMEOUT_KEY
 from ..run.record import effective, needs, record, skip_why
+from . import contamination
 from .backends import AUTO_PROPERTY, auto_backend, fit_ranks, nccl_missing
 from .rankinfo import RankPlaceholder
 
@@ -323,8 +328,14 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
     before = pools.started
     from .pool import PoolError  # local: slow (the pool machinery): loaded by the first distributed test
 
+    alone: RankRun | None = None
     try:
         result, notes = pools.execute(spec, body, timeout)
+        pooled = "fresh" if pools.started != before else "warm"
+        contamination.name_residue(item, spec, result)
+        if contamination.unusable(result):
+            pools.discard(spec)
+        alone = rerun_alone(item, spec, body, timeout, pools, result, run)
     except PoolError as exc:
         timed_out = init_timeout(str(exc))
         if timed_out is not None:  # evidence of an infrastructure failure (pytest_gpu.run.infra)
@@ -342,25 +353,14 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         if isinstance(exc, Exception) and pools.interrupted:  # an error: its traceback stays (make_report)
             item.add_report_section("call", "pytest-gpu pool", f"the test ended while {pools.interrupted}")
         raise
-    if result.checked is not None:  # the pool's GPUs: judged with this test, named as the pool's
-        state = item.stash.get(STATE_KEY, None)
-        if state is not None:
-            owner, verdict, span = result.checked
-            if spec.isolated:  # its pool holds its lease: the test's own verdict, as in the test process
-                verdict = with_torch_peaks(verdict, span, result.results.get(0, {}).get("torch_peaks"))
-                if verdict.violations:  # what its process still holds would be charged to the next test
-                    pools.discard(spec)
-                state.verdict.merge(verdict)
-                state.leases.append(span)
-                state.indices.update(span.gpus)
-                state.waited += span.granted - span.asked  # its pool's first test waited for the lease
-            else:
-                state.judged(owner, verdict, [span], during=f" while it ran {item.nodeid}")
+    for ran in (result, alone):  # the rerun's pool held its own lease: judged too
+        if ran is not None:
+            _judge(item, spec, ran, pools)
     body_seconds = max((r.get("body_seconds", 0.0) for r in result.results.values()), default=0.0)
     item.user_properties.extend(
         [
             ("dist_ranks", spec.world_size),
-            ("dist_pool", "fresh" if pools.started != before else "warm"),
+            ("dist_pool", pooled),
             ("dist_body_seconds", round(body_seconds, 6)),
             ("dist_overhead_seconds", round(time.perf_counter() - started - body_seconds, 6)),
         ]
@@ -371,6 +371,8 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         item.add_report_section("call", name, content)
     for note in notes:
         item.add_report_section("call", "pytest-gpu pool", note)
+    if alone is not None:
+        told_apart(item, spec, result, alone, pools)  # contamination: raises; its own failure: said below
     outcome = result.outcome
     if outcome == "failed" and spec.isolated:
         text, crash = isolated_failure(result)
@@ -378,7 +380,10 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
         detail = failure_detail(spec, result) if result.problems else ""
         raise DistributedFailure(text, detail, crash=crash, isolated=True)
     if outcome == "failed":
-        raise DistributedFailure(failure_text(spec, result), failure_detail(spec, result))
+        text = failure_text(spec, result)
+        if alone is not None:
+            text += "\n" + contamination.own(result)
+        raise DistributedFailure(text, failure_detail(spec, result))
     if outcome == "skipped":
         reasons = sorted({r["message"] for r in result.results.values() if r["outcome"] == "skipped"})
         # reported at the test's location, as for a skip marker, not at this line of the plugin
@@ -402,6 +407,68 @@ def init_timeout(text: str) -> str | None:
         if _INIT_TIMEOUT.search(line):
             return f"{head.rstrip(':')}: {line.strip()}" if line is not head else head
     return None
+def _judge(item: pytest.Function, spec: DistSpec, result: RankRun, pools: PoolManager) -> None:
+    """What the pool's GPUs did while ``result`` ran: judged with this test, named as the pool's."""
+    state = item.stash.get(STATE_KEY, None)
+    if result.checked is None or state is None:
+        return
+    owner, verdict, span = result.checked
+    if spec.isolated:  # its pool holds its lease: the test's own verdict, as in the test process
+        verdict = with_torch_peaks(verdict, span, result.results.get(0, {}).get("torch_peaks"))
+        if verdict.violations:  # what its process still holds would be charged to the next test
+            pools.discard(spec)
+        state.verdict.merge(verdict)
+        state.leases.append(span)
+        state.indices.update(span.gpus)
+        state.waited += span.granted - span.asked  # its pool's first test waited for the lease
+    else:
+        state.judged(owner, verdict, [span], during=f" while it ran {item.nodeid}")
+
+
+# -- contamination: a failure on a warm pool, run again alone (see .contamination) ------------------
+
+
+def rerun_alone(
+    item: pytest.Function,
+    spec: DistSpec,
+    body: dict[str, Any],
+    timeout: float,
+    pools: PoolManager,
+    first: RankRun,
+    run: GpuRun,
+) -> RankRun | None:
+    """Run a test that failed on a warm pool after other tests once more, alone on fresh ranks;
+    the rerun's result (None: not wanted, or its pool could not be had: said in a section)."""
+    if not contamination.wanted(item, spec, first, run.settings.dist_rerun_alone):
+        return None
+    from .pool import PoolError  # local: slow (the pool machinery): loaded by the first distributed test
+
+    try:
+        alone, notes = pools.execute(spec, body, timeout, alone=True)
+    except (PoolError, BrokerError) as exc:
+        item.add_report_section("call", contamination.RERUN_SECTION, f"could not run it alone on fresh ranks: {exc}")
+        return None
+    for note in notes:
+        item.add_report_section("call", contamination.RERUN_SECTION, note)
+    return alone
+
+
+def told_apart(item: pytest.Function, spec: DistSpec, first: RankRun, alone: RankRun, pools: PoolManager) -> None:
+    """Report a failure on a warm pool by its rerun alone: passed there, raise it as contamination
+    naming the earlier test; failed there too, leave it as its own (with the rerun as a section)."""
+    if alone.outcome == "failed":
+        item.user_properties.append((contamination.RERUN_PROPERTY, "failed"))
+        item.add_report_section("call", contamination.RERUN_SECTION, failure_text(spec, alone))
+        return
+    pools.discard(spec)  # contaminated: no later test runs there
+    head, blamed = contamination.contaminated(item.nodeid, spec, first)
+    item.user_properties.append((contamination.RERUN_PROPERTY, alone.outcome))
+    item.user_properties.append((contamination.BLAMED_PROPERTY, " ".join(blamed)))
+    item.add_report_section(
+        "call", contamination.RERUN_SECTION, f"{alone.outcome} alone on fresh ranks (a new pool of {spec.describe()})"
+    )
+    text = f"{head}\n{failure_text(spec, first)}"
+    raise DistributedFailure(text, failure_detail(spec, first), crash=head.splitlines()[0])
 
 
 def failure_text(spec: DistSpec, result: RankRun) -> str:
@@ -592,8 +659,11 @@ class PoolManager:
         self.started += 1
         return fresh
 
-    def execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+    def execute(
+        self, spec: DistSpec, body: dict[str, Any], timeout: float, alone: bool = False
+    ) -> tuple[RankRun, list[str]]:
         """Run a test on a pool for ``spec``; returns the run and notes for the report.
+        ``alone``: on fresh ranks of its own (:meth:`_execute_alone`).
 
         Anything that ends this early (pytest-timeout's signal, KeyboardInterrupt, an error)
         kills the pool in use, so that the next test gets a fresh one; what the interrupted
@@ -605,7 +675,7 @@ class PoolManager:
                 self._timer.cancel()
             self.abandoned, self.interrupted = [], ""
             try:
-                return self._execute(spec, body, timeout)
+                return (self._execute_alone if alone else self._execute)(spec, body, timeout)
             except BaseException:
                 running, self._running = self._running, None
                 starting, self._starting = self._starting, None
@@ -622,9 +692,35 @@ class PoolManager:
 
     def _run(self, pool: RankPool, body: dict[str, Any], timeout: float) -> RankRun:
         self._running = pool
+        before, previous = pool.tests_run, pool.last_test
         result = pool.run_test(body, timeout)
         self._running = None
+        result.ran_before, result.previous = before, previous  # contamination: who ran there before it
+        pool.last_test = str(body.get("nodeid", ""))
         return result
+
+    def _execute_alone(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
+        """Run a test once on fresh ranks of its own, then shut them down (contamination's rerun).
+
+        A warm pool that holds GPUs is closed first: its lease (whole GPUs by default) may be
+        what the fresh pool needs. One without stays for the next test unless the rerun shows
+        it contaminated (the runner then discards it).
+        """
+        if self.pool is not None and self.pool.holding is not None:
+            self._drop()
+        pool: RankPool | None = None
+        result = None
+        try:
+            pool = self._fresh(spec, timeout, str(body.get("nodeid", "")))
+            result = self._run(pool, body, timeout)
+            return result, []
+        finally:
+            if pool is not None:
+                pool.close(graceful=result is not None and not result.broken)
+            if self.pool is not None:  # idle again: closed after --dist-pool-idle, as after any test
+                self._timer = threading.Timer(self.settings.idle, self._idle_close)
+                self._timer.daemon = True
+                self._timer.start()
 
     def _execute(self, spec: DistSpec, body: dict[str, Any], timeout: float) -> tuple[RankRun, list[str]]:
         from .pool import PoolDied  # local: slow (the pool machinery): loaded by the first distributed test

@@ -182,6 +182,13 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "fail the run when a test's peak, with the file's margin, no longer fits its written request "
         "(or it ran out of memory under it), naming each test, its request and its new peak. A flag.",
     ),
+    (
+        "--dist-rerun-alone",
+        "dist_rerun_alone",
+        "on",
+        "'on': a distributed test that fails on a warm pool after other tests is run once more alone on "
+        "fresh ranks, to tell contamination by an earlier test from its own failure; 'off': never.",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
@@ -303,6 +310,7 @@ class Settings:
     write_requests: bool = False  # the file is written, not applied
     check_requests: bool = field(default=False, metadata=CONTROLLER_ONLY)
     bisect: tuple[str, ...] = field(default=(), metadata=CONTROLLER_ONLY)
+    dist_rerun_alone: bool = True  # a failure on a warm pool after other tests: rerun alone (distributed.runner)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -425,6 +433,7 @@ def read(config: pytest.Config) -> Settings:
         amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
         retry_infra=_flag(config, "gpu_retry_infra"),
         **_written(config),
+        dist_rerun_alone=_choice(config, "dist_rerun_alone", ("on", "off")) == "on",
     )
 
 
