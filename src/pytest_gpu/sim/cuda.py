@@ -34,6 +34,7 @@ from typing import Any
 from ..base.requests import format_size, parse_size
 from ..vendors import registry as vendors
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
+from .spec import Unit
 
 __all__ = [
     "STICKY_ERRORS",
@@ -180,6 +181,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     ledger: Ledger | None = None  # that ledger's object in this process (the same key, found faster)
     view: list[int] | None = None  # units, in ordinal order; None until first use
+    units: tuple[Unit, ...] = ()  # the machine's units when the view was fixed (their properties do not change)
     started: str = ""  # the visibility variables when the view was fixed, as messages say them
     local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
@@ -226,6 +228,7 @@ def _fix_view() -> list[int]:
             units.sort(key=lambda u: rank[u.index])
         started = vendor.outer(os.environ)
         _rt.view = vendor.view(tuple(units), started)
+        _rt.units = machine.units()
         _rt.started = vendor.said(started)
     return _rt.view
 
@@ -262,6 +265,14 @@ def unit_of(ordinal: int | str | None = None) -> int:
             f"(its CUDA started with {_rt.started})"
         )
     return view[chosen]
+
+
+def properties(ordinal: int | str | None = None) -> Unit:
+    """The device behind ``ordinal`` (default: the current device) as ``cudaGetDeviceProperties``
+    describes it (name, uuid, total): read from the machine once, when the process's device
+    list was fixed, as a device's properties do not change while a process uses it."""
+    unit = unit_of(ordinal)
+    return _rt.units[unit]
 
 
 def _device_type() -> str:
@@ -319,7 +330,7 @@ def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
     unit = unit_of(ordinal)
     led = ledger()
     _open_context(unit)
-    info = led.units()[unit]
+    info = _rt.units[unit]
     total = info.total - info.reserved
     return max(total - led.used()[unit], 0), total
 

@@ -265,7 +265,7 @@ class _DeviceAllocator:
 
     def total_global_mem(self) -> int:
         """``cudaDeviceProp.totalGlobalMem`` (read without a context)."""
-        unit = ledger().units()[sim_cuda.unit_of(self.ordinal)]
+        unit = sim_cuda.properties(self.ordinal)
         return unit.total - unit.reserved
 
     def malloc(self, orig_size: int) -> Any:
@@ -1158,7 +1158,7 @@ def _get_device_properties(device: int) -> _DeviceProperties:
     count = sim_cuda.device_count()
     if not 0 <= device < count:
         raise RuntimeError(f"device={device}, num_gpus={count}")
-    unit = ledger().units()[sim_cuda.unit_of(device)]
+    unit = sim_cuda.properties(device)
     uuid = unit.uuid.split("-", 1)[1]  # printed without the GPU-/MIG- prefix, as torch does
     return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=uuid)
 
@@ -1329,7 +1329,7 @@ def _x_set_device(device: object) -> None:
 
 def _x_get_device_properties(device: int) -> _DeviceProperties:
     index = _check_xpu_index(device)
-    unit = ledger().units()[sim_cuda.unit_of(index)]
+    unit = sim_cuda.properties(index)
     return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=unit.uuid)
 
 
