@@ -91,24 +91,25 @@ from pytest_gpu.leasing import client
 from pytest_gpu.run import lifecycle, session
 _ledger = importlib.import_module("pytest_gpu.sim.ledger")  # the module (sim.ledger is its function)
 
-_stack = []  # [part, start ns, ns of timed steps inside]
-_ns = {}
-_calls = {}
+_stack = []  # [part, start ns, CPU ns at start, ns of timed steps inside, CPU ns of them]
+_ns = {}  # part -> wall ns (perf_counter_ns)
+_cpu = {}  # part -> CPU ns of the whole process (process_time_ns: the broker's thread too), steadier under load
 
 
 def _enter(part):
-    _stack.append([part, time.perf_counter_ns(), 0])
+    _stack.append([part, time.perf_counter_ns(), time.process_time_ns(), 0, 0])
 
 
 def _exit():
-    part, start, inner = _stack.pop()
-    spent = time.perf_counter_ns() - start
+    part, start, cpu_start, inner, cpu_inner = _stack.pop()
+    spent, cpu = time.perf_counter_ns() - start, time.process_time_ns() - cpu_start
     if part == "ledger" and not _stack:
         part = "ledger (test body)"
     _ns[part] = _ns.get(part, 0) + spent - inner
-    _calls[part] = _calls.get(part, 0) + 1
+    _cpu[part] = _cpu.get(part, 0) + cpu - cpu_inner
     if _stack:
-        _stack[-1][2] += spent
+        _stack[-1][3] += spent
+        _stack[-1][4] += cpu
 
 
 def _timed(part, function):
@@ -147,7 +148,7 @@ for _name in ("setup", "teardown", "make_report", "release_failure"):
 
 def pytest_sessionfinish(session):
     with open(os.environ["LEASE_PROBE_OUT"], "w") as out:
-        json.dump({"ns": _ns, "calls": _calls}, out)
+        json.dump({"wall": _ns, "cpu": _cpu}, out)
 """
 PARTS = ("broker", "ledger", "ledger (test body)", "confine", "verification", "rest")
 TORCH_ARMS = {  # name -> pytest arguments
@@ -193,7 +194,7 @@ def run_torch(
 
 
 def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -> None:
-    breakdowns: dict[str, list[dict[str, float]]] = {code: [] for code, _ in codes}
+    breakdowns: dict[tuple[str, str], list[dict[str, float]]] = {(c, k): [] for c, _ in codes for k in ("wall", "cpu")}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         directory = root / "suite"
@@ -211,7 +212,8 @@ def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -
             out = root / f"probe-{count}.json"
             result = run_torch(directory, TORCH_ARMS["plugin"], src, root, count, probe=out)
             found = json.loads(out.read_text())
-            breakdowns[code].append({part: found["ns"].get(part, 0) / tests / 1e6 for part in PARTS})
+            for kind in ("wall", "cpu"):
+                breakdowns[code, kind].append({part: found[kind].get(part, 0) / tests / 1e6 for part in PARTS})
             return result
 
         count = 0
@@ -242,13 +244,20 @@ def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -
             )
             head = f"{code}: torch, {tests} GPU tests, one process, {what} median of {runs}"
             print(f"{head}: -p no:gpu {bare:.2f} s; {costs}")
-        cost = sorted((w - b) / tests * 1000 for w, b in zip(cpus[code, "plugin"], cpus[code, "-p no:gpu"], strict=True))
-        parts = breakdowns[code]
-        print(f"{code}: one GPU test's cost, ms (min / median of {runs}):")
-        print(f"  {'plugin - (-p no:gpu), CPU, run by run':40s} {cost[0]:6.2f} / {statistics.median(cost):6.2f}")
+        print(f"{code}: one GPU test's cost, ms, min / median of {runs} (wall | CPU):")
+        for name in ("plugin", "lease only"):
+            row = []
+            for figures in (walls, cpus):  # each round's arm less the same round's -p no:gpu
+                pairs = zip(figures[code, name], figures[code, "-p no:gpu"], strict=True)
+                cost = sorted((a - b) / tests * 1000 for a, b in pairs)
+                row.append(f"{cost[0]:6.2f} / {statistics.median(cost):6.2f}")
+            print(f"  {name + ' - (-p no:gpu)':40s} {row[0]}  | {row[1]}")
         for part in (*PARTS, "sum"):
-            got = sorted(sum(p.values()) if part == "sum" else p[part] for p in parts)
-            print(f"  {'probed: ' + part:40s} {got[0]:6.2f} / {statistics.median(got):6.2f}")
+            row = []
+            for kind in ("wall", "cpu"):
+                got = sorted(sum(p.values()) if part == "sum" else p[part] for p in breakdowns[code, kind])
+                row.append(f"{got[0]:6.2f} / {statistics.median(got):6.2f}")
+            print(f"  {'probed: ' + part:40s} {row[0]}  | {row[1]}")
 
 
 def uptime() -> str:
