@@ -91,7 +91,7 @@ def test_the_asking_process_is_not_looked_up_yet_an_earlier_holder_of_its_pid_is
 
     def counted(pid: int, *args: Any, **kwargs: Any) -> bool:
         looked.append(pid)
-        return real(pid, *args, **kwargs)
+        return bool(real(pid, *args, **kwargs))
 
     monkeypatch.setattr(ledger_module, "owner_alive", counted)
     sim.ledger().allocate(GiB, 0, None, None)  # a write prunes: this process's record is its own

@@ -409,6 +409,23 @@ class Allocation:
         return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
 
 
+def free_all(allocations: list[Allocation]) -> None:
+    """``cudaFree`` each of ``allocations`` (those not freed yet), in one write of each ledger:
+    a framework's cache emptied at once. After a sticky error it fails and frees none."""
+    live = [a for a in allocations if a._handle is not None]
+    if not live:
+        return
+    _check_sticky()
+    by_ledger: dict[int, tuple[Ledger, list[str]]] = {}
+    for allocation in live:
+        assert allocation._handle is not None
+        by_ledger.setdefault(id(allocation._ledger), (allocation._ledger, []))[1].append(allocation._handle)
+    for led, handles in by_ledger.values():
+        led.free(*handles)
+    for allocation in live:
+        allocation._handle = None
+
+
 def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool = True) -> Allocation:
     """Allocate simulated memory on ``device`` (an ordinal or ``"cuda:N"``; default: the current device).
 

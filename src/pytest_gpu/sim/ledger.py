@@ -650,12 +650,13 @@ class Ledger:
             grow = proc.setdefault("grow", {})
             grow[str(unit)] = grow.get(str(unit), 0) + nbytes
 
-    def free(self, handle: str) -> None:
-        pid = handle.split(":", 1)[0]
+    def free(self, *handles: str) -> None:
+        """Free the allocations ``handles`` name (those still held), in one write."""
         with self._state(prune=False) as state:
-            proc = state["procs"].get(pid)
-            if proc is not None:
-                proc["allocs"].pop(handle, None)
+            for handle in handles:
+                proc = state["procs"].get(handle.split(":", 1)[0])
+                if proc is not None:
+                    proc["allocs"].pop(handle, None)
 
 
 _RENAME_EXCHANGE = 2  # renameat2(2)'s flag

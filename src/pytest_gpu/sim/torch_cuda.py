@@ -426,14 +426,14 @@ class _DeviceAllocator:
     def release_cached_blocks(self) -> None:
         """``emptyCache``: ``cudaFree`` every cached block that is a whole segment."""
         self.stats.counters["num_sync_all_streams"] += 1
-        for small in (False, True):
-            for block in [b for b in self.pools[small] if not b.is_split]:
-                self.pools[small].remove(block)
-                block.segment.free()
-                self.reserved -= block.size
-                self.stats.change("segment", small, -1)
-                self.stats.change("reserved_bytes", small, -block.size)
-                self.stats.counters["num_device_free"] += 1
+        whole = [(small, b) for small in (False, True) for b in self.pools[small] if not b.is_split]
+        sim_cuda.free_all([b.segment for _, b in whole])  # the driver's cudaFrees, one ledger write for them all
+        for small, block in whole:
+            self.pools[small].remove(block)
+            self.reserved -= block.size
+            self.stats.change("segment", small, -1)
+            self.stats.change("reserved_bytes", small, -block.size)
+            self.stats.counters["num_device_free"] += 1
         for segment in self.segments.values():
             segment.unmap_free_pages()
 
