@@ -133,3 +133,24 @@ def test_device_properties_are_read_once_per_process_view(monkeypatch: pytest.Mo
         sim.cuda.allocate(2 * GiB, 0)
     with pytest.raises(sim.SimDeviceError):
         sim.cuda.properties(2)
+
+
+def test_an_allocation_reads_its_process_s_start_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil's look at a process (~0.1 ms, several under load) was made on every allocation,
+    for a record that existed already."""
+    looked: list[int] = []
+    real = ledger_module._proc_start
+
+    def counted(pid: int) -> float | None:
+        looked.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(ledger_module, "_proc_start", counted)
+    monkeypatch.setattr(ledger_module, "_own", (0, None))  # as in a new process
+    for _ in range(3):
+        sim.ledger().free(sim.ledger().allocate(MiB, 0, None, None))
+    sim.ledger().begin_tag("t", os.getpid())
+    assert looked == [os.getpid()]
+    with sim.ledger()._state(write=False) as state:
+        assert abs(state["procs"][str(os.getpid())]["ctime"] - real(os.getpid())) < 1.5
+        assert state["tags"]["t"]["octime"] == state["procs"][str(os.getpid())]["ctime"]

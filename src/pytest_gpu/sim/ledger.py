@@ -262,6 +262,11 @@ def _alive(pid: int | str, ctime: float | None) -> bool:
 _own: tuple[int, float | None] = (0, None)  # (pid, create time) of this process, read once per process
 
 
+def _start_of(pid: int) -> float | None:
+    """What the ledger records of process ``pid`` (:func:`_proc_start`); this process's, read once."""
+    return _own_start() if pid == os.getpid() else _proc_start(pid)
+
+
 def _own_start() -> float | None:
     """This process's create time as :func:`_proc_start` records it (read once; a fork reads its own)."""
     global _own
@@ -561,7 +566,7 @@ class Ledger:
     def begin_tag(self, tag: str, owner: int) -> None:
         """Start accounting ``tag``; contexts of ``owner`` are not charged to it."""
         with self._state(prune=False) as state:
-            state["tags"][tag] = {"owner": owner, "octime": _proc_start(owner), "peak": {}, "touched": []}
+            state["tags"][tag] = {"owner": owner, "octime": _start_of(owner), "peak": {}, "touched": []}
 
     # -- allocation ----------------------------------------------------------------
 
@@ -584,7 +589,9 @@ class Ledger:
         pid = os.getpid()
         with self._state() as state:
             info = self._unit(unit, state["spec"])
-            proc = state["procs"].setdefault(str(pid), {"ctime": _proc_start(pid), "ctx": {}, "allocs": {}, "seq": 0})
+            proc = state["procs"].get(str(pid))
+            if proc is None:  # (psutil's look at the process: only for its first record, not on every call)
+                proc = state["procs"][str(pid)] = {"ctime": _start_of(pid), "ctx": {}, "allocs": {}, "seq": 0}
             new_ctx = str(unit) not in proc["ctx"]
             need = nbytes + (state["overhead"] if new_ctx else 0)
             used = _device_used(state, unit)
