@@ -154,3 +154,17 @@ def test_an_allocation_reads_its_process_s_start_once(monkeypatch: pytest.Monkey
     with sim.ledger()._state(write=False) as state:
         assert abs(state["procs"][str(os.getpid())]["ctime"] - real(os.getpid())) < 1.5
         assert state["tags"]["t"]["octime"] == state["procs"][str(os.getpid())]["ctime"]
+
+
+def test_a_dead_process_pruned_by_a_tag_s_write_leaves_nvml_s_list(
+    ledger_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim.ledger().allocate(0, 0, None, None)
+    with sim.ledger()._state() as state:  # a process that has exited since, holding memory
+        dead = {"ctime": 1.0, "ctx": {"1": None}, "allocs": {"999999999:1": [1, GiB, None]}, "seq": 1}
+        state["procs"]["999999999"] = dead
+    assert " 999999999 " in (ledger_dir / "nvml.state").read_text()
+    monkeypatch.setattr(ledger_module, "owner_alive", lambda pid, *a, **k: pid != 999999999)
+    sim.ledger().begin_tag("t", os.getpid())
+    sim.ledger().tag_usage("t", drop=True)  # pruned, then a tag dropped: NVML must stop listing the dead
+    assert " 999999999 " not in (ledger_dir / "nvml.state").read_text()

@@ -438,9 +438,11 @@ class Ledger:
                     state, fresh = self._fresh(), True
             else:
                 state, fresh = self._fresh(), True
-            if prune and self._prune(state):
+            pruned = prune and self._prune(state)
+            if pruned:
                 write = True  # NVML must stop listing the dead
-            rendered = None if fresh or not write else render_state(self.machine(state["spec"]), state)
+            # what nvml.state holds now (every write renders it), unless pruning changed it already
+            rendered = None if fresh or pruned or not write else render_state(self.machine(state["spec"]), state)
             yield state
             if write or fresh:
                 self._write(state, rendered)
