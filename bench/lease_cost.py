@@ -34,6 +34,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -76,6 +77,80 @@ def test_tiny(n):
     x = torch_cuda.empty(256 * 2**20)  # the current device: the lease's (cuda:0 without the plugin)
     del x
 """
+# The breakdown: a plugin (``-p lease_probe``, only in the "probed" arm) that wraps the plugin's
+# per-test steps with perf_counter_ns timers at import, before the run starts; the product has
+# no timer of its own, so the other arms pay nothing. Each step's time is its own (exclusive):
+# what a step calls that is itself timed (a ledger write inside the adapters' undo) counts once,
+# where it is deepest. Ledger time outside every hook is the test body's own cudaMalloc.
+PROBE = """
+import importlib, json, os, time
+from contextlib import contextmanager
+
+from pytest_gpu.gpu import confine as _confine, isolation, verification
+from pytest_gpu.leasing import client
+from pytest_gpu.run import lifecycle, session
+_ledger = importlib.import_module("pytest_gpu.sim.ledger")  # the module (sim.ledger is its function)
+
+_stack = []  # [part, start ns, CPU ns at start, ns of timed steps inside, CPU ns of them]
+_ns = {}  # part -> wall ns (perf_counter_ns)
+_cpu = {}  # part -> CPU ns of the whole process (process_time_ns: the broker's thread too), steadier under load
+
+
+def _enter(part):
+    _stack.append([part, time.perf_counter_ns(), time.process_time_ns(), 0, 0])
+
+
+def _exit():
+    part, start, cpu_start, inner, cpu_inner = _stack.pop()
+    spent, cpu = time.perf_counter_ns() - start, time.process_time_ns() - cpu_start
+    if part == "ledger" and not _stack:
+        part = "ledger (test body)"
+    _ns[part] = _ns.get(part, 0) + spent - inner
+    _cpu[part] = _cpu.get(part, 0) + cpu - cpu_inner
+    if _stack:
+        _stack[-1][3] += spent
+        _stack[-1][4] += cpu
+
+
+def _timed(part, function):
+    def timed(*args, **kwargs):
+        _enter(part)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _exit()
+    return timed
+
+
+def _timed_cm(part, function):
+    @contextmanager
+    def timed(*args, **kwargs):
+        _enter(part)
+        try:
+            with function(*args, **kwargs) as value:
+                yield value
+        finally:
+            _exit()
+    return timed
+
+
+_ledger.Ledger._lock = _timed_cm("ledger", _ledger.Ledger._lock)
+for _name in ("acquire", "release", "context_size"):
+    setattr(client.BrokerClient, _name, _timed("broker", getattr(client.BrokerClient, _name)))
+session.confine_lease = _timed("confine", session.confine_lease)
+isolation.Confinement.undo = _timed("confine", isolation.Confinement.undo)
+for _cls in (verification.NvmlVerifier, verification.SimVerifier):
+    _cls.begin = _timed("verification", _cls.begin)
+    _cls.end = _timed("verification", _cls.end)
+for _name in ("setup", "teardown", "make_report", "release_failure"):
+    setattr(lifecycle, _name, _timed("rest", getattr(lifecycle, _name)))
+
+
+def pytest_sessionfinish(session):
+    with open(os.environ["LEASE_PROBE_OUT"], "w") as out:
+        json.dump({"wall": _ns, "cpu": _cpu}, out)
+"""
+PARTS = ("broker", "ledger", "ledger (test body)", "confine", "verification", "rest")
 TORCH_ARMS = {  # name -> pytest arguments
     "plugin": ["--gpus", "auto"],
     "verify off": ["--gpus", "auto", "--gpu-verify=off"],
@@ -85,8 +160,11 @@ TORCH_ARMS = {  # name -> pytest arguments
 }
 
 
-def run_torch(directory: Path, args: list[str], src: str | None, root: Path, n: int) -> tuple[float, float]:
-    """(wall seconds, CPU seconds: user + system of the pytest process and its children)."""
+def run_torch(
+    directory: Path, args: list[str], src: str | None, root: Path, n: int, probe: Path | None = None
+) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system of the pytest process and its children);
+    ``probe``: where the probed arm writes its breakdown (``-p lease_probe``, from ``root``)."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"]
     command += ["-p", "no:randomly", "-p", "no:xdist", *args, str(directory)]
     env = dict(os.environ)
@@ -101,6 +179,10 @@ def run_torch(directory: Path, args: list[str], src: str | None, root: Path, n: 
     )
     if src:
         env["PYTHONPATH"] = src
+    if probe is not None:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(root / "probe")) if x)
+        env["LEASE_PROBE_OUT"] = str(probe)
+        command[4:4] = ["-p", "lease_probe"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -112,28 +194,45 @@ def run_torch(directory: Path, args: list[str], src: str | None, root: Path, n: 
 
 
 def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -> None:
+    breakdowns: dict[tuple[str, str], list[dict[str, float]]] = {(c, k): [] for c, _ in codes for k in ("wall", "cpu")}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         directory = root / "suite"
         directory.mkdir()
         (directory / "conftest.py").write_text(TORCH_CONFTEST)
         (directory / "test_tiny.py").write_text(TORCH_TEST.format(n=tests))
-        arms = [(code, src, name, args) for code, src in codes for name, args in TORCH_ARMS.items()]
+        (root / "probe").mkdir()
+        (root / "probe" / "lease_probe.py").write_text(PROBE)
+        names = [*TORCH_ARMS, "probed"]  # probed: the plugin arm with the timers, for the breakdown alone
+        arms = [(code, src, name) for code, src in codes for name in names]
+
+        def one(code: str, src: str | None, name: str, count: int) -> tuple[float, float]:
+            if name != "probed":
+                return run_torch(directory, TORCH_ARMS[name], src, root, count)
+            out = root / f"probe-{count}.json"
+            result = run_torch(directory, TORCH_ARMS["plugin"], src, root, count, probe=out)
+            found = json.loads(out.read_text())
+            for kind in ("wall", "cpu"):
+                breakdowns[code, kind].append({part: found[kind].get(part, 0) / tests / 1e6 for part in PARTS})
+            return result
+
         count = 0
-        for _, src, _, args in arms:  # warm the bytecode cache (not counted)
+        for code, src, name in arms:  # warm the bytecode cache (not counted)
             count += 1
-            run_torch(directory, args, src, root, count)
-        walls: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name, _ in arms}
-        cpus: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name, _ in arms}
-        print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
-        for i in range(runs):  # ABCDE EDCBA: a drift in machine load hits every arm alike
-            for code, src, name, args in arms if i % 2 == 0 else arms[::-1]:
+            one(code, src, name, count)
+        for found in breakdowns.values():
+            found.clear()
+        walls: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name in arms}
+        cpus: dict[tuple[str, str], list[float]] = {(code, name): [] for code, _, name in arms}
+        print(f"load before: {uptime()}", flush=True)
+        for i in range(runs):  # ABCDEF FEDCBA: a drift in machine load hits every arm alike
+            for code, src, name in arms if i % 2 == 0 else arms[::-1]:
                 count += 1
-                wall, cpu = run_torch(directory, args, src, root, count)
+                wall, cpu = one(code, src, name, count)
                 walls[code, name].append(wall)
                 cpus[code, name].append(cpu)
                 print(f"run {i + 1}: {code:8s} {name:12s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
-        print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        print(f"load after: {uptime()}")
     for code, _ in codes:
         for what, figures in (("wall", walls), ("cpu", cpus)):
             medians = {name: statistics.median(figures[code, name]) for name in TORCH_ARMS}
@@ -145,6 +244,25 @@ def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -
             )
             head = f"{code}: torch, {tests} GPU tests, one process, {what} median of {runs}"
             print(f"{head}: -p no:gpu {bare:.2f} s; {costs}")
+        print(f"{code}: one GPU test's cost, ms, min / median of {runs} (wall | CPU):")
+        for name in ("plugin", "lease only"):
+            row = []
+            for figures in (walls, cpus):  # each round's arm less the same round's -p no:gpu
+                pairs = zip(figures[code, name], figures[code, "-p no:gpu"], strict=True)
+                cost = sorted((a - b) / tests * 1000 for a, b in pairs)
+                row.append(f"{cost[0]:6.2f} / {statistics.median(cost):6.2f}")
+            print(f"  {name + ' - (-p no:gpu)':40s} {row[0]}  | {row[1]}")
+        for part in (*PARTS, "sum"):
+            row = []
+            for kind in ("wall", "cpu"):
+                got = sorted(sum(p.values()) if part == "sum" else p[part] for p in breakdowns[code, kind])
+                row.append(f"{got[0]:6.2f} / {statistics.median(got):6.2f}")
+            print(f"  {'probed: ' + part:40s} {row[0]}  | {row[1]}")
+
+
+def uptime() -> str:
+    """``uptime``'s line (the load the figures were taken under)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def run(directory: Path, src: str | None) -> float:

@@ -365,3 +365,81 @@ def test_release_failure_clears_the_frames_of_an_exception_groups_members() -> N
     assert all(ref() is not None for ref in refs)
     lifecycle.release_failure(_item(state))  # type: ignore[arg-type]
     assert [ref() for ref in refs] == [None, None]
+
+
+# -- the simulated driver's part (issue 33, "A lease at the floor") ------------------------------
+
+# logs, per test, the ledger writes of its teardown and psutil's looks at a process in the whole test
+COUNT_LEDGER = """
+import importlib
+import json
+
+import pytest
+
+ledger = importlib.import_module("pytest_gpu.sim.ledger")
+LOG = {log!r}
+_write, _start = ledger.Ledger._write, ledger._proc_start
+_seen = {{"writes": 0, "looks": 0}}
+
+
+def _writing(self, *args, **kwargs):
+    _seen["writes"] += 1
+    return _write(self, *args, **kwargs)
+
+
+def _looking(pid):
+    _seen["looks"] += 1
+    return _start(pid)
+
+
+ledger.Ledger._write = _writing
+ledger._proc_start = _looking
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    _seen["looks"] = 0
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item):
+    _seen["writes"] = 0
+    try:
+        return (yield)
+    finally:
+        with open(LOG, "a") as fh:
+            fh.write(json.dumps([item.name, _seen["writes"], _seen["looks"]]) + "\\n")
+"""
+
+SEGMENTS = """
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("n", range(6))
+@pytest.mark.gpu(memory="1GiB")
+def test_three_segments(n, gpu):
+    tensors = [torch.empty(m * 2**20, dtype=torch.uint8, device=gpu.device) for m in (30, 60, 90)]
+    assert torch.cuda.memory_reserved() >= 180 * 2**20
+    del tensors  # cached by torch until the lease ends
+"""
+
+
+def test_a_gpu_test_s_teardown_writes_the_simulated_ledger_once_and_never_looks_processes_up(
+    gpu_pytester: pytest.Pytester, run_inner: Run, tmp_path: Path
+) -> None:
+    """Under ``-n 2`` on simulated GPUs: emptying torch's cache of three segments is one write of
+    the ledger, not three; and an allocation no longer looks its process up with psutil."""
+    require("torch", module="torch")
+    log = tmp_path / "ledger.jsonl"
+    gpu_pytester.makeconftest(COUNT_LEDGER.format(log=str(log)))
+    gpu_pytester.makepyfile(test_segments=SEGMENTS)
+    result = run_inner("-n", "2", "--gpus", "sim:2x16GiB", subprocess=True, timeout=240)
+    result.assert_outcomes(passed=6)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 6
+    # the cache's three segments, then the lease's tag dropped by its verification: was 4 (one per segment)
+    assert all(writes == 2 for _, writes, _ in rows), rows
+    # each worker's own start, read once: was one per allocation and per lease's tag
+    assert sum(looks for _, _, looks in rows) <= 2, rows

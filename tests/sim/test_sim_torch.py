@@ -956,3 +956,30 @@ def test_context_growth_shows_in_every_vendor_s_per_process_figure(
         assert grown == torch_cuda.CUBLAS_CONTEXT
         assert out["matmul_allocated"] == 0
     assert out["conv"] == out["matmul"] + torch_cuda.CUDNN_CONTEXT
+
+
+def test_empty_cache_gives_every_cached_segment_back_in_one_ledger_write(tmp_path: Path) -> None:
+    """Issue 33 ("A lease at the floor"): the adapters empty torch's cache after every GPU test;
+    each segment is a cudaFree, and the ledger is written once for them all, with the same result."""
+    out = run_script(
+        tmp_path,
+        """
+        import importlib
+        ledger_module = importlib.import_module("pytest_gpu.sim.ledger")
+        blocks = [empty(30 * 2**20), empty(60 * 2**20), empty(1000)]  # three segments: two large, one small
+        for block in blocks:
+            block.free()
+        out["cached"] = [torch.cuda.memory_reserved(), ledger().used()[0]]
+        writes = []
+        real = ledger_module.Ledger._write
+        ledger_module.Ledger._write = lambda self, *a: (writes.append(1), real(self, *a))[1]
+        torch.cuda.empty_cache()
+        out["writes"] = len(writes)
+        stats = torch.cuda.memory_stats()
+        out["after"] = [torch.cuda.memory_reserved(), ledger().used()[0], stats["num_device_free"],
+                        stats["segment.all.current"]]
+        """,
+    )
+    assert out["cached"] == [30 * MiB + 60 * MiB + 2 * MiB, OVERHEAD + 92 * MiB]
+    assert out["writes"] == 1
+    assert out["after"] == [0, OVERHEAD, 3, 0]

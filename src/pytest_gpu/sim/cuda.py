@@ -34,6 +34,7 @@ from typing import Any
 from ..base.requests import format_size, parse_size
 from ..vendors import registry as vendors
 from .ledger import TAG_ENV, Ledger, OutOfMemoryError, SimDeviceError, ledger
+from .spec import Unit
 
 __all__ = [
     "STICKY_ERRORS",
@@ -181,6 +182,7 @@ class _Runtime:
     key: str = ""  # the ledger the view belongs to: another ledger is another machine
     ledger: Ledger | None = None  # that ledger's object in this process (the same key, found faster)
     view: list[int] | None = None  # units, in ordinal order; None until first use
+    units: tuple[Unit, ...] = ()  # the machine's units when the view was fixed (their properties do not change)
     started: str = ""  # the visibility variables when the view was fixed, as messages say them
     local: threading.local = field(default_factory=threading.local)  # .current: the thread's device
     caps: dict[int, int] = field(default_factory=dict)  # unit -> bytes (the lease's cap)
@@ -228,6 +230,7 @@ def _fix_view() -> list[int]:
             units.sort(key=lambda u: rank[u.index])
         started = vendor.outer(os.environ)
         _rt.view = vendor.view(tuple(units), started)
+        _rt.units = machine.units()
         _rt.started = vendor.said(started)
     return _rt.view
 
@@ -264,6 +267,14 @@ def unit_of(ordinal: int | str | None = None) -> int:
             f"(its CUDA started with {_rt.started})"
         )
     return view[chosen]
+
+
+def properties(ordinal: int | str | None = None) -> Unit:
+    """The device behind ``ordinal`` (default: the current device) as ``cudaGetDeviceProperties``
+    describes it (name, uuid, total): read from the machine once, when the process's device
+    list was fixed, as a device's properties do not change while a process uses it."""
+    unit = unit_of(ordinal)
+    return _rt.units[unit]
 
 
 def _device_type() -> str:
@@ -321,7 +332,7 @@ def mem_get_info(ordinal: int | None = None) -> tuple[int, int]:
     unit = unit_of(ordinal)
     led = ledger()
     _open_context(unit)
-    info = led.units()[unit]
+    info = _rt.units[unit]
     total = info.total - info.reserved
     return max(total - led.used()[unit], 0), total
 
@@ -398,6 +409,23 @@ class Allocation:
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
         return f"<sim.Allocation {format_size(self.nbytes)} on cuda:{self.device} (GPU {self.physical}) {state}>"
+
+
+def free_all(allocations: list[Allocation]) -> None:
+    """``cudaFree`` each of ``allocations`` (those not freed yet), in one write of each ledger:
+    a framework's cache emptied at once. After a sticky error it fails and frees none."""
+    live = [a for a in allocations if a._handle is not None]
+    if not live:
+        return
+    _check_sticky()
+    by_ledger: dict[int, tuple[Ledger, list[str]]] = {}
+    for allocation in live:
+        assert allocation._handle is not None
+        by_ledger.setdefault(id(allocation._ledger), (allocation._ledger, []))[1].append(allocation._handle)
+    for led, handles in by_ledger.values():
+        led.free(*handles)
+    for allocation in live:
+        allocation._handle = None
 
 
 def allocate(nbytes: int | str, device: int | str | None = None, *, capped: bool = True) -> Allocation:

@@ -42,21 +42,23 @@ machine takes the spec of whoever opens it next.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import json
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
-from ..base.procs import owner_alive
+from ..base.procs import CTIME_TOLERANCE_S, owner_alive
 from ..base.requests import format_size, parse_size
-from ..base.safefiles import Unsafe, locked, open_dir, private_dir, read_bytes, replace_file
+from ..base.safefiles import Unsafe, create_file, locked, open_dir, private_dir, read_bytes, replace_file
 from ..machine.domain import SIM_MACHINE_ENV, Domain, reach, sim_machine_name, user_name, warn_once
 from . import spec as specs
 
@@ -257,7 +259,26 @@ def _proc_start(pid: int) -> float | None:
 def _alive(pid: int | str, ctime: float | None) -> bool:
     # one that may not be inspected counts as gone (as it always has here): were it dead,
     # the ledger would otherwise hold its memory and contexts for ever
+    own = _own_start() if int(pid) == os.getpid() else None
+    if own is not None:  # the asking process runs: the record is its own unless it names an earlier holder of the pid
+        return ctime is None or abs(ctime - own) <= CTIME_TOLERANCE_S
     return owner_alive(int(pid), ctime, unsure=False)
+
+
+_own: tuple[int, float | None] = (0, None)  # (pid, create time) of this process, read once per process
+
+
+def _start_of(pid: int) -> float | None:
+    """What the ledger records of process ``pid`` (:func:`_proc_start`); this process's, read once."""
+    return _own_start() if pid == os.getpid() else _proc_start(pid)
+
+
+def _own_start() -> float | None:
+    """This process's create time as :func:`_proc_start` records it (read once; a fork reads its own)."""
+    global _own
+    if _own[0] != os.getpid():
+        _own = (os.getpid(), _proc_start(os.getpid()))
+    return _own[1]
 
 
 class Ledger:
@@ -390,14 +411,20 @@ class Ledger:
             overhead = parse_size(raw) if raw else DEFAULT_OVERHEAD
         return {"spec": spec, "overhead": overhead, "procs": {}, "tags": {}, "users": {}}
 
-    def _write(self, state: dict[str, Any]) -> None:
+    def _write(self, state: dict[str, Any], rendered: str | None = None) -> None:
+        """Write ``state``, and ``nvml.state`` unless its rendering is ``rendered`` (what the
+        state as read rendered to, i.e. what the file holds: every write renders both)."""
         self._replace("ledger.json", json.dumps(state))
-        self._replace(STATE_FILE, render_state(self.machine(state["spec"]), state))
+        now = render_state(self.machine(state["spec"]), state)
+        if now != rendered:  # a tag's bookkeeping alone changes nothing NVML reports
+            self._replace(STATE_FILE, now)
 
     def _replace(self, name: str, text: str) -> None:
-        """Write ``name`` whole: aside (a name no one can foresee), then renamed over it."""
+        """Write ``name`` whole: aside (a name no one can foresee), then swapped in for it."""
+        fd = self._dir()
         try:
-            replace_file(Path(name), text.encode(), self.file_mode, dir_fd=self._dir())
+            if not _swap_file(name, text.encode(), self.file_mode, fd):
+                replace_file(Path(name), text.encode(), self.file_mode, dir_fd=fd)
         except OSError as exc:  # a full or read-only temp dir: say so, not with a bare errno
             if isinstance(exc, LedgerWriteError):
                 raise
@@ -417,11 +444,14 @@ class Ledger:
                     state, fresh = self._fresh(), True
             else:
                 state, fresh = self._fresh(), True
-            if prune and self._prune(state):
+            pruned = prune and self._prune(state)
+            if pruned:
                 write = True  # NVML must stop listing the dead
+            # what nvml.state holds now (every write renders it), unless pruning changed it already
+            rendered = None if fresh or pruned or not write else render_state(self.machine(state["spec"]), state)
             yield state
             if write or fresh:
-                self._write(state)
+                self._write(state, rendered)
 
     @staticmethod
     def _users(state: dict[str, Any]) -> list[int]:
@@ -535,15 +565,16 @@ class Ledger:
         return found
 
     def contexts_of(self, pid: int) -> set[int]:
-        """Device units on which process ``pid`` has a context."""
-        with self._state(write=False) as state:
+        """Device units on which process ``pid`` has a context (none once it is dead)."""
+        # not pruned: only pid's own record answers, and a dead one counts as gone, as pruned
+        with self._state(write=False, prune=False) as state:
             proc = state["procs"].get(str(pid))
-            return {int(k) for k in proc["ctx"]} if proc else set()
+            return {int(k) for k in proc["ctx"]} if proc and _alive(pid, proc["ctime"]) else set()
 
     def begin_tag(self, tag: str, owner: int) -> None:
         """Start accounting ``tag``; contexts of ``owner`` are not charged to it."""
         with self._state(prune=False) as state:
-            state["tags"][tag] = {"owner": owner, "octime": _proc_start(owner), "peak": {}, "touched": []}
+            state["tags"][tag] = {"owner": owner, "octime": _start_of(owner), "peak": {}, "touched": []}
 
     # -- allocation ----------------------------------------------------------------
 
@@ -566,7 +597,9 @@ class Ledger:
         pid = os.getpid()
         with self._state() as state:
             info = self._unit(unit, state["spec"])
-            proc = state["procs"].setdefault(str(pid), {"ctime": _proc_start(pid), "ctx": {}, "allocs": {}, "seq": 0})
+            proc = state["procs"].get(str(pid))
+            if proc is None:  # (psutil's look at the process: only for its first record, not on every call)
+                proc = state["procs"][str(pid)] = {"ctime": _start_of(pid), "ctx": {}, "allocs": {}, "seq": 0}
             new_ctx = str(unit) not in proc["ctx"]
             need = nbytes + (state["overhead"] if new_ctx else 0)
             used = _device_used(state, unit)
@@ -659,12 +692,63 @@ class Ledger:
         with self._state(write=False) as state:
             return sum(1 for proc in state["procs"].values() if proc.get("busy", {}).get(str(unit), 0) > 0)
 
-    def free(self, handle: str) -> None:
-        pid = handle.split(":", 1)[0]
+    def free(self, *handles: str) -> None:
+        """Free the allocations ``handles`` name (those still held), in one write."""
         with self._state(prune=False) as state:
-            proc = state["procs"].get(pid)
-            if proc is not None:
-                proc["allocs"].pop(handle, None)
+            for handle in handles:
+                proc = state["procs"].get(handle.split(":", 1)[0])
+                if proc is not None:
+                    proc["allocs"].pop(handle, None)
+
+
+_RENAME_EXCHANGE = 2  # renameat2(2)'s flag
+_unswappable = False  # set once renameat2 is missing, or the filesystem cannot exchange
+
+
+@functools.cache
+def _renameat2() -> Any:
+    found = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if found is not None:
+        found.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        found.restype = ctypes.c_int
+    return found
+
+
+def _swap_file(name: str, data: bytes, mode: int, dir_fd: int) -> bool:
+    """Write file ``name`` of ``dir_fd`` whole, as :func:`replace_file` does (aside under an
+    unpredictable name, then in one step in its place, never through a link), but swapped in
+    with ``RENAME_EXCHANGE`` and the old one unlinked; ``False`` (nothing done) where the
+    system cannot, or ``name`` does not exist yet.
+
+    Why: ext4 (``auto_da_alloc``, on by default) starts writing a file's data to disk when a
+    plain rename replaces another file, ~0.1 ms and more on a busy disk, and every ledger
+    write replaces two files; an exchange is as atomic and starts no writeback.
+    """
+    global _unswappable
+    exchange = None if _unswappable else _renameat2()
+    if exchange is None:
+        _unswappable = True
+        return False
+    temp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = create_file(temp, mode, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        if exchange(dir_fd, temp.encode(), dir_fd, name.encode(), _RENAME_EXCHANGE) == 0:
+            return True
+        error = ctypes.get_errno()
+        if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            _unswappable = True  # this kernel or filesystem cannot: a plain replace from now on
+        elif error != errno.ENOENT:  # ENOENT: nothing to swap with yet
+            raise OSError(error, os.strerror(error), name)
+        return False
+    finally:
+        with suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)  # the old file once swapped, else the unused new one
 
 
 # a spec names one machine for good: parsed once per process

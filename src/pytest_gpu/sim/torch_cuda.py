@@ -265,7 +265,7 @@ class _DeviceAllocator:
 
     def total_global_mem(self) -> int:
         """``cudaDeviceProp.totalGlobalMem`` (read without a context)."""
-        unit = ledger().units()[sim_cuda.unit_of(self.ordinal)]
+        unit = sim_cuda.properties(self.ordinal)
         return unit.total - unit.reserved
 
     def malloc(self, orig_size: int) -> Any:
@@ -426,14 +426,14 @@ class _DeviceAllocator:
     def release_cached_blocks(self) -> None:
         """``emptyCache``: ``cudaFree`` every cached block that is a whole segment."""
         self.stats.counters["num_sync_all_streams"] += 1
-        for small in (False, True):
-            for block in [b for b in self.pools[small] if not b.is_split]:
-                self.pools[small].remove(block)
-                block.segment.free()
-                self.reserved -= block.size
-                self.stats.change("segment", small, -1)
-                self.stats.change("reserved_bytes", small, -block.size)
-                self.stats.counters["num_device_free"] += 1
+        whole = [(small, b) for small in (False, True) for b in self.pools[small] if not b.is_split]
+        sim_cuda.free_all([b.segment for _, b in whole])  # the driver's cudaFrees, one ledger write for them all
+        for small, block in whole:
+            self.pools[small].remove(block)
+            self.reserved -= block.size
+            self.stats.change("segment", small, -1)
+            self.stats.change("reserved_bytes", small, -block.size)
+            self.stats.counters["num_device_free"] += 1
         for segment in self.segments.values():
             segment.unmap_free_pages()
 
@@ -1158,7 +1158,7 @@ def _get_device_properties(device: int) -> _DeviceProperties:
     count = sim_cuda.device_count()
     if not 0 <= device < count:
         raise RuntimeError(f"device={device}, num_gpus={count}")
-    unit = ledger().units()[sim_cuda.unit_of(device)]
+    unit = sim_cuda.properties(device)
     uuid = unit.uuid.split("-", 1)[1]  # printed without the GPU-/MIG- prefix, as torch does
     return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=uuid)
 
@@ -1329,7 +1329,7 @@ def _x_set_device(device: object) -> None:
 
 def _x_get_device_properties(device: int) -> _DeviceProperties:
     index = _check_xpu_index(device)
-    unit = ledger().units()[sim_cuda.unit_of(index)]
+    unit = sim_cuda.properties(index)
     return _DeviceProperties(name=unit.name, total_memory=unit.total - unit.reserved, uuid=unit.uuid)
 
 
