@@ -143,6 +143,13 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "60",
         "seconds the ray_cluster fixture waits for the Ray cluster to come up (or to be reached).",
     ),
+    (
+        "--dist-pool-ahead",
+        "dist_pool_ahead",
+        "4",
+        "rank processes a test process may start ahead, for the rank pool of the next test it holds "
+        "(0: pools start when their first test does).",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
@@ -244,6 +251,7 @@ class Settings:
     required: bool = False  # --gpu-required: GPU tests and no GPUs fail the run (see pytest_gpu.run.required)
     amd_process_lag: float = AMD_PROCESS_LAG_S  # seconds amdsmi's process list may be old
     amd_lag_wait: bool = False  # --gpu-amd-lag-wait: verification of a test shorter than the lag waits it out
+    dist_pool_ahead: int = 4  # --dist-pool-ahead: rank processes started ahead of their first test (0: none)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -363,7 +371,16 @@ def read(config: pytest.Config) -> Settings:
         host_memory=_host_memory(config),
         amd_process_lag=_lag(config),
         amd_lag_wait=_flag(config, "gpu_amd_lag_wait"),
+        dist_pool_ahead=_pool_ahead(config),
     )
+
+
+def _pool_ahead(config: pytest.Config) -> int:
+    text, where = _value(config, "dist_pool_ahead")
+    value = text.strip()
+    if not (value.isascii() and value.isdigit()):
+        raise pytest.UsageError(f"{where}: expected a whole number of rank processes (0: none ahead), got {text!r}")
+    return int(value)
 
 
 def _lag(config: pytest.Config) -> float:
