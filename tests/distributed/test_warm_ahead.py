@@ -16,8 +16,8 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import require
 
+from conftest import require
 from pytest_gpu.base.distspec import DistSpec, isolated_spec
 from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.distributed.runner import AHEAD_PROPERTY, AHEAD_WAITED_PROPERTY, ahead_refusal

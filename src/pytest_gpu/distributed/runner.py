@@ -706,7 +706,8 @@ class PoolManager:
                 self.ahead = None
             request = spec.gpu_request(self.run.settings.default_memory)
             waiting = bool(self.run.client.status()["waiting"]) if request is not None else False
-            why = ahead_refusal(spec, self.run.settings.dist_pool_ahead, holds_gpus=request is not None, waiting=waiting)
+            budget = self.run.settings.dist_pool_ahead
+            why = ahead_refusal(spec, budget, holds_gpus=request is not None, waiting=waiting)
             if why is not None:
                 return why
             from . import pool as module  # local: slow (the pool machinery); RankPool looked up as _fresh does

@@ -131,8 +131,8 @@ class Summary:
             self.auto_backends.setdefault(str(chosen), set()).add(report.nodeid)
         if report.when == "call" and AHEAD_PROPERTY in given:
             self.ahead_started += 1
-            self.ahead_hidden += float(given[AHEAD_PROPERTY])
-            self.ahead_waited += float(given.get(AHEAD_WAITED_PROPERTY, 0.0))
+            self.ahead_hidden += float(cast(float, given[AHEAD_PROPERTY]))
+            self.ahead_waited += float(cast(float, given.get(AHEAD_WAITED_PROPERTY, 0.0)))
         if report.when != "teardown":
             return
         props = gpu_properties(report.user_properties)
@@ -230,8 +230,7 @@ class Summary:
         if not self.ahead_started:
             return []
         line = (
-            f"pytest-gpu: rank pools: {self.ahead_started} started ahead, "
-            f"{self.ahead_hidden:.1f} s of start-up hidden"
+            f"pytest-gpu: rank pools: {self.ahead_started} started ahead, {self.ahead_hidden:.1f} s of start-up hidden"
         )
         if self.ahead_waited >= 0.05:
             line += f" ({self.ahead_waited:.1f} s still waited for)"
