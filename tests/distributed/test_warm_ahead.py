@@ -211,10 +211,32 @@ def test_b_distributed(rank):
 """
 
 
+# the run itself ends them, before its process exits (not only their lifeline, after it)
+ENDS_CONFTEST = """
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    ranks = Path(__file__).with_name("ranks")
+    pids = [int(p) for p in ranks.read_text().split()] if ranks.exists() else []
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    Path(__file__).with_name("alive").write_text(" ".join(map(str, alive)))
+"""
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "-x"])
 def test_a_run_that_ends_before_its_pool_is_used_leaves_no_rank_behind(
     gpu_pytester: pytest.Pytester, run_inner: Run, how: str
 ) -> None:
+    gpu_pytester.makeconftest(ENDS_CONFTEST)
     gpu_pytester.makepyfile(test_ends=ENDS.format(how=how))
     result = run_inner("--gpus", "none", "-p", "no:randomly", "-x", subprocess=True, timeout=120)
     assert result.ret in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.TESTS_FAILED), result.stdout.str()
@@ -226,3 +248,5 @@ def test_a_run_that_ends_before_its_pool_is_used_leaves_no_rank_behind(
         left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
     assert not left, f"rank processes {left} outlived the run\n{result.stdout.str()}"
+    alive = (gpu_pytester.path / "alive").read_text()
+    assert not alive, f"rank processes {alive} were left to their lifeline\n{result.stdout.str()}"
