@@ -266,6 +266,7 @@ def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
         found = PoolManager(run, settings, args, run.run_dir / "pools")
         config.stash[MANAGER_KEY] = found
         run.on_wait.append(found.close_idle)  # a request of this process that must wait: not for an idle pool
+        run.on_wait.insert(0, found.ahead_never_waits)  # first: before close_idle gives anything up
     return found
 
 
@@ -274,6 +275,8 @@ def close(config: pytest.Config) -> None:
     if found is not None:
         if found.close_idle in found.run.on_wait:
             found.run.on_wait.remove(found.close_idle)
+        if found.ahead_never_waits in found.run.on_wait:
+            found.run.on_wait.remove(found.ahead_never_waits)
         found.close()
         del config.stash[MANAGER_KEY]
 
@@ -560,13 +563,12 @@ class PoolManager:
         self.ahead: AheadStart | None = None  # a pool started before its first test (warm_ahead)
         self._ahead_lock = threading.Lock()
         self._adopted: AheadStart | None = None  # the one the current test found, for its report
-        run.on_wait.insert(0, self._ahead_never_waits)  # first: before close_idle gives anything up
 
     def close_idle(self) -> bool:
         """Close the warm pool if it is idle and holds GPUs: a request of this process waits,
         and it may wait for what the pool holds (pools hold exclusive leases by default).
         Whether one was closed."""
-        if self._drop_ahead(holding_only=True):
+        if self._drop_ahead(holding_only=True, wait=False):
             return True  # a pool started ahead that holds GPUs is idle until its test comes
         if not self._lock.acquire(blocking=False):
             return False  # a test runs on it (or one is starting it): not idle
@@ -678,9 +680,7 @@ class PoolManager:
     def close(self) -> None:
         with self._lock:
             self._drop()
-        self._drop_ahead()
-        if self._ahead_never_waits in self.run.on_wait:
-            self.run.on_wait.remove(self._ahead_never_waits)
+        self._drop_ahead(wait=True)
 
     def _drop(self) -> None:
         """Close the warm pool, if any, and its idle timer (the caller holds the lock)."""
@@ -695,15 +695,14 @@ class PoolManager:
     def warm(self, spec: DistSpec, timeout: float, test: str) -> str | None:
         """Start the pool of ``spec`` in the background, for ``test``, this process's next test
         of it; why not (``None``: started, or already warm or starting)."""
+        pool = self.pool
+        if pool is not None and pool.spec.pool_key == spec.pool_key and pool.covers >= timeout:
+            return "its pool is warm"
+        ahead = self.ahead
+        if ahead is not None and ahead.serves(spec, timeout):
+            return "its pool is starting"
+        self._drop_ahead(wait=True)  # started for a test that never came to it (skipped, say)
         with self._ahead_lock:
-            pool = self.pool
-            if pool is not None and pool.spec.pool_key == spec.pool_key and pool.covers >= timeout:
-                return "its pool is warm"
-            if self.ahead is not None:
-                if self.ahead.serves(spec, timeout):
-                    return "its pool is starting"
-                self._close_ahead(self.ahead)  # started for a test that never came to it (skipped, say)
-                self.ahead = None
             request = spec.gpu_request(self.run.settings.default_memory)
             waiting = bool(self.run.client.status()["waiting"]) if request is not None else False
             budget = self.run.settings.dist_pool_ahead
@@ -717,7 +716,7 @@ class PoolManager:
             self.ahead.begin(self.config_args)  # once it is self.ahead: its lease's wait is refused
             return None
 
-    def _ahead_never_waits(self) -> bool:
+    def ahead_never_waits(self) -> bool:
         """The lease of a pool started ahead is taken only if the broker grants it at once:
         one that would wait (for GPUs another test holds or waits for) is withdrawn, and the
         pool starts when its test does. Called (first) wherever a request of this process
@@ -737,10 +736,11 @@ class PoolManager:
             self.ahead = None
         asked = time.monotonic()
         self._starting = ahead.pool  # interrupted while it waits for the start: the pool is killed
-        ahead.thread.join()
+        with ahead.pool.joined():
+            ahead.thread.join()
         self._starting = None
         if ahead.error is not None or not ahead.pool.alive():
-            self._close_ahead(ahead)
+            self._close_ahead(ahead, wait=True)
             return None
         ahead.waited = max(0.0, ahead.ready - asked)
         self._adopted = ahead
@@ -756,23 +756,25 @@ class PoolManager:
         hidden = max(0.0, adopted.seconds - adopted.waited)
         return [(AHEAD_PROPERTY, round(hidden, 6)), (AHEAD_WAITED_PROPERTY, round(adopted.waited, 6))]
 
-    def _drop_ahead(self, holding_only: bool = False) -> bool:
+    def _drop_ahead(self, *, wait: bool, holding_only: bool = False) -> bool:
         """Close the pool started ahead (``holding_only``: only if it holds GPUs); whether one was."""
         with self._ahead_lock:
             ahead = self.ahead
             if ahead is None or (holding_only and ahead.pool.holding is None):
                 return False
             self.ahead = None
-        self._close_ahead(ahead)
+        self._close_ahead(ahead, wait=wait)
         return True
 
     @staticmethod
-    def _close_ahead(ahead: AheadStart) -> None:
-        """Kill a pool started ahead, also in the middle of its start: its thread finds its
-        processes gone and ends; a rank its launcher started after the kill is killed then."""
+    def _close_ahead(ahead: AheadStart, *, wait: bool) -> None:
+        """Kill a pool started ahead, also in the middle of its start (its thread then finds its
+        processes gone and ends, giving back what it took since: :meth:`AheadStart._start`).
+        ``wait``: for that thread (not where this thread holds the broker's connection, which
+        that one may need: a request of this process waiting, :meth:`close_idle`)."""
         ahead.pool.close(graceful=ahead.done.is_set() and ahead.error is None)
-        ahead.thread.join(timeout=30)
-        ahead.pool.launcher.kill(ahead.pool.pids.values())
+        if wait:
+            ahead.thread.join(timeout=30)
 
 
 #: a distributed test's report properties when its pool was started ahead (see warm_ahead)
@@ -816,8 +818,11 @@ class AheadStart:
         except BaseException as exc:  # a thread's: the test that wanted it starts its own
             self.error = exc
         finally:
-            self.ready = time.monotonic()
-            self.done.set()
+            try:
+                self.pool.give_back_late()  # closed by another thread while it started
+            finally:
+                self.ready = time.monotonic()
+                self.done.set()
 
 
 def ahead_refusal(spec: DistSpec, budget: int, *, holds_gpus: bool, waiting: bool) -> str | None:
