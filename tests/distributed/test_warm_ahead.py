@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from conftest import require
+from helpers import patience
 from pytest_gpu.base.distspec import DistSpec, isolated_spec
 from pytest_gpu.base.requests import GpuRequest
 from pytest_gpu.distributed.runner import AHEAD_PROPERTY, AHEAD_WAITED_PROPERTY, ahead_refusal
@@ -242,7 +243,7 @@ def test_a_run_that_ends_before_its_pool_is_used_leaves_no_rank_behind(
     assert result.ret in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.TESTS_FAILED), result.stdout.str()
     pids = [int(p) for p in (gpu_pytester.path / "ranks").read_text().split()]
     assert len(pids) == 2, result.stdout.str()  # the pool had started ahead: its ranks were there
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     left = pids
     while left and time.monotonic() < deadline:
         left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

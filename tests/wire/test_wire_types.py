@@ -229,6 +229,7 @@ def every_field_set() -> Settings:
         required=True,
         amd_process_lag=2.5,
         amd_lag_wait=True,
+        dist_pool_ahead=2,
     )
 
 
