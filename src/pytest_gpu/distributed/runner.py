@@ -91,6 +91,8 @@ class Distributed(Feature):
     """Distributed (and isolated) tests in a process that runs tests: their bodies run on the
     process's pools, their reports say every rank's outcome, and no pool outlives the session."""
 
+    _next: pytest.Item | None = None  # the test this process runs after the current one (warm_ahead)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
         if needs(pyfuncitem).dist is None:
@@ -114,6 +116,12 @@ class Distributed(Feature):
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         # the test this process holds next (under -n: the one the scheduler handed it with this one)
+        self._next = nextitem
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        # its pool starts once this test holds its own leases (set up): it never takes them first
+        nextitem, self._next = self._next, None
         if nextitem is not None:
             warm_ahead(nextitem, self.run, current=item)
 
