@@ -125,6 +125,12 @@ class Distributed(Feature):
         if nextitem is not None:
             warm_ahead(nextitem, self.run, current=item)
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        nextitem, self._next = self._next, None  # still there: this test was skipped, or failed in its setup
+        if nextitem is not None:
+            warm_ahead(nextitem, self.run, current=item)
+
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         close(self.config)  # no rank outlives the session, also after Ctrl-C
 
