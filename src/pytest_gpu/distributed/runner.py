@@ -110,6 +110,9 @@ class Distributed(Feature):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        option = self.config.option
+        if getattr(option, "collectonly", False) or getattr(option, "setupplan", False):
+            return  # no test will run
         if session.items and not hasattr(self.config, "workerinput"):  # pytest without -n: it runs them all
             warm_ahead(session.items[0], self.run)
 
