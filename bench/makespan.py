@@ -1746,6 +1746,8 @@ def run_dynamo(args: argparse.Namespace) -> None:
             f"| {fmt(span and span / bound)} | {' / '.join(fmt(r.gpu_wait, '.1f') for r in rs)} "
             f"| {sum(r.ooms for r in rs)} | {' / '.join(r.summary.removeprefix('load ') for r in rs)} |"
         )
+
+
 # -- scenario "spread": spread compute against the rule before, GPUs that share their compute ---
 
 SPREAD_GPUS = 4

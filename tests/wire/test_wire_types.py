@@ -237,6 +237,7 @@ def every_field_set() -> Settings:
         check_requests=True,
         bisect=("t.py::a",),
         dist_rerun_alone=False,
+        dist_pool_ahead=2,
     )
 
 

@@ -150,6 +150,7 @@ class RankPool:
         self.stage = ""  # what its start waits for now
         self.began = time.monotonic()  # when its start began, or its current test's run
         self._waiter: tuple[threading.Thread, str] | None = None  # the thread waiting for it, and its own name
+        self._joiner: tuple[threading.Thread, str] | None = None  # one waiting for its start in another (joined)
         self._stopped = False
 
     @property
@@ -191,10 +192,11 @@ class RankPool:
         """Name the waiting thread after what it waits for: the one label a stack dump of this
         process shows beside its frames (pytest-timeout's thread method dumps every thread's,
         then ends the process, before any report could say where the pool was)."""
-        if self._waiter is not None:
-            thread, name = self._waiter
-            since = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.began)))
-            thread.name = f"{name} (pytest-gpu: {self.what} {doing}, since {since})"
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.began)))
+        for waiter in (self._waiter, self._joiner):
+            if waiter is not None:
+                thread, name = waiter
+                thread.name = f"{name} (pytest-gpu: {self.what} {doing}, since {since})"
 
     def _at(self, stage: str) -> None:
         """The start reached ``stage``: said in an interrupted test's report and the thread's name."""
@@ -263,6 +265,26 @@ class RankPool:
                     f"\n{numbered('rank', missing)} did not finish setting up within {self.settings.init_timeout:g}s"
                 )
             raise self._failed("set up", f"\n{detail}")
+
+    @contextmanager
+    def joined(self) -> Iterator[None]:
+        """While this thread waits for the start another thread runs (a pool started ahead of
+        its test): its name says what it waits for, as the starting thread's does; interrupted
+        (pytest-timeout, Ctrl-C), it keeps what :meth:`_abandon_start` keeps, as a start of its own would."""
+        thread = threading.current_thread()
+        name = thread.name
+        self._joiner = (thread, name)
+        try:
+            if self.stage:
+                self._label(f"starting: {self.stage}")
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._abandon_start()
+            raise
+        finally:
+            self._joiner = None
+            thread.name = name
 
     def _abandon_start(self) -> None:
         """The start was interrupted: keep the stacks of the ranks that had connected (their
@@ -577,6 +599,24 @@ class RankPool:
         return f"the warm pool {self.spec.describe()} had died since its last test ({'; '.join(states)})"
 
     # -- stop --------------------------------------------------------------------------------
+
+    def give_back_late(self) -> None:
+        """A pool closed (by another thread) while its start ran on: what the start took after
+        :meth:`close` (processes, GPUs, its port) is given back too. Nothing if it is not closed."""
+        if not self._stopped:
+            return
+        self.launcher.kill(self.pids.values())
+        release_processes(self._processes())
+        if self.server is not None:
+            with suppress(OSError, ValueError):  # closed already by close(): its pipes are gone
+                self.server.close()
+        holding, self.holding = self.holding, None
+        if holding is not None:
+            holding.release(self.run)
+        if self.port is not None:
+            self.port = None
+            self.run.client.release_ports(self.ports_owner)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def close(self, graceful: bool = True) -> None:
         """Stop every process of the pool (ranks and their children) and give back port and GPUs.

@@ -98,6 +98,8 @@ class Distributed(Feature):
     """Distributed (and isolated) tests in a process that runs tests: their bodies run on the
     process's pools, their reports say every rank's outcome, and no pool outlives the session."""
 
+    _next: pytest.Item | None = None  # the test this process runs after the current one (warm_ahead)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
         if needs(pyfuncitem).dist is None:
@@ -112,6 +114,33 @@ class Distributed(Feature):
         report = yield
         make_report(item, call, report)
         return report
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        option = self.config.option
+        if getattr(option, "collectonly", False) or getattr(option, "setupplan", False):
+            return  # no test will run
+        if session.items and not hasattr(self.config, "workerinput"):  # pytest without -n: it runs them all
+            # a pool on CPUs only: a lease now would come before those of the first test's own fixtures
+            warm_ahead(session.items[0], self.run, leases=False)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        # the test this process holds next (under -n: the one the scheduler handed it with this one)
+        self._next = nextitem
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        # its pool starts once this test holds its own leases (set up): it never takes them first
+        nextitem, self._next = self._next, None
+        if nextitem is not None:
+            warm_ahead(nextitem, self.run, current=item)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        nextitem, self._next = self._next, None  # still there: this test was skipped, or failed in its setup
+        if nextitem is not None:
+            warm_ahead(nextitem, self.run, current=item)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         close(self.config)  # no rank outlives the session, also after Ctrl-C
@@ -262,6 +291,7 @@ def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
         found = PoolManager(run, settings, args, run.run_dir / "pools")
         config.stash[MANAGER_KEY] = found
         run.on_wait.append(found.close_idle)  # a request of this process that must wait: not for an idle pool
+        run.on_wait.insert(0, found.ahead_never_waits)  # first: before close_idle gives anything up
     return found
 
 
@@ -270,6 +300,8 @@ def close(config: pytest.Config) -> None:
     if found is not None:
         if found.close_idle in found.run.on_wait:
             found.run.on_wait.remove(found.close_idle)
+        if found.ahead_never_waits in found.run.on_wait:
+            found.run.on_wait.remove(found.ahead_never_waits)
         found.close()
         del config.stash[MANAGER_KEY]
 
@@ -365,6 +397,7 @@ def run_item(item: pytest.Function, run: GpuRun) -> None:
             ("dist_overhead_seconds", round(time.perf_counter() - started - body_seconds, 6)),
         ]
     )
+    item.user_properties.extend(pools.ahead_properties())
     for name, content in result.sections:
         if spec.isolated and name in ("rank 0 stdout", "rank 0 stderr"):
             name = name.removeprefix("rank 0 ")  # its output, as a test's own ("Captured stdout call")
@@ -407,6 +440,8 @@ def init_timeout(text: str) -> str | None:
         if _INIT_TIMEOUT.search(line):
             return f"{head.rstrip(':')}: {line.strip()}" if line is not head else head
     return None
+
+
 def _judge(item: pytest.Function, spec: DistSpec, result: RankRun, pools: PoolManager) -> None:
     """What the pool's GPUs did while ``result`` ran: judged with this test, named as the pool's."""
     state = item.stash.get(STATE_KEY, None)
@@ -634,11 +669,16 @@ class PoolManager:
         self._starting: RankPool | None = None  # the pool being started, while it starts
         self.abandoned: list[tuple[str, str]] = []  # the sections of the last interrupted test
         self.interrupted = ""  # where its pool was then (RankPool.interrupted)
+        self.ahead: AheadStart | None = None  # a pool started before its first test (warm_ahead)
+        self._ahead_lock = threading.Lock()
+        self._adopted: AheadStart | None = None  # the one the current test found, for its report
 
     def close_idle(self) -> bool:
         """Close the warm pool if it is idle and holds GPUs: a request of this process waits,
         and it may wait for what the pool holds (pools hold exclusive leases by default).
         Whether one was closed."""
+        if self._drop_ahead(holding_only=True, wait=False):
+            return True  # a pool started ahead that holds GPUs is idle until its test comes
         if not self._lock.acquire(blocking=False):
             return False  # a test runs on it (or one is starting it): not idle
         try:
@@ -744,7 +784,7 @@ class PoolManager:
             self.pool.close()
             self.pool = None
         if self.pool is None:
-            self.pool = self._fresh(spec, timeout, test)
+            self.pool = self._take_ahead(spec, timeout) or self._fresh(spec, timeout, test)
         try:
             result = self._run(self.pool, body, timeout)
         except PoolDied as exc:
@@ -778,6 +818,7 @@ class PoolManager:
     def close(self) -> None:
         with self._lock:
             self._drop()
+        self._drop_ahead(wait=True)
 
     def _drop(self) -> None:
         """Close the warm pool, if any, and its idle timer (the caller holds the lock)."""
@@ -786,3 +827,168 @@ class PoolManager:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    # -- pools started ahead (warm_ahead) -------------------------------------------------
+
+    def warm(self, spec: DistSpec, timeout: float, test: str) -> str | None:
+        """Start the pool of ``spec`` in the background, for ``test``, this process's next test
+        of it; why not (``None``: started, or already warm or starting)."""
+        pool = self.pool
+        if pool is not None and pool.spec.pool_key == spec.pool_key and pool.covers >= timeout:
+            return "its pool is warm"
+        ahead = self.ahead
+        if ahead is not None and ahead.serves(spec, timeout):
+            return "its pool is starting"
+        self._drop_ahead(wait=True)  # started for a test that never came to it (skipped, say)
+        with self._ahead_lock:
+            request = spec.gpu_request(self.run.settings.default_memory)
+            waiting = bool(self.run.client.status()["waiting"]) if request is not None else False
+            budget = self.run.settings.dist_pool_ahead
+            why = ahead_refusal(spec, budget, holds_gpus=request is not None, waiting=waiting)
+            if why is not None:
+                return why
+            from . import pool as module  # local: slow (the pool machinery); RankPool looked up as _fresh does
+
+            fresh = module.RankPool(spec, self.run, self.settings, self.base, timeout, test)
+            self.ahead = AheadStart(fresh)
+            self.ahead.begin(self.config_args)  # once it is self.ahead: its lease's wait is refused
+            return None
+
+    def ahead_never_waits(self) -> bool:
+        """The lease of a pool started ahead is taken only if the broker grants it at once:
+        one that would wait (for GPUs another test holds or waits for) is withdrawn, and the
+        pool starts when its test does. Called (first) wherever a request of this process
+        must wait; in any other thread than a start's ahead, it gives nothing up."""
+        ahead = self.ahead
+        if ahead is not None and threading.current_thread() is ahead.thread:
+            raise WouldWait("its lease would wait")
+        return False
+
+    def _take_ahead(self, spec: DistSpec, timeout: float) -> RankPool | None:
+        """The pool started ahead for ``spec``, once its start (already under way) is over;
+        ``None``: none was, or its start failed (the test starts its own, which says why)."""
+        with self._ahead_lock:
+            ahead = self.ahead
+            if ahead is None or not ahead.serves(spec, timeout):
+                return None
+            self.ahead = None
+        asked = time.monotonic()
+        self._starting = ahead.pool  # interrupted while it waits for the start: the pool is killed
+        with ahead.pool.joined():
+            ahead.thread.join()
+        self._starting = None
+        if ahead.error is not None or not ahead.pool.alive():
+            self._close_ahead(ahead, wait=True)
+            return None
+        ahead.waited = max(0.0, ahead.ready - asked)
+        self._adopted = ahead
+        self.started += 1
+        return ahead.pool
+
+    def ahead_properties(self) -> list[tuple[str, object]]:
+        """The current test's report properties when it found its pool started ahead: the
+        seconds of start-up it did not wait for, and those it did."""
+        adopted, self._adopted = self._adopted, None
+        if adopted is None:
+            return []
+        hidden = max(0.0, adopted.seconds - adopted.waited)
+        return [(AHEAD_PROPERTY, round(hidden, 6)), (AHEAD_WAITED_PROPERTY, round(adopted.waited, 6))]
+
+    def _drop_ahead(self, *, wait: bool, holding_only: bool = False) -> bool:
+        """Close the pool started ahead (``holding_only``: only if it holds GPUs); whether one was."""
+        with self._ahead_lock:
+            ahead = self.ahead
+            if ahead is None or (holding_only and ahead.pool.holding is None):
+                return False
+            self.ahead = None
+        self._close_ahead(ahead, wait=wait)
+        return True
+
+    @staticmethod
+    def _close_ahead(ahead: AheadStart, *, wait: bool) -> None:
+        """Kill a pool started ahead, also in the middle of its start (its thread then finds its
+        processes gone and ends, giving back what it took since: :meth:`AheadStart._start`).
+        ``wait``: for that thread (not where this thread holds the broker's connection, which
+        that one may need: a request of this process waiting, :meth:`close_idle`)."""
+        ahead.pool.close(graceful=ahead.done.is_set() and ahead.error is None)
+        if wait:
+            ahead.thread.join(timeout=30)
+
+
+#: a distributed test's report properties when its pool was started ahead (see warm_ahead)
+AHEAD_PROPERTY = "dist_pool_ahead_hidden_seconds"
+AHEAD_WAITED_PROPERTY = "dist_pool_ahead_waited_seconds"
+
+
+class WouldWait(Exception):
+    """A pool started ahead would have waited for its lease: it is not started."""
+
+
+class AheadStart:
+    """A pool's start under way in a thread of its own, before its first test asks for it."""
+
+    def __init__(self, pool: RankPool) -> None:
+        self.pool = pool
+        self.began = 0.0  # when its start began (monotonic)
+        self.ready = 0.0  # when it ended
+        self.waited = 0.0  # how long the test that took it waited for the rest of the start
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._start, name=f"pytest-gpu-pool-ahead {pool.id}", daemon=True)
+        self._args: list[str] = []
+
+    def begin(self, config_args: list[str]) -> None:
+        self._args = config_args
+        self.began = time.monotonic()
+        self.thread.start()
+
+    @property
+    def seconds(self) -> float:
+        """How long its start took."""
+        return self.ready - self.began
+
+    def serves(self, spec: DistSpec, timeout: float) -> bool:
+        return self.pool.spec.pool_key == spec.pool_key and self.pool.covers >= timeout
+
+    def _start(self) -> None:
+        try:
+            self.pool.start(self._args)
+        except BaseException as exc:  # a thread's: the test that wanted it starts its own
+            self.error = exc
+        finally:
+            try:
+                self.pool.give_back_late()  # closed by another thread while it started
+            finally:
+                self.ready = time.monotonic()
+                self.done.set()
+
+
+def ahead_refusal(spec: DistSpec, budget: int, *, holds_gpus: bool, waiting: bool) -> str | None:
+    """Why the pool of ``spec`` is not started ahead (pure); ``None``: it may be. ``budget``:
+    rank processes a process may start ahead (``--dist-pool-ahead``); ``holds_gpus``: its
+    pool leases GPUs; ``waiting``: a request of the run waits at the broker (the GPUs it
+    waits for are no pool's to take first)."""
+    if spec.world_size > budget:
+        return f"its {plural(spec.world_size, 'rank')} exceed --dist-pool-ahead={budget}"
+    if holds_gpus and waiting:
+        return "tests wait for GPUs"
+    return None
+
+
+def warm_ahead(
+    item: pytest.Item, run: GpuRun, current: pytest.Item | None = None, *, leases: bool = True
+) -> str | None:
+    """Start the pool of ``item``, a test this process runs soon (after ``current``), before
+    it runs; why not (``None``: started, or already warm or starting). Nothing for a test on
+    no pool, one that runs on ``current``'s pool, with ``--dist-pool=off``, or (``leases``
+    false) a pool that leases GPUs."""
+    spec = needs(item).dist
+    if spec is None or not run.settings.dist_pool or not run.settings.dist_pool_ahead:
+        return "no pool to start"
+    if current is not None and (mine := needs(current).dist) is not None and mine.pool_key == spec.pool_key:
+        return "it runs on the pool of the test before it"
+    if item.get_closest_marker("skip") is not None or never_runs(item, run) is not None:
+        return "it does not run"
+    if not leases and spec.gpu_request(run.settings.default_memory) is not None:
+        return "its pool leases GPUs"
+    return manager(item.config, run).warm(spec, spec.timeout or run.settings.dist_timeout, item.nodeid)

@@ -18,6 +18,7 @@ from ..base.requests import format_size
 from ..base.spans import gpu_properties, parse_held
 from ..base.wording import duration, join, numbered, plural, verb
 from ..distributed.backends import AUTO_PROPERTY
+from ..distributed.runner import AHEAD_PROPERTY, AHEAD_WAITED_PROPERTY
 from ..run import transient
 from ..run.record import HOST_SKIP_WORDS, SKIP_PROPERTY, gpu_skip_words
 from ..vendors import registry as vendors
@@ -53,6 +54,11 @@ class Summary:
     unsaid_why: str | None = None
     infra: dict[str, str] = field(default_factory=dict)  # node id -> why its failure was infrastructure
     retried: dict[str, str] = field(default_factory=dict)  # node id -> "passed on retry" or "failed on retry"
+    # rank pools started before their first test (--dist-pool-ahead): how many, the start-up
+    # seconds their first tests did not wait for, and those they still waited
+    ahead_started: int = 0
+    ahead_hidden: float = 0.0
+    ahead_waited: float = 0.0
 
     @property
     def waited(self) -> float:
@@ -127,6 +133,10 @@ class Summary:
         chosen = given.get(AUTO_PROPERTY)
         if chosen and report.when == "call":  # it ran on a pool (or tried to): not skipped before
             self.auto_backends.setdefault(str(chosen), set()).add(report.nodeid)
+        if report.when == "call" and AHEAD_PROPERTY in given:
+            self.ahead_started += 1
+            self.ahead_hidden += float(cast(float, given[AHEAD_PROPERTY]))
+            self.ahead_waited += float(cast(float, given.get(AHEAD_WAITED_PROPERTY, 0.0)))
         if report.when != "teardown":
             return
         props = gpu_properties(report.user_properties)
@@ -210,13 +220,27 @@ class Summary:
         return [vendor.unseen(tests, lag) for lag, tests in sorted(self.unseen.items())]
 
     def backend_lines(self) -> list[str]:
-        """What ``backend="auto"`` chose for the run's distributed tests, and why (one line a choice)."""
+        """What ``backend="auto"`` chose for the run's distributed tests, and why (one line a choice),
+        then the pools started ahead (:meth:`ahead_lines`): the distributed tests' lines, said also
+        in a run that is otherwise quiet (gloo on CPUs)."""
         out = []
         for chosen, tests in sorted(self.auto_backends.items()):
             backend, _, why = chosen.partition(": ")
             tests_ = plural(len(tests), "distributed test")
             out.append(f"pytest-gpu: backend='auto' chose {backend} for {tests_}: {why}")
-        return out
+        return out + self.ahead_lines()
+
+    def ahead_lines(self) -> list[str]:
+        """How much rank-pool start-up the run hid by starting pools ahead, as their first tests
+        measured it (a pool's start against the time its test still waited for it)."""
+        if not self.ahead_started:
+            return []
+        line = (
+            f"pytest-gpu: rank pools: {self.ahead_started} started ahead, {self.ahead_hidden:.1f} s of start-up hidden"
+        )
+        if self.ahead_waited >= 0.05:
+            line += f" ({self.ahead_waited:.1f} s still waited for)"
+        return [line]
 
     @staticmethod
     def quarantine_line(found: Quarantine) -> str:

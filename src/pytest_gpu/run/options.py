@@ -189,12 +189,17 @@ OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         "'on': a distributed test that fails on a warm pool after other tests is run once more alone on "
         "fresh ranks, to tell contamination by an earlier test from its own failure; 'off': never.",
     ),
+    (
+        "--dist-pool-ahead",
+        "dist_pool_ahead",
+        "4",
+        "rank processes a test process may start ahead, for the rank pool of the next test it holds "
+        "(0: pools start when their first test does).",
+    ),
 )
 
 # ini keys of OPTIONS whose command-line option is a flag taking no value: given, it means "true"
-FLAGS = frozenset(
-    {"gpu_required", "gpu_amd_lag_wait", "gpu_retry_infra", "gpu_write_requests", "gpu_check_requests"}
-)
+FLAGS = frozenset({"gpu_required", "gpu_amd_lag_wait", "gpu_retry_infra", "gpu_write_requests", "gpu_check_requests"})
 # ini keys of OPTIONS whose being given matters, not only their value: registered with the
 # default None (pytest >= 8.0 returns an ini key's default as is when the file lacks it, and a
 # file's value is never None), and read as OPTIONS' default when absent
@@ -311,6 +316,7 @@ class Settings:
     check_requests: bool = field(default=False, metadata=CONTROLLER_ONLY)
     bisect: tuple[str, ...] = field(default=(), metadata=CONTROLLER_ONLY)
     dist_rerun_alone: bool = True  # a failure on a warm pool after other tests: rerun alone (distributed.runner)
+    dist_pool_ahead: int = 4  # --dist-pool-ahead: rank processes started ahead of their first test (0: none)
 
     def to_wire(self) -> dict[str, Any]:
         """The fields an xdist worker needs, by name, JSON-safe (``default_memory`` a dict,
@@ -434,7 +440,16 @@ def read(config: pytest.Config) -> Settings:
         retry_infra=_flag(config, "gpu_retry_infra"),
         **_written(config),
         dist_rerun_alone=_choice(config, "dist_rerun_alone", ("on", "off")) == "on",
+        dist_pool_ahead=_pool_ahead(config),
     )
+
+
+def _pool_ahead(config: pytest.Config) -> int:
+    text, where = _value(config, "dist_pool_ahead")
+    value = text.strip()
+    if not (value.isascii() and value.isdigit()):
+        raise pytest.UsageError(f"{where}: expected a whole number of rank processes (0: none ahead), got {text!r}")
+    return int(value)
 
 
 def _lag(config: pytest.Config) -> float:
