@@ -866,7 +866,10 @@ class PoolManager:
 
     def _take_ahead(self, spec: DistSpec, timeout: float) -> RankPool | None:
         """The pool started ahead for ``spec``, once its start (already under way) is over;
-        ``None``: none was, or its start failed (the test starts its own, which says why)."""
+        ``None``: none was, it was not started for want of a lease at once, or its ranks are
+        gone (the test starts its own). A start that failed otherwise is the test's failure, as
+        if it had started the pool itself: started again silently, a rendezvous that timed out
+        would be a failure nobody hears of (and no infrastructure failure to tell apart)."""
         with self._ahead_lock:
             ahead = self.ahead
             if ahead is None or not ahead.serves(spec, timeout):
@@ -879,6 +882,8 @@ class PoolManager:
         self._starting = None
         if ahead.error is not None or not ahead.pool.alive():
             self._close_ahead(ahead, wait=True)
+            if ahead.error is not None and not isinstance(ahead.error, (WouldWait, BrokerError)):
+                raise ahead.error
             return None
         ahead.waited = max(0.0, ahead.ready - asked)
         self._adopted = ahead
