@@ -30,8 +30,13 @@ REPORTER = """
 import json
 import os
 
+WORKER = []  # an xdist worker of this run (not of a run around it, whose variables it inherits)
+
+def pytest_configure(config):
+    WORKER.append(hasattr(config, "workerinput"))
+
 def pytest_runtest_logreport(report):
-    if "PYTEST_XDIST_WORKER" in os.environ or report.when != "call":
+    if WORKER[-1] or report.when != "call":
         return
     node = getattr(report, "node", None)
     record = {
