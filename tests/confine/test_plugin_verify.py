@@ -194,9 +194,11 @@ def test_user_properties_in_junitxml(gpu_pytester, run_inner, xdist):
         "gpu_violations",
         "gpu_request",
         "gpu_request_bytes",
+        "gpu_request_source",
         "gpu_leases",
     }
     assert one["gpu_request"] == "1 GPU (2GiB)"
+    assert one["gpu_request_source"] == "marker"  # where its memory came from (written requests)
     assert one["gpu_request_bytes"] == str(2 * GiB)
     (lease,) = json.loads(one["gpu_leases"])  # [gpus, bytes, exclusive, asked, granted, released]
     assert lease[:3] == [[int(one["gpu_indices"])], 2 * GiB, False]

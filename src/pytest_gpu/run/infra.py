@@ -72,6 +72,7 @@ class Infrastructure(Feature):
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a fixture's error passes through here: its traceback starts in the fixture
         try:
             return (yield)
         finally:  # the lease applied, the fixtures set up (or failed to): what is outside the run now
