@@ -245,11 +245,13 @@ def test_the_features_hooks_keep_their_order(pytester: pytest.Pytester, monkeypa
     lone = json.loads((out / "main.json").read_text())
     # the infrastructure feature's wrapper around them: what is outside the run once the lease is applied
     assert lone["pytest_runtest_setup"] == ["infrastructure", "conftest", "leases"]
-    assert lone["pytest_runtest_teardown"] == ["leases"]
+    # the distributed feature's: a test skipped or failed in its setup starts the next test's pool there
+    assert lone["pytest_runtest_teardown"] == ["leases", "distributed"]
     # the infrastructure feature's is the outermost: it classes the final report
     assert lone["pytest_runtest_makereport"] == ["infrastructure", "distributed", "quarantine", "leases"]
     assert lone["pytest_collection_modifyitems"] == ["selection", "leases"]
-    assert lone["pytest_collection_finish"] == ["required"]
+    # the distributed feature's first (tryfirst): the first test's pool on CPUs starts ahead there
+    assert lone["pytest_collection_finish"] == ["distributed", "required"]
     assert lone["pytest_unconfigure"] == ["infrastructure", "distributed", "ray-head", "lone"]
     result = pytester.runpytest_subprocess(
         "--gpus", "sim:1x16GiB", "-n", "1", "--gpu-required", "-p", "no:randomly", timeout=patience(120)

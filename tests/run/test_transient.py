@@ -317,7 +317,7 @@ def test_beside_pytest_rerunfailures_a_test_it_reruns_is_its_own(gpu_pytester, r
     signals = gpu_pytester.path / "signals"
     signals.mkdir()
     monkeypatch.setenv("SIGNALS", str(signals))
-    gpu_pytester.makepyfile(test_ports=PORTS)
+    gpu_pytester.makepyfile(test_rerun_ports=PORTS)  # in this process: no basename of this suite's (test_ports)
     result = run_inner("--gpus", "sim:1x16GiB", "-rA", "--reruns", "1", "--gpu-retry-infra", "-k", "test_binds")
     out = result.stdout.str()
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1, "deselected": 1}, out

@@ -268,7 +268,9 @@ def test_precedence_marker_then_file_then_learned_then_default(
         "test_suite.py::test_named = 512MiB (peak 400MiB)\n"  # its marker's 3GiB wins
         "test_suite.py::test_big = 2GiB\n"  # beats --gpu-learn's 1.25GiB
     )
-    result = suite.runpytest_subprocess(*args, "--gpu-learn", "--gpu-requests=req.txt")
+    # --dist-pool-ahead=0: the isolated test's pool takes its whole GPU when that test starts (a
+    # pool started ahead, beside the worker's other test, is granted a context less of it)
+    result = suite.runpytest_subprocess(*args, "--gpu-learn", "--gpu-requests=req.txt", "--dist-pool-ahead=0")
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
         ["pytest-gpu: requests: 1 from markers, 1 from req.txt, 2 from --gpu-learn's cache, 1 default"]

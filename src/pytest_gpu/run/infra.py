@@ -204,8 +204,11 @@ class LostWorkers(Feature):
             sched.mark_test_pending(crashitem)
             report.outcome = RERUN_OUTCOME  # type: ignore[assignment]  # counted once: as the retry ends
             return
-        for name, value in report.user_properties:  # junitxml writes properties only with a teardown
-            privates.junitxml_property(self.config, report, name, str(value))
+        # junitxml writes a crashed test's properties only with a teardown: these two here (the
+        # others, such as its node's, are written by whoever added them)
+        for name, value in report.user_properties:
+            if name in (transient.CLASS_PROPERTY, transient.REASON_PROPERTY):
+                privates.junitxml_property(self.config, report, name, str(value))
 
     @pytest.hookimpl(tryfirst=True)  # before the terminal and junit read it
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
