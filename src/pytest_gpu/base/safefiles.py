@@ -289,13 +289,10 @@ def read_bytes(path: Path | str, limit: int, *, owner: int | None = None, dir_fd
     return data
 
 
-def replace_file(path: Path, data: bytes, mode: int, *, dir_fd: int | None = None) -> None:
-    """Write ``path`` whole: to a temporary file of an unpredictable name, then renamed over it.
-
-    For directories only their owner(s) can write: in a sticky directory the rename fails
-    when ``path`` is someone else's (and is never followed if it is a link)."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = create_file(temp, mode, dir_fd=dir_fd)
+def write_new(path: Path | str, data: bytes, mode: int, *, dir_fd: int | None = None) -> None:
+    """Create ``path`` (never there before: :func:`create_file`) and write ``data`` to it whole;
+    a write that fails removes what it created."""
+    fd = create_file(path, mode, dir_fd=dir_fd)
     try:
         try:
             view = memoryview(data)
@@ -303,6 +300,20 @@ def replace_file(path: Path, data: bytes, mode: int, *, dir_fd: int | None = Non
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(path, dir_fd=dir_fd)
+        raise
+
+
+def replace_file(path: Path, data: bytes, mode: int, *, dir_fd: int | None = None) -> None:
+    """Write ``path`` whole: to a temporary file of an unpredictable name, then renamed over it.
+
+    For directories only their owner(s) can write: in a sticky directory the rename fails
+    when ``path`` is someone else's (and is never followed if it is a link)."""
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    write_new(temp, data, mode, dir_fd=dir_fd)
+    try:
         os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with suppress(OSError):

@@ -37,6 +37,7 @@ from .keys import SCHEDULE_KEY
 from .record import RUN_KEY as RUN_KEY  # re-exported: where conftests have long found it
 from .record import SKIP_PROPERTY, effective, needs, record, skip_at_run_time, skip_why
 from .session import GpuRun
+from .transient import chain
 
 if TYPE_CHECKING:
     from ..gpu.isolation import GpuLease
@@ -513,17 +514,10 @@ def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a GPU's out-of-memory error: torch's and CuPy's
     ``OutOfMemoryError``, the simulated GPUs', or a framework's "out of memory" text (JAX's
     ``RESOURCE_EXHAUSTED``, torch before 1.13's ``RuntimeError``)."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        found = pending.pop()
-        if found is None or id(found) in seen:
-            continue
-        seen.add(id(found))
-        if type(found).__name__ == "OutOfMemoryError" or "out of memory" in str(found)[:300].lower():
-            return True
-        pending += [found.__cause__, found.__context__]
-    return False
+    return any(
+        type(found).__name__ == "OutOfMemoryError" or "out of memory" in str(found)[:300].lower()
+        for found in chain(exc)
+    )
 
 
 def _name_leftovers(report: pytest.TestReport, run: GpuRun, state: TestState) -> None:

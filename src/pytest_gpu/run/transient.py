@@ -25,7 +25,7 @@ gathered where it is (:mod:`pytest_gpu.run.infra`); this module only decides.
 from __future__ import annotations
 
 import errno
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..base.requests import format_size
@@ -95,6 +95,17 @@ def classify(evidence: Evidence) -> Classified | None:
 def address_in_use(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is an ``EADDRINUSE``: an ``OSError`` with that
     errno, or a framework's error saying so (torch's ``DistNetworkError``: "address already in use")."""
+    for found in chain(exc):
+        if isinstance(found, OSError) and found.errno == errno.EADDRINUSE:
+            return True
+        text = str(found)[:2000].lower()
+        if "address already in use" in text or "eaddrinuse" in text:
+            return True
+    return False
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what caused it (``__cause__``, ``__context__``), each once, however they loop."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -102,13 +113,8 @@ def address_in_use(exc: BaseException) -> bool:
         if found is None or id(found) in seen:
             continue
         seen.add(id(found))
-        if isinstance(found, OSError) and found.errno == errno.EADDRINUSE:
-            return True
-        text = str(found)[:2000].lower()
-        if "address already in use" in text or "eaddrinuse" in text:
-            return True
+        yield found
         pending += [found.__cause__, found.__context__]
-    return False
 
 
 def growth(before: Mapping[int, int], after: Mapping[int, int]) -> dict[int, int]:

@@ -58,7 +58,7 @@ from typing import Any, cast
 
 from ..base.procs import CTIME_TOLERANCE_S, owner_alive
 from ..base.requests import format_size, parse_size
-from ..base.safefiles import Unsafe, create_file, locked, open_dir, private_dir, read_bytes, replace_file
+from ..base.safefiles import Unsafe, locked, open_dir, private_dir, read_bytes, replace_file, write_new
 from ..machine.domain import SIM_MACHINE_ENV, Domain, reach, sim_machine_name, user_name, warn_once
 from . import spec as specs
 
@@ -730,14 +730,8 @@ def _swap_file(name: str, data: bytes, mode: int, dir_fd: int) -> bool:
         _unswappable = True
         return False
     temp = f".{name}.{secrets.token_hex(8)}.tmp"
-    fd = create_file(temp, mode, dir_fd=dir_fd)
+    write_new(temp, data, mode, dir_fd=dir_fd)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
         if exchange(dir_fd, temp.encode(), dir_fd, name.encode(), _RENAME_EXCHANGE) == 0:
             return True
         error = ctypes.get_errno()
