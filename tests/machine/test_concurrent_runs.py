@@ -59,6 +59,25 @@ def test_whole(gpu, i):
 """
 
 
+# each run's first test waits, before its lease (a conftest's setup runs first), until every run
+# has one there: on a loaded machine one run's start can otherwise come after another's end
+MEET = """
+import os, pathlib, time
+
+ARRIVED = []
+
+def pytest_runtest_setup(item):
+    if ARRIVED or "RUNS" not in os.environ:
+        return
+    ARRIVED.append(True)
+    here = pathlib.Path(os.environ["TIMES"]).parent
+    (here / f"arrived-{os.environ['RUN']}").touch()
+    deadline = time.monotonic() + float(os.environ["MEET_WITHIN"])
+    while len(list(here.glob("arrived-*"))) < int(os.environ["RUNS"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+"""
+
+
 def start_run(path: Path, name: str, machine: str, workers: int, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTEST_GPU_SIM_MACHINE": machine, "RUN": name, "TIMES": str(path / "times.txt")}
     command = [sys.executable, "-m", "pytest", *INNER_ARGS, "-q", "-n", str(workers), "--gpus", SPEC, *args]
@@ -71,9 +90,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
 
 
 @pytest.mark.parametrize("runs", [2, 4])
-def test_concurrent_runs_share_the_machine_without_oom(gpu_pytester, runs):
+def test_concurrent_runs_share_the_machine_without_oom(gpu_pytester, runs, monkeypatch):
     path = gpu_pytester.path
     gpu_pytester.makepyfile(test_heavy=HEAVY)
+    gpu_pytester.makeconftest(MEET)
+    monkeypatch.setenv("RUNS", str(runs))
+    monkeypatch.setenv("MEET_WITHIN", str(patience(60)))
     procs = [start_run(path, f"r{i}", "shared", 4, "test_heavy.py") for i in range(runs)]
     outputs = [finish(p) for p in procs]
     for proc, out in zip(procs, outputs, strict=True):
