@@ -256,35 +256,3 @@ def test_a_run_that_ends_before_its_pool_is_used_leaves_no_rank_behind(
     assert not left, f"rank processes {left} outlived the run\n{result.stdout.str()}"
     alive = (gpu_pytester.path / "alive").read_text()
     assert not alive, f"rank processes {alive} were left to their lifeline\n{result.stdout.str()}"
-
-
-COLLECT_ONLY = """
-from pathlib import Path
-
-import pytest
-
-from pytest_gpu.distributed.runner import MANAGER_KEY
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    Path(__file__).with_name("pools").write_text(str(MANAGER_KEY in session.config.stash))
-"""
-
-
-FIRST = """
-import pytest
-
-@pytest.mark.distributed(world_size=2, backend="gloo")
-def test_first(rank):
-    pass
-"""
-
-
-def test_a_run_that_runs_no_test_starts_no_pool(gpu_pytester: pytest.Pytester, run_inner: Run) -> None:
-    """``--collect-only``: the first test's pool is not started at the end of collection."""
-    gpu_pytester.makeconftest(COLLECT_ONLY)
-    gpu_pytester.makepyfile(test_first=FIRST)
-    run_inner("--gpus", "none")
-    assert (gpu_pytester.path / "pools").read_text() == "True"  # a run of its tests starts its pool ahead
-    run_inner("--gpus", "none", "--collect-only")
-    assert (gpu_pytester.path / "pools").read_text() == "False"

@@ -250,8 +250,7 @@ def test_the_features_hooks_keep_their_order(pytester: pytest.Pytester, monkeypa
     # the infrastructure feature's is the outermost: it classes the final report
     assert lone["pytest_runtest_makereport"] == ["infrastructure", "distributed", "quarantine", "leases"]
     assert lone["pytest_collection_modifyitems"] == ["selection", "leases"]
-    # the distributed feature's first (tryfirst): the first test's pool on CPUs starts ahead there
-    assert lone["pytest_collection_finish"] == ["distributed", "required"]
+    assert lone["pytest_collection_finish"] == ["required"]
     assert lone["pytest_unconfigure"] == ["infrastructure", "distributed", "ray-head", "lone"]
     result = pytester.runpytest_subprocess(
         "--gpus", "sim:1x16GiB", "-n", "1", "--gpu-required", "-p", "no:randomly", timeout=patience(120)

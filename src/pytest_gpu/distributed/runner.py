@@ -116,15 +116,6 @@ class Distributed(Feature):
         return report
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        option = self.config.option
-        if getattr(option, "collectonly", False) or getattr(option, "setupplan", False):
-            return  # no test will run
-        if session.items and not hasattr(self.config, "workerinput"):  # pytest without -n: it runs them all
-            # a pool on CPUs only: a lease now would come before those of the first test's own fixtures
-            warm_ahead(session.items[0], self.run, leases=False)
-
-    @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         # the test this process holds next (under -n: the one the scheduler handed it with this one)
         self._next = nextitem
@@ -980,13 +971,10 @@ def ahead_refusal(spec: DistSpec, budget: int, *, holds_gpus: bool, waiting: boo
     return None
 
 
-def warm_ahead(
-    item: pytest.Item, run: GpuRun, current: pytest.Item | None = None, *, leases: bool = True
-) -> str | None:
+def warm_ahead(item: pytest.Item, run: GpuRun, current: pytest.Item | None = None) -> str | None:
     """Start the pool of ``item``, a test this process runs soon (after ``current``), before
     it runs; why not (``None``: started, or already warm or starting). Nothing for a test on
-    no pool, one that runs on ``current``'s pool, with ``--dist-pool=off``, or (``leases``
-    false) a pool that leases GPUs."""
+    no pool, one that runs on ``current``'s pool, or with ``--dist-pool=off``."""
     spec = needs(item).dist
     if spec is None or not run.settings.dist_pool or not run.settings.dist_pool_ahead:
         return "no pool to start"
@@ -994,6 +982,4 @@ def warm_ahead(
         return "it runs on the pool of the test before it"
     if item.get_closest_marker("skip") is not None or never_runs(item, run) is not None:
         return "it does not run"
-    if not leases and spec.gpu_request(run.settings.default_memory) is not None:
-        return "its pool leases GPUs"
     return manager(item.config, run).warm(spec, spec.timeout or run.settings.dist_timeout, item.nodeid)
