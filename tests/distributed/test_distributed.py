@@ -728,6 +728,34 @@ def test_pool_off_starts_fresh_ranks_for_every_test(tmp_path: Path) -> None:
     assert result.leftovers == []
 
 
+OPTIONS = """
+@NONE2
+def test_compares_lists(rank):
+    found = [1, rank.rank]
+    assert found == [1, 5]
+"""
+
+
+@pytest.mark.parametrize("assert_mode", ["rewrite", "plain"])
+def test_ranks_ignore_addopts_but_follow_the_assertion_mode(tmp_path: Path, assert_mode: str) -> None:
+    """The ini file's addopts and PYTEST_ADDOPTS name options of plugins a rank does not load
+    (xdist's ``-n``, pytest-gpu's own): its test bodies still run, and assert as pytest does."""
+    suite = make_suite(tmp_path, {"test_opts.py": textwrap.dedent(COMMON) + textwrap.dedent(OPTIONS)})
+    (suite.path / "pytest.ini").write_text("[pytest]\naddopts = -n 0 --dist-pool-idle=30\n")
+    suite.env["PYTEST_ADDOPTS"] = "--gpu-schedule=off"
+    result = suite.run(f"--assert={assert_mode}")
+    text = result.report("test_opts.py::test_compares_lists")["longrepr"]
+    sections = rank_sections(text)
+    assert set(sections) == {0, 1}, text
+    if assert_mode == "rewrite":
+        assert "assert [1, 0] == [1, 5]" in sections[0], text
+        assert "assert [1, 1] == [1, 5]" in sections[1], text
+    else:
+        assert "AssertionError" in sections[0] and "[1, 0] ==" not in text, text
+    assert "KeyError" not in text and "rewriting unavailable" not in text, text
+    assert result.leftovers == []
+
+
 IDLE = """
 import psutil
 

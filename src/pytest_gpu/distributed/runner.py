@@ -278,7 +278,9 @@ def manager(config: pytest.Config, run: GpuRun) -> PoolManager:
         args = ["--rootdir", str(config.rootpath)]
         if config.inipath is not None:
             args += ["-c", str(config.inipath)]
-        args += [f"--import-mode={config.getoption('importmode')}"]
+        # the options that decide how a test module is imported, as this run resolved them
+        # (addopts included): the ranks read no addopts, which name options of plugins they do not load
+        args += [f"--import-mode={config.getoption('importmode')}", f"--assert={config.getoption('assertmode')}"]
         found = PoolManager(run, settings, args, run.run_dir / "pools")
         config.stash[MANAGER_KEY] = found
         run.on_wait.append(found.close_idle)  # a request of this process that must wait: not for an idle pool
