@@ -83,12 +83,14 @@ def test_tiny(n):
 # what a step calls that is itself timed (a ledger write inside the adapters' undo) counts once,
 # where it is deepest. Ledger time outside every hook is the test body's own cudaMalloc.
 PROBE = """
-import importlib, json, os, time
+import functools, importlib, inspect, json, os, time
 from contextlib import contextmanager
+
+import pytest
 
 from pytest_gpu.gpu import confine as _confine, isolation, verification
 from pytest_gpu.leasing import client
-from pytest_gpu.run import lifecycle, session
+from pytest_gpu.run import infra, lifecycle, session, sticky
 _ledger = importlib.import_module("pytest_gpu.sim.ledger")  # the module (sim.ledger is its function)
 
 _stack = []  # [part, start ns, CPU ns at start, ns of timed steps inside, CPU ns of them]
@@ -135,6 +137,7 @@ def _timed_cm(part, function):
 
 
 _ledger.Ledger._lock = _timed_cm("ledger", _ledger.Ledger._lock)
+_ledger.Ledger._peek = _timed("ledger", _ledger.Ledger._peek)  # a look read without the lock
 for _name in ("acquire", "release", "context_size"):
     setattr(client.BrokerClient, _name, _timed("broker", getattr(client.BrokerClient, _name)))
 session.confine_lease = _timed("confine", session.confine_lease)
@@ -144,13 +147,70 @@ for _cls in (verification.NvmlVerifier, verification.SimVerifier):
     _cls.end = _timed("verification", _cls.end)
 for _name in ("setup", "teardown", "make_report", "release_failure"):
     setattr(lifecycle, _name, _timed("rest", getattr(lifecycle, _name)))
+infra.Infrastructure._sample = _timed("infra evidence", infra.Infrastructure._sample)
+sticky.probe = _timed("sticky probe", sticky.probe)
+
+
+def _timed_wrapper(part, function):
+    # a hook wrapper (a generator): each of its steps is timed, not the hooks it wraps
+    def timed(*args, **kwargs):
+        steps = function(*args, **kwargs)
+        _enter(part)
+        try:
+            value = next(steps)
+        finally:
+            _exit()
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:
+                _enter(part)
+                try:
+                    value = steps.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                finally:
+                    _exit()
+                continue
+            _enter(part)
+            try:
+                value = steps.send(sent)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                _exit()
+    return timed
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    # every other per-test hook of the plugin, whole: what no part above names is "other hooks"
+    for name in dir(config.hook):
+        if not name.startswith(("pytest_runtest_", "pytest_fixture_", "pytest_report_teststatus")):
+            continue
+        for impl in getattr(config.hook, name).get_hookimpls():
+            if not type(impl.plugin).__module__.startswith("pytest_gpu"):
+                continue
+            function = impl.function
+            wrapped = _timed_wrapper if inspect.isgeneratorfunction(function) else _timed
+            impl.function = functools.wraps(function)(wrapped("other hooks", function))
 
 
 def pytest_sessionfinish(session):
     with open(os.environ["LEASE_PROBE_OUT"], "w") as out:
         json.dump({"wall": _ns, "cpu": _cpu}, out)
 """
-PARTS = ("broker", "ledger", "ledger (test body)", "confine", "verification", "rest")
+PARTS = (
+    "broker",
+    "ledger",
+    "ledger (test body)",
+    "confine",
+    "verification",
+    "infra evidence",
+    "sticky probe",
+    "rest",
+    "other hooks",
+)
 TORCH_ARMS = {  # name -> pytest arguments
     "plugin": ["--gpus", "auto"],
     "verify off": ["--gpus", "auto", "--gpu-verify=off"],
@@ -255,7 +315,7 @@ def torch_scenario(tests: int, runs: int, codes: list[tuple[str, str | None]]) -
         for part in (*PARTS, "sum"):
             row = []
             for kind in ("wall", "cpu"):
-                got = sorted(sum(p.values()) if part == "sum" else p[part] for p in breakdowns[code, kind])
+                got = sorted(sum(p.values()) if part == "sum" else p.get(part, 0.0) for p in breakdowns[code, kind])
                 row.append(f"{got[0]:6.2f} / {statistics.median(got):6.2f}")
             print(f"  {'probed: ' + part:40s} {row[0]}  | {row[1]}")
 

@@ -280,8 +280,14 @@ def read_bytes(path: Path | str, limit: int, *, owner: int | None = None, dir_fd
     """The content of regular file ``path`` (at most ``limit`` bytes, else :class:`Unsafe`)."""
     fd = open_file(path, owner=owner, dir_fd=dir_fd)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as stream:
-            data = stream.read(limit + 1)
+        # asked for by its size, not the limit: a read of ``limit`` bytes allocates that much
+        # first (a 16 MiB limit: ~12 µs of every small file's read)
+        parts = [os.read(fd, min(os.fstat(fd).st_size, limit) + 1)]
+        total = len(parts[0])
+        while parts[-1] and total <= limit:  # it grew since, or its size says nothing (procfs)
+            parts.append(os.read(fd, min(limit + 1 - total, 1 << 20)))
+            total += len(parts[-1])
+        data = b"".join(parts)
     finally:
         os.close(fd)
     if len(data) > limit:

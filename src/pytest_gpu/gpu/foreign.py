@@ -33,10 +33,11 @@ On Intel GPUs (neither), from Level Zero Sysman's (:class:`pytest_gpu.vendors.in
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..base.procs import started_at
 from ..base.requests import format_size
@@ -253,8 +254,35 @@ class ForeignSampler:
                 result[uuid] = self._by_difference(uuid, memory[uuid], accounted.get(uuid, 0), why, driver.name)
             return {uuid: result[uuid] for uuid in wanted}
 
+    def listed_outside(self, roots: Mapping[int, float], gpus: Mapping[int, str]) -> dict[int, int]:
+        """GPU index -> bytes the processes the driver lists there use, those of ``roots``'
+        trees and this process left out, for the GPUs of ``gpus`` (index -> UUID) where every
+        such process is listed with its memory: :meth:`sample`'s per-process figures alone
+        (no estimate by difference, so no memory query), at the cost of a GPU test's start.
+        A GPU the driver cannot list, or refuses, is left out; all are where its lists are
+        scrambled or its pids are another namespace's."""
+        me = os.getpid()
+        found: dict[int, int] = {}
+        with self._lock:
+            driver = self._open()
+            if driver is None or driver.problem():
+                return {}
+            listed: dict[int, dict[int, int | None]] = {}
+            for index, uuid in gpus.items():
+                try:
+                    listed[index] = driver.processes(uuid)
+                except Exception:  # Unlistable, or a GPU gone from the driver: nothing is known there
+                    driver.forget(uuid)
+            if self._hidden_pids(listed):
+                return {}
+            for index, procs in listed.items():
+                outside = [used for pid, used in procs.items() if pid != me and not descends_from(pid, roots)]
+                if None not in outside:  # one listed without its memory: unknown, not zero
+                    found[index] = sum(used or 0 for used in outside)
+        return found
+
     @staticmethod
-    def _hidden_pids(listed: Mapping[str, Mapping[int, int | None]]) -> list[int]:
+    def _hidden_pids(listed: Mapping[Any, Mapping[int, int | None]]) -> list[int]:
         """Listed pids that do not exist here: the driver's pids are another pid namespace's. (A
         process that exits between the driver's list and this look makes one sample an estimate,
         no worse.)"""
@@ -343,8 +371,7 @@ class OutsideRun:
             return {}
         if self._sampler is None:
             self._sampler = ForeignSampler()
-        found = self._sampler.sample(self.roots, {}, uuids=list(gpus.values()))
-        return {i: found[u].bytes for i, u in gpus.items() if u in found and found[u].note is None}
+        return self._sampler.listed_outside(self.roots, gpus)
 
     def close(self) -> None:
         if self._sampler is not None:

@@ -26,10 +26,11 @@ the controller and the node hosts read: the record, the refusal, the probe.
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -113,21 +114,61 @@ def probe(devices: tuple[str, ...] | list[str], timeout: float | None = None) ->
     checks = _checks(devices)
     if not checks:
         return None
-    found: list[str | None] = []
-
-    def run() -> None:
-        found.append(_first_error(checks))
-
-    # a daemon: a synchronize that never returns must not keep the process from exiting
-    thread = threading.Thread(target=run, name="pytest-gpu sticky-error probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not found:
+    finished, found = _PROBER.run(checks, timeout)
+    if not finished:
         return (
             f"the GPU work it left did not finish within {timeout:g} s of its end "
             "(a hung kernel?): a synchronize never returned"
         )
-    return found[0]
+    return found
+
+
+class _Prober:
+    """The thread the checks run in, kept from one test's probe to the next (starting one
+    cost each GPU test ~60 µs). A daemon: a synchronize that never returns must not keep the
+    process from exiting; a probe that timed out leaves it behind, and the next probe (in a
+    process that is not quarantined, a test's own probe) starts another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+
+    def run(self, checks: list[tuple[str, Callable[[], object]]], timeout: float) -> tuple[bool, str | None]:
+        """(whether the checks finished within ``timeout`` seconds, the first error they raised)."""
+        job = _Job(checks)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # none yet, a forked child's, or stuck
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(
+                    target=_serve, args=(self._jobs,), name="pytest-gpu sticky-error probe", daemon=True
+                )
+                self._thread.start()
+            self._jobs.put(job)
+        if not job.done.wait(timeout):
+            with self._lock:
+                self._thread = None  # stuck in a synchronize: never given another job
+            return False, None
+        return True, job.found
+
+
+@dataclass
+class _Job:
+    checks: list[tuple[str, Callable[[], object]]]
+    found: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            job.found = _first_error(job.checks)
+        finally:
+            job.done.set()
+
+
+_PROBER = _Prober()
 
 
 def _first_error(checks: list[tuple[str, Callable[[], object]]]) -> str | None:

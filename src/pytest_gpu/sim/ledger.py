@@ -292,6 +292,7 @@ class Ledger:
         self._fd: int | None = None  # the directory, checked once and used through this from then on
         self._owner: int | None = None  # whom its files must belong to: this user in a private one
         self._ident = (0, 0)  # (st_dev, st_ino) of the directory held
+        self._parsed: tuple[bytes, dict[str, Any]] | None = None  # the last bytes _peek parsed, and their state
         self._opening = threading.Lock()
 
     def _dir(self) -> int:
@@ -371,16 +372,43 @@ class Ledger:
                 raise
             raise LedgerWriteError(exc.errno, _why(exc), str(self.path)) from exc
 
-    def _read(self) -> dict[str, Any] | None:
-        """``ledger.json``, or ``None`` where there is none. One that is not a ledger (not JSON,
-        or not of the shape this module writes) is :class:`LedgerWriteError`, naming the file."""
-        where = self.path / "ledger.json"
+    def _raw(self) -> bytes | None:
+        """``ledger.json``'s bytes, or ``None`` where there is none."""
         try:
-            raw = read_bytes("ledger.json", MAX_LEDGER, owner=self._owner, dir_fd=self._dir())
+            return read_bytes("ledger.json", MAX_LEDGER, owner=self._owner, dir_fd=self._dir())
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise LedgerWriteError(exc.errno or errno.EIO, _why(exc), str(self.path)) from None
+
+    def _read(self) -> dict[str, Any] | None:
+        """``ledger.json``, or ``None`` where there is none. One that is not a ledger (not JSON,
+        or not of the shape this module writes) is :class:`LedgerWriteError`, naming the file."""
+        raw = self._raw()
+        return None if raw is None else self._parse(raw)
+
+    def _peek(self) -> dict[str, Any] | None:
+        """The ledger as it is now, for a look that neither writes nor prunes, read without the
+        lock (every write swaps a whole file in: a file read is never half written) and parsed
+        only when its bytes differ from the last ones parsed here (three looks a GPU test).
+        ``None`` where only :meth:`_state` can answer: no ledger yet, or one of another machine
+        spec, which is started afresh. The state returned is shared: not to be changed."""
+        raw = self._raw()
+        if raw is None:
+            return None
+        cached = self._parsed
+        if cached is not None and cached[0] == raw:
+            state = cached[1]
+        else:
+            state = self._parse(raw)
+            state.setdefault("users", {})  # a ledger written before machines had users
+            self._parsed = (raw, state)
+        if self.spec and not _same_machine(state["spec"], self.spec) and not self._live(state):
+            return None
+        return state
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        where = self.path / "ledger.json"
         try:
             state = json.loads(raw)
         except (ValueError, RecursionError):
@@ -433,7 +461,13 @@ class Ledger:
     @contextmanager
     def _state(self, *, write: bool = True, prune: bool = True) -> Iterator[dict[str, Any]]:
         """The ledger under its lock; ``write=False`` for a read-only look, ``prune=False``
-        where what dead processes held cannot change the answer (it is pruned on the next write)."""
+        where what dead processes held cannot change the answer (it is pruned on the next write).
+        A look with neither is :meth:`_peek`'s, which must not be changed."""
+        if not write and not prune:
+            peeked = self._peek()
+            if peeked is not None:
+                yield peeked
+                return
         with self._lock():
             fresh = False
             found = self._read()

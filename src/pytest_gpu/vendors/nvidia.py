@@ -277,9 +277,11 @@ class NvmlSampler:
         """pynvml's own compute list (its record version): what the verifier always read."""
         pynvml = self._nvml
         try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            # the handle as looked up once (a verifier samples every GPU twice a test): NVML's
+            # handles hold while it stays initialised, and one that failed is looked up again
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle(uuid))
         except (pynvml.NVMLError, _mismatch(pynvml)) as exc:
+            self.forget(uuid)
             # MIG without privileges: NoPermission; a driver older than the bindings:
             # nvidia-ml-py raises its library-mismatch error (not an NVMLError)
             raise Unlistable(f"NVML cannot list the processes there ({exc})", str(exc)) from None
