@@ -137,7 +137,8 @@ def _timed_cm(part, function):
 
 
 _ledger.Ledger._lock = _timed_cm("ledger", _ledger.Ledger._lock)
-_ledger.Ledger._peek = _timed("ledger", _ledger.Ledger._peek)  # a look read without the lock
+if hasattr(_ledger.Ledger, "_peek"):  # a look read without the lock (a --baseline-src may predate it)
+    _ledger.Ledger._peek = _timed("ledger", _ledger.Ledger._peek)
 for _name in ("acquire", "release", "context_size"):
     setattr(client.BrokerClient, _name, _timed("broker", getattr(client.BrokerClient, _name)))
 session.confine_lease = _timed("confine", session.confine_lease)
