@@ -14,9 +14,10 @@ temporary directory and run twice by ``python -m pytest``:
 ``--lead SECONDS`` puts one CPU test of that length before the distributed ones (in every
 run): a suite that runs other tests first, behind which a pool started ahead can start.
 
-It prints both wall times (the whole pytest command, start-up included), their ratio,
-and the per-test overhead in the warm pool: ``dist_overhead_seconds`` from the
-junitxml, i.e. the time of the plugin's call beyond the slowest rank's test body
+It prints the wall times (the whole pytest command, start-up included), their ratios, the
+distributed tests' own time (junit's, setup to teardown: without pytest's start-up, which is
+the same in every run, and without the lead), and the per-test overhead in the warm pool:
+``dist_overhead_seconds`` from the junitxml, i.e. the time of the plugin's call beyond the slowest rank's test body
 (sending the body and fixture values, waiting for every rank, hygiene, the result
 coming back), p50 and p99 over the tests after the first (the first one starts the pool).
 
@@ -80,6 +81,7 @@ class Run:
     body: list[float]
     pools: list[str]  # "fresh" / "warm", in test order
     ahead: str = ""  # the summary's line on pools started ahead ("": none was)
+    own: float = 0.0  # seconds the distributed tests took themselves (junit: setup, call, teardown)
 
 
 def run_suite(directory: Path, mode: str, tests: int, timeout: float, ahead: bool = True) -> Run:
@@ -95,15 +97,17 @@ def run_suite(directory: Path, mode: str, tests: int, timeout: float, ahead: boo
     )
     wall = time.perf_counter() - started
     overhead, body, pools = [], [], []
+    own = 0.0
     if junit.exists():
         for case in ET.parse(junit).iter("testcase"):
             props = {p.get("name"): p.get("value") for p in case.iter("property")}
             if "dist_overhead_seconds" in props:
+                own += float(case.get("time") or 0)
                 overhead.append(float(props["dist_overhead_seconds"] or 0))
                 body.append(float(props["dist_body_seconds"] or 0))
                 pools.append(str(props["dist_pool"]))
     said = [line for line in out.stdout.splitlines() if "rank pools:" in line]
-    run = Run(mode, wall, out.returncode, out.stdout, overhead, body, pools, said[0] if said else "")
+    run = Run(mode, wall, out.returncode, out.stdout, overhead, body, pools, said[0] if said else "", own)
     if run.ret != 0 or len(run.overhead) != tests:  # the lead test is no distributed one
         got = f"exit {run.ret}, {len(run.overhead)} of {tests} tests reported"
         sys.exit(f"the --dist-pool={mode} run failed ({got}):\n{out.stdout}")
@@ -169,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"ratio (end to end, started ahead):      {ratio:8.1f} x   target >= {TARGET_RATIO:g} x: "
         f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}"
+    )
+    # what the pools change, without pytest's own start (the same in every run) and the lead
+    print(
+        f"the {tests} distributed tests' own time (junit): fresh {fresh.own:.2f} s · started by its first "
+        f"test {late.own:.2f} s ({fresh.own / late.own:.1f} x) · started ahead {warm.own:.2f} s "
+        f"({fresh.own / warm.own:.1f} x)"
     )
     print(
         f"warm per-test overhead, {len(steady)} tests:      p50 {p50:6.2f} ms   p99 {p99:6.2f} ms   "

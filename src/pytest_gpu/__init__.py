@@ -171,6 +171,11 @@ folder (all its modules) or a top-level module:
 
 from typing import TYPE_CHECKING, Any
 
+from .base.privates import keep_out_of_rewriting
+
+# before any other module of the package is imported, the plugin's included
+keep_out_of_rewriting(__name__)
+
 if TYPE_CHECKING:
     from .base.requests import GpuRequest, parse_size
     from .gpu.isolation import GpuLease

@@ -286,6 +286,35 @@ def test_a_refused_worker_is_not_replaced_and_xdist_s_line_says_why(config: pyte
     assert privates.report_worker(pytest.TestReport("t.py::y", ("t.py", 1, "y"), {}, "passed", None, "call")) is None
 
 
+def test_the_package_is_out_of_pytest_s_assertion_rewriting(pytester: pytest.Pytester) -> None:
+    """pytest marks every module of a plugin's distribution for rewriting (``_must_rewrite`` of
+    its import hook); the package takes itself out, so that, without a bytecode cache, no
+    pytest process parses and compiles it again. A test module is still rewritten."""
+    pytester.makepyfile(
+        """
+        import sys
+
+        def test_loaders():
+            from _pytest.assertion.rewrite import AssertionRewritingHook
+
+            hook = next(f for f in sys.meta_path if isinstance(f, AssertionRewritingHook))
+            assert "pytest_gpu" not in hook._must_rewrite
+            for name in ("pytest_gpu.plugin", "pytest_gpu.run.lifecycle", "pytest_gpu.leasing.broker"):
+                assert not isinstance(sys.modules[name].__loader__, AssertionRewritingHook), name
+            assert isinstance(sys.modules[__name__].__loader__, AssertionRewritingHook)
+
+        def test_still_rewritten():
+            found = [1, 2]
+            assert found == [1, 3]
+        """
+    )
+    with uses("AssertionRewritingHook._must_rewrite"):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:depends")
+    with uses("AssertionRewritingHook._must_rewrite"):
+        result.assert_outcomes(passed=1, failed=1)
+    assert "assert [1, 2] == [1, 3]" in result.stdout.str()
+
+
 def test_without_xdist_s_session_nothing_is_wrapped(config: pytest.Config) -> None:
     assert privates.refuse_replacements(config, lambda worker: "never") is False
 
@@ -297,5 +326,5 @@ def test_the_adapter_names_each_private_it_wraps() -> None:
                  "ReprExceptionInfo", "_fixtureinfo", "xml_key", "mangle_test_address", "node_reporter",
                  "Expression", "parse_tx_spec_config", "report_collection_diff", "Producer", "gateway.id",
                  "shutting_down", "send_runtest_some", "shutdown", "report.node", "_clone_node",
-                 "runtestprotocol"):  # fmt: skip
+                 "runtestprotocol", "_must_rewrite"):  # fmt: skip
         assert name in source, name

@@ -13,6 +13,7 @@ pytest process, and rank processes start before they need pytest.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
     from _pytest.junitxml import LogXML
 
 # -- pytest --------------------------------------------------------------------------------
+
+
+def keep_out_of_rewriting(package: str) -> None:
+    """Take ``package``'s modules out of pytest's assertion rewriting, which marks every module
+    of a plugin's distribution (``Config._mark_plugins_for_rewrite``; the marks are the import
+    hook's ``_must_rewrite``). A rewritten module is parsed and compiled again at every import
+    wherever pytest cannot cache it (``PYTHONDONTWRITEBYTECODE``, as many container images set,
+    or a read-only ``site-packages``): ~0.33 s of every pytest process and xdist worker for
+    this package. Its asserts are its own invariants, not tests: plain ``AssertionError`` is
+    what they should raise. Without the hook, or with another shape of it, nothing is done."""
+    for finder in sys.meta_path:
+        marked = getattr(finder, "_must_rewrite", None)
+        if type(finder).__name__ != "AssertionRewritingHook" or not isinstance(marked, set):
+            continue
+        marked.discard(package)
+        decided = getattr(finder, "_marked_for_rewrite_cache", None)
+        if isinstance(decided, dict):
+            for name in [n for n in decided if n == package or n.startswith(package + ".")]:
+                del decided[name]
 
 
 def prepare_config(args: list[str]) -> pytest.Config:
