@@ -156,30 +156,21 @@ def _timed_wrapper(part, function):
     # a hook wrapper (a generator): each of its steps is timed, not the hooks it wraps
     def timed(*args, **kwargs):
         steps = function(*args, **kwargs)
-        _enter(part)
-        try:
-            value = next(steps)
-        finally:
-            _exit()
+        resume = functools.partial(next, steps)
         while True:
-            try:
-                sent = yield value
-            except BaseException as exc:
-                _enter(part)
-                try:
-                    value = steps.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                finally:
-                    _exit()
-                continue
             _enter(part)
             try:
-                value = steps.send(sent)
+                value = resume()
             except StopIteration as stop:
                 return stop.value
             finally:
                 _exit()
+            try:
+                sent = yield value
+            except BaseException as exc:
+                resume = functools.partial(steps.throw, exc)
+            else:
+                resume = functools.partial(steps.send, sent)
     return timed
 
 
