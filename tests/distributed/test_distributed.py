@@ -756,6 +756,44 @@ def test_ranks_ignore_addopts_but_follow_the_assertion_mode(tmp_path: Path, asse
     assert result.leftovers == []
 
 
+RANK0_CANNOT_JOIN = """
+
+import os as _os
+
+if _os.environ.get("PYTEST_GPU_RANK_LOG_DIR") and _os.environ.get("PYTEST_GPU_RANK") == "0":
+    import torch.distributed as _dist
+
+    def _refuse(*args, **kwargs):  # before rank 0 starts the rendezvous store
+        raise RuntimeError("rank 0 cannot join")
+
+    _dist.init_process_group = _refuse
+"""
+
+GLOO_ONE = """
+@pytest.mark.distributed(world_size=2, backend="gloo")
+def test_never_starts(rank):
+    pass
+"""
+
+
+def test_a_rank_that_cannot_set_up_fails_the_start_at_once(tmp_path: Path) -> None:
+    """Rank 0 fails before its rendezvous store listens; rank 1 would wait for that store
+    until the group's timeout (120 s): the pool's start fails as soon as rank 0 says so,
+    naming rank 1 as not set up, and kills it (it cannot answer a farewell)."""
+    require("torch", module="torch")
+    suite = make_suite(tmp_path, {"test_start.py": textwrap.dedent(COMMON) + textwrap.dedent(GLOO_ONE)})
+    with (suite.path / "conftest.py").open("a") as conftest:
+        conftest.write(textwrap.dedent(RANK0_CANNOT_JOIN))
+    started = time.monotonic()
+    result = suite.run()
+    took = time.monotonic() - started
+    text = result.report("test_start.py::test_never_starts")["longrepr"]
+    assert "rank 0:" in text and "RuntimeError: rank 0 cannot join" in text, text
+    assert "rank 1 had not finished setting up then" in text, text
+    assert took < 60, f"the run took {took:.0f}s: it waited for rank 1"
+    assert result.leftovers == []
+
+
 IDLE = """
 import psutil
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +152,7 @@ class RankPool:
         self._waiter: tuple[threading.Thread, str] | None = None  # the thread waiting for it, and its own name
         self._joiner: tuple[threading.Thread, str] | None = None  # one waiting for its start in another (joined)
         self._stopped = False
+        self._set = False  # every rank set up: in its loop, where it answers CLOSE
 
     @property
     def what(self) -> str:
@@ -244,7 +245,11 @@ class RankPool:
         body = self.setup_body(config_args)
         for rank in self.conns:
             self._send(rank, protocol.SETUP, dict(body))
-        replies = self._collect(set(self.conns), time.monotonic() + self.settings.init_timeout)
+        # one rank that could not set up fails the start at once: the others may wait for it
+        # (at the rendezvous, for a store it never started) until the group's timeout
+        replies = self._collect(
+            set(self.conns), time.monotonic() + self.settings.init_timeout, lambda reply: reply[0] != protocol.READY
+        )
         errors = []
         for rank, (kind, reply) in sorted(replies.items()):
             match kind:
@@ -260,11 +265,14 @@ class RankPool:
         missing = sorted(set(self.conns) - set(replies))
         if errors or missing:
             detail = "\n".join(errors)
-            if missing:
+            if missing and errors:
+                detail += f"\n{numbered('rank', missing)} had not finished setting up then"
+            elif missing:
                 detail += (
                     f"\n{numbered('rank', missing)} did not finish setting up within {self.settings.init_timeout:g}s"
                 )
             raise self._failed("set up", f"\n{detail}")
+        self._set = True
 
     @contextmanager
     def joined(self) -> Iterator[None]:
@@ -427,8 +435,11 @@ class RankPool:
         # an idle rank has nothing to say: anything from it (its connection closing) means trouble
         return not any(self._inbox.get(rank) for rank in self.conns)
 
-    def _collect(self, ranks: set[int], deadline: float) -> dict[int, Message]:
-        """The next reply of each of ``ranks`` until ``deadline``; a closed connection gives ``(DIED, {})``."""
+    def _collect(
+        self, ranks: set[int], deadline: float, enough: Callable[[Message], bool] = lambda _: False
+    ) -> dict[int, Message]:
+        """The next reply of each of ``ranks`` until ``deadline``, or until one reply is
+        ``enough`` to stop waiting for the others; a closed connection gives ``(DIED, {})``."""
         replies: dict[int, Message] = {}
         while True:
             for rank in ranks - replies.keys():
@@ -436,7 +447,7 @@ class RankPool:
                 if inbox:
                     replies[rank] = inbox.popleft()
             left = deadline - time.monotonic()
-            if replies.keys() >= ranks or left <= 0 or not self._drain(left):
+            if replies.keys() >= ranks or left <= 0 or any(map(enough, replies.values())) or not self._drain(left):
                 return replies
 
     def run_test(self, body: dict[str, Any], timeout: float) -> RankRun:
@@ -622,11 +633,11 @@ class RankPool:
         """Stop every process of the pool (ranks and their children) and give back port and GPUs.
 
         ``graceful`` asks the ranks to leave their process group first; a pool that hung or
-        lost a rank is killed at once.
+        lost a rank, or whose ranks never all set up (none of them answers then), is killed at once.
         """
         if self._stopped:
             return
-        if graceful and self.conns and self.alive():
+        if graceful and self._set and self.conns and self.alive():
             for rank in self.conns:
                 try:
                     self._send(rank, protocol.CLOSE, {})
