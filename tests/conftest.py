@@ -329,6 +329,17 @@ MACHINE_DIR_ENV = "PYTEST_GPU_MACHINE_DIR"
 
 
 @pytest.fixture(autouse=True)
+def _no_outer_xdist_worker_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``pytest -n``, xdist puts ``PYTEST_XDIST_WORKER`` (and its siblings) in this
+    process's environment: the pytest runs a test starts would inherit them, and their
+    conftests (and a launched rank's start) would take an inner run for an outer worker.
+    (Named to sort after ``_leaves_the_process_as_it_found_it``: pytest sets autouse fixtures
+    up in name order, and ``monkeypatch`` must be undone before that one looks.)"""
+    for name in [n for n in os.environ if n.startswith("PYTEST_XDIST_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
 def private_machines(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test its own machine directory: the runs it starts (in-process, subprocesses,
     xdist) meet only each other, and its simulated machines are its own, never a concurrent
