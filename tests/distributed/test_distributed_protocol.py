@@ -41,18 +41,35 @@ def make_pool(tmp_path: Path) -> Iterator[Callable[[Answer], RankPool]]:
         pool.close(graceful=False)
 
 
-def test_setup_replies_each_have_their_meaning(make_pool: Callable[[Answer], RankPool]) -> None:
+def test_a_failed_setup_is_the_start_s_failure_at_once(make_pool: Callable[[Answer], RankPool]) -> None:
+    """Rank 0 cannot set up while rank 1 is still at it (it would wait for rank 0 at the
+    rendezvous): the start fails with rank 0's error, without waiting for rank 1."""
+
     def answer(rank: int, kind: str, body: dict[str, Any]) -> protocol.Message | None:
         assert kind == protocol.SETUP and body["config_args"] == ["-x"]
         if rank == 0:
             return (protocol.SETUP_FAILED, {"rank": rank, "error": "Traceback: no NCCL"})
-        return None
+        time.sleep(3)  # still setting up, long after rank 0's failure
+        return (protocol.READY, {"rank": rank})
 
+    started = time.monotonic()
     with pytest.raises(PoolError) as failed:
         make_pool(answer)._set_up(["-x"])
+    assert time.monotonic() - started < 2.5  # not the 3 s rank 1 takes (nor the 5 s init timeout)
     text = str(failed.value)
-    assert text.startswith("could not set up 2 ranks (gloo via spawn):\nrank 0:\nTraceback: no NCCL\nrank 1:\n")
+    head = "could not set up 2 ranks (gloo via spawn):\nrank 0:\nTraceback: no NCCL\n"
+    assert text.startswith(head + "rank 1 had not finished setting up then\n"), text
+
+
+def test_a_rank_that_dies_setting_up_is_named(make_pool: Callable[[Answer], RankPool]) -> None:
+    def answer(rank: int, kind: str, body: dict[str, Any]) -> protocol.Message | None:
+        return (protocol.READY, {"rank": rank}) if rank == 0 else None
+
+    with pytest.raises(PoolError) as failed:
+        make_pool(answer)._set_up([])
+    text = str(failed.value)
     assert "rank 1:\nit died while setting up: pid None is gone (launched by spawn" in text
+    assert "rank 0:" not in text
 
 
 def test_every_rank_ready_is_a_started_pool(make_pool: Callable[[Answer], RankPool]) -> None:
