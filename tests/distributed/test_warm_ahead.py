@@ -99,8 +99,9 @@ def test_the_first_test_of_a_pool_finds_it_started_ahead_under_xdist(gpu_pyteste
         assert AHEAD_PROPERTY in props, (name, recs)
         assert props["dist_pool"] == "fresh"  # started for it, ahead of it
         # the CPU test before it took 4 s: its pool's start (or 4 s of it) was hidden behind it (the
-        # rest, on a loaded machine, it waited for: the start under way, never a second one)
-        assert props[AHEAD_PROPERTY] > 0.2, (name, props)
+        # rest, on a loaded machine, it waited for: the start under way, never a second one); a
+        # one-rank pool starts in ~0.15 s (an interpreter, pytest's config without plugins)
+        assert props[AHEAD_PROPERTY] > 0.05, (name, props)
         assert props[AHEAD_WAITED_PROPERTY] >= 0, (name, props)
     line = [ln for ln in result.outlines if "rank pools:" in ln]
     assert line and "2 started ahead" in line[0], result.stdout.str()
