@@ -401,11 +401,15 @@ class Ledger:
             state = cached[1]
         else:
             state = self._parse(raw)
-            state.setdefault("users", {})  # a ledger written before machines had users
             self._parsed = (raw, state)
-        if self.spec and not _same_machine(state["spec"], self.spec) and not self._live(state):
-            return None
-        return state
+        return None if self._replaced(state) else state
+
+    def _replaced(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` is an idle machine of another spec than this ledger's, which a look
+        under the lock starts afresh."""
+        if not self.spec:
+            return False
+        return not _same_machine(state["spec"], self.spec) and not self._live(state)
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         where = self.path / "ledger.json"
@@ -420,7 +424,9 @@ class Ledger:
                 f"{where} {problem}: not a ledger this module wrote (remove it to start afresh)",
                 str(self.path),
             )
-        return cast("dict[str, Any]", state)
+        found = cast("dict[str, Any]", state)
+        found.setdefault("users", {})  # a ledger written before machines had users
+        return found
 
     @classmethod
     def create(cls, path: Path, spec: str, overhead: int) -> Ledger:
@@ -473,8 +479,7 @@ class Ledger:
             found = self._read()
             if found is not None:
                 state = found
-                state.setdefault("users", {})  # a ledger written before machines had users
-                if self.spec and not _same_machine(state["spec"], self.spec) and not self._live(state):
+                if self._replaced(state):
                     state, fresh = self._fresh(), True
             else:
                 state, fresh = self._fresh(), True
